@@ -1,0 +1,164 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with one RNG per request.
+
+Reproducibility: a request with a seed owns one `torch.Generator` for its whole life, and every
+random draw for its row comes from that generator only, in a fixed amount per step (V exponentials
+per sampled token, plus k uniforms per verify step in the rejection sampler). So a seed gives the
+same output whatever else is in the batch.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def make_generator(seed: int | None, device: torch.device | str = 'cpu') -> torch.Generator | None:
+    """A generator seeded with `seed`, or None (use the default RNG) when seed is None."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+@dataclass
+class SamplingInputs:
+    """Per-row sampling parameters of a batch of B sequences (tensors on the logits' device).
+
+    do_sample [B] bool, temperature [B] float, top_k [B] long (0 = off), top_p [B] float (1.0 = off),
+    generators: B entries, None = default RNG. The bool flags are host-side summaries that let the
+    sampler skip work without a device sync; None means "compute from the tensors".
+    """
+    do_sample: Tensor
+    temperature: Tensor
+    top_k: Tensor
+    top_p: Tensor
+    generators: list[torch.Generator | None]
+    all_greedy: bool | None = None
+    needs_filter: bool | None = None       # any sampled row with top-k or top-p on
+
+    def __post_init__(self):
+        if self.all_greedy is None:
+            self.all_greedy = not bool(self.do_sample.any())
+        if self.needs_filter is None:
+            filtered = (self.top_k > 0) | (self.top_p < 1.0)
+            self.needs_filter = bool((filtered & self.do_sample).any())
+
+    @property
+    def batch_size(self) -> int:
+        return self.do_sample.numel()
+
+    @classmethod
+    def from_values(cls, do_sample: Sequence[bool], temperature: Sequence[float],
+                    top_k: Sequence[int], top_p: Sequence[float],
+                    generators: Sequence[torch.Generator | None] | None = None,
+                    seeds: Sequence[int | None] | None = None,
+                    device: torch.device | str = 'cpu') -> SamplingInputs:
+        """Build from per-request plain values. A row with temperature <= 0 is greedy.
+
+        Pass the engine's long-lived per-request `generators`; `seeds` (fresh generators) is for
+        one-off calls and tests.
+        """
+        do_sample = [bool(s) and t > 0 for s, t in zip(do_sample, temperature)]
+        top_k, top_p = [int(k) for k in top_k], [float(p) for p in top_p]
+        if generators is None:
+            generators = [make_generator(s, device) for s in (seeds or [None] * len(do_sample))]
+        if not len(do_sample) == len(temperature) == len(top_k) == len(top_p) == len(generators):
+            raise ValueError('SamplingInputs.from_values: all per-request lists must have one entry per row')
+        return cls(
+            do_sample=torch.tensor(do_sample, dtype=torch.bool, device=device),
+            temperature=torch.tensor([float(t) for t in temperature], dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            generators=list(generators),
+            all_greedy=not any(do_sample),
+            needs_filter=any(s and (k > 0 or p < 1.0) for s, k, p in zip(do_sample, top_k, top_p)),
+        )
+
+    @classmethod
+    def greedy(cls, batch_size: int, device: torch.device | str = 'cpu') -> SamplingInputs:
+        return cls.from_values([False] * batch_size, [0.0] * batch_size, [0] * batch_size,
+                               [1.0] * batch_size, device=device)
+
+
+def _row_shape(logits: Tensor) -> tuple[int, ...]:
+    """[B, 1, ..., 1]: broadcasts a per-row value over logits [B, ..., V]."""
+    return (logits.size(0),) + (1,) * (logits.dim() - 1)
+
+
+def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf.
+
+    logits [B, ..., V]; top_k, top_p [B, 1, ..., 1]. top-k keeps exactly k tokens (ties broken by
+    lower token id); top-p keeps the smallest prefix (by descending probability) whose mass
+    reaches top_p, and always the most likely token.
+    """
+    vocab_size = logits.size(-1)
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab_size, device=logits.device)
+    k = torch.where(top_k > 0, top_k, vocab_size)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float('-inf'))
+    sorted_probs = sorted_logits.softmax(-1)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    drop = (mass_before >= top_p) & (top_p < 1.0)            # top_p == 1.0: off, even with fp error
+    sorted_logits = sorted_logits.masked_fill(drop, float('-inf'))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def probs_from_logits(logits: Tensor, sampling: SamplingInputs) -> Tensor:
+    """The distribution each row samples from: logits [B, ..., V] -> probs [B, ..., V].
+
+    float64 logits give float64 probs, anything else float32. Sampled rows: softmax of
+    logits / temperature after top-k then top-p filtering (renormalised). Greedy rows: one-hot of
+    argmax (first max on ties).
+    """
+    shape = _row_shape(logits)
+    logits = logits if logits.dtype == torch.float64 else logits.float()
+    temperature = torch.where(sampling.do_sample, sampling.temperature, 1.0).to(logits.dtype)
+    scaled = logits / temperature.view(shape)
+    if sampling.needs_filter:
+        scaled = _filter_top_k_top_p(scaled, sampling.top_k.view(shape), sampling.top_p.view(shape))
+    probs = scaled.softmax(-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.size(-1)).to(probs.dtype)
+    return torch.where(sampling.do_sample.view(shape), probs, one_hot)
+
+
+def random_like_rows(shape: Sequence[int], generators: Sequence[torch.Generator | None],
+                     kind: str, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = 'cpu') -> Tensor:
+    """Random tensor [B, ...]: row b drawn only from generators[b] (default RNG where None).
+
+    kind: 'uniform' ([0, 1)) or 'exponential' (rate 1).
+    """
+    if kind not in ('uniform', 'exponential'):
+        raise ValueError(f"kind={kind!r}: must be 'uniform' or 'exponential'")
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    if any(g is None for g in generators):
+        getattr(out, kind + '_')()
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            getattr(out[row], kind + '_')(generator=generator)
+    return out
+
+
+def draw_from_probs(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
+    """One token per row from probs [B, V] (rows need not be normalised) -> tokens [B] long.
+
+    Exponential race: argmax_v probs[v] / E_v with E_v ~ Exp(1) picks v with probability
+    probs[v] / sum(probs); zero-probability tokens are never picked (unless a row is all zero).
+    """
+    noise = random_like_rows(probs.shape, generators, 'exponential', probs.dtype, probs.device)
+    noise.clamp_(min=torch.finfo(probs.dtype).tiny)            # exponential_ may return exactly 0
+    return (probs / noise).argmax(-1)
+
+
+def sample(logits: Tensor, sampling: SamplingInputs) -> Tensor:
+    """logits [B, V] -> tokens [B] long. Greedy rows: torch.argmax; sampled rows: a draw from
+    probs_from_logits with the row's generator."""
+    greedy_tokens = logits.argmax(-1)
+    if sampling.all_greedy:
+        return greedy_tokens
+    sampled_tokens = draw_from_probs(probs_from_logits(logits, sampling), sampling.generators)
+    return torch.where(sampling.do_sample, sampled_tokens, greedy_tokens)

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (draft tokens), verification (rejection sampling), the spec agent."""

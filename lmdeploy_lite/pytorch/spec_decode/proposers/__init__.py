@@ -1,0 +1,4 @@
+"""Draft-token proposers."""
+from .ngram import NgramProposer
+
+__all__ = ['NgramProposer']

@@ -1,0 +1,90 @@
+"""Verify k draft tokens against the target: greedy matching or exact rejection sampling.
+
+Sampled rows follow Leviathan et al. (2023), "Fast Inference from Transformers via Speculative
+Decoding": every emitted token is distributed exactly as if sampled from the target alone.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lmdeploy_lite.pytorch.sampling import SamplingInputs, draw_from_probs, probs_from_logits, random_like_rows
+
+
+def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None,
+                     sampling: SamplingInputs, num_drafts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Accept a prefix of each row's drafts and emit one more token after it.
+
+    target_logits [B, k+1, V]: position i scores the token after draft i-1 (position 0 follows the
+        last verified token); draft_tokens [B, k] long (entries past num_drafts may be any value,
+        e.g. -1); draft_probs [B, k, V] float: the draft distribution q the drafts were sampled
+        from, already shaped by the caller, or None for deterministic drafts (q one-hot at the
+        draft); num_drafts [B] long in 0..k: real drafts per row (default k), later positions are
+        never accepted.
+    Returns output_tokens [B, k+1] long (accepted drafts, then one correction / bonus token, then
+    -1 padding) and num_accepted_drafts [B] long in 0..num_drafts. Row b emits
+    num_accepted_drafts[b] + 1 tokens.
+    Randomness: each sampled row draws k uniforms and V exponentials from its own generator.
+    """
+    batch_size, k = draft_tokens.shape
+    device = draft_tokens.device
+    positions = torch.arange(k, device=device)
+    rows = torch.arange(batch_size, device=device)
+    if num_drafts is None:
+        num_drafts = torch.full((batch_size,), k, dtype=torch.long, device=device)
+    safe_drafts = draft_tokens.clamp(min=0)                        # placeholders never index
+    target_argmax = target_logits.argmax(-1)                       # [B, k+1]
+
+    # Greedy rows: accept draft i while it equals the target's argmax at position i.
+    accept = safe_drafts == target_argmax[:, :k]
+    if not sampling.all_greedy:
+        target_probs = probs_from_logits(target_logits, sampling)  # p: [B, k+1, V]
+        p_draft = target_probs[:, :k].gather(-1, safe_drafts[..., None])[..., 0]
+        if draft_probs is None:
+            q_draft = torch.ones_like(p_draft)
+        else:
+            q_draft = draft_probs.to(p_draft.dtype).gather(-1, safe_drafts[..., None])[..., 0]
+        uniform = random_like_rows((batch_size, k), sampling.generators, 'uniform', p_draft.dtype, device)
+        # Sampled rows: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. u < p/q
+        # for u ~ U[0, 1), written without division. p(d) = 0 (e.g. outside top-k/top-p) never
+        # accepts.
+        sampled_accept = uniform * q_draft < p_draft
+        accept = torch.where(sampling.do_sample[:, None], sampled_accept, accept)
+    accept &= positions < num_drafts[:, None]
+    num_accepted = accept.long().cumprod(-1).sum(-1)               # length of the accepted prefix
+
+    next_token = target_argmax[rows, num_accepted]                  # greedy: correction or bonus
+    if not sampling.all_greedy:
+        p_next = target_probs[rows, num_accepted]                   # [B, V]
+        dist = p_next                                               # all accepted: bonus from p
+        if k > 0:
+            rejected = num_accepted < num_drafts
+            at = num_accepted.clamp(max=k - 1)
+            if draft_probs is None:
+                q_next = torch.nn.functional.one_hot(safe_drafts[rows, at], p_next.size(-1)).to(p_next.dtype)
+            else:
+                q_next = draft_probs[rows, at].to(p_next.dtype)
+            # After a rejection, sample from norm(max(p - q, 0)) (falling back to p if that is
+            # all zero, i.e. p == q); after all accepts, the bonus comes from p at the next position.
+            residual = (p_next - q_next).clamp(min=0)
+            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+            dist = torch.where(rejected[:, None], residual, p_next)
+        sampled_next = draw_from_probs(dist, sampling.generators)
+        next_token = torch.where(sampling.do_sample, sampled_next, next_token)
+
+    output_tokens = torch.full((batch_size, k + 1), -1, dtype=torch.long, device=device)
+    output_tokens[:, :k] = torch.where(positions < num_accepted[:, None], draft_tokens, -1)
+    output_tokens[rows, num_accepted] = next_token
+    return output_tokens, num_accepted
+
+
+def acceptance_by_position(num_accepted_drafts: Tensor, num_drafts: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Per-draft-position counters for metrics: (accepted [k], drafted [k]) long.
+
+    num_accepted_drafts, num_drafts [B]. Position i is drafted for a row if num_drafts > i and
+    accepted if num_accepted_drafts > i; accepted[i] / drafted[i] is the acceptance rate at i.
+    """
+    positions = torch.arange(k, device=num_drafts.device)
+    accepted = (num_accepted_drafts[:, None] > positions).sum(0)
+    drafted = (num_drafts[:, None] > positions).sum(0)
+    return accepted, drafted
