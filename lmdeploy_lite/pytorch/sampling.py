@@ -61,12 +61,12 @@ class SamplingInputs:
         Pass the engine's long-lived per-request `generators`; `seeds` (fresh generators) is for
         one-off calls and tests.
         """
-        do_sample = [bool(s) and t > 0 for s, t in zip(do_sample, temperature)]
-        top_k, top_p = [int(k) for k in top_k], [float(p) for p in top_p]
         if generators is None:
             generators = [make_generator(s, device) for s in (seeds or [None] * len(do_sample))]
         if not len(do_sample) == len(temperature) == len(top_k) == len(top_p) == len(generators):
             raise ValueError('SamplingInputs.from_values: all per-request lists must have one entry per row')
+        do_sample = [bool(s) and t > 0 for s, t in zip(do_sample, temperature)]
+        top_k, top_p = [int(k) for k in top_k], [float(p) for p in top_p]
         return cls(
             do_sample=torch.tensor(do_sample, dtype=torch.bool, device=device),
             temperature=torch.tensor([float(t) for t in temperature], dtype=torch.float32, device=device),

@@ -1,0 +1,127 @@
+import pytest
+import scipy.stats
+import torch
+
+from lmdeploy_lite.pytorch.sampling import SamplingInputs, make_generator, probs_from_logits
+from lmdeploy_lite.pytorch.spec_decode.rejection import acceptance_by_position, rejection_sample
+
+VOCAB = 10
+
+
+def peaked_logits(target_tokens):
+    """[B, k+1] token ids -> logits [B, k+1, VOCAB] whose argmax (and only finite entry) is each id."""
+    logits = torch.full((*torch.tensor(target_tokens).shape, VOCAB), float('-inf'))
+    return logits.scatter_(-1, torch.tensor(target_tokens)[..., None], 0.0)
+
+
+def greedy(n):
+    return SamplingInputs.greedy(n)
+
+
+def sampled(n, temperature=0.8, seeds=None):
+    return SamplingInputs.from_values([True] * n, [temperature] * n, [0] * n, [1.0] * n, seeds=seeds)
+
+
+TARGET = [[5, 6, 7, 8]]
+
+
+@pytest.mark.parametrize('make_sampling', [greedy, sampled])
+@pytest.mark.parametrize('drafts, expected, num_accepted', [
+    ([[5, 6, 7]], [5, 6, 7, 8], 3),             # all accepted + bonus
+    ([[1, 6, 7]], [5, -1, -1, -1], 0),          # first rejected: correction 5
+    ([[5, 9, 7]], [5, 6, -1, -1], 1),           # middle rejected: correction 6
+    ([[5, 6, 1]], [5, 6, 7, -1], 2),            # last rejected
+])
+def test_hand_made_cases(make_sampling, drafts, expected, num_accepted):
+    # peaked (one-hot) targets make sampled rows deterministic too: p(d) is 1 or 0.
+    draft_probs = torch.full((1, 3, VOCAB), 1.0 / VOCAB)
+    tokens, accepted = rejection_sample(peaked_logits(TARGET), torch.tensor(drafts), draft_probs, make_sampling(1))
+    assert tokens.tolist() == [expected] and accepted.tolist() == [num_accepted]
+
+
+def test_greedy_uses_raw_logits_argmax():
+    logits = torch.tensor([[[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]]])
+    tokens, accepted = rejection_sample(logits, torch.tensor([[1]]), None, greedy(1))
+    assert tokens.tolist() == [[1, 0]] and accepted.tolist() == [1]
+
+
+def test_mixed_greedy_and_sampled_rows():
+    target = [[5, 6, 7, 8], [1, 2, 3, 4], [5, 6, 7, 8], [1, 2, 3, 4]]
+    drafts = torch.tensor([[5, 6, 7], [1, 9, 3], [5, 6, 9], [1, 2, 3]])
+    sampling = SamplingInputs.from_values([False, True, False, True], [1.0, 0.7, 1.0, 1.2], [0, 5, 0, 0],
+                                          [1.0, 0.9, 1.0, 1.0], seeds=[None, 1, None, 2])
+    tokens, accepted = rejection_sample(peaked_logits(target), drafts, torch.rand(4, 3, VOCAB), sampling)
+    assert tokens.tolist() == [[5, 6, 7, 8], [1, 2, -1, -1], [5, 6, 7, -1], [1, 2, 3, 4]]
+    assert accepted.tolist() == [3, 1, 2, 3]
+
+
+@pytest.mark.parametrize('make_sampling', [greedy, sampled])
+def test_num_drafts_shorter_than_k(make_sampling):
+    target = [[5, 6, 7, 8]] * 3
+    drafts = torch.tensor([[5, 6, -1], [5, -1, -1], [5, 6, 7]])    # -1: placeholder, not a real draft
+    num_drafts = torch.tensor([2, 0, 1])
+    tokens, accepted = rejection_sample(peaked_logits(target), drafts, None, make_sampling(3), num_drafts)
+    # bonus comes from the position right after the last real draft
+    assert tokens.tolist() == [[5, 6, 7, -1], [5, -1, -1, -1], [5, 6, -1, -1]]
+    assert accepted.tolist() == [2, 0, 1]
+
+
+def test_zero_target_probability_is_never_accepted():
+    # top_k=1 makes the target one-hot at 3 even though the logits are nearly flat
+    logits = torch.tensor([[[1.0, 1.0, 1.0, 1.1]] * 2])
+    sampling = SamplingInputs.from_values([True], [1.0], [1], [1.0])
+    for _ in range(20):
+        tokens, accepted = rejection_sample(logits, torch.tensor([[0]]), torch.tensor([[[1.0, 0, 0, 0]]]), sampling)
+        assert tokens.tolist() == [[3, -1]] and accepted.item() == 0
+
+
+def test_row_result_does_not_depend_on_batch():
+    torch.manual_seed(0)
+    logits, q = torch.randn(3, 4, VOCAB), torch.rand(3, 3, VOCAB).softmax(-1)
+    drafts = torch.randint(0, VOCAB, (3, 3))
+    def run(rows, seeds):
+        s = SamplingInputs.from_values([True] * len(rows), [0.9] * len(rows), [0] * len(rows), [1.0] * len(rows),
+                                       generators=[make_generator(x) for x in seeds])
+        return [rejection_sample(logits[rows], drafts[rows], q[rows], s)[0][rows.index(1)].tolist() for _ in range(8)]
+    assert run([1], [42]) == run([0, 1, 2], [None, 42, 7]) == run([2, 1], [3, 42])
+
+
+def test_acceptance_by_position():
+    accepted, drafted = acceptance_by_position(torch.tensor([3, 0, 1]), torch.tensor([3, 2, 1]), 3)
+    assert accepted.tolist() == [2, 1, 1] and drafted.tolist() == [3, 2, 1]
+
+
+# ---- distribution tests: every emitted token follows the target distribution p -------------------
+N = 20000
+# three positions (k=2) with different p; q differs: q>p, q<p, q=p and q=0 where p>0, q>0 where p=0
+P = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.10, 0.00],
+                  [0.05, 0.10, 0.15, 0.20, 0.25, 0.25],
+                  [0.50, 0.20, 0.10, 0.10, 0.05, 0.05]], dtype=torch.float64)
+Q = torch.tensor([[0.10, 0.40, 0.00, 0.15, 0.15, 0.20],
+                  [0.30, 0.00, 0.15, 0.05, 0.25, 0.25]], dtype=torch.float64)
+
+
+def assert_follows(tokens, expected_probs):
+    counts = torch.bincount(tokens, minlength=expected_probs.numel()).double()
+    support = expected_probs > 0
+    assert counts[~support].sum() == 0, 'emitted a token the target gives probability 0'
+    expected = expected_probs[support] * counts.sum()
+    assert scipy.stats.chisquare(counts[support].numpy(), expected.numpy()).pvalue > 0.01
+
+
+@pytest.mark.parametrize('temperature, top_p', [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize('stochastic_drafts', [True, False])
+def test_emitted_tokens_follow_target(temperature, top_p, stochastic_drafts):
+    torch.manual_seed(1234)
+    logits = P.log().expand(N, -1, -1)
+    sampling = SamplingInputs.from_values([True] * N, [temperature] * N, [0] * N, [top_p] * N)
+    p = probs_from_logits(logits[:1], SamplingInputs.from_values([True], [temperature], [0], [top_p]))[0]
+    if stochastic_drafts:            # drafts sampled from q, draft_probs = q
+        draft_probs = Q.expand(N, -1, -1)
+        drafts = torch.multinomial(Q, N, replacement=True).T.contiguous()
+    else:                            # deterministic drafts (q one-hot): always propose token 1
+        draft_probs, drafts = None, torch.ones(N, 2, dtype=torch.long)
+    tokens, accepted = rejection_sample(logits, drafts, draft_probs, sampling)
+    assert_follows(tokens[:, 0], p[0])
+    assert_follows(tokens[accepted >= 1, 1], p[1])      # second token, given the first was accepted
+    assert_follows(tokens[accepted == 2, 2], p[2])      # bonus token, given both were accepted
