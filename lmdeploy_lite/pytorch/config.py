@@ -1,0 +1,138 @@
+"""Internal configs derived from a checkpoint and from the user's engine config.
+
+`ModelConfig` is read from a HF `config.json` (released Qwen3.5 checkpoints nest the text model's
+fields under `text_config`); `CacheConfig` is the cache layout the engine allocates.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+SUPPORTED_MODEL_TYPES = {
+    'qwen3_5': False, 'qwen3_5_text': False,          # value: is MoE
+    'qwen3_5_moe': True, 'qwen3_5_moe_text': True,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    is_moe: bool
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]          # 'linear_attention' | 'full_attention' per layer
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    # dense MLP
+    intermediate_size: int
+    # MoE
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    # gated delta net
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    # MTP head
+    mtp_num_hidden_layers: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    max_position_embeddings: int = 32768
+    hf_config: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == 'full_attention']
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == 'linear_attention']
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the depthwise conv: [q | k | v] of the gated delta net."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> 'ModelConfig':
+        top_type = cfg.get('model_type')
+        text = cfg.get('text_config') or cfg
+        model_type = text.get('model_type', top_type)
+        if model_type not in SUPPORTED_MODEL_TYPES and top_type not in SUPPORTED_MODEL_TYPES:
+            archs = cfg.get('architectures')
+            raise ValueError(
+                f'config.json: model_type={top_type!r} (architectures={archs}) is not supported; '
+                f'lmdeploy_lite runs {sorted(SUPPORTED_MODEL_TYPES)}')
+        is_moe = SUPPORTED_MODEL_TYPES.get(model_type, SUPPORTED_MODEL_TYPES.get(top_type))
+        num_layers = text['num_hidden_layers']
+        layer_types = text.get('layer_types')
+        if layer_types is None:
+            interval = text.get('full_attention_interval', 4)
+            layer_types = ['full_attention' if (i + 1) % interval == 0 else 'linear_attention'
+                           for i in range(num_layers)]
+        rope = text.get('rope_parameters') or text.get('rope_scaling') or {}
+        head_dim = text.get('head_dim') or text['hidden_size'] // text['num_attention_heads']
+        partial = rope.get('partial_rotary_factor', text.get('partial_rotary_factor', 0.25))
+        theta = rope.get('rope_theta', text.get('rope_theta', 10000000.0))
+        eos = text.get('eos_token_id', cfg.get('eos_token_id'))
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        tie = cfg.get('tie_word_embeddings', text.get('tie_word_embeddings', False))
+        return cls(
+            model_type=model_type, is_moe=is_moe,
+            vocab_size=text['vocab_size'], hidden_size=text['hidden_size'],
+            num_layers=num_layers, layer_types=tuple(layer_types),
+            num_attention_heads=text['num_attention_heads'],
+            num_key_value_heads=text['num_key_value_heads'],
+            head_dim=head_dim, rotary_dim=int(head_dim * partial), rope_theta=float(theta),
+            rms_norm_eps=text.get('rms_norm_eps', 1e-6), tie_word_embeddings=bool(tie),
+            intermediate_size=text.get('intermediate_size', 0) or 0,
+            num_experts=text.get('num_experts', 0) if is_moe else 0,
+            num_experts_per_tok=text.get('num_experts_per_tok', 0) if is_moe else 0,
+            moe_intermediate_size=text.get('moe_intermediate_size', 0) if is_moe else 0,
+            shared_expert_intermediate_size=(
+                text.get('shared_expert_intermediate_size', 0) if is_moe else 0),
+            linear_conv_kernel_dim=text.get('linear_conv_kernel_dim', 4),
+            linear_key_head_dim=text.get('linear_key_head_dim', 128),
+            linear_value_head_dim=text.get('linear_value_head_dim', 128),
+            linear_num_key_heads=text.get('linear_num_key_heads', 16),
+            linear_num_value_heads=text.get('linear_num_value_heads', 32),
+            mtp_num_hidden_layers=text.get('mtp_num_hidden_layers', 0) or 0,
+            eos_token_ids=eos,
+            max_position_embeddings=text.get('max_position_embeddings', 32768),
+            hf_config=cfg,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str) -> 'ModelConfig':
+        if not os.path.isdir(model_dir):
+            raise ValueError(f'model_path={model_dir!r}: no such directory')
+        path = os.path.join(model_dir, 'config.json')
+        if not os.path.isfile(path):
+            raise ValueError(f'model_path={model_dir!r}: no config.json in the directory')
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Cache layout for one rank.
+
+    Full-attention layers: paged KV, `num_blocks` blocks of `block_size` tokens.
+    Linear-attention layers: `num_state_slots` per-sequence states (one per running sequence),
+    each with `1 + num_spec_tokens` recurrent-state slots and a conv window of
+    `kernel - 1 + num_spec_tokens` columns (DESIGN.md invariant 5).
+    """
+    block_size: int
+    num_blocks: int
+    num_state_slots: int
+    num_spec_tokens: int = 0

@@ -1,0 +1,188 @@
+"""The engine of one DP rank: schedule -> make inputs -> forward -> update (DESIGN.md "One step")."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
+from lmdeploy_lite.pytorch.engine.block_manager import BlockManager, blocks_needed
+from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent
+from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
+from lmdeploy_lite.pytorch.engine.sequence import Sequence
+from lmdeploy_lite.pytorch.engine.stopping import StopChecker
+from lmdeploy_lite.pytorch.models.loader import build_model
+from lmdeploy_lite.pytorch.sampling import SamplingInputs
+from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
+
+logger = logging.getLogger('lmdeploy_lite')
+
+_DTYPES = {'float32': torch.float32, 'float64': torch.float64, 'bfloat16': torch.bfloat16,
+           'float16': torch.float16}
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_token_ids: list[int]          # tokens emitted this step (empty for a non-final chunk)
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.is_finished
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if device == 'cuda' and not torch.cuda.is_available():
+        raise ValueError("device='cuda': CUDA is not available on this machine; use 'cpu' or 'auto'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype != 'auto':
+        return _DTYPES[dtype]
+    if device.type == 'cpu':
+        return torch.float32           # bf16 matmuls are slow on most CPUs
+    text = model_config.hf_config.get('text_config') or model_config.hf_config
+    name = text.get('dtype') or text.get('torch_dtype') or model_config.hf_config.get('torch_dtype')
+    return _DTYPES.get(name, torch.bfloat16)
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == 'cuda':
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open('/proc/meminfo') as f:
+        info = dict(line.split(':', 1) for line in f)
+    return int(info['MemAvailable'].split()[0]) * 1024
+
+
+def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, session_len: int,
+               num_spec_tokens: int, dtype: torch.dtype, device: torch.device) -> CacheConfig:
+    """Size the KV cache: num_gpu_blocks if given, else cache_max_entry_count of free memory,
+    never more than max_batch_size full sessions need (+1 reserved block for dummy forwards)."""
+    block_size = engine_config.block_size
+    num_slots = engine_config.max_batch_size + 1                 # slot 0 is reserved
+    per_seq = blocks_needed(session_len + num_spec_tokens + 1, block_size)
+    if engine_config.num_gpu_blocks:
+        num_blocks = engine_config.num_gpu_blocks
+    else:
+        state_bytes = num_slots * CacheEngine.bytes_per_state_slot(model_config, num_spec_tokens,
+                                                                   dtype)
+        budget = _available_memory(device) * engine_config.cache_max_entry_count - state_bytes
+        per_block = CacheEngine.bytes_per_block(model_config, block_size, dtype)
+        num_blocks = min(int(budget // max(per_block, 1)),
+                         engine_config.max_batch_size * per_seq + 1)
+    if num_blocks - 1 < per_seq:
+        raise ValueError(
+            f'KV cache: {num_blocks} blocks of {block_size} tokens cannot hold one sequence of '
+            f'session_len={session_len} ({per_seq} blocks + 1 reserved); lower session_len or '
+            f'raise num_gpu_blocks / cache_max_entry_count')
+    return CacheConfig(block_size=block_size, num_blocks=num_blocks, num_state_slots=num_slots,
+                       num_spec_tokens=num_spec_tokens)
+
+
+class Engine:
+
+    def __init__(self, model_path: str, engine_config: PytorchEngineConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None, tokenizer=None,
+                 progress: bool = True):
+        cfg = engine_config or PytorchEngineConfig()
+        self.engine_config = cfg
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
+        self.session_len = cfg.session_len or self.model_config.max_position_embeddings
+        num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
+        self.cache_config = plan_cache(self.model_config, cfg, self.session_len, num_spec,
+                                       self.dtype, self.device)
+        model = build_model(model_path, self.dtype, self.device, progress=progress)
+        caches = CacheEngine(self.model_config, self.cache_config, self.dtype, self.device)
+        self.agent = ModelAgent(model, caches, self.cache_config.num_state_slots, self.device)
+        self.strategy = ARStrategy()
+        block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
+                                     self.cache_config.num_state_slots)
+        self.scheduler = Scheduler(block_manager, cfg.max_batch_size, cfg.max_prefill_token_num,
+                                   self.session_len, num_lookahead=num_spec,
+                                   stop_checker=StopChecker(self.model_config.eos_token_ids,
+                                                            tokenizer))
+        self._next_seq_id = 0
+        logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path,
+                    self.dtype, self.device, self.cache_config.num_blocks,
+                    self.cache_config.block_size)
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
+        """Raise ValueError naming the problem; called before the request touches the engine."""
+        if not isinstance(gen_config, GenerationConfig):
+            raise ValueError(f'gen_config={gen_config!r}: must be a GenerationConfig')
+        if len(token_ids) == 0:
+            raise ValueError('prompt: empty; give at least one token')
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f'prompt: token ids {bad[:5]} are outside 0..{vocab - 1}')
+        if len(token_ids) >= self.session_len:
+            raise ValueError(f'prompt: {len(token_ids)} tokens, but session_len='
+                             f'{self.session_len} leaves no room to generate; shorten the prompt '
+                             f'to at most {self.session_len - 1} tokens or raise session_len')
+
+    def add_request(self, token_ids: list[int], gen_config: GenerationConfig) -> Sequence:
+        self.validate_request(token_ids, gen_config)
+        seed = gen_config.random_seed
+        if seed is None:
+            seed = self.engine_config.seed * 1_000_003 + self._next_seq_id
+        generator = torch.Generator(self.device).manual_seed(seed)
+        seq = Sequence(seq_id=self._next_seq_id, token_ids=list(token_ids),
+                       num_prompt=len(token_ids), gen_config=gen_config, arrival=0,
+                       generator=generator)
+        self._next_seq_id += 1
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence):
+        self.scheduler.abort(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        inputs = self.strategy.make_model_inputs(batch, self.device)
+        tokens = self.agent.step(inputs, self._sampling_inputs(batch)).tolist()
+        return self._update(batch, tokens)
+
+    def _sampling_inputs(self, batch: ScheduledBatch) -> SamplingInputs:
+        cfgs = [s.gen_config for s in batch.seqs]
+        return SamplingInputs.from_lists(
+            do_sample=[not c.is_greedy for c in cfgs],
+            temperature=[c.temperature for c in cfgs], top_k=[c.top_k for c in cfgs],
+            top_p=[c.top_p for c in cfgs], generators=[s.generator for s in batch.seqs],
+            device=self.device)
+
+    def _update(self, batch: ScheduledBatch, tokens: list[int]) -> list[StepOutput]:
+        outputs = []
+        for seq, q_len, samples, token in zip(batch.seqs, batch.q_lens, batch.sample_mask, tokens):
+            new = [token] if samples else []
+            outputs.append(StepOutput(seq, self.scheduler.update(seq, q_len, new)))
+        return outputs
+
+    # ---- convenience ----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], gen_config: GenerationConfig) -> list[Sequence]:
+        """Run prompts to completion in this thread (tests, benchmarks)."""
+        seqs = [self.add_request(p, gen_config) for p in prompts]
+        while self.has_work:
+            self.step()
+        return seqs
+
+    def close(self):
+        pass
+

@@ -1,0 +1,159 @@
+"""Continuous batching: chunked prefill under a token budget, decode, preemption by recompute.
+
+A step is either a prefill step (sequences with more than one uncomputed token; the last chunk
+of a sequence samples) or a decode step (every running sequence feeds its last token, plus
+`num_lookahead` draft positions under speculation). Prefill goes first when there is any.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from lmdeploy_lite.pytorch.engine.block_manager import BlockManager, blocks_needed
+from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    q_lens: list[int]              # tokens fed per sequence this step
+    is_decoding: bool
+
+    @property
+    def sample_mask(self) -> list[bool]:
+        """True where this step reaches the end of the sequence's tokens (so it samples)."""
+        return [s.num_computed + n == len(s.token_ids) for s, n in zip(self.seqs, self.q_lens)]
+
+
+class Scheduler:
+
+    def __init__(self, block_manager: BlockManager, max_batch_size: int,
+                 max_prefill_token_num: int, session_len: int, num_lookahead: int = 0,
+                 stop_checker: Callable[[Sequence], str | None] | None = None):
+        self.bm = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_prefill_token_num = max_prefill_token_num
+        self.session_len = session_len
+        self.num_lookahead = num_lookahead          # draft positions beyond the last token
+        self.stop_checker = stop_checker
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._arrivals = 0
+        need = blocks_needed(session_len + num_lookahead + 1, block_manager.block_size)
+        if need > block_manager.num_usable_blocks:
+            raise ValueError(
+                f'the KV cache holds {block_manager.num_usable_blocks} blocks of '
+                f'{block_manager.block_size} tokens, but one sequence of session_len={session_len} '
+                f'needs {need}: lower session_len or raise cache_max_entry_count/num_gpu_blocks')
+
+    # ---- requests -------------------------------------------------------------------------
+    def add(self, seq: Sequence):
+        seq.arrival = self._arrivals
+        self._arrivals += 1
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence):
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, 'abort')
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling -----------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_prefill_token_num
+        seqs, q_lens = [], []
+        partial = [s for s in self.running if not s.is_decoding]
+        for seq in partial + list(self.waiting):
+            if budget == 0:
+                break
+            is_new = seq.status == SeqStatus.WAITING
+            if is_new and len(self.running) >= self.max_batch_size:
+                break
+            n = min(seq.num_uncomputed, budget)
+            if not self.bm.can_hold(seq, seq.num_computed + n):
+                if is_new:
+                    break            # first come, first served: wait for blocks to be freed
+                # a partially prefilled sequence makes room by preempting later arrivals
+                if not self._preempt_for(seq, seq.num_computed + n):
+                    continue
+            self.bm.grow(seq, seq.num_computed + n)
+            if is_new:
+                self.waiting.remove(seq)
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+            seqs.append(seq)
+            q_lens.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, q_lens, is_decoding=False) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        seqs = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            if seq.status != SeqStatus.RUNNING:
+                continue                                       # preempted in this loop
+            need = seq.num_computed + 1 + self.num_lookahead
+            if not self.bm.can_hold(seq, need) and not self._preempt_for(seq, need):
+                continue
+            self.bm.grow(seq, need)
+            seqs.append(seq)
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs, [1 + self.num_lookahead] * len(seqs), is_decoding=True)
+
+    def _preempt_for(self, seq: Sequence, num_tokens: int) -> bool:
+        """Free later arrivals (recompute later) until `seq` fits; False if `seq` was the victim."""
+        while not self.bm.can_hold(seq, num_tokens):
+            victim = max(self.running, key=lambda s: s.arrival)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence):
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    # ---- results --------------------------------------------------------------------------
+    def update(self, seq: Sequence, num_new_computed: int, new_tokens: list[int]) -> list[int]:
+        """Record a step's result for `seq`; returns the tokens actually emitted (a stop inside
+        `new_tokens` truncates there). Frees the sequence's cache when it finishes."""
+        seq.num_computed += num_new_computed
+        emitted = []
+        for token in new_tokens:
+            seq.token_ids.append(token)
+            emitted.append(token)
+            reason = self._check_stop(seq, token)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                break
+        return emitted
+
+    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        cfg = seq.gen_config
+        if cfg.stop_token_ids and token in cfg.stop_token_ids:
+            return 'stop'
+        if self.stop_checker is not None and self.stop_checker(seq) is not None:
+            return 'stop'
+        if seq.num_generated >= cfg.max_new_tokens or len(seq.token_ids) >= self.session_len:
+            return 'length'
+        return None
+
+    def _finish(self, seq: Sequence, reason: str):
+        self.bm.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,52 @@
+"""One request's state as the scheduler sees it."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from lmdeploy_lite.messages import GenerationConfig, SpecDecodeStats
+
+
+class SeqStatus(enum.Enum):
+    WAITING = 'waiting'
+    RUNNING = 'running'
+    FINISHED = 'finished'
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    token_ids: list[int]                  # prompt + generated; the prompt is token_ids[:num_prompt]
+    num_prompt: int
+    gen_config: GenerationConfig
+    arrival: int                          # admission order; later arrivals are preempted first
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0                 # tokens whose KV / linear state is in the cache
+    blocks: list[int] = field(default_factory=list)
+    state_slot: int | None = None
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+    @property
+    def generated_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens to feed before the next sample: 1 in decode, more in (re)prefill."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_computed > 0 and self.num_uncomputed == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SeqStatus.FINISHED

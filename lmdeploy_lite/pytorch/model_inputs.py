@@ -1,0 +1,61 @@
+"""What one forward pass of the model receives: a flat token batch plus per-sequence metadata.
+
+Shapes: T = total new tokens in the step, B = sequences in the step.
+
+Linear-attention state (DESIGN.md invariant 5, rollback is arithmetic). Every sequence owns one
+row `state_slots[b]` of the state caches; each row holds S = 1 + num_spec_tokens recurrent states
+and a conv window buffer of `K - 1 + num_spec_tokens` raw (pre-conv) columns, K the conv kernel.
+`state_index[b]` says which one is current:
+  * the current recurrent state is `recurrent[state_slots[b], state_index[b]]`;
+  * the current conv window (last K-1 raw inputs) is
+    `conv[state_slots[b], :, state_index[b] : state_index[b] + K - 1]`;
+  * a sequence with `history_lens[b] == 0` starts from zero state (the index is ignored).
+A step with n new tokens for a sequence writes:
+  * prefill (`is_decoding=False`): the final recurrent state to slot 0 and the last K-1 raw
+    inputs (left-zero-padded if fewer) to conv columns 0..K-2; next index = 0;
+  * decode/verify (`is_decoding=True`, n <= S): the state after token t to slot t (t = 0..n-1) and
+    conv columns 0..K-2+n-1 = `cat(current window, x_0..x_{n-1})[1:]`; after the caller accepts
+    a of the n tokens (1 <= a <= n), the next index = a - 1.
+Reads happen before writes, so reading slot j while writing slot 0 is safe.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor        # [T] long
+    positions: torch.Tensor        # [T] long, absolute position of each token in its sequence
+    q_lens: torch.Tensor           # [B] long, new tokens per sequence (sum = T)
+    history_lens: torch.Tensor     # [B] long, tokens already in the KV cache before this step
+    block_tables: torch.Tensor     # [B, max_blocks] long, padded with 0
+    state_slots: torch.Tensor      # [B] long, row in the linear-attention state caches
+    state_index: torch.Tensor      # [B] long, current slot inside the row (see module doc)
+    is_decoding: bool              # every sequence in the step is a decode/verify step
+    is_dummy: bool = False         # a rank with no work runs this to keep collectives aligned
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.q_lens.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def q_start_loc(self) -> torch.Tensor:
+        """[B] long, offset of each sequence's first token in the flat batch."""
+        return torch.cumsum(self.q_lens, 0) - self.q_lens
+
+    @property
+    def kv_lens(self) -> torch.Tensor:
+        """[B] long, tokens in the KV cache after this step's tokens are written."""
+        return self.history_lens + self.q_lens
+
+    def to(self, device: torch.device | str) -> 'ModelInputs':
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                 for k, v in self.__dict__.items()}
+        return ModelInputs(**moved)

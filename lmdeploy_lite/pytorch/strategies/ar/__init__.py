@@ -1,0 +1,3 @@
+from lmdeploy_lite.pytorch.strategies.ar.strategy import ARStrategy
+
+__all__ = ['ARStrategy']

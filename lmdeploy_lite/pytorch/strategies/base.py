@@ -1,0 +1,45 @@
+"""The strategy interface: how a paradigm (plain AR, AR + speculation) turns a scheduled batch
+into model inputs, what a rank with no work feeds, and what is shared after sampling."""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy_lite.pytorch.model_inputs import ModelInputs
+
+
+def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
+                      block_tables: list[list[int]], state_slots: list[int],
+                      is_decoding: bool, device) -> ModelInputs:
+    """Flatten per-sequence token chunks (each continuing at its history length) into ModelInputs."""
+    q_lens = [len(c) for c in token_chunks]
+    positions = [h + i for h, n in zip(history_lens, q_lens) for i in range(n)]
+    width = max((len(b) for b in block_tables), default=0) or 1
+    table = [b + [0] * (width - len(b)) for b in block_tables]
+    as_long = dict(dtype=torch.long)
+    inputs = ModelInputs(
+        input_ids=torch.tensor([t for c in token_chunks for t in c], **as_long),
+        positions=torch.tensor(positions, **as_long),
+        q_lens=torch.tensor(q_lens, **as_long),
+        history_lens=torch.tensor(history_lens, **as_long),
+        block_tables=torch.tensor(table, **as_long).reshape(len(block_tables), width),
+        state_slots=torch.tensor(state_slots, **as_long),
+        state_index=torch.zeros(len(state_slots), **as_long),
+        is_decoding=is_decoding,
+    )
+    return inputs.to(device)
+
+
+class Strategy:
+    def make_model_inputs(self, batch, device) -> ModelInputs:
+        raise NotImplementedError
+
+    def make_dummy_inputs(self, num_tokens_per_seq: int, device) -> ModelInputs:
+        """One sequence of `num_tokens_per_seq` padding tokens on block 0 / state slot 0 of a
+        rank with no work, so that its collectives match the busy ranks'. Its cache writes
+        land in a reserved block and slot that no real sequence uses."""
+        return pack_model_inputs([[0] * num_tokens_per_seq], [0], [[0]], [0],
+                                 is_decoding=num_tokens_per_seq == 1, device=device)
+
+    def post_broadcast(self, tokens, drafts, dist_ctx):
+        """Make TP rank 0's sampled tokens (and drafts) every TP peer's; no-op in one process."""
+        return tokens, drafts
