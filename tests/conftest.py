@@ -1,0 +1,32 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason='needs CUDA (GPU test); this machine has none')
+    for item in items:
+        if 'gpu' in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope='session')
+def tiny_ckpt(tmp_path_factory):
+    """tiny_ckpt(moe, **kw) -> path of a cached tiny random checkpoint (tests/helpers/tiny_models)."""
+    from tests.helpers.tiny_models import make_tiny_checkpoint
+    root = tmp_path_factory.mktemp('ckpt')
+    cache = {}
+
+    def get(moe: bool, **kw):
+        key = (moe, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = make_tiny_checkpoint(str(root), moe=moe, **kw)
+        return cache[key]
+    return get
