@@ -162,7 +162,7 @@ class Engine:
 
     def _sampling_inputs(self, batch: ScheduledBatch) -> SamplingInputs:
         cfgs = [s.gen_config for s in batch.seqs]
-        return SamplingInputs.from_lists(
+        return SamplingInputs.from_values(
             do_sample=[not c.is_greedy for c in cfgs],
             temperature=[c.temperature for c in cfgs], top_k=[c.top_k for c in cfgs],
             top_p=[c.top_p for c in cfgs], generators=[s.generator for s in batch.seqs],
