@@ -36,6 +36,11 @@ class ModelInputs:
     state_index: torch.Tensor      # [B] long, current slot inside the row (see module doc)
     is_decoding: bool              # every sequence in the step is a decode/verify step
     is_dummy: bool = False         # a rank with no work runs this to keep collectives aligned
+    # speculative decoding (strategies/ar_spec) only:
+    draft_tokens: torch.Tensor | None = None    # [B, k] long, drafts proposed on the host (ngram);
+                                                # None: the drafts are on the device already
+    next_token_ids: torch.Tensor | None = None  # [B] long, prefill: the token after each chunk if
+                                                # the host knows it (a later prompt chunk), else -1
 
     @property
     def batch_size(self) -> int:

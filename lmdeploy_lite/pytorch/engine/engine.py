@@ -6,16 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, SpecDecodeStats,
+                                    SpeculativeConfig)
 from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager, blocks_needed
 from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
-from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent
+from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
 from lmdeploy_lite.pytorch.engine.sequence import Sequence
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 from lmdeploy_lite.pytorch.models.loader import build_model
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
+from lmdeploy_lite.pytorch.spec_decode.build import build_spec_decoding, check_speculative_config
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
 
 logger = logging.getLogger('lmdeploy_lite')
@@ -61,13 +63,16 @@ def _available_memory(device: torch.device) -> int:
     return int(info['MemAvailable'].split()[0]) * 1024
 
 
-def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, session_len: int,
-               num_spec_tokens: int, dtype: torch.dtype, device: torch.device) -> CacheConfig:
+def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, max_positions: int,
+               num_spec_tokens: int, num_draft_layers: int, dtype: torch.dtype,
+               device: torch.device) -> CacheConfig:
     """Size the KV cache: num_gpu_blocks if given, else cache_max_entry_count of free memory,
-    never more than max_batch_size full sessions need (+1 reserved block for dummy forwards)."""
+    never more than max_batch_size full sequences of `max_positions` need (+1 reserved block for
+    dummy forwards). A block holds the target's full-attention layers and the draft head's."""
     block_size = engine_config.block_size
     num_slots = engine_config.max_batch_size + 1                 # slot 0 is reserved
-    per_seq = blocks_needed(session_len + num_spec_tokens + 1, block_size)
+    per_seq = blocks_needed(max_positions, block_size)
+    session_len = engine_config.session_len or model_config.max_position_embeddings
     if engine_config.num_gpu_blocks:
         num_blocks = engine_config.num_gpu_blocks
     else:
@@ -75,6 +80,8 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, se
                                                                    dtype)
         budget = _available_memory(device) * engine_config.cache_max_entry_count - state_bytes
         per_block = CacheEngine.bytes_per_block(model_config, block_size, dtype)
+        per_block += num_draft_layers * CacheEngine.bytes_per_block(
+            model_config, block_size, dtype, layer_types=('full_attention',))
         num_blocks = min(int(budget // max(per_block, 1)),
                          engine_config.max_batch_size * per_seq + 1)
     if num_blocks - 1 < per_seq:
@@ -97,17 +104,30 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
-        num_spec = speculative_config.num_speculative_tokens if speculative_config else 0
-        self.cache_config = plan_cache(self.model_config, cfg, self.session_len, num_spec,
-                                       self.dtype, self.device)
+        spec = speculative_config
+        if spec is not None:
+            check_speculative_config(spec, model_path)
+        self.num_spec_tokens = num_spec = spec.num_speculative_tokens if spec else 0
+        uses_mtp = spec is not None and spec.method == 'qwen3_5_mtp'
+        num_draft_extra = num_spec - 1 if uses_mtp else 0     # positions the MTP writes past k+1
+        max_positions = self.session_len + num_spec + num_draft_extra
+        self.cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec,
+                                       int(uses_mtp), self.dtype, self.device)
         model = build_model(model_path, self.dtype, self.device, progress=progress)
         caches = CacheEngine(self.model_config, self.cache_config, self.dtype, self.device)
-        self.agent = ModelAgent(model, caches, self.cache_config.num_state_slots, self.device)
+        num_slots = self.cache_config.num_state_slots
+        self.agent = ModelAgent(model, caches, num_slots, self.device)
         self.strategy = ARStrategy()
+        self.spec_stats = SpecDecodeStats()
+        if spec is not None:
+            self.agent, self.strategy = build_spec_decoding(
+                spec, model_path, self.agent, self.model_config, self.cache_config, self.dtype,
+                self.device, progress)
         block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
-                                     self.cache_config.num_state_slots)
+                                     num_slots)
         self.scheduler = Scheduler(block_manager, cfg.max_batch_size, cfg.max_prefill_token_num,
-                                   self.session_len, num_lookahead=num_spec,
+                                   self.session_len, num_spec_tokens=num_spec,
+                                   num_draft_extra=num_draft_extra,
                                    stop_checker=StopChecker(self.model_config.eos_token_ids,
                                                             tokenizer))
         self._next_seq_id = 0
@@ -157,8 +177,8 @@ class Engine:
         if batch is None:
             return []
         inputs = self.strategy.make_model_inputs(batch, self.device)
-        tokens = self.agent.step(inputs, self._sampling_inputs(batch)).tolist()
-        return self._update(batch, tokens)
+        result = self.agent.step(inputs, self._sampling_inputs(batch))
+        return self._update(batch, result)
 
     def _sampling_inputs(self, batch: ScheduledBatch) -> SamplingInputs:
         cfgs = [s.gen_config for s in batch.seqs]
@@ -168,11 +188,20 @@ class Engine:
             top_p=[c.top_p for c in cfgs], generators=[s.generator for s in batch.seqs],
             device=self.device)
 
-    def _update(self, batch: ScheduledBatch, tokens: list[int]) -> list[StepOutput]:
+    def _update(self, batch: ScheduledBatch, result: StepResult) -> list[StepOutput]:
+        """The host learns the step's tokens here (one device-to-host copy)."""
+        tokens = result.output_tokens.tolist()
+        if result.num_accepted_drafts is None:       # prefill chunk or plain decode: one token
+            return [StepOutput(seq, self.scheduler.update(seq, q_len, row[:1] if samples else []))
+                    for seq, q_len, samples, row in zip(batch.seqs, batch.q_lens,
+                                                        batch.sample_mask, tokens)]
         outputs = []
-        for seq, q_len, samples, token in zip(batch.seqs, batch.q_lens, batch.sample_mask, tokens):
-            new = [token] if samples else []
-            outputs.append(StepOutput(seq, self.scheduler.update(seq, q_len, new)))
+        for seq, row, accepted in zip(batch.seqs, tokens, result.num_accepted_drafts.tolist()):
+            seq.spec_stats.add(self.num_spec_tokens, accepted)
+            self.spec_stats.add(self.num_spec_tokens, accepted)
+            # fed [last, d1..dk]: last and the accepted drafts are now in the cache
+            outputs.append(StepOutput(seq, self.scheduler.update(seq, 1 + accepted,
+                                                                 row[:accepted + 1])))
         return outputs
 
     # ---- convenience ----------------------------------------------------------------------

@@ -1,14 +1,24 @@
-"""Runs the model on one rank: forward, logits of the sampling positions, sampling.
+"""Runs the target model on one rank: forward, logits of the sampling positions, sampling.
 
 Decode state that the next step needs (which linear-attention state slot is current) stays on
 the device (DESIGN.md invariant 7).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
+
+
+@dataclass
+class StepResult:
+    """output_tokens [B, n] long: tokens each sequence emits, -1 padded (n = 1 without
+    speculation); num_accepted_drafts [B] long or None (no speculation this step)."""
+    output_tokens: torch.Tensor
+    num_accepted_drafts: torch.Tensor | None = None
 
 
 class ModelAgent:
@@ -20,16 +30,22 @@ class ModelAgent:
         # [num_state_slots] long: current recurrent-state slot / conv offset of each state row
         self.state_index = torch.zeros(num_state_slots, dtype=torch.long, device=device)
 
-    @torch.inference_mode()
-    def forward_last_logits(self, inputs: ModelInputs) -> torch.Tensor:
-        """[B, V] logits at each sequence's last fed position."""
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """[T, H] post-final-norm hidden states; linear attention reads the current state slots."""
         inputs.state_index = self.state_index[inputs.state_slots]
-        hidden = self.model(inputs, self.caches)
-        last = inputs.q_start_loc + inputs.q_lens - 1
-        self.state_index[inputs.state_slots] = 0        # prefill and 1-token decode write slot 0
-        return self.model.compute_logits(hidden[last])
+        return self.model(inputs, self.caches)
+
+    def set_state_index(self, state_slots: torch.Tensor, index: torch.Tensor | int):
+        """After a step: slot `index` holds the state after the last accepted token."""
+        self.state_index[state_slots] = index
+
+    def last_logits(self, inputs: ModelInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, V] logits at each sequence's last fed position."""
+        return self.model.compute_logits(hidden[inputs.q_start_loc + inputs.q_lens - 1])
 
     @torch.inference_mode()
-    def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> torch.Tensor:
-        """[B] long sampled tokens (rows whose step does not reach the sequence end are unused)."""
-        return sample(self.forward_last_logits(inputs), sampling)
+    def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
+        hidden = self.forward(inputs)
+        self.set_state_index(inputs.state_slots, 0)    # prefill and 1-token decode write slot 0
+        tokens = sample(self.last_logits(inputs, hidden), sampling)
+        return StepResult(tokens[:, None])

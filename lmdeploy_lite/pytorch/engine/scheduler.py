@@ -2,7 +2,12 @@
 
 A step is either a prefill step (sequences with more than one uncomputed token; the last chunk
 of a sequence samples) or a decode step (every running sequence feeds its last token, plus
-`num_lookahead` draft positions under speculation). Prefill goes first when there is any.
+`num_spec_tokens` drafts under speculation). Prefill goes first when there is any.
+
+Blocks cover every position a step writes: the fed tokens plus `num_draft_extra` positions past
+them that a draft model writes into its own KV cache while drafting (k - 1 for the MTP head).
+A sequence near its end still feeds k + 1 tokens (padding, never emitted past a stop), so the
+cache holds session_len + k + num_draft_extra positions per sequence.
 """
 from __future__ import annotations
 
@@ -29,23 +34,28 @@ class ScheduledBatch:
 class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int,
-                 max_prefill_token_num: int, session_len: int, num_lookahead: int = 0,
-                 stop_checker: Callable[[Sequence], str | None] | None = None):
+                 max_prefill_token_num: int, session_len: int, num_spec_tokens: int = 0,
+                 num_draft_extra: int = 0, stop_checker: Callable[[Sequence], str | None] | None = None):
         self.bm = block_manager
         self.max_batch_size = max_batch_size
         self.max_prefill_token_num = max_prefill_token_num
         self.session_len = session_len
-        self.num_lookahead = num_lookahead          # draft positions beyond the last token
+        self.num_spec_tokens = num_spec_tokens
+        self.num_draft_extra = num_draft_extra
         self.stop_checker = stop_checker
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = 0
-        need = blocks_needed(session_len + num_lookahead + 1, block_manager.block_size)
+        need = blocks_needed(self.max_positions(session_len), block_manager.block_size)
         if need > block_manager.num_usable_blocks:
             raise ValueError(
                 f'the KV cache holds {block_manager.num_usable_blocks} blocks of '
                 f'{block_manager.block_size} tokens, but one sequence of session_len={session_len} '
                 f'needs {need}: lower session_len or raise cache_max_entry_count/num_gpu_blocks')
+
+    def max_positions(self, session_len: int) -> int:
+        """Cache positions one sequence may touch: the session plus speculative overhang."""
+        return session_len + self.num_spec_tokens + self.num_draft_extra
 
     # ---- requests -------------------------------------------------------------------------
     def add(self, seq: Sequence):
@@ -81,13 +91,14 @@ class Scheduler:
             if is_new and len(self.running) >= self.max_batch_size:
                 break
             n = min(seq.num_uncomputed, budget)
-            if not self.bm.can_hold(seq, seq.num_computed + n):
+            need = seq.num_computed + n + self.num_draft_extra
+            if not self.bm.can_hold(seq, need):
                 if is_new:
                     break            # first come, first served: wait for blocks to be freed
                 # a partially prefilled sequence makes room by preempting later arrivals
-                if not self._preempt_for(seq, seq.num_computed + n):
+                if not self._preempt_for(seq, need):
                     continue
-            self.bm.grow(seq, seq.num_computed + n)
+            self.bm.grow(seq, need)
             if is_new:
                 self.waiting.remove(seq)
                 seq.status = SeqStatus.RUNNING
@@ -102,14 +113,14 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.status != SeqStatus.RUNNING:
                 continue                                       # preempted in this loop
-            need = seq.num_computed + 1 + self.num_lookahead
+            need = seq.num_computed + 1 + self.num_spec_tokens + self.num_draft_extra
             if not self.bm.can_hold(seq, need) and not self._preempt_for(seq, need):
                 continue
             self.bm.grow(seq, need)
             seqs.append(seq)
         if not seqs:
             return None
-        return ScheduledBatch(seqs, [1 + self.num_lookahead] * len(seqs), is_decoding=True)
+        return ScheduledBatch(seqs, [1 + self.num_spec_tokens] * len(seqs), is_decoding=True)
 
     def _preempt_for(self, seq: Sequence, num_tokens: int) -> bool:
         """Free later arrivals (recompute later) until `seq` fits; False if `seq` was the victim."""

@@ -10,9 +10,10 @@ from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_batch=8, budget=32, session_len=64,
-                   lookahead=0):
+                   lookahead=0, extra=0):
     bm = BlockManager(num_blocks, block_size, max_batch + 1)
-    return Scheduler(bm, max_batch, budget, session_len, num_lookahead=lookahead)
+    return Scheduler(bm, max_batch, budget, session_len, num_spec_tokens=lookahead,
+                     num_draft_extra=extra)
 
 
 def add(sched, prompt_len, max_new=4, seq_id=[0]):
@@ -27,7 +28,7 @@ def run_step(sched, token=7):
     batch = sched.schedule()
     assert batch is not None
     for seq, n, samples in zip(batch.seqs, batch.q_lens, batch.sample_mask):
-        assert seq.num_computed + n <= len(seq.token_ids) + sched.num_lookahead
+        assert seq.num_computed + n <= len(seq.token_ids) + sched.num_spec_tokens
         sched.update(seq, n if not batch.is_decoding else 1, [token] if samples else [])
     return batch
 

@@ -1,0 +1,55 @@
+"""Turn a SpeculativeConfig into the engine's speculative pieces: agent, strategy, proposer."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lmdeploy_lite.messages import SpeculativeConfig
+from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
+from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent
+from lmdeploy_lite.pytorch.models.loader import has_mtp_weights
+from lmdeploy_lite.pytorch.spec_decode.proposers.ngram import NgramProposer
+from lmdeploy_lite.pytorch.spec_decode.spec_agent import SpecAgent
+from lmdeploy_lite.pytorch.strategies.ar_spec import ARSpecStrategy
+
+
+def draft_model_dir(spec: SpeculativeConfig, model_path: str) -> str:
+    return spec.model or model_path
+
+
+def check_speculative_config(spec: SpeculativeConfig, model_path: str):
+    """Errors a user can act on, raised at startup before any request runs."""
+    if spec.method != 'qwen3_5_mtp':
+        return
+    path = draft_model_dir(spec, model_path)
+    if not os.path.isdir(path):
+        raise ValueError(f'SpeculativeConfig.model={path!r}: no such directory')
+    if not has_mtp_weights(path):
+        raise ValueError(f"SpeculativeConfig(method='qwen3_5_mtp'): {path} has no mtp.* tensors; "
+                         f"use a Qwen3.5 checkpoint that ships its MTP head, or method='ngram'")
+
+
+def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelAgent,
+                        model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
+                        device: torch.device, progress: bool = True
+                        ) -> tuple[SpecAgent, ARSpecStrategy]:
+    k = spec.num_speculative_tokens
+    proposer, host_proposer = None, None
+    if spec.method == 'qwen3_5_mtp':
+        from lmdeploy_lite.pytorch.models.loader import load_mtp_weights
+        from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
+        from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import MTPProposer
+        target_model = target.model
+        mtp = Qwen3_5MTP(model_config, dtype, device, target_model.embed_tokens,
+                         target_model.lm_head)
+        load_mtp_weights(mtp, draft_model_dir(spec, model_path), progress=progress)
+        mtp.eval()
+        caches = CacheEngine(model_config, cache_config, dtype, device,
+                             layer_types=('full_attention',))
+        proposer = MTPProposer(mtp, caches, target_model.compute_logits, k)
+    else:
+        host_proposer = NgramProposer(k, spec.ngram_min, spec.ngram_max)
+    agent = SpecAgent(target, proposer, k, cache_config.num_state_slots, model_config.vocab_size)
+    return agent, ARSpecStrategy(k, host_proposer)

@@ -1,0 +1,52 @@
+"""The Qwen3.5 MTP head as a proposer: k draft tokens per sequence, all on the device.
+
+Its KV cache is its own (one full-attention layer) on the target's block table. Each call first
+runs the head over every position the target just ran — the pair (target hidden h_t, token
+x_{t+1}) at position t — so its cache stays complete, then drafts k tokens from the row of the
+last accepted position, reusing the one layer for each step at position + 1 and feeding it its
+own normed output (qwen3_5.md section 3).
+"""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy_lite.pytorch.model_inputs import ModelInputs
+from lmdeploy_lite.pytorch.sampling import SamplingInputs, draw_from_probs, probs_from_logits
+
+
+class MTPProposer:
+    drafts_on_device = True
+
+    def __init__(self, mtp, caches, compute_logits, num_spec_tokens: int):
+        self.mtp = mtp
+        self.caches = caches
+        self.compute_logits = compute_logits          # the target's LM head
+        self.num_spec_tokens = num_spec_tokens
+
+    def propose(self, inputs: ModelInputs, target_hidden: torch.Tensor, next_ids: torch.Tensor,
+                rows: torch.Tensor, sampling: SamplingInputs
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """inputs/target_hidden [T, H]: the target step just run; next_ids [T] long: the token
+        after each position (any valid id where unknown: that KV entry is rewritten later);
+        rows [B] long: each sequence's row whose successor is the first draft.
+        Returns drafts [B, k] long and, if any row samples, q [B, k, V] (the draft distribution)."""
+        hidden = self.mtp(next_ids, target_hidden, inputs, self.caches)[rows]
+        positions = inputs.positions[rows]
+        ones = torch.ones_like(positions)
+        drafts, probs = [], []
+        for i in range(self.num_spec_tokens):
+            if i > 0:   # the same layer again, one position on, fed its own output
+                step = ModelInputs(input_ids=drafts[-1], positions=positions + i, q_lens=ones,
+                                   history_lens=positions + i, block_tables=inputs.block_tables,
+                                   state_slots=inputs.state_slots, state_index=inputs.state_index,
+                                   is_decoding=True, is_dummy=inputs.is_dummy)
+                hidden = self.mtp(drafts[-1], hidden, step, self.caches)
+            logits = self.compute_logits(hidden)
+            token = logits.argmax(-1)
+            if not sampling.all_greedy:     # sampled rows draw from q and keep it for verify
+                q = probs_from_logits(logits, sampling)
+                token = torch.where(sampling.do_sample, draw_from_probs(q, sampling.generators),
+                                    token)
+                probs.append(q)
+            drafts.append(token)
+        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)

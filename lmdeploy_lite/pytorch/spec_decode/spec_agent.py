@@ -1,0 +1,85 @@
+"""One speculative step on one rank: verify -> accept -> bonus -> draft (DESIGN.md "One step").
+
+Device-resident decode state, one row per linear-attention state slot (DESIGN.md invariant 7):
+`last_token` (the bonus token of the last step), `drafts` [k] and, for sampled requests, the
+draft distribution `draft_probs` [k, V] that verification needs. The next decode step's inputs
+`[last_token, d1..dk]` are built from them on the device; the host only learns the emitted tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent, StepResult
+from lmdeploy_lite.pytorch.model_inputs import ModelInputs
+from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
+from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
+
+
+class SpecAgent:
+
+    def __init__(self, target: ModelAgent, proposer, num_spec_tokens: int, num_state_slots: int,
+                 vocab_size: int):
+        self.target = target
+        self.proposer = proposer          # MTPProposer (drafts on the device), or None (host drafts)
+        self.k = num_spec_tokens
+        self.vocab_size = vocab_size
+        device = target.device
+        self.last_token = torch.zeros(num_state_slots, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(num_state_slots, num_spec_tokens, dtype=torch.long, device=device)
+        self.draft_probs: torch.Tensor | None = None      # [slots, k, V], made on first sampling
+
+    @torch.inference_mode()
+    def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
+        if inputs.is_decoding:
+            return self._verify_and_draft(inputs, sampling)
+        return self._prefill_and_draft(inputs, sampling)
+
+    def _prefill_and_draft(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
+        hidden = self.target.forward(inputs)
+        self.target.set_state_index(inputs.state_slots, 0)
+        tokens = sample(self.target.last_logits(inputs, hidden), sampling)
+        last_rows = inputs.q_start_loc + inputs.q_lens - 1
+        # the token after each prompt position: the next prompt token, and after the final
+        # chunk the token just sampled (a non-final chunk's drafts are discarded)
+        next_ids = torch.roll(inputs.input_ids, -1)
+        next_ids[last_rows] = torch.where(inputs.next_token_ids >= 0, inputs.next_token_ids, tokens)
+        self._save_drafts(inputs, hidden, next_ids, last_rows, sampling)
+        self.last_token[inputs.state_slots] = tokens
+        return StepResult(tokens[:, None])
+
+    def _verify_and_draft(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
+        slots, k = inputs.state_slots, self.k
+        batch = slots.numel()
+        # 1. inputs [last accepted token, d1..dk], built on the device from the last step
+        if inputs.draft_tokens is None:
+            drafts = self.drafts[slots]
+            inputs.input_ids = torch.cat([self.last_token[slots, None], drafts], 1).flatten()
+            draft_probs = None if sampling.all_greedy else self.draft_probs[slots]
+        else:
+            drafts, draft_probs = inputs.draft_tokens, None    # host drafts are deterministic
+        # 2. verify: one target forward over the k + 1 positions
+        hidden = self.target.forward(inputs)
+        logits = self.target.model.compute_logits(hidden).view(batch, k + 1, -1)
+        # 3. accept a prefix of the drafts, then one correction or bonus token
+        output_tokens, num_accepted = rejection_sample(logits, drafts, draft_probs, sampling)
+        # 4. rollback is arithmetic: the next step reads the state after the last accepted token
+        #    (slot num_accepted); rejected KV entries are overwritten by later steps
+        self.target.set_state_index(slots, num_accepted)
+        rows = torch.arange(batch, device=slots.device)
+        self.last_token[slots] = output_tokens[rows, num_accepted]
+        # 5. draft the next k tokens from the last accepted position; positions past it carry
+        #    -1 placeholders, clamped to a valid id before the embedding lookup
+        next_ids = output_tokens.clamp(min=0).flatten()
+        self._save_drafts(inputs, hidden, next_ids, inputs.q_start_loc + num_accepted, sampling)
+        return StepResult(output_tokens, num_accepted)
+
+    def _save_drafts(self, inputs, hidden, next_ids, rows, sampling):
+        if self.proposer is None:
+            return
+        drafts, probs = self.proposer.propose(inputs, hidden, next_ids, rows, sampling)
+        self.drafts[inputs.state_slots] = drafts
+        if probs is not None:
+            if self.draft_probs is None:
+                self.draft_probs = torch.zeros(self.drafts.shape + (self.vocab_size,),
+                                               dtype=probs.dtype, device=probs.device)
+            self.draft_probs[inputs.state_slots] = probs

@@ -1,0 +1,52 @@
+"""Autoregressive decoding with k drafts per step.
+
+Prefill: like plain AR, plus `next_token_ids` (the token after each chunk when it is a prompt
+token the host already has) so the draft head can run over every prompt position.
+Decode: every sequence feeds k + 1 tokens `[last accepted token, d1..dk]` at positions
+num_computed .. num_computed + k. With a device-side proposer (the MTP head) those ids are built
+on the device from the previous step's outputs (DESIGN.md invariant 7) and the host sends -1
+placeholders that never reach an embedding lookup; a host-side proposer (ngram) sends real ids
+and the drafts in `draft_tokens`.
+"""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy_lite.pytorch.model_inputs import ModelInputs
+from lmdeploy_lite.pytorch.strategies.base import Strategy, pack_model_inputs
+
+
+class ARSpecStrategy(Strategy):
+
+    def __init__(self, num_spec_tokens: int, host_proposer=None):
+        self.num_spec_tokens = num_spec_tokens
+        self.host_proposer = host_proposer      # .propose(token_ids) -> k drafts, or None
+
+    def make_model_inputs(self, batch, device) -> ModelInputs:
+        seqs = batch.seqs
+        history = [s.num_computed for s in seqs]
+        if not batch.is_decoding:
+            chunks = [s.token_ids[s.num_computed:s.num_computed + n]
+                      for s, n in zip(seqs, batch.q_lens)]
+            nexts = [s.token_ids[h + n] if h + n < len(s.token_ids) else -1
+                     for s, h, n in zip(seqs, history, batch.q_lens)]
+            inputs = pack_model_inputs(chunks, history, [s.blocks for s in seqs],
+                                       [s.state_slot for s in seqs], False, device)
+            inputs.next_token_ids = torch.tensor(nexts, dtype=torch.long, device=device)
+            return inputs
+        k = self.num_spec_tokens
+        if self.host_proposer is not None:
+            drafts = [self.host_proposer.propose(s.token_ids) for s in seqs]
+            chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)]
+        else:
+            drafts, chunks = None, [[-1] * (k + 1) for _ in seqs]
+        inputs = pack_model_inputs(chunks, history, [s.blocks for s in seqs],
+                                   [s.state_slot for s in seqs], True, device)
+        if drafts is not None:
+            inputs.draft_tokens = torch.tensor(drafts, dtype=torch.long, device=device)
+        return inputs
+
+    def make_dummy_inputs(self, num_tokens_per_seq: int, device) -> ModelInputs:
+        inputs = super().make_dummy_inputs(num_tokens_per_seq, device)
+        inputs.next_token_ids = torch.zeros(1, dtype=torch.long, device=device)
+        return inputs
