@@ -1,0 +1,17 @@
+"""Plain-PyTorch ops: correct on any device and batch, loop over sequences in Python."""
+from .causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
+from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
+from .paged_attention import paged_attention
+
+
+class DefaultBackend:
+    name = 'default'
+    paged_attention = staticmethod(paged_attention)
+    causal_conv1d_prefill = staticmethod(causal_conv1d_prefill)
+    causal_conv1d_update = staticmethod(causal_conv1d_update)
+    gated_delta_rule_prefill = staticmethod(gated_delta_rule_prefill)
+    gated_delta_rule_decode = staticmethod(gated_delta_rule_decode)
+
+
+__all__ = ['DefaultBackend', 'paged_attention', 'causal_conv1d_prefill', 'causal_conv1d_update',
+           'gated_delta_rule_prefill', 'gated_delta_rule_decode']

@@ -1,0 +1,131 @@
+"""Gated delta rule (Qwen3.5 linear attention) with fp32 state (fp64 for float64 models).
+
+Per value head, with q, k L2-normalised and q scaled by dk^-0.5, for each token t:
+    S <- S * exp(g_t);  delta = (v_t - S^T k_t) * beta_t;  S <- S + k_t delta^T;  o_t = S^T q_t
+S is `[dk, dv]`. Value head j uses key head `j // (nv / nk)`.
+
+State cache: `state_cache [num_state_slots, 1 + num_spec, nv, dk, dv]` with the slot semantics of
+`model_inputs.py`: read `state_cache[state_slots[b], state_index[b]]` (zeros if history_lens[b] == 0);
+prefill writes the final state to slot 0; decode/verify writes the state after token t to slot t.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...model_inputs import ModelInputs
+
+
+def _prepare(q, k, v, g, beta, acc):
+    """-> q, k [T, nv, dk] (normalised, expanded to value heads), v [T, nv, dv], g/beta [T, nv]."""
+    ratio = v.shape[1] // q.shape[1]
+    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * q.shape[-1] ** -0.5
+    if ratio > 1:
+        q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    return q, k, v, g, beta
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+    """Token-by-token form, batched. q, k [B, n, h, dk]; v [B, n, h, dv]; g, beta [B, n, h];
+    state [B, h, dk, dv] (prepared inputs). Returns o [B, n, h, dv] and states after every token
+    [B, n, h, dk, dv]."""
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        state = state * g[:, t].exp()[..., None, None]
+        kv_mem = (state * k[:, t, :, :, None]).sum(-2)                  # [B, h, dv]
+        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append((state * q[:, t, :, :, None]).sum(-2))
+        states.append(state)
+    return torch.stack(outs, 1), torch.stack(states, 1)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Chunked (WY / UT-transform) form for one sequence. q, k [n, h, dk]; v [n, h, dv];
+    g, beta [n, h]; state [h, dk, dv] (prepared inputs). Returns o [n, h, dv], final state."""
+    n = q.shape[0]
+    pad = (chunk_size - n % chunk_size) % chunk_size
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))   # [h, N, d]
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))        # [h, N]
+    h = q.shape[0]
+    q, k, v = (x.reshape(h, -1, chunk_size, x.shape[-1]) for x in (q, k, v))      # [h, c, C, d]
+    g, beta = (x.reshape(h, -1, chunk_size) for x in (g, beta))
+    cum = g.cumsum(-1)                                                             # [h, c, C]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float('-inf')).exp()
+    k_beta, v_beta = k * beta[..., None], v * beta[..., None]
+    # (I + strictly_lower(beta_i k_i.k_j decay_ij)) u = v_beta ; same system for w
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
+                                      unitriangular=True)
+    intra = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * cum.exp()[..., None]
+    k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
+    out = torch.empty_like(v)
+    for c in range(q.shape[1]):
+        v_new = u[:, c] - w[:, c] @ state
+        out[:, c] = q_decayed[:, c] @ state + intra[:, c] @ v_new
+        state = state * cum[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ v_new
+    out = out.reshape(h, -1, out.shape[-1])[:, :n].transpose(0, 1)
+    return out, state
+
+
+def _initial_states(state_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+    """[B, nv, dk, dv] current states (a copy), zero for fresh sequences."""
+    states = state_cache[inputs.state_slots, inputs.state_index]
+    fresh = (inputs.history_lens == 0)[:, None, None, None]
+    return states.masked_fill(fresh, 0)
+
+
+def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state_cache: torch.Tensor,
+                             inputs: ModelInputs) -> torch.Tensor:
+    """q, k [T, nk, dk]; v [T, nv, dv]; g (log decay), beta [T, nv] -> o [T, nv, dv] in v.dtype.
+    Writes each sequence's final state to slot 0 of its row."""
+    acc = state_cache.dtype
+    init = _initial_states(state_cache, inputs)
+    q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
+    out = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
+    start = 0
+    for b, q_len in enumerate(inputs.q_lens.tolist()):
+        if q_len == 0:
+            continue
+        sl = slice(start, start + q_len)
+        o, final = chunk_gated_delta_rule(q[sl], k[sl], vp[sl], g[sl], beta[sl], init[b])
+        out[sl] = o.to(v.dtype)
+        state_cache[inputs.state_slots[b], 0] = final
+        start += q_len
+    return out
+
+
+def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, state_cache: torch.Tensor,
+                            inputs: ModelInputs) -> torch.Tensor:
+    """Decode/verify, n = q_lens[b] <= 1 + num_spec tokens per sequence; shapes as in prefill.
+    Writes the state after token t to slot t of the sequence's row."""
+    acc = state_cache.dtype
+    init = _initial_states(state_cache, inputs)
+    q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
+    q_lens = inputs.q_lens.tolist()
+    if len(set(q_lens)) == 1 and q_lens[0] > 0:             # equal lengths: one batched loop
+        n, bsz = q_lens[0], len(q_lens)
+        o, states = recurrent_gated_delta_rule(
+            *(x.view(bsz, n, *x.shape[1:]) for x in (q, k, vp, g, beta)), init)
+        state_cache[inputs.state_slots, :n] = states
+        return o.reshape(vp.shape).to(v.dtype)
+    out = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
+    start = 0
+    for b, q_len in enumerate(q_lens):
+        if q_len == 0:
+            continue
+        sl = slice(start, start + q_len)
+        o, states = recurrent_gated_delta_rule(
+            *(x[sl][None] for x in (q, k, vp, g, beta)), init[b:b + 1])
+        out[sl] = o[0].to(v.dtype)
+        state_cache[inputs.state_slots[b], :q_len] = states[0]
+        start += q_len
+    return out

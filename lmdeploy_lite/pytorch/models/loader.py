@@ -1,0 +1,174 @@
+"""Load Qwen3.5 weights from a HF checkpoint directory (safetensors, single file or sharded).
+
+Accepted layouts: text-only (`model.*`, `lm_head.weight`) and the released multimodal one
+(`model.language_model.*` -> `model.*`, `model.visual.*` skipped). MoE experts may be fused
+(`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) or per expert
+(`experts.{e}.{gate,up,down}_proj.weight`). With `tie_word_embeddings` the checkpoint has no
+`lm_head.weight`. `mtp.*` tensors belong to the MTP draft (`load_mtp_weights`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from ..config import ModelConfig
+
+SINGLE_FILE = 'model.safetensors'
+INDEX_FILE = 'model.safetensors.index.json'
+_PER_EXPERT = re.compile(r'^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$')
+
+
+def checkpoint_files(model_dir: str) -> dict[str, list[str]]:
+    """{safetensors file path: [tensor names]} of the checkpoint; ValueError if absent."""
+    if not os.path.isdir(model_dir):
+        raise ValueError(f'model_path={model_dir!r}: no such directory')
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    single_path = os.path.join(model_dir, SINGLE_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map = json.load(f)['weight_map']
+        files: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            files.setdefault(os.path.join(model_dir, shard), []).append(name)
+        for path in files:
+            if not os.path.isfile(path):
+                raise ValueError(f'{index_path}: lists shard {os.path.basename(path)!r}, '
+                                 f'which is missing from {model_dir!r}')
+        return files
+    if os.path.isfile(single_path):
+        with safe_open(single_path, 'pt', device='cpu') as f:
+            return {single_path: list(f.keys())}
+    raise ValueError(f'model_path={model_dir!r}: no weights found; expected {SINGLE_FILE} or '
+                     f'{INDEX_FILE}')
+
+
+def has_mtp_weights(model_dir: str) -> bool:
+    """True when the checkpoint holds `mtp.*` tensors (the Qwen3.5 MTP draft head)."""
+    return any(name.startswith('mtp.') for names in checkpoint_files(model_dir).values()
+               for name in names)
+
+
+def iter_tensors(model_dir: str, select, progress: bool = True,
+                 desc: str = 'Loading weights') -> Iterator[tuple[str, str, tuple, callable]]:
+    """Yield (file, name, shape, load) for checkpoint tensors with `select(name)` true; `load()`
+    reads the tensor. A tqdm bar counts tensors unless `progress=False`."""
+    files = checkpoint_files(model_dir)
+    total = sum(sum(1 for n in names if select(n)) for names in files.values())
+    with tqdm(total=total, desc=desc, unit='tensor', disable=not progress) as bar:
+        for path, names in files.items():
+            with safe_open(path, 'pt', device='cpu') as f:
+                available = set(f.keys())
+                for name in names:
+                    if not select(name):
+                        continue
+                    if name not in available:
+                        raise ValueError(f'{path}: tensor {name!r} is listed in the index but '
+                                         f'missing from the file')
+                    shape = tuple(f.get_slice(name).get_shape())
+                    yield path, name, shape, (lambda f=f, name=name: f.get_tensor(name))
+                    bar.update(1)
+
+
+def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str, str],
+                        skip: tuple[str, ...] = (), allow_missing: tuple[str, ...] = (),
+                        progress: bool = True, desc: str = 'Loading weights') -> None:
+    """Copy checkpoint tensors into `module`'s parameters, matched by name.
+
+    prefix_map: checkpoint prefix -> module prefix (first match wins); tensors matching no prefix
+    or starting with a `skip` prefix are ignored. Per-expert MoE tensors are fused into
+    `experts.gate_up_proj` / `experts.down_proj`. Raises ValueError naming the file, tensor and
+    shapes on a shape mismatch, and listing what is missing at the end."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    filled: set[str] = set()
+    expert_parts: dict[str, set] = {}
+
+    def rename(name: str) -> str | None:
+        if name.startswith(skip):
+            return None
+        for src, dst in prefix_map.items():
+            if name.startswith(src):
+                return dst + name[len(src):]
+        return None
+
+    for path, name, shape, load in iter_tensors(
+            model_dir, lambda n: rename(n) is not None, progress, desc):
+        target = rename(name)
+        match = _PER_EXPERT.match(target)
+        if match:
+            base, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+            pname = f'{base}.down_proj' if proj == 'down_proj' else f'{base}.gate_up_proj'
+            if pname not in params:
+                raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {pname!r})')
+            param = params[pname]
+            inter = param.shape[2] if proj == 'down_proj' else param.shape[1] // 2
+            if expert >= param.shape[0]:
+                raise ValueError(f'{path}: tensor {name!r}: expert {expert} out of range, '
+                                 f'config.json has num_experts={param.shape[0]}')
+            dest = {'gate_proj': param.data[expert, :inter], 'up_proj': param.data[expert, inter:],
+                    'down_proj': param.data[expert]}[proj]
+            _check_shape(path, name, shape, tuple(dest.shape))
+            dest.copy_(load())
+            expert_parts.setdefault(pname, set()).add((expert, proj))
+            continue
+        if target not in params:
+            raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {target!r} in '
+                             f'{type(module).__name__})')
+        param = params[target]
+        _check_shape(path, name, shape, tuple(param.shape))
+        param.data.copy_(load())
+        filled.add(target)
+
+    for pname, parts in expert_parts.items():
+        num_experts = params[pname].shape[0]
+        projs = ('down_proj',) if pname.endswith('down_proj') else ('gate_proj', 'up_proj')
+        if len(parts) == num_experts * len(projs):
+            filled.add(pname)
+    missing = [p for p in params if p not in filled and not p.startswith(allow_missing)]
+    if missing:
+        shown = ', '.join(missing[:8]) + (f' (+{len(missing) - 8} more)' if len(missing) > 8 else '')
+        raise ValueError(f'model_path={model_dir!r}: missing tensors for {shown}')
+
+
+def _check_shape(path: str, name: str, shape: tuple, expected: tuple) -> None:
+    if shape != expected:
+        raise ValueError(f'{path}: tensor {name!r} has shape {list(shape)}, but config.json '
+                         f'implies {list(expected)}')
+
+
+def load_weights(model: nn.Module, model_dir: str, progress: bool = True) -> None:
+    """Load the target model (`Qwen3_5ForCausalLM`) from either released layout."""
+    tied = model.config.tie_word_embeddings
+    prefix_map = {'model.language_model.': 'model.', 'model.': 'model.'}
+    if not tied:
+        prefix_map['lm_head.'] = 'lm_head.'
+    load_module_weights(model, model_dir, prefix_map, skip=('model.visual.', 'mtp.'),
+                        allow_missing=('lm_head.',) if tied else (), progress=progress)
+
+
+def load_mtp_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
+    """All `mtp.*` tensors of the checkpoint, names unchanged (experts as stored)."""
+    return {name: load() for _, name, _, load in
+            iter_tensors(model_dir, lambda n: n.startswith('mtp.'), progress=False)}
+
+
+def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True) -> None:
+    """Load `mtp.*` into the draft head (`Qwen3_5MTP`); its shared embed/lm_head are not loaded."""
+    load_module_weights(mtp, model_dir, {'mtp.': ''}, allow_missing=('embed_tokens.', 'lm_head.'),
+                        progress=progress, desc='Loading MTP weights')
+
+
+def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | str = 'cpu', progress: bool = True) -> nn.Module:
+    """ModelConfig from config.json -> Qwen3_5ForCausalLM with weights loaded, in eval mode."""
+    from .qwen3_5 import Qwen3_5ForCausalLM
+    config = ModelConfig.from_pretrained(model_dir)
+    model = Qwen3_5ForCausalLM(config, dtype, device)
+    load_weights(model, model_dir, progress=progress)
+    return model.eval()

@@ -1,0 +1,115 @@
+"""Qwen3.5 text model (dense and MoE): architecture only.
+
+Decoder layer (pre-norm): `h = x + mixer(norm1(x)); out = h + mlp(norm2(h))`, mixer = gated delta
+net (`linear_attention` layers) or gated attention (`full_attention` layers); mlp = SwiGLU or sparse
+MoE. Parameter names equal the HF text checkpoint's (`model.layers.{i}...`, `lm_head.weight`), with
+MoE experts fused as transformers keeps them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..backends import get_backend
+from ..config import ModelConfig
+from ..model_inputs import ModelInputs
+from ..nn.attention import GatedAttention
+from ..nn.gated_delta_net import GatedDeltaNet
+from ..nn.linear import ColumnParallelLinear
+from ..nn.mlp import SwiGLUMLP
+from ..nn.moe import SparseMoeBlock
+from ..nn.norm import RMSNorm
+from ..nn.rotary import RotaryEmbedding
+
+
+def build_mlp(config: ModelConfig, dtype: torch.dtype, device) -> nn.Module:
+    if config.is_moe:
+        return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
+                              config.moe_intermediate_size, config.shared_expert_intermediate_size,
+                              dtype, device)
+    return SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, device)
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_type: str, backend, dtype: torch.dtype, device):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == 'linear_attention':
+            self.linear_attn = GatedDeltaNet(
+                config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                config.linear_key_head_dim, config.linear_value_head_dim,
+                config.linear_conv_kernel_dim, config.rms_norm_eps, backend, dtype, device)
+        elif layer_type == 'full_attention':
+            self.self_attn = GatedAttention(
+                config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+                config.head_dim, config.rms_norm_eps, backend, dtype, device)
+        else:
+            raise ValueError(f'layer_type={layer_type!r}: must be linear_attention or full_attention')
+        self.mlp = build_mlp(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
+                                                device)
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache,
+                inputs: ModelInputs) -> torch.Tensor:
+        """hidden [T, H]; cache: (k_cache, v_cache) or (conv_state, recurrent_state)."""
+        normed = self.input_layernorm(hidden)
+        if self.layer_type == 'linear_attention':
+            mixed = self.linear_attn(normed, cache, inputs)
+        else:
+            mixed = self.self_attn(normed, rope, cache, inputs)
+        hidden = hidden + mixed
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype, device):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                         device=device)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(config, t, backend, dtype, device) for t in config.layer_types)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, device)
+
+    def forward(self, inputs: ModelInputs, caches) -> torch.Tensor:
+        hidden = self.embed_tokens(inputs.input_ids)
+        rope = self.rotary_emb(inputs.positions, hidden.dtype)
+        for idx, layer in enumerate(self.layers):
+            hidden = layer(hidden, rope, caches[idx], inputs)
+        return self.norm(hidden)
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Target model. `forward(inputs, caches) -> [T, H]` post-final-norm hidden states (what the
+    LM head scores and what the MTP draft consumes); `compute_logits(hidden [N, H]) -> [N, V]`."""
+
+    def __init__(self, model_config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = 'cpu'):
+        super().__init__()
+        self.config = model_config
+        self.dtype = dtype
+        self.backend = get_backend(device)
+        self.model = Qwen3_5Model(model_config, self.backend, dtype, device)
+        self.lm_head = ColumnParallelLinear(model_config.hidden_size, model_config.vocab_size,
+                                            dtype, device)
+        if model_config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def forward(self, inputs: ModelInputs, caches) -> torch.Tensor:
+        """caches: `caches[layer_idx]` -> that layer's cache tuple (see engine/cache_engine.py)."""
+        return self.model(inputs, caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model)."""
+        logits = F.linear(hidden, self.lm_head.weight)
+        return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)

@@ -1,0 +1,50 @@
+"""Qwen3.5 gated full attention.
+
+`q_proj` gives per head `[q_h | gate_h]` (2 * head_dim); q/k get a per-head zero-centred RMSNorm,
+then partial RoPE; paged causal GQA attention (scale head_dim^-0.5); the result is multiplied by
+`sigmoid(gate)` and projected by `o_proj`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..model_inputs import ModelInputs
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .norm import RMSNorm
+from .rotary import apply_rotary
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 eps: float, backend, dtype: torch.dtype, device: torch.device | str,
+                 tp_group=None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.backend = backend
+        self.scale = head_dim ** -0.5
+        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim * 2, dtype, device,
+                                           tp_group=tp_group)
+        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, dtype, device,
+                                           tp_group=tp_group)
+        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, dtype, device,
+                                           tp_group=tp_group)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, dtype, device,
+                                        tp_group=tp_group)
+        self.q_norm = RMSNorm(head_dim, eps, dtype, device)
+        self.k_norm = RMSNorm(head_dim, eps, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs) -> torch.Tensor:
+        """hidden [T, H]; rope (cos, sin) [T, rotary_dim]; kv_cache (k_cache, v_cache)."""
+        num_tokens = hidden.shape[0]
+        q_gate = self.q_proj(hidden).view(num_tokens, -1, 2 * self.head_dim)
+        q, gate = q_gate[..., :self.head_dim], q_gate[..., self.head_dim:]
+        k = self.k_proj(hidden).view(num_tokens, -1, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, -1, self.head_dim)
+        cos, sin = rope
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+        out = self.backend.paged_attention(q, k, v, kv_cache[0], kv_cache[1], inputs, self.scale)
+        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        return self.o_proj(out)

@@ -1,0 +1,75 @@
+"""Qwen3.5 Gated DeltaNet (linear attention) mixer.
+
+in_proj_qkv -> causal depthwise conv (kernel K) + SiLU over `[q | k | v]` -> split into q, k
+(nk heads x dk) and v (nv heads x dv); beta = sigmoid(in_proj_b); log decay
+g = -exp(A_log) * softplus(in_proj_a + dt_bias); gated delta rule; per-head gated RMSNorm with
+silu(in_proj_z); out_proj. Per-sequence state lives in the layer's state cache
+`(conv [slots, conv_dim, K-1+num_spec], recurrent [slots, 1+num_spec, nv, dk, dv])`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model_inputs import ModelInputs
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .norm import GatedRMSNorm, compute_dtype
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, num_key_heads: int, num_value_heads: int,
+                 key_head_dim: int, value_head_dim: int, conv_kernel: int, eps: float, backend,
+                 dtype: torch.dtype, device: torch.device | str, tp_group=None):
+        super().__init__()
+        self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
+        self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
+        self.key_dim, self.value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.backend = backend
+        self.in_proj_qkv = ColumnParallelLinear(hidden_size, self.conv_dim, dtype, device,
+                                                tp_group=tp_group)
+        self.in_proj_z = ColumnParallelLinear(hidden_size, self.value_dim, dtype, device,
+                                              tp_group=tp_group)
+        self.in_proj_b = ColumnParallelLinear(hidden_size, num_value_heads, dtype, device,
+                                              tp_group=tp_group)
+        self.in_proj_a = ColumnParallelLinear(hidden_size, num_value_heads, dtype, device,
+                                              tp_group=tp_group)
+        self.conv1d = nn.Module()   # keeps the checkpoint name `conv1d.weight` [conv_dim, 1, K]
+        self.conv1d.weight = nn.Parameter(
+            torch.empty(self.conv_dim, 1, conv_kernel, dtype=dtype, device=device),
+            requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_value_heads, dtype=dtype, device=device),
+                                    requires_grad=False)
+        self.A_log = nn.Parameter(torch.zeros(num_value_heads, dtype=dtype, device=device),
+                                  requires_grad=False)
+        self.norm = GatedRMSNorm(value_head_dim, eps, dtype, device)
+        self.out_proj = RowParallelLinear(self.value_dim, hidden_size, dtype, device,
+                                          tp_group=tp_group)
+
+    def forward(self, hidden: torch.Tensor, state_cache: tuple[torch.Tensor, torch.Tensor],
+                inputs: ModelInputs) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]; reads/writes `state_cache` as described in model_inputs.py."""
+        num_tokens = hidden.shape[0]
+        conv_cache, recurrent_cache = state_cache
+        mixed = self.in_proj_qkv(hidden)
+        z = self.in_proj_z(hidden).view(num_tokens, -1, self.value_head_dim)
+        b, a = self.in_proj_b(hidden), self.in_proj_a(hidden)
+        conv_weight = self.conv1d.weight[:, 0]
+        if inputs.is_decoding:
+            mixed = self.backend.causal_conv1d_update(mixed, conv_weight, conv_cache, inputs)
+        else:
+            mixed = self.backend.causal_conv1d_prefill(mixed, conv_weight, conv_cache, inputs)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.view(num_tokens, -1, self.key_head_dim)
+        k = k.view(num_tokens, -1, self.key_head_dim)
+        v = v.view(num_tokens, -1, self.value_head_dim)
+        acc = compute_dtype(hidden.dtype)
+        beta = torch.sigmoid(b)
+        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias)
+        if inputs.is_decoding:
+            out = self.backend.gated_delta_rule_decode(q, k, v, g, beta, recurrent_cache, inputs)
+        else:
+            out = self.backend.gated_delta_rule_prefill(q, k, v, g, beta, recurrent_cache, inputs)
+        out = self.norm(out, z).reshape(num_tokens, -1)
+        return self.out_proj(out)
