@@ -1,0 +1,72 @@
+"""Qwen3.5 MTP draft head (qwen3_5.md section 3): architecture only.
+
+    e = pre_fc_norm_embedding(embed_tokens(x_{t+1}))      # shared with the target
+    h = pre_fc_norm_hidden(h_t)                           # target's post-final-norm hidden
+    u = fc(cat([e, h], -1))                               # [H, 2H], embedding first
+    u = layers[0](u, position t)                          # one full-attention decoder layer,
+                                                          # dense MLP or MoE like the target
+    h'_t = norm(u)                                        # lm_head(h'_t) predicts x_{t+2}
+The layer has its own paged KV cache (`CacheEngine(..., layer_types=('full_attention',))`, same
+block table and block size as the target). Parameter names equal the checkpoint's minus `mtp.`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..backends import get_backend
+from ..config import ModelConfig
+from ..model_inputs import ModelInputs
+from ..nn.linear import ReplicatedLinear
+from ..nn.norm import RMSNorm
+from ..nn.rotary import RotaryEmbedding
+from .qwen3_5 import Qwen3_5DecoderLayer
+
+
+class Qwen3_5MTP(nn.Module):
+
+    def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 embed_tokens: nn.Embedding, lm_head: nn.Module):
+        super().__init__()
+        hidden, eps = model_config.hidden_size, model_config.rms_norm_eps
+        num_layers = max(1, model_config.mtp_num_hidden_layers)
+        self.config, self.dtype = model_config, dtype
+        backend = get_backend(device)
+        self.pre_fc_norm_embedding = RMSNorm(hidden, eps, dtype, device)
+        self.pre_fc_norm_hidden = RMSNorm(hidden, eps, dtype, device)
+        self.fc = ReplicatedLinear(2 * hidden, hidden, dtype, device)
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(model_config, 'full_attention', backend, dtype, device)
+            for _ in range(num_layers))
+        self.norm = RMSNorm(hidden, eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(model_config.rotary_dim, model_config.rope_theta, device)
+        # shared with the target, deliberately not registered: not part of this module's weights
+        self._shared = {'embed_tokens': embed_tokens, 'lm_head': lm_head}
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._shared['embed_tokens']
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self._shared['lm_head']
+
+    def forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, inputs: ModelInputs,
+                caches, layer_idx: int = 0) -> torch.Tensor:
+        """input_ids [T]: the token after each position; target_hidden [T, H]: the target's
+        post-norm hidden (or this head's previous output when drafting recursively); positions,
+        lengths and block tables from `inputs`; `caches[layer_idx]` = this head's (k, v) cache.
+        Returns the post-`norm` hidden [T, H]."""
+        embeds = self.pre_fc_norm_embedding(self.embed_tokens(input_ids))
+        hidden = self.pre_fc_norm_hidden(target_hidden.to(embeds.dtype))
+        hidden = self.fc(torch.cat([embeds, hidden], dim=-1))
+        rope = self.rotary_emb(inputs.positions, hidden.dtype)
+        layer_idx %= len(self.layers)
+        hidden = self.layers[layer_idx](hidden, rope, caches[layer_idx], inputs)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> [N, V] through the shared LM head (float32, float64 if the model is)."""
+        logits = F.linear(hidden, self.lm_head.weight)
+        return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)
