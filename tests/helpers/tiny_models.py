@@ -151,7 +151,10 @@ def make_tiny_checkpoint(tmp_dir: str, moe: bool, layout: str = 'plain', with_mt
         raise ValueError(f"layout={layout!r}: must be 'plain' or 'multimodal'")
     hf_model = make_tiny_hf_model(moe, tie, seed, **overrides)
     name = (f"tiny-{'moe' if moe else 'dense'}-{layout}{'-tie' if tie else ''}"
-            f"{'-perexpert' if per_expert else ''}{'-shard' if shard else ''}-s{seed}")
+            f"{'-perexpert' if per_expert else ''}{'-shard' if shard else ''}"
+            f"{'' if with_mtp else '-nomtp'}-s{seed}")
+    if overrides:
+        name += '-' + '-'.join(f'{k}{v}' for k, v in sorted(overrides.items()))
     path = os.path.join(tmp_dir, name)
     os.makedirs(path, exist_ok=True)
     tensors = {k: v.detach().clone() for k, v in hf_model.state_dict().items()}
