@@ -20,6 +20,13 @@ def _engine_args(p: argparse.ArgumentParser):
                    help='max tokens per sequence, prompt included (default: the model maximum)')
     p.add_argument('--cache-max-entry-count', type=float, default=0.8,
                    help='fraction of free memory for the KV cache')
+    p.add_argument('--speculative-algorithm', default=None, choices=['qwen3_5_mtp', 'ngram'],
+                   help='speculative decoding method (default qwen3_5_mtp when a draft count '
+                        'is given)')
+    p.add_argument('--speculative-num-draft-tokens', type=int, default=None,
+                   help='drafts per step, 1..8 (enables speculative decoding)')
+    p.add_argument('--speculative-draft-model', default=None,
+                   help='directory with the mtp.* tensors (default: the target model)')
     p.add_argument('--log-level', default='WARNING', help='python logging level')
 
 
@@ -29,6 +36,15 @@ def _sampling_args(p: argparse.ArgumentParser):
     p.add_argument('--top-p', type=float, default=1.0, help='nucleus sampling mass')
     p.add_argument('--top-k', type=int, default=0, help='0 = off')
     p.add_argument('--seed', type=int, default=None, help='random seed for sampling')
+
+
+def speculative_config(args):
+    from lmdeploy_lite import SpeculativeConfig
+    if args.speculative_algorithm is None and args.speculative_num_draft_tokens is None:
+        return None
+    return SpeculativeConfig(method=args.speculative_algorithm or 'qwen3_5_mtp',
+                             num_speculative_tokens=args.speculative_num_draft_tokens or 3,
+                             model=args.speculative_draft_model)
 
 
 def _build(args):
@@ -41,7 +57,7 @@ def _build(args):
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                   do_sample=args.temperature > 0, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, random_seed=args.seed)
-    return pipeline(args.model, engine_config), gen_config
+    return pipeline(args.model, engine_config, speculative_config(args)), gen_config
 
 
 def cmd_generate(args) -> int:
@@ -57,6 +73,14 @@ def cmd_generate(args) -> int:
         print()
         print(f'[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s, '
               f'finish_reason={last.finish_reason}]', file=sys.stderr)
+        stats = last.spec_stats
+        if stats is not None:
+            per_position = ', '.join(f'{a / stats.num_drafts:.2f}'
+                                     for a in stats.accepted_per_position)
+            print(f'[speculative: {stats.num_drafts} drafts, {stats.num_accepted_tokens}/'
+                  f'{stats.num_draft_tokens} draft tokens accepted, mean accepted length '
+                  f'{stats.mean_accepted_length:.2f}, acceptance by position: {per_position}]',
+                  file=sys.stderr)
     return 0
 
 

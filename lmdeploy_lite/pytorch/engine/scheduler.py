@@ -111,7 +111,7 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.status != SeqStatus.RUNNING:
+            if seq.status != SeqStatus.RUNNING or not seq.prefilled:
                 continue                                       # preempted in this loop
             need = seq.num_computed + 1 + self.num_spec_tokens + self.num_draft_extra
             if not self.bm.can_hold(seq, need) and not self._preempt_for(seq, need):
@@ -135,6 +135,7 @@ class Scheduler:
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_computed = 0
+        seq.prefilled = False
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
@@ -143,6 +144,7 @@ class Scheduler:
         """Record a step's result for `seq`; returns the tokens actually emitted (a stop inside
         `new_tokens` truncates there). Frees the sequence's cache when it finishes."""
         seq.num_computed += num_new_computed
+        seq.prefilled = seq.prefilled or bool(new_tokens)
         emitted = []
         for token in new_tokens:
             seq.token_ids.append(token)

@@ -24,6 +24,7 @@ class Sequence:
     arrival: int                          # admission order; later arrivals are preempted first
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0                 # tokens whose KV / linear state is in the cache
+    prefilled: bool = False               # its (re)prefill has finished: it decodes from now on
     blocks: list[int] = field(default_factory=list)
     state_slot: int | None = None
     finish_reason: str | None = None
@@ -45,7 +46,8 @@ class Sequence:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_computed > 0 and self.num_uncomputed == 1
+        """A prefill whose last chunk is one token is still a prefill: it has no drafts yet."""
+        return self.prefilled
 
     @property
     def is_finished(self) -> bool:

@@ -27,6 +27,7 @@ class SpecAgent:
         self.last_token = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         self.drafts = torch.zeros(num_state_slots, num_spec_tokens, dtype=torch.long, device=device)
         self.draft_probs: torch.Tensor | None = None      # [slots, k, V], made on first sampling
+        self.rejection_sampler = rejection_sample         # benchmarks may swap in a synthetic one
 
     @torch.inference_mode()
     def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
@@ -61,7 +62,7 @@ class SpecAgent:
         hidden = self.target.forward(inputs)
         logits = self.target.model.compute_logits(hidden).view(batch, k + 1, -1)
         # 3. accept a prefix of the drafts, then one correction or bonus token
-        output_tokens, num_accepted = rejection_sample(logits, drafts, draft_probs, sampling)
+        output_tokens, num_accepted = self.rejection_sampler(logits, drafts, draft_probs, sampling)
         # 4. rollback is arithmetic: the next step reads the state after the last accepted token
         #    (slot num_accepted); rejected KV entries are overwritten by later steps
         self.target.set_state_index(slots, num_accepted)

@@ -1,9 +1,9 @@
 """The engine end to end on tiny random checkpoints, against transformers in float64."""
 import pytest
-import torch
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine
+from tests.helpers.reference import hf_generate
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 57)), [300, 301, 2, 450, 3, 3, 3, 17]]
 GREEDY_64 = GenerationConfig(max_new_tokens=64, ignore_eos=True)
@@ -13,17 +13,6 @@ def make_engine(path, **kw):
     cfg = dict(dtype='float64', device='cpu', block_size=4, session_len=256)
     cfg.update(kw)
     return Engine(path, PytorchEngineConfig(**cfg), progress=False)
-
-
-def hf_generate(moe: bool, prompt: list[int], max_new_tokens: int) -> list[int]:
-    from tests.helpers.tiny_models import make_tiny_hf_model
-    model = make_tiny_hf_model(moe).to(torch.float64).eval()
-    if moe:
-        model.set_experts_implementation('eager')          # grouped_mm has no float64 kernel
-    model.generation_config.eos_token_id = None
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope='module')
@@ -43,7 +32,7 @@ def reference(tiny_ckpt):
 def test_greedy_equals_transformers_generate(moe, reference):
     ours = reference(moe)
     for prompt, got in zip(PROMPTS, ours):
-        assert got == hf_generate(moe, prompt, 64)
+        assert got == hf_generate(moe, tuple(prompt), 64)
 
 
 @pytest.mark.parametrize('moe', [False, True])

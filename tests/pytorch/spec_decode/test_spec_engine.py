@@ -1,0 +1,253 @@
+"""Speculative decoding through the whole engine on tiny random checkpoints with random mtp.*.
+
+Greedy speculative output must equal greedy plain output exactly (float64); sampling must keep
+the target distribution; rollback must leave exactly the caches a fresh prefill would build.
+"""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.engine.engine import Engine
+from tests.helpers.reference import hf_generate
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 49)), [300, 301, 2, 450, 3, 3, 3, 17]]
+NEW = 40
+GREEDY = GenerationConfig(max_new_tokens=NEW, ignore_eos=True)
+
+
+def make_engine(path, spec=None, **kw):
+    cfg = dict(dtype='float64', device='cpu', block_size=4, session_len=160)
+    cfg.update(kw)
+    return Engine(path, PytorchEngineConfig(**cfg), spec, progress=False)
+
+
+def mtp(k):
+    return SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k)
+
+
+@pytest.fixture(scope='module')
+def plain(tiny_ckpt):
+    cache = {}
+
+    def get(moe, prompts=tuple(map(tuple, PROMPTS)), new=NEW):
+        key = (moe, prompts, new)
+        if key not in cache:
+            engine = make_engine(tiny_ckpt(moe, layout='multimodal'))
+            cfg = GenerationConfig(max_new_tokens=new, ignore_eos=True)
+            cache[key] = [s.generated_ids for s in engine.generate([list(p) for p in prompts], cfg)]
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize('moe', [False, True])
+@pytest.mark.parametrize('k', [1, 2, 3, 5])
+def test_greedy_mtp_equals_plain_with_chunked_prefill(moe, k, tiny_ckpt, plain):
+    engine = make_engine(tiny_ckpt(moe, layout='multimodal'), mtp(k), max_prefill_token_num=7)
+    got = [s.generated_ids for s in engine.generate(PROMPTS, GREEDY)]
+    assert got == plain(moe)
+    stats = engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens == k * stats.num_drafts
+
+
+@pytest.mark.parametrize('moe', [False, True])
+def test_greedy_mtp_equals_transformers_and_survives_preemption(moe, tiny_ckpt, plain):
+    k = 3
+    engine = make_engine(tiny_ckpt(moe, layout='plain'), mtp(k), num_gpu_blocks=36,
+                         session_len=96)
+    seqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    preempted = 0
+    while engine.has_work:
+        before = [s.num_computed for s in seqs]
+        engine.step()
+        preempted += sum(s.num_computed < b for s, b in zip(seqs, before))
+    assert preempted > 0
+    assert [s.generated_ids for s in seqs] == plain(moe)
+    assert seqs[0].generated_ids == hf_generate(moe, tuple(PROMPTS[0]), NEW)
+    assert engine.scheduler.bm.num_free_blocks == engine.scheduler.bm.num_usable_blocks
+
+
+class OracleProposer:
+    """Test-only host proposer: the target's own greedy continuation (`correct` drafts), then
+    deliberately wrong tokens."""
+
+    def __init__(self, continuations: dict, k: int, correct: int, vocab: int = 512):
+        self.continuations, self.k, self.correct, self.vocab = continuations, k, correct, vocab
+
+    def propose(self, token_ids):
+        for prompt, cont in self.continuations.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                full = list(prompt) + cont
+                nxt = full[len(token_ids):len(token_ids) + self.k]
+                return [t if i < self.correct else (t + 1) % self.vocab
+                        for i, t in enumerate(nxt)]
+        raise AssertionError('unknown prompt')
+
+
+def oracle_engine(path, k, correct, continuations, **kw):
+    engine = make_engine(path, SpeculativeConfig(method='ngram', num_speculative_tokens=k), **kw)
+    engine.strategy.host_proposer = OracleProposer(continuations, k, correct)
+    return engine
+
+
+@pytest.mark.parametrize('k', [1, 3])
+def test_bookkeeping_perfect_and_wrong_proposer(k, tiny_ckpt, plain):
+    path = tiny_ckpt(False, layout='multimodal')
+    long_ref = plain(False, new=NEW + 8)
+    continuations = {tuple(p): r for p, r in zip(PROMPTS, long_ref)}
+    perfect = oracle_engine(path, k, k, continuations)
+    seqs = perfect.generate(PROMPTS, GREEDY)
+    assert [s.generated_ids for s in seqs] == plain(False)
+    assert perfect.spec_stats.acceptance_rate == 1.0
+    assert perfect.spec_stats.mean_accepted_length == k + 1
+    for s in seqs:
+        assert s.spec_stats.mean_accepted_length == k + 1
+        assert s.spec_stats.accepted_per_position == [s.spec_stats.num_drafts] * k
+    wrong = oracle_engine(path, k, 0, continuations)
+    assert [s.generated_ids for s in wrong.generate(PROMPTS, GREEDY)] == plain(False)
+    assert wrong.spec_stats.mean_accepted_length == 1.0
+
+
+def _target_state(engine, seq):
+    """(KV of every full-attention layer for positions < num_computed, current linear states)."""
+    agent = engine.agent.target
+    slot, n = seq.state_slot, seq.num_computed
+    index = int(agent.state_index[slot])
+    bs = engine.cache_config.block_size
+    pos = torch.arange(n)
+    blocks = torch.tensor(seq.blocks)[pos // bs]
+    out = []
+    for layer_type, (a, b) in zip(engine.model_config.layer_types, agent.caches.caches):
+        if layer_type == 'full_attention':
+            out += [a[blocks, pos % bs], b[blocks, pos % bs]]
+        else:
+            kernel = engine.model_config.linear_conv_kernel_dim
+            out += [a[slot, :, index:index + kernel - 1], b[slot, index]]
+    mtp_k, mtp_v = engine.agent.proposer.caches[0]
+    out += [mtp_k[blocks, pos % bs], mtp_v[blocks, pos % bs]]
+    return out
+
+
+@pytest.mark.parametrize('moe', [False, True])
+def test_rollback_leaves_exactly_the_state_of_a_fresh_prefill(moe, tiny_ckpt, plain):
+    """After a verify step accepting j of k drafts, the caches the next step reads equal those a
+    fresh prefill of exactly the accepted tokens builds, for every j in 0..k."""
+    k = 3
+    path = tiny_ckpt(moe, layout='multimodal')
+    prompt = PROMPTS[0]
+    ref = plain(moe)[0]
+    for j in range(k + 1):
+        engine = make_engine(path, mtp(k))
+        seq = engine.add_request(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True))
+        engine.step()                                                # prefill: emits ref[0]
+        slot = seq.state_slot
+        drafts = torch.tensor(ref[1:1 + k])
+        drafts[j:] = (drafts[j:] + 1) % 512                           # exactly j correct drafts
+        engine.agent.drafts[slot] = drafts
+        engine.step()
+        assert seq.spec_stats.num_accepted_tokens == j
+        assert seq.generated_ids == ref[:j + 2]
+        fresh = make_engine(path, mtp(k))
+        fresh_seq = fresh.add_request(prompt + ref[:j + 1], GenerationConfig(max_new_tokens=20,
+                                                                            ignore_eos=True))
+        fresh.step()
+        assert fresh_seq.num_computed == seq.num_computed
+        assert fresh_seq.generated_ids == [ref[j + 1]]
+        for got, want in zip(_target_state(engine, seq), _target_state(fresh, fresh_seq)):
+            torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def test_stops_inside_an_accepted_run_end_where_plain_output_ends(tiny_ckpt, plain):
+    path = tiny_ckpt(False, layout='multimodal')
+    ref = plain(False)[2]
+    k = 3
+    continuations = {tuple(PROMPTS[2]): plain(False, new=NEW + 8)[2]}
+    for cfg in (GenerationConfig(max_new_tokens=NEW, stop_token_ids=[ref[9]]),
+                GenerationConfig(max_new_tokens=9, ignore_eos=True)):
+        base = make_engine(path).generate([PROMPTS[2]], cfg)[0]
+        engine = oracle_engine(path, k, k, continuations)
+        got = engine.generate([PROMPTS[2]], cfg)[0]
+        assert got.generated_ids == base.generated_ids and got.finish_reason == base.finish_reason
+        assert engine.spec_stats.mean_accepted_length == k + 1      # stops fell inside runs
+
+
+def test_stop_words_inside_an_accepted_run(tiny_ckpt, plain):
+    class SpaceTokenizer:
+        def decode(self, ids, **kw):
+            return ''.join(f' {i}' for i in ids)
+    path = tiny_ckpt(False, layout='multimodal')
+    ref = plain(False)[2]
+    word = f' {ref[6]} {ref[7]}'
+    cfg = GenerationConfig(max_new_tokens=NEW, stop_words=[word])
+    base = Engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
+                                            session_len=160), tokenizer=SpaceTokenizer(),
+                  progress=False).generate([PROMPTS[2]], cfg)[0]
+    spec = Engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
+                                            session_len=160), mtp(3), tokenizer=SpaceTokenizer(),
+                  progress=False).generate([PROMPTS[2]], cfg)[0]
+    first = next(i for i in range(len(ref)) if word in SpaceTokenizer().decode(ref[:i + 1]))
+    assert base.generated_ids == ref[:first + 1] and base.finish_reason == 'stop'
+    assert spec.generated_ids == base.generated_ids and spec.finish_reason == 'stop'
+
+
+def _marginal_of_second_token(engine, context, n, gen_kw):
+    seqs = [engine.add_request(context, GenerationConfig(max_new_tokens=2, do_sample=True,
+                                                         random_seed=i, ignore_eos=True,
+                                                         **gen_kw))
+            for i in range(n)]
+    while engine.has_work:
+        engine.step()
+    return np.bincount([s.generated_ids[1] for s in seqs], minlength=engine.model_config.vocab_size)
+
+
+@pytest.mark.parametrize('gen_kw', [dict(temperature=1.0), dict(temperature=0.7, top_p=0.9)])
+def test_sampled_speculation_keeps_the_target_distribution(gen_kw, tiny_ckpt):
+    """Chi-squared on the second generated token (it comes from a verify step: an accepted MTP
+    draft or a resampled correction) against the exact marginal
+    sum_t1 p(t1 | ctx) p(t2 | ctx, t1) computed from the plain engine's logits."""
+    from lmdeploy_lite.pytorch.sampling import SamplingInputs, probs_from_logits
+    vocab = 24
+    path = tiny_ckpt(True, layout='plain', vocab_size=vocab, seed=3)
+    context = [3, 5, 7, 11]
+    n = 20000
+    engine = make_engine(path, mtp(2), dtype='float32', max_batch_size=1024, session_len=16)
+    counts = _marginal_of_second_token(engine, context, n, gen_kw)
+    # exact marginal from the target alone
+    ref = make_engine(path, dtype='float64', max_batch_size=vocab, session_len=16)
+
+    def next_probs(prefixes):
+        seqs = [ref.add_request(p, GenerationConfig(max_new_tokens=1, ignore_eos=True))
+                for p in prefixes]
+        batch = ref.scheduler.schedule()
+        inputs = ref.strategy.make_model_inputs(batch, ref.device)
+        hidden = ref.agent.forward(inputs)
+        logits = ref.agent.last_logits(inputs, hidden)
+        for s in seqs:
+            ref.abort(s)
+        return probs_from_logits(logits, SamplingInputs.from_values(
+            [True] * len(seqs), [gen_kw['temperature']] * len(seqs), [0] * len(seqs),
+            [gen_kw.get('top_p', 1.0)] * len(seqs)))
+    p1 = next_probs([context])[0]
+    p2 = next_probs([context + [t] for t in range(vocab)])
+    expected = (p1[:, None] * p2).sum(0).numpy() * n
+    keep = expected >= 5
+    stat, p_value = chisquare(counts[keep], expected[keep] * counts[keep].sum() / expected[keep].sum())
+    assert counts[~keep].sum() <= max(5, 3 * expected[~keep].sum() + 10)
+    assert p_value > 0.01, (p_value, counts, expected.round(1))
+    assert engine.spec_stats.num_accepted_tokens > 0                 # drafts were accepted
+
+
+@pytest.mark.parametrize('make, match', [
+    (lambda: SpeculativeConfig(method='eagle'), "method='eagle'"),
+    (lambda: SpeculativeConfig(num_speculative_tokens=0), 'num_speculative_tokens=0'),
+    (lambda: SpeculativeConfig(num_speculative_tokens=9), 'num_speculative_tokens=9'),
+])
+def test_bad_speculative_config(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_mtp_on_a_checkpoint_without_mtp_tensors(tiny_ckpt):
+    with pytest.raises(ValueError, match='no mtp.'):
+        make_engine(tiny_ckpt(False, layout='plain', with_mtp=False), mtp(2))
