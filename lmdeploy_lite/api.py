@@ -71,9 +71,15 @@ class Pipeline:
                  speculative_config: SpeculativeConfig | None = None, progress: bool = True):
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = load_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
-        self.engine = Engine(self.model_path, backend_config, speculative_config,
-                             tokenizer=self.tokenizer, progress=progress)
-        self._loop = EngineLoop(self.engine)
+        backend_config = backend_config or PytorchEngineConfig()
+        if backend_config.tp * backend_config.dp > 1:      # one process per rank
+            from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
+            self.engine = None
+            self._loop = MPEngineLoop(self.model_path, backend_config, speculative_config)
+        else:
+            self.engine = Engine(self.model_path, backend_config, speculative_config,
+                                 tokenizer=self.tokenizer, progress=progress)
+            self._loop = EngineLoop(self.engine)
 
     # ---- prompts --------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -117,7 +123,7 @@ class Pipeline:
         gen_config = gen_config or GenerationConfig()
         token_lists = [self.encode(p) for p in prompts]
         for ids in token_lists:                       # validate all before any work starts
-            self.engine.validate_request(ids, gen_config)
+            self._loop.validate_request(ids, gen_config)
         inbox: queue.Queue = queue.Queue()
         handles = [self._loop.submit(ids, gen_config,
                                      lambda item, i=i: inbox.put((i, item)))
@@ -179,7 +185,6 @@ class Pipeline:
     # ---- lifetime -------------------------------------------------------------------------
     def close(self):
         self._loop.close()
-        self.engine.close()
 
     def __enter__(self) -> 'Pipeline':
         return self

@@ -136,3 +136,42 @@ class CacheConfig:
     num_blocks: int
     num_state_slots: int
     num_spec_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    """lmdeploy's layout: world = dp x tp; attention is TP inside a DP group; with ep > 1 the
+    experts are sharded over the whole world (ep == world)."""
+    tp: int = 1
+    dp: int = 1
+    ep: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp
+
+    def validate(self, model: ModelConfig, num_devices: int | None = None):
+        """ValueErrors that name the numbers; called before any process starts."""
+        for name in ('tp', 'dp', 'ep'):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f'{name}={value!r}: must be an integer >= 1')
+        tp = self.tp
+        for what, count in (('num_attention_heads', model.num_attention_heads),
+                            ('num_key_value_heads', model.num_key_value_heads),
+                            ('linear_num_key_heads', model.linear_num_key_heads),
+                            ('linear_num_value_heads', model.linear_num_value_heads)):
+            if count % tp:
+                raise ValueError(f'tp={tp}: must divide {what}={count}')
+        if self.ep > 1:
+            if not model.is_moe:
+                raise ValueError(f'ep={self.ep}: expert parallelism needs a MoE model, but '
+                                 f'{model.model_type} is dense')
+            if self.ep != self.world_size:
+                raise ValueError(f'ep={self.ep}: experts are sharded over the whole world, so ep '
+                                 f'must equal dp x tp = {self.dp} x {tp} = {self.world_size}')
+            if model.num_experts % self.ep:
+                raise ValueError(f'ep={self.ep}: must divide num_experts={model.num_experts}')
+        if num_devices is not None and self.world_size > num_devices:
+            raise ValueError(f'dp x tp = {self.dp} x {tp} = {self.world_size} ranks, but only '
+                             f'{num_devices} devices are available')

@@ -17,10 +17,14 @@ A step with n new tokens for a sequence writes:
     conv columns 0..K-2+n-1 = `cat(current window, x_0..x_{n-1})[1:]`; after the caller accepts
     a of the n tokens (1 <= a <= n), the next index = a - 1.
 Reads happen before writes, so reading slot j while writing slot 0 is safe.
+
+Derived values marked "computed once" are cached on first use (ops call them in every layer);
+`q_lens` and `history_lens` must not change after that (`state_index` may be reassigned).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 
@@ -60,7 +64,37 @@ class ModelInputs:
         """[B] long, tokens in the KV cache after this step's tokens are written."""
         return self.history_lens + self.q_lens
 
+    @cached_property
+    def host_q_lens(self) -> list[int]:
+        """`q_lens` on the host (computed once: one device sync per forward, not per layer)."""
+        return self.q_lens.tolist()
+
+    @cached_property
+    def host_kv_lens(self) -> list[int]:
+        """`kv_lens` on the host (computed once)."""
+        return self.kv_lens.tolist()
+
+    @cached_property
+    def max_q_len(self) -> int:
+        return max(self.host_q_lens, default=0)
+
+    @cached_property
+    def max_kv_len(self) -> int:
+        return max(self.host_kv_lens, default=0)
+
+    @cached_property
+    def token_seq_idx(self) -> torch.Tensor:
+        """[T] long, the sequence of each token (computed once)."""
+        batch = torch.arange(self.batch_size, device=self.q_lens.device)
+        return torch.repeat_interleave(batch, self.q_lens, output_size=self.num_tokens)
+
+    @cached_property
+    def token_offsets(self) -> torch.Tensor:
+        """[T] long, index of each token among its sequence's new tokens (computed once)."""
+        flat = torch.arange(self.num_tokens, device=self.q_lens.device)
+        return flat - self.q_start_loc[self.token_seq_idx]
+
     def to(self, device: torch.device | str) -> 'ModelInputs':
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                 for k, v in self.__dict__.items()}
-        return ModelInputs(**moved)
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return ModelInputs(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                              for k, v in moved.items()})

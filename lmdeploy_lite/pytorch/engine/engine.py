@@ -9,11 +9,13 @@ import torch
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, SpecDecodeStats,
                                     SpeculativeConfig)
 from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
+from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager, blocks_needed
 from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
 from lmdeploy_lite.pytorch.engine.sequence import Sequence
+from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 from lmdeploy_lite.pytorch.models.loader import build_model
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
@@ -93,13 +95,30 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
                        num_spec_tokens=num_spec_tokens)
 
 
+def validate_request(token_ids: list[int], gen_config: GenerationConfig, vocab_size: int,
+                     session_len: int):
+    """Raise ValueError naming the problem; called before the request touches any engine."""
+    if not isinstance(gen_config, GenerationConfig):
+        raise ValueError(f'gen_config={gen_config!r}: must be a GenerationConfig')
+    if len(token_ids) == 0:
+        raise ValueError('prompt: empty; give at least one token')
+    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f'prompt: token ids {bad[:5]} are outside 0..{vocab_size - 1}')
+    if len(token_ids) >= session_len:
+        raise ValueError(f'prompt: {len(token_ids)} tokens, but session_len={session_len} leaves '
+                         f'no room to generate; shorten the prompt to at most {session_len - 1} '
+                         f'tokens or raise session_len')
+
+
 class Engine:
 
     def __init__(self, model_path: str, engine_config: PytorchEngineConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, tokenizer=None,
-                 progress: bool = True):
+                 progress: bool = True, dist_ctx: DistContext | None = None):
         cfg = engine_config or PytorchEngineConfig()
         self.engine_config = cfg
+        self.dist = dist_ctx or DistContext.single()
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
@@ -113,7 +132,8 @@ class Engine:
         max_positions = self.session_len + num_spec + num_draft_extra
         self.cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec,
                                        int(uses_mtp), self.dtype, self.device)
-        model = build_model(model_path, self.dtype, self.device, progress=progress)
+        model = build_model(model_path, self.dtype, self.device, progress=progress,
+                            dist_ctx=self.dist)
         caches = CacheEngine(self.model_config, self.cache_config, self.dtype, self.device)
         num_slots = self.cache_config.num_state_slots
         self.agent = ModelAgent(model, caches, num_slots, self.device)
@@ -122,7 +142,7 @@ class Engine:
         if spec is not None:
             self.agent, self.strategy = build_spec_decoding(
                 spec, model_path, self.agent, self.model_config, self.cache_config, self.dtype,
-                self.device, progress)
+                self.device, progress, self.dist)
         block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
                                      num_slots)
         self.scheduler = Scheduler(block_manager, cfg.max_batch_size, cfg.max_prefill_token_num,
@@ -131,25 +151,16 @@ class Engine:
                                    stop_checker=StopChecker(self.model_config.eos_token_ids,
                                                             tokenizer))
         self._next_seq_id = 0
+        self.num_steps = 0
+        self.stop_requested = False        # set by a driver; travels to every rank in the plan
+        self.stopped = False
         logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path,
                     self.dtype, self.device, self.cache_config.num_blocks,
                     self.cache_config.block_size)
 
     # ---- requests -------------------------------------------------------------------------
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
-        """Raise ValueError naming the problem; called before the request touches the engine."""
-        if not isinstance(gen_config, GenerationConfig):
-            raise ValueError(f'gen_config={gen_config!r}: must be a GenerationConfig')
-        if len(token_ids) == 0:
-            raise ValueError('prompt: empty; give at least one token')
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f'prompt: token ids {bad[:5]} are outside 0..{vocab - 1}')
-        if len(token_ids) >= self.session_len:
-            raise ValueError(f'prompt: {len(token_ids)} tokens, but session_len='
-                             f'{self.session_len} leaves no room to generate; shorten the prompt '
-                             f'to at most {self.session_len - 1} tokens or raise session_len')
+        validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
 
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig) -> Sequence:
         self.validate_request(token_ids, gen_config)
@@ -173,11 +184,22 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        batch = self.scheduler.schedule()
-        if batch is None:
+        self.dist.begin_step(self.num_steps)
+        batch = None if self.stop_requested else self.scheduler.schedule()
+        plan = StepPlan.gather(batch, self.dist, self.num_spec_tokens, self.stop_requested)
+        self.stopped = plan.shutdown
+        if not plan.any_work or plan.shutdown:
+            return []
+        self.num_steps += 1
+        if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
+            inputs = self.strategy.make_dummy_inputs(
+                plan.dummy_tokens_per_seq(self.num_spec_tokens), plan.any_decoding, self.device)
+            self.agent.step(inputs, SamplingInputs.greedy(1, self.device))
+            self.dist.end_step()
             return []
         inputs = self.strategy.make_model_inputs(batch, self.device)
         result = self.agent.step(inputs, self._sampling_inputs(batch))
+        self.dist.end_step()
         return self._update(batch, result)
 
     def _sampling_inputs(self, batch: ScheduledBatch) -> SamplingInputs:

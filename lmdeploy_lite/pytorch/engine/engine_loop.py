@@ -38,6 +38,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name='lmdeploy_lite-engine', daemon=True)
         self._thread.start()
 
+    def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
+        self.engine.validate_request(token_ids, gen_config)
+
     def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink
                ) -> RequestHandle:
         """Validates in the caller's thread (a bad request raises here and touches nothing)."""

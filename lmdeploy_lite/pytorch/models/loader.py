@@ -107,12 +107,16 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
             if pname not in params:
                 raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {pname!r})')
             param = params[pname]
+            first, num_local, num_experts = _expert_range(param)
             inter = param.shape[2] if proj == 'down_proj' else param.shape[1] // 2
-            if expert >= param.shape[0]:
+            if expert >= num_experts:
                 raise ValueError(f'{path}: tensor {name!r}: expert {expert} out of range, '
-                                 f'config.json has num_experts={param.shape[0]}')
-            dest = {'gate_proj': param.data[expert, :inter], 'up_proj': param.data[expert, inter:],
-                    'down_proj': param.data[expert]}[proj]
+                                 f'config.json has num_experts={num_experts}')
+            if not first <= expert < first + num_local:
+                continue                                   # another EP rank's expert
+            local = expert - first
+            dest = {'gate_proj': param.data[local, :inter], 'up_proj': param.data[local, inter:],
+                    'down_proj': param.data[local]}[proj]
             _check_shape(path, name, shape, tuple(dest.shape))
             dest.copy_(load())
             expert_parts.setdefault(pname, set()).add((expert, proj))
@@ -121,8 +125,13 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
             raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {target!r} in '
                              f'{type(module).__name__})')
         param = params[target]
-        _check_shape(path, name, shape, tuple(param.shape))
-        param.data.copy_(load())
+        if hasattr(param, 'expert_range'):          # fused experts: this rank's slice of E
+            first, num_local, num_experts = param.expert_range
+            _check_shape(path, name, shape, (num_experts,) + tuple(param.shape[1:]))
+            param.data.copy_(load()[first:first + num_local])
+        else:
+            _check_shape(path, name, shape, tuple(param.shape))
+            param.data.copy_(load())
         filled.add(target)
 
     for pname, parts in expert_parts.items():
@@ -134,6 +143,11 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
     if missing:
         shown = ', '.join(missing[:8]) + (f' (+{len(missing) - 8} more)' if len(missing) > 8 else '')
         raise ValueError(f'model_path={model_dir!r}: missing tensors for {shown}')
+
+
+def _expert_range(param) -> tuple[int, int, int]:
+    """(first expert, experts on this rank, experts in the checkpoint) of a fused-expert param."""
+    return getattr(param, 'expert_range', (0, param.shape[0], param.shape[0]))
 
 
 def _check_shape(path: str, name: str, shape: tuple, expected: tuple) -> None:
@@ -165,10 +179,12 @@ def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True) -> N
 
 
 def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
-                device: torch.device | str = 'cpu', progress: bool = True) -> nn.Module:
-    """ModelConfig from config.json -> Qwen3_5ForCausalLM with weights loaded, in eval mode."""
+                device: torch.device | str = 'cpu', progress: bool = True,
+                dist_ctx=None) -> nn.Module:
+    """ModelConfig from config.json -> Qwen3_5ForCausalLM with weights loaded (this rank's
+    shard under a DistContext), in eval mode."""
     from .qwen3_5 import Qwen3_5ForCausalLM
     config = ModelConfig.from_pretrained(model_dir)
-    model = Qwen3_5ForCausalLM(config, dtype, device)
+    model = Qwen3_5ForCausalLM(config, dtype, device, dist_ctx)
     load_weights(model, model_dir, progress=progress)
     return model.eval()

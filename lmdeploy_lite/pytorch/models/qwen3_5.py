@@ -20,19 +20,25 @@ from ..nn.linear import ColumnParallelLinear
 from ..nn.mlp import SwiGLUMLP
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import RMSNorm
+from ..nn.token_dispatcher import AllToAllDispatcher
 from ..nn.rotary import RotaryEmbedding
 
 
-def build_mlp(config: ModelConfig, dtype: torch.dtype, device) -> nn.Module:
+def build_mlp(config: ModelConfig, dtype: torch.dtype, device, dist_ctx=None) -> nn.Module:
+    """SwiGLU MLP or sparse MoE; with ep > 1 the MoE holds its rank's experts and a dispatcher."""
     if config.is_moe:
+        dispatcher = None
+        if dist_ctx is not None and dist_ctx.config.ep > 1:
+            dispatcher = AllToAllDispatcher(dist_ctx, config.num_experts)
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, config.shared_expert_intermediate_size,
-                              dtype, device)
+                              dtype, device, dispatcher=dispatcher)
     return SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, device)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_type: str, backend, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, layer_type: str, backend, dtype: torch.dtype, device,
+                 dist_ctx=None):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == 'linear_attention':
@@ -46,7 +52,7 @@ class Qwen3_5DecoderLayer(nn.Module):
                 config.head_dim, config.rms_norm_eps, backend, dtype, device)
         else:
             raise ValueError(f'layer_type={layer_type!r}: must be linear_attention or full_attention')
-        self.mlp = build_mlp(config, dtype, device)
+        self.mlp = build_mlp(config, dtype, device, dist_ctx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 device)
@@ -64,13 +70,14 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype, device, dist_ctx=None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
                                          device=device)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(config, t, backend, dtype, device) for t in config.layer_types)
+            Qwen3_5DecoderLayer(config, t, backend, dtype, device, dist_ctx)
+            for t in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, device)
 
@@ -87,12 +94,12 @@ class Qwen3_5ForCausalLM(nn.Module):
     LM head scores and what the MTP draft consumes); `compute_logits(hidden [N, H]) -> [N, V]`."""
 
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = 'cpu'):
+                 device: torch.device | str = 'cpu', dist_ctx=None):
         super().__init__()
         self.config = model_config
         self.dtype = dtype
         self.backend = get_backend(device)
-        self.model = Qwen3_5Model(model_config, self.backend, dtype, device)
+        self.model = Qwen3_5Model(model_config, self.backend, dtype, device, dist_ctx)
         self.lm_head = ColumnParallelLinear(model_config.hidden_size, model_config.vocab_size,
                                             dtype, device)
         if model_config.tie_word_embeddings:

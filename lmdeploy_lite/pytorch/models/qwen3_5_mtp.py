@@ -27,7 +27,7 @@ from .qwen3_5 import Qwen3_5DecoderLayer
 class Qwen3_5MTP(nn.Module):
 
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 embed_tokens: nn.Embedding, lm_head: nn.Module):
+                 embed_tokens: nn.Embedding, lm_head: nn.Module, dist_ctx=None):
         super().__init__()
         hidden, eps = model_config.hidden_size, model_config.rms_norm_eps
         num_layers = max(1, model_config.mtp_num_hidden_layers)
@@ -37,7 +37,7 @@ class Qwen3_5MTP(nn.Module):
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, dtype, device)
         self.fc = ReplicatedLinear(2 * hidden, hidden, dtype, device)
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(model_config, 'full_attention', backend, dtype, device)
+            Qwen3_5DecoderLayer(model_config, 'full_attention', backend, dtype, device, dist_ctx)
             for _ in range(num_layers))
         self.norm = RMSNorm(hidden, eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(model_config.rotary_dim, model_config.rope_theta, device)

@@ -34,43 +34,62 @@ class TopKRouter(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    """All experts' SwiGLU weights in two 3-D tensors (the EP layer will hold a slice of E)."""
+    """Experts `first_expert .. first_expert + num_local - 1` (all of them without EP) as two
+    3-D tensors; the loader reads that slice of the checkpoint's experts (`expert_range`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
-                 dtype: torch.dtype, device: torch.device | str):
+                 dtype: torch.dtype, device: torch.device | str, first_expert: int = 0,
+                 num_local: int | None = None):
         super().__init__()
+        num_local = num_experts if num_local is None else num_local
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
+            torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
             requires_grad=False)
         self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
+            torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype, device=device),
             requires_grad=False)
+        for param in (self.gate_up_proj, self.down_proj):
+            param.expert_range = (first_expert, num_local, num_experts)
+
+    def run(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """x [R, H] rows, each for one expert `local_ids [R]` -> unweighted outputs [R, H]."""
+        out = torch.empty_like(x)
+        for expert in local_ids.unique().tolist():
+            rows = torch.where(local_ids == expert)[0]
+            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            out[rows] = F.linear(F.silu(gate) * up, self.down_proj[expert])
+        return out
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/ids [T, k] -> [T, H]."""
-        out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():
-            token_idx, slot = torch.where(ids == expert)
-            gate, up = F.linear(x[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
-            out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
-        return out
+        """x [T, H], weights/ids [T, k] -> [T, H], summed over k in the same order as EP's
+        combine so that every layout gives the same numbers."""
+        top_k = ids.shape[1]
+        pairs = self.run(x.repeat_interleave(top_k, dim=0), ids.reshape(-1))
+        return (pairs.view(x.shape[0], top_k, -1) * weights[..., None]).sum(1)
 
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
                  shared_intermediate_size: int, dtype: torch.dtype, device: torch.device | str,
-                 tp_group=None):
+                 tp_group=None, dispatcher=None):
         super().__init__()
         self.gate = TopKRouter(hidden_size, num_experts, top_k, dtype, device)
-        self.experts = FusedExperts(hidden_size, moe_intermediate_size, num_experts, dtype, device)
+        self.dispatcher = dispatcher            # None: all experts local (no EP)
+        first, local = ((dispatcher.first_expert, dispatcher.experts_per_rank) if dispatcher
+                        else (0, num_experts))
+        self.experts = FusedExperts(hidden_size, moe_intermediate_size, num_experts, dtype, device,
+                                    first, local)
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, dtype, device,
                                        tp_group=tp_group)
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        routed = self.experts(x, weights, ids)
+        if self.dispatcher is None:
+            routed = self.experts(x, weights, ids)
+        else:   # EP: tokens travel to their experts' ranks and back (collectives inside)
+            expert_x, local_ids, handle = self.dispatcher.dispatch(x, ids, weights)
+            routed = self.dispatcher.combine(self.experts.run(expert_x, local_ids), handle)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared

@@ -33,7 +33,7 @@ def check_speculative_config(spec: SpeculativeConfig, model_path: str):
 
 def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelAgent,
                         model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
-                        device: torch.device, progress: bool = True
+                        device: torch.device, progress: bool = True, dist_ctx=None
                         ) -> tuple[SpecAgent, ARSpecStrategy]:
     k = spec.num_speculative_tokens
     proposer, host_proposer = None, None
@@ -43,7 +43,7 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
         from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import MTPProposer
         target_model = target.model
         mtp = Qwen3_5MTP(model_config, dtype, device, target_model.embed_tokens,
-                         target_model.lm_head)
+                         target_model.lm_head, dist_ctx)
         load_mtp_weights(mtp, draft_model_dir(spec, model_path), progress=progress)
         mtp.eval()
         caches = CacheEngine(model_config, cache_config, dtype, device,

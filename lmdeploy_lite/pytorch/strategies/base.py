@@ -33,12 +33,17 @@ class Strategy:
     def make_model_inputs(self, batch, device) -> ModelInputs:
         raise NotImplementedError
 
-    def make_dummy_inputs(self, num_tokens_per_seq: int, device) -> ModelInputs:
-        """One sequence of `num_tokens_per_seq` padding tokens on block 0 / state slot 0 of a
-        rank with no work, so that its collectives match the busy ranks'. Its cache writes
-        land in a reserved block and slot that no real sequence uses."""
-        return pack_model_inputs([[0] * num_tokens_per_seq], [0], [[0]], [0],
-                                 is_decoding=num_tokens_per_seq == 1, device=device)
+    def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device
+                          ) -> ModelInputs:
+        """One sequence of `num_tokens_per_seq` padding tokens for a rank with no work, so that
+        its collectives match the busy ranks' (sizes from the StepPlan). Every block-table entry
+        is the reserved block 0 and the state row is the reserved slot 0: its cache writes
+        land where no real sequence reads."""
+        width = 2 * num_tokens_per_seq + 16          # covers any draft positions past the step
+        inputs = pack_model_inputs([[0] * num_tokens_per_seq], [0], [[0] * width], [0],
+                                   is_decoding=is_decoding, device=device)
+        inputs.is_dummy = True
+        return inputs
 
     def post_broadcast(self, tokens, drafts, dist_ctx):
         """Make TP rank 0's sampled tokens (and drafts) every TP peer's; no-op in one process."""

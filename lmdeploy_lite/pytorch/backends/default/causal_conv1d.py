@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model_inputs import ModelInputs
+from .varlen import seq_groups
 
 
 def _windows(conv_cache: torch.Tensor, inputs: ModelInputs, width: int) -> torch.Tensor:
@@ -20,10 +21,33 @@ def _windows(conv_cache: torch.Tensor, inputs: ModelInputs, width: int) -> torch
     return win.masked_fill(fresh, 0)
 
 
-def _conv(full: torch.Tensor, weight: torch.Tensor, num_out: int) -> torch.Tensor:
-    """full [C, K - 1 + n] raw inputs -> silu(conv) for the last n columns, [n, C]."""
-    out = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]
-    return F.silu(out[:, -num_out:]).t()
+def _conv(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, inputs: ModelInputs,
+          store_from: torch.Tensor, store_count: torch.Tensor) -> torch.Tensor:
+    """silu(causal conv) of x [T, C] continuing each sequence's window, batched per group of
+    sequences padded to their longest run: `full [n, C, K - 1 + max_q] = cat(window, x_b)`.
+    Then stores `full[b, :, store_from[b] + c]` to column c of the sequence's conv row for
+    c < store_count[b] (other columns keep their values; nothing is stored for q_lens[b] == 0)."""
+    kernel = weight.shape[1]
+    windows = _windows(conv_cache, inputs, kernel - 1)                  # [B, C, K - 1]
+    out = torch.empty_like(x)
+    width = conv_cache.shape[2]
+    cols = torch.arange(width, device=x.device)
+    groups = seq_groups(inputs, lambda n, max_q, _: n * x.shape[1] * (kernel - 1 + max_q))
+    for group in groups:
+        if group.max_q_len == 0:
+            continue
+        seqs = group.seqs
+        padded = group.pad(x[group.tokens].to(conv_cache.dtype)).transpose(1, 2)   # [n, C, max_q]
+        full = torch.cat([windows[seqs], padded], dim=2)
+        conv = F.conv1d(full.to(weight.dtype), weight[:, None, :], groups=weight.shape[0])
+        out[group.tokens] = group.unpad(F.silu(conv).transpose(1, 2)).to(x.dtype)
+        # store: column c <- full[:, :, store_from + c] where c < store_count
+        src = (store_from[seqs, None] + cols).clamp(max=full.shape[2] - 1)           # [n, W]
+        new = torch.gather(full, 2, src[:, None, :].expand(-1, full.shape[1], -1))
+        keep = (cols[None, :] >= store_count[seqs, None]) | (group.q_lens == 0)[:, None]
+        rows = inputs.state_slots[seqs]
+        conv_cache[rows] = torch.where(keep[:, None, :], conv_cache[rows], new)
+    return out
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
@@ -31,17 +55,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_cache: tor
     """x [T, C] raw inputs, weight [C, K] -> [T, C]. Continues from the current window when
     `history_lens > 0` (chunked prefill); stores the last K-1 raw inputs in columns 0..K-2."""
     kernel = weight.shape[1]
-    windows = _windows(conv_cache, inputs, kernel - 1)
-    out = torch.empty_like(x)
-    start = 0
-    for b, q_len in enumerate(inputs.q_lens.tolist()):
-        if q_len == 0:
-            continue
-        full = torch.cat([windows[b], x[start:start + q_len].t().to(conv_cache.dtype)], dim=1)
-        out[start:start + q_len] = _conv(full, weight, q_len).to(x.dtype)
-        conv_cache[inputs.state_slots[b], :, :kernel - 1] = full[:, -(kernel - 1):]
-        start += q_len
-    return out
+    return _conv(x, weight, conv_cache, inputs, store_from=inputs.q_lens,
+                 store_count=torch.full_like(inputs.q_lens, kernel - 1))
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
@@ -50,14 +65,5 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_cache: torc
     `cat(window, x_0..x_{n-1})[:, 1:]` to columns 0..K-3+n, so that after accepting a tokens the
     window at index a - 1 is the last K-1 raw inputs up to the accepted token."""
     kernel = weight.shape[1]
-    windows = _windows(conv_cache, inputs, kernel - 1)
-    out = torch.empty_like(x)
-    start = 0
-    for b, q_len in enumerate(inputs.q_lens.tolist()):
-        if q_len == 0:
-            continue
-        full = torch.cat([windows[b], x[start:start + q_len].t().to(conv_cache.dtype)], dim=1)
-        out[start:start + q_len] = _conv(full, weight, q_len).to(x.dtype)
-        conv_cache[inputs.state_slots[b], :, :kernel - 2 + q_len] = full[:, 1:]
-        start += q_len
-    return out
+    return _conv(x, weight, conv_cache, inputs, store_from=torch.ones_like(inputs.q_lens),
+                 store_count=inputs.q_lens + kernel - 2)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model_inputs import ModelInputs
+from .varlen import seq_groups
 
 
 def _prepare(q, k, v, g, beta, acc):
@@ -44,16 +45,18 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
-    """Chunked (WY / UT-transform) form for one sequence. q, k [n, h, dk]; v [n, h, dv];
-    g, beta [n, h]; state [h, dk, dv] (prepared inputs). Returns o [n, h, dv], final state."""
-    n = q.shape[0]
+    """Chunked (WY / UT-transform) form, batched. q, k [B, n, h, dk]; v [B, n, h, dv];
+    g, beta [B, n, h]; state [B, h, dk, dv] (prepared inputs). Returns o [B, n, h, dv] and the
+    final states [B, h, dk, dv]. Tokens with g = beta = 0 and k = 0 (padding) leave the state
+    unchanged, so sequences of different lengths can share one call, zero-padded at the end."""
+    n = q.shape[1]
     pad = (chunk_size - n % chunk_size) % chunk_size
-    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1) for x in (q, k, v))   # [h, N, d]
-    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1) for x in (g, beta))        # [h, N]
-    h = q.shape[0]
-    q, k, v = (x.reshape(h, -1, chunk_size, x.shape[-1]) for x in (q, k, v))      # [h, c, C, d]
-    g, beta = (x.reshape(h, -1, chunk_size) for x in (g, beta))
-    cum = g.cumsum(-1)                                                             # [h, c, C]
+    q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (q, k, v))  # [B, h, N, d]
+    g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2) for x in (g, beta))       # [B, h, N]
+    bsz, h = q.shape[:2]
+    q, k, v = (x.reshape(bsz, h, -1, chunk_size, x.shape[-1]) for x in (q, k, v))  # [B, h, c, C, d]
+    g, beta = (x.reshape(bsz, h, -1, chunk_size) for x in (g, beta))
+    cum = g.cumsum(-1)                                                             # [B, h, c, C]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float('-inf')).exp()
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
@@ -66,11 +69,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     q_decayed = q * cum.exp()[..., None]
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]
     out = torch.empty_like(v)
-    for c in range(q.shape[1]):
-        v_new = u[:, c] - w[:, c] @ state
-        out[:, c] = q_decayed[:, c] @ state + intra[:, c] @ v_new
-        state = state * cum[:, c, -1].exp()[:, None, None] + k_to_end[:, c].transpose(-1, -2) @ v_new
-    out = out.reshape(h, -1, out.shape[-1])[:, :n].transpose(0, 1)
+    for c in range(q.shape[2]):
+        v_new = u[:, :, c] - w[:, :, c] @ state
+        out[:, :, c] = q_decayed[:, :, c] @ state + intra[:, :, c] @ v_new
+        state = (state * cum[:, :, c, -1].exp()[..., None, None]
+                 + k_to_end[:, :, c].transpose(-1, -2) @ v_new)
+    out = out.reshape(bsz, h, -1, out.shape[-1])[:, :, :n].transpose(1, 2)
     return out, state
 
 
@@ -81,24 +85,33 @@ def _initial_states(state_cache: torch.Tensor, inputs: ModelInputs) -> torch.Ten
     return states.masked_fill(fresh, 0)
 
 
+def _store(state_cache: torch.Tensor, rows: torch.Tensor, slots: slice,
+           states: torch.Tensor, write: torch.Tensor) -> None:
+    """state_cache[rows[b], slots][t] = states[b, t] where write[b, t] (else unchanged)."""
+    old = state_cache[rows, slots]
+    state_cache[rows, slots] = torch.where(write[..., None, None, None], states, old)
+
+
 def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, state_cache: torch.Tensor,
                              inputs: ModelInputs) -> torch.Tensor:
     """q, k [T, nk, dk]; v [T, nv, dv]; g (log decay), beta [T, nv] -> o [T, nv, dv] in v.dtype.
-    Writes each sequence's final state to slot 0 of its row."""
+    Writes each sequence's final state to slot 0 of its row. Sequences are zero-padded to the
+    longest of their group (padding leaves the state unchanged, see `chunk_gated_delta_rule`)."""
     acc = state_cache.dtype
     init = _initial_states(state_cache, inputs)
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
     out = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
-    start = 0
-    for b, q_len in enumerate(inputs.q_lens.tolist()):
-        if q_len == 0:
+    heads, width = vp.shape[1], max(q.shape[-1], vp.shape[-1], 64)
+    cost = lambda n, max_q, _: n * heads * (max_q + 63) * width      # noqa: E731 (chunk tensors)
+    for group in seq_groups(inputs, cost):
+        if group.max_q_len == 0:
             continue
-        sl = slice(start, start + q_len)
-        o, final = chunk_gated_delta_rule(q[sl], k[sl], vp[sl], g[sl], beta[sl], init[b])
-        out[sl] = o.to(v.dtype)
-        state_cache[inputs.state_slots[b], 0] = final
-        start += q_len
+        o, final = chunk_gated_delta_rule(
+            *(group.pad(x[group.tokens]) for x in (q, k, vp, g, beta)), init[group.seqs])
+        out[group.tokens] = group.unpad(o).to(v.dtype)
+        _store(state_cache, inputs.state_slots[group.seqs], slice(0, 1), final[:, None],
+               (group.q_lens > 0)[:, None])
     return out
 
 
@@ -106,26 +119,14 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             beta: torch.Tensor, state_cache: torch.Tensor,
                             inputs: ModelInputs) -> torch.Tensor:
     """Decode/verify, n = q_lens[b] <= 1 + num_spec tokens per sequence; shapes as in prefill.
-    Writes the state after token t to slot t of the sequence's row."""
+    Writes the state after token t to slot t of the sequence's row (t < n). Different lengths
+    are zero-padded to the longest (padding leaves the state unchanged and is not stored)."""
     acc = state_cache.dtype
     init = _initial_states(state_cache, inputs)
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
-    q_lens = inputs.q_lens.tolist()
-    if len(set(q_lens)) == 1 and q_lens[0] > 0:             # equal lengths: one batched loop
-        n, bsz = q_lens[0], len(q_lens)
-        o, states = recurrent_gated_delta_rule(
-            *(x.view(bsz, n, *x.shape[1:]) for x in (q, k, vp, g, beta)), init)
-        state_cache[inputs.state_slots, :n] = states
-        return o.reshape(vp.shape).to(v.dtype)
-    out = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
-    start = 0
-    for b, q_len in enumerate(q_lens):
-        if q_len == 0:
-            continue
-        sl = slice(start, start + q_len)
-        o, states = recurrent_gated_delta_rule(
-            *(x[sl][None] for x in (q, k, vp, g, beta)), init[b:b + 1])
-        out[sl] = o[0].to(v.dtype)
-        state_cache[inputs.state_slots[b], :q_len] = states[0]
-        start += q_len
-    return out
+    (group,) = seq_groups(inputs, lambda *_: 0)                       # padding <= 1 + num_spec
+    if group.max_q_len == 0:
+        return torch.empty(vp.shape, dtype=v.dtype, device=v.device)
+    o, states = recurrent_gated_delta_rule(*(group.pad(x) for x in (q, k, vp, g, beta)), init)
+    _store(state_cache, inputs.state_slots, slice(0, group.max_q_len), states, group.valid())
+    return group.unpad(o).to(v.dtype)

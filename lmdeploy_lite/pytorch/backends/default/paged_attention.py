@@ -9,14 +9,13 @@ from __future__ import annotations
 import torch
 
 from ...model_inputs import ModelInputs
+from .varlen import SeqGroup, seq_groups
 
 
 def kv_slot_mapping(inputs: ModelInputs, block_size: int) -> torch.Tensor:
     """[T] long: flat cache slot of every new token."""
-    device = inputs.q_lens.device
-    seq_idx = torch.repeat_interleave(torch.arange(inputs.batch_size, device=device), inputs.q_lens)
-    offsets = torch.arange(seq_idx.numel(), device=device) - inputs.q_start_loc[seq_idx]
-    cache_pos = inputs.history_lens[seq_idx] + offsets
+    seq_idx = inputs.token_seq_idx
+    cache_pos = inputs.history_lens[seq_idx] + inputs.token_offsets
     blocks = inputs.block_tables[seq_idx, cache_pos // block_size]
     return blocks * block_size + cache_pos % block_size
 
@@ -30,35 +29,51 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(-1, n_kv, head_dim)[slots] = v.to(v_cache.dtype)
 
 
+def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """cache [num_blocks, block_size, n_kv, d], block_tables [n, max_blocks] -> the first `kv_len`
+    cache positions of each sequence, [n, kv_len, n_kv, d]."""
+    block_size = cache.shape[1]
+    blocks = block_tables[:, :(kv_len + block_size - 1) // block_size]
+    return cache[blocks].flatten(1, 2)[:, :kv_len]
+
+
+def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            block_tables: torch.Tensor, group: SeqGroup, scale: float) -> torch.Tensor:
+    """q [t, nq, d] (the group's queries, accumulation dtype) -> [t, nq, d]."""
+    n_kv, head_dim = k_cache.shape[2:]
+    num_seqs, max_q, max_kv = group.num_seqs, group.max_q_len, group.max_kv_len
+    keys = gather_kv(k_cache, block_tables, max_kv).to(q.dtype)         # [n, L, n_kv, d]
+    values = gather_kv(v_cache, block_tables, max_kv).to(q.dtype)
+    k_pos = torch.arange(max_kv, device=q.device)
+    q_pos = group.history_lens[:, None] + torch.arange(max_q, device=q.device)   # [n, max_q]
+    # a sequence's positions past its kv_len hold stale data: its real queries give them
+    # probability 0, which must not meet a non-finite value
+    stale = k_pos[None, :] >= (group.history_lens + group.q_lens)[:, None]      # [n, L]
+    values = values.masked_fill(stale[:, :, None, None], 0)
+    queries = group.pad(q).view(num_seqs, max_q, n_kv, -1, head_dim)            # [n, max_q, n_kv, g, d]
+    scores = torch.einsum('bqhgd,bkhd->bhgqk', queries, keys) * scale
+    hidden = k_pos[None, None, :] > q_pos[:, :, None]                          # [n, max_q, L]
+    probs = scores.masked_fill(hidden[:, None, None], float('-inf')).softmax(dim=-1)
+    out = torch.einsum('bhgqk,bkhd->bqhgd', probs, values)
+    return group.unpad(out).flatten(1, 2)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, inputs: ModelInputs, scale: float) -> torch.Tensor:
     """Store the step's k/v, then attend each sequence's new queries over its whole cached prefix.
 
     q [T, nq, d], k/v [T, n_kv, d] -> [T, nq, d]. Query i of sequence b (cache position
     `history_lens[b] + i`) sees cache positions 0..history_lens[b] + i. Softmax in fp32 (fp64 for
-    float64 inputs)."""
+    float64 inputs). Sequences are padded to the longest query run and longest KV prefix of their
+    group (scores `[n, nq, max_q, max_kv]`); padded queries are computed and dropped."""
     fill_kv_cache(k, v, k_cache, v_cache, inputs)
-    block_size, n_kv, head_dim = k_cache.shape[1:]
-    num_heads = q.shape[1]
-    group = num_heads // n_kv
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    num_heads = q.shape[1]
     out = torch.empty_like(q)
-    q_lens, history_lens = inputs.q_lens.tolist(), inputs.history_lens.tolist()
-    start = 0
-    for b, (q_len, hist) in enumerate(zip(q_lens, history_lens)):
-        if q_len == 0:
+    for group in seq_groups(inputs, lambda n, max_q, max_kv: n * num_heads * max_q * max_kv):
+        if group.max_q_len == 0:
             continue
-        kv_len = hist + q_len
-        blocks = inputs.block_tables[b, :(kv_len + block_size - 1) // block_size]
-        keys = k_cache[blocks].reshape(-1, n_kv, head_dim)[:kv_len].to(acc)
-        values = v_cache[blocks].reshape(-1, n_kv, head_dim)[:kv_len].to(acc)
-        qb = q[start:start + q_len].to(acc).view(q_len, n_kv, group, head_dim)
-        scores = torch.einsum('qhgd,khd->hgqk', qb, keys) * scale
-        q_pos = torch.arange(hist, kv_len, device=q.device)[:, None]
-        k_pos = torch.arange(kv_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float('-inf'))
-        probs = scores.softmax(dim=-1)
-        ob = torch.einsum('hgqk,khd->qhgd', probs, values)
-        out[start:start + q_len] = ob.reshape(q_len, num_heads, head_dim).to(q.dtype)
-        start += q_len
+        block_tables = inputs.block_tables[group.seqs]
+        out[group.tokens] = _attend(q[group.tokens].to(acc), k_cache, v_cache, block_tables,
+                                    group, scale).to(q.dtype)
     return out

@@ -46,7 +46,11 @@ class ARSpecStrategy(Strategy):
             inputs.draft_tokens = torch.tensor(drafts, dtype=torch.long, device=device)
         return inputs
 
-    def make_dummy_inputs(self, num_tokens_per_seq: int, device) -> ModelInputs:
-        inputs = super().make_dummy_inputs(num_tokens_per_seq, device)
+    def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device
+                          ) -> ModelInputs:
+        inputs = super().make_dummy_inputs(num_tokens_per_seq, is_decoding, device)
+        if self.host_proposer is not None and is_decoding:
+            inputs.draft_tokens = torch.zeros(1, self.num_spec_tokens, dtype=torch.long,
+                                              device=device)
         inputs.next_token_ids = torch.zeros(1, dtype=torch.long, device=device)
         return inputs

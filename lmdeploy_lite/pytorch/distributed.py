@@ -1,0 +1,177 @@
+"""Process groups and the one wrapper every collective goes through.
+
+DistContext holds the world, TP, DP and EP groups (gloo on CPU; on CUDA the device groups would
+be NCCL). Each collective is recorded per step as (op, group, shape, dtype) — variable first
+dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
+(DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest
+comparison on a separate check group, and a mismatch raises CollectiveMismatch naming the first
+collective that differs. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
+default 180); expiry raises CollectiveTimeout naming rank, step and operation (invariant 3).
+A timeout also triggers the trace comparison, so a rank that skipped a collective is named
+instead of leaving its peers to hang.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from lmdeploy_lite.pytorch.config import DistConfig
+
+ENV_CHECK = 'LMDEPLOY_LITE_CHECK_COLLECTIVES'
+ENV_TIMEOUT = 'LMDEPLOY_LITE_DIST_TIMEOUT'
+
+
+def dist_timeout_s() -> float:
+    return float(os.environ.get(ENV_TIMEOUT, '180'))
+
+
+class CollectiveTimeout(RuntimeError):
+    pass
+
+
+class CollectiveMismatch(RuntimeError):
+    pass
+
+
+@dataclass
+class DistContext:
+    config: DistConfig
+    rank: int
+    groups: dict = field(default_factory=dict)      # name -> ProcessGroup (None: single rank)
+    check: bool = False
+    step: int = 0
+    trace: list = field(default_factory=list)
+
+    # ---- layout ---------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.config.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.config.tp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank if self.config.ep > 1 else 0
+
+    def group(self, name: str):
+        return self.groups.get(name)
+
+    @classmethod
+    def single(cls) -> 'DistContext':
+        """One process: every group has one rank and no collective runs."""
+        return cls(DistConfig(), 0)
+
+    @classmethod
+    def init(cls, config: DistConfig, rank: int, init_method: str) -> 'DistContext':
+        """Join the world (gloo) and build the TP, DP, EP and check groups."""
+        timeout = datetime.timedelta(seconds=dist_timeout_s())
+        dist.init_process_group('gloo', init_method=init_method, rank=rank,
+                                world_size=config.world_size, timeout=timeout)
+        ctx = cls(config, rank, check=os.environ.get(ENV_CHECK, '0') == '1')
+        tp, dp = config.tp, config.dp
+        ctx.groups['world'] = dist.group.WORLD
+        # the check group waits longer than any data collective, so that a rank stuck in one
+        # can still reach the comparison after its own timeout
+        ctx.groups['check'] = dist.new_group(list(range(config.world_size)), backend='gloo',
+                                             timeout=3 * timeout)
+        for d in range(dp):                    # every rank must create every group, in order
+            g = dist.new_group([d * tp + t for t in range(tp)], backend='gloo', timeout=timeout)
+            if d == rank // tp:
+                ctx.groups['tp'] = g if tp > 1 else None
+        for t in range(tp):
+            g = dist.new_group([d * tp + t for d in range(dp)], backend='gloo', timeout=timeout)
+            if t == rank % tp:
+                ctx.groups['dp'] = g if dp > 1 else None
+        ctx.groups['ep'] = dist.group.WORLD if config.ep > 1 else None
+        return ctx
+
+    def destroy(self):
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- traced collectives ---------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
+        self._run('all_reduce', group, tensor, lambda g: dist.all_reduce(tensor, group=g))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
+        """[size, *tensor.shape]: every rank's tensor, in rank order of the group."""
+        g = self.group(group)
+        if g is None:
+            return tensor[None]
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(g))]
+        self._run('all_gather', group, tensor, lambda g: dist.all_gather(parts, tensor, group=g))
+        return torch.stack(parts)
+
+    def broadcast(self, tensor: torch.Tensor, src_local: int, group: str) -> torch.Tensor:
+        g = self.group(group)
+        if g is None:
+            return tensor
+        src = dist.get_global_rank(g, src_local)
+        self._run('broadcast', group, tensor, lambda g: dist.broadcast(tensor, src, group=g))
+        return tensor
+
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   group: str) -> torch.Tensor:
+        """Variable-size exchange along dim 0 (the counts were exchanged first by the caller)."""
+        out = tensor.new_empty((sum(recv_counts),) + tuple(tensor.shape[1:]))
+        self._run('all_to_all', group, tensor,
+                  lambda g: dist.all_to_all_single(out, tensor.contiguous(), recv_counts,
+                                                   send_counts, group=g),
+                  variable=True)
+        return out
+
+    def _run(self, op: str, group: str, tensor: torch.Tensor, fn, variable: bool = False):
+        shape = (-1,) + tuple(tensor.shape[1:]) if variable else tuple(tensor.shape)
+        entry = (op, group, shape, str(tensor.dtype).replace('torch.', ''))
+        self.trace.append(entry)
+        try:
+            fn(self.group(group))
+        except RuntimeError as e:
+            message = (f'rank {self.rank}, step {self.step}: {op} on the {group} group '
+                       f'(shape {list(shape)}, {entry[3]}) failed or timed out after '
+                       f'{dist_timeout_s():.0f} s ({ENV_TIMEOUT}): {e}')
+            if self.check:
+                self.compare_traces(failed=entry)          # names the rank that diverged
+            raise CollectiveTimeout(message) from e
+
+    # ---- step boundaries and the trace check ----------------------------------------------
+    def begin_step(self, step: int):
+        self.step = step
+        self.trace = []
+
+    def end_step(self):
+        if self.check and self.world_size > 1:
+            self.compare_traces()
+
+    def compare_traces(self, failed: tuple | None = None):
+        """Compare this step's collective sequences of all ranks; raise CollectiveMismatch on the
+        first difference. `failed`: this rank's collective that just failed (marks its trace)."""
+        record = list(self.trace) + ([('<timed out here>',)] if failed else [])
+        digest = hashlib.sha256(repr(record).encode()).digest()[:8]
+        mine = torch.tensor([int.from_bytes(digest, 'little', signed=True)], dtype=torch.int64)
+        check = self.group('check')
+        digests = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(digests, mine, group=check)
+        if all(bool(d == digests[0]) for d in digests):
+            return
+        traces = [None] * self.world_size
+        dist.all_gather_object(traces, record, group=check)
+        for i in range(max(map(len, traces))):
+            entries = [t[i] if i < len(t) else '<end of step>' for t in traces]
+            if any(e != entries[0] for e in entries):
+                detail = '; '.join(f'rank {r}: {e}' for r, e in enumerate(entries))
+                raise CollectiveMismatch(
+                    f'step {self.step}: the ranks\' collective sequences differ at collective '
+                    f'#{i}: {detail}')

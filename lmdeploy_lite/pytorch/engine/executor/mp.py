@@ -1,0 +1,285 @@
+"""The `mp` executor: one process per rank (torch.multiprocessing, spawn), gloo on CPU.
+
+Every rank runs an Engine for its DP rank and the same loop: read its inbox, `engine.step()`
+(whose first act is the StepPlan all-gather, so ranks advance in lockstep), send outputs home.
+Ranks with no work wait on their inbox between plan gathers (at most IDLE_WAIT_S, no spinning);
+an idle rank inside a busy step runs dummy target and draft forwards. The front-end routes each
+request to the least-loaded DP rank and forwards results to the caller's sink. A rank that
+dies is detected within a second and reported by rank; close() leaves no process behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch.multiprocessing as mp
+
+from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.messages import SpecDecodeStats
+from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
+
+logger = logging.getLogger('lmdeploy_lite')
+
+IDLE_WAIT_S = 0.02
+STARTUP_TIMEOUT_S = float(os.environ.get('LMDEPLOY_LITE_STARTUP_TIMEOUT', '600'))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+# ---- the worker side ------------------------------------------------------------------------
+def worker_main(rank: int, dist_config: DistConfig, model_path: str,
+                engine_config: PytorchEngineConfig, spec_config: SpeculativeConfig | None,
+                init_method: str, inbox, outbox, env: dict):
+    os.environ.update(env)
+    import torch
+
+    from lmdeploy_lite.pytorch.distributed import DistContext
+    from lmdeploy_lite.pytorch.engine.engine import Engine
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_config.world_size))
+    dist_ctx = None
+    try:
+        dist_ctx = DistContext.init(dist_config, rank, init_method)
+        from lmdeploy_lite.api import load_tokenizer       # stop words need it
+        tokenizer = load_tokenizer(model_path)
+        engine = Engine(model_path, engine_config, spec_config, tokenizer=tokenizer,
+                        progress=False, dist_ctx=dist_ctx)
+        hook = os.environ.get('LMDEPLOY_LITE_WORKER_HOOK')     # tests: 'module:function'
+        if hook:
+            import importlib
+            module, name = hook.split(':')
+            getattr(importlib.import_module(module), name)(engine)
+        outbox.put(('ready', rank, None))
+        _rank_loop(rank, engine, inbox, outbox)
+    except BaseException:
+        outbox.put(('error', rank, traceback.format_exc()))
+    finally:
+        if dist_ctx is not None:
+            dist_ctx.destroy()
+
+
+def _rank_loop(rank: int, engine, inbox, outbox):
+    request_of: dict[int, int] = {}          # seq_id -> front-end request id
+    seq_of: dict[int, object] = {}           # request id -> Sequence
+    while not engine.stopped:
+        wait = None if engine.has_work else IDLE_WAIT_S
+        for kind, payload in _drain(inbox, wait):
+            if kind == 'add':
+                rid, token_ids, gen_config = payload
+                seq = engine.add_request(token_ids, gen_config)
+                request_of[seq.seq_id], seq_of[rid] = rid, seq
+            elif kind == 'abort' and payload in seq_of:
+                seq = seq_of[payload]
+                if not seq.is_finished:
+                    engine.abort(seq)
+                    outbox.put(('out', rank, _report(payload, seq, [])))
+            elif kind == 'stop':
+                engine.stop_requested = True
+        for out in engine.step():
+            rid = request_of[out.seq.seq_id]
+            outbox.put(('out', rank, _report(rid, out.seq, out.new_token_ids)))
+            if out.finished:
+                del request_of[out.seq.seq_id], seq_of[rid]
+
+
+def _drain(inbox, wait: float | None) -> list:
+    items = []
+    try:
+        items.append(inbox.get(timeout=wait) if wait else inbox.get_nowait())
+        while True:
+            items.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return items
+
+
+def _report(rid: int, seq, new_token_ids: list[int]) -> tuple:
+    stats = seq.spec_stats
+    return (rid, list(new_token_ids), seq.is_finished, seq.finish_reason, seq.num_generated,
+            (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+             list(stats.accepted_per_position)))
+
+
+# ---- the front-end side ---------------------------------------------------------------------
+@dataclass(eq=False)
+class RemoteSeq:
+    """What the front-end knows of a sequence living on a rank (mirrors Sequence's fields)."""
+    seq_id: int
+    dp_rank: int
+    is_finished: bool = False
+    finish_reason: str | None = None
+    num_generated: int = 0
+    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+
+
+@dataclass
+class RemoteOutput:
+    seq: RemoteSeq
+    new_token_ids: list[int]
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.is_finished
+
+
+@dataclass(eq=False)
+class RemoteHandle:
+    seq: RemoteSeq
+    sink: object
+
+
+class MPEngineLoop:
+    """The EngineLoop interface (submit, abort, close, error) over one process per rank."""
+
+    def __init__(self, model_path: str, engine_config: PytorchEngineConfig,
+                 speculative_config: SpeculativeConfig | None = None, env: dict | None = None):
+        cfg = engine_config
+        self.dist_config = DistConfig(cfg.tp, cfg.dp, cfg.ep)
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.dist_config.validate(self.model_config, num_devices=None)
+        if self.dist_config.tp > 1:
+            raise ValueError(f'tp={cfg.tp}: tensor parallelism is not implemented yet; use dp/ep')
+        self.session_len = cfg.session_len or self.model_config.max_position_embeddings
+        self.error: BaseException | None = None
+        self._live: dict[int, RemoteHandle] = {}
+        self._load = [0] * self.dist_config.dp
+        self._next_rid = 0
+        self._lock = threading.Lock()
+        ctx = mp.get_context('spawn')
+        world = self.dist_config.world_size
+        init_method = f'tcp://127.0.0.1:{free_port()}'
+        self._inboxes = [ctx.Queue() for _ in range(world)]
+        self._outbox = ctx.Queue()
+        child_env = {k: v for k, v in os.environ.items() if k.startswith('LMDEPLOY_LITE_')}
+        child_env.update(env or {})
+        self._procs = [ctx.Process(target=worker_main, daemon=True, name=f'lmdeploy_lite-rank{r}',
+                                   args=(r, self.dist_config, model_path, cfg, speculative_config,
+                                         init_method, self._inboxes[r], self._outbox, child_env))
+                       for r in range(world)]
+        for p in self._procs:
+            p.start()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
+        self._closing = False
+        self._collector = threading.Thread(target=self._collect, daemon=True,
+                                           name='lmdeploy_lite-collector')
+        self._collector.start()
+
+    def _wait_ready(self):
+        ready, deadline = set(), time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < len(self._procs):
+            try:
+                kind, rank, payload = self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f'ranks {sorted(set(range(len(self._procs))) - ready)} '
+                                       f'did not start within {STARTUP_TIMEOUT_S:.0f} s')
+                continue
+            if kind == 'error':
+                raise RuntimeError(f'rank {rank} failed to start:\n{payload}')
+            ready.add(rank)
+
+    def _check_alive(self):
+        for rank, p in enumerate(self._procs):
+            if not p.is_alive():
+                raise RuntimeError(f'rank {rank} (pid {p.pid}) exited with code {p.exitcode}')
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
+        from lmdeploy_lite.pytorch.engine.engine import validate_request
+        validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
+
+    def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink) -> RemoteHandle:
+        if self.error is not None:
+            raise RuntimeError(f'the engine stopped after an error: {self.error}')
+        self.validate_request(token_ids, gen_config)
+        with self._lock:
+            dp_rank = min(range(len(self._load)), key=self._load.__getitem__)   # least loaded
+            self._load[dp_rank] += 1
+            rid, self._next_rid = self._next_rid, self._next_rid + 1
+            handle = RemoteHandle(RemoteSeq(rid, dp_rank), sink)
+            self._live[rid] = handle
+        self._inboxes[dp_rank * self.dist_config.tp].put(('add', (rid, list(token_ids),
+                                                                  gen_config)))
+        return handle
+
+    def abort(self, handle: RemoteHandle):
+        self._inboxes[handle.seq.dp_rank * self.dist_config.tp].put(('abort', handle.seq.seq_id))
+
+    # ---- results --------------------------------------------------------------------------
+    def _collect(self):
+        while True:
+            try:
+                kind, rank, payload = self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                if self._closing:
+                    return
+                try:
+                    self._check_alive()
+                except RuntimeError as e:
+                    self._fail(e)
+                    return
+                continue
+            if kind == 'error':
+                self._fail(RuntimeError(f'rank {rank} failed:\n{payload}'))
+                return
+            self._deliver(*payload)
+
+    def _deliver(self, rid, new_ids, finished, reason, num_generated, stats):
+        with self._lock:
+            handle = self._live.get(rid)
+            if handle is None:
+                return
+            if finished:
+                del self._live[rid]
+                self._load[handle.seq.dp_rank] -= 1
+        seq = handle.seq
+        seq.is_finished, seq.finish_reason, seq.num_generated = finished, reason, num_generated
+        seq.spec_stats = SpecDecodeStats(stats[0], stats[1], stats[2], list(stats[3]))
+        handle.sink(RemoteOutput(seq, new_ids))
+
+    def _fail(self, error: BaseException):
+        logger.error('%s', error)
+        self.error = error
+        with self._lock:
+            handles, self._live = list(self._live.values()), {}
+        for handle in handles:
+            handle.sink(error)
+        self._kill()
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def close(self, timeout_s: float = 30.0):
+        self._closing = True
+        for inbox in self._inboxes:
+            inbox.put(('stop', None))
+        deadline = time.monotonic() + timeout_s
+        for p in self._procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        self._kill()
+        with self._lock:
+            handles, self._live = list(self._live.values()), {}
+        for handle in handles:
+            handle.sink(RuntimeError('the engine was closed'))
+
+    def _kill(self):
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)

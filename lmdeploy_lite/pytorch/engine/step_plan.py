@@ -1,0 +1,58 @@
+"""The StepPlan: everything a step needs to know about the other ranks (DESIGN.md invariant 1).
+
+Built from ONE fixed-shape all-gather of an int64 row per rank on the world CPU group. Every
+padded size of the step is a pure function of it; nothing else decides a size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown')
+_NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN = range(len(FIELDS))
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    rows: torch.Tensor          # [world_size, len(FIELDS)] int64
+    tp: int = 1
+
+    @staticmethod
+    def local_row(batch, num_spec_tokens: int, tp: int, shutdown: bool) -> torch.Tensor:
+        """This rank's row; token counts are rounded up to a multiple of tp first."""
+        if batch is None:
+            return torch.tensor([0, 0, 0, 0, int(shutdown)], dtype=torch.int64)
+        return torch.tensor([round_up(sum(batch.q_lens), tp), len(batch.seqs),
+                             int(batch.is_decoding), 1, int(shutdown)], dtype=torch.int64)
+
+    @classmethod
+    def gather(cls, batch, dist_ctx, num_spec_tokens: int = 0, shutdown: bool = False
+               ) -> 'StepPlan':
+        row = cls.local_row(batch, num_spec_tokens, dist_ctx.config.tp, shutdown)
+        return cls(dist_ctx.all_gather(row, 'world'), dist_ctx.config.tp)
+
+    @property
+    def any_work(self) -> bool:
+        return bool(self.rows[:, _WORK].any())
+
+    @property
+    def shutdown(self) -> bool:
+        return bool(self.rows[:, _SHUTDOWN].any())
+
+    @property
+    def any_decoding(self) -> bool:
+        return bool(self.rows[:, _DECODING].any())
+
+    @property
+    def max_tokens(self) -> int:
+        """The largest per-rank token count (a multiple of tp): EP dispatch capacity."""
+        return int(self.rows[:, _NUM_TOKENS].max())
+
+    def dummy_tokens_per_seq(self, num_spec_tokens: int) -> int:
+        """An idle rank feeds one sequence shaped like the busiest kind of step in the plan."""
+        return 1 + num_spec_tokens if self.any_decoding else 1
