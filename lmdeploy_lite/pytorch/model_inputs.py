@@ -65,14 +65,19 @@ class ModelInputs:
         return self.history_lens + self.q_lens
 
     @cached_property
+    def _host_lens(self) -> tuple[list[int], list[int]]:
+        q_lens, history_lens = torch.stack([self.q_lens, self.history_lens]).tolist()
+        return q_lens, [h + n for h, n in zip(history_lens, q_lens)]
+
+    @property
     def host_q_lens(self) -> list[int]:
         """`q_lens` on the host (computed once: one device sync per forward, not per layer)."""
-        return self.q_lens.tolist()
+        return self._host_lens[0]
 
-    @cached_property
+    @property
     def host_kv_lens(self) -> list[int]:
-        """`kv_lens` on the host (computed once)."""
-        return self.kv_lens.tolist()
+        """`kv_lens` on the host (computed once, with `host_q_lens`)."""
+        return self._host_lens[1]
 
     @cached_property
     def max_q_len(self) -> int:
@@ -86,12 +91,12 @@ class ModelInputs:
     def token_seq_idx(self) -> torch.Tensor:
         """[T] long, the sequence of each token (computed once)."""
         batch = torch.arange(self.batch_size, device=self.q_lens.device)
-        return torch.repeat_interleave(batch, self.q_lens, output_size=self.num_tokens)
+        return torch.repeat_interleave(batch, self.q_lens, output_size=sum(self.host_q_lens))
 
     @cached_property
     def token_offsets(self) -> torch.Tensor:
         """[T] long, index of each token among its sequence's new tokens (computed once)."""
-        flat = torch.arange(self.num_tokens, device=self.q_lens.device)
+        flat = torch.arange(self.token_seq_idx.numel(), device=self.q_lens.device)
         return flat - self.q_start_loc[self.token_seq_idx]
 
     def to(self, device: torch.device | str) -> 'ModelInputs':

@@ -103,8 +103,11 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
     out = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
     heads, width = vp.shape[1], max(q.shape[-1], vp.shape[-1], 64)
-    cost = lambda n, max_q, _: n * heads * (max_q + 63) * width      # noqa: E731 (chunk tensors)
-    for group in seq_groups(inputs, cost):
+
+    def chunk_elements(num_seqs: int, max_q: int, max_kv: int) -> int:   # q/k/v and decay per chunk
+        return num_seqs * heads * (max_q + 63) * width
+
+    for group in seq_groups(inputs, chunk_elements):
         if group.max_q_len == 0:
             continue
         o, final = chunk_gated_delta_rule(
@@ -124,7 +127,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     acc = state_cache.dtype
     init = _initial_states(state_cache, inputs)
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
-    (group,) = seq_groups(inputs, lambda *_: 0)                       # padding <= 1 + num_spec
+    (group,) = seq_groups(inputs, lambda *_: 0)      # one group: padding is at most num_spec
     if group.max_q_len == 0:
         return torch.empty(vp.shape, dtype=v.dtype, device=v.device)
     o, states = recurrent_gated_delta_rule(*(group.pad(x) for x in (q, k, vp, g, beta)), init)

@@ -42,9 +42,9 @@ class SeqGroup:
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """x [t, ...] (the group's tokens) -> [n, max_q_len, ...], zeros after each sequence
-        (a view of x when dense)."""
+        (a view of x when dense: read it, do not write it)."""
         if self.is_dense:
-            return x.view(self.num_seqs, self.max_q_len, *x.shape[1:])
+            return x.reshape(self.num_seqs, self.max_q_len, *x.shape[1:])
         out = x.new_zeros(self.num_seqs, self.max_q_len, *x.shape[1:])
         out[self.seq_idx, self.offsets] = x
         return out
