@@ -234,7 +234,7 @@ class MPEngineLoop:
                     return
                 continue
             if kind == 'error':
-                self._fail(RuntimeError(f'rank {rank} failed:\n{payload}'))
+                self._fail(RuntimeError(self._describe_failure(rank, payload)))
                 return
             self._deliver(*payload)
 
@@ -250,6 +250,18 @@ class MPEngineLoop:
         seq.is_finished, seq.finish_reason, seq.num_generated = finished, reason, num_generated
         seq.spec_stats = SpecDecodeStats(stats[0], stats[1], stats[2], list(stats[3]))
         handle.sink(RemoteOutput(seq, new_ids))
+
+    def _describe_failure(self, rank: int, trace: str) -> str:
+        """A rank's collective fails when a peer dies: name the dead rank first."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            dead = [(r, p) for r, p in enumerate(self._procs) if r != rank and not p.is_alive()]
+            if dead:
+                names = ', '.join(f'rank {r} (pid {p.pid}) exited with code {p.exitcode}'
+                                  for r, p in dead)
+                return f'{names}; rank {rank} then failed:\n{trace}'
+            time.sleep(0.1)
+        return f'rank {rank} failed:\n{trace}'
 
     def _fail(self, error: BaseException):
         logger.error('%s', error)
