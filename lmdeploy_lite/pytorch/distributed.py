@@ -122,6 +122,18 @@ class DistContext:
         self._run('broadcast', group, tensor, lambda g: dist.broadcast(tensor, src, group=g))
         return tensor
 
+    def broadcast_object(self, obj, group: str):
+        """A picklable object from the group's first rank to the others (e.g. TP rank 0's
+        inbox events, so that every TP rank's scheduler sees the same requests)."""
+        g = self.group(group)
+        if g is None:
+            return obj
+        box = [obj]
+        marker = torch.empty(0, dtype=torch.uint8)
+        self._run('broadcast_object', group, marker,
+                  lambda g: dist.broadcast_object_list(box, dist.get_global_rank(g, 0), group=g))
+        return box[0]
+
     def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int],
                    group: str) -> torch.Tensor:
         """Variable-size exchange along dim 0 (the counts were exchanged first by the caller)."""

@@ -194,13 +194,14 @@ class Engine:
         if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
             inputs = self.strategy.make_dummy_inputs(
                 plan.dummy_tokens_per_seq(self.num_spec_tokens), plan.any_decoding, self.device)
-            self.agent.step(inputs, SamplingInputs.greedy(1, self.device))
-            self.dist.end_step()
-            return []
-        inputs = self.strategy.make_model_inputs(batch, self.device)
-        result = self.agent.step(inputs, self._sampling_inputs(batch))
+            sampling = SamplingInputs.greedy(1, self.device)
+        else:
+            inputs = self.strategy.make_model_inputs(batch, self.device)
+            sampling = self._sampling_inputs(batch)
+        result = self.agent.step(inputs, sampling)
+        result = self.strategy.post_broadcast(result, self.agent, inputs, self.dist)
         self.dist.end_step()
-        return self._update(batch, result)
+        return [] if batch is None else self._update(batch, result)
 
     def _sampling_inputs(self, batch: ScheduledBatch) -> SamplingInputs:
         cfgs = [s.gen_config for s in batch.seqs]

@@ -45,6 +45,9 @@ class Strategy:
         inputs.is_dummy = True
         return inputs
 
-    def post_broadcast(self, tokens, drafts, dist_ctx):
-        """Make TP rank 0's sampled tokens (and drafts) every TP peer's; no-op in one process."""
-        return tokens, drafts
+    def post_broadcast(self, result, agent, inputs: ModelInputs, dist_ctx):
+        """Make TP rank 0's sampled tokens every TP peer's, so that all TP ranks agree exactly
+        even when sampling; a no-op without TP."""
+        if dist_ctx.config.tp > 1:
+            dist_ctx.broadcast(result.output_tokens, 0, 'tp')
+        return result

@@ -68,11 +68,15 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
 
 
 def _rank_loop(rank: int, engine, inbox, outbox):
+    """TP rank 0 of a DP group reads the inbox and shares what it read with its TP peers, so
+    every TP rank's scheduler makes the same decisions; only TP rank 0 reports results."""
     request_of: dict[int, int] = {}          # seq_id -> front-end request id
     seq_of: dict[int, object] = {}           # request id -> Sequence
+    leader = engine.dist.tp_rank == 0
     while not engine.stopped:
         wait = None if engine.has_work else IDLE_WAIT_S
-        for kind, payload in _drain(inbox, wait):
+        events = _drain(inbox, wait) if leader else None
+        for kind, payload in engine.dist.broadcast_object(events, 'tp'):
             if kind == 'add':
                 rid, token_ids, gen_config = payload
                 seq = engine.add_request(token_ids, gen_config)
@@ -81,12 +85,14 @@ def _rank_loop(rank: int, engine, inbox, outbox):
                 seq = seq_of[payload]
                 if not seq.is_finished:
                     engine.abort(seq)
-                    outbox.put(('out', rank, _report(payload, seq, [])))
+                    if leader:
+                        outbox.put(('out', rank, _report(payload, seq, [])))
             elif kind == 'stop':
                 engine.stop_requested = True
         for out in engine.step():
             rid = request_of[out.seq.seq_id]
-            outbox.put(('out', rank, _report(rid, out.seq, out.new_token_ids)))
+            if leader:
+                outbox.put(('out', rank, _report(rid, out.seq, out.new_token_ids)))
             if out.finished:
                 del request_of[out.seq.seq_id], seq_of[rid]
 

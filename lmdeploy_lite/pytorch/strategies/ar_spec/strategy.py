@@ -54,3 +54,24 @@ class ARSpecStrategy(Strategy):
                                               device=device)
         inputs.next_token_ids = torch.zeros(1, dtype=torch.long, device=device)
         return inputs
+
+    def post_broadcast(self, result, agent, inputs: ModelInputs, dist_ctx):
+        """TP rank 0's emitted tokens, accepted counts and next drafts become every TP peer's;
+        the peers re-derive their device tables (state slot, last token) from them."""
+        if dist_ctx.config.tp == 1:
+            return result
+        slots = inputs.state_slots
+        dist_ctx.broadcast(result.output_tokens, 0, 'tp')
+        drafts = dist_ctx.broadcast(agent.drafts[slots].contiguous(), 0, 'tp')
+        agent.drafts[slots] = drafts
+        if agent.draft_probs is not None:
+            agent.draft_probs[slots] = dist_ctx.broadcast(agent.draft_probs[slots].contiguous(),
+                                                          0, 'tp')
+        if result.num_accepted_drafts is None:           # prefill: the sampled token
+            agent.last_token[slots] = result.output_tokens[:, 0]
+            return result
+        accepted = dist_ctx.broadcast(result.num_accepted_drafts, 0, 'tp')
+        agent.target.set_state_index(slots, accepted)
+        rows = torch.arange(slots.numel(), device=slots.device)
+        agent.last_token[slots] = result.output_tokens[rows, accepted]
+        return result
