@@ -186,7 +186,7 @@ class Engine:
     def step(self) -> list[StepOutput]:
         self.dist.begin_step(self.num_steps)
         batch = None if self.stop_requested else self.scheduler.schedule()
-        plan = StepPlan.gather(batch, self.dist, self.num_spec_tokens, self.stop_requested)
+        plan = StepPlan.gather(batch, self.dist, self.stop_requested)
         self.stopped = plan.shutdown
         if not plan.any_work or plan.shutdown:
             return []

@@ -23,7 +23,7 @@ class StepPlan:
     tp: int = 1
 
     @staticmethod
-    def local_row(batch, num_spec_tokens: int, tp: int, shutdown: bool) -> torch.Tensor:
+    def local_row(batch, tp: int, shutdown: bool) -> torch.Tensor:
         """This rank's row; token counts are rounded up to a multiple of tp first."""
         if batch is None:
             return torch.tensor([0, 0, 0, 0, int(shutdown)], dtype=torch.int64)
@@ -31,9 +31,8 @@ class StepPlan:
                              int(batch.is_decoding), 1, int(shutdown)], dtype=torch.int64)
 
     @classmethod
-    def gather(cls, batch, dist_ctx, num_spec_tokens: int = 0, shutdown: bool = False
-               ) -> 'StepPlan':
-        row = cls.local_row(batch, num_spec_tokens, dist_ctx.config.tp, shutdown)
+    def gather(cls, batch, dist_ctx, shutdown: bool = False) -> 'StepPlan':
+        row = cls.local_row(batch, dist_ctx.config.tp, shutdown)
         return cls(dist_ctx.all_gather(row, 'world'), dist_ctx.config.tp)
 
     @property

@@ -1,0 +1,37 @@
+"""StepPlan: one fixed-shape row per rank; every padded size derives from it."""
+import torch
+
+from lmdeploy_lite.messages import GenerationConfig
+from lmdeploy_lite.pytorch.distributed import DistContext
+from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch
+from lmdeploy_lite.pytorch.engine.sequence import Sequence
+from lmdeploy_lite.pytorch.engine.step_plan import FIELDS, StepPlan
+
+
+def batch(q_lens, decoding):
+    seqs = [Sequence(i, [1] * 4, 4, GenerationConfig(), 0) for i in range(len(q_lens))]
+    return ScheduledBatch(seqs, list(q_lens), decoding)
+
+
+def test_row_is_fixed_shape_and_rounds_tokens_to_tp():
+    assert StepPlan.local_row(batch([3, 4], False), tp=4, shutdown=False).tolist() == \
+        [8, 2, 0, 1, 0]
+    assert StepPlan.local_row(None, tp=2, shutdown=True).tolist() == [0, 0, 0, 0, 1]
+    assert StepPlan.local_row(None, tp=1, shutdown=False).shape == (len(FIELDS),)
+
+
+def test_sizes_are_functions_of_the_plan():
+    rows = torch.stack([StepPlan.local_row(batch([4, 4], True), 2, False),
+                        StepPlan.local_row(None, 2, False)])
+    plan = StepPlan(rows, tp=2)
+    assert plan.any_work and plan.any_decoding and not plan.shutdown
+    assert plan.max_tokens == 8
+    assert plan.dummy_tokens_per_seq(num_spec_tokens=3) == 4       # idle rank mirrors a verify
+    idle = StepPlan(torch.stack([StepPlan.local_row(None, 1, False)] * 2))
+    assert not idle.any_work
+
+
+def test_single_process_gather_runs_no_collective():
+    ctx = DistContext.single()
+    plan = StepPlan.gather(batch([5], False), ctx)
+    assert plan.rows.tolist() == [[5, 1, 0, 1, 0]] and ctx.trace == []
