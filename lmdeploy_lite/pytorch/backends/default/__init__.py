@@ -1,4 +1,4 @@
-"""Plain-PyTorch ops: correct on any device and batch, loop over sequences in Python."""
+"""Plain-PyTorch ops: correct on any device; sequences of a step are batched (padded, `varlen.py`)."""
 from .causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
 from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
 from .paged_attention import paged_attention
