@@ -1,7 +1,8 @@
-"""`lmdeploy_lite generate | chat`: the command line."""
+"""`lmdeploy_lite generate | chat | serve api_server`: the command line."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 import time
@@ -107,6 +108,48 @@ def cmd_chat(args) -> int:
     return 0
 
 
+SERVE_MODULES = ('fastapi', 'uvicorn', 'sse_starlette', 'pydantic', 'prometheus_client')
+
+
+def _serve_args(p: argparse.ArgumentParser):
+    p.add_argument('--tp', type=int, default=1, help='tensor-parallel ranks per DP group')
+    p.add_argument('--dp', type=int, default=1, help='data-parallel ranks (one process each)')
+    p.add_argument('--ep', type=int, default=1, help='expert-parallel ranks (MoE models)')
+    p.add_argument('--server-name', default='127.0.0.1', help='address to listen on')
+    p.add_argument('--server-port', type=int, default=23333, help='port to listen on')
+    p.add_argument('--api-keys', nargs='+', default=None, metavar='KEY',
+                   help='accept only requests with "Authorization: Bearer KEY" (any of these)')
+    p.add_argument('--model-name', default=None,
+                   help='model id in /v1/models and requests (default: the model directory name)')
+
+
+def cmd_serve(args) -> int:
+    missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"error: serving needs the 'serve' extra (missing: {', '.join(missing)}); "
+              f"install it with: pip install 'lmdeploy_lite[serve]'", file=sys.stderr)
+        return 2
+    from lmdeploy_lite import PytorchEngineConfig, pipeline
+    from lmdeploy_lite.api import resolve_model_path
+    from lmdeploy_lite.serve.openai.api_server import default_model_name, serve
+    logging.basicConfig(level=args.log_level.upper())
+    engine_config = PytorchEngineConfig(dtype=args.dtype, device=args.device,
+                                        max_batch_size=args.max_batch_size,
+                                        session_len=args.session_len,
+                                        cache_max_entry_count=args.cache_max_entry_count,
+                                        tp=args.tp, dp=args.dp, ep=args.ep)
+    spec = speculative_config(args)
+    model_path = resolve_model_path(args.model)
+    pipe = pipeline(model_path, engine_config, spec, progress=False)
+    try:
+        serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
+              args.server_port, args.api_keys, args.log_level,
+              num_spec_tokens=spec.num_speculative_tokens if spec else 0)
+    except KeyboardInterrupt:                # SIGINT, re-raised by uvicorn after a clean shutdown
+        return 130
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='lmdeploy_lite', description=__doc__)
     sub = parser.add_subparsers(dest='command', required=True)
@@ -119,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+    serve = sub.add_parser('serve', help='serve the model over HTTP')
+    serve_sub = serve.add_subparsers(dest='server', required=True)
+    api_server = serve_sub.add_parser(
+        'api_server', help='OpenAI-compatible server: /v1/models, /v1/completions, '
+        '/v1/chat/completions (streaming), /health, /metrics (Prometheus)')
+    _engine_args(api_server)
+    _serve_args(api_server)
+    api_server.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,181 @@
+"""Online serving benchmark in the spirit of `vllm bench serve`: streaming /v1/completions requests
+at a given concurrency and request rate; TTFT, TPOT, ITL (mean, median, p99), request and token
+throughput, and the mean accepted length of speculative decoding.
+
+    # against a running server
+    python benchmarks/bench_serve.py --base-url http://127.0.0.1:23333 --concurrency 1,8,32
+    # or launch one (the embedded model when --model is omitted), run, stop it
+    python benchmarks/bench_serve.py --launch [--model DIR] \
+        --server-args "--speculative-num-draft-tokens 3"
+
+TTFT: request sent -> first streamed text. ITL: gaps between streamed chunks (a chunk holds every
+token of one engine step, so up to k+1 with speculation). TPOT: (latency - TTFT) / (tokens - 1) per
+request. Mean accepted length: 1 + accepted / drafts over all requests (the server's `usage`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+from common import ROOT, environment, print_table, save_json
+
+WORDS = ('the model reads every token once and writes the next one while the cache keeps what it '
+         'has seen so far def return class import for while if else with yield lambda').split()
+
+
+def make_prompts(n: int, num_words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [' '.join(rng.choice(WORDS) for _ in range(num_words)) for _ in range(n)]
+
+
+async def one_request(http: httpx.AsyncClient, payload: dict) -> dict:
+    start = time.perf_counter()
+    ttft, last, itl, usage = None, start, [], None
+    async with http.stream('POST', '/v1/completions', json=payload) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f'HTTP {r.status_code}: {(await r.aread()).decode()}')
+        async for line in r.aiter_lines():
+            if not line.startswith('data: ') or line == 'data: [DONE]':
+                continue
+            chunk = json.loads(line[6:])
+            if 'error' in chunk:
+                raise RuntimeError(chunk['error']['message'])
+            now = time.perf_counter()
+            if chunk['choices'] and (chunk['choices'][0]['text'] or
+                                     chunk['choices'][0]['finish_reason']):
+                if ttft is None:
+                    ttft = now - start
+                else:
+                    itl.append(now - last)
+                last = now
+            usage = chunk.get('usage') or usage
+    return {'ttft': ttft, 'latency': last - start, 'itl': itl, 'usage': usage}
+
+
+async def run(base_url: str, prompts: list[str], output_len: int, concurrency: int,
+              request_rate: float, api_key: str | None, seed: int) -> dict:
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency)
+    headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
+    payloads = [{'prompt': p, 'max_tokens': output_len, 'temperature': 0, 'ignore_eos': True,
+                 'stream': True, 'stream_options': {'include_usage': True}} for p in prompts]
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600,
+                                 limits=httpx.Limits(max_connections=concurrency + 4)) as http:
+        await one_request(http, dict(payloads[0], max_tokens=4))             # warm-up
+
+        async def limited(payload):
+            async with limit:
+                return await one_request(http, payload)
+        start = time.perf_counter()
+        tasks = []
+        for payload in payloads:
+            tasks.append(asyncio.create_task(limited(payload)))
+            if math.isfinite(request_rate):                              # Poisson arrivals
+                await asyncio.sleep(rng.expovariate(request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, concurrency, request_rate)
+
+
+def _stats(values: list[float], name: str) -> dict:
+    values = sorted(v * 1000 for v in values) or [float('nan')]
+    p99 = values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
+    return {f'{name}_mean_ms': statistics.fmean(values),
+            f'{name}_median_ms': statistics.median(values), f'{name}_p99_ms': p99}
+
+
+def summarize(results: list[dict], duration: float, concurrency: int, rate: float) -> dict:
+    prompt_tokens = sum(r['usage']['prompt_tokens'] for r in results)
+    output_tokens = sum(r['usage']['completion_tokens'] for r in results)
+    specs = [r['usage'].get('spec_decode') for r in results if r['usage'].get('spec_decode')]
+    drafts = sum(s['num_drafts'] for s in specs)
+    tpot = [(r['latency'] - r['ttft']) / (r['usage']['completion_tokens'] - 1)
+            for r in results if r['usage']['completion_tokens'] > 1]
+    return {'concurrency': concurrency, 'request_rate': 'inf' if math.isinf(rate) else rate,
+            'requests': len(results), 'duration_s': duration,
+            'request_throughput': len(results) / duration,
+            'output_throughput': output_tokens / duration,
+            'total_token_throughput': (prompt_tokens + output_tokens) / duration,
+            'mean_prompt_tokens': prompt_tokens / len(results),
+            'mean_output_tokens': output_tokens / len(results),
+            **_stats([r['ttft'] for r in results], 'ttft'), **_stats(tpot, 'tpot'),
+            **_stats([x for r in results for x in r['itl']], 'itl'),
+            'mean_accepted_length': (1 + sum(s['num_accepted_tokens'] for s in specs) / drafts
+                                     if drafts else None)}
+
+
+def launch(model: str | None, server_args: str) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'serve', 'api_server',
+           *([model] if model else []), '--server-port', str(port), *shlex.split(server_args)]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    url = f'http://127.0.0.1:{port}'
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f'server exited with {proc.returncode}: {shlex.join(cmd)}')
+        try:
+            if httpx.get(url + '/health', timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError('server did not become healthy within 300 s')
+
+
+COLUMNS = ['concurrency', 'request_rate', 'requests', 'request_throughput', 'output_throughput',
+           'total_token_throughput', 'ttft_mean_ms', 'ttft_median_ms', 'ttft_p99_ms',
+           'tpot_mean_ms', 'tpot_median_ms', 'tpot_p99_ms', 'itl_mean_ms', 'itl_median_ms',
+           'itl_p99_ms', 'mean_accepted_length']
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--base-url', default=None, help='a running server (else --launch)')
+    parser.add_argument('--launch', action='store_true', help='start a server for the run')
+    parser.add_argument('--model', default=None, help='with --launch: model directory')
+    parser.add_argument('--server-args', default='', help='with --launch: extra server flags')
+    parser.add_argument('--api-key', default=None)
+    parser.add_argument('--num-prompts', type=int, default=64)
+    parser.add_argument('--input-words', type=int, default=32, help='words per random prompt')
+    parser.add_argument('--output-len', type=int, default=64,
+                        help='tokens per request (ignore_eos)')
+    parser.add_argument('--concurrency', default='1,8', help='comma list of max in-flight requests')
+    parser.add_argument('--request-rate', default='inf', help='comma list of requests/s (Poisson)')
+    parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--out', default=os.path.join(ROOT, 'out', 'bench_serve.json'))
+    args = parser.parse_args()
+    if (args.base_url is None) == (not args.launch):
+        parser.error('give exactly one of --base-url and --launch')
+    proc, url = launch(args.model, args.server_args) if args.launch else (None, args.base_url)
+    try:
+        prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
+        rows = [asyncio.run(run(url, prompts, args.output_len, int(c), float(rate),
+                                args.api_key, args.seed))
+                for c in args.concurrency.split(',') for rate in args.request_rate.split(',')]
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(60)
+    print_table(rows, COLUMNS)
+    save_json(args.out, {'environment': environment(), 'server': url,
+                         'server_args': args.server_args, 'model': args.model,
+                         'output_len': args.output_len, 'results': rows})
+
+
+if __name__ == '__main__':
+    main()

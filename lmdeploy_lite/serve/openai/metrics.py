@@ -1,0 +1,166 @@
+"""Prometheus metrics of the server: per-request figures measured here, engine-wide figures read at
+scrape time.
+
+Engine-wide sources: with the single-process engine, the scheduler (running/waiting, KV blocks) and
+`engine.spec_stats` (every verify step, aborted requests' included). With the mp executor (dp > 1)
+the engine lives in other processes, so the speculative counters add up the per-request figures
+that arrive with every response, and the scheduler gauges are not exported rather than guessed;
+`lmdeploy_lite_num_requests_in_flight` (admitted, not finished) is exact in both modes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram,
+                               disable_created_metrics)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from lmdeploy_lite.messages import Response, SpecDecodeStats
+
+PREFIX = 'lmdeploy_lite_'
+OUTCOMES = ('stop', 'length', 'abort', 'error', 'invalid')
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+
+def _stats_delta(now: SpecDecodeStats, before: SpecDecodeStats) -> SpecDecodeStats:
+    n = len(now.accepted_per_position)
+    prev = before.accepted_per_position + [0] * (n - len(before.accepted_per_position))
+    return SpecDecodeStats(now.num_drafts - before.num_drafts,
+                           now.num_draft_tokens - before.num_draft_tokens,
+                           now.num_accepted_tokens - before.num_accepted_tokens,
+                           [a - b for a, b in zip(now.accepted_per_position, prev)])
+
+
+def _snapshot(stats: SpecDecodeStats) -> SpecDecodeStats:
+    return SpecDecodeStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                           list(stats.accepted_per_position))
+
+
+class ServerMetrics:
+
+    def __init__(self, pipe, num_spec_tokens: int = 0):
+        self.pipe = pipe
+        self.num_spec_tokens = num_spec_tokens
+        disable_created_metrics()                    # no `_created` series next to each counter
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(PREFIX + 'requests', 'Finished requests by outcome '
+                                '(stop, length, abort: client left or server shut down, error: '
+                                'engine failure, invalid: rejected with 400)', ['outcome'],
+                                registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter(PREFIX + 'prompt_tokens', 'Prompt tokens of admitted '
+                                     'requests', registry=r)
+        self.generation_tokens = Counter(PREFIX + 'generation_tokens', 'Generated tokens sent',
+                                         registry=r)
+        self.ttft = Histogram(PREFIX + 'time_to_first_token_seconds', 'Request arrival to first '
+                              'generated token', buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + 'time_per_output_token_seconds', 'Mean time per output '
+                              'token after the first, per request', buckets=TPOT_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram(PREFIX + 'e2e_request_latency_seconds', 'Request arrival to its '
+                             'last token', buckets=TTFT_BUCKETS, registry=r)
+        self._lock = threading.Lock()
+        self.in_flight = 0
+        self.frontend_spec = SpecDecodeStats()     # used when the engine is in other processes
+        r.register(_EngineCollector(self))
+
+    def track(self, num_prompt_tokens: int) -> 'RequestTracker':
+        return RequestTracker(self, num_prompt_tokens)
+
+    def spec_totals(self) -> SpecDecodeStats:
+        engine = self.pipe.engine
+        with self._lock:
+            stats = _snapshot(engine.spec_stats if engine is not None else self.frontend_spec)
+        k = max(self.num_spec_tokens, len(stats.accepted_per_position))
+        stats.accepted_per_position += [0] * (k - len(stats.accepted_per_position))
+        return stats
+
+
+class RequestTracker:
+    """One admitted request: timing, token counts and its share of the speculative counters."""
+
+    def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
+        self.metrics = metrics
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.num_generated = 0
+        self.spec_seen = SpecDecodeStats()
+        self.done = False
+        metrics.prompt_tokens.inc(num_prompt_tokens)
+        with metrics._lock:
+            metrics.in_flight += 1
+
+    def observe(self, r: Response):
+        now = time.perf_counter()
+        new_tokens = r.generate_token_len - self.num_generated
+        if new_tokens > 0:
+            if self.first_token_time is None:
+                self.first_token_time = now
+                self.metrics.ttft.observe(now - self.arrival)
+            self.last_token_time = now
+            self.num_generated = r.generate_token_len
+            self.metrics.generation_tokens.inc(new_tokens)
+        if r.spec_stats is not None:
+            stats = _snapshot(r.spec_stats)
+            if self.metrics.pipe.engine is None:
+                with self.metrics._lock:
+                    self.metrics.frontend_spec.merge(_stats_delta(stats, self.spec_seen))
+            self.spec_seen = stats
+
+    def finish(self, outcome: str):
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        m.requests.labels(outcome).inc()
+        with m._lock:
+            m.in_flight -= 1
+        if self.first_token_time is not None:
+            m.e2e.observe(self.last_token_time - self.arrival)
+            if self.num_generated > 1:
+                m.tpot.observe((self.last_token_time - self.first_token_time)
+                               / (self.num_generated - 1))
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine (or the front-end's sums) at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        yield GaugeMetricFamily(PREFIX + 'num_requests_in_flight',
+                                'Requests admitted and not finished', value=m.in_flight)
+        engine = m.pipe.engine
+        if engine is not None:
+            scheduler, bm = engine.scheduler, engine.scheduler.bm
+            yield GaugeMetricFamily(PREFIX + 'num_requests_running',
+                                    'Sequences holding KV blocks', value=len(scheduler.running))
+            yield GaugeMetricFamily(PREFIX + 'num_requests_waiting',
+                                    'Sequences queued for prefill', value=len(scheduler.waiting))
+            yield GaugeMetricFamily(PREFIX + 'kv_blocks_used', 'KV cache blocks allocated',
+                                    value=bm.num_usable_blocks - bm.num_free_blocks)
+            yield GaugeMetricFamily(PREFIX + 'kv_blocks_total', 'KV cache blocks usable by '
+                                    'sequences', value=bm.num_usable_blocks)
+        stats = m.spec_totals()
+        yield CounterMetricFamily(PREFIX + 'spec_decode_num_drafts', 'Verify steps with drafts',
+                                  value=stats.num_drafts)
+        yield CounterMetricFamily(PREFIX + 'spec_decode_num_draft_tokens', 'Draft tokens proposed',
+                                  value=stats.num_draft_tokens)
+        yield CounterMetricFamily(PREFIX + 'spec_decode_num_accepted_tokens',
+                                  'Draft tokens accepted', value=stats.num_accepted_tokens)
+        per_position = CounterMetricFamily(PREFIX + 'spec_decode_num_accepted_tokens_per_pos',
+                                           'Draft tokens accepted at each draft position '
+                                           '(0-based)', labels=['position'])
+        for position, count in enumerate(stats.accepted_per_position):
+            per_position.add_metric([str(position)], count)
+        yield per_position
+        yield GaugeMetricFamily(PREFIX + 'spec_decode_mean_accepted_length',
+                                'Tokens emitted per verify step, bonus included '
+                                '(1 + accepted / drafts; 0 before the first draft)',
+                                value=stats.mean_accepted_length)

@@ -1,0 +1,427 @@
+"""`lmdeploy_lite serve api_server` end to end: the real server as a subprocess on 127.0.0.1, spoken
+to with the official `openai` client and plain HTTP (httpx). Tiny random model, float32, CPU."""
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
+    pytest.importorskip(_module, reason="needs the 'serve' extra")
+openai = pytest.importorskip('openai')
+httpx = pytest.importorskip('httpx')
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEY = 'test-key'
+K = 2                                   # draft tokens per step
+SESSION_LEN = 128
+MODEL = 'tiny'
+GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
+
+
+# ---- the server -------------------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def model_dir(tiny_ckpt, tmp_path_factory):
+    """A tiny random checkpoint with MTP tensors plus a real BPE tokenizer with a chat template."""
+    sys.path.insert(0, os.path.join(ROOT, 'tools'))
+    from make_tiny_checkpoint import train_tokenizer
+    path = str(tmp_path_factory.mktemp('serve') / MODEL)
+    shutil.copytree(tiny_ckpt(True, layout='multimodal'), path)
+    train_tokenizer(path, 512)
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir: str, log_path: str, *args: str, deadline_s: float = 180):
+        self.port = _free_port()
+        self.url = f'http://127.0.0.1:{self.port}'
+        self.log = open(log_path, 'w+')
+        cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'serve', 'api_server', model_dir,
+               '--device', 'cpu', '--dtype', 'float32', '--session-len', str(SESSION_LEN),
+               '--max-batch-size', '64', '--server-port', str(self.port), *args]
+        env = dict(os.environ, OMP_NUM_THREADS='1')
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env)
+        try:
+            self._wait_healthy(deadline_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, deadline_s: float):
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f'server exited with {self.proc.returncode}:\n{self.output()}')
+            try:
+                if httpx.get(self.url + '/health', timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        pytest.fail(f'server not healthy within {deadline_s} s:\n{self.output()}')
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def children(self) -> list[int]:
+        pids = []
+        for task in os.listdir(f'/proc/{self.proc.pid}/task'):
+            with open(f'/proc/{self.proc.pid}/task/{task}/children') as f:
+                pids += [int(p) for p in f.read().split()]
+        return pids
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+@pytest.fixture(scope='module')
+def server(model_dir, tmp_path_factory):
+    """Speculative (MTP, k=2) server that wants an API key."""
+    srv = Server(model_dir, str(tmp_path_factory.mktemp('log') / 'server.log'),
+                 '--speculative-num-draft-tokens', str(K), '--api-keys', KEY,
+                 '--model-name', MODEL)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope='module')
+def client(server):
+    return openai.OpenAI(base_url=server.url + '/v1', api_key=KEY, timeout=60, max_retries=0)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    text = httpx.get(url + '/metrics', timeout=10).text
+    return {line.rsplit(' ', 1)[0]: float(line.rsplit(' ', 1)[1])
+            for line in text.splitlines() if line and not line.startswith('#')}
+
+
+def post(server, path: str, payload=None, content: str | None = None, key: str | None = KEY):
+    headers = {'Authorization': f'Bearer {key}'} if key else {}
+    headers['Content-Type'] = 'application/json'
+    return httpx.post(server.url + path, json=payload, content=content, headers=headers,
+                      timeout=60)
+
+
+def chat(text: str) -> list[dict]:
+    return [{'role': 'user', 'content': text}]
+
+
+# ---- protocol -----------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_models_completion_chat_and_streaming_chat(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+    done = client.completions.create(model=MODEL, prompt='def main(', max_tokens=8, **GREEDY)
+    assert done.choices[0].finish_reason == 'length' and done.usage.completion_tokens == 8
+    assert done.choices[0].text
+    by_ids = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, **GREEDY)
+    assert by_ids.usage.prompt_tokens == 3 and by_ids.usage.completion_tokens == 3
+
+    full = client.chat.completions.create(model=MODEL, messages=chat('hello'), max_tokens=12,
+                                          **GREEDY)
+    assert full.choices[0].finish_reason == 'length' and full.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=chat('hello'),
+                                                 max_tokens=12, stream=True,
+                                                 stream_options={'include_usage': True},
+                                                 **GREEDY))
+    text = ''.join(c.choices[0].delta.content or '' for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == 'assistant'
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == 'length'
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+@pytest.mark.timeout(60)
+def test_stream_ends_with_done(server):
+    lines = []
+    with httpx.stream('POST', server.url + '/v1/completions', timeout=60,
+                      headers={'Authorization': f'Bearer {KEY}'},
+                      json={'prompt': 'x = 1', 'max_tokens': 4, 'stream': True,
+                            'temperature': 0, 'ignore_eos': True}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith('data: ')]
+    assert lines[-1] == 'data: [DONE]'
+    assert json.loads(lines[-2][6:])['choices'][0]['finish_reason'] == 'length'
+
+
+@pytest.mark.timeout(120)
+def test_spec_metrics_grow_by_exactly_the_requests_figures(server, client):
+    before = scrape(server.url)
+    usages = [client.completions.create(model=MODEL, prompt=p, max_tokens=n, **GREEDY).usage
+              for p, n in (('import os', 5), ('class Foo:', 9))]
+    usages.append(client.chat.completions.create(model=MODEL, messages=chat('hi'), max_tokens=7,
+                                                 **GREEDY).usage)
+    stream = client.chat.completions.create(model=MODEL, messages=chat('yo'), max_tokens=6,
+                                            stream=True, stream_options={'include_usage': True},
+                                            **GREEDY)
+    usages.append([c for c in stream][-1].usage)
+    after = scrape(server.url)
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+    specs = [u.spec_decode for u in usages]                  # the server's `usage` extension
+    assert all(s['num_drafts'] > 0 for s in specs)
+    assert grew('lmdeploy_lite_spec_decode_num_drafts_total') == sum(s['num_drafts'] for s in specs)
+    assert grew('lmdeploy_lite_spec_decode_num_draft_tokens_total') == \
+        sum(s['num_draft_tokens'] for s in specs) == K * sum(s['num_drafts'] for s in specs)
+    accepted = sum(s['num_accepted_tokens'] for s in specs)
+    assert grew('lmdeploy_lite_spec_decode_num_accepted_tokens_total') == accepted
+    for position in range(K):
+        name = ('lmdeploy_lite_spec_decode_num_accepted_tokens_per_pos_total'
+                f'{{position="{position}"}}')
+        assert grew(name) == sum(s['accepted_per_position'][position] for s in specs)
+    assert after['lmdeploy_lite_spec_decode_num_accepted_tokens_total'] <= \
+        after['lmdeploy_lite_spec_decode_num_draft_tokens_total']
+    assert 1 <= after['lmdeploy_lite_spec_decode_mean_accepted_length'] <= K + 1
+    assert grew('lmdeploy_lite_prompt_tokens_total') == sum(u.prompt_tokens for u in usages)
+    assert grew('lmdeploy_lite_generation_tokens_total') == 5 + 9 + 7 + 6
+    assert grew('lmdeploy_lite_requests_total{outcome="length"}') == 4
+    assert grew('lmdeploy_lite_time_to_first_token_seconds_count') == 4
+    assert grew('lmdeploy_lite_time_per_output_token_seconds_count') == 4
+    assert after['lmdeploy_lite_kv_blocks_used'] == 0
+    assert after['lmdeploy_lite_num_requests_running'] == 0
+
+
+# ---- bad requests -------------------------------------------------------------------------------
+BAD_REQUESTS = {
+    'invalid JSON': (dict(content='{"messages": [{"role": "user"'), None, 'not valid JSON'),
+    'missing messages': (dict(payload={'model': MODEL}), 'messages', "'messages' is required"),
+    'unknown model': (dict(payload={'model': 'gpt-9', 'messages': chat('hi')}), 'model',
+                      "model='gpt-9': unknown; this server serves 'tiny'"),
+    'max_tokens 0': (dict(payload={'messages': chat('hi'), 'max_tokens': 0}), 'max_tokens',
+                     'max_tokens=0: input should be greater than or equal to 1'),
+    'max_tokens -3': (dict(payload={'messages': chat('hi'), 'max_tokens': -3}), 'max_tokens',
+                      'max_tokens=-3'),
+    'temperature < 0': (dict(payload={'messages': chat('hi'), 'temperature': -0.5}),
+                        'temperature', 'temperature=-0.5: input should be greater than or equal'),
+    'top_p 0': (dict(payload={'messages': chat('hi'), 'top_p': 0}), 'top_p',
+                'top_p=0: input should be greater than 0'),
+    'top_p > 1': (dict(payload={'messages': chat('hi'), 'top_p': 1.5}), 'top_p',
+                  'top_p=1.5: input should be less than or equal to 1'),
+    'prompt too long': (dict(payload={'messages': chat('x ' * 300)}), 'messages',
+                        f'session_len={SESSION_LEN}'),
+    'n > 1': (dict(payload={'messages': chat('hi'), 'n': 2}), 'n', 'only n=1 is supported'),
+    'empty messages': (dict(payload={'messages': []}), 'messages', 'at least 1 item'),
+    'body not an object': (dict(payload=[1, 2]), None, 'must be a JSON object'),
+}
+
+
+@pytest.mark.timeout(120)
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, client):
+    before = scrape(server.url)
+    for case, (request, param, reason) in BAD_REQUESTS.items():
+        r = post(server, '/v1/chat/completions', **request)
+        assert r.status_code == 400, (case, r.text)
+        error = r.json()['error']
+        assert error['type'] == 'invalid_request_error', case
+        assert reason in error['message'] and error['param'] == param, (case, error)
+        ok = post(server, '/v1/chat/completions',
+                  {'messages': chat('still there?'), 'max_tokens': 2, 'temperature': 0})
+        assert ok.status_code == 200 and ok.json()['usage']['completion_tokens'] >= 1, case
+    long_completion = post(server, '/v1/completions', {'prompt': list(range(3, 200))})
+    assert long_completion.status_code == 400
+    assert long_completion.json()['error']['param'] == 'prompt'
+    with pytest.raises(openai.BadRequestError) as e:         # the official client's view
+        client.chat.completions.create(model=MODEL, messages=chat('hi'), max_tokens=0)
+    assert e.value.status_code == 400 and 'max_tokens=0' in e.value.message
+    after = scrape(server.url)
+    assert after['lmdeploy_lite_requests_total{outcome="invalid"}'] - \
+        before['lmdeploy_lite_requests_total{outcome="invalid"}'] == len(BAD_REQUESTS) + 2
+
+
+@pytest.mark.timeout(60)
+def test_api_keys(server):
+    for key in (None, 'wrong'):
+        r = post(server, '/v1/chat/completions', {'messages': chat('hi'), 'max_tokens': 1},
+                 key=key)
+        assert r.status_code == 401 and r.json()['error']['code'] == 'invalid_api_key'
+        headers = {'Authorization': f'Bearer {key}'} if key else {}
+        assert httpx.get(server.url + '/v1/models', headers=headers).status_code == 401
+    assert httpx.get(server.url + '/health').status_code == 200
+    assert httpx.get(server.url + '/metrics').status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + '/v1', api_key='nope', max_retries=0).models.list()
+
+
+# ---- load ----------------------------------------------------------------------------------------
+async def _stream_text(client, prompt: str, max_tokens: int) -> tuple[str, str]:
+    stream = await client.chat.completions.create(model=MODEL, messages=chat(prompt),
+                                                  max_tokens=max_tokens, stream=True, **GREEDY)
+    text, finish = '', None
+    async for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ''
+            finish = chunk.choices[0].finish_reason or finish
+    return text, finish
+
+
+@pytest.mark.timeout(240)
+def test_64_concurrent_streams_get_the_text_they_get_alone(server, client):
+    prompts = [f'def f{i}(' for i in range(16)]
+    alone = {p: client.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=6,
+                                               **GREEDY).choices[0].message.content
+             for p in prompts}
+    before = scrape(server.url)
+
+    async def run():
+        aclient = openai.AsyncOpenAI(base_url=server.url + '/v1', api_key=KEY, timeout=120,
+                                     max_retries=0,
+                                     http_client=openai.DefaultAsyncHttpxClient(
+                                         limits=httpx.Limits(max_connections=64)))
+        async with aclient:
+            return await asyncio.wait_for(asyncio.gather(
+                *(_stream_text(aclient, prompts[i % 16], 6) for i in range(64))), 180)
+    results = asyncio.run(run())
+    assert [finish for _, finish in results] == ['length'] * 64
+    assert [text for text, _ in results] == [alone[prompts[i % 16]] for i in range(64)]
+    after = scrape(server.url)
+    assert after['lmdeploy_lite_requests_total{outcome="length"}'] - \
+        before['lmdeploy_lite_requests_total{outcome="length"}'] == 64       # none lost
+    assert after['lmdeploy_lite_num_requests_in_flight'] == 0
+    assert after['lmdeploy_lite_kv_blocks_used'] == 0
+
+
+@pytest.mark.timeout(180)
+def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
+    before = scrape(server.url)
+
+    async def leave_early(http, i: int) -> int:
+        payload = {'messages': chat(f'story {i}'), 'max_tokens': 100, 'stream': True,
+                   'temperature': 0, 'ignore_eos': True}
+        received = 0
+        async with http.stream('POST', '/v1/chat/completions', json=payload) as r:
+            async for line in r.aiter_lines():
+                received += line.startswith('data: ')
+                if received == 3:                  # the opening chunk and two of text
+                    break
+        return received                            # leaving the block closes the connection
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     headers={'Authorization': f'Bearer {KEY}'}) as http:
+            return await asyncio.wait_for(asyncio.gather(*(leave_early(http, i)
+                                                           for i in range(16))), 120)
+    assert asyncio.run(run()) == [3] * 16
+    deadline = time.monotonic() + 60
+    while True:
+        m = scrape(server.url)
+        aborted = (m['lmdeploy_lite_requests_total{outcome="abort"}']
+                   - before['lmdeploy_lite_requests_total{outcome="abort"}'])
+        if aborted == 16 and m['lmdeploy_lite_kv_blocks_used'] == 0 and \
+                m['lmdeploy_lite_num_requests_running'] == 0 and \
+                m['lmdeploy_lite_num_requests_waiting'] == 0:
+            break
+        assert time.monotonic() < deadline, f'after 60 s: {aborted} aborted, {m}'
+        time.sleep(0.2)
+    assert m['lmdeploy_lite_requests_total{outcome="length"}'] == \
+        before['lmdeploy_lite_requests_total{outcome="length"}']         # none ran to the end
+    assert m['lmdeploy_lite_num_requests_in_flight'] == 0
+    ok = post(server, '/v1/completions', {'prompt': 'x', 'max_tokens': 2})
+    assert ok.status_code == 200
+
+
+# ---- data parallel: front-end metrics and shutdown -------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path):
+    srv = Server(model_dir, str(tmp_path / 'server_dp2.log'), '--dp', '2',
+                 '--speculative-num-draft-tokens', str(K))
+    try:
+        workers = srv.children()
+        assert len(workers) >= 2
+        r = post(srv, '/v1/completions', {'prompt': 'def main(', 'max_tokens': 6,
+                                          'temperature': 0, 'ignore_eos': True}).json()
+        spec = r['usage']['spec_decode']
+        m = scrape(srv.url)
+        assert m['lmdeploy_lite_spec_decode_num_drafts_total'] == spec['num_drafts'] > 0
+        assert m['lmdeploy_lite_spec_decode_num_draft_tokens_total'] == spec['num_draft_tokens']
+        assert m['lmdeploy_lite_spec_decode_num_accepted_tokens_total'] == \
+            spec['num_accepted_tokens']
+        assert m['lmdeploy_lite_num_requests_in_flight'] == 0
+        assert 'lmdeploy_lite_kv_blocks_used' not in m          # not known to the front-end
+
+        lines, first = [], threading.Event()
+
+        def read_stream():
+            with httpx.stream('POST', srv.url + '/v1/chat/completions', timeout=60,
+                              json={'messages': chat('go on'), 'max_tokens': 100, 'stream': True,
+                                    'temperature': 0, 'ignore_eos': True}) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith('data: '):
+                        lines.append(line[6:])
+                        if len(lines) == 3:
+                            first.set()
+        reader = threading.Thread(target=read_stream, daemon=True)
+        reader.start()
+        assert first.wait(60), 'no streamed tokens'
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(60)
+        reader.join(30)
+        assert srv.proc.returncode in (0, -signal.SIGTERM), srv.output()
+        assert lines[-1] == '[DONE]'                     # the stream ended cleanly ...
+        finish = [json.loads(x)['choices'][0]['finish_reason'] for x in lines[:-1]]
+        assert finish[-1] == 'abort'                     # ... as an aborted request
+        time.sleep(0.5)
+        alive = [pid for pid in workers if _is_alive(pid)]
+        assert not alive, f'orphaned worker processes {alive}'
+    finally:
+        srv.stop()
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except FileNotFoundError:
+        return False
+
+
+# ---- packaging ------------------------------------------------------------------------------
+def test_serve_without_the_extra_is_a_clear_error(capsys):
+    from lmdeploy_lite.cli import main as cli
+    saved = sys.modules.get('fastapi')
+    sys.modules['fastapi'] = None                         # as if not installed
+    try:
+        assert cli.main(['serve', 'api_server', '/nowhere']) == 2
+    finally:
+        if saved is None:
+            del sys.modules['fastapi']
+        else:
+            sys.modules['fastapi'] = saved
+    err = capsys.readouterr().err
+    assert 'missing: fastapi' in err and "pip install 'lmdeploy_lite[serve]'" in err
+
+
+def test_importing_the_package_needs_no_server_dependencies():
+    code = ('import sys, lmdeploy_lite, lmdeploy_lite.api, lmdeploy_lite.cli.main; '
+            'bad = [m for m in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client") '
+            'if m in sys.modules]; assert not bad, bad')
+    out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
