@@ -6,8 +6,11 @@ library's own `.py` files (tests included), and save it in the released Qwen3.5 
     # 2. model + MTP head, jointly (one H100/H200, ~7 minutes of training; runs on CPU with --smoke)
     python tools/train_tiny_model.py train --tokenizer lmdeploy_lite/assets/qwen3_5_moe_tiny --out OUT
 
-Corpus: every `.py` file under the running interpreter's stdlib directory (`site-packages` and
-`__pycache__` skipped, files that are not UTF-8 skipped), files joined with `<|endoftext|>`. The
+Corpus: every `.py` file under the running interpreter's stdlib directory, or `--stdlib DIR`
+(`site-packages` and `__pycache__` skipped, files that are not UTF-8 skipped), files joined with
+`<|endoftext|>`. The GPU machines' Ubuntu python3.12 ships no `test/` package (10 MB of source
+only), so the shipped model was trained on CPython 3.11.7's full stdlib (31 MB with tests) carried
+there as a tarball: `--stdlib /tmp/corpus/python3.11`. The
 modules in `HELD_OUT` (and their tests) are never trained on, by the tokenizer or the model; they
 give the held-out perplexity here and the prompts of `benchmarks/eval_embedded_acceptance.py`.
 
@@ -453,11 +456,11 @@ def train(args) -> None:
               'backward is wrong on Hopper with Triton 3.6')
     tokenizer = Tokenizer.from_file(os.path.join(args.tokenizer, 'tokenizer.json'))
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    train_files, held_files = corpus_files()
+    train_files, held_files = corpus_files(args.stdlib)
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
     train_stream = encode_texts(tokenizer, train_texts, eos_id)
     held_stream = encode_texts(tokenizer, held_texts, eos_id)
-    corpus = dict(stdlib=stdlib_dir(), python=sys.version.split()[0],
+    corpus = dict(stdlib=args.stdlib or stdlib_dir(), python=sys.version.split()[0],
                   train_files=len(train_texts), train_bytes=sum(len(t.encode()) for t in train_texts),
                   train_tokens=len(train_stream), held_out_files=len(held_texts),
                   held_out_tokens=len(held_stream), held_out=list(HELD_OUT),
@@ -573,6 +576,8 @@ def main(argv=None):
     tr = sub.add_parser('train', help='train target + MTP head, save the checkpoint')
     tr.add_argument('--tokenizer', required=True, help='directory with tokenizer.json')
     tr.add_argument('--out', required=True)
+    tr.add_argument('--stdlib', default=None,
+                    help="corpus root (default: the running Python's stdlib directory)")
     tr.add_argument('--device', default=None)
     tr.add_argument('--seed', type=int, default=0)
     tr.add_argument('--batch-size', type=int, default=32)
