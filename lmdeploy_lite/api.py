@@ -14,7 +14,7 @@ from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
 
 Prompt = str | list[int] | list[dict]
 
-EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(__file__), 'assets', 'default_model')
+EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(__file__), 'assets', 'qwen3_5_moe_tiny')
 
 
 def resolve_model_path(model_path: str | None) -> str:
