@@ -1,10 +1,11 @@
 """Per-rank cache tensors of the model (and of the MTP draft, which has its own full-attention KV).
 
-full-attention layer:   (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
+full-attention layer:   (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads / tp, head_dim]
                         in the model dtype;
-linear-attention layer: (conv_state [num_state_slots, conv_dim, K - 1 + num_spec] in the model dtype,
-                         recurrent_state [num_state_slots, 1 + num_spec, nv, dk, dv] in fp32, or
-                         fp64 for a float64 model).
+linear-attention layer: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num_spec] in the model
+                         dtype, recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv] in
+                         fp32, or fp64 for a float64 model).
+`tp` is the tensor-parallel size of the model that owns the cache (a TP rank keeps only its heads).
 `caches[layer_idx]` returns the layer's tuple; the slot semantics are in model_inputs.py.
 """
 from __future__ import annotations
@@ -18,24 +19,56 @@ def state_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _per_rank(what: str, count: int, tp: int) -> int:
+    if tp < 1 or count % tp:
+        raise ValueError(f'tp={tp}: must be >= 1 and divide {what}={count}')
+    return count // tp
+
+
+def kv_shape(model_config: ModelConfig, cache_config: CacheConfig, tp: int = 1) -> tuple:
+    """One full-attention layer's K (or V) cache on one TP rank."""
+    mc, cc = model_config, cache_config
+    return (cc.num_blocks, cc.block_size,
+            _per_rank('num_key_value_heads', mc.num_key_value_heads, tp), mc.head_dim)
+
+
+def state_shapes(model_config: ModelConfig, num_state_slots: int, num_spec_tokens: int,
+                 tp: int = 1) -> tuple[tuple, tuple]:
+    """(conv, recurrent) state shapes of one linear-attention layer on one TP rank."""
+    mc = model_config
+    _per_rank('linear_num_key_heads', mc.linear_num_key_heads, tp)
+    conv = (num_state_slots, mc.linear_conv_dim // tp,
+            mc.linear_conv_kernel_dim - 1 + num_spec_tokens)
+    rec = (num_state_slots, 1 + num_spec_tokens,
+           _per_rank('linear_num_value_heads', mc.linear_num_value_heads, tp),
+           mc.linear_key_head_dim, mc.linear_value_head_dim)
+    return conv, rec
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
 class CacheEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
-                 device: torch.device | str, layer_types: tuple[str, ...] | None = None):
-        """layer_types: defaults to the model's; the MTP draft passes ('full_attention',)."""
-        self.model_config, self.cache_config = model_config, cache_config
+                 device: torch.device | str, layer_types: tuple[str, ...] | None = None,
+                 tp: int = 1):
+        """layer_types: defaults to the model's; the MTP draft passes ('full_attention',).
+        tp: the owning model's TP size (the draft's own TP for the draft's cache)."""
+        self.model_config, self.cache_config, self.tp = model_config, cache_config, tp
         self.layer_types = tuple(layer_types or model_config.layer_types)
-        mc, cc = model_config, cache_config
+        cc = cache_config
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer_type in self.layer_types:
             if layer_type == 'full_attention':
-                shape = (cc.num_blocks, cc.block_size, mc.num_key_value_heads, mc.head_dim)
+                shape = kv_shape(model_config, cc, tp)
                 self.caches.append((torch.zeros(shape, dtype=dtype, device=device),
                                     torch.zeros(shape, dtype=dtype, device=device)))
             else:
-                conv = (cc.num_state_slots, mc.linear_conv_dim,
-                        mc.linear_conv_kernel_dim - 1 + cc.num_spec_tokens)
-                rec = (cc.num_state_slots, 1 + cc.num_spec_tokens, mc.linear_num_value_heads,
-                       mc.linear_key_head_dim, mc.linear_value_head_dim)
+                conv, rec = state_shapes(model_config, cc.num_state_slots, cc.num_spec_tokens, tp)
                 self.caches.append((torch.zeros(conv, dtype=dtype, device=device),
                                     torch.zeros(rec, dtype=state_dtype(dtype), device=device)))
 
@@ -47,24 +80,22 @@ class CacheEngine:
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
-                        layer_types: tuple[str, ...] | None = None) -> int:
-        """KV bytes of one block over all full-attention layers (K and V)."""
+                        layer_types: tuple[str, ...] | None = None, tp: int = 1) -> int:
+        """KV bytes of one block over all full-attention layers (K and V) on one TP rank."""
         layer_types = layer_types or model_config.layer_types
         num_full = sum(t == 'full_attention' for t in layer_types)
         elem = torch.empty((), dtype=dtype).element_size()
-        return (2 * num_full * block_size * model_config.num_key_value_heads
-                * model_config.head_dim * elem)
+        kv_heads = _per_rank('num_key_value_heads', model_config.num_key_value_heads, tp)
+        return 2 * num_full * block_size * kv_heads * model_config.head_dim * elem
 
     @staticmethod
     def bytes_per_state_slot(model_config: ModelConfig, num_spec_tokens: int, dtype: torch.dtype,
-                             layer_types: tuple[str, ...] | None = None) -> int:
-        """Conv window + recurrent state bytes of one sequence over all linear-attention layers."""
+                             layer_types: tuple[str, ...] | None = None, tp: int = 1) -> int:
+        """Conv window + recurrent state bytes of one sequence over all linear-attention layers,
+        on one TP rank."""
         layer_types = layer_types or model_config.layer_types
         num_linear = sum(t == 'linear_attention' for t in layer_types)
-        mc = model_config
-        conv = mc.linear_conv_dim * (mc.linear_conv_kernel_dim - 1 + num_spec_tokens)
-        conv_bytes = conv * torch.empty((), dtype=dtype).element_size()
-        rec = ((1 + num_spec_tokens) * mc.linear_num_value_heads * mc.linear_key_head_dim
-               * mc.linear_value_head_dim)
-        rec_bytes = rec * torch.empty((), dtype=state_dtype(dtype)).element_size()
+        conv, rec = state_shapes(model_config, 1, num_spec_tokens, tp)
+        conv_bytes = _numel(conv) * torch.empty((), dtype=dtype).element_size()
+        rec_bytes = _numel(rec) * torch.empty((), dtype=state_dtype(dtype)).element_size()
         return num_linear * (conv_bytes + rec_bytes)

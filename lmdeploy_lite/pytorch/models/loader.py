@@ -5,6 +5,10 @@ Accepted layouts: text-only (`model.*`, `lm_head.weight`) and the released multi
 (`experts.gate_up_proj [E, 2I, H]`, `experts.down_proj [E, H, I]`) or per expert
 (`experts.{e}.{gate,up,down}_proj.weight`). With `tie_word_embeddings` the checkpoint has no
 `lm_head.weight`. `mtp.*` tensors belong to the MTP draft (`load_mtp_weights`).
+
+Sharded models (a DistContext): a parameter with `expert_range` holds a slice of the experts
+(EP); one with `shard` (nn/sharding.py) holds this TP rank's piece. Either way the checkpoint
+tensor is checked against the FULL shape config.json implies and then narrowed to this rank's part.
 """
 from __future__ import annotations
 
@@ -108,7 +112,7 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
                 raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {pname!r})')
             param = params[pname]
             first, num_local, num_experts = _expert_range(param)
-            inter = param.shape[2] if proj == 'down_proj' else param.shape[1] // 2
+            inter = param.shape[2] if proj == 'down_proj' else param.shape[1] // 2   # this rank's
             if expert >= num_experts:
                 raise ValueError(f'{path}: tensor {name!r}: expert {expert} out of range, '
                                  f'config.json has num_experts={num_experts}')
@@ -117,21 +121,19 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
             local = expert - first
             dest = {'gate_proj': param.data[local, :inter], 'up_proj': param.data[local, inter:],
                     'down_proj': param.data[local]}[proj]
-            _check_shape(path, name, shape, tuple(dest.shape))
-            dest.copy_(load())
+            shard = getattr(param, 'shard', None)          # TP: a piece of each expert's I
+            piece = shard.per_expert(int(proj == 'up_proj')) if shard else None
+            _check_shape(path, name, shape,
+                         piece.full_shape(dest.shape) if piece else tuple(dest.shape))
+            dest.copy_(piece.narrow(load()) if piece else load())
             expert_parts.setdefault(pname, set()).add((expert, proj))
             continue
         if target not in params:
             raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {target!r} in '
                              f'{type(module).__name__})')
         param = params[target]
-        if hasattr(param, 'expert_range'):          # fused experts: this rank's slice of E
-            first, num_local, num_experts = param.expert_range
-            _check_shape(path, name, shape, (num_experts,) + tuple(param.shape[1:]))
-            param.data.copy_(load()[first:first + num_local])
-        else:
-            _check_shape(path, name, shape, tuple(param.shape))
-            param.data.copy_(load())
+        _check_shape(path, name, shape, _full_shape(param))
+        param.data.copy_(_rank_part(param, load()))
         filled.add(target)
 
     for pname, parts in expert_parts.items():
@@ -148,6 +150,24 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
 def _expert_range(param) -> tuple[int, int, int]:
     """(first expert, experts on this rank, experts in the checkpoint) of a fused-expert param."""
     return getattr(param, 'expert_range', (0, param.shape[0], param.shape[0]))
+
+
+def _full_shape(param) -> tuple:
+    """The checkpoint shape of a (possibly EP- and/or TP-sharded) parameter."""
+    shape = list(param.shape)
+    if hasattr(param, 'expert_range'):
+        shape[0] = param.expert_range[2]
+    shard = getattr(param, 'shard', None)
+    return shard.full_shape(shape) if shard else tuple(shape)
+
+
+def _rank_part(param, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the full checkpoint tensor: its experts, then its TP piece."""
+    if hasattr(param, 'expert_range'):
+        first, num_local, _ = param.expert_range
+        full = full[first:first + num_local]
+    shard = getattr(param, 'shard', None)
+    return shard.narrow(full) if shard else full
 
 
 def _check_shape(path: str, name: str, shape: tuple, expected: tuple) -> None:

@@ -4,19 +4,22 @@ Decoder layer (pre-norm): `h = x + mixer(norm1(x)); out = h + mlp(norm2(h))`, mi
 net (`linear_attention` layers) or gated attention (`full_attention` layers); mlp = SwiGLU or sparse
 MoE. Parameter names equal the HF text checkpoint's (`model.layers.{i}...`, `lm_head.weight`), with
 MoE experts fused as transformers keeps them.
+
+With a `dist_ctx` every layer holds this rank's TP shard (nn/linear.py, nn/sharding.py) and
+its MoE its EP experts; the embedding and LM head are vocab-parallel, and `compute_logits` returns
+full-vocab logits on every TP rank.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..backends import get_backend
 from ..config import ModelConfig
 from ..model_inputs import ModelInputs
 from ..nn.attention import GatedAttention
+from ..nn.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..nn.gated_delta_net import GatedDeltaNet
-from ..nn.linear import ColumnParallelLinear
 from ..nn.mlp import SwiGLUMLP
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import RMSNorm
@@ -32,8 +35,8 @@ def build_mlp(config: ModelConfig, dtype: torch.dtype, device, dist_ctx=None) ->
             dispatcher = AllToAllDispatcher(dist_ctx, config.num_experts)
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, config.shared_expert_intermediate_size,
-                              dtype, device, dispatcher=dispatcher)
-    return SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, device)
+                              dtype, device, dist_ctx=dist_ctx, dispatcher=dispatcher)
+    return SwiGLUMLP(config.hidden_size, config.intermediate_size, dtype, device, dist_ctx=dist_ctx)
 
 
 class Qwen3_5DecoderLayer(nn.Module):
@@ -45,11 +48,12 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(
                 config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
                 config.linear_key_head_dim, config.linear_value_head_dim,
-                config.linear_conv_kernel_dim, config.rms_norm_eps, backend, dtype, device)
+                config.linear_conv_kernel_dim, config.rms_norm_eps, backend, dtype, device,
+                dist_ctx=dist_ctx)
         elif layer_type == 'full_attention':
             self.self_attn = GatedAttention(
                 config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-                config.head_dim, config.rms_norm_eps, backend, dtype, device)
+                config.head_dim, config.rms_norm_eps, backend, dtype, device, dist_ctx=dist_ctx)
         else:
             raise ValueError(f'layer_type={layer_type!r}: must be linear_attention or full_attention')
         self.mlp = build_mlp(config, dtype, device, dist_ctx)
@@ -72,9 +76,8 @@ class Qwen3_5DecoderLayer(nn.Module):
 class Qwen3_5Model(nn.Module):
     def __init__(self, config: ModelConfig, backend, dtype: torch.dtype, device, dist_ctx=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype,
+                                                   device, dist_ctx)
         self.layers = nn.ModuleList(
             Qwen3_5DecoderLayer(config, t, backend, dtype, device, dist_ctx)
             for t in config.layer_types)
@@ -100,16 +103,16 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.dtype = dtype
         self.backend = get_backend(device)
         self.model = Qwen3_5Model(model_config, self.backend, dtype, device, dist_ctx)
-        self.lm_head = ColumnParallelLinear(model_config.hidden_size, model_config.vocab_size,
-                                            dtype, device)
+        self.lm_head = ParallelLMHead(model_config.vocab_size, model_config.hidden_size, dtype,
+                                      device, dist_ctx)
         if model_config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
-    def embed_tokens(self) -> nn.Embedding:
+    def embed_tokens(self) -> VocabParallelEmbedding:
         return self.model.embed_tokens
 
-    def get_input_embeddings(self) -> nn.Embedding:
+    def get_input_embeddings(self) -> VocabParallelEmbedding:
         return self.model.embed_tokens
 
     def forward(self, inputs: ModelInputs, caches) -> torch.Tensor:
@@ -117,6 +120,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.model(inputs, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model)."""
-        logits = F.linear(hidden, self.lm_head.weight)
+        """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model); the full
+        vocab on every TP rank (the LM head all-gathers)."""
+        logits = self.lm_head(hidden)
         return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)

@@ -8,11 +8,12 @@
     h'_t = norm(u)                                        # lm_head(h'_t) predicts x_{t+2}
 The layer has its own paged KV cache (`CacheEngine(..., layer_types=('full_attention',))`, same
 block table and block size as the target). Parameter names equal the checkpoint's minus `mtp.`.
+Under TP the decoder layer is sharded like the target's (by this head's `dist_ctx`), fc and the
+norms are replicated, and the shared vocab-parallel embedding / LM head keep the target's TP.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..backends import get_backend
@@ -27,7 +28,7 @@ from .qwen3_5 import Qwen3_5DecoderLayer
 class Qwen3_5MTP(nn.Module):
 
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype, device: torch.device | str,
-                 embed_tokens: nn.Embedding, lm_head: nn.Module, dist_ctx=None):
+                 embed_tokens: nn.Module, lm_head: nn.Module, dist_ctx=None):
         super().__init__()
         hidden, eps = model_config.hidden_size, model_config.rms_norm_eps
         num_layers = max(1, model_config.mtp_num_hidden_layers)
@@ -45,7 +46,7 @@ class Qwen3_5MTP(nn.Module):
         self._shared = {'embed_tokens': embed_tokens, 'lm_head': lm_head}
 
     @property
-    def embed_tokens(self) -> nn.Embedding:
+    def embed_tokens(self) -> nn.Module:
         return self._shared['embed_tokens']
 
     @property
@@ -68,5 +69,5 @@ class Qwen3_5MTP(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> [N, V] through the shared LM head (float32, float64 if the model is)."""
-        logits = F.linear(hidden, self.lm_head.weight)
+        logits = self.lm_head(hidden)
         return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)

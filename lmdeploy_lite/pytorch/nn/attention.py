@@ -3,6 +3,10 @@
 `q_proj` gives per head `[q_h | gate_h]` (2 * head_dim); q/k get a per-head zero-centred RMSNorm,
 then partial RoPE; paged causal GQA attention (scale head_dim^-0.5); the result is multiplied by
 `sigmoid(gate)` and projected by `o_proj`.
+
+Tensor parallel: each rank keeps num_heads / tp query heads (q_proj rows cut on whole per-head
+`[q_h | gate_h]` blocks, which are contiguous) and num_kv_heads / tp KV heads (its KV cache holds
+only those); o_proj is row-parallel and all-reduces.
 """
 from __future__ import annotations
 
@@ -13,30 +17,34 @@ from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rotary import apply_rotary
+from .sharding import tp_layout
 
 
 class GatedAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  eps: float, backend, dtype: torch.dtype, device: torch.device | str,
-                 tp_group=None):
+                 dist_ctx=None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        tp, _ = tp_layout(dist_ctx)
+        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp     # this rank's
+        self.head_dim = head_dim
         self.backend = backend
         self.scale = head_dim ** -0.5
         self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim * 2, dtype, device,
-                                           tp_group=tp_group)
+                                           dist_ctx=dist_ctx)
         self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, dtype, device,
-                                           tp_group=tp_group)
+                                           dist_ctx=dist_ctx)
         self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, dtype, device,
-                                           tp_group=tp_group)
+                                           dist_ctx=dist_ctx)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, dtype, device,
-                                        tp_group=tp_group)
+                                        dist_ctx=dist_ctx)
         self.q_norm = RMSNorm(head_dim, eps, dtype, device)
         self.k_norm = RMSNorm(head_dim, eps, dtype, device)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs) -> torch.Tensor:
-        """hidden [T, H]; rope (cos, sin) [T, rotary_dim]; kv_cache (k_cache, v_cache)."""
+        """hidden [T, H]; rope (cos, sin) [T, rotary_dim]; kv_cache (k_cache, v_cache) with this
+        rank's KV heads."""
         num_tokens = hidden.shape[0]
         q_gate = self.q_proj(hidden).view(num_tokens, -1, 2 * self.head_dim)
         q, gate = q_gate[..., :self.head_dim], q_gate[..., self.head_dim:]

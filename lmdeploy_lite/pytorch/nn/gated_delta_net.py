@@ -5,6 +5,12 @@ in_proj_qkv -> causal depthwise conv (kernel K) + SiLU over `[q | k | v]` -> spl
 g = -exp(A_log) * softplus(in_proj_a + dt_bias); gated delta rule; per-head gated RMSNorm with
 silu(in_proj_z); out_proj. Per-sequence state lives in the layer's state cache
 `(conv [slots, conv_dim, K-1+num_spec], recurrent [slots, 1+num_spec, nv, dk, dv])`.
+
+Tensor parallel (qwen3_5.md section 2): in_proj_qkv and conv1d are split by their q, k and v
+sections separately (each rank keeps `[q_r | k_r | v_r]`, nk/tp key and nv/tp value heads, so value
+head j still uses key head j // (nv/nk)); z, b, a, A_log and dt_bias by value heads; the gated
+norm's weight is per channel of a head and replicated; out_proj is row-parallel. The state caches
+hold only this rank's channels / heads (conv_dim and nv above are per rank).
 """
 from __future__ import annotations
 
@@ -15,37 +21,44 @@ from torch import nn
 from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import GatedRMSNorm, compute_dtype
+from .sharding import sharded_parameter, tp_layout
 
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, num_key_heads: int, num_value_heads: int,
                  key_head_dim: int, value_head_dim: int, conv_kernel: int, eps: float, backend,
-                 dtype: torch.dtype, device: torch.device | str, tp_group=None):
+                 dtype: torch.dtype, device: torch.device | str, dist_ctx=None):
         super().__init__()
-        self.num_key_heads, self.num_value_heads = num_key_heads, num_value_heads
+        tp, _ = tp_layout(dist_ctx)
+        for what, count in (('num_key_heads', num_key_heads), ('num_value_heads', num_value_heads)):
+            if count % tp:
+                raise ValueError(f'{what}={count}: must be divisible by tp={tp}')
+        key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
+        qkv_sections = (key_dim, key_dim, value_dim)   # [q | k | v], each split by heads
+        # this rank's heads and widths
+        self.num_key_heads, self.num_value_heads = num_key_heads // tp, num_value_heads // tp
         self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
-        self.key_dim, self.value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
+        self.key_dim, self.value_dim = key_dim // tp, value_dim // tp
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.backend = backend
-        self.in_proj_qkv = ColumnParallelLinear(hidden_size, self.conv_dim, dtype, device,
-                                                tp_group=tp_group)
-        self.in_proj_z = ColumnParallelLinear(hidden_size, self.value_dim, dtype, device,
-                                              tp_group=tp_group)
+        self.in_proj_qkv = ColumnParallelLinear(hidden_size, sum(qkv_sections), dtype, device,
+                                                dist_ctx=dist_ctx, sections=qkv_sections)
+        self.in_proj_z = ColumnParallelLinear(hidden_size, value_dim, dtype, device,
+                                              dist_ctx=dist_ctx)
         self.in_proj_b = ColumnParallelLinear(hidden_size, num_value_heads, dtype, device,
-                                              tp_group=tp_group)
+                                              dist_ctx=dist_ctx)
         self.in_proj_a = ColumnParallelLinear(hidden_size, num_value_heads, dtype, device,
-                                              tp_group=tp_group)
+                                              dist_ctx=dist_ctx)
         self.conv1d = nn.Module()   # keeps the checkpoint name `conv1d.weight` [conv_dim, 1, K]
-        self.conv1d.weight = nn.Parameter(
-            torch.empty(self.conv_dim, 1, conv_kernel, dtype=dtype, device=device),
-            requires_grad=False)
-        self.dt_bias = nn.Parameter(torch.ones(num_value_heads, dtype=dtype, device=device),
-                                    requires_grad=False)
-        self.A_log = nn.Parameter(torch.zeros(num_value_heads, dtype=dtype, device=device),
-                                  requires_grad=False)
-        self.norm = GatedRMSNorm(value_head_dim, eps, dtype, device)
-        self.out_proj = RowParallelLinear(self.value_dim, hidden_size, dtype, device,
-                                          tp_group=tp_group)
+        self.conv1d.weight = sharded_parameter((sum(qkv_sections), 1, conv_kernel), 0, dist_ctx,
+                                               dtype, device, qkv_sections)
+        self.dt_bias = sharded_parameter((num_value_heads,), 0, dist_ctx, dtype, device,
+                                         init=torch.ones)
+        self.A_log = sharded_parameter((num_value_heads,), 0, dist_ctx, dtype, device,
+                                       init=torch.zeros)
+        self.norm = GatedRMSNorm(value_head_dim, eps, dtype, device)   # [dv], same for every head
+        self.out_proj = RowParallelLinear(value_dim, hidden_size, dtype, device,
+                                          dist_ctx=dist_ctx)
 
     def forward(self, hidden: torch.Tensor, state_cache: tuple[torch.Tensor, torch.Tensor],
                 inputs: ModelInputs) -> torch.Tensor:

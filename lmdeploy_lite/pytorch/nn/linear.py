@@ -1,23 +1,29 @@
 """Linear layers, shaped for tensor parallelism.
 
 `ColumnParallelLinear` splits the output features over the TP group (no communication);
-`RowParallelLinear` splits the input features and all-reduces the partial sums in `forward`.
-With `tp_group=None` (tp=1, the only mode so far) both hold the full weight and skip the collective.
-Weights are `[out_features, in_features]`, as in HF checkpoints.
+`RowParallelLinear` splits the input features and all-reduces the partial sums in `forward`
+(through `dist_ctx.all_reduce(out, 'tp')`, the traced collective). With `dist_ctx=None` or tp=1
+both hold the full weight and skip the collective. Weights are `[out_features, in_features]`, as
+in HF checkpoints; sharded ones carry `weight.shard` (nn/sharding.py) for the loader.
 """
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-
-def _tp_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+from .sharding import sharded_parameter, tp_layout
 
 
-class _Linear(nn.Module):
+def _check_divisible(what: str, sizes: tuple[int, ...], tp: int) -> None:
+    for size in sizes:
+        if size % tp:
+            raise ValueError(f'{what}={size}: must be divisible by tp={tp}')
+
+
+class ReplicatedLinear(nn.Module):
+    """The full weight on every rank."""
+
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
                  device: torch.device | str, bias: bool = False):
         super().__init__()
@@ -27,47 +33,61 @@ class _Linear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
     def extra_repr(self) -> str:
         return f'in={self.in_features}, out={self.out_features}, bias={self.bias is not None}'
 
 
-class ReplicatedLinear(_Linear):
-    """The full weight on every rank."""
+class ColumnParallelLinear(nn.Module):
+    """Output features split over the TP group; no collective. `sections`: the output is a
+    concatenation of parts that are split separately (e.g. `(Dk, Dk, Dv)` for `[q | k | v]`), so
+    each rank keeps its piece of every part, in order. `out_features` is the local width."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
+                 device: torch.device | str, bias: bool = False, dist_ctx=None,
+                 sections: tuple[int, ...] | None = None):
+        super().__init__()
+        tp, _ = tp_layout(dist_ctx)
+        sections = tuple(sections or (out_features,))
+        _check_divisible('out_features', sections, tp)
+        self.in_features, self.out_features = in_features, out_features // tp
+        self.weight = sharded_parameter((out_features, in_features), 0, dist_ctx, dtype, device,
+                                        sections)
+        self.bias = (sharded_parameter((out_features,), 0, dist_ctx, dtype, device, sections,
+                                       init=torch.zeros) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-
-class ColumnParallelLinear(_Linear):
-    """Output features split over the TP group (tp=1: the full weight); no collective."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device | str, bias: bool = False, tp_group=None):
-        tp = _tp_size(tp_group)
-        if out_features % tp:
-            raise ValueError(f'out_features={out_features}: must be divisible by tp={tp}')
-        super().__init__(in_features, out_features // tp, dtype, device, bias)
-        self.tp_group = tp_group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def extra_repr(self) -> str:
+        return f'in={self.in_features}, out={self.out_features} (local), bias={self.bias is not None}'
 
 
-class RowParallelLinear(_Linear):
-    """Input features split over the TP group; partial outputs are all-reduced here."""
+class RowParallelLinear(nn.Module):
+    """Input features split over the TP group; partial outputs are all-reduced here, unless
+    `reduce_output=False` (the caller adds more partial sums first and reduces once)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device | str, bias: bool = False, tp_group=None):
-        tp = _tp_size(tp_group)
-        if in_features % tp:
-            raise ValueError(f'in_features={in_features}: must be divisible by tp={tp}')
-        super().__init__(in_features // tp, out_features, dtype, device, bias)
-        self.tp_group = tp_group
+                 device: torch.device | str, bias: bool = False, dist_ctx=None,
+                 reduce_output: bool = True):
+        super().__init__()
+        self.tp, self.tp_rank = tp_layout(dist_ctx)
+        _check_divisible('in_features', (in_features,), self.tp)
+        self.dist_ctx, self.reduce_output = dist_ctx, reduce_output
+        self.in_features, self.out_features = in_features // self.tp, out_features
+        self.weight = sharded_parameter((out_features, in_features), 1, dist_ctx, dtype, device)
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                  requires_grad=False) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
-        if _tp_size(self.tp_group) > 1:
-            dist.all_reduce(out, group=self.tp_group)
-        if self.bias is not None:
-            out = out + self.bias
+        if self.tp > 1 and self.reduce_output:
+            self.dist_ctx.all_reduce(out, 'tp')
+        if self.bias is not None and (self.reduce_output or self.tp_rank == 0):
+            out = out + self.bias           # counted once in the (possibly later) sum
         return out
+
+    def extra_repr(self) -> str:
+        return f'in={self.in_features} (local), out={self.out_features}, bias={self.bias is not None}'

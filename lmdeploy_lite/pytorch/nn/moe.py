@@ -4,6 +4,13 @@ Router: `softmax(x @ gate.weight.T)` in fp32 over all E experts, top-k, renormal
 Experts (fused, as transformers keeps them): `gate_up_proj [E, 2I, H]` (gate rows first) and
 `down_proj [E, H, I]`; expert e computes `down_e(silu(gate_e x) * up_e x)`.
 Output: `sum_i w_i expert_i(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)`.
+
+Parallel layouts. The router and shared_expert_gate are replicated; the shared expert is
+TP-sharded (column gate/up, row down). Routed experts: with ep == 1 and tp > 1 every expert's
+intermediate dim is split over TP like a SwiGLU MLP; with ep > 1 (== world) whole experts are
+sharded over EP and, under tp > 1, each TP rank dispatches only its 1/tp of the (identical)
+tokens. Either way every TP rank ends with a partial sum of routed + shared, and the block
+all-reduces that sum exactly once over TP.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from torch import nn
 from .linear import ReplicatedLinear
 from .mlp import SwiGLUMLP
 from .norm import compute_dtype
+from .sharding import sharded_parameter, tp_layout
 
 
 class TopKRouter(nn.Module):
@@ -35,20 +43,25 @@ class TopKRouter(nn.Module):
 
 class FusedExperts(nn.Module):
     """Experts `first_expert .. first_expert + num_local - 1` (all of them without EP) as two
-    3-D tensors; the loader reads that slice of the checkpoint's experts (`expert_range`)."""
+    3-D tensors; the loader reads that slice of the checkpoint's experts (`expert_range`).
+    With a `dist_ctx` of tp > 1 each expert keeps I / tp of its intermediate dim (gate_up's gate
+    and up halves split separately, down_proj by columns) and `forward` returns partial sums."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
                  dtype: torch.dtype, device: torch.device | str, first_expert: int = 0,
-                 num_local: int | None = None):
+                 num_local: int | None = None, dist_ctx=None):
         super().__init__()
         num_local = num_experts if num_local is None else num_local
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.gate_up_proj = nn.Parameter(
-            torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
-            requires_grad=False)
-        self.down_proj = nn.Parameter(
-            torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype, device=device),
-            requires_grad=False)
+        tp, _ = tp_layout(dist_ctx)
+        if intermediate_size % tp:
+            raise ValueError(f'moe_intermediate_size={intermediate_size}: must be divisible by '
+                             f'tp={tp}')
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size // tp
+        inter = intermediate_size
+        self.gate_up_proj = sharded_parameter((num_local, 2 * inter, hidden_size), 1, dist_ctx,
+                                              dtype, device, sections=(inter, inter))
+        self.down_proj = sharded_parameter((num_local, hidden_size, inter), 2, dist_ctx, dtype,
+                                           device)
         for param in (self.gate_up_proj, self.down_proj):
             param.expert_range = (first_expert, num_local, num_experts)
 
@@ -66,30 +79,50 @@ class FusedExperts(nn.Module):
         combine so that every layout gives the same numbers."""
         top_k = ids.shape[1]
         pairs = self.run(x.repeat_interleave(top_k, dim=0), ids.reshape(-1))
-        return (pairs.view(x.shape[0], top_k, -1) * weights[..., None]).sum(1)
+        return (pairs.view(x.shape[0], top_k, x.shape[-1]) * weights[..., None]).sum(1)
 
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, moe_intermediate_size: int,
                  shared_intermediate_size: int, dtype: torch.dtype, device: torch.device | str,
-                 tp_group=None, dispatcher=None):
+                 dist_ctx=None, dispatcher=None):
         super().__init__()
+        self.dist_ctx = dist_ctx
+        self.tp, self.tp_rank = tp_layout(dist_ctx)
         self.gate = TopKRouter(hidden_size, num_experts, top_k, dtype, device)
         self.dispatcher = dispatcher            # None: all experts local (no EP)
         first, local = ((dispatcher.first_expert, dispatcher.experts_per_rank) if dispatcher
                         else (0, num_experts))
         self.experts = FusedExperts(hidden_size, moe_intermediate_size, num_experts, dtype, device,
-                                    first, local)
+                                    first, local, dist_ctx=None if dispatcher else dist_ctx)
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, dtype, device,
-                                       tp_group=tp_group)
+                                       dist_ctx=dist_ctx, reduce_output=False)
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.dispatcher is None:
             routed = self.experts(x, weights, ids)
-        else:   # EP: tokens travel to their experts' ranks and back (collectives inside)
-            expert_x, local_ids, handle = self.dispatcher.dispatch(x, ids, weights)
-            routed = self.dispatcher.combine(self.experts.run(expert_x, local_ids), handle)
+        else:
+            routed = self._routed_by_ep(x, weights, ids)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        out = routed + shared
+        if self.tp > 1:     # the one reduction: routed and shared partial sums together
+            self.dist_ctx.all_reduce(out, 'tp')
+        return out
+
+    def _routed_by_ep(self, x: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor) -> torch.Tensor:
+        """EP: tokens travel to their experts' ranks and back (collectives inside). The TP ranks
+        of a DP group hold the same tokens, so TP rank r sends only rows
+        [r * ceil(T/tp), (r+1) * ceil(T/tp)); the other rows stay 0 until the TP all-reduce."""
+        if self.tp == 1:
+            expert_x, local_ids, handle = self.dispatcher.dispatch(x, ids, weights)
+            return self.dispatcher.combine(self.experts.run(expert_x, local_ids), handle)
+        rows = -(-x.shape[0] // self.tp)
+        start = min(self.tp_rank * rows, x.shape[0])
+        mine = slice(start, min(start + rows, x.shape[0]))
+        expert_x, local_ids, handle = self.dispatcher.dispatch(x[mine], ids[mine], weights[mine])
+        routed = torch.zeros_like(x)
+        routed[mine] = self.dispatcher.combine(self.experts.run(expert_x, local_ids), handle)
+        return routed

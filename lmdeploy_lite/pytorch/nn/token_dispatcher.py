@@ -55,5 +55,5 @@ class AllToAllDispatcher:
         pairs = torch.empty_like(back)
         pairs[handle.order] = back
         num_tokens, top_k = handle.topk_weights.shape
-        pairs = pairs.view(num_tokens, top_k, -1) * handle.topk_weights[..., None]
+        pairs = pairs.view(num_tokens, top_k, back.shape[-1]) * handle.topk_weights[..., None]
         return pairs.sum(1)

@@ -1,0 +1,88 @@
+"""Which piece of a full checkpoint tensor a tensor-parallel rank holds.
+
+A sharded parameter carries `param.shard` (a `Shard`); the loader checks the checkpoint tensor
+against `shard.full_shape(...)` (the shape config.json implies) and copies `shard.narrow(full)`.
+Parameters without `shard` are replicated. With tp == 1 nothing is sharded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def tp_layout(dist_ctx) -> tuple[int, int]:
+    """(tp size, tp rank) of this process; (1, 0) without a DistContext."""
+    if dist_ctx is None:
+        return 1, 0
+    return dist_ctx.config.tp, dist_ctx.tp_rank
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `parts` along `dim`. The full dim is the concatenation of `sections`
+    (e.g. `(Dk, Dk, Dv)` for in_proj_qkv's [q | k | v], `(I, I)` for fused [gate | up]); each
+    section is cut into `parts` pieces of ceil(size / parts) rows and the rank keeps its piece of
+    every section, in order. A piece that runs past its section (a vocab not divisible by tp) is
+    zero padded, so every rank's tensor has the same shape."""
+    dim: int
+    rank: int
+    parts: int
+    sections: tuple[int, ...]
+
+    def piece(self, size: int) -> int:
+        return -(-size // self.parts)
+
+    @property
+    def local_size(self) -> int:
+        return sum(self.piece(s) for s in self.sections)
+
+    @property
+    def full_size(self) -> int:
+        return sum(self.sections)
+
+    def full_shape(self, local_shape: tuple) -> tuple:
+        shape = list(local_shape)
+        shape[self.dim] = self.full_size
+        return tuple(shape)
+
+    def narrow(self, full: torch.Tensor) -> torch.Tensor:
+        """The full tensor (shape `full_shape`) -> this rank's piece (shape with `local_size`)."""
+        pieces, offset = [], 0
+        for size in self.sections:
+            piece = self.piece(size)
+            start = min(self.rank * piece, size)
+            stop = min(start + piece, size)
+            part = full.narrow(self.dim, offset + start, stop - start)
+            if stop - start < piece:
+                pad = list(part.shape)
+                pad[self.dim] = piece - (stop - start)
+                part = torch.cat([part, part.new_zeros(pad)], self.dim)
+            pieces.append(part)
+            offset += size
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
+
+    def per_expert(self, section: int) -> 'Shard':
+        """A fused-expert shard ([E, ...], sharded dim >= 1) seen from one expert's tensor of one
+        section (e.g. `experts.{e}.up_proj.weight` is section 1 of gate_up_proj)."""
+        return Shard(self.dim - 1, self.rank, self.parts, (self.sections[section],))
+
+
+def sharded_parameter(full_shape: tuple[int, ...], dim: int, dist_ctx, dtype: torch.dtype,
+                      device: torch.device | str, sections: tuple[int, ...] | None = None,
+                      init=torch.empty) -> nn.Parameter:
+    """A parameter holding this TP rank's piece of a `full_shape` tensor split along `dim`
+    (`sections` default: one section, the whole dim). `init(shape, dtype=, device=)` fills it
+    until the weights are loaded. tp == 1: the full tensor and no `shard` attribute."""
+    tp, rank = tp_layout(dist_ctx)
+    if tp == 1:
+        return nn.Parameter(init(full_shape, dtype=dtype, device=device), requires_grad=False)
+    shard = Shard(dim, rank, tp, tuple(sections or (full_shape[dim],)))
+    if sum(shard.sections) != full_shape[dim]:
+        raise ValueError(f'sections {shard.sections} do not add up to dim {dim} of {full_shape}')
+    local = list(full_shape)
+    local[dim] = shard.local_size
+    param = nn.Parameter(init(tuple(local), dtype=dtype, device=device), requires_grad=False)
+    param.shard = shard
+    return param

@@ -1,0 +1,244 @@
+"""Tensor parallelism of the target model and the MTP head, against one process (float64).
+
+Each multi-process test spawns one gloo process per rank; every rank builds its shard of the
+model with `build_model(..., dist_ctx=ctx)`, allocates per-rank caches (`CacheEngine(..., tp=)`)
+and runs a prefill, 1-token decodes, a 3-token verify with partial acceptance and another decode,
+for the target and the MTP head, with the collective trace check on (`begin_step`/`end_step`).
+Every rank must return the single-process logits. Hard timeouts; the processes must have exited.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig, ModelConfig
+from lmdeploy_lite.pytorch.distributed import DistContext
+from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.models.loader import build_model, load_mtp_weights, load_weights
+from lmdeploy_lite.pytorch.models.qwen3_5 import Qwen3_5ForCausalLM
+from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
+from tests.helpers.step_inputs import make_inputs, shuffled_block_tables
+from tests.helpers.tiny_models import make_tiny_checkpoint
+
+# enough heads for tp=4 (the default tiny model has 2 KV heads and 2 linear key heads)
+WIDE = dict(num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8)
+BLOCK_SIZE, NUM_SPEC = 4, 2
+# two sequences per DP rank, equal lengths on every DP rank (the same collective shapes)
+PROMPTS = {0: [[5, 6, 7, 8, 9, 10, 11], [300, 2, 450, 17, 3]],
+           1: [[20, 21, 22, 23, 24, 25, 26], [100, 101, 102, 103, 104]]}
+DECODES = [[40, 41], [42, 43]]              # 1-token decode steps (fixed, not sampled)
+VERIFY, ACCEPTED = [[50, 51, 52], [53, 54, 55]], [2, 3]
+LAST = [60, 61]
+
+
+def run_steps(ctx: DistContext | None, path: str, prompts: list[list[int]]) -> dict:
+    """Target + MTP over prefill, decodes, a verify (partially accepted) and a decode.
+    Returns {'target': [logits [T, V] per step], 'mtp': [...]} (float64, full vocab)."""
+    tp = ctx.config.tp if ctx else 1
+    model = build_model(path, torch.float64, 'cpu', progress=False, dist_ctx=ctx)
+    config = model.config
+    mtp = Qwen3_5MTP(config, torch.float64, 'cpu', model.embed_tokens, model.lm_head,
+                     dist_ctx=ctx)
+    load_mtp_weights(mtp, path, progress=False)
+    mtp.eval()
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, num_blocks=24, num_state_slots=3,
+                               num_spec_tokens=NUM_SPEC)
+    caches = CacheEngine(config, cache_config, torch.float64, 'cpu', tp=tp)
+    mtp_caches = CacheEngine(config, cache_config, torch.float64, 'cpu',
+                             layer_types=('full_attention',), tp=tp)
+    tables = shuffled_block_tables(len(prompts), 5, seed=3)
+    slots = [1, 2]
+    steps = [(prompts, [0, 0], [0, 0], False)]
+    history = [len(p) for p in prompts]
+    for tokens in DECODES:
+        steps.append(([[t] for t in tokens], list(history), [0, 0], True))
+        history = [h + 1 for h in history]
+    steps.append((VERIFY, list(history), [0, 0], True))
+    history = [h + a for h, a in zip(history, ACCEPTED)]
+    steps.append(([[t] for t in LAST], list(history), [a - 1 for a in ACCEPTED], True))
+
+    out = {'target': [], 'mtp': []}
+    with torch.inference_mode():
+        for i, (chunks, history_lens, state_index, decoding) in enumerate(steps):
+            inputs = make_inputs(chunks, history_lens, tables, slots, state_index, decoding)
+            # the token after each position: the next input, and a fixed id at each chunk's end
+            next_ids = torch.cat([torch.tensor(c[1:] + [7 + b]) for b, c in enumerate(chunks)])
+            if ctx:
+                ctx.begin_step(i)
+            hidden = model(inputs, caches)
+            out['target'].append(model.compute_logits(hidden))
+            mtp_hidden = mtp(next_ids, hidden, inputs, mtp_caches)
+            out['mtp'].append(mtp.compute_logits(mtp_hidden))
+            if ctx:
+                ctx.end_step()
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, config: DistConfig, port: int, path: str, out_dir: str):
+    os.environ['LMDEPLOY_LITE_CHECK_COLLECTIVES'] = '1'
+    os.environ['LMDEPLOY_LITE_DIST_TIMEOUT'] = '30'
+    torch.set_num_threads(1)
+    ctx = None
+    try:
+        ctx = DistContext.init(config, rank, f'tcp://127.0.0.1:{port}')
+        result = run_steps(ctx, path, PROMPTS[ctx.dp_rank])
+        torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
+    except BaseException:
+        with open(os.path.join(out_dir, f'rank{rank}.err'), 'w') as f:
+            f.write(traceback.format_exc())
+        raise SystemExit(1)
+    finally:
+        if ctx is not None:
+            ctx.destroy()
+
+
+def run_ranks(config: DistConfig, path: str, out_dir: str, join_timeout: float = 240) -> list:
+    """Spawn one process per rank; return each rank's result. No process outlives the call."""
+    spawn = mp.get_context('spawn')
+    port = _free_port()
+    procs = [spawn.Process(target=_worker, args=(r, config, port, path, out_dir), daemon=True)
+             for r in range(config.world_size)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(join_timeout)
+    finally:
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    assert not alive, f'ranks {alive} did not finish within {join_timeout} s'
+    errors = {r: open(os.path.join(out_dir, f'rank{r}.err')).read()
+              for r in range(config.world_size)
+              if os.path.exists(os.path.join(out_dir, f'rank{r}.err'))}
+    assert not errors, '\n'.join(f'rank {r}:\n{e}' for r, e in errors.items())
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return [torch.load(os.path.join(out_dir, f'rank{r}.pt')) for r in range(config.world_size)]
+
+
+def assert_same_logits(got: dict, want: dict, what: str):
+    for key in ('target', 'mtp'):
+        assert len(got[key]) == len(want[key])
+        for step, (g, w) in enumerate(zip(got[key], want[key])):
+            assert g.shape == w.shape and g.dtype == torch.float64, (what, key, step)
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10,
+                                       msg=lambda m: f'{what}, {key} logits, step {step}: {m}')
+
+
+LAYOUTS = [
+    pytest.param(False, {}, DistConfig(tp=2), id='dense-tp2'),
+    pytest.param(True, {}, DistConfig(tp=2), id='moe-tp2'),
+    pytest.param(True, dict(per_expert=True, layout='multimodal'), DistConfig(tp=2),
+                 id='moe-per-expert-multimodal-tp2'),
+    pytest.param(True, {}, DistConfig(tp=2, ep=2), id='moe-tp2-ep2'),
+    pytest.param(True, dict(tie=True, vocab_size=510, **WIDE), DistConfig(tp=4, ep=4),
+                 id='moe-tied-vocab510-tp4-ep4'),     # 2-token decodes: 2 TP ranks dispatch 0 rows
+    pytest.param(True, dict(per_expert=True, **WIDE), DistConfig(tp=2, dp=2, ep=4),
+                 id='moe-tp2-dp2-ep4'),
+]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize('moe, ckpt, config', LAYOUTS)
+def test_tp_ranks_give_single_process_logits(moe, ckpt, config, tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path), moe=moe, **ckpt)
+    config.validate(ModelConfig.from_pretrained(path))
+    results = run_ranks(config, path, str(tmp_path))
+    want = {dp: run_steps(None, path, PROMPTS[dp]) for dp in range(config.dp)}
+    for rank, got in enumerate(results):
+        assert_same_logits(got, want[rank // config.tp], f'rank {rank} of {config}')
+    for dp in range(config.dp):                                    # TP peers agree exactly
+        first = results[dp * config.tp]
+        for rank in range(dp * config.tp + 1, (dp + 1) * config.tp):
+            for key in ('target', 'mtp'):
+                assert all(torch.equal(a, b) for a, b in zip(results[rank][key], first[key])), \
+                    f'TP ranks {dp * config.tp} and {rank} disagree on the {key} logits'
+
+
+# ---- single-process checks of the sharding itself (no process group is needed to build) ----
+
+def fake_rank(tp: int, rank: int) -> DistContext:
+    return DistContext(DistConfig(tp=tp), rank)
+
+
+@pytest.mark.parametrize('moe, per_expert', [(False, False), (True, False), (True, True)])
+def test_shards_are_the_right_slices_of_the_checkpoint(moe, per_expert, tmp_path):
+    path = make_tiny_checkpoint(str(tmp_path), moe=moe, per_expert=per_expert, vocab_size=511)
+    config = ModelConfig.from_pretrained(path)
+    full = build_model(path, torch.float64, progress=False).state_dict()
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    key_dim = config.linear_num_key_heads * dk
+    for rank in range(2):
+        model = Qwen3_5ForCausalLM(config, torch.float64, 'cpu', fake_rank(2, rank))
+        load_weights(model, path, progress=False)
+        part = model.state_dict()
+        for name, tensor in part.items():
+            whole = full[name]
+            if 'in_proj_qkv' in name or 'conv1d' in name:       # [q | k | v] split separately
+                q, k, v = whole.split([key_dim, key_dim, whole.shape[0] - 2 * key_dim])
+                want = torch.cat([x.chunk(2)[rank] for x in (q, k, v)])
+            elif 'embed_tokens' in name or 'lm_head' in name:   # 511 rows -> 256 + 255 (+1 zero)
+                want = torch.cat([whole, whole.new_zeros(1, whole.shape[1])]).chunk(2)[rank]
+            elif 'experts.gate_up_proj' in name:
+                gate, up = whole.chunk(2, dim=1)
+                want = torch.cat([gate.chunk(2, 1)[rank], up.chunk(2, 1)[rank]], 1)
+            elif 'experts.down_proj' in name:
+                want = whole.chunk(2, dim=2)[rank]
+            elif name.endswith(('o_proj.weight', 'out_proj.weight', 'down_proj.weight')):
+                want = whole.chunk(2, dim=1)[rank]
+            elif tensor.shape == whole.shape:                    # replicated
+                want = whole
+            else:                                                # by heads / rows
+                want = whole.chunk(2, dim=0)[rank]
+            assert torch.equal(tensor, want), name
+
+
+def test_shape_errors_name_file_tensor_and_full_shapes(tmp_path):
+    """A TP rank checks the checkpoint against the FULL shape, and says so."""
+    path = make_tiny_checkpoint(str(tmp_path), moe=False)
+    config = ModelConfig.from_pretrained(path)
+    wrong = ModelConfig.from_dict({**config.hf_config, 'linear_num_value_heads': 8})
+    model = Qwen3_5ForCausalLM(wrong, torch.float64, 'cpu', fake_rank(2, 1))
+    with pytest.raises(ValueError) as err:
+        load_weights(model, path, progress=False)
+    match = re.fullmatch(r".*model\.safetensors: tensor '(\S+)' has shape (\[[\d, ]+\]), but "
+                         r"config\.json implies (\[[\d, ]+\])", str(err.value))
+    assert match, str(err.value)
+    name, shape, implied = match.groups()
+    unsharded = Qwen3_5ForCausalLM(wrong, torch.float64, 'cpu').state_dict()
+    checkpoint = Qwen3_5ForCausalLM(config, torch.float64, 'cpu').state_dict()
+    assert implied == str(list(unsharded[name].shape)) != shape
+    assert shape == str(list(checkpoint[name].shape))
+
+
+def test_cache_engine_allocates_per_rank_shapes(tmp_path):
+    config = ModelConfig.from_pretrained(make_tiny_checkpoint(str(tmp_path), moe=False, **WIDE))
+    cache_config = CacheConfig(block_size=4, num_blocks=6, num_state_slots=3, num_spec_tokens=2)
+    conv_dim = 2 * 4 * 16 + 8 * 16
+    for tp in (1, 2, 4):
+        caches = CacheEngine(config, cache_config, torch.float64, 'cpu', tp=tp)
+        k_cache, _ = caches[config.full_attention_layers[0]]
+        conv, rec = caches[config.linear_attention_layers[0]]
+        assert k_cache.shape == (6, 4, 4 // tp, 16)
+        assert conv.shape == (3, conv_dim // tp, 3 + 2)
+        assert rec.shape == (3, 3, 8 // tp, 16, 16)
+        assert CacheEngine.bytes_per_block(config, 4, torch.float64, tp=tp) == \
+            2 * 1 * 4 * (4 // tp) * 16 * 8
+        assert CacheEngine.bytes_per_state_slot(config, 2, torch.float64, tp=tp) == \
+            3 * ((conv_dim // tp) * 5 + 3 * (8 // tp) * 16 * 16) * 8
+    with pytest.raises(ValueError, match=r'tp=3: must be >= 1 and divide \w+=4'):
+        CacheEngine(config, cache_config, torch.float64, 'cpu', tp=3)
