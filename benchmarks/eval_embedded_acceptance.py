@@ -81,9 +81,9 @@ def main():
               f"{pos} | {r['equals_plain']}/{len(prompts)} |")
     if args.json:
         with open(args.json, 'w') as f:
-            json.dump(dict(model=args.model, prompts=len(prompts), prompt_tokens=args.prompt_tokens,
-                           new_tokens=args.new_tokens, dtype=args.dtype, plain_tokens_per_s=plain_tps,
-                           rows=rows), f, indent=1)
+            json.dump(dict(model=args.model, prompts=len(prompts),
+                           prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+                           dtype=args.dtype, plain_tokens_per_s=plain_tps, rows=rows), f, indent=1)
 
 
 if __name__ == '__main__':

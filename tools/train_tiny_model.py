@@ -1,10 +1,11 @@
 """Train the embedded default model: a tiny Qwen3.5-MoE with its MTP head, on the Python standard
 library's own `.py` files (tests included), and save it in the released Qwen3.5 checkpoint layout.
 
-    # 1. byte-level BPE tokenizer (seconds, any machine; the shipped one was trained on CPython 3.11)
+    # 1. byte-level BPE tokenizer (a minute, any machine; the shipped one: CPython 3.11's stdlib)
     python tools/train_tiny_model.py tokenizer --out lmdeploy_lite/assets/qwen3_5_moe_tiny
-    # 2. model + MTP head, jointly (one H100/H200, ~7 minutes of training; runs on CPU with --smoke)
-    python tools/train_tiny_model.py train --tokenizer lmdeploy_lite/assets/qwen3_5_moe_tiny --out OUT
+    # 2. model + MTP head, jointly (one H100/H200, ~7.5 minutes of training; CPU works, slowly)
+    python tools/train_tiny_model.py train --tokenizer lmdeploy_lite/assets/qwen3_5_moe_tiny \
+        [--stdlib DIR] --out OUT
 
 Corpus: every `.py` file under the running interpreter's stdlib directory, or `--stdlib DIR`
 (`site-packages` and `__pycache__` skipped, files that are not UTF-8 skipped), files joined with
@@ -14,14 +15,15 @@ there as a tarball: `--stdlib /tmp/corpus/python3.11`. The
 modules in `HELD_OUT` (and their tests) are never trained on, by the tokenizer or the model; they
 give the held-out perplexity here and the prompts of `benchmarks/eval_embedded_acceptance.py`.
 
-Model: transformers' `Qwen3_5MoeForCausalLM` plus `MTPHead`, built from transformers parts exactly as
-Qwen3.5's MTP module (qwen3_5.md section 3):
+Model: transformers' `Qwen3_5MoeForCausalLM` plus `MTPHead`, built from transformers parts
+exactly as Qwen3.5's MTP module (qwen3_5.md section 3):
     e = pre_fc_norm_embedding(embed_tokens(x_{t+1}));  h = pre_fc_norm_hidden(h_t)
     u = fc(cat([e, h]));  u = layers[0](u, rotary position t);  logits = lm_head(norm(u)) -> x_{t+2}
 with h_t the target's post-final-norm hidden state. Loss = CE(x_{t+1}) + MTP_WEIGHT * CE(x_{t+2})
 + MTP_RECURSIVE_WEIGHT * CE(x_{t+3}) of the head's second step on its own output (how it drafts
-for k > 1) + a small router load-balancing term. The gated delta rule runs on transformers' pure-PyTorch
-fallback (fla-core's Triton backward is wrong on Hopper with Triton 3.6; do not install it here).
+for k > 1) + a small router load-balancing term. The gated delta rule runs on transformers'
+pure-PyTorch fallback (fla-core's Triton backward is wrong on Hopper with Triton 3.6; do not
+install it here).
 
 Importing this module has no side effects: the tests and the acceptance benchmark import `MTPHead`,
 `HELD_OUT` and `held_out_files` from it.
@@ -42,8 +44,9 @@ from torch import nn
 
 SPECIAL_TOKENS = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
 EOS_TOKEN = '<|endoftext|>'
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 # Held out from the tokenizer and the model: modules present in CPython 3.11 and 3.12 alike, paths
 # relative to the stdlib directory; a trailing '/' holds out a whole package.
 HELD_OUT = (
@@ -239,7 +242,10 @@ class RouterBalance:
         self.logits: list[torch.Tensor] = []
         for module in model.modules():
             if isinstance(module, Qwen3_5MoeTopKRouter):
-                module.register_forward_hook(lambda m, i, out: self.logits.append((out[0], m.top_k)))
+                module.register_forward_hook(self._record)
+
+    def _record(self, module, inputs, out):
+        self.logits.append((out[0], module.top_k))
 
     def pop_loss(self) -> torch.Tensor:
         losses = []
@@ -461,7 +467,8 @@ def train(args) -> None:
     train_stream = encode_texts(tokenizer, train_texts, eos_id)
     held_stream = encode_texts(tokenizer, held_texts, eos_id)
     corpus = dict(stdlib=args.stdlib or stdlib_dir(), python=sys.version.split()[0],
-                  train_files=len(train_texts), train_bytes=sum(len(t.encode()) for t in train_texts),
+                  train_files=len(train_texts),
+                  train_bytes=sum(len(t.encode()) for t in train_texts),
                   train_tokens=len(train_stream), held_out_files=len(held_texts),
                   held_out_tokens=len(held_stream), held_out=list(HELD_OUT),
                   skipped_files=len(train_files) + len(held_files) - len(train_texts)
@@ -518,7 +525,8 @@ def train(args) -> None:
         step += 1
         if step % args.log_every == 0 or step == total_steps or step == 1:
             row = dict(step=step, loss=out['loss'].item(), mtp_loss=out['mtp_loss'].item(),
-                       mtp2_loss=out['mtp2_loss'].item(), aux=aux.item(), grad_norm=grad_norm.item(), lr=lr,
+                       mtp2_loss=out['mtp2_loss'].item(), aux=aux.item(),
+                       grad_norm=grad_norm.item(), lr=lr,
                        tokens=step * args.batch_size * args.seq_len,
                        elapsed=round(time.time() - t_train, 1), epoch=batches.epoch)
             curve.append(row)
