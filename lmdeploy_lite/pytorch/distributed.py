@@ -101,8 +101,13 @@ class DistContext:
             dist.destroy_process_group()
 
     # ---- traced collectives ---------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
-        self._run('all_reduce', group, tensor, lambda g: dist.all_reduce(tensor, group=g))
+    def all_reduce(self, tensor: torch.Tensor, group: str, op: str = 'sum') -> torch.Tensor:
+        reduce_op = {'sum': dist.ReduceOp.SUM, 'min': dist.ReduceOp.MIN,
+                     'max': dist.ReduceOp.MAX}[op]
+        if self.group(group) is None:
+            return tensor
+        self._run('all_reduce', group, tensor,
+                  lambda g: dist.all_reduce(tensor, op=reduce_op, group=g))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
@@ -168,22 +173,52 @@ class DistContext:
             self.compare_traces()
 
     def compare_traces(self, failed: tuple | None = None):
-        """Compare this step's collective sequences of all ranks; raise CollectiveMismatch on the
-        first difference. `failed`: this rank's collective that just failed (marks its trace)."""
+        """Compare this step's collective sequences; raise CollectiveMismatch on the first
+        difference. Collectives on groups that span DP ranks must agree on every rank in
+        (op, group, dtype) and every dimension but the token count (DP ranks legitimately carry
+        different numbers of tokens); TP peers (same DP rank) must agree exactly on everything,
+        their own TP-group collectives included. `failed`: this rank's collective that just
+        failed (marks its trace)."""
         record = list(self.trace) + ([('<timed out here>',)] if failed else [])
-        digest = hashlib.sha256(repr(record).encode()).digest()[:8]
-        mine = torch.tensor([int.from_bytes(digest, 'little', signed=True)], dtype=torch.int64)
+        mine = torch.tensor([_digest(_cross_dp(record)), _digest(record)], dtype=torch.int64)
         check = self.group('check')
         digests = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(digests, mine, group=check)
-        if all(bool(d == digests[0]) for d in digests):
+        tp = self.config.tp
+        same_coarse = all(int(d[0]) == int(digests[0][0]) for d in digests)
+        same_fine = all(int(d[1]) == int(digests[r - r % tp][1]) for r, d in enumerate(digests))
+        if same_coarse and same_fine:
             return
         traces = [None] * self.world_size
         dist.all_gather_object(traces, record, group=check)
+        if not same_fine:                   # within a TP group: the full sequences
+            self._raise_first_difference(traces, lambda r: r - r % tp, 'TP peers\'')
+        self._raise_first_difference([_cross_dp(t) for t in traces], lambda r: 0,
+                                     'ranks\' cross-DP')
+
+    def _raise_first_difference(self, traces: list, reference, what: str):
         for i in range(max(map(len, traces))):
-            entries = [t[i] if i < len(t) else '<end of step>' for t in traces]
-            if any(e != entries[0] for e in entries):
+            entries = [t[i] if i < len(t) else ('<end of step>',) for t in traces]
+            if any(e != entries[reference(r)] for r, e in enumerate(entries)):
                 detail = '; '.join(f'rank {r}: {e}' for r, e in enumerate(entries))
-                raise CollectiveMismatch(
-                    f'step {self.step}: the ranks\' collective sequences differ at collective '
-                    f'#{i}: {detail}')
+                raise CollectiveMismatch(f'step {self.step}: the {what} collective sequences '
+                                         f'differ at collective #{i}: {detail}')
+
+
+def _cross_dp(record: list) -> list:
+    """What every rank must agree on: the collectives of groups that span DP ranks, without
+    their token dimension."""
+    return [_coarse(e) for e in record if len(e) < 4 or e[1] != 'tp']
+
+
+def _coarse(entry: tuple) -> tuple:
+    """The entry without its token dimension (the first), which DP ranks may differ in."""
+    if len(entry) < 4:
+        return entry
+    op, group, shape, dtype = entry
+    return (op, group, tuple(shape[1:]), dtype)
+
+
+def _digest(record: list) -> int:
+    return int.from_bytes(hashlib.sha256(repr(record).encode()).digest()[:8], 'little',
+                          signed=True)

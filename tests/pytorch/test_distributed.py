@@ -37,8 +37,9 @@ def run_pipeline(path, layout, spec, prompts, gen=GEN):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('moe, layout', [(False, dict(dp=2)), (True, dict(dp=2)),
-                                         (True, dict(dp=2, ep=2))])
+@pytest.mark.parametrize('moe, layout', [(False, dict(tp=2)), (True, dict(tp=2)),
+                                         (False, dict(dp=2)), (True, dict(dp=2, ep=2)),
+                                         (True, dict(tp=2, dp=2, ep=4))])
 def test_layouts_give_single_process_tokens_and_acceptance(moe, layout, tiny_ckpt):
     path = tiny_ckpt(moe, layout='multimodal')
     spec = SpeculativeConfig(num_speculative_tokens=3)

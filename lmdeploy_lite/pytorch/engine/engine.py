@@ -1,6 +1,7 @@
 """The engine of one DP rank: schedule -> make inputs -> forward -> update (DESIGN.md "One step")."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -8,10 +9,11 @@ import torch
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, SpecDecodeStats,
                                     SpeculativeConfig)
-from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
+from lmdeploy_lite.pytorch.config import ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
-from lmdeploy_lite.pytorch.engine.block_manager import BlockManager, blocks_needed
+from lmdeploy_lite.pytorch.engine.block_manager import BlockManager
 from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.engine.cache_plan import available_memory, plan_cache
 from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
 from lmdeploy_lite.pytorch.engine.sequence import Sequence
@@ -56,45 +58,6 @@ def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -
     return _DTYPES.get(name, torch.bfloat16)
 
 
-def _available_memory(device: torch.device) -> int:
-    if device.type == 'cuda':
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    with open('/proc/meminfo') as f:
-        info = dict(line.split(':', 1) for line in f)
-    return int(info['MemAvailable'].split()[0]) * 1024
-
-
-def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, max_positions: int,
-               num_spec_tokens: int, num_draft_layers: int, dtype: torch.dtype,
-               device: torch.device) -> CacheConfig:
-    """Size the KV cache: num_gpu_blocks if given, else cache_max_entry_count of free memory,
-    never more than max_batch_size full sequences of `max_positions` need (+1 reserved block for
-    dummy forwards). A block holds the target's full-attention layers and the draft head's."""
-    block_size = engine_config.block_size
-    num_slots = engine_config.max_batch_size + 1                 # slot 0 is reserved
-    per_seq = blocks_needed(max_positions, block_size)
-    session_len = engine_config.session_len or model_config.max_position_embeddings
-    if engine_config.num_gpu_blocks:
-        num_blocks = engine_config.num_gpu_blocks
-    else:
-        state_bytes = num_slots * CacheEngine.bytes_per_state_slot(model_config, num_spec_tokens,
-                                                                   dtype)
-        budget = _available_memory(device) * engine_config.cache_max_entry_count - state_bytes
-        per_block = CacheEngine.bytes_per_block(model_config, block_size, dtype)
-        per_block += num_draft_layers * CacheEngine.bytes_per_block(
-            model_config, block_size, dtype, layer_types=('full_attention',))
-        num_blocks = min(int(budget // max(per_block, 1)),
-                         engine_config.max_batch_size * per_seq + 1)
-    if num_blocks - 1 < per_seq:
-        raise ValueError(
-            f'KV cache: {num_blocks} blocks of {block_size} tokens cannot hold one sequence of '
-            f'session_len={session_len} ({per_seq} blocks + 1 reserved); lower session_len or '
-            f'raise num_gpu_blocks / cache_max_entry_count')
-    return CacheConfig(block_size=block_size, num_blocks=num_blocks, num_state_slots=num_slots,
-                       num_spec_tokens=num_spec_tokens)
-
-
 def validate_request(token_ids: list[int], gen_config: GenerationConfig, vocab_size: int,
                      session_len: int):
     """Raise ValueError naming the problem; called before the request touches any engine."""
@@ -130,11 +93,16 @@ class Engine:
         uses_mtp = spec is not None and spec.method == 'qwen3_5_mtp'
         num_draft_extra = num_spec - 1 if uses_mtp else 0     # positions the MTP writes past k+1
         max_positions = self.session_len + num_spec + num_draft_extra
-        self.cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec,
-                                       int(uses_mtp), self.dtype, self.device)
         model = build_model(model_path, self.dtype, self.device, progress=progress,
                             dist_ctx=self.dist)
-        caches = CacheEngine(self.model_config, self.cache_config, self.dtype, self.device)
+        tp = self.dist.config.tp
+        cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec, int(uses_mtp),
+                                  self.dtype, available_memory(self.device, self.dist.world_size),
+                                  tp)
+        num_blocks = self.dist.all_reduce(torch.tensor([cache_config.num_blocks]), 'world',
+                                          op='min')                 # block tables must agree
+        self.cache_config = dataclasses.replace(cache_config, num_blocks=int(num_blocks))
+        caches = CacheEngine(self.model_config, self.cache_config, self.dtype, self.device, tp=tp)
         num_slots = self.cache_config.num_state_slots
         self.agent = ModelAgent(model, caches, num_slots, self.device)
         self.strategy = ARStrategy()

@@ -46,8 +46,9 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
                          target_model.lm_head, dist_ctx)
         load_mtp_weights(mtp, draft_model_dir(spec, model_path), progress=progress)
         mtp.eval()
+        tp = dist_ctx.config.tp if dist_ctx is not None else 1
         caches = CacheEngine(model_config, cache_config, dtype, device,
-                             layer_types=('full_attention',))
+                             layer_types=('full_attention',), tp=tp)
         proposer = MTPProposer(mtp, caches, target_model.compute_logits, k)
     else:
         host_proposer = NgramProposer(k, spec.ngram_min, spec.ngram_max)

@@ -152,8 +152,6 @@ class MPEngineLoop:
         self.dist_config = DistConfig(cfg.tp, cfg.dp, cfg.ep)
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.dist_config.validate(self.model_config, num_devices=None)
-        if self.dist_config.tp > 1:
-            raise ValueError(f'tp={cfg.tp}: tensor parallelism is not implemented yet; use dp/ep')
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
         self.error: BaseException | None = None
         self._live: dict[int, RemoteHandle] = {}

@@ -1,0 +1,55 @@
+"""How many KV blocks one rank gets (DESIGN.md invariant 6: the draft's KV is sized per rank).
+
+Blocks come from the memory left after the weights are loaded: `cache_max_entry_count` of it,
+minus the linear-attention state rows, divided by the bytes of one block (the target's
+full-attention layers plus the draft head's, each at this rank's TP share of the KV heads).
+On CUDA the memory is the device's free memory; on CPU the ranks share the machine, so each
+rank's budget is MemAvailable / world size. All ranks then take the minimum, so that the block
+tables of TP peers agree.
+"""
+from __future__ import annotations
+
+import torch
+
+from lmdeploy_lite.messages import PytorchEngineConfig
+from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
+from lmdeploy_lite.pytorch.engine.block_manager import blocks_needed
+from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+
+
+def available_memory(device: torch.device, world_size: int = 1) -> int:
+    """Bytes this rank may use now: the free device memory, or its share of MemAvailable."""
+    if device.type == 'cuda':
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open('/proc/meminfo') as f:
+        info = dict(line.split(':', 1) for line in f)
+    return int(info['MemAvailable'].split()[0]) * 1024 // world_size
+
+
+def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, max_positions: int,
+               num_spec_tokens: int, num_draft_layers: int, dtype: torch.dtype,
+               available_bytes: int, tp: int = 1) -> CacheConfig:
+    """num_gpu_blocks if given; else the budget above, never more than max_batch_size sequences
+    of `max_positions` need, plus the reserved block 0 (dummy forwards)."""
+    block_size = engine_config.block_size
+    num_slots = engine_config.max_batch_size + 1                 # slot 0 is reserved
+    per_seq = blocks_needed(max_positions, block_size)
+    if engine_config.num_gpu_blocks:
+        num_blocks = engine_config.num_gpu_blocks
+    else:
+        state_bytes = num_slots * CacheEngine.bytes_per_state_slot(
+            model_config, num_spec_tokens, dtype, tp=tp)
+        budget = available_bytes * engine_config.cache_max_entry_count - state_bytes
+        per_block = CacheEngine.bytes_per_block(model_config, block_size, dtype, tp=tp)
+        per_block += num_draft_layers * CacheEngine.bytes_per_block(
+            model_config, block_size, dtype, layer_types=('full_attention',), tp=tp)
+        num_blocks = min(int(budget // per_block), engine_config.max_batch_size * per_seq + 1)
+    if num_blocks - 1 < per_seq:
+        session_len = engine_config.session_len or model_config.max_position_embeddings
+        raise ValueError(
+            f'KV cache: {num_blocks} blocks of {block_size} tokens cannot hold one sequence of '
+            f'session_len={session_len} ({per_seq} blocks + 1 reserved); lower session_len or '
+            f'raise num_gpu_blocks / cache_max_entry_count')
+    return CacheConfig(block_size=block_size, num_blocks=num_blocks, num_state_slots=num_slots,
+                       num_spec_tokens=num_spec_tokens)
