@@ -83,30 +83,39 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_prefill_token_num
         seqs, q_lens = [], []
-        partial = [s for s in self.running if not s.is_decoding]
-        for seq in partial + list(self.waiting):
+        # chunked prefills under way go first; they make room by preempting later arrivals
+        for seq in [s for s in self.running if not s.prefilled]:
             if budget == 0:
                 break
-            is_new = seq.status == SeqStatus.WAITING
-            if is_new and len(self.running) >= self.max_batch_size:
-                break
+            if seq.status != SeqStatus.RUNNING:
+                continue                                   # preempted in this loop
             n = min(seq.num_uncomputed, budget)
             need = seq.num_computed + n + self.num_draft_extra
-            if not self.bm.can_hold(seq, need):
-                if is_new:
-                    break            # first come, first served: wait for blocks to be freed
-                # a partially prefilled sequence makes room by preempting later arrivals
-                if not self._preempt_for(seq, need):
-                    continue
+            if not self.bm.can_hold(seq, need) and not self._preempt_for(seq, need):
+                continue
             self.bm.grow(seq, need)
-            if is_new:
-                self.waiting.remove(seq)
-                seq.status = SeqStatus.RUNNING
-                self.running.append(seq)
             seqs.append(seq)
             q_lens.append(n)
             budget -= n
-        return ScheduledBatch(seqs, q_lens, is_decoding=False) if seqs else None
+        # then new sequences, first come first served: stop at the first that does not fit
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            need = seq.num_computed + n + self.num_draft_extra
+            if not self.bm.can_hold(seq, need):
+                break
+            self.bm.grow(seq, need)
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            q_lens.append(n)
+            budget -= n
+        scheduled = [(s, n) for s, n in zip(seqs, q_lens) if s.status == SeqStatus.RUNNING]
+        if not scheduled:
+            return None
+        return ScheduledBatch([s for s, _ in scheduled], [n for _, n in scheduled],
+                              is_decoding=False)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs = []
