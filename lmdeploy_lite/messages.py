@@ -62,16 +62,21 @@ class GenerationConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`model=None` drafts with the target checkpoint's own `mtp.*` head."""
+    """`model=None` drafts with the target checkpoint's own `mtp.*` head. `tp`: the draft
+    head's tensor parallelism — None for the target's, or 1 to replicate the MTP layer on every
+    rank (its experts too); the draft shares the target's DP layout, embedding and LM head."""
     method: str = 'qwen3_5_mtp'
     num_speculative_tokens: int = 3
     model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
+    tp: int | None = None
 
     def __post_init__(self):
         _check(self.method in SPEC_METHODS, 'method', self.method, f'one of {SPEC_METHODS}')
         _check_int('num_speculative_tokens', self.num_speculative_tokens, 1, 8)
+        if self.tp is not None:
+            _check_int('tp', self.tp, 1)
         _check_int('ngram_min', self.ngram_min, 1)
         _check_int('ngram_max', self.ngram_max, self.ngram_min)
 

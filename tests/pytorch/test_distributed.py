@@ -46,6 +46,10 @@ def test_layouts_give_single_process_tokens_and_acceptance(moe, layout, tiny_ckp
     want, want_len = single_process(path, spec, PROMPTS)
     responses = run_pipeline(path, layout, spec, PROMPTS)
     assert [r.token_ids for r in responses] == want
+    if layout.get('tp', 1) > 1:          # the draft replicated (tp=1) under a TP target
+        replicated = SpeculativeConfig(num_speculative_tokens=3, tp=1)
+        responses = run_pipeline(path, layout, replicated, PROMPTS)
+    assert [r.token_ids for r in responses] == want
     # per-request acceptance is layout independent
     single = Engine(path, PytorchEngineConfig(**BASE), spec, progress=False)
     for r, p in zip(responses, PROMPTS):
@@ -139,5 +143,8 @@ def test_bad_layout_fails_before_any_process_starts(tiny_ckpt):
     before = threading.active_count()
     with pytest.raises(ValueError, match='expert parallelism needs a MoE model'):
         pipeline(path, PytorchEngineConfig(dp=2, ep=2, **BASE), progress=False)
+    with pytest.raises(ValueError, match='SpeculativeConfig.tp=3'):
+        pipeline(path, PytorchEngineConfig(tp=2, **BASE), SpeculativeConfig(tp=3),
+                 progress=False)
     assert threading.active_count() == before
     assert multiprocessing.active_children() == []            # no rank was spawned

@@ -29,9 +29,12 @@ def available_memory(device: torch.device, world_size: int = 1) -> int:
 
 def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, max_positions: int,
                num_spec_tokens: int, num_draft_layers: int, dtype: torch.dtype,
-               available_bytes: int, tp: int = 1) -> CacheConfig:
+               available_bytes: int, tp: int = 1, draft_tp: int | None = None) -> CacheConfig:
     """num_gpu_blocks if given; else the budget above, never more than max_batch_size sequences
-    of `max_positions` need, plus the reserved block 0 (dummy forwards)."""
+    of `max_positions` need, plus the reserved block 0 (dummy forwards). The draft's KV is
+    charged at its own tp (`draft_tp`, default the target's): a replicated draft (tp=1) holds
+    all its KV heads on every rank."""
+    draft_tp = tp if draft_tp is None else draft_tp
     block_size = engine_config.block_size
     num_slots = engine_config.max_batch_size + 1                 # slot 0 is reserved
     per_seq = blocks_needed(max_positions, block_size)
@@ -43,7 +46,7 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
         budget = available_bytes * engine_config.cache_max_entry_count - state_bytes
         per_block = CacheEngine.bytes_per_block(model_config, block_size, dtype, tp=tp)
         per_block += num_draft_layers * CacheEngine.bytes_per_block(
-            model_config, block_size, dtype, layer_types=('full_attention',), tp=tp)
+            model_config, block_size, dtype, layer_types=('full_attention',), tp=draft_tp)
         num_blocks = min(int(budget // per_block), engine_config.max_batch_size * per_seq + 1)
     if num_blocks - 1 < per_seq:
         session_len = engine_config.session_len or model_config.max_position_embeddings

@@ -21,7 +21,8 @@ from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 from lmdeploy_lite.pytorch.models.loader import build_model
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
-from lmdeploy_lite.pytorch.spec_decode.build import build_spec_decoding, check_speculative_config
+from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
+                                                     check_speculative_config, draft_tp)
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
 
 logger = logging.getLogger('lmdeploy_lite')
@@ -88,7 +89,7 @@ class Engine:
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
         spec = speculative_config
         if spec is not None:
-            check_speculative_config(spec, model_path)
+            check_speculative_config(spec, model_path, self.dist.config.tp)
         self.num_spec_tokens = num_spec = spec.num_speculative_tokens if spec else 0
         uses_mtp = spec is not None and spec.method == 'qwen3_5_mtp'
         num_draft_extra = num_spec - 1 if uses_mtp else 0     # positions the MTP writes past k+1
@@ -98,7 +99,7 @@ class Engine:
         tp = self.dist.config.tp
         cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec, int(uses_mtp),
                                   self.dtype, available_memory(self.device, self.dist.world_size),
-                                  tp)
+                                  tp, draft_tp(spec, tp) if uses_mtp else tp)
         num_blocks = self.dist.all_reduce(torch.tensor([cache_config.num_blocks]), 'world',
                                           op='min')                 # block tables must agree
         self.cache_config = dataclasses.replace(cache_config, num_blocks=int(num_blocks))

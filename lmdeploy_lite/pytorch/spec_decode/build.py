@@ -19,10 +19,17 @@ def draft_model_dir(spec: SpeculativeConfig, model_path: str) -> str:
     return spec.model or model_path
 
 
-def check_speculative_config(spec: SpeculativeConfig, model_path: str):
+def draft_tp(spec: SpeculativeConfig, target_tp: int) -> int:
+    return target_tp if spec.tp is None else spec.tp
+
+
+def check_speculative_config(spec: SpeculativeConfig, model_path: str, target_tp: int = 1):
     """Errors a user can act on, raised at startup before any request runs."""
     if spec.method != 'qwen3_5_mtp':
         return
+    if draft_tp(spec, target_tp) not in (1, target_tp):
+        raise ValueError(f'SpeculativeConfig.tp={spec.tp}: the draft runs with the target\'s '
+                         f'tp={target_tp} or replicated with tp=1')
     path = draft_model_dir(spec, model_path)
     if not os.path.isdir(path):
         raise ValueError(f'SpeculativeConfig.model={path!r}: no such directory')
@@ -42,11 +49,14 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
         from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
         from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import MTPProposer
         target_model = target.model
+        tp = draft_tp(spec, dist_ctx.config.tp if dist_ctx is not None else 1)
+        # tp=1 under a TP target: the MTP layer is replicated (no TP, no EP collectives in it);
+        # the shared embedding and LM head keep the target's TP, so every TP rank drafts
+        layer_ctx = dist_ctx if tp > 1 or spec.tp is None else None
         mtp = Qwen3_5MTP(model_config, dtype, device, target_model.embed_tokens,
-                         target_model.lm_head, dist_ctx)
+                         target_model.lm_head, layer_ctx)
         load_mtp_weights(mtp, draft_model_dir(spec, model_path), progress=progress)
         mtp.eval()
-        tp = dist_ctx.config.tp if dist_ctx is not None else 1
         caches = CacheEngine(model_config, cache_config, dtype, device,
                              layer_types=('full_attention',), tp=tp)
         proposer = MTPProposer(mtp, caches, target_model.compute_logits, k)

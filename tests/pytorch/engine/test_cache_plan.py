@@ -4,7 +4,7 @@ Tiny model (tests/helpers/tiny_models): 1 full-attention layer with 2 KV heads x
 linear-attention layers with conv_dim 2*2*16 + 4*16 = 128, kernel 4, 4 value heads of 16 x 16.
 float32 (4 bytes), block_size 4, k = 3 drafts, the MTP head adds one full-attention layer.
   target KV per block = 2 (k, v) * 1 layer * 4 tokens * (2 / tp) heads * 16 * 4 B = 1024 / tp
-  draft  KV per block = the same again (its one layer)                             = 1024 / tp
+  draft  KV per block = the same again (its one layer) at the draft's tp         = 1024 / draft_tp
   state per sequence  = 3 layers * (128/tp * (4 - 1 + 3) * 4 B + (1 + 3) * 4/tp * 16*16 * 4 B)
                       = 3 * (3072 + 16384) / tp = 58368 / tp
 """
@@ -20,8 +20,8 @@ MB = 1 << 20
 
 @pytest.mark.parametrize('tp', [1, 2, 4])
 @pytest.mark.parametrize('dp', [1, 2])
-@pytest.mark.parametrize('with_draft', [False, True])
-def test_blocks_per_rank_by_hand(tp, dp, with_draft, tiny_ckpt):
+@pytest.mark.parametrize('with_draft, draft_tp', [(False, None), (True, 'target'), (True, 1)])
+def test_blocks_per_rank_by_hand(tp, dp, with_draft, draft_tp, tiny_ckpt):
     model = ModelConfig.from_pretrained(tiny_ckpt(True, layout='plain', linear_num_key_heads=4,
                                                   num_key_value_heads=4))
     cfg = PytorchEngineConfig(block_size=4, max_batch_size=128, cache_max_entry_count=0.5,
@@ -30,13 +30,14 @@ def test_blocks_per_rank_by_hand(tp, dp, with_draft, tiny_ckpt):
     per_rank = machine // dp                           # CPU: the ranks share the machine
     kv_heads, key_heads, value_heads = 4, 4, 4
     target_block = 2 * 1 * 4 * (kv_heads // tp) * 16 * 4
-    draft_block = target_block if with_draft else 0
+    draft_tp = tp if draft_tp == 'target' else draft_tp
+    draft_block = 2 * 1 * 4 * (kv_heads // draft_tp) * 16 * 4 if with_draft else 0
     conv_dim = (2 * key_heads * 16 + value_heads * 16) // tp
     state = 3 * (conv_dim * (4 - 1 + 3) * 4 + (1 + 3) * (value_heads // tp) * 16 * 16 * 4)
     expected = int((per_rank * 0.5 - 129 * state) // (target_block + draft_block))
     plan = plan_cache(model, cfg, max_positions=100000 + 3 + 2, num_spec_tokens=3,
                       num_draft_layers=int(with_draft), dtype=torch.float32,
-                      available_bytes=per_rank, tp=tp)
+                      available_bytes=per_rank, tp=tp, draft_tp=draft_tp)
     assert plan.num_blocks == expected
     assert plan.num_state_slots == 129 and plan.num_spec_tokens == 3
 
