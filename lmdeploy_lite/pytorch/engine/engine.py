@@ -173,11 +173,15 @@ class Engine:
         return [] if batch is None else self._update(batch, result)
 
     def _sampling_inputs(self, batch: ScheduledBatch) -> SamplingInputs:
-        cfgs = [s.gen_config for s in batch.seqs]
+        """Rows of a prefill chunk that does not reach the sequence's end sample nothing, so
+        they draw nothing from the request's generator: a seed's stream does not depend on how
+        the prompt was chunked (which depends on the rest of the batch)."""
+        cfgs, mask = [s.gen_config for s in batch.seqs], batch.sample_mask
         return SamplingInputs.from_values(
-            do_sample=[not c.is_greedy for c in cfgs],
+            do_sample=[not c.is_greedy and m for c, m in zip(cfgs, mask)],
             temperature=[c.temperature for c in cfgs], top_k=[c.top_k for c in cfgs],
-            top_p=[c.top_p for c in cfgs], generators=[s.generator for s in batch.seqs],
+            top_p=[c.top_p for c in cfgs],
+            generators=[s.generator if m else None for s, m in zip(batch.seqs, mask)],
             device=self.device)
 
     def _update(self, batch: ScheduledBatch, result: StepResult) -> list[StepOutput]:

@@ -120,3 +120,24 @@ def test_no_block_leak_after_1000_requests_with_aborts(tiny_ckpt):
     bm = engine.scheduler.bm
     assert bm.num_free_blocks == bm.num_usable_blocks
     assert len(bm.free_slots) == bm.num_state_slots - 1
+
+
+@pytest.mark.parametrize('spec', [None, 2])
+def test_seeded_sampling_does_not_depend_on_chunking_or_batch(spec, tiny_ckpt):
+    from lmdeploy_lite.messages import SpeculativeConfig
+    path = tiny_ckpt(True, layout='multimodal')
+    spec = SpeculativeConfig(num_speculative_tokens=spec) if spec else None
+    cfg = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=1.0, random_seed=7,
+                           ignore_eos=True)
+    other = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=0.8, random_seed=3,
+                             ignore_eos=True)
+    alone = Engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
+                                             session_len=256), spec, progress=False)
+    want = alone.generate([PROMPTS[2]], cfg)[0].generated_ids
+    chunked = Engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
+                                               session_len=256, max_prefill_token_num=5),
+                     spec, progress=False)
+    seqs = [chunked.add_request(PROMPTS[0], other), chunked.add_request(PROMPTS[2], cfg)]
+    while chunked.has_work:
+        chunked.step()
+    assert seqs[1].generated_ids == want
