@@ -72,7 +72,11 @@ class Pipeline:
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = load_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
         backend_config = backend_config or PytorchEngineConfig()
-        if backend_config.tp * backend_config.dp > 1:      # one process per rank
+        if backend_config.distributed_executor_backend == 'ray':       # one actor per rank
+            from lmdeploy_lite.pytorch.engine.executor.ray import RayEngineLoop
+            self.engine = None
+            self._loop = RayEngineLoop(self.model_path, backend_config, speculative_config)
+        elif backend_config.tp * backend_config.dp > 1:      # one process per rank
             from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
             self.engine = None
             self._loop = MPEngineLoop(self.model_path, backend_config, speculative_config)

@@ -6,6 +6,7 @@ from typing import Literal
 
 DTYPES = ('auto', 'float32', 'float64', 'bfloat16', 'float16')
 DEVICES = ('auto', 'cpu', 'cuda')
+EXECUTOR_BACKENDS = ('uni', 'mp', 'ray')
 SPEC_METHODS = ('qwen3_5_mtp', 'ngram')
 
 
@@ -95,6 +96,7 @@ class PytorchEngineConfig:
     dp: int = 1
     ep: int = 1
     seed: int = 0
+    distributed_executor_backend: str = 'mp'     # 'uni' (one rank), 'mp' (one host) or 'ray'
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, 'dtype', self.dtype, f'one of {DTYPES}')
@@ -110,6 +112,12 @@ class PytorchEngineConfig:
             _check_int('session_len', self.session_len, 1)
         for name in ('tp', 'dp', 'ep'):
             _check_int(name, getattr(self, name), 1)
+        _check(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+               'distributed_executor_backend', self.distributed_executor_backend,
+               f'one of {EXECUTOR_BACKENDS}')
+        _check(self.distributed_executor_backend != 'uni' or self.tp * self.dp == 1,
+               'distributed_executor_backend', self.distributed_executor_backend,
+               f"'mp' or 'ray' for tp * dp = {self.tp * self.dp} ranks ('uni' runs one rank)")
 
 
 FinishReason = Literal['stop', 'length', 'abort', 'error']

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import sys
 import time
 
@@ -28,6 +29,12 @@ def _engine_args(p: argparse.ArgumentParser):
                    help='drafts per step, 1..8 (enables speculative decoding)')
     p.add_argument('--speculative-draft-model', default=None,
                    help='directory with the mtp.* tensors (default: the target model)')
+    p.add_argument('--distributed-executor-backend', default='mp', choices=['uni', 'mp', 'ray'],
+                   help='how tp * dp > 1 ranks run: mp (processes on this host) or ray (one '
+                        'actor per rank across a ray cluster)')
+    p.add_argument('--ray-address', default=None,
+                   help="ray cluster to join with the ray backend, e.g. 'auto' or HEAD:6379 "
+                        '(sets RAY_ADDRESS; default: RAY_ADDRESS, else a local cluster)')
     p.add_argument('--log-level', default='WARNING', help='python logging level')
 
 
@@ -48,13 +55,21 @@ def speculative_config(args):
                              model=args.speculative_draft_model)
 
 
+def executor_args(args) -> dict:
+    """The executor part of PytorchEngineConfig (and RAY_ADDRESS, which ray.init() reads)."""
+    if args.ray_address:
+        os.environ['RAY_ADDRESS'] = args.ray_address
+    return dict(distributed_executor_backend=args.distributed_executor_backend)
+
+
 def _build(args):
     from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline
     logging.basicConfig(level=args.log_level.upper())
     engine_config = PytorchEngineConfig(dtype=args.dtype, device=args.device,
                                         max_batch_size=args.max_batch_size,
                                         session_len=args.session_len,
-                                        cache_max_entry_count=args.cache_max_entry_count)
+                                        cache_max_entry_count=args.cache_max_entry_count,
+                                        **executor_args(args))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                   do_sample=args.temperature > 0, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, random_seed=args.seed)
@@ -137,7 +152,8 @@ def cmd_serve(args) -> int:
                                         max_batch_size=args.max_batch_size,
                                         session_len=args.session_len,
                                         cache_max_entry_count=args.cache_max_entry_count,
-                                        tp=args.tp, dp=args.dp, ep=args.ep)
+                                        tp=args.tp, dp=args.dp, ep=args.ep,
+                                        **executor_args(args))
     spec = speculative_config(args)
     model_path = resolve_model_path(args.model)
     pipe = pipeline(model_path, engine_config, spec, progress=False)

@@ -143,8 +143,11 @@ class RemoteHandle:
     sink: object
 
 
-class MPEngineLoop:
-    """The EngineLoop interface (submit, abort, close, error) over one process per rank."""
+class RemoteEngineLoop:
+    """The EngineLoop interface (submit, abort, close, error) over one worker per rank running
+    `worker_main`. Subclasses start the ranks (`_start`: sets `_inboxes`, one per rank, and
+    `_outbox`), name the dead ones (`_dead_ranks`), wait for them (`_join`) and end them (`_kill`);
+    validation, routing, result collection and failure handling are shared."""
 
     def __init__(self, model_path: str, engine_config: PytorchEngineConfig,
                  speculative_config: SpeculativeConfig | None = None, env: dict | None = None):
@@ -161,38 +164,43 @@ class MPEngineLoop:
         self._load = [0] * self.dist_config.dp
         self._next_rid = 0
         self._lock = threading.Lock()
-        ctx = mp.get_context('spawn')
-        world = self.dist_config.world_size
-        init_method = f'tcp://127.0.0.1:{free_port()}'
-        self._inboxes = [ctx.Queue() for _ in range(world)]
-        self._outbox = ctx.Queue()
+        self._closing = False
         child_env = {k: v for k, v in os.environ.items() if k.startswith('LMDEPLOY_LITE_')}
         child_env.update(env or {})
-        self._procs = [ctx.Process(target=worker_main, daemon=True, name=f'lmdeploy_lite-rank{r}',
-                                   args=(r, self.dist_config, model_path, cfg, speculative_config,
-                                         init_method, self._inboxes[r], self._outbox, child_env))
-                       for r in range(world)]
-        for p in self._procs:
-            p.start()
         try:
+            self._start(model_path, cfg, speculative_config, child_env)
             self._wait_ready()
         except BaseException:
             self._kill()
             raise
-        self._closing = False
         self._collector = threading.Thread(target=self._collect, daemon=True,
                                            name='lmdeploy_lite-collector')
         self._collector.start()
 
+    def _start(self, model_path: str, cfg: PytorchEngineConfig,
+               spec_config: SpeculativeConfig | None, env: dict):
+        raise NotImplementedError
+
+    def _dead_ranks(self) -> dict[int, str]:
+        """rank -> how it ended, for every rank that is no longer running (in rank order)."""
+        raise NotImplementedError
+
+    def _join(self, timeout_s: float):
+        raise NotImplementedError
+
+    def _kill(self):
+        raise NotImplementedError
+
     def _wait_ready(self):
+        world = self.dist_config.world_size
         ready, deadline = set(), time.monotonic() + STARTUP_TIMEOUT_S
-        while len(ready) < len(self._procs):
+        while len(ready) < world:
             try:
                 kind, rank, payload = self._outbox.get(timeout=0.5)
             except queue.Empty:
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f'ranks {sorted(set(range(len(self._procs))) - ready)} '
+                    raise TimeoutError(f'ranks {sorted(set(range(world)) - ready)} '
                                        f'did not start within {STARTUP_TIMEOUT_S:.0f} s')
                 continue
             if kind == 'error':
@@ -200,9 +208,8 @@ class MPEngineLoop:
             ready.add(rank)
 
     def _check_alive(self):
-        for rank, p in enumerate(self._procs):
-            if not p.is_alive():
-                raise RuntimeError(f'rank {rank} (pid {p.pid}) exited with code {p.exitcode}')
+        for description in self._dead_ranks().values():
+            raise RuntimeError(description)
 
     # ---- requests -------------------------------------------------------------------------
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
@@ -262,11 +269,9 @@ class MPEngineLoop:
         """A rank's collective fails when a peer dies: name the dead rank first."""
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
-            dead = [(r, p) for r, p in enumerate(self._procs) if r != rank and not p.is_alive()]
+            dead = [d for r, d in self._dead_ranks().items() if r != rank]
             if dead:
-                names = ', '.join(f'rank {r} (pid {p.pid}) exited with code {p.exitcode}'
-                                  for r, p in dead)
-                return f'{names}; rank {rank} then failed:\n{trace}'
+                return f'{", ".join(dead)}; rank {rank} then failed:\n{trace}'
             time.sleep(0.1)
         return f'rank {rank} failed:\n{trace}'
 
@@ -284,14 +289,42 @@ class MPEngineLoop:
         self._closing = True
         for inbox in self._inboxes:
             inbox.put(('stop', None))
-        deadline = time.monotonic() + timeout_s
-        for p in self._procs:
-            p.join(max(0.1, deadline - time.monotonic()))
+        self._join(timeout_s)
+        if threading.current_thread() is not self._collector:
+            self._collector.join(5)         # a failing collector may be in _kill: one at a time
         self._kill()
         with self._lock:
             handles, self._live = list(self._live.values()), {}
         for handle in handles:
             handle.sink(RuntimeError('the engine was closed'))
+
+
+class MPEngineLoop(RemoteEngineLoop):
+    """One process per rank on this machine (torch.multiprocessing, spawn)."""
+    _procs: list = []
+
+    def _start(self, model_path: str, cfg: PytorchEngineConfig,
+               spec_config: SpeculativeConfig | None, env: dict):
+        ctx = mp.get_context('spawn')
+        world = self.dist_config.world_size
+        init_method = f'tcp://127.0.0.1:{free_port()}'
+        self._inboxes = [ctx.Queue() for _ in range(world)]
+        self._outbox = ctx.Queue()
+        self._procs = [ctx.Process(target=worker_main, daemon=True, name=f'lmdeploy_lite-rank{r}',
+                                   args=(r, self.dist_config, model_path, cfg, spec_config,
+                                         init_method, self._inboxes[r], self._outbox, env))
+                       for r in range(world)]
+        for p in self._procs:
+            p.start()
+
+    def _dead_ranks(self) -> dict[int, str]:
+        return {r: f'rank {r} (pid {p.pid}) exited with code {p.exitcode}'
+                for r, p in enumerate(self._procs) if not p.is_alive()}
+
+    def _join(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        for p in self._procs:
+            p.join(max(0.1, deadline - time.monotonic()))
 
     def _kill(self):
         for p in self._procs:

@@ -1,0 +1,142 @@
+"""The `ray` executor: one Ray actor per rank, placed by a placement group across nodes.
+
+Each actor runs the same `worker_main` as the `mp` executor; inboxes and the outbox are
+`ray.util.queue.Queue`s (their `Empty` subclasses `queue.Empty`, so the worker code is shared
+unchanged). Bundles are {'GPU': 1} per rank on CUDA, {'CPU': 1} on CPU; strategy STRICT_SPREAD
+when the cluster has exactly one node per rank (rank r on its own node), else SPREAD. Rank r
+takes bundle r; torch.distributed meets at rank 0's node. The cluster is `ray.init()`'s
+(RAY_ADDRESS, e.g. `auto`), unless the caller already connected. A placement group that cannot
+be placed within RAY_PG_TIMEOUT_S fails with what is missing; close() kills every actor and
+removes the placement group.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.engine.executor.mp import RemoteEngineLoop, free_port, worker_main
+
+RAY_PG_TIMEOUT_S = float(os.environ.get('LMDEPLOY_LITE_RAY_PG_TIMEOUT', '30'))
+PLACE_ACTORS_TIMEOUT_S = 120
+
+
+class _FrontEndQueue:
+    """The front-end's view of a ray Queue: once its actor is gone (after a failure or close),
+    puts are dropped and gets report Empty, as an mp queue with no reader would."""
+
+    def __init__(self, q):
+        self.q = q
+
+    def put(self, item):
+        import ray
+        try:
+            self.q.put(item)
+        except ray.exceptions.RayError:
+            pass
+
+    def get(self, timeout: float):
+        import ray
+        try:
+            return self.q.get(timeout=timeout)
+        except ray.exceptions.RayError:
+            time.sleep(timeout)
+            raise queue.Empty from None
+
+
+class RankActor:
+    """Wrapped by ray.remote at start-up (so importing this module does not need ray)."""
+
+    def node(self) -> tuple[str, str]:
+        import ray
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        return free_port()
+
+    def run(self, *args):
+        worker_main(*args)
+
+
+class RayEngineLoop(RemoteEngineLoop):
+    """One Ray actor per rank; `node_ids[r]` is the node rank r runs on."""
+    _actors: list = []
+    _runs: list = []
+    _queues: list = []
+    _pg = None
+
+    def _start(self, model_path: str, cfg: PytorchEngineConfig,
+               spec_config: SpeculativeConfig | None, env: dict):
+        import ray
+        from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get('RAY_ADDRESS'), log_to_driver=False)
+        world = self.dist_config.world_size
+        use_gpu = cfg.device == 'cuda' or (cfg.device == 'auto'
+                                           and ray.cluster_resources().get('GPU', 0) > 0)
+        bundle = {'GPU': 1} if use_gpu else {'CPU': 1}
+        nodes = [n for n in ray.nodes() if n['Alive']]
+        strategy = 'STRICT_SPREAD' if len(nodes) == world else 'SPREAD'
+        self._pg = ray.util.placement_group([dict(bundle) for _ in range(world)], strategy)
+        try:
+            ray.get(self._pg.ready(), timeout=RAY_PG_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f'the ray cluster cannot place {world} ranks ({world} x {bundle}, {strategy}) '
+                f'within {RAY_PG_TIMEOUT_S:.0f} s: it has {_describe(nodes)}; add nodes or '
+                f'{next(iter(bundle))}s, or use fewer ranks (tp * dp = {world})') from None
+        queue_options = {'actor_options': {'num_cpus': 0}}      # outside the placement group
+        self._queues = [Queue(**queue_options) for _ in range(world + 1)]
+        self._inboxes = [_FrontEndQueue(q) for q in self._queues[:world]]
+        self._outbox = _FrontEndQueue(self._queues[world])
+        actor_cls = ray.remote(RankActor)
+        self._actors = [
+            actor_cls.options(
+                num_cpus=bundle.get('CPU', 0), num_gpus=bundle.get('GPU', 0),
+                name=None, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=r)).remote()
+            for r in range(world)]
+        where = ray.get([a.node.remote() for a in self._actors], timeout=PLACE_ACTORS_TIMEOUT_S)
+        self.node_ids = [node_id for node_id, _ in where]
+        init_method = f'tcp://{where[0][1]}:{ray.get(self._actors[0].free_port.remote())}'
+        self._runs = [a.run.remote(r, self.dist_config, model_path, cfg, spec_config,
+                                   init_method, self._queues[r], self._queues[world], env)
+                      for r, a in enumerate(self._actors)]
+
+    def _dead_ranks(self) -> dict[int, str]:
+        import ray
+        done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
+        dead = {}
+        for r, ref in enumerate(self._runs):
+            if ref in done:
+                try:
+                    ray.get(ref)
+                    dead[r] = f'rank {r} (ray actor on node {self.node_ids[r]}) exited'
+                except Exception as e:
+                    dead[r] = (f'rank {r} (ray actor on node {self.node_ids[r]}) died: '
+                               f'{type(e).__name__}: {str(e).splitlines()[0]}')
+        return dead
+
+    def _join(self, timeout_s: float):
+        import ray
+        ray.wait(self._runs, num_returns=len(self._runs), timeout=timeout_s)
+
+    def _kill(self):
+        if not self._actors and self._pg is None:
+            return
+        import ray
+        for actor in self._actors + [q.actor for q in self._queues]:
+            ray.kill(actor, no_restart=True)
+        if self._pg is not None:
+            ray.util.remove_placement_group(self._pg)
+        self._actors, self._queues, self._runs, self._pg = [], [], [], None
+
+
+def _describe(nodes: list[dict]) -> str:
+    alive = ', '.join(f"{n['NodeManagerAddress']}: "
+                      f"{ {k: v for k, v in n['Resources'].items() if k in ('CPU', 'GPU')} }"
+                      for n in nodes)
+    return f'{len(nodes)} node(s) [{alive}]'

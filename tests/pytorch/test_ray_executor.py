@@ -1,0 +1,111 @@
+"""The ray executor on a two-node local cluster (ray.cluster_utils.Cluster, all on 127.0.0.1).
+
+One CPU per node, so a two-rank placement group puts one rank on each node. Each test has a
+hard pytest timeout and asserts it finished in time; the collective timeout is short.
+"""
+import os
+import time
+
+import pytest
+
+os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = '0'     # before ray is imported: 127.0.0.1 only
+ray = pytest.importorskip('ray', reason="the ray executor tests need ray: pip install 'lmdeploy_lite[ray]'")
+
+from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline  # noqa: E402
+from lmdeploy_lite.pytorch.engine.engine import Engine  # noqa: E402
+
+BASE = dict(dtype='float64', device='cpu', block_size=4, session_len=128,
+            distributed_executor_backend='ray')
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 49)), [300, 301, 2, 450, 3, 3, 3, 17]]
+GEN = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+SPEC = SpeculativeConfig(num_speculative_tokens=3)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope='module')
+def cluster():
+    from ray.cluster_utils import Cluster
+    node = dict(num_cpus=1, object_store_memory=80 * 1024 * 1024)
+    cluster = Cluster(initialize_head=True, head_node_args=node)
+    cluster.add_node(**node)
+    assert cluster.address.startswith('127.0.0.1:')
+    ray.init(address=cluster.address, log_to_driver=False,
+             runtime_env={'env_vars': {'PYTHONPATH': REPO}})
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def strict_collectives(monkeypatch):
+    monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '1')
+    monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '20')
+
+
+def leftovers() -> tuple[list, list]:
+    from ray._private.state import state
+    actors = [a for a in state.actor_table(None).values() if a['State'] != 'DEAD']
+    groups = [g for g in ray.util.placement_group_table().values() if g['state'] != 'REMOVED']
+    return actors, groups
+
+
+def wait_no_leftovers(timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while leftovers() != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert leftovers() == ([], [])
+
+
+def single_process(path, prompts):
+    engine = Engine(path, PytorchEngineConfig(**{k: v for k, v in BASE.items()
+                                                 if k != 'distributed_executor_backend'}),
+                    SPEC, progress=False)
+    return [s.generated_ids for s in engine.generate(prompts, GEN)]
+
+
+@pytest.mark.timeout(300)
+def test_dp2_ep2_one_rank_per_node_gives_single_process_tokens(cluster, tiny_ckpt):
+    path = tiny_ckpt(True, layout='plain')
+    start = time.monotonic()
+    with pipeline(path, PytorchEngineConfig(dp=2, ep=2, **BASE), SPEC, progress=False) as pipe:
+        loop = pipe._loop
+        assert len(set(loop.node_ids)) == 2                       # one rank per node
+        assert set(loop.node_ids) == {n['NodeID'] for n in ray.nodes() if n['Alive']}
+        actors, groups = leftovers()
+        assert len(actors) == 2 + 3 and len(groups) == 1      # ranks, queues (2 in + 1 out)
+        assert [r.token_ids for r in pipe(PROMPTS, GEN)] == single_process(path, PROMPTS)
+        # one request: the other rank idles through the whole run (dummy forwards)
+        assert [r.token_ids for r in pipe(PROMPTS[2:3], GEN)] == single_process(path, PROMPTS[2:3])
+    wait_no_leftovers()
+    assert time.monotonic() - start < 240
+
+
+@pytest.mark.timeout(120)
+def test_too_few_resources_fail_within_a_minute_naming_them(cluster, tiny_ckpt, monkeypatch):
+    import lmdeploy_lite.pytorch.engine.executor.ray as ray_executor
+    monkeypatch.setattr(ray_executor, 'RAY_PG_TIMEOUT_S', 5.0)
+    path = tiny_ckpt(False, layout='plain')
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"cannot place 4 ranks .*'CPU': 1.*2 node\(s\)"):
+        pipeline(path, PytorchEngineConfig(dp=4, **BASE), progress=False)
+    assert time.monotonic() - start < 60
+    wait_no_leftovers()
+
+
+@pytest.mark.timeout(200)
+def test_a_killed_worker_actor_is_named_and_nothing_is_left(cluster, tiny_ckpt):
+    path = tiny_ckpt(False, layout='plain')
+    pipe = pipeline(path, PytorchEngineConfig(dp=2, **BASE), progress=False)
+    start = time.monotonic()
+    try:
+        assert pipe(PROMPTS[0], GEN).generate_token_len == GEN.max_new_tokens
+        ray.kill(pipe._loop._actors[1])
+        with pytest.raises(RuntimeError, match=r'rank 1 \(ray actor on node \w+\) died'):
+            for _ in range(50):
+                pipe(PROMPTS[1], GEN)
+                time.sleep(0.2)
+        assert pipe._loop.error is not None
+    finally:
+        pipe.close()
+    wait_no_leftovers()
+    assert time.monotonic() - start < 150
