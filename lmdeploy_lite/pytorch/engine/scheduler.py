@@ -27,7 +27,10 @@ class ScheduledBatch:
 
     @property
     def sample_mask(self) -> list[bool]:
-        """True where this step reaches the end of the sequence's tokens (so it samples)."""
+        """True where this step samples: every decode/verify row, and the prefill rows whose
+        chunk reaches the end of the sequence's tokens."""
+        if self.is_decoding:
+            return [True] * len(self.seqs)
         return [s.num_computed + n == len(s.token_ids) for s, n in zip(self.seqs, self.q_lens)]
 
 

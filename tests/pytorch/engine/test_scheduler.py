@@ -116,3 +116,20 @@ def test_no_leak_after_many_requests_with_aborts():
     assert all(s.is_finished for s in seqs)
     assert sched.bm.num_free_blocks == sched.bm.num_usable_blocks
     assert len(sched.bm.free_slots) == sched.bm.num_state_slots - 1
+
+
+def test_every_decode_row_samples_and_only_final_prefill_chunks_do():
+    sched = make_scheduler(budget=5, lookahead=3)
+    long, short = add(sched, 12), add(sched, 3)
+    first = sched.schedule()
+    assert first.q_lens == [5] and first.sample_mask == [False]
+    sched.update(long, 5, [])
+    second = sched.schedule()
+    assert second.q_lens == [5] and second.sample_mask == [False]
+    sched.update(long, 5, [])
+    third = sched.schedule()                     # the end of `long`, then the start of `short`
+    assert third.q_lens == [2, 3] and third.sample_mask == [True, True]
+    sched.update(long, 2, [7])
+    sched.update(short, 3, [7])
+    decode = sched.schedule()
+    assert decode.is_decoding and decode.q_lens == [4, 4] and decode.sample_mask == [True, True]
