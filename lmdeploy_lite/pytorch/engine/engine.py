@@ -208,6 +208,3 @@ class Engine:
             self.step()
         return seqs
 
-    def close(self):
-        pass
-
