@@ -137,7 +137,7 @@ class Pipeline:
         remaining = len(prompts)
         try:
             while remaining:
-                i, item = inbox.get()
+                i, item = self._next(inbox)
                 if isinstance(item, BaseException):
                     raise item
                 delta = detoks[i].add(item.new_token_ids, item.finished)
@@ -152,6 +152,15 @@ class Pipeline:
             for h in handles:
                 if h.seq is None or not h.seq.is_finished:
                     self._loop.abort(h)
+
+    def _next(self, inbox: queue.Queue):
+        """The next result; never waits forever on an engine that has stopped."""
+        while True:
+            try:
+                return inbox.get(timeout=1.0)
+            except queue.Empty:
+                if self._loop.error is not None:
+                    raise RuntimeError(f'the engine stopped: {self._loop.error}') from None
 
     @staticmethod
     def _response(index: int, out: StepOutput, prompt_ids: list[int], text: str,
