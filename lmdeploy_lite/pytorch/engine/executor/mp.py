@@ -301,7 +301,7 @@ class RemoteEngineLoop:
 
 class MPEngineLoop(RemoteEngineLoop):
     """One process per rank on this machine (torch.multiprocessing, spawn)."""
-    _procs: list = []
+    _procs: tuple | list = ()                 # set by _start; empty until then
 
     def _start(self, model_path: str, cfg: PytorchEngineConfig,
                spec_config: SpeculativeConfig | None, env: dict):
