@@ -6,6 +6,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's interpreter on CPU tensors (set before any kernel module
+    # is imported: kernels are wrapped for the interpreter when they are defined)
+    os.environ.setdefault('TRITON_INTERPRET', '1')
 
 
 def pytest_collection_modifyitems(config, items):
@@ -15,6 +19,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if 'gpu' in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope='session')
+def kernel_device() -> str:
+    """Where Triton kernel tests run: 'cuda', else 'cpu' under Triton's interpreter; skipped
+    when Triton is not installed."""
+    pytest.importorskip('triton')
+    return 'cuda' if torch.cuda.is_available() else 'cpu'
 
 
 @pytest.fixture(scope='session')

@@ -40,6 +40,8 @@ class ModelInputs:
     state_index: torch.Tensor      # [B] long, current slot inside the row (see module doc)
     is_decoding: bool              # every sequence in the step is a decode/verify step
     is_dummy: bool = False         # a rank with no work runs this to keep collectives aligned
+    uniform_q_len: int | None = None   # host int: every sequence has exactly this many new tokens
+                                       # (decode/verify/draft steps); lets ops avoid host syncs
     # speculative decoding (strategies/ar_spec) only:
     draft_tokens: torch.Tensor | None = None    # [B, k] long, drafts proposed on the host (ngram);
                                                 # None: the drafts are on the device already
@@ -89,13 +91,19 @@ class ModelInputs:
 
     @cached_property
     def token_seq_idx(self) -> torch.Tensor:
-        """[T] long, the sequence of each token (computed once)."""
+        """[T] long, the sequence of each token (computed once; no host sync when uniform)."""
+        if self.uniform_q_len is not None:
+            flat = torch.arange(self.input_ids.numel(), device=self.q_lens.device)
+            return flat // self.uniform_q_len
         batch = torch.arange(self.batch_size, device=self.q_lens.device)
         return torch.repeat_interleave(batch, self.q_lens, output_size=sum(self.host_q_lens))
 
     @cached_property
     def token_offsets(self) -> torch.Tensor:
         """[T] long, index of each token among its sequence's new tokens (computed once)."""
+        if self.uniform_q_len is not None:
+            flat = torch.arange(self.input_ids.numel(), device=self.q_lens.device)
+            return flat % self.uniform_q_len
         flat = torch.arange(self.token_seq_idx.numel(), device=self.q_lens.device)
         return flat - self.q_start_loc[self.token_seq_idx]
 

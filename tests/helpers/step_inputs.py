@@ -17,7 +17,8 @@ def make_inputs(chunks: list[list[int] | torch.Tensor], history_lens: list[int],
         positions=torch.cat([torch.arange(h, h + n) for h, n in zip(history_lens, q_lens)]),
         q_lens=torch.tensor(q_lens), history_lens=torch.tensor(history_lens),
         block_tables=block_tables, state_slots=torch.tensor(state_slots),
-        state_index=torch.tensor(state_index or [0] * len(chunks)), is_decoding=is_decoding)
+        state_index=torch.tensor(state_index or [0] * len(chunks)), is_decoding=is_decoding,
+        uniform_q_len=q_lens[0] if is_decoding and len(set(q_lens)) == 1 else None)
 
 
 def shuffled_block_tables(batch: int, blocks_per_seq: int, seed: int = 0) -> torch.Tensor:

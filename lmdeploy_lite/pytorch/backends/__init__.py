@@ -1,5 +1,5 @@
 """Op selection. Models call ops only through the object `get_backend(device)` returns, so a
-device backend (e.g. `backends/cuda`, Triton kernels) can replace the plain-PyTorch one.
+device backend (`backends/cuda`, Triton kernels) can replace the plain-PyTorch one.
 
 Every backend provides (see `backends/default` for shapes and semantics):
     paged_attention(q, k, v, k_cache, v_cache, inputs, scale) -> [T, nq, head_dim]
@@ -7,13 +7,33 @@ Every backend provides (see `backends/default` for shapes and semantics):
     causal_conv1d_update(x, weight, conv_cache, inputs) -> [T, C]
     gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
     gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
+    rms_norm(x, weight, eps) -> x.shape          (zero-centred: x / rms(x) * (1 + w))
+    gated_rms_norm(x, gate, weight, eps) -> x.shape   (w * x / rms(x) * silu(gate))
+    silu_mul(gate_up) -> [..., I]                (silu(gate_up[..., :I]) * gate_up[..., I:])
+    fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids) -> [T, H]
+
+Decode-step contract (what lets `graph_runner` capture a step in a CUDA graph): when
+`inputs.is_decoding`, an op reads no device value on the host (no `.item()`, `.tolist()`,
+`host_q_lens`, `max_kv_len`, `seq_groups`) and allocates nothing whose shape depends on device
+data; `inputs.uniform_q_len` (a host int) and tensor shapes are allowed.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
 
+def cuda_backend_enabled() -> bool:
+    """`LMDEPLOY_LITE_BACKEND=default` forces the plain-PyTorch ops on CUDA (for comparisons)."""
+    return os.environ.get('LMDEPLOY_LITE_BACKEND', 'auto') != 'default'
+
+
 def get_backend(device: torch.device | str):
-    """The op backend for `device`; only the default (pure PyTorch) backend exists so far."""
+    """The CUDA backend (Triton kernels) on a CUDA device when Triton imports; else the default."""
+    if torch.device(device).type == 'cuda' and cuda_backend_enabled():
+        from .cuda import cuda_backend, is_available
+        if is_available():
+            return cuda_backend()
     from .default import DefaultBackend
     return DefaultBackend

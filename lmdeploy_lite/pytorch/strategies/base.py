@@ -25,6 +25,7 @@ def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
         state_slots=torch.tensor(state_slots, **as_long),
         state_index=torch.zeros(len(state_slots), **as_long),
         is_decoding=is_decoding,
+        uniform_q_len=q_lens[0] if is_decoding and q_lens and len(set(q_lens)) == 1 else None,
     )
     return inputs.to(device)
 

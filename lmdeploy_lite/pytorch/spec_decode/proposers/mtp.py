@@ -39,7 +39,7 @@ class MTPProposer:
                 step = ModelInputs(input_ids=drafts[-1], positions=positions + i, q_lens=ones,
                                    history_lens=positions + i, block_tables=inputs.block_tables,
                                    state_slots=inputs.state_slots, state_index=inputs.state_index,
-                                   is_decoding=True, is_dummy=inputs.is_dummy)
+                                   is_decoding=True, is_dummy=inputs.is_dummy, uniform_q_len=1)
                 hidden = self.mtp(drafts[-1], hidden, step, self.caches)
             logits = self.compute_logits(hidden)
             token = logits.argmax(-1)

@@ -1,0 +1,30 @@
+"""CUDA ops: Triton kernels checked against `backends/default` (tests/pytorch/backends/cuda).
+
+Prefill gated delta rule uses fla-core's chunk kernel where fla is installed (imported lazily;
+optional); everything else is ours. Decode-path ops keep the decode-step contract of
+`backends/__init__.py`, so `graph_runner.py` can capture them. Ops without a kernel here are
+the default backend's.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+
+def is_available() -> bool:
+    return importlib.util.find_spec('triton') is not None
+
+
+@functools.cache
+def cuda_backend():
+    from ..default import DefaultBackend
+    from .causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
+    from .fused_moe import fused_moe
+    from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
+    from .norm import gated_rms_norm, rms_norm, silu_mul
+    from .paged_attention import paged_attention
+
+    ops = (causal_conv1d_prefill, causal_conv1d_update, fused_moe, gated_delta_rule_decode,
+           gated_delta_rule_prefill, gated_rms_norm, rms_norm, silu_mul, paged_attention)
+    return type('CudaBackend', (DefaultBackend,),
+                {'name': 'cuda', **{fn.__name__: staticmethod(fn) for fn in ops}})
