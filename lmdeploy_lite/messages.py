@@ -97,6 +97,7 @@ class PytorchEngineConfig:
     ep: int = 1
     seed: int = 0
     distributed_executor_backend: str = 'mp'     # 'uni' (one rank), 'mp' (one host) or 'ray'
+    eager_mode: bool = False     # True: no CUDA graphs for decode steps (they are used on CUDA)
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, 'dtype', self.dtype, f'one of {DTYPES}')
@@ -112,6 +113,7 @@ class PytorchEngineConfig:
             _check_int('session_len', self.session_len, 1)
         for name in ('tp', 'dp', 'ep'):
             _check_int(name, getattr(self, name), 1)
+        _check(isinstance(self.eager_mode, bool), 'eager_mode', self.eager_mode, 'True or False')
         _check(self.distributed_executor_backend in EXECUTOR_BACKENDS,
                'distributed_executor_backend', self.distributed_executor_backend,
                f'one of {EXECUTOR_BACKENDS}')

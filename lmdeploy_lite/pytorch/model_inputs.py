@@ -42,6 +42,8 @@ class ModelInputs:
     is_dummy: bool = False         # a rank with no work runs this to keep collectives aligned
     uniform_q_len: int | None = None   # host int: every sequence has exactly this many new tokens
                                        # (decode/verify/draft steps); lets ops avoid host syncs
+    padded_batch_size: int = 0     # from the StepPlan: a CUDA-graph decode step pads its batch to
+                                   # at least this (the largest batch of any rank in the step)
     # speculative decoding (strategies/ar_spec) only:
     draft_tokens: torch.Tensor | None = None    # [B, k] long, drafts proposed on the host (ngram);
                                                 # None: the drafts are on the device already

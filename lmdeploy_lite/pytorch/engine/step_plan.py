@@ -52,6 +52,11 @@ class StepPlan:
         """The largest per-rank token count (a multiple of tp): EP dispatch capacity."""
         return int(self.rows[:, _NUM_TOKENS].max())
 
+    @property
+    def max_batch_size(self) -> int:
+        """The largest per-rank batch: every rank's CUDA-graph decode step pads to its bucket."""
+        return int(self.rows[:, _BATCH].max())
+
     def dummy_tokens_per_seq(self, num_spec_tokens: int) -> int:
         """An idle rank feeds one sequence shaped like the busiest kind of step in the plan."""
         return 1 + num_spec_tokens if self.any_decoding else 1
