@@ -112,6 +112,8 @@ class Engine:
             self.agent, self.strategy = build_spec_decoding(
                 spec, model_path, self.agent, self.model_config, self.cache_config, self.dtype,
                 self.device, progress, self.dist)
+        if self.device.type == 'cuda' and not cfg.eager_mode:
+            self._enable_graphs(max_positions)
         block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
                                      num_slots)
         self.scheduler = Scheduler(block_manager, cfg.max_batch_size, cfg.max_prefill_token_num,
@@ -126,6 +128,20 @@ class Engine:
         logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path,
                     self.dtype, self.device, self.cache_config.num_blocks,
                     self.cache_config.block_size)
+
+    def _enable_graphs(self, max_positions: int):
+        """CUDA graphs for decode steps when every collective inside a forward can be captured
+        (no TP/EP collectives yet: those layouts run eagerly)."""
+        layout = self.dist.config
+        if layout.tp > 1 or layout.ep > 1:
+            logger.info('CUDA graphs off: tp=%d ep=%d run decode steps eagerly', layout.tp,
+                        layout.ep)
+            return
+        from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
+        block_size = self.cache_config.block_size
+        dummy_width = 2 * (1 + self.num_spec_tokens) + 16      # strategies.base dummy inputs
+        max_blocks = max(-(-max_positions // block_size), dummy_width)
+        self.agent.enable_graphs(batch_buckets(self.engine_config.max_batch_size), max_blocks)
 
     # ---- requests -------------------------------------------------------------------------
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
@@ -167,6 +183,7 @@ class Engine:
         else:
             inputs = self.strategy.make_model_inputs(batch, self.device)
             sampling = self._sampling_inputs(batch)
+        inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
         result = self.agent.step(inputs, sampling)
         result = self.strategy.post_broadcast(result, self.agent, inputs, self.dist)
         self.dist.end_step()

@@ -29,10 +29,20 @@ class ModelAgent:
         self.device = device
         # [num_state_slots] long: current recurrent-state slot / conv offset of each state row
         self.state_index = torch.zeros(num_state_slots, dtype=torch.long, device=device)
+        self.graph = None            # GraphRunner for decode steps (backends/cuda/graph_runner)
+
+    def enable_graphs(self, buckets: list[int], max_blocks: int, q_len: int = 1):
+        """Capture the decode forward (q_len tokens per sequence) for each batch bucket."""
+        from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
+        self.graph = GraphRunner(lambda inputs: self.model(inputs, self.caches), 'target', q_len,
+                                 buckets, max_blocks, [], self.device)
+        self.graph.capture()
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """[T, H] post-final-norm hidden states; linear attention reads the current state slots."""
         inputs.state_index = self.state_index[inputs.state_slots]
+        if self.graph is not None and self.graph.can_run(inputs):
+            return self.graph(inputs)
         return self.model(inputs, self.caches)
 
     def set_state_index(self, state_slots: torch.Tensor, index: torch.Tensor | int):

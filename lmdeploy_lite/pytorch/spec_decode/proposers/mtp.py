@@ -22,6 +22,25 @@ class MTPProposer:
         self.caches = caches
         self.compute_logits = compute_logits          # the target's LM head
         self.num_spec_tokens = num_spec_tokens
+        self.graphs = {}           # q_len -> GraphRunner: k + 1 (over a verify step), 1 (drafting)
+
+    def enable_graphs(self, buckets: list[int], max_blocks: int):
+        from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
+        weight = self.mtp.fc.weight
+        hidden = ((weight.shape[0],), weight.dtype)
+        for q_len in sorted({self.num_spec_tokens + 1, 1}):
+            runner = GraphRunner(lambda inputs, ids, h: self.mtp(ids, h, inputs, self.caches),
+                                 'mtp draft', q_len, buckets, max_blocks,
+                                 [((), torch.long), hidden], weight.device)
+            runner.capture()
+            self.graphs[q_len] = runner
+
+    def _run_mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor,
+                 inputs: ModelInputs) -> torch.Tensor:
+        runner = self.graphs.get(inputs.uniform_q_len)
+        if runner is not None and runner.can_run(inputs):
+            return runner(inputs, input_ids, hidden)
+        return self.mtp(input_ids, hidden, inputs, self.caches)
 
     def propose(self, inputs: ModelInputs, target_hidden: torch.Tensor, next_ids: torch.Tensor,
                 rows: torch.Tensor, sampling: SamplingInputs
@@ -30,7 +49,7 @@ class MTPProposer:
         after each position (any valid id where unknown: that KV entry is rewritten later);
         rows [B] long: each sequence's row whose successor is the first draft.
         Returns drafts [B, k] long and, if any row samples, q [B, k, V] (the draft distribution)."""
-        hidden = self.mtp(next_ids, target_hidden, inputs, self.caches)[rows]
+        hidden = self._run_mtp(next_ids, target_hidden, inputs)[rows]
         positions = inputs.positions[rows]
         ones = torch.ones_like(positions)
         drafts, probs = [], []
@@ -39,8 +58,9 @@ class MTPProposer:
                 step = ModelInputs(input_ids=drafts[-1], positions=positions + i, q_lens=ones,
                                    history_lens=positions + i, block_tables=inputs.block_tables,
                                    state_slots=inputs.state_slots, state_index=inputs.state_index,
-                                   is_decoding=True, is_dummy=inputs.is_dummy, uniform_q_len=1)
-                hidden = self.mtp(drafts[-1], hidden, step, self.caches)
+                                   is_decoding=True, is_dummy=inputs.is_dummy, uniform_q_len=1,
+                                   padded_batch_size=inputs.padded_batch_size)
+                hidden = self._run_mtp(drafts[-1], hidden, step)
             logits = self.compute_logits(hidden)
             token = logits.argmax(-1)
             if not sampling.all_greedy:     # sampled rows draw from q and keep it for verify

@@ -1,0 +1,142 @@
+"""CUDA graphs for decode steps: the one owner of capture and replay.
+
+A `GraphRunner` wraps one decode forward `fn(inputs, *extras) -> Tensor [T, ...]` whose sequences
+all feed `q_len` new tokens (the target: 1, or k + 1 under speculation; the MTP draft: k + 1 over
+the verified positions, then 1 per draft step). At start-up it captures one graph per batch bucket
+into static buffers; a call copies the step's inputs into them, pads the batch to its bucket and
+replays. `extras` are tensors with one row per token (e.g. the target hidden the draft consumes).
+
+The bucket is the smallest one >= max(batch, inputs.padded_batch_size); the engine sets
+`padded_batch_size` from the StepPlan (the largest batch of any rank), so all DP ranks replay the
+same shapes. Padding sequences are shaped like the dummy inputs of an idle rank: history 0, every
+block-table entry the reserved block 0, the reserved state row 0 — their writes land where no
+real sequence reads, and attention/recurrence are per sequence, so real rows are unaffected.
+
+On a CPU device nothing is captured and a call runs `fn` eagerly on the padded static buffers
+(static-buffer mode): the padding logic is tested on CPU.
+"""
+from __future__ import annotations
+
+import logging
+import torch
+
+from ...model_inputs import ModelInputs
+
+logger = logging.getLogger('lmdeploy_lite')
+
+_BUCKET_STEPS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Captured batch sizes: powers of two then steps of 1.5x, up to and including the max."""
+    return [b for b in _BUCKET_STEPS if b < max_batch_size] + [max_batch_size]
+
+
+class GraphRunner:
+    """One decode forward with `q_len` tokens per sequence, captured for each batch bucket.
+
+    max_blocks: block-table width of the static buffers (the most blocks a sequence can use);
+    extras: (row shape, dtype) of each extra per-token input."""
+
+    def __init__(self, fn, name: str, q_len: int, buckets: list[int], max_blocks: int,
+                 extras: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
+                 pool=None):
+        self.fn, self.name, self.q_len = fn, name, q_len
+        self.buckets = sorted(buckets)
+        self.max_blocks = max_blocks
+        self.device = device
+        self.use_graphs = device.type == 'cuda'
+        self.pool = pool
+        max_batch = self.buckets[-1]
+        max_tokens = max_batch * q_len
+        long = dict(dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(max_tokens, **long)
+        self.positions = torch.zeros(max_tokens, **long)
+        self.q_lens = torch.full((max_batch,), q_len, **long)
+        self.history_lens = torch.zeros(max_batch, **long)
+        self.block_tables = torch.zeros(max_batch, max_blocks, **long)
+        self.state_slots = torch.zeros(max_batch, **long)
+        self.state_index = torch.zeros(max_batch, **long)
+        self.extras = [torch.zeros((max_tokens,) + tuple(shape), dtype=dtype, device=device)
+                       for shape, dtype in extras]
+        self.num_replays = 0
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.static_inputs: dict[int, ModelInputs] = {}
+
+    # ---- capture ----------------------------------------------------------------------------
+    def _bucket_inputs(self, batch: int) -> ModelInputs:
+        tokens = batch * self.q_len
+        return ModelInputs(
+            input_ids=self.input_ids[:tokens], positions=self.positions[:tokens],
+            q_lens=self.q_lens[:batch], history_lens=self.history_lens[:batch],
+            block_tables=self.block_tables[:batch], state_slots=self.state_slots[:batch],
+            state_index=self.state_index[:batch], is_decoding=True, uniform_q_len=self.q_len)
+
+    def _run_static(self, batch: int) -> torch.Tensor:
+        # graphs: inputs built once (their cached derived values are functions of shapes only);
+        # static-buffer mode: fresh each call, since the default ops cache host copies of lengths
+        inputs = self.static_inputs[batch] if self.use_graphs else self._bucket_inputs(batch)
+        return self.fn(inputs, *(x[:batch * self.q_len] for x in self.extras))
+
+    @torch.inference_mode()
+    def capture(self):
+        """Capture every bucket, largest first (smaller graphs reuse the pool's memory)."""
+        if not self.use_graphs:
+            return
+        for batch in reversed(self.buckets):
+            self.static_inputs[batch] = self._bucket_inputs(batch)
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):          # warm-up: Triton compiles, lazy inits
+                self._run_static(batch)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[batch] = self._run_static(batch)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[batch] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info('%s: captured CUDA graphs for batches %s (q_len %d)', self.name,
+                    self.buckets, self.q_len)
+
+    # ---- replay -----------------------------------------------------------------------------
+    def bucket_for(self, inputs: ModelInputs) -> int | None:
+        """The bucket this step replays, or None when it must run eagerly."""
+        if (not inputs.is_decoding or inputs.uniform_q_len != self.q_len
+                or inputs.block_tables.shape[1] > self.max_blocks):
+            return None
+        need = max(inputs.batch_size, inputs.padded_batch_size)
+        return next((b for b in self.buckets if b >= need), None)
+
+    def can_run(self, inputs: ModelInputs) -> bool:
+        return self.bucket_for(inputs) is not None
+
+    @torch.inference_mode()
+    def __call__(self, inputs: ModelInputs, *extras: torch.Tensor) -> torch.Tensor:
+        bucket = self.bucket_for(inputs)
+        batch, width = inputs.batch_size, inputs.block_tables.shape[1]
+        tokens, padded_tokens = batch * self.q_len, bucket * self.q_len
+        self.input_ids[:tokens].copy_(inputs.input_ids)
+        self.positions[:tokens].copy_(inputs.positions)
+        self.history_lens[:batch].copy_(inputs.history_lens)
+        self.block_tables[:batch, :width].copy_(inputs.block_tables)
+        self.state_slots[:batch].copy_(inputs.state_slots)
+        self.state_index[:batch].copy_(inputs.state_index)
+        for static, value in zip(self.extras, extras):
+            static[:tokens].copy_(value)
+        if bucket > batch:        # padding sequences: the dummy shape (reserved block and row)
+            for buf in (self.history_lens, self.block_tables, self.state_slots,
+                        self.state_index):
+                buf[batch:bucket].zero_()
+            self.input_ids[tokens:padded_tokens].zero_()
+            self.positions[tokens:padded_tokens].zero_()
+        self.num_replays += 1
+        if self.use_graphs:
+            self.graphs[bucket].replay()
+            out = self.outputs[bucket]
+        else:
+            out = self._run_static(bucket)
+        return out[:tokens]
+
