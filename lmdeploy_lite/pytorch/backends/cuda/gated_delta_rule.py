@@ -1,0 +1,127 @@
+"""Gated delta rule on CUDA: our Triton recurrent kernel for decode/verify, fla-core's chunk kernel
+for prefill (when fla is installed). Shapes, state-slot rules and the pure-torch reference:
+`backends/default/gated_delta_rule.py`.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ...model_inputs import ModelInputs
+from ..default import gated_delta_rule as reference
+
+
+@triton.jit
+def _recurrent_decode_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
+        state_slots_ptr, state_index_ptr, history_lens_ptr,
+        stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+        stride_vt, stride_vh, stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
+        stride_ot, stride_oh, stride_od,
+        stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
+        scale, NUM_TOKENS: tl.constexpr,
+        HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr):
+    """One program: sequence b, value head h, value columns [BV * pid_v, +BV) of the state.
+    S [DK, BV] starts at state[slot, state_index[b], h] (zero if fresh); after token t it is
+    stored to state[slot, t, h]. Computes in the state's dtype."""
+    b, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    acc = state_ptr.dtype.element_ty
+    kh = h // HEAD_RATIO
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    mask_s = mask_k[:, None] & mask_v[None, :]
+
+    slot = tl.load(state_slots_ptr + b).to(tl.int64)
+    index = tl.load(state_index_ptr + b).to(tl.int64)
+    has_history = tl.load(history_lens_ptr + b) > 0
+    row = state_ptr + slot * stride_s0 + h * stride_s2
+    tile = offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    state = tl.load(row + index * stride_s1 + tile, mask=mask_s & has_history, other=0.).to(acc)
+
+    for t in range(NUM_TOKENS):
+        tok = (b * NUM_TOKENS + t).to(tl.int64)
+        q = tl.load(q_ptr + tok * stride_qt + kh * stride_qh + offs_k * stride_qd,
+                    mask=mask_k, other=0.).to(acc)
+        k = tl.load(k_ptr + tok * stride_kt + kh * stride_kh + offs_k * stride_kd,
+                    mask=mask_k, other=0.).to(acc)
+        v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + offs_v * stride_vd,
+                    mask=mask_v, other=0.).to(acc)
+        g = tl.load(g_ptr + tok * stride_gt + h * stride_gh).to(acc)
+        beta = tl.load(beta_ptr + tok * stride_bt + h * stride_bh).to(acc)
+        q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+
+        state = state * tl.exp(g)
+        delta = (v - tl.sum(state * k[:, None], 0)) * beta               # [BV]
+        state = state + k[:, None] * delta[None, :]
+        out = tl.sum(state * q[:, None], 0)
+        tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_v * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=mask_v)
+        tl.store(row + t * stride_s1 + tile, state.to(state_ptr.dtype.element_ty), mask=mask_s)
+
+
+def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                            beta: torch.Tensor, state_cache: torch.Tensor,
+                            inputs: ModelInputs) -> torch.Tensor:
+    """Decode/verify with `inputs.uniform_q_len` = n tokens per sequence: q, k [T, nk, dk];
+    v [T, nv, dv]; g (log decay), beta [T, nv] -> o [T, nv, dv] in v.dtype. Writes the state
+    after token t to slot t of the sequence's row. No host sync. Steps whose sequences have
+    different lengths (no `uniform_q_len`) use the default op."""
+    if inputs.uniform_q_len is None:
+        return reference.gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs)
+    num_tokens, nv, dv = v.shape
+    dk = q.shape[-1]
+    out = torch.empty(num_tokens, nv, dv, dtype=v.dtype, device=v.device)
+    # fla's fused_recurrent tiling: S [dk, 8] per one-warp program (~95 registers at dk = 128)
+    block_v = min(triton.next_power_of_2(dv), 8)
+    grid = (inputs.q_lens.numel(), nv, triton.cdiv(dv, block_v))
+    _recurrent_decode_kernel[grid](
+        q, k, v, g, beta, out, state_cache,
+        inputs.state_slots, inputs.state_index, inputs.history_lens,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *out.stride(),
+        *state_cache.stride(),
+        dk ** -0.5, NUM_TOKENS=inputs.uniform_q_len,
+        HEAD_RATIO=nv // q.shape[1], DK=dk, DV=dv,
+        BK=triton.next_power_of_2(dk), BV=block_v, num_warps=1)
+    return out
+
+
+@functools.cache
+def _fla_chunk_gated_delta_rule():
+    """fla-core's `chunk_gated_delta_rule`, or None when fla is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state_cache: torch.Tensor,
+                             inputs: ModelInputs) -> torch.Tensor:
+    """Prefill (chunked continuation allowed); shapes as in decode. Writes each sequence's final
+    state to slot 0 of its row. fla's varlen chunk kernel on CUDA with an fp32 state (fla normalises
+    q/k in the kernel and maps value head j to key head j // (nv / nk) itself); otherwise the
+    default op (CPU, fp64 models, fla missing)."""
+    chunk = _fla_chunk_gated_delta_rule()
+    if chunk is None or not q.is_cuda or state_cache.dtype != torch.float32:
+        return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
+    slots = inputs.state_slots
+    fresh = (inputs.history_lens == 0)[:, None, None, None]
+    initial = state_cache[slots, inputs.state_index].masked_fill(fresh, 0)   # [B, nv, dk, dv]
+    cu_seqlens_cpu = torch.tensor([0, *itertools.accumulate(inputs.host_q_lens)])
+    cu_seqlens = F.pad(inputs.q_lens.cumsum(0), (1, 0))
+    out, final = chunk(q[None], k[None], v[None], g[None].float(), beta[None],
+                       scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
+                       cu_seqlens_cpu=cu_seqlens_cpu)
+    ran = (inputs.q_lens > 0)[:, None, None, None]
+    state_cache[slots, 0] = torch.where(ran, final.to(state_cache.dtype), state_cache[slots, 0])
+    return out[0].to(v.dtype)

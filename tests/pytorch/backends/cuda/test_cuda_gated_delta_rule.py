@@ -1,0 +1,128 @@
+"""backends/cuda gated delta rule against backends/default: outputs and the WHOLE state cache
+(slots a step must not touch stay unchanged). Decode runs our Triton kernel (Triton's interpreter
+on CPU); prefill runs fla-core's chunk kernel on a GPU with fla installed."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmdeploy_lite.pytorch.backends import default
+from lmdeploy_lite.pytorch.backends.cuda import gated_delta_rule as cuda_gdr
+from tests.helpers.step_inputs import make_inputs, shuffled_block_tables
+
+NUM_SLOTS = 7
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def step(q_lens, history_lens, slots, index, decoding, device):
+    batch = len(q_lens)
+    inputs = make_inputs([[0] * n for n in q_lens], history_lens,
+                         shuffled_block_tables(batch, 4), slots, index, decoding)
+    return inputs.to(device)
+
+
+def gdn_args(num_tokens, nk, nv, dk, dv, dtype, device, seed):
+    """q, k, v as strided views of one projection [T, 2 nk dk + nv dv] (as the model splits the
+    conv output); g (fp32 log decay) and beta [T, nv]."""
+    gen = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(num_tokens, 2 * nk * dk + nv * dv, generator=gen)
+    q, k, v = mixed.to(device, dtype).split([nk * dk, nk * dk, nv * dv], dim=-1)
+    q, k, v = q.view(-1, nk, dk), k.view(-1, nk, dk), v.view(-1, nv, dv)
+    g = (-torch.rand(num_tokens, nv, generator=gen) * 0.5).to(device, state_dtype(dtype))
+    beta = torch.rand(num_tokens, nv, generator=gen).to(device, dtype)
+    return q, k, v, g, beta
+
+
+def random_cache(num_spec, nv, dk, dv, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(NUM_SLOTS, 1 + num_spec, nv, dk, dv, generator=gen) * 0.3
+    return cache.to(device, state_dtype(dtype))
+
+
+def assert_rel_close(actual, expected, tol):
+    """Relative error in the Frobenius norm (for bf16 paths, where elementwise bounds are noisy)."""
+    err = (actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-12)
+    assert err < tol, f'relative error {err:.2e} > {tol}'
+
+
+def check_step(op_name, q_lens, history_lens, slots, index, decoding, dims, dtype, device,
+               rel_tol=None):
+    """Run the cuda op and the default op on the same inputs and identical cache copies; compare
+    elementwise (fp32/fp64) or by relative norm error (bf16, or `rel_tol` if given)."""
+    nk, nv, dk, dv, num_spec = dims
+    inputs = step(q_lens, history_lens, slots, index, decoding, device)
+    args = gdn_args(sum(q_lens), nk, nv, dk, dv, dtype, device, seed=sum(q_lens))
+    cache = random_cache(num_spec, nv, dk, dv, dtype, device, seed=len(q_lens))
+    expected_cache = cache.clone()
+    out = getattr(cuda_gdr, op_name)(*args, cache, inputs)
+    expected = getattr(default, op_name)(*args, expected_cache, inputs)
+    assert out.dtype == args[2].dtype and out.shape == expected.shape
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype)
+    if rel_tol is not None or tol is None:
+        assert_rel_close(out, expected, rel_tol or 1e-2)
+        assert_rel_close(cache, expected_cache, rel_tol or 1e-2)
+    else:
+        torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+        torch.testing.assert_close(cache, expected_cache, atol=tol, rtol=tol)
+
+
+def dtypes(device):
+    return [torch.float32, torch.float64] + ([torch.bfloat16] if device == 'cuda' else [])
+
+
+# ----------------------------------------------------------------------------- decode / verify
+
+@pytest.mark.parametrize('num_tokens', [1, 4])
+def test_decode_matches_default(kernel_device, num_tokens):
+    """3 sequences in non-contiguous rows 5, 1, 3, reading slots 2, 0 (fresh: ignored), 3; GVA
+    ratio 2. The cache holds random values everywhere, so a stray write or read shows."""
+    for dtype in dtypes(kernel_device):
+        check_step('gated_delta_rule_decode', [num_tokens] * 3, [7, 0, 12], [5, 1, 3], [2, 0, 3],
+                   True, (2, 4, 16, 16, 3), dtype, kernel_device)
+
+
+def test_decode_uneven_dims_and_no_gva(kernel_device):
+    """dk, dv not powers of two (masked tiles), nk == nv, one spec slot."""
+    check_step('gated_delta_rule_decode', [2, 2], [3, 5], [6, 0], [1, 0], True,
+               (2, 2, 12, 20, 1), torch.float32, kernel_device)
+
+
+def test_decode_without_uniform_length_uses_default(kernel_device):
+    check_step('gated_delta_rule_decode', [1, 3], [4, 6], [2, 4], [0, 1], True,
+               (2, 4, 8, 8, 2), torch.float32, kernel_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('num_tokens', [1, 4])
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_decode_realistic_sizes(num_tokens, dtype):
+    """Qwen3.5 sizes: dk = dv = 128, nk = 16, nv = 32, k = 3 drafts."""
+    check_step('gated_delta_rule_decode', [num_tokens] * 6, [9, 0, 33, 4, 100, 1],
+               [6, 0, 2, 5, 4, 3], [1, 0, 3, 0, 2, 1], True, (16, 32, 128, 128, 3), dtype, 'cuda')
+
+
+# ----------------------------------------------------------------------------- prefill
+
+def test_prefill_falls_back_to_default_on_cpu():
+    check_step('gated_delta_rule_prefill', [5, 3], [0, 4], [3, 1], [0, 1], False,
+               (2, 4, 8, 8, 1), torch.float32, 'cpu')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('heads', [(16, 32), (4, 4)], ids=['gva2', 'no-gva'])
+def test_prefill_fla_matches_default(heads):
+    """fla's varlen chunk kernel: fresh sequences (one longer than two chunks, one of a single
+    token), then a chunked continuation (history > 0) reading slots 1, 0, 2."""
+    pytest.importorskip('fla.ops.gated_delta_rule')
+    assert cuda_gdr._fla_chunk_gated_delta_rule() is not None
+    dims = (*heads, 128, 128, 2)
+    # fla keeps normalised q/k, its WY factors and per-chunk states in bf16: allow 2e-2
+    check_step('gated_delta_rule_prefill', [150, 1, 64], [0, 0, 0], [4, 0, 6], [0, 0, 0], False,
+               dims, torch.bfloat16, 'cuda', rel_tol=2e-2)
+    check_step('gated_delta_rule_prefill', [77, 130, 3], [150, 1, 64], [4, 0, 6], [1, 0, 2],
+               False, dims, torch.bfloat16, 'cuda', rel_tol=2e-2)
+    check_step('gated_delta_rule_prefill', [77, 130, 3], [150, 1, 64], [4, 0, 6], [1, 0, 2],
+               False, dims, torch.float32, 'cuda', rel_tol=2e-3)  # fla: tf32 dots
