@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends import get_backend
 from .linear import ReplicatedLinear
 from .mlp import SwiGLUMLP
 from .norm import compute_dtype
@@ -57,6 +58,7 @@ class FusedExperts(nn.Module):
             raise ValueError(f'moe_intermediate_size={intermediate_size}: must be divisible by '
                              f'tp={tp}')
         self.num_experts, self.intermediate_size = num_experts, intermediate_size // tp
+        self.backend = get_backend(device)
         inter = intermediate_size
         self.gate_up_proj = sharded_parameter((num_local, 2 * inter, hidden_size), 1, dist_ctx,
                                               dtype, device, sections=(inter, inter))
@@ -66,20 +68,16 @@ class FusedExperts(nn.Module):
             param.expert_range = (first_expert, num_local, num_experts)
 
     def run(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """x [R, H] rows, each for one expert `local_ids [R]` -> unweighted outputs [R, H]."""
-        out = torch.empty_like(x)
-        for expert in local_ids.unique().tolist():
-            rows = torch.where(local_ids == expert)[0]
-            gate, up = F.linear(x[rows], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            out[rows] = F.linear(F.silu(gate) * up, self.down_proj[expert])
-        return out
+        """x [R, H] rows, each for one expert `local_ids [R]` (-1: none, gives 0) -> unweighted
+        outputs [R, H]."""
+        ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+        return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, ones,
+                                      local_ids[:, None])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> [T, H], summed over k in the same order as EP's
         combine so that every layout gives the same numbers."""
-        top_k = ids.shape[1]
-        pairs = self.run(x.repeat_interleave(top_k, dim=0), ids.reshape(-1))
-        return (pairs.view(x.shape[0], top_k, x.shape[-1]) * weights[..., None]).sum(1)
+        return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
 class SparseMoeBlock(nn.Module):

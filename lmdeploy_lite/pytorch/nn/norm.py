@@ -1,4 +1,4 @@
-"""RMSNorm variants used by Qwen3.5.
+"""RMSNorm variants used by Qwen3.5; the math is the backend's (`rms_norm`, `gated_rms_norm`).
 
 `RMSNorm` is zero-centred: `y = x / rms(x) * (1 + w)` with w stored as in the checkpoint (initialised
 to 0), computed in float32 (float64 for a float64 model) and cast back. `GatedRMSNorm` is the gated
@@ -7,13 +7,12 @@ delta net's output norm: plain `w`, norm before the SiLU gate.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..backends import get_backend
+from ..backends.default.norm import compute_dtype
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype for norms, softmax and recurrent state: float64 stays float64, else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+__all__ = ['RMSNorm', 'GatedRMSNorm', 'compute_dtype']
 
 
 class RMSNorm(nn.Module):
@@ -22,13 +21,11 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.eps = eps
+        self.backend = get_backend(device)
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        acc = compute_dtype(x.dtype)
-        xf = x.to(acc)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.to(acc))).to(x.dtype)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(nn.Module):
@@ -37,11 +34,8 @@ class GatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.eps = eps
+        self.backend = get_backend(device)
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        acc = compute_dtype(x.dtype)
-        xf = x.to(acc)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * xf.to(x.dtype)
-        return (y * F.silu(gate.to(acc))).to(x.dtype)
+        return self.backend.gated_rms_norm(x, gate, self.weight, self.eps)

@@ -1,0 +1,40 @@
+"""RMSNorm variants of Qwen3.5 and the SwiGLU activation, in plain PyTorch.
+
+`rms_norm` is zero-centred (`x / rms(x) * (1 + w)`, w as stored in the checkpoint), computed in
+float32 (float64 for float64 inputs) and cast back. `gated_rms_norm` is the gated delta net's
+per-head output norm: plain `w`, the norm rounded to x.dtype before the weight, then the SiLU gate.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for norms, softmax and recurrent state: float64 stays float64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D], weight [D] -> `x * rsqrt(mean(x^2) + eps) * (1 + w)` [..., D] in x.dtype."""
+    acc = compute_dtype(x.dtype)
+    xf = x.to(acc)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.to(acc))).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """x, gate [..., D], weight [D] -> `w * norm(x).to(x.dtype) * silu(gate)` [..., D] in x.dtype
+    (the gate's SiLU and the product in the compute dtype)."""
+    acc = compute_dtype(x.dtype)
+    xf = x.to(acc)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(x.dtype)
+    return (y * F.silu(gate.to(acc))).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate first) -> `silu(gate) * up` [..., I] in gate_up.dtype."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
