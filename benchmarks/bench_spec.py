@@ -1,11 +1,15 @@
 """AR vs speculative (MTP) decode tokens/s and mean accepted length for k = 1..4.
 
-    python benchmarks/bench_spec.py [--model DIR] [--batch-sizes 1,8] [--ks 1,2,3,4]
-                                    [--synthetic-acceptance 0.8,0.6,0.5] [--out out/bench_spec.json]
+    python benchmarks/bench_spec.py [--model DIR | --preset qwen3_5_9b] [--device cuda]
+        [--dtype bfloat16] [--batch-sizes 1,8] [--ks 1,2,3,4]
+        [--synthetic-acceptance 0.8,0.6,0.5] [--out bench_spec.json]
 
 --synthetic-acceptance accepts draft position i with the given conditional rate (after all
 earlier positions were accepted; the last rate repeats) while the engine still does the full
-verify and draft work, so that speed can be measured on random weights.
+verify and draft work, so that speed can be measured on random weights (a --preset runs on dummy
+weights, MTP head included). Each row times `--decode-steps` engine steps of the full batch after
+`--warmup-steps` (prefill excluded) and counts the tokens they emitted; `speedup` is tokens/s over
+the AR row of the same batch size.
 """
 from __future__ import annotations
 
@@ -13,9 +17,11 @@ import argparse
 import time
 
 import torch
-from common import default_model, environment, print_table, save_json
+from common import (add_model_args, environment, output_path, print_table, release_memory,
+                    resolve_model, save_json, synchronize)
 
-from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, SpecDecodeStats,
+                                    SpeculativeConfig)
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
 
@@ -38,59 +44,86 @@ def synthetic_rejection_sampler(rates: list[float], seed: int = 0):
     return sampler
 
 
-def measure(model: str, k: int, batch_size: int, new_tokens: int, rates, args) -> dict:
+def build_engine(model_dir: str, load_format: str, k: int, rates, args) -> Engine:
+    steps = args.warmup_steps + args.decode_steps
     spec = SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k) if k else None
-    engine = Engine(model, PytorchEngineConfig(dtype=args.dtype, device=args.device,
-                                               max_batch_size=max(batch_size, 2),
-                                               session_len=1024), spec, progress=False)
+    engine = Engine(model_dir, PytorchEngineConfig(
+        dtype=args.dtype, device=args.device, max_batch_size=max(args.batch_sizes + [2]),
+        session_len=args.prompt_len + (steps + 2) * (k + 1) + 16, load_format=load_format,
+        seed=args.seed), spec, progress=False)
     if k and rates:
         engine.agent.rejection_sampler = synthetic_rejection_sampler(rates)
+    return engine
+
+
+def measure(engine: Engine, k: int, batch_size: int, prompt_len: int, warmup_steps: int,
+            decode_steps: int) -> dict:
+    """Prefill, warm up, then time `decode_steps` steps; tokens/s of what they emitted."""
     vocab = engine.model_config.vocab_size
-    prompts = [[(11 * b + 5 * i) % (vocab - 2) + 2 for i in range(args.prompt_len)]
-               for b in range(batch_size)]
-    engine.generate(prompts[:2], GenerationConfig(max_new_tokens=8, ignore_eos=True))   # warm-up
-    engine.spec_stats.__init__()
-    cfg = GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True)
+    generator = torch.Generator().manual_seed(batch_size)
+    prompts = torch.randint(2, vocab, (batch_size, prompt_len), generator=generator).tolist()
+    cfg = GenerationConfig(max_new_tokens=(warmup_steps + decode_steps + 1) * (k + 1),
+                           ignore_eos=True)
     seqs = [engine.add_request(p, cfg) for p in prompts]
     while not all(s.prefilled for s in seqs):
         engine.step()
-    start = time.perf_counter()
-    while engine.has_work:
+    for _ in range(warmup_steps):
         engine.step()
+    engine.spec_stats = SpecDecodeStats()
+    synchronize(engine.device)
+    generated = sum(s.num_generated for s in seqs)
+    start = time.perf_counter()
+    for _ in range(decode_steps):
+        engine.step()
+    synchronize(engine.device)
     elapsed = time.perf_counter() - start
-    tokens = sum(s.num_generated - 1 for s in seqs)
-    return {'k': k, 'batch': batch_size, 'decode_tok_s': tokens / elapsed,
+    generated = sum(s.num_generated for s in seqs) - generated
+    for seq in seqs:
+        engine.abort(seq)
+    return {'k': k, 'batch': batch_size, 'step_ms': 1000 * elapsed / decode_steps,
+            'decode_tok_s': generated / elapsed,
             'mean_accepted_len': engine.spec_stats.mean_accepted_length if k else 1.0,
             'acceptance': engine.spec_stats.acceptance_rate if k else None}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument('--model', default=None)
+    add_model_args(parser)
     parser.add_argument('--batch-sizes', default='1,8')
     parser.add_argument('--ks', default='1,2,3,4')
-    parser.add_argument('--prompt-len', type=int, default=32)
-    parser.add_argument('--new-tokens', type=int, default=64)
+    parser.add_argument('--prompt-len', type=int, default=128)
+    parser.add_argument('--decode-steps', type=int, default=32)
+    parser.add_argument('--warmup-steps', type=int, default=4)
     parser.add_argument('--synthetic-acceptance', default=None,
                         help='comma-separated conditional acceptance rates per draft position')
-    parser.add_argument('--dtype', default='float32')
-    parser.add_argument('--device', default='cpu')
-    parser.add_argument('--out', default='out/bench_spec.json')
+    parser.add_argument('--out', default=None)
     args = parser.parse_args()
-    model = args.model or default_model()
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
+    model_dir, load_format = resolve_model(args)
     rates = [float(r) for r in args.synthetic_acceptance.split(',')] \
         if args.synthetic_acceptance else None
+    results = {}
+    for k in [0] + [int(x) for x in args.ks.split(',')]:
+        engine = build_engine(model_dir, load_format, k, rates, args)
+        measure(engine, k, 2, args.prompt_len, 2, 2)                          # warm-up
+        for batch in args.batch_sizes:
+            results[k, batch] = measure(engine, k, batch, args.prompt_len, args.warmup_steps,
+                                        args.decode_steps)
+        del engine
+        release_memory()
     rows = []
-    for batch in (int(b) for b in args.batch_sizes.split(',')):
-        base = measure(model, 0, batch, args.new_tokens, None, args)
-        rows.append(dict(base, speedup=1.0))
-        for k in (int(x) for x in args.ks.split(',')):
-            row = measure(model, k, batch, args.new_tokens, rates, args)
-            rows.append(dict(row, speedup=row['decode_tok_s'] / base['decode_tok_s']))
-    print(f'model: {model}  synthetic acceptance: {rates}')
-    print_table(rows, ['batch', 'k', 'decode_tok_s', 'speedup', 'mean_accepted_len', 'acceptance'])
-    save_json(args.out, {'env': environment(), 'model': model, 'synthetic_acceptance': rates,
-                         'rows': rows})
+    for batch in args.batch_sizes:
+        ar = results[0, batch]['decode_tok_s']
+        rows += [dict(row, ar_tok_s=ar, speedup=row['decode_tok_s'] / ar)
+                 for (_, b), row in results.items() if b == batch]
+    name = args.preset or model_dir
+    save_json(output_path(args.out, f'bench_spec_{args.preset or "model"}_{args.device}.json'),
+              {'env': environment(), 'model': name, 'load_format': load_format,
+               'dtype': args.dtype, 'synthetic_acceptance': rates, 'rows': rows})
+    print(f'model: {name} ({load_format} weights), {args.dtype} on {environment()["device"]}; '
+          f'synthetic acceptance: {rates}')
+    print_table(rows, ['batch', 'k', 'step_ms', 'decode_tok_s', 'ar_tok_s', 'speedup',
+                       'mean_accepted_len', 'acceptance'])
 
 
 if __name__ == '__main__':

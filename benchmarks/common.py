@@ -1,11 +1,14 @@
-"""Shared benchmark helpers: pick a model, print a table, save JSON."""
+"""Shared benchmark helpers: pick a model (a checkpoint, or a preset of real shapes on dummy
+weights), measure the copy bandwidth, print a table, save JSON."""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -24,6 +27,62 @@ def default_model() -> str:
         subprocess.run([sys.executable, os.path.join(ROOT, 'tools', 'make_tiny_checkpoint.py'),
                         path], check=True)
     return path
+
+
+def add_model_args(parser, dtype: str = 'float32', device: str = 'cpu'):
+    """--model / --preset (real shapes on random weights) / --load-format / --device / --dtype."""
+    from presets import PRESETS
+    parser.add_argument('--model', default=None, help='checkpoint directory (default: embedded)')
+    parser.add_argument('--preset', default=None, choices=sorted(PRESETS),
+                        help='config-only model dir of real shapes; implies --load-format dummy')
+    parser.add_argument('--load-format', default=None, choices=('auto', 'dummy'))
+    parser.add_argument('--seed', type=int, default=0, help='dummy-weight seed')
+    parser.add_argument('--dtype', default=dtype)
+    parser.add_argument('--device', default=device)
+
+
+def resolve_model(args) -> tuple[str, str]:
+    """(model dir, load_format) from `add_model_args`' flags; a preset is written to a temp dir."""
+    if args.preset and args.model:
+        raise ValueError('--model and --preset: give one of them')
+    if args.preset:
+        from presets import write_preset
+        path = write_preset(args.preset, os.path.join(tempfile.mkdtemp(), args.preset))
+        return path, args.load_format or 'dummy'
+    return args.model or default_model(), args.load_format or 'auto'
+
+
+def output_path(out: str | None, name: str) -> str:
+    """--out if given, else `name` under $OUT (set on the GPU machine), else under out/."""
+    return out or os.path.join(os.environ.get('OUT') or 'out', name)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Bytes/s of a device-to-device copy of `nbytes`, counting bytes read + written (gpu.md)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        dst.copy_(src)
+    synchronize(device)
+    elapsed = time.perf_counter() - start
+    del src, dst
+    release_memory()                        # the engine sizes its KV cache from free memory
+    return 2 * nbytes * iters / elapsed
+
+
+def synchronize(device: torch.device):
+    if torch.device(device).type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def release_memory():
+    """Free a dropped engine's or model's device memory before the next one is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def environment() -> dict:

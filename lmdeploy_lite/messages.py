@@ -8,6 +8,7 @@ DTYPES = ('auto', 'float32', 'float64', 'bfloat16', 'float16')
 DEVICES = ('auto', 'cpu', 'cuda')
 EXECUTOR_BACKENDS = ('uni', 'mp', 'ray')
 SPEC_METHODS = ('qwen3_5_mtp', 'ngram')
+LOAD_FORMATS = ('auto', 'dummy')     # 'dummy': random weights from config.json alone (benchmarks)
 
 
 def _check(ok: bool, field_name: str, value, allowed: str):
@@ -97,6 +98,7 @@ class PytorchEngineConfig:
     ep: int = 1
     seed: int = 0
     distributed_executor_backend: str = 'mp'     # 'uni' (one rank), 'mp' (one host) or 'ray'
+    load_format: str = 'auto'
     eager_mode: bool = False     # True: no CUDA graphs for decode steps (they are used on CUDA)
 
     def __post_init__(self):
@@ -120,6 +122,8 @@ class PytorchEngineConfig:
         _check(self.distributed_executor_backend != 'uni' or self.tp * self.dp == 1,
                'distributed_executor_backend', self.distributed_executor_backend,
                f"'mp' or 'ray' for tp * dp = {self.tp * self.dp} ranks ('uni' runs one rank)")
+        _check(self.load_format in LOAD_FORMATS, 'load_format', self.load_format,
+               f'one of {LOAD_FORMATS}')
 
 
 FinishReason = Literal['stop', 'length', 'abort', 'error']

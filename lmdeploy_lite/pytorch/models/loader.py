@@ -9,12 +9,18 @@ Accepted layouts: text-only (`model.*`, `lm_head.weight`) and the released multi
 Sharded models (a DistContext): a parameter with `expert_range` holds a slice of the experts
 (EP); one with `shard` (nn/sharding.py) holds this TP rank's piece. Either way the checkpoint
 tensor is checked against the FULL shape config.json implies and then narrowed to this rank's part.
+
+`load_format='dummy'` (as in vLLM) reads no tensor: `init_dummy_weights` fills the parameters in
+place, on their device, with random values that keep bf16 activations sane (benchmarks of real
+shapes from a config.json alone).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import zlib
 from collections.abc import Iterator
 
 import torch
@@ -23,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..nn.norm import GatedRMSNorm, RMSNorm
 
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
@@ -192,19 +199,77 @@ def load_mtp_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
             iter_tensors(model_dir, lambda n: n.startswith('mtp.'), progress=False)}
 
 
-def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True) -> None:
-    """Load `mtp.*` into the draft head (`Qwen3_5MTP`); its shared embed/lm_head are not loaded."""
+def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True,
+                     load_format: str = 'auto', seed: int = 0) -> None:
+    """Load `mtp.*` into the draft head (`Qwen3_5MTP`); its shared embed/lm_head are not loaded.
+    `load_format='dummy'`: random weights instead (`init_dummy_weights`, names `mtp.*`)."""
+    if load_format == 'dummy':
+        init_dummy_weights(mtp, seed, prefix='mtp.')
+        return
     load_module_weights(mtp, model_dir, {'mtp.': ''}, allow_missing=('embed_tokens.', 'lm_head.'),
                         progress=progress, desc='Loading MTP weights')
 
 
+DUMMY_STD = 0.02                  # matrices, conv kernels, embeddings, experts: normal(0, 0.02)
+_DUMMY_DT_RANGE = (1e-3, 1e-1)    # gated delta net time step, log-uniform (Mamba's init)
+
+
+@torch.no_grad()
+def init_dummy_weights(module: nn.Module, seed: int = 0, prefix: str = '') -> None:
+    """Fill every parameter of `module` in place, on its own device (no host round trip).
+
+    Rules: zero-centred `RMSNorm` weights 0 (scale 1 + w = 1); `GatedRMSNorm` weights 1; `A_log`
+    = log(uniform(1, 16)); `dt_bias` = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]; biases 0;
+    every other (>= 2-D) tensor normal(0, DUMMY_STD). A 1-D parameter matching no rule raises.
+    Each parameter draws from its own generator seeded by `seed` and its name (`prefix` + name,
+    the checkpoint name), so values do not depend on construction order and replicated
+    parameters are equal on every rank; a TP shard gets the same stream on every rank (not a
+    slice of one full tensor). Tied weights are filled once."""
+    seen: set[int] = set()
+    for module_name, sub in module.named_modules():
+        for param_name, param in sub.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            name = f'{prefix}{module_name}.{param_name}' if module_name else prefix + param_name
+            generator = torch.Generator(param.device)      # the CPU one keeps 32 seed bits
+            generator.manual_seed(zlib.crc32(f'{seed}:{name}'.encode()))
+            _init_dummy(sub, param_name, name, param, generator)
+
+
+def _init_dummy(module: nn.Module, param_name: str, name: str, param: torch.Tensor,
+                generator: torch.Generator) -> None:
+    if isinstance(module, GatedRMSNorm):
+        param.fill_(1.0)
+    elif isinstance(module, RMSNorm) or param_name == 'bias':
+        param.zero_()
+    elif param_name in ('A_log', 'dt_bias'):
+        uniform = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+        uniform.uniform_(generator=generator)
+        if param_name == 'A_log':
+            param.copy_(torch.log(1 + 15 * uniform))
+        else:
+            low, high = (math.log(x) for x in _DUMMY_DT_RANGE)
+            dt = torch.exp(low + (high - low) * uniform)
+            param.copy_(dt + torch.log(-torch.expm1(-dt)))            # softplus(dt_bias) = dt
+    elif param.dim() >= 2:
+        param.normal_(0.0, DUMMY_STD, generator=generator)
+    else:
+        raise ValueError(f'init_dummy_weights: no rule for the {param.dim()}-D parameter {name!r} '
+                         f'of {type(module).__name__}')
+
+
 def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = 'cpu', progress: bool = True,
-                dist_ctx=None) -> nn.Module:
+                dist_ctx=None, load_format: str = 'auto', seed: int = 0) -> nn.Module:
     """ModelConfig from config.json -> Qwen3_5ForCausalLM with weights loaded (this rank's
-    shard under a DistContext), in eval mode."""
+    shard under a DistContext), in eval mode. `load_format='dummy'`: random weights
+    (`init_dummy_weights(model, seed)`), no safetensors read."""
     from .qwen3_5 import Qwen3_5ForCausalLM
     config = ModelConfig.from_pretrained(model_dir)
     model = Qwen3_5ForCausalLM(config, dtype, device, dist_ctx)
-    load_weights(model, model_dir, progress=progress)
+    if load_format == 'dummy':
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, model_dir, progress=progress)
     return model.eval()
