@@ -1,14 +1,25 @@
 """Process groups and the one wrapper every collective goes through.
 
-DistContext holds the world, TP, DP and EP groups (gloo on CPU; on CUDA the device groups would
-be NCCL). Each collective is recorded per step as (op, group, shape, dtype) — variable first
-dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
+DistContext holds the world, TP, DP and EP groups on gloo. On CUDA (`init(..., device=cuda:i)`)
+every multi-rank group also gets an NCCL twin with the same ranks, and `traced` runs a
+collective of a CUDA tensor on the twin, of a CPU tensor on the gloo group: the StepPlan gather,
+the inbox broadcast and the trace check stay on gloo, TP all-reduces and EP all-to-alls of
+activations go over NCCL. Each collective is recorded per step as (op, group, shape, dtype) —
+variable first dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
 (DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest
 comparison on a separate check group, and a mismatch raises CollectiveMismatch naming the first
 collective that differs. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
 default 180); expiry raises CollectiveTimeout naming rank, step and operation (invariant 3).
 A timeout also triggers the trace comparison, so a rank that skipped a collective is named
 instead of leaving its peers to hang.
+
+NCCL collectives are asynchronous: the call returns once the kernel is queued, so `traced` only
+sees errors raised at launch. A peer that never joins makes the kernel wait on the GPU; the NCCL
+groups get the same timeout, after which torch's NCCL watchdog aborts the communicator, logs the
+timed-out collective (the group is named `lmdeploy_lite_<name>`) and ends the process
+(TORCH_NCCL_ASYNC_ERROR_HANDLING), which the executor reports by rank. With the trace check on,
+the check at the end of the step (gloo, on the CPU) still names a rank that skipped a collective
+while the GPUs wait.
 """
 from __future__ import annotations
 
@@ -43,6 +54,10 @@ class DistContext:
     config: DistConfig
     rank: int
     groups: dict = field(default_factory=dict)      # name -> ProcessGroup (None: single rank)
+    device_groups: dict = field(default_factory=dict)   # name -> NCCL twin (CUDA ranks only)
+    # tokens per rank a DeepEP low-latency dispatch holds (the executor sets it from the engine
+    # config: nn/token_dispatcher.dispatch_capacity); None: unknown, DeepEP is not used
+    max_tokens_per_rank: int | None = None
     check: bool = False
     step: int = 0
     trace: list = field(default_factory=list)
@@ -73,27 +88,43 @@ class DistContext:
         return cls(DistConfig(), 0)
 
     @classmethod
-    def init(cls, config: DistConfig, rank: int, init_method: str) -> 'DistContext':
-        """Join the world (gloo) and build the TP, DP, EP and check groups."""
+    def init(cls, config: DistConfig, rank: int, init_method: str,
+             device: torch.device | None = None) -> 'DistContext':
+        """Join the world (gloo) and build the TP, DP, EP and check groups. With a CUDA `device`
+        (this rank's, already made current by the caller) also their NCCL twins, created eagerly
+        (`device_id`) so that no communicator is first set up inside a CUDA-graph capture."""
         timeout = datetime.timedelta(seconds=dist_timeout_s())
         dist.init_process_group('gloo', init_method=init_method, rank=rank,
                                 world_size=config.world_size, timeout=timeout)
         ctx = cls(config, rank, check=os.environ.get(ENV_CHECK, '0') == '1')
+        nccl = device is not None and torch.device(device).type == 'cuda'
+        twins: dict[tuple, object] = {}          # ranks -> NCCL group: one communicator each
+
+        def add(name: str, ranks: list[int], group=None):
+            """Every rank creates every group, in the same order (torch.distributed's rule)."""
+            member = rank in ranks
+            if group is None:
+                group = dist.new_group(ranks, backend='gloo', timeout=timeout)
+            if nccl and len(ranks) > 1 and tuple(ranks) not in twins:
+                twins[tuple(ranks)] = dist.new_group(
+                    ranks, backend='nccl', timeout=timeout, group_desc=f'lmdeploy_lite_{name}',
+                    device_id=torch.device(device) if member else None)
+            if member:
+                ctx.groups[name] = group if len(ranks) > 1 else None
+                ctx.device_groups[name] = twins.get(tuple(ranks))
+
         tp, dp = config.tp, config.dp
-        ctx.groups['world'] = dist.group.WORLD
+        world = list(range(config.world_size))
+        add('world', world, dist.group.WORLD)
         # the check group waits longer than any data collective, so that a rank stuck in one
         # can still reach the comparison after its own timeout
-        ctx.groups['check'] = dist.new_group(list(range(config.world_size)), backend='gloo',
-                                             timeout=3 * timeout)
-        for d in range(dp):                    # every rank must create every group, in order
-            g = dist.new_group([d * tp + t for t in range(tp)], backend='gloo', timeout=timeout)
-            if d == rank // tp:
-                ctx.groups['tp'] = g if tp > 1 else None
+        ctx.groups['check'] = dist.new_group(world, backend='gloo', timeout=3 * timeout)
+        for d in range(dp):
+            add('tp', [d * tp + t for t in range(tp)])
         for t in range(tp):
-            g = dist.new_group([d * tp + t for d in range(dp)], backend='gloo', timeout=timeout)
-            if t == rank % tp:
-                ctx.groups['dp'] = g if dp > 1 else None
-        ctx.groups['ep'] = dist.group.WORLD if config.ep > 1 else None
+            add('dp', [d * tp + t for d in range(dp)])
+        if config.ep > 1:
+            add('ep', world, dist.group.WORLD)
         return ctx
 
     def destroy(self):
@@ -106,7 +137,7 @@ class DistContext:
                      'max': dist.ReduceOp.MAX}[op]
         if self.group(group) is None:
             return tensor
-        self._run('all_reduce', group, tensor,
+        self.traced('all_reduce', group, tensor,
                   lambda g: dist.all_reduce(tensor, op=reduce_op, group=g))
         return tensor
 
@@ -116,7 +147,7 @@ class DistContext:
         if g is None:
             return tensor[None]
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(g))]
-        self._run('all_gather', group, tensor, lambda g: dist.all_gather(parts, tensor, group=g))
+        self.traced('all_gather', group, tensor, lambda g: dist.all_gather(parts, tensor, group=g))
         return torch.stack(parts)
 
     def broadcast(self, tensor: torch.Tensor, src_local: int, group: str) -> torch.Tensor:
@@ -124,7 +155,7 @@ class DistContext:
         if g is None:
             return tensor
         src = dist.get_global_rank(g, src_local)
-        self._run('broadcast', group, tensor, lambda g: dist.broadcast(tensor, src, group=g))
+        self.traced('broadcast', group, tensor, lambda g: dist.broadcast(tensor, src, group=g))
         return tensor
 
     def broadcast_object(self, obj, group: str):
@@ -135,7 +166,7 @@ class DistContext:
             return obj
         box = [obj]
         marker = torch.empty(0, dtype=torch.uint8)
-        self._run('broadcast_object', group, marker,
+        self.traced('broadcast_object', group, marker,
                   lambda g: dist.broadcast_object_list(box, dist.get_global_rank(g, 0), group=g))
         return box[0]
 
@@ -143,18 +174,25 @@ class DistContext:
                    group: str) -> torch.Tensor:
         """Variable-size exchange along dim 0 (the counts were exchanged first by the caller)."""
         out = tensor.new_empty((sum(recv_counts),) + tuple(tensor.shape[1:]))
-        self._run('all_to_all', group, tensor,
+        self.traced('all_to_all', group, tensor,
                   lambda g: dist.all_to_all_single(out, tensor.contiguous(), recv_counts,
                                                    send_counts, group=g),
                   variable=True)
         return out
 
-    def _run(self, op: str, group: str, tensor: torch.Tensor, fn, variable: bool = False):
+    def traced(self, op: str, group: str, tensor: torch.Tensor, fn, variable: bool = False):
+        """Record (op, group, shape of `tensor`, dtype) and run `fn(process_group)`: the NCCL
+        twin of `group` for a CUDA tensor (when this rank has one), else the gloo group. Errors
+        raised by `fn` become CollectiveTimeout naming rank, step and operation. Also used for
+        collectives outside torch.distributed (DeepEP), which ignore the group argument."""
         shape = (-1,) + tuple(tensor.shape[1:]) if variable else tuple(tensor.shape)
         entry = (op, group, shape, str(tensor.dtype).replace('torch.', ''))
         self.trace.append(entry)
+        process_group = self.group(group)
+        if tensor.is_cuda and self.device_groups.get(group) is not None:
+            process_group = self.device_groups[group]
         try:
-            fn(self.group(group))
+            fn(process_group)
         except RuntimeError as e:
             message = (f'rank {self.rank}, step {self.step}: {op} on the {group} group '
                        f'(shape {list(shape)}, {entry[3]}) failed or timed out after '

@@ -2,15 +2,90 @@
 
 Interface: `dispatch(x, topk_ids, topk_weights) -> (expert_x, local_expert_ids, handle)` sends
 every (token, chosen expert) pair to the expert's rank; the caller runs its local experts on
-`expert_x`; `combine(expert_out, handle) -> [T, H]` brings the results home and sums them with
-the router weights. A DeepEP implementation (normal / low-latency, fixed per-rank capacity from
-the StepPlan) can replace AllToAllDispatcher without touching the model.
+`expert_x` (a local id of -1 marks a padding row, whose output is ignored); `combine(expert_out,
+handle) -> [T, H]` brings the results home and sums them with the router weights.
+
+Two implementations, chosen by `make_dispatcher` (LMDEPLOY_LITE_EP_DISPATCHER=auto|alltoall|
+deepep, default auto): `AllToAllDispatcher` below (torch.distributed, gloo or NCCL; anywhere)
+and DeepEP (backends/cuda/token_dispatcher.py; CUDA with `deep_ep` importable). DeepEP runs in
+normal mode (prefill) or low-latency mode (decode, CUDA graphs): `set_low_latency` switches
+every DeepEP dispatcher of an EP group at once; each rank must call it with the same value before
+the step's forwards. Low-latency calls hold at most `dispatch_capacity` tokens per rank.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger('lmdeploy_lite')
+
+ENV_DISPATCHER = 'LMDEPLOY_LITE_EP_DISPATCHER'
+ENV_CAPACITY = 'DEEPEP_MAX_TOKENS_PER_RANK'
+DISPATCHERS = ('auto', 'alltoall', 'deepep')
+
+
+def dispatch_capacity(max_batch_size: int, num_speculative_tokens: int) -> int:
+    """Tokens per rank a low-latency dispatch holds: DEEPEP_MAX_TOKENS_PER_RANK, default
+    max_batch_size x (1 + num_speculative_tokens) (a decode step's most tokens)."""
+    value = os.environ.get(ENV_CAPACITY)
+    if value is None:
+        return max_batch_size * (1 + num_speculative_tokens)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f'{ENV_CAPACITY}={value!r}: must be an integer >= 1')
+    return int(value)
+
+
+def make_dispatcher(dist_ctx, num_experts: int, hidden_size: int, top_k: int,
+                    max_tokens_per_rank: int | None, device: torch.device | str,
+                    dtype: torch.dtype):
+    """The EP dispatcher of one MoE layer: DeepEP on CUDA when `deep_ep` imports and can carry
+    the layer's rows (bf16, float16 or float32), else AllToAllDispatcher. `max_tokens_per_rank`:
+    `dispatch_capacity(...)` (None: unknown, no DeepEP). LMDEPLOY_LITE_EP_DISPATCHER=alltoall
+    forces the fallback; =deepep raises instead of falling back."""
+    choice = os.environ.get(ENV_DISPATCHER, 'auto')
+    if choice not in DISPATCHERS:
+        raise ValueError(f'{ENV_DISPATCHER}={choice!r}: must be one of {DISPATCHERS}')
+    reason = None
+    if choice == 'alltoall':
+        reason = f'{ENV_DISPATCHER}=alltoall'
+    elif torch.device(device).type != 'cuda':
+        reason = f'the device is {device}'
+    elif max_tokens_per_rank is None:
+        reason = 'no per-rank token capacity was given (DistContext.max_tokens_per_rank)'
+    elif importlib.util.find_spec('deep_ep') is None:
+        reason = 'deep_ep is not installed'
+    else:
+        from ..backends.cuda.token_dispatcher import DeepEPDispatcher
+        reason = DeepEPDispatcher.unsupported(hidden_size, top_k, dtype)
+    if reason is None:
+        try:                  # loads NVSHMEM: fails without its libraries
+            importlib.import_module('deep_ep')
+        except (ImportError, OSError) as e:
+            reason = f'deep_ep does not import: {e}'
+    if reason is None:
+        return DeepEPDispatcher(dist_ctx, num_experts, hidden_size, top_k, dtype,
+                                max_tokens_per_rank)
+    if choice == 'deepep':
+        raise ValueError(f'{ENV_DISPATCHER}=deepep, but DeepEP cannot be used: {reason}')
+    if choice == 'auto' and torch.device(device).type == 'cuda':
+        logger.info('EP dispatch by all-to-all: %s', reason)
+    return AllToAllDispatcher(dist_ctx, num_experts)
+
+
+def set_low_latency(dist_ctx, enabled: bool):
+    """DeepEP mode of the EP group's dispatchers, target's and draft's: low-latency (True) or
+    normal. Same value on every rank, once per step before its forwards (and True before
+    capturing decode graphs). The first call allocates the shared buffer: make it once at
+    start-up, after both models are built. No-op without DeepEP."""
+    from ..backends.cuda.token_dispatcher import registered_buffer
+    shared = registered_buffer(dist_ctx.group('ep'))
+    if shared is not None:
+        shared.set_low_latency(enabled)
 
 
 @dataclass

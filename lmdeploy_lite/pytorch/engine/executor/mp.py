@@ -1,5 +1,9 @@
 """The `mp` executor: one process per rank (torch.multiprocessing, spawn), gloo on CPU.
 
+On CUDA (device='cuda', or 'auto' on a machine with CUDA) rank r uses cuda:r (`rank_device`,
+made current before anything is built; the front-end first checks that there are dp x tp GPUs)
+and its device collectives run on NCCL (DistContext.init).
+
 Every rank runs an Engine for its DP rank and the same loop: read its inbox, `engine.step()`
 (whose first act is the StepPlan all-gather, so ranks advance in lockstep), send outputs home.
 Ranks with no work wait on their inbox between plan gathers (at most IDLE_WAIT_S, no spinning);
@@ -37,18 +41,43 @@ def free_port() -> int:
 
 
 # ---- the worker side ------------------------------------------------------------------------
+def uses_cuda(device: str) -> bool:
+    import torch
+    return device == 'cuda' or (device == 'auto' and torch.cuda.is_available())
+
+
+def rank_device(device: str, local_rank: int):
+    """This rank's CUDA device, `cuda:{local_rank}`, made current (so that every later 'cuda'
+    tensor, the KV cache and the NCCL communicators land on it); None on CPU."""
+    import torch
+    if not uses_cuda(device):
+        return None
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f'device={device!r}: this rank needs cuda:{local_rank}, but the process '
+                         f'sees {count} GPU(s) (CUDA_VISIBLE_DEVICES='
+                         f'{os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")})')
+    torch.cuda.set_device(local_rank)
+    return torch.device('cuda', local_rank)
+
+
 def worker_main(rank: int, dist_config: DistConfig, model_path: str,
                 engine_config: PytorchEngineConfig, spec_config: SpeculativeConfig | None,
-                init_method: str, inbox, outbox, env: dict):
+                init_method: str, inbox, outbox, env: dict, local_rank: int):
+    """One rank; `local_rank`: its GPU among the ones this process sees (CUDA only)."""
     os.environ.update(env)
     import torch
 
     from lmdeploy_lite.pytorch.distributed import DistContext
     from lmdeploy_lite.pytorch.engine.engine import Engine
+    from lmdeploy_lite.pytorch.nn.token_dispatcher import dispatch_capacity
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_config.world_size))
     dist_ctx = None
     try:
-        dist_ctx = DistContext.init(dist_config, rank, init_method)
+        device = rank_device(engine_config.device, local_rank)
+        dist_ctx = DistContext.init(dist_config, rank, init_method, device)
+        dist_ctx.max_tokens_per_rank = dispatch_capacity(
+            engine_config.max_batch_size, spec_config.num_speculative_tokens if spec_config else 0)
         from lmdeploy_lite.api import load_tokenizer       # stop words need it
         tokenizer = load_tokenizer(model_path)
         engine = Engine(model_path, engine_config, spec_config, tokenizer=tokenizer,
@@ -305,14 +334,17 @@ class MPEngineLoop(RemoteEngineLoop):
 
     def _start(self, model_path: str, cfg: PytorchEngineConfig,
                spec_config: SpeculativeConfig | None, env: dict):
-        ctx = mp.get_context('spawn')
+        import torch
         world = self.dist_config.world_size
+        if uses_cuda(cfg.device):           # rank r on cuda:r of this machine
+            self.dist_config.validate(self.model_config, num_devices=torch.cuda.device_count())
+        ctx = mp.get_context('spawn')
         init_method = f'tcp://127.0.0.1:{free_port()}'
         self._inboxes = [ctx.Queue() for _ in range(world)]
         self._outbox = ctx.Queue()
         self._procs = [ctx.Process(target=worker_main, daemon=True, name=f'lmdeploy_lite-rank{r}',
                                    args=(r, self.dist_config, model_path, cfg, spec_config,
-                                         init_method, self._inboxes[r], self._outbox, env))
+                                         init_method, self._inboxes[r], self._outbox, env, r))
                        for r in range(world)]
         for p in self._procs:
             p.start()

@@ -102,8 +102,9 @@ class RayEngineLoop(RemoteEngineLoop):
         where = ray.get([a.node.remote() for a in self._actors], timeout=PLACE_ACTORS_TIMEOUT_S)
         self.node_ids = [node_id for node_id, _ in where]
         init_method = f'tcp://{where[0][1]}:{ray.get(self._actors[0].free_port.remote())}'
+        # local rank 0: ray shows each GPU actor only its own GPU (CUDA_VISIBLE_DEVICES)
         self._runs = [a.run.remote(r, self.dist_config, model_path, cfg, spec_config,
-                                   init_method, self._queues[r], self._queues[world], env)
+                                   init_method, self._queues[r], self._queues[world], env, 0)
                       for r, a in enumerate(self._actors)]
 
     def _dead_ranks(self) -> dict[int, str]:

@@ -1,0 +1,377 @@
+"""DeepEP (V1 API) token dispatch for expert parallelism over NVLink: the `AllToAllDispatcher`
+interface (nn/token_dispatcher.py) on DeepEP's kernels.
+
+Two modes, the same on every rank of a step (`SharedBuffer.set_low_latency`, from the plan):
+  * normal (prefill): `get_dispatch_layout` -> `dispatch` sends each token once to every rank
+    holding one of its experts, with its local expert ids (-1: another rank's) and weights; the
+    receiver expands that to one row per (token, local expert); `combine` sums what the ranks
+    send back. Host syncs (row counts): eager only; no per-rank token limit.
+  * low-latency (decode; CUDA-graph capturable, no host sync): `low_latency_dispatch` packs the
+    tokens of each local expert into `[num_local_experts, capacity * ep, W]` with a count per
+    expert; `flatten_low_latency` turns that into fixed-shape rows, -1 marking padding rows;
+    `low_latency_combine` weights and sums. At most `capacity` tokens per rank per call.
+
+DeepEP's reductions (both combines) and its low-latency kernels take bf16 only, and the
+low-latency kernels exist for row widths `LL_WIDTHS` only (narrower rows are zero-padded).
+bf16 models use DeepEP as designed. Other dtypes travel exactly, so that every layout gives the
+single-GPU numbers: rows are sent as their raw bits (`as_bf16_words`), and each expert output
+comes back split into bf16 parts (`split_bf16`, exact) in the column block of its top-k slot,
+so DeepEP's sums add zeros only; the router weights are applied at home, in the all-to-all
+dispatcher's order. That costs `k * parts` times the combine traffic (fine for the float32
+checks it serves; DeepEP is for bf16 serving). float64 is not supported.
+
+ONE deep_ep.Buffer per EP group (`SharedBuffer`, module registry keyed by the group) serves
+every MoE layer of the target and of the draft: dispatchers register their widest rows when
+built, and the buffer is allocated by the first `set_low_latency` (at start-up, after both
+models are built) or else by the first dispatch.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+LL_WIDTHS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)   # DeepEP's low-latency kernels
+_SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
+_TOPK_IDX = torch.int64                                        # deep_ep.topk_idx_t
+
+
+# ---- pure tensor logic (tested on CPU) ----------------------------------------------------------
+def ll_width(columns: int) -> int:
+    """The narrowest low-latency row width >= `columns` (bf16 elements)."""
+    for width in LL_WIDTHS:
+        if width >= columns:
+            return width
+    raise ValueError(f'DeepEP low-latency rows hold at most {LL_WIDTHS[-1]} bf16 columns, '
+                     f'{columns} are needed')
+
+
+def num_bf16_parts(dtype: torch.dtype) -> int:
+    """How many bf16 values sum exactly to one `dtype` value (8 significand bits each)."""
+    if dtype not in _SIGNIFICAND_BITS:
+        raise ValueError(f'DeepEP dispatch carries bfloat16, float16 or float32, not {dtype}')
+    return -(-_SIGNIFICAND_BITS[dtype] // 8)
+
+
+def split_bf16(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """x [..., H] -> [..., parts, H] bf16 whose float32 sum, first to last, is x exactly
+    (finite x within bf16's range, which is float32's)."""
+    rest, out = x.float(), []
+    for _ in range(parts):
+        out.append(rest.to(torch.bfloat16))
+        rest = rest - out[-1].float()
+    return torch.stack(out, dim=-2)
+
+
+def join_bf16(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of `split_bf16`: [..., parts, H] -> [..., H] in `dtype`."""
+    total = parts[..., 0, :].float()
+    for i in range(1, parts.shape[-2]):
+        total = total + parts[..., i, :].float()
+    return total.to(dtype)
+
+
+def as_bf16_words(x: torch.Tensor) -> torch.Tensor:
+    """[..., n] of any 2/4/8-byte dtype -> its raw bits as [..., n * itemsize / 2] bf16."""
+    return x.contiguous().view(torch.bfloat16)
+
+
+def flatten_low_latency(recv_x: torch.Tensor, recv_count: torch.Tensor,
+                        columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepEP low-latency output -> expert rows (fixed shapes, no host sync).
+
+    recv_x [E, C, W]: row c of expert e is valid for c < recv_count[e] ([E] int);
+    returns rows [E*C, columns] (the first `columns` of each row) and local expert ids [E*C]
+    (e for a valid row, -1 for padding)."""
+    num_local, slots, _ = recv_x.shape
+    valid = torch.arange(slots, device=recv_x.device)[None, :] < recv_count[:, None]
+    expert = torch.arange(num_local, device=recv_x.device)[:, None].expand(num_local, slots)
+    local_ids = torch.where(valid, expert, -1).reshape(-1)
+    return recv_x[..., :columns].reshape(num_local * slots, columns), local_ids
+
+
+def unflatten_low_latency(rows: torch.Tensor, num_local_experts: int,
+                          width: int) -> torch.Tensor:
+    """Expert rows [E*C, n] (bf16) -> `[E, C, width]` zero-padded, what
+    `low_latency_combine` takes."""
+    rows = rows.view(num_local_experts, -1, rows.shape[-1])
+    return F.pad(rows, (0, width - rows.shape[-1])).contiguous()
+
+
+def slot_blocks(values: torch.Tensor, slot: torch.Tensor, top_k: int, parts: int) -> torch.Tensor:
+    """values [R, H], slot [R] (0..k-1, the top-k position each row answers) -> [R, k*parts*H]
+    bf16: the row's `split_bf16` parts in block `slot`, zeros elsewhere (so that summing the k
+    experts' rows of a token adds only zeros to each block)."""
+    num_rows, hidden = values.shape
+    out = values.new_zeros((num_rows, top_k, parts, hidden), dtype=torch.bfloat16)
+    out.scatter_(1, slot.view(-1, 1, 1, 1).expand(-1, 1, parts, hidden),
+                 split_bf16(values, parts)[:, None])
+    return out.view(num_rows, top_k * parts * hidden)
+
+
+def weighted_sum(pairs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """pairs [T, k, H], weights [T, k] -> [T, H]: the all-to-all dispatcher's arithmetic."""
+    return (pairs * topk_weights[..., None]).sum(1)
+
+
+# ---- the shared buffer ----------------------------------------------------------------------
+ENV_QP_DEPTH = 'NVSHMEM_QP_DEPTH'
+_REGISTRY: dict = {}                      # EP process group -> SharedBuffer
+
+
+@dataclass
+class SharedBuffer:
+    """One deep_ep.Buffer per EP group. `capacity`: tokens per rank per low-latency call (the
+    user's number; the buffer rounds it up to a multiple of 4 as DeepEP's TMA needs)."""
+    group: object
+    num_experts: int
+    capacity: int
+    normal_bytes: int = 0             # widest normal-mode row, in bytes
+    ll_columns: int = 0               # widest low-latency row, in bf16 columns
+    buffer: object = None
+    low_latency: bool = False
+
+    @property
+    def ll_capacity(self) -> int:
+        return -(-self.capacity // 4) * 4
+
+    def require(self, normal_bytes: int, ll_columns: int):
+        if self.buffer is not None and (normal_bytes > self.normal_bytes
+                                        or ll_width(ll_columns) > ll_width(self.ll_columns)):
+            raise RuntimeError('a DeepEP dispatcher was built after the shared buffer was '
+                               'allocated, with wider rows; build every model first')
+        self.normal_bytes = max(self.normal_bytes, normal_bytes)
+        self.ll_columns = max(self.ll_columns, ll_columns)
+
+    @property
+    def width(self) -> int:
+        """The low-latency row width of every call on this buffer (DeepEP's buffer layout
+        depends on it, so dispatch and combine of every layer share it)."""
+        return ll_width(self.ll_columns)
+
+    def get(self):
+        if self.buffer is None:
+            self.buffer = self._allocate()
+        return self.buffer
+
+    def _allocate(self):
+        import deep_ep
+        ranks = self.group.size()
+        nvl_bytes = max(config.get_nvl_buffer_size_hint(self.normal_bytes, ranks)
+                        for config in (deep_ep.Buffer.get_dispatch_config(ranks),
+                                       deep_ep.Buffer.get_combine_config(ranks)))
+        rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
+            self.ll_capacity, self.width, ranks, self.num_experts)
+        depth = 1024                      # DeepEP asserts depth >= 2 * (capacity + 1)
+        while depth < 2 * (self.ll_capacity + 1):
+            depth *= 2
+        os.environ[ENV_QP_DEPTH] = str(max(depth, int(os.environ.get(ENV_QP_DEPTH, '0'))))
+        return deep_ep.Buffer(self.group, nvl_bytes, rdma_bytes, low_latency_mode=True,
+                              num_qps_per_rank=max(1, self.num_experts // ranks))
+
+    def set_low_latency(self, enabled: bool):
+        """Switch mode (every rank, same step; allocates the buffer if needed). Normal kernels
+        leave the low-latency region dirty, so entering low-latency mode cleans it (a
+        collective; not inside a graph capture)."""
+        buffer = self.get()
+        if enabled and not self.low_latency:
+            buffer.clean_low_latency_buffer(self.ll_capacity, self.width, self.num_experts)
+        self.low_latency = enabled
+
+
+def shared_buffer(group, num_experts: int, capacity: int) -> SharedBuffer:
+    shared = _REGISTRY.get(group)
+    if shared is None:
+        shared = _REGISTRY[group] = SharedBuffer(group, num_experts, capacity)
+    elif (shared.num_experts, shared.capacity) != (num_experts, capacity):
+        raise ValueError(f'one DeepEP buffer per EP group: num_experts={num_experts}, '
+                         f'capacity={capacity} differ from its {shared.num_experts}, '
+                         f'{shared.capacity}')
+    return shared
+
+
+def registered_buffer(group) -> SharedBuffer | None:
+    return _REGISTRY.get(group)
+
+
+# ---- the dispatcher -------------------------------------------------------------------------
+def _ll_columns(hidden_size: int, top_k: int, dtype: torch.dtype) -> int:
+    """bf16 columns of a low-latency row: the hidden state (bf16), or in exact mode the wider
+    of (raw bits of x + the token's int64 top-k ids) and (k slot blocks of split parts)."""
+    if dtype == torch.bfloat16:
+        return hidden_size
+    parts = num_bf16_parts(dtype)
+    return max(hidden_size * dtype.itemsize // 2 + 4 * top_k, top_k * parts * hidden_size)
+
+
+@dataclass
+class NormalHandle:
+    deep_ep_handle: tuple
+    token: torch.Tensor          # [R] received token (row of recv_x) of each expert row
+    slot: torch.Tensor           # [R] its top-k position
+    weight: torch.Tensor         # [R] its router weight (float32)
+    num_received: int
+    topk_weights: torch.Tensor   # [T, k] this rank's tokens' weights (exact mode)
+
+
+@dataclass
+class LowLatencyHandle:
+    deep_ep_handle: tuple
+    topk_ids: torch.Tensor       # [T, k] int64
+    topk_weights: torch.Tensor   # [T, k]
+    slot: torch.Tensor | None    # [E*C] top-k position of each row (exact mode)
+
+
+class DeepEPDispatcher:
+    """Same interface as AllToAllDispatcher; see the module docstring. `capacity`: tokens per
+    rank per low-latency call (DEEPEP_MAX_TOKENS_PER_RANK)."""
+
+    @staticmethod
+    def unsupported(hidden_size: int, top_k: int, dtype: torch.dtype) -> str | None:
+        """Why DeepEP cannot carry this layer's rows (None: it can)."""
+        try:
+            ll_width(_ll_columns(hidden_size, top_k, dtype))
+        except ValueError as e:
+            return str(e)
+        return None
+
+    def __init__(self, dist_ctx, num_experts: int, hidden_size: int, top_k: int,
+                 dtype: torch.dtype, capacity: int, group: str = 'ep'):
+        self.dist, self.group = dist_ctx, group
+        self.ep_size = dist_ctx.config.ep
+        self.num_experts, self.hidden, self.top_k = num_experts, hidden_size, top_k
+        self.experts_per_rank = num_experts // self.ep_size
+        self.first_expert = dist_ctx.ep_rank * self.experts_per_rank
+        self.capacity = capacity
+        self.exact = dtype != torch.bfloat16
+        self.parts = num_bf16_parts(dtype)
+        ll_columns = _ll_columns(hidden_size, top_k, dtype)
+        ll_width(ll_columns)                              # fail now if rows cannot fit
+        normal_bytes = hidden_size * dtype.itemsize
+        if self.exact:
+            normal_bytes = max(normal_bytes, 2 * top_k * self.parts * hidden_size)
+        self.shared = shared_buffer(dist_ctx.group(group), num_experts, capacity)
+        self.shared.require(normal_bytes, ll_columns)
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        """x [T, H], topk_ids/weights [T, k] -> expert_x [R, H] (x.dtype), local ids [R] (-1:
+        padding row, low-latency mode), handle."""
+        if self.shared.low_latency:
+            return self._dispatch_low_latency(x, topk_ids, topk_weights)
+        return self._dispatch_normal(x, topk_ids, topk_weights)
+
+    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
+        """expert_out [R, H] -> [T, H] = sum over each token's k experts of weight * output."""
+        if isinstance(handle, LowLatencyHandle):
+            return self._combine_low_latency(expert_out, handle)
+        return self._combine_normal(expert_out, handle)
+
+    # ---- normal mode ----------------------------------------------------------------------
+    def _dispatch_normal(self, x, topk_ids, topk_weights):
+        buffer = self.shared.get()
+        topk_idx = topk_ids.to(_TOPK_IDX)
+        send = x.contiguous() if self.exact else x.to(torch.bfloat16)
+        out = {}
+
+        def run(_):
+            per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
+                topk_idx, self.num_experts)
+            out['recv'] = buffer.dispatch(
+                send, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
+                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                topk_weights=topk_weights.float())
+        self.dist.traced('deepep_dispatch', self.group, send, run, variable=True)
+        recv_x, recv_idx, recv_weights, _, deep_ep_handle, _ = out['recv']
+        token, slot = (recv_idx >= 0).nonzero(as_tuple=True)         # host sync: prefill only
+        handle = NormalHandle(deep_ep_handle, token, slot, recv_weights[token, slot],
+                              recv_x.shape[0], topk_weights)
+        return recv_x[token].to(x.dtype), recv_idx[token, slot], handle
+
+    def _combine_normal(self, expert_out, handle: NormalHandle):
+        buffer = self.shared.get()
+        if self.exact:        # each (token, slot) output in its own block: the sums add zeros
+            send = expert_out.new_zeros((handle.num_received, self.top_k, self.parts,
+                                         self.hidden), dtype=torch.bfloat16)
+            send[handle.token, handle.slot] = split_bf16(expert_out, self.parts)
+            send = send.view(handle.num_received, -1)
+        else:                 # this rank's weighted partial sums, one slot at a time
+            partial = expert_out.new_zeros((handle.num_received, self.hidden),
+                                           dtype=torch.float32)
+            for k in range(self.top_k):        # one row per token per slot: deterministic
+                rows = (handle.slot == k).nonzero(as_tuple=True)[0]
+                partial.index_add_(0, handle.token[rows],
+                                   expert_out[rows].float() * handle.weight[rows, None])
+            send = partial.to(torch.bfloat16)
+        out = {}
+        self.dist.traced('deepep_combine', self.group, send,
+                         lambda _: out.setdefault('x', buffer.combine(send,
+                                                                      handle.deep_ep_handle)),
+                         variable=True)
+        combined = out['x'][0]
+        if not self.exact:
+            return combined.to(expert_out.dtype)
+        pairs = join_bf16(combined.view(-1, self.top_k, self.parts, self.hidden),
+                          expert_out.dtype)
+        return weighted_sum(pairs, handle.topk_weights)
+
+    # ---- low-latency mode -----------------------------------------------------------------
+    def check_capacity(self, num_tokens: int):
+        if num_tokens > self.capacity:
+            raise ValueError(
+                f'DeepEP low-latency dispatch: {num_tokens} tokens on this rank, but the buffer '
+                f'holds {self.capacity} per rank (DEEPEP_MAX_TOKENS_PER_RANK, default '
+                f'max_batch_size x (1 + num_speculative_tokens)); raise it or lower '
+                f'max_batch_size')
+
+    def _dispatch_low_latency(self, x, topk_ids, topk_weights):
+        self.check_capacity(x.shape[0])
+        buffer, width = self.shared.get(), self.shared.width
+        topk_idx = topk_ids.to(_TOPK_IDX)
+        if self.exact:        # raw bits of x, then of the token's top-k ids (to find the slot)
+            payload = torch.cat([as_bf16_words(x), as_bf16_words(topk_idx)], dim=1)
+        else:
+            payload = x.to(torch.bfloat16)
+        send = F.pad(payload, (0, width - payload.shape[1]))
+        out = {}
+        self.dist.traced('deepep_ll_dispatch', self.group, send,
+                         lambda _: out.setdefault('recv', buffer.low_latency_dispatch(
+                             send, topk_idx, self.shared.ll_capacity, self.num_experts,
+                             use_fp8=False)),
+                         variable=True)
+        recv_x, recv_count, deep_ep_handle, _, _ = out['recv']
+        if not self.exact:
+            rows, local_ids = flatten_low_latency(recv_x, recv_count, self.hidden)
+            return (rows.to(x.dtype), local_ids,
+                    LowLatencyHandle(deep_ep_handle, topk_idx, topk_weights, None))
+        x_words = self.hidden * x.dtype.itemsize // 2
+        rows, local_ids = flatten_low_latency(recv_x, recv_count, x_words + 4 * self.top_k)
+        valid = (local_ids >= 0)[:, None]         # padding rows hold stale bits: zero them
+        expert_x = torch.where(valid, rows[:, :x_words].contiguous().view(x.dtype), 0)
+        ids = rows[:, x_words:].contiguous().view(_TOPK_IDX)                 # [R, k]
+        expert = local_ids.clamp(min=0) + self.first_expert
+        slot = (ids == expert[:, None]).int().argmax(dim=1)                  # padding rows: any
+        return expert_x, local_ids, LowLatencyHandle(deep_ep_handle, topk_idx, topk_weights,
+                                                     slot)
+
+    def _combine_low_latency(self, expert_out, handle: LowLatencyHandle):
+        buffer, width = self.shared.get(), self.shared.width
+        if self.exact:
+            rows = slot_blocks(expert_out, handle.slot, self.top_k, self.parts)
+            weights = torch.ones_like(handle.topk_weights, dtype=torch.float32)
+        else:
+            rows, weights = expert_out.to(torch.bfloat16), handle.topk_weights.float()
+        send = unflatten_low_latency(rows, self.experts_per_rank, width)
+        out = {}
+        self.dist.traced('deepep_ll_combine', self.group, send,
+                         lambda _: out.setdefault('x', buffer.low_latency_combine(
+                             send, handle.topk_ids, weights, handle.deep_ep_handle)),
+                         variable=True)
+        combined = out['x'][0]
+        if not self.exact:
+            return combined[:, :self.hidden].to(expert_out.dtype)
+        columns = self.top_k * self.parts * self.hidden
+        pairs = join_bf16(combined[:, :columns].reshape(-1, self.top_k, self.parts,
+                                                        self.hidden), expert_out.dtype)
+        return weighted_sum(pairs, handle.topk_weights)

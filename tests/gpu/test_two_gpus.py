@@ -1,0 +1,84 @@
+"""dp=2 ep=2 on two GPUs (the mp executor: rank r on cuda:r, device collectives on NCCL) with the
+MTP draft and ONE request, so that rank 1 idles through the whole run and only runs dummy
+target and draft forwards: it must complete with the single-GPU tokens (float32), with the
+all-to-all dispatcher and, where `deep_ep` is installed, with DeepEP (LMDEPLOY_LITE_EP_DISPATCHER
+picks; a worker hook checks which one each rank built and that it sits on its own GPU).
+
+Hard limits: pytest-timeout, and a short collective timeout so that a hang becomes an error.
+"""
+import importlib.util
+import time
+
+import pytest
+import torch
+
+from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
+from lmdeploy_lite.pytorch.engine.engine import Engine
+
+pytestmark = pytest.mark.gpu
+
+BASE = dict(device='cuda', dtype='float32', block_size=16, session_len=256, max_batch_size=8,
+            eager_mode=True)
+PROMPT = list(range(20, 49))
+GEN = GenerationConfig(max_new_tokens=32, ignore_eos=True)
+SPEC = SpeculativeConfig(num_speculative_tokens=3)
+
+
+def _skip_reason(dispatcher: str) -> str | None:
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 2:
+        return f'needs 2 GPUs, this machine has {count}'
+    if dispatcher == 'deepep' and importlib.util.find_spec('deep_ep') is None:
+        return 'deep_ep is not installed (see ../shared/reference/gpu.md: the DeepEP V1 wheel)'
+    return None
+
+
+def _check_rank(engine, deepep: bool):
+    from lmdeploy_lite.pytorch.backends.cuda.token_dispatcher import registered_buffer
+    rank, device = engine.dist.rank, torch.cuda.current_device()
+    assert device == rank, f'rank {rank} is on cuda:{device}'
+    assert engine.dist.device_groups.get('ep') is not None, 'no NCCL group for EP'
+    built = registered_buffer(engine.dist.group('ep')) is not None
+    assert built == deepep, f'rank {rank}: DeepEP dispatchers built: {built}, wanted {deepep}'
+
+
+def check_deepep(engine):              # LMDEPLOY_LITE_WORKER_HOOK targets
+    _check_rank(engine, True)
+
+
+def check_alltoall(engine):
+    _check_rank(engine, False)
+
+
+@pytest.fixture(scope='module')
+def single_gpu_tokens(tiny_ckpt):
+    path = tiny_ckpt(True, layout='plain')
+    if torch.cuda.device_count() < 2:
+        return path, None
+    engine = Engine(path, PytorchEngineConfig(**BASE), SPEC, progress=False)
+    tokens = engine.generate([PROMPT], GEN)[0].generated_ids
+    del engine
+    torch.cuda.empty_cache()
+    return path, tokens
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize('dispatcher', ['alltoall', 'deepep'])
+def test_dp2_ep2_one_request_gives_single_gpu_tokens(dispatcher, single_gpu_tokens, monkeypatch):
+    reason = _skip_reason(dispatcher)
+    if reason:
+        pytest.skip(reason)
+    path, want = single_gpu_tokens
+    monkeypatch.setenv('LMDEPLOY_LITE_EP_DISPATCHER', dispatcher)
+    monkeypatch.setenv('LMDEPLOY_LITE_WORKER_HOOK', f'tests.gpu.test_two_gpus:check_{dispatcher}')
+    monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '1')
+    monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '60')
+    start = time.monotonic()
+    with pipeline(path, PytorchEngineConfig(dp=2, ep=2, **BASE), SPEC, progress=False) as pipe:
+        response = pipe([PROMPT], GEN)[0]
+    assert response.finish_reason == 'length'
+    assert len(response.token_ids) == GEN.max_new_tokens
+    assert response.token_ids == want, (
+        f'{dispatcher}: first difference at token '
+        f'{next(i for i, (a, b) in enumerate(zip(response.token_ids, want)) if a != b)}')
+    assert time.monotonic() - start < 420

@@ -1,0 +1,261 @@
+"""The EP dispatcher factory and the DeepEP dispatcher's tensor logic.
+
+CPU: the factory's choice and fallbacks, the capacity rules, the pure helpers (low-latency
+flattening, exact bf16 splitting), and the whole DeepEPDispatcher (both modes, bf16 and exact
+float32) on a one-rank stand-in for deep_ep.Buffer that follows DeepEP's documented semantics.
+GPU (2 GPUs, `deep_ep` importable): DeepEP against the all-to-all dispatcher on random inputs.
+"""
+import queue
+import traceback
+
+import pytest
+import torch
+
+from lmdeploy_lite.pytorch.backends.cuda import token_dispatcher as deepep
+from lmdeploy_lite.pytorch.config import DistConfig
+from lmdeploy_lite.pytorch.distributed import DistContext
+from lmdeploy_lite.pytorch.nn.token_dispatcher import (ENV_CAPACITY, ENV_DISPATCHER,
+                                                       AllToAllDispatcher, dispatch_capacity,
+                                                       make_dispatcher, set_low_latency)
+
+
+def ep_context(ep: int = 2, rank: int = 0) -> DistContext:
+    """A DistContext that was never initialised (no collective runs); its own EP group key."""
+    ctx = DistContext(DistConfig(dp=ep, ep=ep), rank)
+    ctx.groups['ep'] = object()
+    ctx.max_tokens_per_rank = 16
+    return ctx
+
+
+# ---- the factory ------------------------------------------------------------------------------
+def test_factory_falls_back_to_all_to_all_on_cpu(monkeypatch):
+    monkeypatch.delenv(ENV_DISPATCHER, raising=False)
+    ctx = ep_context()
+    for capacity in (16, None):
+        dispatcher = make_dispatcher(ctx, 4, 64, 2, capacity, 'cpu', torch.float32)
+        assert isinstance(dispatcher, AllToAllDispatcher)
+    monkeypatch.setenv(ENV_DISPATCHER, 'deepep')
+    with pytest.raises(ValueError, match='deepep, but DeepEP cannot be used: the device is cpu'):
+        make_dispatcher(ctx, 4, 64, 2, 16, 'cpu', torch.float32)
+    monkeypatch.setenv(ENV_DISPATCHER, 'nccl')
+    with pytest.raises(ValueError, match="LMDEPLOY_LITE_EP_DISPATCHER='nccl': must be one of"):
+        make_dispatcher(ctx, 4, 64, 2, 16, 'cpu', torch.float32)
+    set_low_latency(ep_context(), True)            # no DeepEP buffer registered: a no-op
+
+
+def test_dispatch_capacity_default_and_override(monkeypatch):
+    monkeypatch.delenv(ENV_CAPACITY, raising=False)
+    assert dispatch_capacity(64, 3) == 256
+    assert dispatch_capacity(8, 0) == 8
+    monkeypatch.setenv(ENV_CAPACITY, '40')
+    assert dispatch_capacity(64, 3) == 40
+    monkeypatch.setenv(ENV_CAPACITY, '-3')
+    with pytest.raises(ValueError, match="DEEPEP_MAX_TOKENS_PER_RANK='-3'"):
+        dispatch_capacity(64, 3)
+
+
+def test_a_step_over_capacity_names_both_numbers():
+    dispatcher = deepep.DeepEPDispatcher(ep_context(), 4, 64, 2, torch.bfloat16, capacity=16)
+    dispatcher.check_capacity(16)
+    with pytest.raises(ValueError, match=r'17 tokens on this rank, but the buffer holds 16 per '
+                                         r'rank \(DEEPEP_MAX_TOKENS_PER_RANK'):
+        dispatcher.check_capacity(17)
+
+
+def test_what_deepep_cannot_carry():
+    assert deepep.DeepEPDispatcher.unsupported(4096, 8, torch.bfloat16) is None
+    assert deepep.DeepEPDispatcher.unsupported(64, 2, torch.float32) is None
+    assert 'at most 8192' in deepep.DeepEPDispatcher.unsupported(9216, 8, torch.bfloat16)
+    assert 'at most 8192' in deepep.DeepEPDispatcher.unsupported(2048, 8, torch.float32)
+    assert 'not torch.float64' in deepep.DeepEPDispatcher.unsupported(64, 2, torch.float64)
+    assert deepep.ll_width(64) == 2048 and deepep.ll_width(2049) == 2560
+
+
+# ---- pure helpers -----------------------------------------------------------------------------
+def test_flatten_low_latency_marks_padding_rows():
+    recv_x = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)   # [E=2, C=3, W=4]
+    rows, ids = deepep.flatten_low_latency(recv_x, torch.tensor([2, 0], dtype=torch.int32), 3)
+    assert ids.tolist() == [0, 0, -1, -1, -1, -1]
+    assert rows.shape == (6, 3)
+    assert rows[:2].tolist() == [[0, 1, 2], [4, 5, 6]]
+    back = deepep.unflatten_low_latency(rows, 2, 5)
+    assert back.shape == (2, 3, 5) and back.is_contiguous()
+    assert back[..., :3].equal(recv_x[..., :3]) and not back[..., 3:].any()
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_split_into_bf16_parts_is_exact(dtype):
+    exponents = torch.randint(-4, 4, (1000,), generator=torch.Generator().manual_seed(1))
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 10.0 ** exponents
+    extremes = [1e-30, 3e38] if dtype == torch.float32 else [6e-8, 6e4]
+    x = torch.cat([x, torch.tensor([0.0, -0.0] + extremes)]).to(dtype)
+    parts = deepep.split_bf16(x, deepep.num_bf16_parts(dtype))
+    assert parts.dtype == torch.bfloat16
+    assert deepep.join_bf16(parts, dtype).equal(x)
+    words = deepep.as_bf16_words(x)
+    assert words.dtype == torch.bfloat16 and words.view(dtype).equal(x)
+
+
+def test_slot_blocks_put_each_row_in_its_slot():
+    values = torch.tensor([[1.5, -2.0], [3.25, 4.0]])
+    blocks = deepep.slot_blocks(values, torch.tensor([1, 0]), top_k=3, parts=1)
+    assert blocks.view(2, 3, 2).tolist() == [[[0, 0], [1.5, -2.0], [0, 0]],
+                                             [[3.25, 4.0], [0, 0], [0, 0]]]
+
+
+# ---- the dispatcher on a one-rank stand-in for deep_ep.Buffer ----------------------------------
+class OneRankBuffer:
+    """deep_ep.Buffer's documented results for a group of one rank (every expert local)."""
+
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        return None, None, None, None, None
+
+    def dispatch(self, x, topk_idx, topk_weights, **layout):
+        assert topk_weights.dtype == torch.float32 and x.is_contiguous()
+        return x.clone(), topk_idx, topk_weights, [], ('handle',), None
+
+    def combine(self, x, handle):
+        assert x.dtype == torch.bfloat16 and handle == ('handle',)
+        return x.clone(), None, None
+
+    def low_latency_dispatch(self, x, topk_idx, capacity, num_experts, use_fp8=True):
+        assert x.dtype == torch.bfloat16 and not use_fp8 and x.shape[1] in deepep.LL_WIDTHS
+        recv = torch.full((num_experts, capacity, x.shape[1]), float('nan'),
+                          dtype=torch.bfloat16)                   # stale rows: garbage
+        count = torch.zeros(num_experts, dtype=torch.int32)
+        where = {}
+        for t, e in ((t, e) for t in range(x.shape[0]) for e in topk_idx[t].tolist()):
+            where[t, e] = int(count[e])
+            recv[e, count[e]] = x[t]
+            count[e] += 1
+        return recv, count, where, None, None
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle):
+        assert x.dtype == torch.bfloat16 and topk_weights.dtype == torch.float32
+        out = torch.zeros(topk_idx.shape[0], x.shape[2])
+        for (t, e), c in handle.items():
+            slot = topk_idx[t].tolist().index(e)
+            out[t] += topk_weights[t, slot] * x[e, c].float()
+        return out.to(torch.bfloat16), None, None
+
+    def clean_low_latency_buffer(self, capacity, width, num_experts):
+        pass
+
+
+def toy_experts(x, local_ids):
+    """Expert e: tanh(x * (e + 1)) - e; padding rows (-1): 0."""
+    scale = (local_ids.clamp(min=0) + 1).to(x.dtype)[:, None]
+    out = torch.tanh(x * scale) - local_ids.clamp(min=0).to(x.dtype)[:, None]
+    return torch.where((local_ids >= 0)[:, None], out, 0)
+
+
+@pytest.mark.parametrize('low_latency', [False, True])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, low_latency):
+    num_experts, hidden, top_k, tokens = 4, 64, 2, 7
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k]
+                       for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen).to(dtype)
+    ctx = ep_context(ep=1)
+    dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, dtype, capacity=tokens)
+    dispatcher.shared.buffer = OneRankBuffer()
+    set_low_latency(ctx, low_latency)
+    expert_x, local_ids, handle = dispatcher.dispatch(x, ids, weights)
+    if low_latency:                                  # fixed shapes: E * capacity rows
+        assert expert_x.shape == (num_experts * dispatcher.shared.ll_capacity, hidden)
+    assert expert_x.dtype == dtype
+    out = dispatcher.combine(toy_experts(expert_x, local_ids), handle)
+    pairs = toy_experts(x.repeat_interleave(top_k, 0), ids.reshape(-1)).view(tokens, top_k, -1)
+    want = (pairs * weights[..., None]).sum(1)                  # AllToAllDispatcher.combine
+    if dtype == torch.float32:
+        assert out.equal(want)                                   # exact transport
+    else:
+        torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=2e-2)
+    more = [torch.cat([t, t[:1]]) for t in (x, ids, weights)]
+    if low_latency:
+        with pytest.raises(ValueError, match='8 tokens on this rank, but the buffer holds 7'):
+            dispatcher.dispatch(*more)
+    else:                                            # normal mode has no per-rank limit
+        dispatcher.dispatch(*more)
+
+
+# ---- two GPUs: DeepEP against all-to-all -----------------------------------------------------
+def _two_gpu_skip_reason() -> str | None:
+    import importlib.util
+    if not torch.cuda.is_available():
+        return 'needs CUDA'
+    if torch.cuda.device_count() < 2:
+        return f'needs 2 GPUs, this machine has {torch.cuda.device_count()}'
+    if importlib.util.find_spec('deep_ep') is None:
+        return 'deep_ep is not installed (see ../shared/reference/gpu.md)'
+    return None
+
+
+def _compare_worker(rank: int, init_method: str, results):
+    """One rank: random tokens, the toy experts, DeepEP vs all-to-all, both modes, both
+    dtypes; puts (rank, None) or (rank, traceback)."""
+    try:
+        torch.cuda.set_device(rank)
+        device = torch.device('cuda', rank)
+        ctx = DistContext.init(DistConfig(dp=2, ep=2), rank, init_method, device)
+        num_experts, top_k = 8, 3
+        for dtype, hidden in ((torch.bfloat16, 2048), (torch.bfloat16, 64), (torch.float32, 64)):
+            reference = AllToAllDispatcher(ctx, num_experts)
+            dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, dtype, 32)
+            gen = torch.Generator(device).manual_seed(rank)
+            for low_latency, tokens in ((False, 50), (True, 32), (True, 5), (False, 1)):
+                x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)
+                ids = torch.rand(tokens, num_experts, device=device,
+                                 generator=gen).argsort(1)[:, :top_k]
+                weights = torch.rand(tokens, top_k, device=device, generator=gen).to(dtype)
+                dispatcher.shared.set_low_latency(low_latency)
+                results_of = []
+                for d in (reference, dispatcher):
+                    expert_x, local_ids, handle = d.dispatch(x, ids, weights)
+                    local_ids = torch.where(local_ids >= 0, local_ids + d.first_expert, -1)
+                    results_of.append(d.combine(toy_experts(expert_x, local_ids), handle))
+                want, got = results_of
+                if dtype == torch.float32:
+                    assert got.equal(want), (hidden, low_latency, tokens)
+                else:
+                    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+        torch.cuda.synchronize()
+        results.put((rank, None))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_deepep_matches_all_to_all_on_two_gpus(monkeypatch):
+    reason = _two_gpu_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    import torch.multiprocessing as mp
+
+    from lmdeploy_lite.pytorch.engine.executor.mp import free_port
+    monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '60')
+    ctx = mp.get_context('spawn')
+    results = ctx.Queue()
+    init_method = f'tcp://127.0.0.1:{free_port()}'
+    procs = [ctx.Process(target=_compare_worker, args=(r, init_method, results), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    failures = {}
+    try:
+        for _ in procs:
+            rank, error = results.get(timeout=240)
+            failures[rank] = error
+    except queue.Empty:
+        pytest.fail(f'ranks {sorted(set(range(2)) - set(failures))} did not finish in 240 s '
+                    f'(exit codes {[p.exitcode for p in procs]})')
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: e for r, e in failures.items() if e}
+    assert not errors, '\n'.join(f'rank {r}:\n{e}' for r, e in errors.items())
