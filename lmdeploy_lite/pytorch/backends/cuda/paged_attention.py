@@ -1,0 +1,361 @@
+"""Paged causal attention (GQA) over a block-table KV cache, in Triton.
+
+Semantics are those of `backends/default/paged_attention.py` (the reference the tests compare
+with): caches `[num_blocks, block_size, n_kv, head_dim]`, block tables `[B, max_blocks]`; this
+step's tokens take cache positions `history_lens[b] .. history_lens[b] + q_lens[b] - 1`, and
+query i of sequence b sees cache positions 0..history_lens[b] + i. Softmax statistics, the
+accumulator and the dot products' outputs are fp32 (fp32 inputs multiply in IEEE fp32, not tf32).
+
+Kernels:
+  * `_store_kv_kernel`: the step's k/v into their cache slots, one program per (token, KV head).
+  * decode/verify (`inputs.is_decoding` with `uniform_q_len = n`): split-KV flash decoding.
+    Program (b, KV head x row tile, split) takes the n * (nq / n_kv) query rows of one KV head
+    (rows padded to >= 16 for tl.dot) over its share of the sequence's cache; the share
+    `ceil(kv_len / num_splits)`, rounded up to the KV tile, is computed in the kernel from the
+    device `history_lens`, and `num_splits` depends only on shapes and the SM count, so the
+    launch reads nothing on the host and can be captured in a CUDA graph. `_combine_kernel`
+    merges the splits by their log-sum-exp.
+  * prefill (every other step): varlen flash attention, one program per (query tile of a
+    sequence, q head); the tile -> sequence map is built on the host. Scores never exceed one
+    `[BLOCK_M, BLOCK_N]` tile.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ...model_inputs import ModelInputs
+
+MAX_SPLITS = 64           # decode: most splits of one sequence's KV
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seq_idx_ptr, offsets_ptr,
+                     history_lens_ptr, block_tables_ptr,
+                     stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                     stride_kcb, stride_kcs, stride_kch, stride_kcd,
+                     stride_vcb, stride_vcs, stride_vch, stride_vcd,
+                     stride_btb, stride_btn,
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.load(seq_idx_ptr + token)
+    pos = tl.load(history_lens_ptr + seq) + tl.load(offsets_ptr + token)
+    block = tl.load(block_tables_ptr + seq * stride_btb + (pos // BLOCK_SIZE) * stride_btn)
+    slot = pos % BLOCK_SIZE
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d * stride_kd, mask=d_valid)
+    v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d * stride_vd, mask=d_valid)
+    tl.store(k_cache_ptr + block * stride_kcb + slot * stride_kcs + head * stride_kch
+             + d * stride_kcd, k.to(k_cache_ptr.dtype.element_ty), mask=d_valid)
+    tl.store(v_cache_ptr + block * stride_vcb + slot * stride_vcs + head * stride_vch
+             + d * stride_vcd, v.to(v_cache_ptr.dtype.element_ty), mask=d_valid)
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, q_pos, start, end, block_table_ptr, stride_btn,
+                 k_head_ptr, stride_kb, stride_ks, stride_kd,
+                 v_head_ptr, stride_vb, stride_vs, stride_vd, qk_scale, d, d_valid,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over cache positions start .. start + BLOCK_N - 1 (those < end).
+    q [M, D] (query rows at cache positions q_pos [M]); acc [M, D], m_i, l_i [M] fp32 with
+    m_i in log2 units. CAUSAL masks positions past each row's own."""
+    pos = start + tl.arange(0, BLOCK_N)
+    pos_valid = pos < end
+    block = tl.load(block_table_ptr + (pos // BLOCK_SIZE) * stride_btn, mask=pos_valid, other=0)
+    slot = pos % BLOCK_SIZE
+    kv_mask = pos_valid[:, None] & d_valid[None, :]
+    k = tl.load(k_head_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks
+                + d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    visible = pos_valid[None, :]
+    if CAUSAL:
+        visible = visible & (pos[None, :] <= q_pos[:, None])
+    scores = tl.where(visible, scores, float('-inf'))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float('-inf'), 0.0, m_new)    # a row with nothing visible yet
+    probs = tl.exp2(scores - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    v = tl.load(v_head_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs
+                + d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), v.to(q.dtype),
+                                        input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(probs, 1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_lens_ptr,
+                   o_ptr, lse_ptr, qk_scale,
+                   stride_qt, stride_qh, stride_qd,
+                   stride_kb, stride_ks, stride_kh, stride_kd,
+                   stride_vb, stride_vs, stride_vh, stride_vd,
+                   stride_btb, stride_btn,
+                   stride_ot, stride_oh, stride_os, stride_od,
+                   stride_lt, stride_lh, stride_ls,
+                   Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, M_TILES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """Grid (B, n_kv * M_TILES, NUM_SPLITS). Row r of a KV head is new token r // GROUP, q head
+    kv_head * GROUP + r % GROUP. Writes each row's split result normalised by its own sum, and
+    (NUM_SPLITS > 1) its log2-sum-exp; a split past the sequence's KV writes nothing."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1) // M_TILES
+    rows = (tl.program_id(1) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.program_id(2)
+    row_valid = rows < Q_LEN * GROUP
+    token = seq * Q_LEN + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+
+    history = tl.load(history_lens_ptr + seq)
+    kv_len = history + Q_LEN
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, kv_len)
+
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+    q_pos = history + rows // GROUP
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq * stride_btb
+    for tile_start in range(start, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, tile_start, end, block_table_ptr, stride_btn,
+            k_cache_ptr + kv_head * stride_kh, stride_kb, stride_ks, stride_kd,
+            v_cache_ptr + kv_head * stride_vh, stride_vb, stride_vs, stride_vd,
+            qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+
+    has_sum = l_i > 0                      # False: every position of the split is hidden
+    out = acc / tl.where(has_sum, l_i, 1.0)[:, None]
+    non_empty = start < end
+    tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
+             + d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=q_mask & non_empty)
+    if NUM_SPLITS > 1:
+        lse = tl.where(has_sum, m_i + tl.log2(tl.where(has_sum, l_i, 1.0)), float('-inf'))
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split * stride_ls, lse,
+                 mask=row_valid & non_empty)
+
+
+@triton.jit
+def _combine_kernel(o_split_ptr, lse_ptr, out_ptr, history_lens_ptr,
+                    stride_st, stride_sh, stride_ss, stride_sd,
+                    stride_lt, stride_lh, stride_ls,
+                    stride_ot, stride_oh, stride_od,
+                    Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (T, nq): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over the
+    splits `_decode_kernel` wrote (the same split arithmetic)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_len = tl.load(history_lens_ptr + token // Q_LEN) + Q_LEN
+    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    splits = tl.arange(0, BLOCK_S)
+    written = (splits < NUM_SPLITS) & (splits * split_len < kv_len)
+    lse = tl.load(lse_ptr + token * stride_lt + head * stride_lh + splits * stride_ls,
+                  mask=written, other=float('-inf'))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    o = tl.load(o_split_ptr + token * stride_st + head * stride_sh + splits[:, None] * stride_ss
+                + d[None, :] * stride_sd, mask=written[:, None] & d_valid[None, :], other=0.0)
+    out = tl.sum(o * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + d * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=d_valid)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, tiles_ptr,
+                    q_start_loc_ptr, q_lens_ptr, history_lens_ptr, qk_scale,
+                    stride_qt, stride_qh, stride_qd,
+                    stride_kb, stride_ks, stride_kh, stride_kd,
+                    stride_vb, stride_vs, stride_vh, stride_vd,
+                    stride_btb, stride_btn, stride_ot, stride_oh, stride_od, num_tiles,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Grid (num_tiles, nq). tiles [2, num_tiles]: (sequence, first new-token index) of each
+    query tile. Cache positions before the tile's first query are visible to all its rows (no
+    causal mask); the rest, up to the tile's last query, are masked."""
+    seq = tl.load(tiles_ptr + tl.program_id(0))
+    first = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    q_len = tl.load(q_lens_ptr + seq)
+    history = tl.load(history_lens_ptr + seq)
+    rows = first + tl.arange(0, BLOCK_M)
+    row_valid = rows < q_len
+    token = tl.load(q_start_loc_ptr + seq) + rows
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q_mask = row_valid[:, None] & d_valid[None, :]
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
+                mask=q_mask, other=0.0)
+    q_pos = history + rows
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq * stride_btb
+    k_head_ptr = k_cache_ptr + kv_head * stride_kh
+    v_head_ptr = v_cache_ptr + kv_head * stride_vh
+    seen_by_all = history + first
+    unmasked_end = (seen_by_all // BLOCK_N) * BLOCK_N
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, tile_start, seen_by_all, block_table_ptr, stride_btn,
+            k_head_ptr, stride_kb, stride_ks, stride_kd, v_head_ptr, stride_vb, stride_vs,
+            stride_vd, qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+    end = tl.minimum(history + q_len, seen_by_all + BLOCK_M)
+    for tile_start in range(unmasked_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, q_pos, tile_start, end, block_table_ptr, stride_btn,
+            k_head_ptr, stride_kb, stride_ks, stride_kd, v_head_ptr, stride_vb, stride_vs,
+            stride_vd, qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(o_ptr + token[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
+             out.to(o_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return 'ieee' if dtype == torch.float32 else 'tf32'
+
+
+def _tile_sizes(q: torch.Tensor) -> tuple[int, int]:
+    """(largest query-row tile, KV tile). fp32 takes small tiles: its IEEE dots run on FMA units
+    with both operands in registers."""
+    if q.dtype == torch.float32:
+        return 32, 16
+    return 64, 32 if q.shape[-1] > 128 else 64
+
+
+def _launch_options(q: torch.Tensor, block_m: int, block_d: int) -> dict:
+    """Warps for the accumulator's size; two pipeline stages where K/V rows are wide (fp32 at
+    head_dim 256), so the shared memory of the stages fits."""
+    wide = q.dtype == torch.float32 or block_m * block_d >= 64 * 128
+    return dict(num_warps=8 if wide else 4,
+                num_stages=2 if q.element_size() * block_d > 512 else 3)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; 4 under Triton's interpreter (CPU), to keep it to a few programs."""
+    if device.type != 'cuda':
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(num_programs: int, max_kv_tiles: int, num_sms: int) -> int:
+    """Splits of each sequence's KV for `num_programs` (B * n_kv * row tiles) programs: enough
+    for about two waves over the SMs, at most MAX_SPLITS and at most the KV tiles a block table
+    can address. Host values only (a CUDA graph replays the launch for any kv lengths)."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, num_programs), max_kv_tiles))
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             inputs: ModelInputs) -> None:
+    """Write k, v `[T, n_kv, head_dim]` into the caches at the step's slots (no host sync when
+    `inputs.uniform_q_len` is set)."""
+    num_tokens, n_kv, head_dim = k.shape
+    block_size = k_cache.shape[1]
+    _store_kv_kernel[(num_tokens, n_kv)](
+        k, v, k_cache, v_cache, inputs.token_seq_idx, inputs.token_offsets, inputs.history_lens,
+        inputs.block_tables, *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
+        *inputs.block_tables.stride(),
+        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=_block_d(head_dim))
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     inputs: ModelInputs, scale: float,
+                     num_splits: int | None = None) -> torch.Tensor:
+    """q [B * n, nq, d] with n = `inputs.uniform_q_len` new tokens per sequence, already in the
+    caches -> [B * n, nq, d]. Sync-free and graph-capturable. `num_splits` (default
+    `decode_num_splits`) is exposed for tests."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, n_kv, _ = k_cache.shape
+    q_len, group = inputs.uniform_q_len, num_heads // n_kv
+    batch = num_tokens // q_len
+    max_block_m, block_n = _tile_sizes(q)
+    block_m = min(max_block_m, max(16, triton.next_power_of_2(q_len * group)))
+    m_tiles = triton.cdiv(q_len * group, block_m)
+    if num_splits is None:
+        max_kv_tiles = triton.cdiv(inputs.block_tables.shape[1] * block_size, block_n)
+        num_splits = decode_num_splits(batch * n_kv * m_tiles, max_kv_tiles, _num_sms(q.device))
+    out = torch.empty_like(q)
+    if num_splits == 1:
+        o_split, lse = out.unsqueeze(2), out           # final output; lse is not written
+    else:
+        o_split = q.new_empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32)
+        lse = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
+    block_d = _block_d(head_dim)
+    _decode_kernel[(batch, n_kv * m_tiles, num_splits)](
+        q, k_cache, v_cache, inputs.block_tables, inputs.history_lens, o_split, lse,
+        scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        *inputs.block_tables.stride(), *o_split.stride(),
+        *(lse.stride() if num_splits > 1 else (0, 0, 0)),
+        Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits, M_TILES=m_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+        **_launch_options(q, block_m, block_d))
+    if num_splits > 1:
+        _combine_kernel[(num_tokens, num_heads)](
+            o_split, lse, out, inputs.history_lens, *o_split.stride(), *lse.stride(),
+            *out.stride(), Q_LEN=q_len, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+            BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      inputs: ModelInputs, scale: float) -> torch.Tensor:
+    """q [T, nq, d] (any q_lens and history_lens; the step's k/v already in the caches) ->
+    [T, nq, d]. Reads `inputs.host_q_lens` / `host_kv_lens` to build the query-tile map."""
+    num_heads, head_dim = q.shape[1:]
+    block_size, n_kv = k_cache.shape[1:3]
+    (block_m, block_n), block_d = _tile_sizes(q), _block_d(head_dim)
+    q_lens = torch.tensor(inputs.host_q_lens)
+    histories = torch.tensor(inputs.host_kv_lens) - q_lens
+    tiles_per_seq = (q_lens + block_m - 1) // block_m
+    seq = torch.repeat_interleave(torch.arange(len(q_lens)), tiles_per_seq)
+    first = (torch.arange(seq.numel()) - (torch.cumsum(tiles_per_seq, 0) - tiles_per_seq)[seq])
+    first = first * block_m
+    longest_first = torch.argsort(histories[seq] + first, descending=True)
+    tiles = torch.stack([seq, first])[:, longest_first].contiguous().to(q.device)
+    out = torch.empty_like(q)
+    num_tiles = tiles.shape[1]
+    _prefill_kernel[(num_tiles, num_heads)](
+        q, k_cache, v_cache, out, inputs.block_tables, tiles, inputs.q_start_loc, inputs.q_lens,
+        inputs.history_lens, scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        *inputs.block_tables.stride(), *out.stride(), num_tiles,
+        GROUP=num_heads // n_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
+        **_launch_options(q, block_m, block_d))
+    return out
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, inputs: ModelInputs, scale: float) -> torch.Tensor:
+    """Store the step's k/v, then attend each sequence's new queries over its whole cached prefix.
+
+    q [T, nq, d], k/v [T, n_kv, d] -> [T, nq, d]. Decode/verify steps (`is_decoding` with
+    `uniform_q_len`) take the split-KV kernel and keep the decode-step contract; others the
+    varlen prefill kernel."""
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    store_kv(k, v, k_cache, v_cache, inputs)
+    if inputs.is_decoding and inputs.uniform_q_len is not None:
+        return decode_attention(q, k_cache, v_cache, inputs, scale)
+    return prefill_attention(q, k_cache, v_cache, inputs, scale)
