@@ -20,6 +20,7 @@ from lmdeploy_lite.pytorch.engine.sequence import Sequence
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 from lmdeploy_lite.pytorch.models.loader import build_model
+from lmdeploy_lite.pytorch.nn.token_dispatcher import set_low_latency
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
 from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
                                                      check_speculative_config, draft_tp)
@@ -89,13 +90,14 @@ class Engine:
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
         spec = speculative_config
         if spec is not None:
-            check_speculative_config(spec, model_path, self.dist.config.tp)
+            check_speculative_config(spec, model_path, self.dist.config.tp, cfg.load_format)
         self.num_spec_tokens = num_spec = spec.num_speculative_tokens if spec else 0
         uses_mtp = spec is not None and spec.method == 'qwen3_5_mtp'
         num_draft_extra = num_spec - 1 if uses_mtp else 0     # positions the MTP writes past k+1
         max_positions = self.session_len + num_spec + num_draft_extra
         model = build_model(model_path, self.dtype, self.device, progress=progress,
-                            dist_ctx=self.dist)
+                            dist_ctx=self.dist, load_format=cfg.load_format, seed=cfg.seed)
+        set_low_latency(self.dist, False)      # allocates a DeepEP buffer (if any) before the KV
         tp = self.dist.config.tp
         cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec, int(uses_mtp),
                                   self.dtype, available_memory(self.device, self.dist.world_size),
@@ -111,7 +113,7 @@ class Engine:
         if spec is not None:
             self.agent, self.strategy = build_spec_decoding(
                 spec, model_path, self.agent, self.model_config, self.cache_config, self.dtype,
-                self.device, progress, self.dist)
+                self.device, progress, self.dist, load_format=cfg.load_format, seed=cfg.seed)
         if self.device.type == 'cuda' and not cfg.eager_mode:
             self._enable_graphs(max_positions)
         block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
@@ -175,6 +177,7 @@ class Engine:
         self.stopped = plan.shutdown
         if not plan.any_work or plan.shutdown:
             return []
+        set_low_latency(self.dist, plan.all_decoding)     # DeepEP mode: same on every rank
         self.num_steps += 1
         if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
             inputs = self.strategy.make_dummy_inputs(

@@ -48,6 +48,12 @@ class StepPlan:
         return bool(self.rows[:, _DECODING].any())
 
     @property
+    def all_decoding(self) -> bool:
+        """Every rank with work decodes (EP may use DeepEP's fixed-capacity low-latency mode)."""
+        work = self.rows[:, _WORK].bool()
+        return bool(work.any() and self.rows[work, _DECODING].all())
+
+    @property
     def max_tokens(self) -> int:
         """The largest per-rank token count (a multiple of tp): EP dispatch capacity."""
         return int(self.rows[:, _NUM_TOKENS].max())

@@ -23,7 +23,8 @@ def draft_tp(spec: SpeculativeConfig, target_tp: int) -> int:
     return target_tp if spec.tp is None else spec.tp
 
 
-def check_speculative_config(spec: SpeculativeConfig, model_path: str, target_tp: int = 1):
+def check_speculative_config(spec: SpeculativeConfig, model_path: str, target_tp: int = 1,
+                             load_format: str = 'auto'):
     """Errors a user can act on, raised at startup before any request runs."""
     if spec.method != 'qwen3_5_mtp':
         return
@@ -33,14 +34,15 @@ def check_speculative_config(spec: SpeculativeConfig, model_path: str, target_tp
     path = draft_model_dir(spec, model_path)
     if not os.path.isdir(path):
         raise ValueError(f'SpeculativeConfig.model={path!r}: no such directory')
-    if not has_mtp_weights(path):
+    if load_format != 'dummy' and not has_mtp_weights(path):
         raise ValueError(f"SpeculativeConfig(method='qwen3_5_mtp'): {path} has no mtp.* tensors; "
                          f"use a Qwen3.5 checkpoint that ships its MTP head, or method='ngram'")
 
 
 def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelAgent,
                         model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
-                        device: torch.device, progress: bool = True, dist_ctx=None
+                        device: torch.device, progress: bool = True, dist_ctx=None,
+                        load_format: str = 'auto', seed: int = 0
                         ) -> tuple[SpecAgent, ARSpecStrategy]:
     k = spec.num_speculative_tokens
     proposer, host_proposer = None, None
@@ -55,7 +57,8 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
         layer_ctx = dist_ctx if tp > 1 or spec.tp is None else None
         mtp = Qwen3_5MTP(model_config, dtype, device, target_model.embed_tokens,
                          target_model.lm_head, layer_ctx)
-        load_mtp_weights(mtp, draft_model_dir(spec, model_path), progress=progress)
+        load_mtp_weights(mtp, draft_model_dir(spec, model_path), progress=progress,
+                         load_format=load_format, seed=seed)
         mtp.eval()
         caches = CacheEngine(model_config, cache_config, dtype, device,
                              layer_types=('full_attention',), tp=tp)

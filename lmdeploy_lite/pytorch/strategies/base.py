@@ -10,24 +10,25 @@ from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
                       block_tables: list[list[int]], state_slots: list[int],
                       is_decoding: bool, device) -> ModelInputs:
-    """Flatten per-sequence token chunks (each continuing at its history length) into ModelInputs."""
+    """Flatten per-sequence token chunks (each continuing at its history length) into ModelInputs.
+    All fields travel to the device in one copy (one int64 buffer, split there)."""
     q_lens = [len(c) for c in token_chunks]
-    positions = [h + i for h, n in zip(history_lens, q_lens) for i in range(n)]
+    batch = len(q_lens)
     width = max((len(b) for b in block_tables), default=0) or 1
-    table = [b + [0] * (width - len(b)) for b in block_tables]
-    as_long = dict(dtype=torch.long)
-    inputs = ModelInputs(
-        input_ids=torch.tensor([t for c in token_chunks for t in c], **as_long),
-        positions=torch.tensor(positions, **as_long),
-        q_lens=torch.tensor(q_lens, **as_long),
-        history_lens=torch.tensor(history_lens, **as_long),
-        block_tables=torch.tensor(table, **as_long).reshape(len(block_tables), width),
-        state_slots=torch.tensor(state_slots, **as_long),
-        state_index=torch.zeros(len(state_slots), **as_long),
+    flat = [t for c in token_chunks for t in c]
+    flat += [h + i for h, n in zip(history_lens, q_lens) for i in range(n)]      # positions
+    flat += q_lens + list(history_lens) + list(state_slots) + [0] * batch       # .., state_index
+    for b in block_tables:
+        flat += b + [0] * (width - len(b))
+    buffer = torch.tensor(flat, dtype=torch.long).to(device)
+    num_tokens = sum(q_lens)
+    input_ids, positions, q, hist, slots, index, table = buffer.split(
+        [num_tokens, num_tokens, batch, batch, batch, batch, batch * width])
+    return ModelInputs(
+        input_ids=input_ids, positions=positions, q_lens=q, history_lens=hist,
+        block_tables=table.view(batch, width), state_slots=slots, state_index=index,
         is_decoding=is_decoding,
-        uniform_q_len=q_lens[0] if is_decoding and q_lens and len(set(q_lens)) == 1 else None,
-    )
-    return inputs.to(device)
+        uniform_q_len=q_lens[0] if is_decoding and q_lens and len(set(q_lens)) == 1 else None)
 
 
 class Strategy:
