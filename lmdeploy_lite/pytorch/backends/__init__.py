@@ -7,6 +7,7 @@ Every backend provides (see `backends/default` for shapes and semantics):
     causal_conv1d_update(x, weight, conv_cache, inputs) -> [T, C]
     gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
     gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
+    gdn_gating(a, b, A_log, dt_bias) -> (g, beta)   (log decay and write strength, [T, nv])
     rms_norm(x, weight, eps) -> x.shape          (zero-centred: x / rms(x) * (1 + w))
     gated_rms_norm(x, gate, weight, eps) -> x.shape   (w * x / rms(x) * silu(gate))
     silu_mul(gate_up) -> [..., I]                (silu(gate_up[..., :I]) * gate_up[..., I:])

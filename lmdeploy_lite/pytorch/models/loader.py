@@ -29,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config import ModelConfig
+from ..nn.linear import fuse_projections
 from ..nn.norm import GatedRMSNorm, RMSNorm
 
 SINGLE_FILE = 'model.safetensors'
@@ -272,4 +273,6 @@ def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
         init_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir, progress=progress)
+    if torch.device(device).type == 'cuda':      # fewer, larger GEMMs for decode
+        fuse_projections(model)
     return model.eval()

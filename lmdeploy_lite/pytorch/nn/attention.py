@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..model_inputs import ModelInputs
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rotary import apply_rotary
 from .sharding import tp_layout
@@ -40,16 +40,25 @@ class GatedAttention(nn.Module):
                                         dist_ctx=dist_ctx)
         self.q_norm = RMSNorm(head_dim, eps, dtype, device)
         self.k_norm = RMSNorm(head_dim, eps, dtype, device)
+        self.qkv_proj = None         # q/k/v_proj as one GEMM, after `fuse_projections`
+
+    def fuse_projections(self):
+        self.qkv_proj = FusedColumnLinear([self.q_proj, self.k_proj, self.v_proj])
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs) -> torch.Tensor:
         """hidden [T, H]; rope (cos, sin) [T, rotary_dim]; kv_cache (k_cache, v_cache) with this
         rank's KV heads."""
         num_tokens = hidden.shape[0]
-        q_gate = self.q_proj(hidden).view(num_tokens, -1, 2 * self.head_dim)
+        if self.qkv_proj is not None:
+            q_gate, k, v = self.qkv_proj(hidden)
+        else:
+            q_gate, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q_gate = q_gate.view(num_tokens, -1, 2 * self.head_dim)
         q, gate = q_gate[..., :self.head_dim], q_gate[..., self.head_dim:]
-        k = self.k_proj(hidden).view(num_tokens, -1, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, -1, self.head_dim)
+        k = k.view(num_tokens, -1, self.head_dim)
+        v = v.view(num_tokens, -1, self.head_dim)
         cos, sin = rope
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k), cos, sin)

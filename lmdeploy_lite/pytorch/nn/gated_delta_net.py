@@ -15,12 +15,11 @@ hold only this rank's channels / heads (conv_dim and nv above are per rank).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..model_inputs import ModelInputs
-from .linear import ColumnParallelLinear, RowParallelLinear
-from .norm import GatedRMSNorm, compute_dtype
+from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
+from .norm import GatedRMSNorm
 from .sharding import sharded_parameter, tp_layout
 
 
@@ -59,15 +58,24 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(value_head_dim, eps, dtype, device)   # [dv], same for every head
         self.out_proj = RowParallelLinear(value_dim, hidden_size, dtype, device,
                                           dist_ctx=dist_ctx)
+        self.in_proj = None          # in_proj_qkv/z/b/a as one GEMM, after `fuse_projections`
+
+    def fuse_projections(self):
+        self.in_proj = FusedColumnLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
+                                          self.in_proj_a])
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def forward(self, hidden: torch.Tensor, state_cache: tuple[torch.Tensor, torch.Tensor],
                 inputs: ModelInputs) -> torch.Tensor:
         """hidden [T, H] -> [T, H]; reads/writes `state_cache` as described in model_inputs.py."""
         num_tokens = hidden.shape[0]
         conv_cache, recurrent_cache = state_cache
-        mixed = self.in_proj_qkv(hidden)
-        z = self.in_proj_z(hidden).view(num_tokens, -1, self.value_head_dim)
-        b, a = self.in_proj_b(hidden), self.in_proj_a(hidden)
+        if self.in_proj is not None:
+            mixed, z, b, a = self.in_proj(hidden)
+        else:
+            mixed, z = self.in_proj_qkv(hidden), self.in_proj_z(hidden)
+            b, a = self.in_proj_b(hidden), self.in_proj_a(hidden)
+        z = z.view(num_tokens, -1, self.value_head_dim)
         conv_weight = self.conv1d.weight[:, 0]
         if inputs.is_decoding:
             mixed = self.backend.causal_conv1d_update(mixed, conv_weight, conv_cache, inputs)
@@ -77,9 +85,7 @@ class GatedDeltaNet(nn.Module):
         q = q.view(num_tokens, -1, self.key_head_dim)
         k = k.view(num_tokens, -1, self.key_head_dim)
         v = v.view(num_tokens, -1, self.value_head_dim)
-        acc = compute_dtype(hidden.dtype)
-        beta = torch.sigmoid(b)
-        g = -self.A_log.to(acc).exp() * F.softplus(a.to(acc) + self.dt_bias)
+        g, beta = self.backend.gdn_gating(a, b, self.A_log, self.dt_bias)
         if inputs.is_decoding:
             out = self.backend.gated_delta_rule_decode(q, k, v, g, beta, recurrent_cache, inputs)
         else:

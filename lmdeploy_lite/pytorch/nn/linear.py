@@ -91,3 +91,28 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f'in={self.in_features} (local), out={self.out_features}, bias={self.bias is not None}'
+
+
+class FusedColumnLinear(nn.Module):
+    """Column-parallel projections of the same input as ONE GEMM: the parts' (local) weights
+    concatenated by rows; `forward` returns the parts' outputs split again. Built after loading
+    (`fuse_projections`), so checkpoint names and sharding stay those of the parts."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        if any(p.bias is not None for p in parts):
+            raise ValueError('FusedColumnLinear: parts with a bias are not fused')
+        self.sizes = [p.weight.shape[0] for p in parts]
+        self.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+
+
+def fuse_projections(model: nn.Module) -> nn.Module:
+    """Replace each module's same-input projections by one GEMM (`module.fuse_projections()`;
+    fewer, larger GEMMs: what decode at small batch on a GPU needs). Call after loading."""
+    for module in list(model.modules()):
+        if hasattr(module, 'fuse_projections'):
+            module.fuse_projections()
+    return model

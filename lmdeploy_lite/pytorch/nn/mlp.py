@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import ColumnParallelLinear, RowParallelLinear
+from ..backends import get_backend
+from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 
 
 class SwiGLUMLP(nn.Module):
@@ -19,6 +20,14 @@ class SwiGLUMLP(nn.Module):
                                             dist_ctx=dist_ctx)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, dtype, device,
                                            dist_ctx=dist_ctx, reduce_output=reduce_output)
+        self.gate_up_proj = None     # gate/up_proj as one GEMM, after `fuse_projections`
+
+    def fuse_projections(self):
+        self.gate_up_proj = FusedColumnLinear([self.gate_proj, self.up_proj])
+        self.backend = get_backend(self.gate_up_proj.weight.device)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:       # [gate | up] from one GEMM, one fused kernel
+            return self.down_proj(self.backend.silu_mul(F.linear(x, self.gate_up_proj.weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -125,3 +125,35 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     ran = (inputs.q_lens > 0)[:, None, None, None]
     state_cache[slots, 0] = torch.where(ran, final.to(state_cache.dtype), state_cache[slots, 0])
     return out[0].to(v.dtype)
+
+
+@triton.jit
+def _gating_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, stride_a, stride_b,
+                   num_heads, BLOCK: tl.constexpr):
+    """One token per program: g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus:
+    identity above 20), beta = sigmoid(b)."""
+    row = tl.program_id(0)
+    heads = tl.arange(0, BLOCK)
+    mask = heads < num_heads
+    a = tl.load(a_ptr + row * stride_a + heads, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + row * stride_b + heads, mask=mask, other=0.0).to(tl.float32)
+    a_log = tl.load(a_log_ptr + heads, mask=mask, other=0.0).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + heads, mask=mask, other=0.0).to(tl.float32)
+    x = a + dt_bias
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    tl.store(g_ptr + row * num_heads + heads, -tl.exp(a_log) * softplus, mask=mask)
+    beta = 1.0 / (1.0 + tl.exp(-b))
+    tl.store(beta_ptr + row * num_heads + heads, beta.to(beta_ptr.dtype.element_ty), mask=mask)
+
+
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`backends.default.gdn_gating` in one kernel (a, b may be row-strided views)."""
+    if a.dtype == torch.float64 or a.shape[0] == 0 or a.stride(-1) != 1 or b.stride(-1) != 1:
+        return reference.gdn_gating(a, b, A_log, dt_bias)
+    num_tokens, num_heads = a.shape
+    g = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=a.device)
+    beta = torch.empty(num_tokens, num_heads, dtype=b.dtype, device=b.device)
+    _gating_kernel[(num_tokens,)](a, b, A_log, dt_bias, g, beta, a.stride(0), b.stride(0),
+                                  num_heads, BLOCK=triton.next_power_of_2(num_heads))
+    return g, beta

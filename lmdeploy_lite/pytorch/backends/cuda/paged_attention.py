@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ...model_inputs import ModelInputs
+from ..default.paged_attention import paged_attention as default_paged_attention
 
 MAX_SPLITS = 64           # decode: most splits of one sequence's KV
 LOG2E = 1.4426950408889634
@@ -355,6 +356,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     varlen prefill kernel."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
+    if q.dtype == torch.float64:          # float64 (reference runs): the plain-PyTorch op
+        return default_paged_attention(q, k, v, k_cache, v_cache, inputs, scale)
     store_kv(k, v, k_cache, v_cache, inputs)
     if inputs.is_decoding and inputs.uniform_q_len is not None:
         return decode_attention(q, k_cache, v_cache, inputs, scale)

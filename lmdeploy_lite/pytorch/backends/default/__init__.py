@@ -1,6 +1,6 @@
 """Plain-PyTorch ops: correct on any device; sequences of a step are batched (padded, `varlen.py`)."""
 from .causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
-from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill
+from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating
 from .moe import fused_moe
 from .norm import gated_rms_norm, rms_norm, silu_mul
 from .paged_attention import paged_attention
@@ -13,6 +13,7 @@ class DefaultBackend:
     causal_conv1d_update = staticmethod(causal_conv1d_update)
     gated_delta_rule_prefill = staticmethod(gated_delta_rule_prefill)
     gated_delta_rule_decode = staticmethod(gated_delta_rule_decode)
+    gdn_gating = staticmethod(gdn_gating)
     rms_norm = staticmethod(rms_norm)
     gated_rms_norm = staticmethod(gated_rms_norm)
     silu_mul = staticmethod(silu_mul)
@@ -20,5 +21,5 @@ class DefaultBackend:
 
 
 __all__ = ['DefaultBackend', 'paged_attention', 'causal_conv1d_prefill', 'causal_conv1d_update',
-           'gated_delta_rule_prefill', 'gated_delta_rule_decode', 'rms_norm', 'gated_rms_norm',
+           'gated_delta_rule_prefill', 'gated_delta_rule_decode', 'gdn_gating', 'rms_norm', 'gated_rms_norm',
            'silu_mul', 'fused_moe']

@@ -17,6 +17,14 @@ from ...model_inputs import ModelInputs
 from .varlen import seq_groups
 
 
+def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """a, b [T, nv] (in_proj_a/b outputs) -> g = -exp(A_log) * softplus(a + dt_bias) (log decay,
+    float32; float64 for float64 inputs) and beta = sigmoid(b) (b.dtype), both [T, nv]."""
+    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    return -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias), torch.sigmoid(b)
+
+
 def _prepare(q, k, v, g, beta, acc):
     """-> q, k [T, nv, dk] (normalised, expanded to value heads), v [T, nv, dv], g/beta [T, nv]."""
     ratio = v.shape[1] // q.shape[1]

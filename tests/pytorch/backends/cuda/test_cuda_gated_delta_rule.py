@@ -126,3 +126,22 @@ def test_prefill_fla_matches_default(heads):
                False, dims, torch.bfloat16, 'cuda', rel_tol=2e-2)
     check_step('gated_delta_rule_prefill', [77, 130, 3], [150, 1, 64], [4, 0, 6], [1, 0, 2],
                False, dims, torch.float32, 'cuda', rel_tol=2e-3)  # fla: tf32 dots
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_gdn_gating_matches_default(dtype, kernel_device):
+    from lmdeploy_lite.pytorch.backends.cuda.gated_delta_rule import gdn_gating
+    from lmdeploy_lite.pytorch.backends.default.gated_delta_rule import gdn_gating as reference
+    if dtype == torch.bfloat16 and kernel_device == 'cpu':
+        pytest.skip('bf16 runs on CUDA only')
+    gen = torch.Generator().manual_seed(3)
+    fused = (torch.randn(7, 40, generator=gen) * 8).to(dtype).to(kernel_device)  # a, b are views
+    a, b = fused[:, 32:36], fused[:, 36:40]
+    a_log = torch.rand(4, generator=gen).mul(3).to(dtype).to(kernel_device)
+    dt_bias = torch.randn(4, generator=gen).to(dtype).to(kernel_device)
+    g, beta = gdn_gating(a, b, a_log, dt_bias)
+    g_ref, beta_ref = reference(a, b, a_log, dt_bias)
+    assert g.dtype == g_ref.dtype and beta.dtype == beta_ref.dtype
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(beta, beta_ref, rtol=tol, atol=tol)

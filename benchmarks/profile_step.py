@@ -1,0 +1,60 @@
+"""Where a decode step's time goes: host (cProfile of Engine.step) and device (torch.profiler).
+
+    python benchmarks/profile_step.py --preset qwen3_5_0_8b --device cuda --dtype bfloat16 --batch 1
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+from common import add_model_args, resolve_model
+
+from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy_lite.pytorch.engine.engine import Engine
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument('--batch', type=int, default=1)
+    parser.add_argument('--steps', type=int, default=50)
+    parser.add_argument('--eager', action='store_true')
+    args = parser.parse_args()
+    model_dir, load_format = resolve_model(args)
+    engine = Engine(model_dir, PytorchEngineConfig(
+        dtype=args.dtype, device=args.device, max_batch_size=max(args.batch, 2), session_len=2048,
+        load_format=load_format, seed=args.seed, eager_mode=args.eager), progress=False)
+    cfg = GenerationConfig(max_new_tokens=10_000, ignore_eos=True)
+    for b in range(args.batch):
+        engine.add_request(list(range(10 + b, 138 + b)), cfg)
+    for _ in range(8):
+        engine.step()
+    sync = torch.cuda.synchronize if engine.device.type == 'cuda' else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync()
+    print(f'step: {1000 * (time.perf_counter() - start) / args.steps:.3f} ms')
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        engine.step()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats('tottime').print_stats(25)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if engine.device.type == 'cuda':
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(10):
+            engine.step()
+        sync()
+    key = 'self_cuda_time_total' if engine.device.type == 'cuda' else 'self_cpu_time_total'
+    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+
+
+if __name__ == '__main__':
+    main()
