@@ -67,11 +67,16 @@ class SamplingInputs:
             raise ValueError('SamplingInputs.from_values: all per-request lists must have one entry per row')
         do_sample = [bool(s) and t > 0 for s, t in zip(do_sample, temperature)]
         top_k, top_p = [int(k) for k in top_k], [float(p) for p in top_p]
+        # one host-to-device copy (pinned, not blocking the host on a GPU), split there
+        packed = torch.tensor([do_sample, [float(t) for t in temperature], top_k, top_p],
+                              dtype=torch.float64).reshape(4, -1)
+        if torch.device(device).type == 'cuda':
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
         return cls(
-            do_sample=torch.tensor(do_sample, dtype=torch.bool, device=device),
-            temperature=torch.tensor([float(t) for t in temperature], dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.long, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            do_sample=packed[0].bool(), temperature=packed[1].float(), top_k=packed[2].long(),
+            top_p=packed[3].float(),
             generators=list(generators),
             all_greedy=not any(do_sample),
             needs_filter=any(s and (k > 0 or p < 1.0) for s, k, p in zip(do_sample, top_k, top_p)),

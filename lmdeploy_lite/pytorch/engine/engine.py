@@ -135,6 +135,9 @@ class Engine:
         """CUDA graphs for decode steps when every collective inside a forward can be captured
         (no TP/EP collectives yet: those layouts run eagerly)."""
         layout = self.dist.config
+        if self.dtype == torch.float64:     # float64 runs the plain-PyTorch ops, not capturable
+            logger.info('CUDA graphs off: float64 runs decode steps eagerly')
+            return
         if layout.tp > 1 or layout.ep > 1:
             logger.info('CUDA graphs off: tp=%d ep=%d run decode steps eagerly', layout.tp,
                         layout.ep)

@@ -47,7 +47,10 @@ class ModelAgent:
 
     def set_state_index(self, state_slots: torch.Tensor, index: torch.Tensor | int):
         """After a step: slot `index` holds the state after the last accepted token."""
-        self.state_index[state_slots] = index
+        if isinstance(index, int):       # no host scalar copied over: no sync with the device
+            self.state_index.index_fill_(0, state_slots, index)
+        else:
+            self.state_index[state_slots] = index
 
     def last_logits(self, inputs: ModelInputs, hidden: torch.Tensor) -> torch.Tensor:
         """[B, V] logits at each sequence's last fed position."""

@@ -7,6 +7,14 @@ import torch
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 
 
+def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A fresh host tensor to `device`; to a GPU through pinned memory without blocking the host
+    (the caching host allocator keeps the pinned block until the copy has run)."""
+    if torch.device(device).type != 'cuda':
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
                       block_tables: list[list[int]], state_slots: list[int],
                       is_decoding: bool, device) -> ModelInputs:
@@ -20,7 +28,7 @@ def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
     flat += q_lens + list(history_lens) + list(state_slots) + [0] * batch       # .., state_index
     for b in block_tables:
         flat += b + [0] * (width - len(b))
-    buffer = torch.tensor(flat, dtype=torch.long).to(device)
+    buffer = to_device(torch.tensor(flat, dtype=torch.long), device)
     num_tokens = sum(q_lens)
     input_ids, positions, q, hist, slots, index, table = buffer.split(
         [num_tokens, num_tokens, batch, batch, batch, batch, batch * width])
