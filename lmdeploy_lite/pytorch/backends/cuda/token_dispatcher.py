@@ -257,7 +257,8 @@ class DeepEPDispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         """x [T, H], topk_ids/weights [T, k] -> expert_x [R, H] (x.dtype), local ids [R] (-1:
-        padding row, low-latency mode), handle."""
+        padding row, low-latency mode), handle. DeepEP wants contiguous routing tensors."""
+        x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
         if self.shared.low_latency:
             return self._dispatch_low_latency(x, topk_ids, topk_weights)
         return self._dispatch_normal(x, topk_ids, topk_weights)
