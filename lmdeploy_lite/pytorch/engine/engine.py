@@ -127,6 +127,7 @@ class Engine:
         self.num_steps = 0
         self.stop_requested = False        # set by a driver; travels to every rank in the plan
         self.stopped = False
+        self.world_busy = False
         logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path,
                     self.dtype, self.device, self.cache_config.num_blocks,
                     self.cache_config.block_size)
@@ -178,6 +179,7 @@ class Engine:
         batch = None if self.stop_requested else self.scheduler.schedule()
         plan = StepPlan.gather(batch, self.dist, self.stop_requested)
         self.stopped = plan.shutdown
+        self.world_busy = plan.any_work          # some rank worked this step (executors poll)
         if not plan.any_work or plan.shutdown:
             return []
         set_low_latency(self.dist, plan.all_decoding)     # DeepEP mode: same on every rank

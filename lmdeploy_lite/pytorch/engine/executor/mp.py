@@ -103,7 +103,9 @@ def _rank_loop(rank: int, engine, inbox, outbox):
     seq_of: dict[int, object] = {}           # request id -> Sequence
     leader = engine.dist.tp_rank == 0
     while not engine.stopped:
-        wait = None if engine.has_work else IDLE_WAIT_S
+        # wait on the inbox only when no rank had work last step: an idle rank inside a busy
+        # world must reach the next plan gather at once, or every busy step waits for it
+        wait = None if engine.has_work or engine.world_busy else IDLE_WAIT_S
         events = _drain(inbox, wait) if leader else None
         for kind, payload in engine.dist.broadcast_object(events, 'tp'):
             if kind == 'add':
