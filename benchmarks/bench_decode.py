@@ -19,12 +19,11 @@ shape first (bench_hf.py) and prints it beside the engine.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from bench_hf import hf_info, run_hf
 from common import (add_model_args, copy_bandwidth, environment, output_path, print_table,
-                    release_memory, resolve_model, save_json, synchronize)
+                    release_memory, resolve_model, save_json, timed_decode)
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy_lite.pytorch.config import ModelConfig
@@ -69,21 +68,7 @@ def measure(engine: Engine, batch_size: int, prompt_len: int, decode_steps: int,
     vocab = engine.model_config.vocab_size
     prompts = torch.randint(2, vocab, (batch_size, prompt_len), generator=generator).tolist()
     cfg = GenerationConfig(max_new_tokens=warmup_steps + decode_steps + 8, ignore_eos=True)
-    seqs = [engine.add_request(p, cfg) for p in prompts]
-    while not all(s.prefilled for s in seqs):
-        engine.step()
-    for _ in range(warmup_steps):
-        engine.step()
-    synchronize(engine.device)
-    generated = sum(s.num_generated for s in seqs)
-    start = time.perf_counter()
-    for _ in range(decode_steps):
-        engine.step()
-    synchronize(engine.device)
-    elapsed = time.perf_counter() - start
-    generated = sum(s.num_generated for s in seqs) - generated
-    for seq in seqs:
-        engine.abort(seq)
+    elapsed, generated = timed_decode(engine, prompts, cfg, warmup_steps, decode_steps)
     return {'impl': 'engine', 'batch': batch_size, 'context': prompt_len,
             'step_ms': 1000 * elapsed / decode_steps, 'tok_s': generated / elapsed}
 

@@ -14,14 +14,12 @@ the AR row of the same batch size.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from common import (add_model_args, environment, output_path, print_table, release_memory,
-                    resolve_model, save_json, synchronize)
+                    resolve_model, save_json, timed_decode)
 
-from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, SpecDecodeStats,
-                                    SpeculativeConfig)
+from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
 
@@ -64,22 +62,7 @@ def measure(engine: Engine, k: int, batch_size: int, prompt_len: int, warmup_ste
     prompts = torch.randint(2, vocab, (batch_size, prompt_len), generator=generator).tolist()
     cfg = GenerationConfig(max_new_tokens=(warmup_steps + decode_steps + 1) * (k + 1),
                            ignore_eos=True)
-    seqs = [engine.add_request(p, cfg) for p in prompts]
-    while not all(s.prefilled for s in seqs):
-        engine.step()
-    for _ in range(warmup_steps):
-        engine.step()
-    engine.spec_stats = SpecDecodeStats()
-    synchronize(engine.device)
-    generated = sum(s.num_generated for s in seqs)
-    start = time.perf_counter()
-    for _ in range(decode_steps):
-        engine.step()
-    synchronize(engine.device)
-    elapsed = time.perf_counter() - start
-    generated = sum(s.num_generated for s in seqs) - generated
-    for seq in seqs:
-        engine.abort(seq)
+    elapsed, generated = timed_decode(engine, prompts, cfg, warmup_steps, decode_steps)
     return {'k': k, 'batch': batch_size, 'step_ms': 1000 * elapsed / decode_steps,
             'decode_tok_s': generated / elapsed,
             'mean_accepted_len': engine.spec_stats.mean_accepted_length if k else 1.0,

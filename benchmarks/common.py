@@ -78,6 +78,30 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
+def timed_decode(engine, prompts: list[list[int]], gen_config, warmup_steps: int,
+                 decode_steps: int) -> tuple[float, int]:
+    """Prefill `prompts`, run `warmup_steps` steps, reset the engine's speculative counters, then
+    time `decode_steps` steps. Returns (seconds, tokens emitted in them); aborts the requests."""
+    from lmdeploy_lite.messages import SpecDecodeStats
+    seqs = [engine.add_request(p, gen_config) for p in prompts]
+    while not all(s.prefilled for s in seqs):
+        engine.step()
+    for _ in range(warmup_steps):
+        engine.step()
+    engine.spec_stats = SpecDecodeStats()
+    synchronize(engine.device)
+    generated = sum(s.num_generated for s in seqs)
+    start = time.perf_counter()
+    for _ in range(decode_steps):
+        engine.step()
+    synchronize(engine.device)
+    elapsed = time.perf_counter() - start
+    generated = sum(s.num_generated for s in seqs) - generated
+    for seq in seqs:
+        engine.abort(seq)
+    return elapsed, generated
+
+
 def release_memory():
     """Free a dropped engine's or model's device memory before the next one is built."""
     gc.collect()
