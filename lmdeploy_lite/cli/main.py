@@ -35,6 +35,9 @@ def _engine_args(p: argparse.ArgumentParser):
     p.add_argument('--ray-address', default=None,
                    help="ray cluster to join with the ray backend, e.g. 'auto' or HEAD:6379 "
                         '(sets RAY_ADDRESS; default: RAY_ADDRESS, else a local cluster)')
+    p.add_argument('--async-scheduling', action='store_true',
+                   help='prepare the next decode step while the device runs the current one')
+    p.add_argument('--eager-mode', action='store_true', help='no CUDA graphs for decode steps')
     p.add_argument('--log-level', default='WARNING', help='python logging level')
 
 
@@ -59,7 +62,8 @@ def executor_args(args) -> dict:
     """The executor part of PytorchEngineConfig (and RAY_ADDRESS, which ray.init() reads)."""
     if args.ray_address:
         os.environ['RAY_ADDRESS'] = args.ray_address
-    return dict(distributed_executor_backend=args.distributed_executor_backend)
+    return dict(distributed_executor_backend=args.distributed_executor_backend,
+                async_scheduling=args.async_scheduling, eager_mode=args.eager_mode)
 
 
 def _build(args):

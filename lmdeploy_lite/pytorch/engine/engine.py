@@ -19,6 +19,7 @@ from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
 from lmdeploy_lite.pytorch.engine.sequence import Sequence
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
+from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.models.loader import build_model
 from lmdeploy_lite.pytorch.nn.token_dispatcher import set_low_latency
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
@@ -40,6 +41,36 @@ class StepOutput:
     @property
     def finished(self) -> bool:
         return self.seq.is_finished
+
+
+@dataclass
+class InFlight:
+    """A launched step: its batch, inputs and device results (the next decode step's inputs
+    derive from them), and the results' copies on their way to the host."""
+    batch: ScheduledBatch
+    inputs: ModelInputs
+    result: StepResult
+    host_tokens: torch.Tensor
+    host_accepted: torch.Tensor | None
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, batch, inputs, result: StepResult) -> 'InFlight':
+        """Start the non-blocking device-to-host copies of the emitted tokens and counts."""
+        tensors = [result.output_tokens, result.num_accepted_drafts]
+        if result.output_tokens.device.type != 'cuda':
+            host = [t.clone() if t is not None else None for t in tensors]
+            return cls(batch, inputs, result, host[0], host[1], None)
+        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                .copy_(t, non_blocking=True) for t in tensors]
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(batch, inputs, result, host[0], host[1], copied)
+
+    def host_result(self) -> StepResult:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return StepResult(self.host_tokens, self.host_accepted)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -128,6 +159,13 @@ class Engine:
         self.stop_requested = False        # set by a driver; travels to every rank in the plan
         self.stopped = False
         self.world_busy = False
+        self.in_flight: InFlight | None = None           # async scheduling: a launched step
+        self.num_continued_steps = 0       # decode steps launched before the host caught up
+        self.async_scheduling = cfg.async_scheduling
+        if self.async_scheduling and spec is not None and spec.method == 'ngram':
+            logger.warning('async_scheduling: the ngram proposer needs the accepted tokens on '
+                           'the host before each step; running without async scheduling')
+            self.async_scheduling = False
         logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path,
                     self.dtype, self.device, self.cache_config.num_blocks,
                     self.cache_config.block_size)
@@ -171,17 +209,26 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self.in_flight is not None
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One forward on every rank. With async scheduling a decode step is launched before
+        the host applies the previous step's results (they reach it here, one step late)."""
         self.dist.begin_step(self.num_steps)
-        batch = None if self.stop_requested else self.scheduler.schedule()
+        pending, self.in_flight = self.in_flight, None
+        continued = pending is not None and self._can_continue(pending)
+        outputs = self._finish(pending) if pending is not None and not continued else []
+        if continued:
+            batch = pending.batch
+            self.num_continued_steps += 1
+        else:
+            batch = None if self.stop_requested else self.scheduler.schedule()
         plan = StepPlan.gather(batch, self.dist, self.stop_requested)
         self.stopped = plan.shutdown
         self.world_busy = plan.any_work          # some rank worked this step (executors poll)
         if not plan.any_work or plan.shutdown:
-            return []
+            return outputs + (self._finish(pending) if continued else [])
         set_low_latency(self.dist, plan.all_decoding)     # DeepEP mode: same on every rank
         self.num_steps += 1
         if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
@@ -189,13 +236,36 @@ class Engine:
                 plan.dummy_tokens_per_seq(self.num_spec_tokens), plan.any_decoding, self.device)
             sampling = SamplingInputs.greedy(1, self.device)
         else:
-            inputs = self.strategy.make_model_inputs(batch, self.device)
+            inputs = (self.strategy.make_next_decode_inputs(batch, pending.inputs,
+                                                            pending.result, self.device)
+                      if continued else self.strategy.make_model_inputs(batch, self.device))
             sampling = self._sampling_inputs(batch)
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
         result = self.agent.step(inputs, sampling)
         result = self.strategy.post_broadcast(result, self.agent, inputs, self.dist)
         self.dist.end_step()
-        return [] if batch is None else self._update(batch, result)
+        if batch is None:
+            return outputs
+        launched = InFlight.launch(batch, inputs, result)
+        if not (self.async_scheduling and batch.is_decoding):
+            return outputs + self._finish(launched)
+        self.in_flight = launched
+        return outputs + (self._finish(pending) if continued else [])
+
+    def _can_continue(self, pending: 'InFlight') -> bool:
+        """Async scheduling: run the in-flight decode batch again without the host catching up,
+        when nothing else could be scheduled (no waiting or chunked request, no finished or
+        aborted sequence, room for two more steps); otherwise the host applies first."""
+        seqs = pending.batch.seqs
+        if (not self.async_scheduling or not pending.batch.is_decoding or self.stop_requested
+                or self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
+                or any(s.is_finished for s in seqs)):
+            return False
+        return self.scheduler.reserve_ahead(seqs, num_steps=2)
+
+    def _finish(self, launched: 'InFlight') -> list[StepOutput]:
+        """Wait for a launched step's results on the host and apply them."""
+        return self._update(launched.batch, launched.host_result())
 
     def _sampling_inputs(self, batch: ScheduledBatch) -> SamplingInputs:
         """Rows of a prefill chunk that does not reach the sequence's end sample nothing, so
@@ -215,9 +285,12 @@ class Engine:
         if result.num_accepted_drafts is None:       # prefill chunk or plain decode: one token
             return [StepOutput(seq, self.scheduler.update(seq, q_len, row[:1] if samples else []))
                     for seq, q_len, samples, row in zip(batch.seqs, batch.q_lens,
-                                                        batch.sample_mask, tokens)]
+                                                        batch.sample_mask, tokens)
+                    if not seq.is_finished]      # (async) finished while this step ran
         outputs = []
         for seq, row, accepted in zip(batch.seqs, tokens, result.num_accepted_drafts.tolist()):
+            if seq.is_finished:
+                continue
             seq.spec_stats.add(self.num_spec_tokens, accepted)
             self.spec_stats.add(self.num_spec_tokens, accepted)
             # fed [last, d1..dk]: last and the accepted drafts are now in the cache

@@ -105,7 +105,12 @@ class Scheduler:
             seq = self.waiting[0]
             n = min(seq.num_uncomputed, budget)
             need = seq.num_computed + n + self.num_draft_extra
-            if not self.bm.can_hold(seq, need):
+            # admit only with room for the whole prompt: a sequence admitted on a first chunk
+            # that then cannot grow preempts itself and is re-admitted, forever (a livelock
+            # when it is the newest and the cache is full)
+            whole = min(len(seq.token_ids) + self.num_draft_extra,
+                        self.max_positions(self.session_len))
+            if not self.bm.can_hold(seq, max(need, whole)):
                 break
             self.bm.grow(seq, need)
             self.waiting.popleft()
@@ -133,6 +138,20 @@ class Scheduler:
         if not seqs:
             return None
         return ScheduledBatch(seqs, [1 + self.num_spec_tokens] * len(seqs), is_decoding=True)
+
+    def reserve_ahead(self, seqs: list[Sequence], num_steps: int) -> bool:
+        """Async scheduling: grow each sequence's blocks to cover `num_steps` more decode steps
+        past what the host knows (the step in flight and the next one). False when a sequence
+        would pass its session or the cache has no room without preempting: the caller then
+        catches up and schedules normally."""
+        per_step = 1 + self.num_spec_tokens
+        limit = self.max_positions(self.session_len)
+        for seq in seqs:
+            need = seq.num_computed + num_steps * per_step + self.num_draft_extra
+            if need > limit or not self.bm.can_hold(seq, need):
+                return False
+            self.bm.grow(seq, need)
+        return True
 
     def _preempt_for(self, seq: Sequence, num_tokens: int) -> bool:
         """Free later arrivals (recompute later) until `seq` fits; False if `seq` was the victim."""

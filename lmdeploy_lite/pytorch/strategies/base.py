@@ -43,6 +43,31 @@ class Strategy:
     def make_model_inputs(self, batch, device) -> ModelInputs:
         raise NotImplementedError
 
+    def make_next_decode_inputs(self, batch, prev: ModelInputs, prev_result, device
+                                ) -> ModelInputs:
+        """Async scheduling: the decode batch `prev` ran, one step on, built while that step may
+        still run. Lengths advance on the device by what it emitted, so the host does not need
+        to know; block tables come from the host (reserved ahead by the scheduler)."""
+        history = prev.history_lens + self.emitted_per_row(prev_result)
+        n = prev.uniform_q_len
+        positions = (history[:, None] + torch.arange(n, device=history.device)).flatten()
+        width = max(len(s.blocks) for s in batch.seqs)
+        table = to_device(torch.tensor([s.blocks + [0] * (width - len(s.blocks))
+                                        for s in batch.seqs], dtype=torch.long), device)
+        return ModelInputs(input_ids=self.next_input_ids(prev_result, n), positions=positions,
+                           q_lens=prev.q_lens, history_lens=history, block_tables=table,
+                           state_slots=prev.state_slots,
+                           state_index=torch.zeros_like(prev.state_slots), is_decoding=True,
+                           uniform_q_len=n)
+
+    def emitted_per_row(self, result) -> torch.Tensor:
+        """[B] long on the device: tokens each row added to its sequence in `result`'s step."""
+        raise NotImplementedError
+
+    def next_input_ids(self, result, q_len: int) -> torch.Tensor:
+        """[B * q_len] long on the device: the next decode step's token ids (or placeholders)."""
+        raise NotImplementedError
+
     def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device
                           ) -> ModelInputs:
         """One sequence of `num_tokens_per_seq` padding tokens for a rank with no work, so that

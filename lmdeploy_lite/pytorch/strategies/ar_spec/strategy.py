@@ -46,6 +46,13 @@ class ARSpecStrategy(Strategy):
             inputs.draft_tokens = torch.tensor(drafts, dtype=torch.long, device=device)
         return inputs
 
+    def emitted_per_row(self, result) -> torch.Tensor:
+        return result.num_accepted_drafts + 1         # accepted drafts and the bonus token
+
+    def next_input_ids(self, result, q_len: int) -> torch.Tensor:
+        # placeholders: the spec agent builds [bonus, drafts] from its device tables
+        return result.output_tokens.new_full((result.output_tokens.shape[0] * q_len,), -1)
+
     def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device
                           ) -> ModelInputs:
         inputs = super().make_dummy_inputs(num_tokens_per_seq, is_decoding, device)
