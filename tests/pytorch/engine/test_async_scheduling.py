@@ -156,3 +156,32 @@ def test_mp_dp2_ep2_async_gives_the_sync_tokens(prompts, tiny_ckpt, monkeypatch)
     assert [r.token_ids for r in responses] == want
     assert sum(r.spec_stats.num_accepted_tokens for r in responses) == want_counts[2]
     assert time.monotonic() - start < 200
+
+
+def test_stop_words_inside_accepted_runs_on_the_embedded_model():
+    """A stop word (text) ends the output at the same token with and without async scheduling;
+    the embedded model's MTP head accepts runs of drafts, so stops land inside them."""
+    from transformers import AutoTokenizer
+
+    from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    prompts = [tokenizer.encode(p) for p in ('def fibonacci(n):\n', 'import os\nimport sys\n',
+                                             'class Config:\n    def __init__(self')]
+    base = dict(dtype='float32', device='cpu', block_size=16, session_len=256)
+
+    def run(async_scheduling, gen):
+        engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(
+            async_scheduling=async_scheduling, **base), SpeculativeConfig(num_speculative_tokens=3),
+            tokenizer=tokenizer, progress=False)
+        seqs = engine.generate(prompts, gen)
+        return [s.generated_ids for s in seqs], [s.finish_reason for s in seqs]
+
+    free, _ = run(False, GenerationConfig(max_new_tokens=48, ignore_eos=True))
+    import re
+    words = re.findall(r'[A-Za-z_]{3,}', tokenizer.decode(free[0]))
+    assert words, f'the model wrote no word to stop at: {tokenizer.decode(free[0])!r}'
+    gen = GenerationConfig(max_new_tokens=48, ignore_eos=True, stop_words=[words[len(words) // 2]])
+    sync_tokens, sync_reasons = run(False, gen)
+    async_tokens, async_reasons = run(True, gen)
+    assert async_tokens == sync_tokens and async_reasons == sync_reasons
+    assert sync_reasons[0] == 'stop' and len(sync_tokens[0]) < len(free[0])
