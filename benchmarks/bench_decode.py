@@ -113,7 +113,8 @@ def main():
     engine = Engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(batch_sizes + [2]),
         session_len=session_len, max_prefill_token_num=args.max_prefill_tokens,
-        load_format=load_format, seed=args.seed), progress=False)
+        load_format=load_format, seed=args.seed,
+        async_scheduling=args.async_scheduling), progress=False)
     config, dtype = engine.model_config, engine.dtype
     measure(engine, 2, 16, 2, 2)                                        # warm-up
     rows = [measure(engine, bs, args.prompt_len, args.decode_steps, args.warmup_steps)

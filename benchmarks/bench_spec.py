@@ -48,7 +48,7 @@ def build_engine(model_dir: str, load_format: str, k: int, rates, args) -> Engin
     engine = Engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch_sizes + [2]),
         session_len=args.prompt_len + (steps + 2) * (k + 1) + 16, load_format=load_format,
-        seed=args.seed), spec, progress=False)
+        seed=args.seed, async_scheduling=args.async_scheduling), spec, progress=False)
     if k and rates:
         engine.agent.rejection_sampler = synthetic_rejection_sampler(rates)
     return engine

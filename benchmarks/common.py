@@ -39,6 +39,8 @@ def add_model_args(parser, dtype: str = 'float32', device: str = 'cpu'):
     parser.add_argument('--seed', type=int, default=0, help='dummy-weight seed')
     parser.add_argument('--dtype', default=dtype)
     parser.add_argument('--device', default=device)
+    parser.add_argument('--async-scheduling', action='store_true',
+                        help='PytorchEngineConfig(async_scheduling=True)')
 
 
 def resolve_model(args) -> tuple[str, str]:
