@@ -26,6 +26,7 @@ from lmdeploy_lite.pytorch.sampling import SamplingInputs
 from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
                                                      check_speculative_config, draft_tp)
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
+from lmdeploy_lite.pytorch.strategies.base import dummy_table_width
 
 logger = logging.getLogger('lmdeploy_lite')
 
@@ -183,8 +184,8 @@ class Engine:
             return
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
         block_size = self.cache_config.block_size
-        dummy_width = 2 * (1 + self.num_spec_tokens) + 16      # strategies.base dummy inputs
-        max_blocks = max(-(-max_positions // block_size), dummy_width)
+        max_blocks = max(-(-max_positions // block_size),
+                         dummy_table_width(1 + self.num_spec_tokens))
         self.agent.enable_graphs(batch_buckets(self.engine_config.max_batch_size), max_blocks)
 
     # ---- requests -------------------------------------------------------------------------

@@ -15,6 +15,12 @@ def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def dummy_table_width(num_tokens_per_seq: int) -> int:
+    """Block-table width of an idle rank's dummy inputs: covers any draft positions past the
+    step (all entries are the reserved block 0)."""
+    return 2 * num_tokens_per_seq + 16
+
+
 def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
                       block_tables: list[list[int]], state_slots: list[int],
                       is_decoding: bool, device) -> ModelInputs:
@@ -74,7 +80,7 @@ class Strategy:
         its collectives match the busy ranks' (sizes from the StepPlan). Every block-table entry
         is the reserved block 0 and the state row is the reserved slot 0: its cache writes
         land where no real sequence reads."""
-        width = 2 * num_tokens_per_seq + 16          # covers any draft positions past the step
+        width = dummy_table_width(num_tokens_per_seq)
         inputs = pack_model_inputs([[0] * num_tokens_per_seq], [0], [[0] * width], [0],
                                    is_decoding=is_decoding, device=device)
         inputs.is_dummy = True
