@@ -2,7 +2,8 @@
 
 CPU: the factory's choice and fallbacks, the capacity rules, the pure helpers (low-latency
 flattening, exact bf16 splitting), and the whole DeepEPDispatcher (both modes, bf16 and exact
-float32) on a one-rank stand-in for deep_ep.Buffer that follows DeepEP's documented semantics.
+float32) on a one-rank stand-in for deep_ep.Buffer that follows DeepEP's documented semantics,
+including bf16 low-latency's grouped rows run by FusedExperts' masked op.
 GPU (2 GPUs, `deep_ep` importable): DeepEP against the all-to-all dispatcher on random inputs.
 """
 import queue
@@ -14,9 +15,11 @@ import torch
 from lmdeploy_lite.pytorch.backends.cuda import token_dispatcher as deepep
 from lmdeploy_lite.pytorch.config import DistConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
+from lmdeploy_lite.pytorch.nn.moe import FusedExperts
 from lmdeploy_lite.pytorch.nn.token_dispatcher import (ENV_CAPACITY, ENV_DISPATCHER,
-                                                       AllToAllDispatcher, dispatch_capacity,
-                                                       make_dispatcher, set_low_latency)
+                                                       AllToAllDispatcher, GroupedRows,
+                                                       dispatch_capacity, make_dispatcher,
+                                                       set_low_latency)
 
 
 def ep_context(ep: int = 2, rank: int = 0) -> DistContext:
@@ -149,6 +152,19 @@ def toy_experts(x, local_ids):
     return torch.where((local_ids >= 0)[:, None], out, 0)
 
 
+def run_toy_experts(expert_x, routing, first_expert=0):
+    """toy_experts on what a dispatcher hands over (global expert = first_expert + local id):
+    rows and local ids, or rows grouped by expert (`GroupedRows`; a new tensor, not written into
+    routing.out, so combine must copy it in)."""
+    if isinstance(routing, GroupedRows):
+        experts, capacity, hidden = expert_x.shape
+        valid = torch.arange(capacity, device=expert_x.device)[None, :] < routing.counts[:, None]
+        local = torch.arange(experts, device=expert_x.device)[:, None].expand(experts, capacity)
+        ids = torch.where(valid, local + first_expert, -1).reshape(-1)
+        return toy_experts(expert_x.reshape(-1, hidden), ids).view(experts, capacity, hidden)
+    return toy_experts(expert_x, torch.where(routing >= 0, routing + first_expert, -1))
+
+
 @pytest.mark.parametrize('low_latency', [False, True])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
 def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, low_latency):
@@ -162,11 +178,15 @@ def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, low_latency):
     dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, dtype, capacity=tokens)
     dispatcher.shared.buffer = OneRankBuffer()
     set_low_latency(ctx, low_latency)
-    expert_x, local_ids, handle = dispatcher.dispatch(x, ids, weights)
-    if low_latency:                                  # fixed shapes: E * capacity rows
-        assert expert_x.shape == (num_experts * dispatcher.shared.ll_capacity, hidden)
+    expert_x, routing, handle = dispatcher.dispatch(x, ids, weights)
+    capacity = dispatcher.shared.ll_capacity
+    if low_latency and dtype == torch.bfloat16:      # grouped by expert: [E, capacity, H]
+        assert isinstance(routing, GroupedRows) and expert_x.shape == (num_experts, capacity,
+                                                                       hidden)
+    elif low_latency:                                # fixed shapes: E * capacity rows
+        assert expert_x.shape == (num_experts * capacity, hidden)
     assert expert_x.dtype == dtype
-    out = dispatcher.combine(toy_experts(expert_x, local_ids), handle)
+    out = dispatcher.combine(run_toy_experts(expert_x, routing), handle)
     pairs = toy_experts(x.repeat_interleave(top_k, 0), ids.reshape(-1)).view(tokens, top_k, -1)
     want = (pairs * weights[..., None]).sum(1)                  # AllToAllDispatcher.combine
     if dtype == torch.float32:
@@ -179,6 +199,35 @@ def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, low_latency):
             dispatcher.dispatch(*more)
     else:                                            # normal mode has no per-rank limit
         dispatcher.dispatch(*more)
+
+
+def test_low_latency_bf16_experts_run_masked_into_the_combine_buffer():
+    """bf16 low-latency: FusedExperts.run takes DeepEP's [E, C, H] rows (a view of the receive
+    buffer, NaN past the counts) with their counts and writes into the buffer combine sends; the
+    result equals the experts on the tokens without EP."""
+    num_experts, hidden, inter, top_k, tokens = 4, 64, 32, 2, 6
+    gen = torch.Generator().manual_seed(5)
+    experts = FusedExperts(hidden, inter, num_experts, torch.bfloat16, 'cpu')
+    experts.gate_up_proj.copy_(torch.randn(num_experts, 2 * inter, hidden, generator=gen) / 8)
+    experts.down_proj.copy_(torch.randn(num_experts, hidden, inter, generator=gen) / 6)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k]
+                       for _ in range(tokens)])                 # expert 3 gets no token
+    weights = torch.rand(tokens, top_k, generator=gen).softmax(-1).bfloat16()
+    ctx = ep_context(ep=1)
+    dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, torch.bfloat16,
+                                         capacity=tokens)
+    dispatcher.shared.buffer = OneRankBuffer()
+    set_low_latency(ctx, True)
+    expert_x, routing, handle = dispatcher.dispatch(x, ids, weights)
+    assert isinstance(routing, GroupedRows) and routing.counts[3] == 0
+    assert routing.out.shape == (num_experts, dispatcher.shared.ll_capacity,
+                                 dispatcher.shared.width)
+    expert_out = experts.run(expert_x, routing)
+    assert expert_out.shape == expert_x.shape and expert_out.data_ptr() == routing.out.data_ptr()
+    out = dispatcher.combine(expert_out, handle)
+    torch.testing.assert_close(out.float(), experts(x, weights, ids).float(), atol=2e-2,
+                               rtol=2e-2)
 
 
 # ---- two GPUs: DeepEP against all-to-all -----------------------------------------------------
@@ -213,9 +262,9 @@ def _compare_worker(rank: int, init_method: str, results):
                 dispatcher.shared.set_low_latency(low_latency)
                 results_of = []
                 for d in (reference, dispatcher):
-                    expert_x, local_ids, handle = d.dispatch(x, ids, weights)
-                    local_ids = torch.where(local_ids >= 0, local_ids + d.first_expert, -1)
-                    results_of.append(d.combine(toy_experts(expert_x, local_ids), handle))
+                    expert_x, routing, handle = d.dispatch(x, ids, weights)
+                    expert_out = run_toy_experts(expert_x, routing, d.first_expert)
+                    results_of.append(d.combine(expert_out, handle))
                 want, got = results_of
                 if dtype == torch.float32:
                     assert got.equal(want), (hidden, low_latency, tokens)

@@ -12,6 +12,8 @@ Every backend provides (see `backends/default` for shapes and semantics):
     gated_rms_norm(x, gate, weight, eps) -> x.shape   (w * x / rms(x) * silu(gate))
     silu_mul(gate_up) -> [..., I]                (silu(gate_up[..., :I]) * gate_up[..., I:])
     fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids) -> [T, H]
+    fused_moe_masked(x, counts, gate_up_proj, down_proj, out=None) -> [E, C, H]
+                                                 (rows grouped by expert: x[e, :counts[e]])
 
 Decode-step contract (what lets `graph_runner` capture a step in a CUDA graph): when
 `inputs.is_decoding`, an op reads no device value on the host (no `.item()`, `.tolist()`,

@@ -23,6 +23,7 @@ from .linear import ReplicatedLinear
 from .mlp import SwiGLUMLP
 from .norm import compute_dtype
 from .sharding import sharded_parameter, tp_layout
+from .token_dispatcher import GroupedRows
 
 
 class TopKRouter(nn.Module):
@@ -67,12 +68,17 @@ class FusedExperts(nn.Module):
         for param in (self.gate_up_proj, self.down_proj):
             param.expert_range = (first_expert, num_local, num_experts)
 
-    def run(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
-        """x [R, H] rows, each for one expert `local_ids [R]` (-1: none, gives 0) -> unweighted
-        outputs [R, H]."""
+    def run(self, x: torch.Tensor, routing: torch.Tensor | GroupedRows) -> torch.Tensor:
+        """Unweighted outputs of the rows a dispatcher hands over: x [R, H] with local expert
+        ids `routing [R]` (-1: none, gives 0) -> [R, H]; or x [E_local, C, H] grouped by expert
+        (`GroupedRows`) -> [E_local, C, H] (in `routing.out` when given; rows past the counts
+        undefined)."""
+        if isinstance(routing, GroupedRows):
+            return self.backend.fused_moe_masked(x, routing.counts, self.gate_up_proj,
+                                                 self.down_proj, out=routing.out)
         ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
         return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, ones,
-                                      local_ids[:, None])
+                                      routing[:, None])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> [T, H], summed over k in the same order as EP's
@@ -115,12 +121,12 @@ class SparseMoeBlock(nn.Module):
         of a DP group hold the same tokens, so TP rank r sends only rows
         [r * ceil(T/tp), (r+1) * ceil(T/tp)); the other rows stay 0 until the TP all-reduce."""
         if self.tp == 1:
-            expert_x, local_ids, handle = self.dispatcher.dispatch(x, ids, weights)
-            return self.dispatcher.combine(self.experts.run(expert_x, local_ids), handle)
+            expert_x, routing, handle = self.dispatcher.dispatch(x, ids, weights)
+            return self.dispatcher.combine(self.experts.run(expert_x, routing), handle)
         rows = -(-x.shape[0] // self.tp)
         start = min(self.tp_rank * rows, x.shape[0])
         mine = slice(start, min(start + rows, x.shape[0]))
-        expert_x, local_ids, handle = self.dispatcher.dispatch(x[mine], ids[mine], weights[mine])
+        expert_x, routing, handle = self.dispatcher.dispatch(x[mine], ids[mine], weights[mine])
         routed = torch.zeros_like(x)
-        routed[mine] = self.dispatcher.combine(self.experts.run(expert_x, local_ids), handle)
+        routed[mine] = self.dispatcher.combine(self.experts.run(expert_x, routing), handle)
         return routed

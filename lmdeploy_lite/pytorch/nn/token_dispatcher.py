@@ -1,9 +1,15 @@
 """Moving MoE tokens to the ranks that own their experts (expert parallelism).
 
-Interface: `dispatch(x, topk_ids, topk_weights) -> (expert_x, local_expert_ids, handle)` sends
-every (token, chosen expert) pair to the expert's rank; the caller runs its local experts on
-`expert_x` (a local id of -1 marks a padding row, whose output is ignored); `combine(expert_out,
-handle) -> [T, H]` brings the results home and sums them with the router weights.
+Interface: `dispatch(x, topk_ids, topk_weights) -> (expert_x, routing, handle)` sends every
+(token, chosen expert) pair to the expert's rank; the caller runs its local experts on `expert_x`
+(`FusedExperts.run(expert_x, routing)`) and `combine(expert_out, handle) -> [T, H]` brings the
+results home and sums them with the router weights. `routing` says how the rows are laid out:
+  * local expert ids [R] (a tensor): expert_x [R, H], row r for expert routing[r]; -1 marks a
+    padding row, whose output is ignored; expert_out [R, H].
+  * `GroupedRows` (DeepEP low-latency, bf16): expert_x [E_local, C, H], expert e's rows are
+    expert_x[e, :counts[e]] (the rest is garbage, never read); expert_out [E_local, C, H], rows
+    past the counts undefined. The experts run as one masked grouped GEMM (`fused_moe_masked`)
+    with cost following the counts, and write into `GroupedRows.out`, the buffer combine sends.
 
 Two implementations, chosen by `make_dispatcher` (LMDEPLOY_LITE_EP_DISPATCHER=auto|alltoall|
 deepep, default auto): `AllToAllDispatcher` below (torch.distributed, gloo or NCCL; anywhere)
@@ -86,6 +92,15 @@ def set_low_latency(dist_ctx, enabled: bool):
     shared = registered_buffer(dist_ctx.group('ep'))
     if shared is not None:
         shared.set_low_latency(enabled)
+
+
+@dataclass
+class GroupedRows:
+    """`routing` of rows grouped by local expert (see the module docstring). counts [E_local]
+    int, on the device (never read on the host: capturable); out [E_local, C, W >= H] or None:
+    where the experts should write their outputs (columns :H), so that combine sends it as is."""
+    counts: torch.Tensor
+    out: torch.Tensor | None = None
 
 
 @dataclass

@@ -19,13 +19,13 @@ def is_available() -> bool:
 def cuda_backend():
     from ..default import DefaultBackend
     from .causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
-    from .fused_moe import fused_moe
+    from .fused_moe import fused_moe, fused_moe_masked
     from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating
     from .norm import gated_rms_norm, rms_norm, silu_mul
     from .paged_attention import paged_attention
 
-    ops = (causal_conv1d_prefill, causal_conv1d_update, fused_moe, gated_delta_rule_decode,
-           gated_delta_rule_prefill, gdn_gating, gated_rms_norm, rms_norm, silu_mul,
-           paged_attention)
+    ops = (causal_conv1d_prefill, causal_conv1d_update, fused_moe, fused_moe_masked,
+           gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating, gated_rms_norm, rms_norm,
+           silu_mul, paged_attention)
     return type('CudaBackend', (DefaultBackend,),
                 {'name': 'cuda', **{fn.__name__: staticmethod(fn) for fn in ops}})

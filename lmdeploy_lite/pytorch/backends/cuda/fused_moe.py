@@ -15,6 +15,11 @@ CUDA graph; the choice depends only on shapes):
   * more pairs: pairs sorted by expert (torch.argsort on the device) into blocks of `BLOCK_M`
     rows, each expert's run padded to a whole number of blocks; the grid covers the worst case
     `cdiv(P, BLOCK_M) + E` blocks, and blocks past the last used one exit after masked loads.
+
+`fused_moe_masked` runs the same two GEMMs on rows that arrive already grouped by expert (DeepEP's
+low-latency layout `[E, C, H]` with a count per expert, DeepGEMM's "masked" grouped GEMM): no
+sort, no top-k bookkeeping; program (e, row block) returns before any load when its block starts
+at or past counts[e], so the cost follows the valid rows rather than E * C.
 """
 from __future__ import annotations
 
@@ -23,8 +28,10 @@ import triton
 import triton.language as tl
 
 from ..default.moe import fused_moe as reference_fused_moe
+from ..default.moe import fused_moe_masked as reference_fused_moe_masked
 
 UNSORTED_MAX_PAIRS = 64
+MASKED_BLOCK_M = 16             # fused_moe_masked: decode has few rows per expert; tl.dot min
 
 
 @triton.jit
@@ -46,6 +53,42 @@ def _block_rows(block, pair_ids_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, 
 
 
 @triton.jit
+def _gate_up_dot(x_rows, row_ok, w_gate, w_up, w_cols_ok, stride_wk, HIDDEN: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """x_rows [BLOCK_M, 1] row pointers (row_ok [BLOCK_M]), w_gate / w_up [1, BLOCK_N] column
+    pointers of the expert's gate and up rows (w_cols_ok [BLOCK_N]) -> fp32 (gate, up)."""
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < HIDDEN
+        xb = tl.load(x_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_mask = k_ok[:, None] & w_cols_ok[None, :]
+        wg = tl.load(w_gate + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        wu = tl.load(w_up + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        gate = tl.dot(xb, wg, gate, input_precision=DOT_PRECISION)
+        up = tl.dot(xb, wu, up, input_precision=DOT_PRECISION)
+    return gate, up
+
+
+@triton.jit
+def _down_dot(a_rows, row_ok, w_base, w_cols_ok, stride_wk, INTER: tl.constexpr,
+              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """a_rows [BLOCK_M, 1] pointers to rows of inter, w_base [1, BLOCK_N] -> fp32 acc."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < INTER
+        a = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + offs_k[:, None] * stride_wk,
+                    mask=k_ok[:, None] & w_cols_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, pair_ids_ptr, block_expert_ptr, topk_ids_ptr,
                     num_pairs, num_experts, top_k, stride_x, stride_we, stride_wn, stride_wk,
                     stride_inter, HIDDEN: tl.constexpr, INTER: tl.constexpr, SORTED: tl.constexpr,
@@ -54,24 +97,13 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, pair_ids_ptr, block_expert_ptr, top
     pair, store, expert, valid = _block_rows(tl.program_id(0), pair_ids_ptr, block_expert_ptr,
                                              topk_ids_ptr, num_pairs, num_experts, SORTED,
                                              BLOCK_M)
-    rows = store & valid
     token = pair // top_k
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
     w_gate = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
-    w_up = w_gate + INTER * stride_wn
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < HIDDEN
-        xb = tl.load(x_ptr + token[:, None] * stride_x + offs_k[None, :],
-                     mask=rows[:, None] & k_ok[None, :], other=0.0)
-        w_mask = valid & k_ok[:, None] & n_ok[None, :]
-        wg = tl.load(w_gate + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        wu = tl.load(w_up + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
-        gate = tl.dot(xb, wg, gate, input_precision=DOT_PRECISION)
-        up = tl.dot(xb, wu, up, input_precision=DOT_PRECISION)
+    gate, up = _gate_up_dot(x_ptr + token[:, None] * stride_x, store & valid, w_gate,
+                            w_gate + INTER * stride_wn, n_ok & valid, stride_wk, HIDDEN,
+                            DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     gate = gate.to(inter_ptr.dtype.element_ty).to(tl.float32)   # rounded like the reference
     up = up.to(inter_ptr.dtype.element_ty).to(tl.float32)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -82,29 +114,74 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, pair_ids_ptr, block_expert_ptr, top
 @triton.jit
 def _down_kernel(inter_ptr, w_ptr, weights_ptr, out_ptr, pair_ids_ptr, block_expert_ptr,
                  topk_ids_ptr, num_pairs, num_experts, stride_inter, stride_we, stride_wn,
-                 stride_wk, stride_out, HIDDEN: tl.constexpr, INTER: tl.constexpr, SORTED: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 stride_wk, stride_out, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                 SORTED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair, store, expert, valid = _block_rows(tl.program_id(0), pair_ids_ptr, block_expert_ptr,
                                              topk_ids_ptr, num_pairs, num_experts, SORTED,
                                              BLOCK_M)
     rows = store & valid
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < HIDDEN
-    w_base = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, INTER, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < INTER
-        a = tl.load(inter_ptr + pair[:, None] * stride_inter + offs_k[None, :],
-                    mask=rows[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_base + offs_k[:, None] * stride_wk,
-                    mask=valid & k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    acc = _down_dot(inter_ptr + pair[:, None] * stride_inter, rows,
+                    w_ptr + expert * stride_we + offs_n[None, :] * stride_wn, n_ok & valid,
+                    stride_wk, INTER, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = acc.to(inter_ptr.dtype.element_ty).to(tl.float32)        # expert output in x.dtype
     scale = tl.load(weights_ptr + pair, mask=rows, other=0.0).to(tl.float32)
     tl.store(out_ptr + pair[:, None] * stride_out + offs_n[None, :], acc * scale[:, None],
              mask=store[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _masked_block(counts_ptr, capacity, BLOCK_M: tl.constexpr):
+    """Program (e * cdiv(C, BLOCK_M) + b, n) -> (expert e (int64), its first row b * BLOCK_M,
+    the expert's valid row count (clamped to C))."""
+    blocks_per_expert = tl.cdiv(capacity, BLOCK_M)
+    expert = tl.program_id(0) // blocks_per_expert
+    count = tl.minimum(tl.load(counts_ptr + expert), capacity)
+    return expert.to(tl.int64), tl.program_id(0) % blocks_per_expert * BLOCK_M, count
+
+
+@triton.jit
+def _masked_gate_up_kernel(x_ptr, counts_ptr, w_ptr, inter_ptr, capacity, stride_xe, stride_xc,
+                           stride_we, stride_wn, stride_wk, stride_ie, stride_ic,
+                           HIDDEN: tl.constexpr, INTER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    expert, row0, count = _masked_block(counts_ptr, capacity, BLOCK_M)
+    if row0 >= count:                   # past the expert's rows: no loads at all
+        return
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    rows = offs_m < count
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < INTER
+    w_gate = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+    gate, up = _gate_up_dot(x_ptr + expert * stride_xe + offs_m[:, None] * stride_xc, rows,
+                            w_gate, w_gate + INTER * stride_wn, n_ok, stride_wk, HIDDEN,
+                            DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    gate = gate.to(inter_ptr.dtype.element_ty).to(tl.float32)   # rounded like the reference
+    up = up.to(inter_ptr.dtype.element_ty).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(inter_ptr + expert * stride_ie + offs_m[:, None] * stride_ic + offs_n[None, :],
+             act.to(inter_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _masked_down_kernel(inter_ptr, counts_ptr, w_ptr, out_ptr, capacity, stride_ie, stride_ic,
+                        stride_we, stride_wn, stride_wk, stride_oe, stride_oc,
+                        HIDDEN: tl.constexpr, INTER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    expert, row0, count = _masked_block(counts_ptr, capacity, BLOCK_M)
+    if row0 >= count:
+        return
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    rows = offs_m < count
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < HIDDEN
+    acc = _down_dot(inter_ptr + expert * stride_ie + offs_m[:, None] * stride_ic, rows,
+                    w_ptr + expert * stride_we + offs_n[None, :] * stride_wn, n_ok, stride_wk,
+                    INTER, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + expert * stride_oe + offs_m[:, None] * stride_oc + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 
 
 def _sort_pairs(flat_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -172,3 +249,46 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         num_experts, inter.stride(0), *down_proj.stride(), pair_out.stride(0), HIDDEN=hidden,
         INTER=inter_size, **common)
     return pair_out.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
+
+
+def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
+                     down_proj: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Experts on rows grouped by expert (DeepEP's low-latency layout), reference in
+    `backends/default/moe.py`. x [E, C, H] (stride(-1) == 1; e.g. the first H columns of a
+    [E, C, W] buffer); counts [E] int on the device: expert e's rows are x[e, :counts[e]];
+    out: optional [E, C, >= H] in x.dtype (stride(-1) == 1) to write into -> [E, C, H] in x.dtype
+    (`out[..., :H]` when given), unweighted expert outputs. Rows c >= counts[e] of x are not
+    read, nor those of out written.
+
+    Grid (E * cdiv(C, BLOCK_M), cdiv(N, BLOCK_N)); a program whose row block starts at or past
+    its expert's count returns at once, so the work follows the valid rows, not C. No host
+    reads, shapes from shapes only: capturable."""
+    if x.dtype == torch.float64:        # as fused_moe: the reference
+        return reference_fused_moe_masked(x, counts, gate_up_proj, down_proj, out)
+    num_experts, capacity, hidden = x.shape
+    inter_size = down_proj.shape[2]
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    elif (out.dtype != x.dtype or out.shape[:2] != x.shape[:2] or out.shape[2] < hidden
+          or out.stride(-1) != 1):
+        raise ValueError(f'out {tuple(out.shape)} {out.dtype}: must be [{num_experts}, '
+                         f'{capacity}, >= {hidden}] {x.dtype} with contiguous rows')
+    out = out[..., :hidden]
+    if x.numel() == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    inter = torch.empty(num_experts, capacity, inter_size, dtype=x.dtype, device=x.device)
+    precision = 'ieee' if x.dtype == torch.float32 else 'tf32'     # tf32: ignored for 16-bit
+    block_m, block_n, block_k = MASKED_BLOCK_M, 32, 128             # as fused_moe's decode path
+    row_blocks = num_experts * triton.cdiv(capacity, block_m)
+    common = dict(DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  num_warps=4)
+    _masked_gate_up_kernel[(row_blocks, triton.cdiv(inter_size, block_n))](
+        x, counts, gate_up_proj, inter, capacity, x.stride(0), x.stride(1),
+        *gate_up_proj.stride(), inter.stride(0), inter.stride(1), HIDDEN=hidden,
+        INTER=inter_size, **common)
+    _masked_down_kernel[(row_blocks, triton.cdiv(hidden, block_n))](
+        inter, counts, down_proj, out, capacity, inter.stride(0), inter.stride(1),
+        *down_proj.stride(), out.stride(0), out.stride(1), HIDDEN=hidden, INTER=inter_size,
+        **common)
+    return out

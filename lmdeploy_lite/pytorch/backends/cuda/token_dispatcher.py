@@ -8,7 +8,9 @@ Two modes, the same on every rank of a step (`SharedBuffer.set_low_latency`, fro
     send back. Host syncs (row counts): eager only; no per-rank token limit.
   * low-latency (decode; CUDA-graph capturable, no host sync): `low_latency_dispatch` packs the
     tokens of each local expert into `[num_local_experts, capacity * ep, W]` with a count per
-    expert; `flatten_low_latency` turns that into fixed-shape rows, -1 marking padding rows;
+    expert; bf16 hands that to the experts as is (`GroupedRows`: a masked grouped GEMM whose
+    cost follows the counts, writing straight into the buffer the combine sends), exact mode
+    `flatten_low_latency`s it into fixed-shape rows, -1 marking padding rows;
     `low_latency_combine` weights and sums. At most `capacity` tokens per rank per call.
 
 DeepEP's reductions (both combines) and its low-latency kernels take bf16 only, and the
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from ...nn.token_dispatcher import GroupedRows
 
 LL_WIDTHS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)   # DeepEP's low-latency kernels
 _SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
@@ -222,6 +226,7 @@ class LowLatencyHandle:
     topk_ids: torch.Tensor       # [T, k] int64
     topk_weights: torch.Tensor   # [T, k]
     slot: torch.Tensor | None    # [E*C] top-k position of each row (exact mode)
+    send: torch.Tensor | None = None   # [E, C, W] bf16: the experts' output buffer (bf16 mode)
 
 
 class DeepEPDispatcher:
@@ -256,15 +261,18 @@ class DeepEPDispatcher:
         self.shared.require(normal_bytes, ll_columns)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-        """x [T, H], topk_ids/weights [T, k] -> expert_x [R, H] (x.dtype), local ids [R] (-1:
-        padding row, low-latency mode), handle. DeepEP wants contiguous routing tensors."""
+        """x [T, H], topk_ids/weights [T, k] -> (expert_x, routing, handle) in x.dtype: rows
+        [R, H] and local ids [R] (-1: padding row, exact low-latency mode), or in bf16
+        low-latency mode expert_x [E_local, C, H] (a view of DeepEP's receive buffer) and
+        `GroupedRows`. DeepEP wants contiguous routing tensors."""
         x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
         if self.shared.low_latency:
             return self._dispatch_low_latency(x, topk_ids, topk_weights)
         return self._dispatch_normal(x, topk_ids, topk_weights)
 
     def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
-        """expert_out [R, H] -> [T, H] = sum over each token's k experts of weight * output."""
+        """expert_out ([R, H] or [E_local, C, H], as dispatch's expert_x) -> [T, H] = sum over
+        each token's k experts of weight * output."""
         if isinstance(handle, LowLatencyHandle):
             return self._combine_low_latency(expert_out, handle)
         return self._combine_normal(expert_out, handle)
@@ -342,10 +350,10 @@ class DeepEPDispatcher:
                              use_fp8=False)),
                          variable=True)
         recv_x, recv_count, deep_ep_handle, _, _ = out['recv']
-        if not self.exact:
-            rows, local_ids = flatten_low_latency(recv_x, recv_count, self.hidden)
-            return (rows.to(x.dtype), local_ids,
-                    LowLatencyHandle(deep_ep_handle, topk_idx, topk_weights, None))
+        if not self.exact:    # bf16: the experts read and write [E, C, *] as DeepEP keeps it
+            send = torch.empty_like(recv_x)                          # [E, C, W]
+            return (recv_x[..., :self.hidden], GroupedRows(recv_count, send),
+                    LowLatencyHandle(deep_ep_handle, topk_idx, topk_weights, None, send))
         x_words = self.hidden * x.dtype.itemsize // 2
         rows, local_ids = flatten_low_latency(recv_x, recv_count, x_words + 4 * self.top_k)
         valid = (local_ids >= 0)[:, None]         # padding rows hold stale bits: zero them
@@ -361,9 +369,16 @@ class DeepEPDispatcher:
         if self.exact:
             rows = slot_blocks(expert_out, handle.slot, self.top_k, self.parts)
             weights = torch.ones_like(handle.topk_weights, dtype=torch.float32)
+            send = unflatten_low_latency(rows, self.experts_per_rank, width)
         else:
-            rows, weights = expert_out.to(torch.bfloat16), handle.topk_weights.float()
-        send = unflatten_low_latency(rows, self.experts_per_rank, width)
+            # The experts wrote columns :H of `send` (FusedExperts.run); another expert_out is
+            # copied in. Columns H..W stay garbage (maybe NaN): DeepEP's combine (without
+            # LogFMT, which we do not ask for) sums every column on its own, so the garbage
+            # lands only in columns >= H of the result, sliced off below. Rows past an expert's
+            # count are garbage too; the combine reads only the rows that dispatch filled.
+            send, weights = handle.send, handle.topk_weights.float()
+            if expert_out.data_ptr() != send.data_ptr():
+                send[..., :self.hidden].copy_(expert_out)
         out = {}
         self.dist.traced('deepep_ll_combine', self.group, send,
                          lambda _: out.setdefault('x', buffer.low_latency_combine(

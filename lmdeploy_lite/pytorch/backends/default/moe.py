@@ -1,4 +1,5 @@
-"""Routed experts of a MoE layer in plain PyTorch: a loop over the experts that have rows.
+"""Routed experts of a MoE layer in plain PyTorch, one expert at a time (`fused_moe`: token
+rows with top-k ids; `fused_moe_masked`: rows already grouped by expert).
 
 Layout (as transformers keeps Qwen3.5's experts): `gate_up_proj [E, 2I, H]` (gate rows first),
 `down_proj [E, H, I]`; expert e maps a row x to `down_e(silu(gate_e x) * up_e x)`.
@@ -29,3 +30,21 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         pairs[rows] = F.linear(silu_mul(gate_up), down_proj[expert])
     out = (pairs.view(num_tokens, top_k, x.shape[-1]) * topk_weights[..., None]).sum(1)
     return out.to(x.dtype)
+
+
+def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
+                     down_proj: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Experts on rows grouped by expert (DeepEP's low-latency layout): x [E, C, H], counts [E]
+    int: expert e's rows are x[e, :counts[e]]; out: optional [E, C, >= H] in x.dtype to write
+    into -> [E, C, H] in x.dtype (`out[..., :H]` when given), `expert_e(x[e, c])` for
+    c < counts[e]. Rows past a count are undefined for callers (here: computed from zeros, so
+    whatever they held is never read). Reads no device value on the host: capturable, at the
+    cost of computing all E * C rows."""
+    num_experts, capacity, hidden = x.shape
+    out = torch.empty_like(x) if out is None else out
+    valid = torch.arange(capacity, device=x.device)[None, :] < counts[:, None]     # [E, C]
+    for expert in range(num_experts):
+        rows = torch.where(valid[expert, :, None], x[expert], 0)
+        gate_up = F.linear(rows, gate_up_proj[expert])
+        out[expert, :, :hidden] = F.linear(silu_mul(gate_up), down_proj[expert])
+    return out[..., :hidden]

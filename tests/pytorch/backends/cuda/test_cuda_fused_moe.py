@@ -1,7 +1,14 @@
 """backends/cuda fused_moe against backends/default: both blockings (one pair per block up to
 UNSORTED_MAX_PAIRS pairs, expert-sorted blocks beyond), -1 ids (no expert: contributes 0, as the
 EP dispatcher pads), fp32 and x.dtype router weights, the k=1 / weight-1 call FusedExperts.run
-makes, the sort's block layout; bf16 at Qwen3.5-35B-A3B sizes and CUDA-graph capture on a GPU."""
+makes, the sort's block layout; bf16 at Qwen3.5-35B-A3B sizes and CUDA-graph capture on a GPU.
+
+fused_moe_masked (rows grouped by expert, DeepEP's low-latency layout): the default op against
+the generic one, the kernel against the default op with counts 0 / partial / full, x a column
+slice of a wider buffer with NaN in the rows past the counts (never read), rows and columns past
+the output never written; bf16 model sizes and graph replay with new counts on a GPU. The
+interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584), so its 16-bit
+case runs in float16 on CPU and in bf16 on a GPU."""
 from __future__ import annotations
 
 import importlib
@@ -10,6 +17,8 @@ import pytest
 import torch
 
 from lmdeploy_lite.pytorch.backends.default.moe import fused_moe as reference_fused_moe
+from lmdeploy_lite.pytorch.backends.default.moe import \
+    fused_moe_masked as reference_fused_moe_masked
 
 
 def cuda_ops():
@@ -105,3 +114,103 @@ def test_fused_moe_cuda_graph_replay(tokens):
     ids.copy_(ids2)
     graph.replay()
     torch.testing.assert_close(out, fused_moe(x, gate_up, down, weights, ids), atol=0, rtol=0)
+
+
+# ---- fused_moe_masked ---------------------------------------------------------------------------
+def make_grouped(counts, capacity, hidden, inter, width, device, dtype, seed=0):
+    """x [E, C, hidden] as the first columns of a [E, C, width] buffer whose rows past the
+    counts hold NaN (as stale DeepEP rows may), experts like make_case's, counts [E] int32."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = len(counts)
+    buffer = torch.randn(experts, capacity, width, generator=gen)
+    buffer[torch.arange(capacity)[None, :] >= torch.tensor(counts)[:, None]] = float('nan')
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5
+    counts = torch.tensor(counts, dtype=torch.int32)
+    return (buffer.to(device, dtype)[..., :hidden], counts.to(device),
+            gate_up.to(device, dtype), down.to(device, dtype))
+
+
+def test_masked_reference_matches_fused_moe():
+    """Row c < counts[e] of the grouped op is expert e on that row, as fused_moe computes it."""
+    x, counts, gate_up, down = make_grouped([3, 0, 5, 1], 5, 24, 16, 32, 'cpu', torch.float64)
+    out = reference_fused_moe_masked(x, counts, gate_up, down)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    for expert, count in enumerate(counts.tolist()):
+        rows = x[expert, :count]
+        ids = torch.full((count, 1), expert)
+        want = reference_fused_moe(rows, gate_up, down, torch.ones(count, 1, dtype=x.dtype), ids)
+        torch.testing.assert_close(out[expert, :count], want, atol=1e-12, rtol=1e-12)
+    assert not out[torch.arange(5)[None, :] >= counts[:, None]].isnan().any()   # NaN never read
+
+
+@pytest.mark.parametrize('dtype', ['float32', '16-bit'])
+def test_fused_moe_masked_matches_default(kernel_device, dtype):
+    """counts 0, partial (one and two row blocks of 16) and full C = 20; H = 48 is not a
+    multiple of BLOCK_K; out is a wider buffer: its columns past H and its rows past the counts
+    keep their sentinel."""
+    if dtype == 'float32':
+        dtype = torch.float32
+    else:
+        dtype = torch.bfloat16 if kernel_device == 'cuda' else torch.float16
+    counts, capacity, hidden = [0, 20, 5, 17], 20, 48
+    x, counts_t, gate_up, down = make_grouped(counts, capacity, hidden, 24, 64, kernel_device,
+                                              dtype)
+    out = torch.full((len(counts), capacity, 56), -7.0, dtype=dtype, device=kernel_device)
+    got = cuda_ops().fused_moe_masked(x, counts_t, gate_up, down, out=out)
+    assert got.shape == x.shape and got.dtype == dtype and got.data_ptr() == out.data_ptr()
+    valid = torch.arange(capacity, device=kernel_device)[None, :] < counts_t[:, None]
+    assert torch.all(out[~valid] == -7) and torch.all(out[..., hidden:] == -7)
+    if dtype == torch.float32:
+        want = reference_fused_moe_masked(x, counts_t, gate_up, down)
+        torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
+    else:                              # against float32 math on the same 16-bit inputs
+        want = reference_fused_moe_masked(x.float(), counts_t, gate_up.float(), down.float())
+        got, want = got[valid].float(), want[valid]
+        assert got.isfinite().all() and (got - want).norm() / want.norm() < 1e-2
+    no_out = cuda_ops().fused_moe_masked(x, counts_t, gate_up, down)   # allocates [E, C, H]
+    assert no_out.shape == x.shape and no_out[valid].equal(out[..., :hidden][valid])
+
+
+def test_fused_moe_masked_float64_is_the_reference(kernel_device):
+    x, counts, gate_up, down = make_grouped([2, 0], 3, 8, 4, 8, kernel_device, torch.float64)
+    got = cuda_ops().fused_moe_masked(x, counts, gate_up, down)
+    assert got[0, :2].equal(reference_fused_moe_masked(x, counts, gate_up, down)[0, :2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('counts', [[1, 0, 3, 8], [0] * 4, [512] * 4])
+def test_fused_moe_masked_bf16_model_sizes(counts):
+    """H=2048, I=512, C=512 (the 35B-A3B's low-latency layout; E cut to the test's 4 experts
+    plus 124 empty ones) against the default op in fp32 on the same inputs."""
+    counts = counts + [0] * 124
+    x, counts_t, gate_up, down = make_grouped(counts, 512, 2048, 512, 2048, 'cuda',
+                                              torch.bfloat16)
+    got = cuda_ops().fused_moe_masked(x, counts_t, gate_up, down).float()
+    want = reference_fused_moe_masked(x.float(), counts_t, gate_up.float(), down.float())
+    valid = torch.arange(512, device='cuda')[None, :] < counts_t[:, None]
+    if valid.any():
+        got, want = got[valid], want[valid]
+        assert (got - want).norm() / want.norm() < 1e-2
+        torch.testing.assert_close(got, want, atol=3e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_fused_moe_masked_cuda_graph_replay():
+    """Captured once, replayed with new rows and counts: equals an eager call on the valid rows."""
+    counts = [3, 0, 1, 7] * 32
+    x, counts_t, gate_up, down = make_grouped(counts, 64, 2048, 512, 2048, 'cuda', torch.bfloat16)
+    fused_moe_masked = cuda_ops().fused_moe_masked
+    out = torch.empty(x.shape[0], 64, 2048, dtype=x.dtype, device='cuda')
+    fused_moe_masked(x, counts_t, gate_up, down, out=out)     # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused_moe_masked(x, counts_t, gate_up, down, out=out)
+    x2, counts2, _, _ = make_grouped([5, 2, 0, 64] * 32, 64, 2048, 512, 2048, 'cuda',
+                                     torch.bfloat16, seed=1)
+    x.copy_(x2)
+    counts_t.copy_(counts2)
+    graph.replay()
+    valid = torch.arange(64, device='cuda')[None, :] < counts_t[:, None]
+    eager = fused_moe_masked(x, counts_t, gate_up, down)
+    torch.testing.assert_close(out[valid], eager[valid], atol=0, rtol=0)
