@@ -81,9 +81,12 @@ def synchronize(device: torch.device):
 
 
 def timed_decode(engine, prompts: list[list[int]], gen_config, warmup_steps: int,
-                 decode_steps: int) -> tuple[float, int]:
+                 decode_steps: int, around=None) -> tuple[float, int]:
     """Prefill `prompts`, run `warmup_steps` steps, reset the engine's speculative counters, then
-    time `decode_steps` steps. Returns (seconds, tokens emitted in them); aborts the requests."""
+    time `decode_steps` steps (inside the context manager `around`, e.g. a profiler, if given).
+    Returns (seconds, tokens emitted in them); aborts the requests."""
+    import contextlib
+
     from lmdeploy_lite.messages import SpecDecodeStats
     seqs = [engine.add_request(p, gen_config) for p in prompts]
     while not all(s.prefilled for s in seqs):
@@ -93,11 +96,12 @@ def timed_decode(engine, prompts: list[list[int]], gen_config, warmup_steps: int
     engine.spec_stats = SpecDecodeStats()
     synchronize(engine.device)
     generated = sum(s.num_generated for s in seqs)
-    start = time.perf_counter()
-    for _ in range(decode_steps):
-        engine.step()
-    synchronize(engine.device)
-    elapsed = time.perf_counter() - start
+    with around or contextlib.nullcontext():
+        start = time.perf_counter()
+        for _ in range(decode_steps):
+            engine.step()
+        synchronize(engine.device)
+        elapsed = time.perf_counter() - start
     generated = sum(s.num_generated for s in seqs) - generated
     for seq in seqs:
         engine.abort(seq)
