@@ -25,14 +25,23 @@ from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
 
 
 def synthetic_rejection_sampler(rates: list[float], seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
+    """Accept draft i with probability rates[i], drawn on the device (a host draw would need a
+    synchronizing host-to-device copy every step)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    thresholds: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def sampler(target_logits, draft_tokens, draft_probs, sampling):
         output, _ = rejection_sample(target_logits, draft_tokens, draft_probs, sampling)
         batch, k = draft_tokens.shape
-        rate = torch.tensor([rates[min(i, len(rates) - 1)] for i in range(k)])
-        accept = torch.rand(batch, k, generator=generator) < rate
-        num_accepted = accept.long().cumprod(-1).sum(-1).to(draft_tokens.device)
+        device = draft_tokens.device
+        if device not in generators:
+            generators[device] = torch.Generator(device).manual_seed(seed)
+            for n in range(1, 9):      # copied once, before any step is timed
+                thresholds[device, n] = torch.tensor(
+                    [rates[min(i, len(rates) - 1)] for i in range(n)]).to(device)
+        accept = torch.rand(batch, k, generator=generators[device], device=device) \
+            < thresholds[device, k]
+        num_accepted = accept.long().cumprod(-1).sum(-1)
         rows = torch.arange(batch, device=draft_tokens.device)
         positions = torch.arange(k + 1, device=draft_tokens.device)
         drafts = torch.cat([draft_tokens, draft_tokens[:, :1]], 1)

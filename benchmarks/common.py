@@ -2,6 +2,7 @@
 weights), measure the copy bandwidth, print a table, save JSON."""
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -39,8 +40,9 @@ def add_model_args(parser, dtype: str = 'float32', device: str = 'cpu'):
     parser.add_argument('--seed', type=int, default=0, help='dummy-weight seed')
     parser.add_argument('--dtype', default=dtype)
     parser.add_argument('--device', default=device)
-    parser.add_argument('--async-scheduling', action='store_true',
-                        help='PytorchEngineConfig(async_scheduling=True)')
+    parser.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction,
+                        default=None, help='PytorchEngineConfig.async_scheduling (default: the '
+                        "engine's, on with CUDA)")
 
 
 def resolve_model(args) -> tuple[str, str]:

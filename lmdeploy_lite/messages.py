@@ -100,7 +100,9 @@ class PytorchEngineConfig:
     distributed_executor_backend: str = 'mp'     # 'uni' (one rank), 'mp' (one host) or 'ray'
     load_format: str = 'auto'
     eager_mode: bool = False     # True: no CUDA graphs for decode steps (they are used on CUDA)
-    async_scheduling: bool = False   # prepare decode step N+1 while step N runs on the device
+    # prepare decode step N+1 while step N runs on the device; None: on with CUDA, off on CPU
+    # (where host and device share the cores, so there is nothing to overlap)
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, 'dtype', self.dtype, f'one of {DTYPES}')
@@ -117,8 +119,8 @@ class PytorchEngineConfig:
         for name in ('tp', 'dp', 'ep'):
             _check_int(name, getattr(self, name), 1)
         _check(isinstance(self.eager_mode, bool), 'eager_mode', self.eager_mode, 'True or False')
-        _check(isinstance(self.async_scheduling, bool), 'async_scheduling', self.async_scheduling,
-               'True or False')
+        _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
+               'async_scheduling', self.async_scheduling, 'True, False or None (auto)')
         _check(self.distributed_executor_backend in EXECUTOR_BACKENDS,
                'distributed_executor_backend', self.distributed_executor_backend,
                f'one of {EXECUTOR_BACKENDS}')

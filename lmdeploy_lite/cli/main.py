@@ -35,8 +35,9 @@ def _engine_args(p: argparse.ArgumentParser):
     p.add_argument('--ray-address', default=None,
                    help="ray cluster to join with the ray backend, e.g. 'auto' or HEAD:6379 "
                         '(sets RAY_ADDRESS; default: RAY_ADDRESS, else a local cluster)')
-    p.add_argument('--async-scheduling', action='store_true',
-                   help='prepare the next decode step while the device runs the current one')
+    p.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
+                   help='prepare the next decode step while the device runs the current one '
+                        '(default: on with CUDA, off on CPU)')
     p.add_argument('--eager-mode', action='store_true', help='no CUDA graphs for decode steps')
     p.add_argument('--log-level', default='WARNING', help='python logging level')
 

@@ -162,10 +162,12 @@ class Engine:
         self.world_busy = False
         self.in_flight: InFlight | None = None           # async scheduling: a launched step
         self.num_continued_steps = 0       # decode steps launched before the host caught up
-        self.async_scheduling = cfg.async_scheduling
+        self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
+                                 else self.device.type == 'cuda')
         if self.async_scheduling and spec is not None and spec.method == 'ngram':
-            logger.warning('async_scheduling: the ngram proposer needs the accepted tokens on '
-                           'the host before each step; running without async scheduling')
+            log = logger.warning if cfg.async_scheduling else logger.info
+            log('async_scheduling: the ngram proposer needs the accepted tokens on the host '
+                'before each step; running without async scheduling')
             self.async_scheduling = False
         logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path,
                     self.dtype, self.device, self.cache_config.num_blocks,

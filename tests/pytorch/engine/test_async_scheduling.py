@@ -185,3 +185,12 @@ def test_stop_words_inside_accepted_runs_on_the_embedded_model():
     async_tokens, async_reasons = run(True, gen)
     assert async_tokens == sync_tokens and async_reasons == sync_reasons
     assert sync_reasons[0] == 'stop' and len(sync_tokens[0]) < len(free[0])
+
+
+def test_default_is_off_on_cpu_and_the_field_is_checked(tiny_ckpt):
+    """None (the default) means: on with CUDA, off on CPU, where host and device share cores."""
+    engine = Engine(tiny_ckpt(True), PytorchEngineConfig(device='cpu', dtype='float32'),
+                    progress=False)
+    assert engine.async_scheduling is False
+    with pytest.raises(ValueError, match="async_scheduling.*'yes'.*True, False or None"):
+        PytorchEngineConfig(async_scheduling='yes')
