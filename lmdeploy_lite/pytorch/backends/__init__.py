@@ -9,6 +9,8 @@ Every backend provides (see `backends/default` for shapes and semantics):
     gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
     gdn_gating(a, b, A_log, dt_bias) -> (g, beta)   (log decay and write strength, [T, nv])
     rms_norm(x, weight, eps) -> x.shape          (zero-centred: x / rms(x) * (1 + w))
+    add_rms_norm(x, residual, weight, eps) -> (rms_norm(s), s), s = residual + x
+                                                 (`residual` consumed: may be overwritten by s)
     gated_rms_norm(x, gate, weight, eps) -> x.shape   (w * x / rms(x) * silu(gate))
     silu_mul(gate_up) -> [..., I]                (silu(gate_up[..., :I]) * gate_up[..., I:])
     fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids) -> [T, H]

@@ -2,8 +2,11 @@
 
 Decoder layer (pre-norm): `h = x + mixer(norm1(x)); out = h + mlp(norm2(h))`, mixer = gated delta
 net (`linear_attention` layers) or gated attention (`full_attention` layers); mlp = SwiGLU or sparse
-MoE. Parameter names equal the HF text checkpoint's (`model.layers.{i}...`, `lm_head.weight`), with
-MoE experts fused as transformers keeps them.
+MoE. Each residual add is fused into the norm after it (`norm(x, residual)`, one kernel on CUDA): a
+layer takes and returns `(hidden, residual)`, the layer's output being their sum; the first layer
+gets residual None and the final norm does the last add. Parameter names equal the HF text
+checkpoint's (`model.layers.{i}...`, `lm_head.weight`), with MoE experts fused as transformers
+keeps them.
 
 With a `dist_ctx` every layer holds this rank's TP shard (nn/linear.py, nn/sharding.py) and
 its MoE its EP experts; the embedding and LM head are vocab-parallel, and `compute_logits` returns
@@ -65,16 +68,23 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 device)
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache,
-                inputs: ModelInputs) -> torch.Tensor:
-        """hidden [T, H]; cache: (k_cache, v_cache) or (conv_state, recurrent_state)."""
-        normed = self.input_layernorm(hidden)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rope: tuple[torch.Tensor, torch.Tensor], cache, inputs: ModelInputs
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden, residual [T, H] (the previous layer's output is their sum; residual None for
+        the first layer: hidden is the input) -> (mlp output, residual) whose sum is this layer's
+        output. cache: (k_cache, v_cache) or (conv_state, recurrent_state). `residual` is
+        consumed (a fused norm may overwrite it)."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
         if self.layer_type == 'linear_attention':
             mixed = self.linear_attn(normed, cache, inputs)
         else:
             mixed = self.self_attn(normed, rope, cache, inputs)
-        hidden = hidden + mixed
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        normed, residual = self.post_attention_layernorm(mixed, residual)
+        return self.mlp(normed), residual
 
 
 class Qwen3_5Model(nn.Module):
@@ -91,9 +101,10 @@ class Qwen3_5Model(nn.Module):
     def forward(self, inputs: ModelInputs, caches) -> torch.Tensor:
         hidden = self.embed_tokens(inputs.input_ids)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
+        residual = None
         for idx, layer in enumerate(self.layers):
-            hidden = layer(hidden, rope, caches[idx], inputs)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, caches[idx], inputs)
+        return self.norm(hidden, residual)[0]
 
 
 class Qwen3_5ForCausalLM(nn.Module):

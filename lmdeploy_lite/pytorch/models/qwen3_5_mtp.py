@@ -64,8 +64,8 @@ class Qwen3_5MTP(nn.Module):
         hidden = self.fc(torch.cat([embeds, hidden], dim=-1))
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         layer_idx %= len(self.layers)
-        hidden = self.layers[layer_idx](hidden, rope, caches[layer_idx], inputs)
-        return self.norm(hidden)
+        hidden, residual = self.layers[layer_idx](hidden, None, rope, caches[layer_idx], inputs)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> [N, V] through the shared LM head (float32, float64 if the model is)."""

@@ -1,5 +1,6 @@
-"""Qwen3_5ForCausalLM (own implementation) against transformers, plus chunked prefill and the
-arithmetic rollback of the linear-attention state slots at model level."""
+"""Qwen3_5ForCausalLM (own implementation) against transformers, plus chunked prefill, the
+arithmetic rollback of the linear-attention state slots at model level, and the fused residual
+add + norm equal bit for bit to a separate add and norm."""
 from __future__ import annotations
 
 import pytest
@@ -157,6 +158,45 @@ def test_verify_step_rollback_equals_fresh_prefill(checkpoints, moe):
             assert_logits_close(verify[starts[b]:starts[b] + a],
                                 fresh[fresh_start + n - 1 + 1:fresh_start + n + a],
                                 f'verify logits seq {b}')
+
+
+def unfused_layer(layer, hidden, rope, cache, inputs) -> torch.Tensor:
+    """A decoder layer as written before its residual adds were fused into the norms after them:
+    `h = x + mixer(norm1(x)); out = h + mlp(norm2(h))`, each add a separate op."""
+    normed = layer.input_layernorm(hidden)
+    if layer.layer_type == 'linear_attention':
+        mixed = layer.linear_attn(normed, cache, inputs)
+    else:
+        mixed = layer.self_attn(normed, rope, cache, inputs)
+    hidden = hidden + mixed
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def unfused_forward(model, inputs, caches) -> torch.Tensor:
+    m = model.model
+    hidden = m.embed_tokens(inputs.input_ids)
+    rope = m.rotary_emb(inputs.positions, hidden.dtype)
+    for idx, layer in enumerate(m.layers):
+        hidden = unfused_layer(layer, hidden, rope, caches[idx], inputs)
+    return m.norm(hidden)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('moe', [False, True], ids=['dense', 'moe'])
+@torch.no_grad()
+def test_fused_residual_norm_is_bit_identical(checkpoints, moe, dtype):
+    """On the default backend the (hidden, residual) layer stack with `add_rms_norm` gives the
+    very bits of a separate add and `rms_norm` (prefill, then a decode step)."""
+    model = build_model(checkpoints[(moe, 'plain')], dtype, 'cpu', progress=False)
+    seqs = prompts(seed=6, lens=[11, 70])
+    tables = shuffled_block_tables(2, BLOCKS_PER_SEQ)
+    fused_caches = new_caches(model, 2, dtype=dtype)
+    unfused_caches = new_caches(model, 2, dtype=dtype)
+    steps = [make_inputs(seqs, [0, 0], tables, [0, 1]),
+             make_inputs([[7], [9]], [11, 70], tables, [0, 1], is_decoding=True)]
+    for inputs in steps:
+        fused = model(inputs, fused_caches)
+        assert torch.equal(fused, unfused_forward(model, inputs, unfused_caches))
 
 
 @torch.no_grad()

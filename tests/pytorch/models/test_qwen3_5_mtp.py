@@ -11,7 +11,7 @@ from lmdeploy_lite.pytorch.models.loader import build_model, load_mtp_state_dict
 from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
 from tests.helpers.step_inputs import make_inputs, shuffled_block_tables
 from tests.helpers.tiny_models import make_tiny_checkpoint, make_tiny_hf_model
-from tests.pytorch.models.test_qwen3_5 import assert_logits_close
+from tests.pytorch.models.test_qwen3_5 import assert_logits_close, unfused_layer
 
 BLOCK_SIZE = 4
 
@@ -129,3 +129,33 @@ def test_mtp_shares_target_embedding_and_head(tmp_path):
     assert mtp.lm_head.weight is target.embed_tokens.weight
     names = {n for n, _ in mtp.named_parameters()}
     assert 'fc.weight' in names and 'layers.0.self_attn.q_proj.weight' in names
+
+
+@torch.no_grad()
+def test_mtp_fused_residual_norm_is_bit_identical(tmp_path):
+    """The head's decoder layer and final norm with the residual adds fused (default backend)
+    give the bits of a separate add and norm."""
+    path = make_tiny_checkpoint(str(tmp_path), moe=True)
+    target = build_model(path, torch.float32, 'cpu', progress=False)
+    mtp = Qwen3_5MTP(target.config, torch.float32, 'cpu', target.embed_tokens, target.lm_head)
+    load_mtp_weights(mtp, path, progress=False)
+    gen = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(2, 512, (n,), generator=gen) for n in (6, 13)]
+    tables = shuffled_block_tables(len(seqs), 8)
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, num_blocks=len(seqs) * 8 + 1,
+                               num_state_slots=len(seqs) + 1)
+    target_hidden = target(make_inputs(seqs, [0, 0], tables, [0, 1]),
+                           CacheEngine(target.config, cache_config, torch.float32, 'cpu'))
+    inputs = make_inputs(seqs, [0, 0], tables, [0, 1])
+    next_ids = inputs.input_ids.roll(-1)
+    fused = mtp(next_ids, target_hidden, inputs,
+                CacheEngine(target.config, cache_config, torch.float32, 'cpu',
+                            layer_types=('full_attention',)))
+
+    caches = CacheEngine(target.config, cache_config, torch.float32, 'cpu',
+                         layer_types=('full_attention',))
+    embeds = mtp.pre_fc_norm_embedding(mtp.embed_tokens(next_ids))
+    hidden = mtp.fc(torch.cat([embeds, mtp.pre_fc_norm_hidden(target_hidden)], dim=-1))
+    rope = mtp.rotary_emb(inputs.positions, hidden.dtype)
+    hidden = unfused_layer(mtp.layers[0], hidden, rope, caches[0], inputs)
+    assert torch.equal(fused, mtp.norm(hidden))

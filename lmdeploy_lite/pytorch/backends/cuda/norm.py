@@ -1,10 +1,21 @@
-"""Triton RMSNorm variants and the SwiGLU activation; references in `backends/default/norm.py`.
+"""Triton RMSNorm variants (plain, residual add + norm, gated) and the SwiGLU activation;
+references in `backends/default/norm.py`.
 
 One program per row of the last dim (the whole row in registers: D up to 8192, e.g. the hidden
 size, or a 128-wide head of the gated delta net's output norm). Math in float32 (float64 for
 float64 inputs), one rounding at the end, except where the reference rounds in between
-(`gated_rms_norm` rounds the norm to x.dtype before the weight). No host reads, no data-dependent
-shapes: safe inside a captured decode step.
+(`gated_rms_norm` rounds the norm to x.dtype before the weight, `add_rms_norm` the sum before the
+norm). No host reads, no data-dependent shapes: safe inside a captured decode step.
+
+`add_rms_norm` fuses the decoder layer's residual add into the next norm: one launch instead of
+two, and the sum is not read back from memory. It writes the sum into the residual buffer in
+place. Under CUDA graphs that is safe because of what the model passes as `residual`: the
+embedding's (or the MTP head's `fc`'s) output, then the sums this op returned — intermediates
+allocated inside the captured forward from the graph's pool, which nothing reads after they are
+overwritten; each replay repeats the same writes to the same addresses. It would not be safe on a
+graph's static input buffer (a second replay would read the sum instead of the input), so callers
+never pass one: `residual` is consumed, only the returned tensor is used afterwards (where the
+residual's rows are not one strided view, the sum goes to a copy instead).
 """
 from __future__ import annotations
 
@@ -34,6 +45,25 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, dim, eps,
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(ACC)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
     y = x * rstd * (1.0 + w)
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, stride_out, dim, eps,
+                         ACC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < dim
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(ACC)
+    res = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(ACC)
+    # the sum rounded to the activation dtype (a 16-bit add done in fp32 and rounded once is the
+    # correctly rounded 16-bit sum, as torch computes it), then the norm from the rounded sum
+    total = (res + x).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + row * stride_res + offs, total, mask=mask)
+    total = total.to(ACC)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(ACC)
+    rstd = tl.rsqrt(tl.sum(total * total, axis=0) / dim + eps)
+    y = total * rstd * (1.0 + w)
     tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -80,6 +110,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                                            rows.shape[1], eps, ACC=_acc(x.dtype), BLOCK=block,
                                            num_warps=warps)
     return out.view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., D] (same dtype), weight [D] -> (rms_norm(s), s) with s = residual + x
+    rounded to x.dtype. `s` is written into `residual` in place (see the module docstring): use
+    the returned tensor, not `residual`, afterwards."""
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f'add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must '
+                         f'match x {tuple(x.shape)} {x.dtype}')
+    rows, res_rows = _rows(x), _rows(residual)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block, warps = _launch_config(rows.shape[1])
+        _add_rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, rows.stride(0),
+                                               res_rows.stride(0), out.stride(0), rows.shape[1],
+                                               eps, ACC=_acc(x.dtype), BLOCK=block,
+                                               num_warps=warps)
+    return out.view(x.shape), res_rows.view(x.shape)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,

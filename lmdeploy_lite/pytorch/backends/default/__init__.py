@@ -2,7 +2,7 @@
 from .causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
 from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating
 from .moe import fused_moe, fused_moe_masked
-from .norm import gated_rms_norm, rms_norm, silu_mul
+from .norm import add_rms_norm, gated_rms_norm, rms_norm, silu_mul
 from .paged_attention import paged_attention
 
 
@@ -15,6 +15,7 @@ class DefaultBackend:
     gated_delta_rule_decode = staticmethod(gated_delta_rule_decode)
     gdn_gating = staticmethod(gdn_gating)
     rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
     gated_rms_norm = staticmethod(gated_rms_norm)
     silu_mul = staticmethod(silu_mul)
     fused_moe = staticmethod(fused_moe)
@@ -22,5 +23,5 @@ class DefaultBackend:
 
 
 __all__ = ['DefaultBackend', 'paged_attention', 'causal_conv1d_prefill', 'causal_conv1d_update',
-           'gated_delta_rule_prefill', 'gated_delta_rule_decode', 'gdn_gating', 'rms_norm', 'gated_rms_norm',
-           'silu_mul', 'fused_moe', 'fused_moe_masked']
+           'gated_delta_rule_prefill', 'gated_delta_rule_decode', 'gdn_gating', 'rms_norm',
+           'add_rms_norm', 'gated_rms_norm', 'silu_mul', 'fused_moe', 'fused_moe_masked']

@@ -1,8 +1,10 @@
 """RMSNorm variants of Qwen3.5 and the SwiGLU activation, in plain PyTorch.
 
 `rms_norm` is zero-centred (`x / rms(x) * (1 + w)`, w as stored in the checkpoint), computed in
-float32 (float64 for float64 inputs) and cast back. `gated_rms_norm` is the gated delta net's
-per-head output norm: plain `w`, the norm rounded to x.dtype before the weight, then the SiLU gate.
+float32 (float64 for float64 inputs) and cast back. `add_rms_norm` is the decoder layer's residual
+add followed by that norm (unfused here: the reference the CUDA kernel is checked against).
+`gated_rms_norm` is the gated delta net's per-head output norm: plain `w`, the norm rounded to
+x.dtype before the weight, then the SiLU gate.
 """
 from __future__ import annotations
 
@@ -21,6 +23,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.to(acc)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (xf * (1.0 + weight.to(acc))).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [..., D] (same dtype), weight [D] -> (rms_norm(s), s) with s = residual + x
+    rounded to x.dtype: the norm reads the rounded sum, exactly as an add followed by `rms_norm`.
+    The caller must use the returned residual and treat `residual` as consumed (the CUDA kernel
+    writes the sum into it)."""
+    new_residual = residual + x
+    return rms_norm(new_residual, weight, eps), new_residual
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
