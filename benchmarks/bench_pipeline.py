@@ -27,13 +27,18 @@ def main():
     parser.add_argument('--batch-sizes', default='1,16,64')
     parser.add_argument('--prompt-len', type=int, default=128)
     parser.add_argument('--new-tokens', type=int, default=64)
+    parser.add_argument('--eager-mode', action='store_true', help='no CUDA graphs')
+    parser.add_argument('--repeats', type=int, default=2,
+                        help='runs per batch size; the fastest counts (the first one may pay '
+                             'for kernel compiles of new prefill shapes)')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)
     batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
     cfg = PytorchEngineConfig(dtype=args.dtype, device=args.device, tp=args.tp, dp=args.dp,
                               ep=args.ep, max_batch_size=max(batch_sizes), session_len=1024,
-                              load_format=load_format, seed=args.seed)
+                              load_format=load_format, seed=args.seed,
+                              eager_mode=args.eager_mode, async_scheduling=args.async_scheduling)
     spec = SpeculativeConfig(num_speculative_tokens=args.spec_k) if args.spec_k else None
     pipe = pipeline(model_dir, backend_config=cfg, speculative_config=spec)
     gen = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True)
@@ -46,17 +51,19 @@ def main():
         for bs in batch_sizes:
             prompts = torch.randint(2, vocab, (bs, args.prompt_len),
                                     generator=torch.Generator().manual_seed(bs)).tolist()
-            start = time.perf_counter()
-            outputs = pipe(prompts, gen)
-            seconds = time.perf_counter() - start
+            seconds = float('inf')
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                outputs = pipe(prompts, gen)
+                seconds = min(seconds, time.perf_counter() - start)
             tokens = sum(len(o.token_ids) for o in outputs)
             rows.append({'batch': bs, 'layout': f'tp{args.tp} dp{args.dp} ep{args.ep}',
-                         'spec_k': args.spec_k, 'seconds': seconds,
+                         'graphs': not args.eager_mode, 'spec_k': args.spec_k, 'seconds': seconds,
                          'output_tok_s': tokens / seconds})
     finally:
         pipe.close()
     save_json(output_path(args.out, 'bench_pipeline.json'), {'args': vars(args), 'rows': rows})
-    print_table(rows, ['layout', 'spec_k', 'batch', 'seconds', 'output_tok_s'])
+    print_table(rows, ['layout', 'graphs', 'spec_k', 'batch', 'seconds', 'output_tok_s'])
 
 
 if __name__ == '__main__':

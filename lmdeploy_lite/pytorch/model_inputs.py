@@ -44,6 +44,9 @@ class ModelInputs:
                                        # (decode/verify/draft steps); lets ops avoid host syncs
     padded_batch_size: int = 0     # from the StepPlan: a CUDA-graph decode step pads its batch to
                                    # at least this (the largest batch of any rank in the step)
+    graphable: bool = True         # False: run eagerly even where a CUDA graph fits (EP steps
+                                   # that DeepEP runs in normal mode: the graphs hold its
+                                   # low-latency kernels)
     # speculative decoding (strategies/ar_spec) only:
     draft_tokens: torch.Tensor | None = None    # [B, k] long, drafts proposed on the host (ngram);
                                                 # None: the drafts are on the device already

@@ -82,3 +82,68 @@ def test_dp2_ep2_one_request_gives_single_gpu_tokens(dispatcher, single_gpu_toke
         f'{dispatcher}: first difference at token '
         f'{next(i for i, (a, b) in enumerate(zip(response.token_ids, want)) if a != b)}')
     assert time.monotonic() - start < 420
+
+
+# ---- CUDA graphs with EP: DeepEP's low-latency kernels inside the captured decode steps ------
+PROMPTS = [PROMPT] + [list(range(3 + i, 40 + 3 * i)) for i in range(7)]
+REPLAY_LOG = 'LMDEPLOY_LITE_TEST_REPLAY_LOG'
+
+
+def check_deepep_graphs(engine):      # worker hook: graphs captured; log every replay to a file
+    import os
+
+    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
+    _check_rank(engine, True)
+    runners = [engine.agent.target.graph, *engine.agent.proposer.graphs.values()]
+    assert all(r is not None and r.graphs for r in runners), 'decode graphs were not captured'
+    path, rank = os.environ[REPLAY_LOG], engine.dist.rank
+    call = GraphRunner.__call__
+
+    def counted(self, inputs, *extras):
+        with open(f'{path}.{rank}', 'a') as f:
+            f.write(f'{self.name} {self.bucket_for(inputs)}\n')
+        return call(self, inputs, *extras)
+    GraphRunner.__call__ = counted
+
+
+@pytest.mark.timeout(560)
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16'])
+def test_dp2_ep2_deepep_cuda_graphs(dtype, tiny_ckpt, tmp_path, monkeypatch):
+    """dp=2 ep=2 with DeepEP and CUDA graphs (decode steps replay with DeepEP's low-latency
+    dispatch/combine captured): one request (rank 1 idles on dummy inputs, replaying too), then
+    8 requests. float32: the single-GPU tokens exactly; bf16: completes, match rate reported.
+    Both ranks must have replayed graphs, with the collective trace check on."""
+    reason = _skip_reason('deepep')
+    if reason:
+        pytest.skip(reason)
+    path = tiny_ckpt(True, layout='plain')
+    base = dict(BASE, dtype=dtype)
+    engine = Engine(path, PytorchEngineConfig(**base), SPEC, progress=False)
+    want_one = engine.generate([PROMPT], GEN)[0].generated_ids
+    want_all = [s.generated_ids for s in engine.generate(PROMPTS, GEN)]
+    del engine
+    torch.cuda.empty_cache()
+    monkeypatch.setenv('LMDEPLOY_LITE_EP_DISPATCHER', 'deepep')
+    monkeypatch.setenv('LMDEPLOY_LITE_WORKER_HOOK', 'tests.gpu.test_two_gpus:check_deepep_graphs')
+    monkeypatch.setenv(REPLAY_LOG, str(tmp_path / 'replays'))
+    monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '1')
+    monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '60')
+    start = time.monotonic()
+    config = PytorchEngineConfig(dp=2, ep=2, **dict(base, eager_mode=False))
+    with pipeline(path, config, SPEC, progress=False) as pipe:
+        one = pipe([PROMPT], GEN)[0].token_ids
+        many = [r.token_ids for r in pipe(PROMPTS, GEN)]
+    assert time.monotonic() - start < 500
+    assert len(one) == GEN.max_new_tokens and all(len(t) == GEN.max_new_tokens for t in many)
+    for rank in (0, 1):
+        lines = (tmp_path / f'replays.{rank}').read_text().splitlines()
+        replayed = [line for line in lines if not line.endswith('None')]
+        assert replayed, f'rank {rank} never replayed a graph ({len(lines)} graph calls)'
+        print(f'rank {rank}: {len(replayed)} of {len(lines)} graph-runner calls replayed')
+    got, want = [one] + many, [want_one] + want_all
+    if dtype == 'float32':
+        assert got == want
+    else:
+        same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+        print(f'bf16 dp=2 ep=2 DeepEP graphs vs one GPU: {same / (len(want) * GEN.max_new_tokens):.1%}'
+              f' token match, {sum(g == w for g, w in zip(got, want))}/{len(want)} identical')

@@ -21,7 +21,7 @@ from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.models.loader import build_model
-from lmdeploy_lite.pytorch.nn.token_dispatcher import set_low_latency
+from lmdeploy_lite.pytorch.nn.token_dispatcher import set_low_latency, uses_deep_ep
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
 from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
                                                      check_speculative_config, draft_tp)
@@ -174,21 +174,27 @@ class Engine:
                     self.cache_config.block_size)
 
     def _enable_graphs(self, max_positions: int):
-        """CUDA graphs for decode steps when every collective inside a forward can be captured
-        (no TP/EP collectives yet: those layouts run eagerly)."""
+        """CUDA graphs for decode steps when every collective inside a forward can be captured:
+        none (tp = ep = 1), or EP through DeepEP's low-latency kernels, which the graphs hold
+        (decode steps in which every rank decodes; others run eagerly in normal mode). TP
+        all-reduces and the all-to-all dispatcher (host-side counts) run eagerly."""
         layout = self.dist.config
         if self.dtype == torch.float64:     # float64 runs the plain-PyTorch ops, not capturable
             logger.info('CUDA graphs off: float64 runs decode steps eagerly')
             return
-        if layout.tp > 1 or layout.ep > 1:
-            logger.info('CUDA graphs off: tp=%d ep=%d run decode steps eagerly', layout.tp,
-                        layout.ep)
+        deep_ep = layout.ep > 1 and uses_deep_ep(self.dist)
+        if layout.tp > 1 or (layout.ep > 1 and not deep_ep):
+            logger.info('CUDA graphs off: tp=%d ep=%d (%s) run decode steps eagerly', layout.tp,
+                        layout.ep, 'DeepEP' if deep_ep else 'all-to-all dispatch')
             return
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
         block_size = self.cache_config.block_size
         max_blocks = max(-(-max_positions // block_size),
                          dummy_table_width(1 + self.num_spec_tokens))
-        self.agent.enable_graphs(batch_buckets(self.engine_config.max_batch_size), max_blocks)
+        if deep_ep:             # every rank captures the same buckets in the same order
+            set_low_latency(self.dist, True)
+        self.agent.enable_graphs(batch_buckets(self.engine_config.max_batch_size), max_blocks,
+                                 recorder=self.dist)
 
     # ---- requests -------------------------------------------------------------------------
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
@@ -244,6 +250,7 @@ class Engine:
                       if continued else self.strategy.make_model_inputs(batch, self.device))
             sampling = self._sampling_inputs(batch)
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
+        inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
         result = self.agent.step(inputs, sampling)
         result = self.strategy.post_broadcast(result, self.agent, inputs, self.dist)
         self.dist.end_step()

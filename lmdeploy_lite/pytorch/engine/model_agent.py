@@ -31,11 +31,12 @@ class ModelAgent:
         self.state_index = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         self.graph = None            # GraphRunner for decode steps (backends/cuda/graph_runner)
 
-    def enable_graphs(self, buckets: list[int], max_blocks: int, q_len: int = 1):
-        """Capture the decode forward (q_len tokens per sequence) for each batch bucket."""
+    def enable_graphs(self, buckets: list[int], max_blocks: int, q_len: int = 1, recorder=None):
+        """Capture the decode forward (q_len tokens per sequence) for each batch bucket;
+        `recorder`: the DistContext whose collective trace replays extend."""
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
         self.graph = GraphRunner(lambda inputs: self.model(inputs, self.caches), 'target', q_len,
-                                 buckets, max_blocks, [], self.device)
+                                 buckets, max_blocks, [], self.device, recorder=recorder)
         self.graph.capture()
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:

@@ -94,6 +94,12 @@ def set_low_latency(dist_ctx, enabled: bool):
         shared.set_low_latency(enabled)
 
 
+def uses_deep_ep(dist_ctx) -> bool:
+    """The EP group's MoE layers dispatch through DeepEP (a shared buffer is registered)."""
+    from ..backends.cuda.token_dispatcher import registered_buffer
+    return registered_buffer(dist_ctx.group('ep')) is not None
+
+
 @dataclass
 class GroupedRows:
     """`routing` of rows grouped by local expert (see the module docstring). counts [E_local]

@@ -29,11 +29,11 @@ class SpecAgent:
         self.draft_probs: torch.Tensor | None = None      # [slots, k, V], made on first sampling
         self.rejection_sampler = rejection_sample         # benchmarks may swap in a synthetic one
 
-    def enable_graphs(self, buckets: list[int], max_blocks: int):
+    def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None):
         """CUDA graphs for the verify forward (k + 1 tokens per sequence) and the draft steps."""
-        self.target.enable_graphs(buckets, max_blocks, q_len=self.k + 1)
+        self.target.enable_graphs(buckets, max_blocks, q_len=self.k + 1, recorder=recorder)
         if self.proposer is not None:
-            self.proposer.enable_graphs(buckets, max_blocks)
+            self.proposer.enable_graphs(buckets, max_blocks, recorder=recorder)
 
     @torch.inference_mode()
     def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:

@@ -8,7 +8,12 @@ replays. `extras` are tensors with one row per token (e.g. the target hidden the
 
 The bucket is the smallest one >= max(batch, inputs.padded_batch_size); the engine sets
 `padded_batch_size` from the StepPlan (the largest batch of any rank), so all DP ranks replay the
-same shapes. Padding sequences are shaped like the dummy inputs of an idle rank: history 0, every
+same shapes. Collectives inside a graph (DeepEP's low-latency dispatch and combine under EP) are
+captured with it; since replay runs no Python, the runner keeps the collective-trace entries its
+capture recorded (`recorder`: the DistContext) and appends them on each replay, so the per-step
+trace check sees the same sequence whether a step replays or runs eagerly. Every rank replays in
+the same steps: the bucket is a function of the plan, and `inputs.graphable` (False when EP runs
+DeepEP's normal mode this step) is the same on every rank. Padding sequences are shaped like the dummy inputs of an idle rank: history 0, every
 block-table entry the reserved block 0, the reserved state row 0 — their writes land where no
 real sequence reads, and attention/recurrence are per sequence, so real rows are unaffected.
 
@@ -40,8 +45,10 @@ class GraphRunner:
 
     def __init__(self, fn, name: str, q_len: int, buckets: list[int], max_blocks: int,
                  extras: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
-                 pool=None):
+                 pool=None, recorder=None):
         self.fn, self.name, self.q_len = fn, name, q_len
+        self.recorder = recorder           # has `.trace`: a list of collective-trace entries
+        self.traces: dict[int, list] = {}  # bucket -> the entries its capture recorded
         self.buckets = sorted(buckets)
         self.max_blocks = max_blocks
         self.device = device
@@ -92,8 +99,11 @@ class GraphRunner:
                 self._run_static(batch)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            start = len(self.recorder.trace) if self.recorder is not None else 0
             with torch.cuda.graph(graph, pool=self.pool):
                 self.outputs[batch] = self._run_static(batch)
+            if self.recorder is not None:
+                self.traces[batch] = list(self.recorder.trace[start:])
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[batch] = graph
@@ -104,7 +114,7 @@ class GraphRunner:
     # ---- replay -----------------------------------------------------------------------------
     def bucket_for(self, inputs: ModelInputs) -> int | None:
         """The bucket this step replays, or None when it must run eagerly."""
-        if (not inputs.is_decoding or inputs.uniform_q_len != self.q_len
+        if (not inputs.is_decoding or not inputs.graphable or inputs.uniform_q_len != self.q_len
                 or inputs.block_tables.shape[1] > self.max_blocks):
             return None
         need = max(inputs.batch_size, inputs.padded_batch_size)
@@ -135,6 +145,8 @@ class GraphRunner:
         self.num_replays += 1
         if self.use_graphs:
             self.graphs[bucket].replay()
+            if self.recorder is not None:
+                self.recorder.trace.extend(self.traces[bucket])
             out = self.outputs[bucket]
         else:
             out = self._run_static(bucket)

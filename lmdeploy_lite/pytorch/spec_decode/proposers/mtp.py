@@ -24,14 +24,15 @@ class MTPProposer:
         self.num_spec_tokens = num_spec_tokens
         self.graphs = {}           # q_len -> GraphRunner: k + 1 (over a verify step), 1 (drafting)
 
-    def enable_graphs(self, buckets: list[int], max_blocks: int):
+    def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None):
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
         weight = self.mtp.fc.weight
         hidden = ((weight.shape[0],), weight.dtype)
         for q_len in sorted({self.num_spec_tokens + 1, 1}):
             runner = GraphRunner(lambda inputs, ids, h: self.mtp(ids, h, inputs, self.caches),
                                  'mtp draft', q_len, buckets, max_blocks,
-                                 [((), torch.long), hidden], weight.device)
+                                 [((), torch.long), hidden], weight.device,
+                                 recorder=recorder)
             runner.capture()
             self.graphs[q_len] = runner
 
@@ -59,7 +60,8 @@ class MTPProposer:
                                    history_lens=positions + i, block_tables=inputs.block_tables,
                                    state_slots=inputs.state_slots, state_index=inputs.state_index,
                                    is_decoding=True, is_dummy=inputs.is_dummy, uniform_q_len=1,
-                                   padded_batch_size=inputs.padded_batch_size)
+                                   padded_batch_size=inputs.padded_batch_size,
+                                   graphable=inputs.graphable)
                 hidden = self._run_mtp(drafts[-1], hidden, step)
             logits = self.compute_logits(hidden)
             token = logits.argmax(-1)
