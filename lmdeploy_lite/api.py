@@ -165,11 +165,10 @@ class Pipeline:
     @staticmethod
     def _response(index: int, out: StepOutput, prompt_ids: list[int], text: str,
                   token_ids: list[int]) -> Response:
-        seq = out.seq
         return Response(text=text, token_ids=list(token_ids), input_token_len=len(prompt_ids),
-                        generate_token_len=seq.num_generated, index=index,
-                        finish_reason=seq.finish_reason if out.finished else None,
-                        spec_stats=seq.spec_stats if seq.spec_stats.num_drafts else None)
+                        generate_token_len=out.num_generated, index=index,
+                        finish_reason=out.finish_reason if out.finished else None,
+                        spec_stats=out.spec_stats)
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None

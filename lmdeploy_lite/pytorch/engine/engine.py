@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,12 +36,23 @@ _DTYPES = {'float32': torch.float32, 'float64': torch.float64, 'bfloat16': torch
 
 @dataclass
 class StepOutput:
-    seq: Sequence
+    """One sequence's result of one step, as it stood at the end of that step. The thread that
+    consumes it may run a step or more behind the engine (async scheduling makes the last step
+    of a batch nearly free), so nothing a consumer reads may come from the live Sequence."""
+    seq: Sequence                     # identity only: its fields move on with the engine
     new_token_ids: list[int]          # tokens emitted this step (empty for a non-final chunk)
+    finished: bool = field(init=False)
+    finish_reason: str | None = field(init=False)
+    num_generated: int = field(init=False)
+    spec_stats: SpecDecodeStats | None = field(init=False)     # None until the first draft
 
-    @property
-    def finished(self) -> bool:
-        return self.seq.is_finished
+    def __post_init__(self):
+        seq = self.seq
+        self.finished, self.finish_reason = seq.is_finished, seq.finish_reason
+        self.num_generated = seq.num_generated
+        stats = seq.spec_stats
+        self.spec_stats = (dataclasses.replace(stats, accepted_per_position=list(
+            stats.accepted_per_position)) if stats.num_drafts else None)
 
 
 @dataclass

@@ -3,6 +3,9 @@ the host applies step N's results. It must change nothing: the same tokens (gree
 the same drafted/accepted counts as the synchronous engine, under speculation, chunked prefill,
 forced preemption, stops inside accepted runs, max_new_tokens, seeded sampling and aborts; and
 the draft tokens never travel to the host between steps."""
+import itertools
+import time
+
 import pytest
 import torch
 
@@ -194,3 +197,95 @@ def test_default_is_off_on_cpu_and_the_field_is_checked(tiny_ckpt):
     assert engine.async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling.*'yes'.*True, False or None"):
         PytorchEngineConfig(async_scheduling='yes')
+
+
+# ---- what the caller receives (issue 16: Response.token_ids one short under async + MTP) -------
+def _embedded_prompts(tokenizer) -> list[list[int]]:
+    texts = ('def fibonacci(n):\n', 'import os\nimport sys\n', 'class Config:\n    def __init__(',
+             'for i in range(10):\n', 'return self.')
+    return [tokenizer.encode(t) for t in texts]
+
+
+@pytest.mark.parametrize('k', [1, 3])
+def test_pipeline_delivers_every_token_under_async_speculation(k):
+    """Through `pipeline()` (an engine thread and a consumer thread), async scheduling with MTP,
+    float64, the embedded model (whose MTP head accepts runs of drafts): every Response holds
+    the whole sequence the synchronous engine generates, as many ids as generate_token_len, and
+    the streamed chunks add up to the same. The bug: a StepOutput read the live Sequence, so a
+    consumer one step behind saw the next-to-last chunk as finished and dropped the last one."""
+    from transformers import AutoTokenizer
+
+    from lmdeploy_lite import pipeline
+    from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
+    prompts = _embedded_prompts(tokenizer)
+    base = dict(dtype='float64', device='cpu', block_size=16, session_len=128)
+    spec = SpeculativeConfig(num_speculative_tokens=k)
+    reference = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(async_scheduling=False, **base),
+                       spec, progress=False)
+    want = [s.generated_ids for s in reference.generate(prompts, GREEDY)]
+    assert reference.spec_stats.num_accepted_tokens > reference.spec_stats.num_drafts // 2, \
+        'the embedded MTP head should accept drafts; this test needs real acceptance'
+    with pipeline(None, PytorchEngineConfig(async_scheduling=True, **base), spec,
+                  progress=False) as pipe:
+        responses = pipe(prompts, GREEDY)
+        streamed = [[] for _ in prompts]
+        for chunk in pipe.stream_infer(prompts, GREEDY):
+            streamed[chunk.index] += chunk.token_ids
+        assert pipe.engine.num_continued_steps > 0, 'async scheduling never overlapped a step'
+    assert [r.token_ids for r in responses] == want
+    assert [r.generate_token_len for r in responses] == [GREEDY.max_new_tokens] * len(prompts)
+    assert all(r.finish_reason == 'length' for r in responses)
+    assert streamed == want
+    assert sum(r.spec_stats.num_accepted_tokens for r in responses) == \
+        reference.spec_stats.num_accepted_tokens
+
+
+@pytest.mark.parametrize('async_scheduling', [False, True])
+def test_step_outputs_are_snapshots_for_a_lagging_consumer(async_scheduling, tiny_ckpt):
+    """A consumer that reads every StepOutput only after the engine has finished (the most a
+    consumer can lag) sees each one as it was: one final output, running totals that grow by
+    the emitted tokens, and the tokens adding up to the sequence."""
+    from lmdeploy_lite.pytorch.engine.engine_loop import EngineLoop
+    engine = _engine(tiny_ckpt(True), 3, async_scheduling)
+    loop = EngineLoop(engine)
+    received = {i: [] for i in range(len(PROMPTS))}
+    try:
+        handles = [loop.submit(p, GREEDY, received[i].append) for i, p in enumerate(PROMPTS)]
+        deadline = time.monotonic() + 120
+        while not all(r and not isinstance(r[-1], BaseException) and r[-1].finished
+                      for r in received.values()):
+            assert time.monotonic() < deadline, 'the engine loop did not finish in 120 s'
+            assert loop.error is None, loop.error
+            time.sleep(0.05)
+    finally:
+        loop.close()
+    for i, outs in received.items():
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        totals = list(itertools.accumulate(len(o.new_token_ids) for o in outs))
+        assert [o.num_generated for o in outs] == totals
+        assert sum((o.new_token_ids for o in outs), []) == handles[i].seq.generated_ids
+        assert len(handles[i].seq.generated_ids) == GREEDY.max_new_tokens
+        assert outs[-1].finish_reason == 'length' and outs[0].finish_reason is None
+        drafts = [o.spec_stats.num_drafts if o.spec_stats else 0 for o in outs]
+        assert drafts == sorted(drafts) and drafts[0] < drafts[-1]      # counted as they were
+
+
+def test_remote_outputs_are_snapshots_for_a_lagging_consumer():
+    """The mp/ray front-end's collector thread mutates one RemoteSeq per request; what it hands
+    the consumer must not change when the next report arrives."""
+    import threading
+
+    from lmdeploy_lite.pytorch.engine.executor.mp import RemoteEngineLoop, RemoteHandle, RemoteSeq
+    front = object.__new__(RemoteEngineLoop)         # just the collector's bookkeeping
+    front._lock, front._load = threading.Lock(), [1]
+    received = []
+    front._live = {0: RemoteHandle(RemoteSeq(0, 0), received.append)}
+    stats = (0, 0, 0, [])
+    front._deliver(0, [5], False, None, 1, stats)
+    front._deliver(0, [6, 7], False, None, 3, (1, 3, 1, [1, 0, 0]))
+    front._deliver(0, [8], True, 'length', 4, (2, 6, 1, [1, 0, 0]))
+    assert [(o.new_token_ids, o.finished, o.finish_reason, o.num_generated) for o in received] \
+        == [([5], False, None, 1), ([6, 7], False, None, 3), ([8], True, 'length', 4)]
+    assert received[0].spec_stats is None and received[1].spec_stats.num_drafts == 1
+    assert front._live == {} and front._load == [0]

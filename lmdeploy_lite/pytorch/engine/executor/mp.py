@@ -160,12 +160,13 @@ class RemoteSeq:
 
 @dataclass
 class RemoteOutput:
+    """StepOutput's fields, as one report carried them (the RemoteSeq moves on with the next)."""
     seq: RemoteSeq
     new_token_ids: list[int]
-
-    @property
-    def finished(self) -> bool:
-        return self.seq.is_finished
+    finished: bool
+    finish_reason: str | None
+    num_generated: int
+    spec_stats: SpecDecodeStats | None
 
 
 @dataclass(eq=False)
@@ -295,7 +296,9 @@ class RemoteEngineLoop:
         seq = handle.seq
         seq.is_finished, seq.finish_reason, seq.num_generated = finished, reason, num_generated
         seq.spec_stats = SpecDecodeStats(stats[0], stats[1], stats[2], list(stats[3]))
-        handle.sink(RemoteOutput(seq, new_ids))
+        snapshot = SpecDecodeStats(stats[0], stats[1], stats[2], list(stats[3]))
+        handle.sink(RemoteOutput(seq, new_ids, finished, reason, num_generated,
+                                 snapshot if snapshot.num_drafts else None))
 
     def _describe_failure(self, rank: int, trace: str) -> str:
         """A rank's collective fails when a peer dies: name the dead rank first."""
