@@ -11,7 +11,9 @@ comparison on a separate check group, and a mismatch raises CollectiveMismatch n
 collective that differs. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
 default 180); expiry raises CollectiveTimeout naming rank, step and operation (invariant 3).
 A timeout also triggers the trace comparison, so a rank that skipped a collective is named
-instead of leaving its peers to hang.
+instead of leaving its peers to hang (the comparison waits up to 3x the timeout for peers still
+stuck in a collective of their own, so with the check on, a rank that stopped participating
+altogether is reported after about 4x the timeout; with it off, after 1x).
 
 NCCL collectives are asynchronous: the call returns once the kernel is queued, so `traced` only
 sees errors raised at launch. A peer that never joins makes the kernel wait on the GPU; the NCCL
@@ -26,6 +28,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -191,15 +194,30 @@ class DistContext:
         process_group = self.group(group)
         if tensor.is_cuda and self.device_groups.get(group) is not None:
             process_group = self.device_groups[group]
+        start = time.monotonic()
         try:
             fn(process_group)
         except RuntimeError as e:
-            message = (f'rank {self.rank}, step {self.step}: {op} on the {group} group '
-                       f'(shape {list(shape)}, {entry[3]}) failed or timed out after '
-                       f'{dist_timeout_s():.0f} s ({ENV_TIMEOUT}): {e}')
-            if self.check:
+            raise self._failure(entry, time.monotonic() - start, e) from e
+
+    def _failure(self, entry: tuple, elapsed_s: float, error: RuntimeError) -> RuntimeError:
+        """The error for a collective that raised after `elapsed_s`: CollectiveTimeout naming
+        rank, step and operation (one line; the backend's text follows on later lines), or,
+        with the trace check on, CollectiveMismatch naming the rank that diverged."""
+        op, group, shape, dtype = entry
+        timeout = dist_timeout_s()
+        what = (f'timed out after {timeout:g} s ({ENV_TIMEOUT})' if elapsed_s >= 0.9 * timeout
+                else f'failed after {elapsed_s:.1f} s (a peer rank died or left?)')
+        message = (f'rank {self.rank}, step {self.step}: {op} on the {group} group '
+                   f'(shape {list(shape)}, {dtype}) {what}\n{error}')
+        if self.check:
+            try:
                 self.compare_traces(failed=entry)          # names the rank that diverged
-            raise CollectiveTimeout(message) from e
+            except CollectiveMismatch as mismatch:
+                return mismatch
+            except RuntimeError as check_error:            # peers never reached the comparison
+                message += f'\n(the trace comparison failed too: {check_error})'
+        return CollectiveTimeout(message)
 
     # ---- step boundaries and the trace check ----------------------------------------------
     def begin_step(self, step: int):

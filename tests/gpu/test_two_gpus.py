@@ -2,7 +2,8 @@
 MTP draft and ONE request, so that rank 1 idles through the whole run and only runs dummy
 target and draft forwards: it must complete with the single-GPU tokens (float32), with the
 all-to-all dispatcher and, where `deep_ep` is installed, with DeepEP (LMDEPLOY_LITE_EP_DISPATCHER
-picks; a worker hook checks which one each rank built and that it sits on its own GPU).
+picks; a worker hook, passed to MPEngineLoop, checks which one each rank built and that it sits
+on its own GPU).
 
 Hard limits: pytest-timeout, and a short collective timeout so that a hang becomes an error.
 """
@@ -12,8 +13,10 @@ import time
 import pytest
 import torch
 
-from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
+from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
+from tests.helpers.broken import run_requests
 
 pytestmark = pytest.mark.gpu
 
@@ -42,7 +45,7 @@ def _check_rank(engine, deepep: bool):
     assert built == deepep, f'rank {rank}: DeepEP dispatchers built: {built}, wanted {deepep}'
 
 
-def check_deepep(engine):              # LMDEPLOY_LITE_WORKER_HOOK targets
+def check_deepep(engine):              # worker hooks (top-level: pickled by reference)
     _check_rank(engine, True)
 
 
@@ -70,12 +73,15 @@ def test_dp2_ep2_one_request_gives_single_gpu_tokens(dispatcher, single_gpu_toke
         pytest.skip(reason)
     path, want = single_gpu_tokens
     monkeypatch.setenv('LMDEPLOY_LITE_EP_DISPATCHER', dispatcher)
-    monkeypatch.setenv('LMDEPLOY_LITE_WORKER_HOOK', f'tests.gpu.test_two_gpus:check_{dispatcher}')
     monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '1')
     monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '60')
     start = time.monotonic()
-    with pipeline(path, PytorchEngineConfig(dp=2, ep=2, **BASE), SPEC, progress=False) as pipe:
-        response = pipe([PROMPT], GEN)[0]
+    hook = {'alltoall': check_alltoall, 'deepep': check_deepep}[dispatcher]
+    loop = MPEngineLoop(path, PytorchEngineConfig(dp=2, ep=2, **BASE), SPEC, worker_hook=hook)
+    try:
+        response = run_requests(loop, [PROMPT], GEN, timeout_s=300)[0]
+    finally:
+        loop.close()
     assert response.finish_reason == 'length'
     assert len(response.token_ids) == GEN.max_new_tokens
     assert response.token_ids == want, (
@@ -124,15 +130,17 @@ def test_dp2_ep2_deepep_cuda_graphs(dtype, tiny_ckpt, tmp_path, monkeypatch):
     del engine
     torch.cuda.empty_cache()
     monkeypatch.setenv('LMDEPLOY_LITE_EP_DISPATCHER', 'deepep')
-    monkeypatch.setenv('LMDEPLOY_LITE_WORKER_HOOK', 'tests.gpu.test_two_gpus:check_deepep_graphs')
     monkeypatch.setenv(REPLAY_LOG, str(tmp_path / 'replays'))
     monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '1')
     monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '60')
     start = time.monotonic()
     config = PytorchEngineConfig(dp=2, ep=2, **dict(base, eager_mode=False))
-    with pipeline(path, config, SPEC, progress=False) as pipe:
-        one = pipe([PROMPT], GEN)[0].token_ids
-        many = [r.token_ids for r in pipe(PROMPTS, GEN)]
+    loop = MPEngineLoop(path, config, SPEC, worker_hook=check_deepep_graphs)
+    try:
+        one = run_requests(loop, [PROMPT], GEN, timeout_s=300)[0].token_ids
+        many = [r.token_ids for r in run_requests(loop, PROMPTS, GEN, timeout_s=300)]
+    finally:
+        loop.close()
     assert time.monotonic() - start < 500
     assert len(one) == GEN.max_new_tokens and all(len(t) == GEN.max_new_tokens for t in many)
     for rank in (0, 1):

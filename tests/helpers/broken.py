@@ -1,5 +1,13 @@
-"""Deliberately broken engines for the multi-process tests (loaded through
-LMDEPLOY_LITE_WORKER_HOOK='tests.helpers.broken:<name>')."""
+"""Deliberately broken engines for the multi-process tests, and a driver for engine loops.
+
+A worker hook is a top-level function called with each rank's Engine before it serves; tests
+pass it to MPEngineLoop / RayEngineLoop (`worker_hook=`), which pickle it by reference into every
+rank. Production code has no way to set one (no environment variable, no config field).
+"""
+import queue
+import time
+from dataclasses import dataclass
+
 import torch
 
 
@@ -13,3 +21,47 @@ def skip_dummy_draft(engine):
             return torch.zeros(rows.numel(), proposer.num_spec_tokens, dtype=torch.long), None
         return real(inputs, hidden, next_ids, rows, sampling)
     proposer.propose = propose
+
+
+STALL_AT_STEP = 3
+
+
+def rank1_stalls(engine):
+    """Rank 1 stops participating: from step STALL_AT_STEP on it never reaches the next plan
+    gather (alive, in no collective), so its peers' gather can only time out."""
+    if engine.dist.rank != 1:
+        return
+    real = engine.step
+
+    def step():
+        if engine.num_steps >= STALL_AT_STEP:
+            while True:
+                time.sleep(1)
+        return real()
+    engine.step = step
+
+
+@dataclass
+class Finished:
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+def run_requests(loop, prompts: list[list[int]], gen_config, timeout_s: float = 120
+                 ) -> list[Finished]:
+    """Submit every prompt to an engine loop and wait for all to finish (at most `timeout_s`);
+    raises the first error a request's sink receives."""
+    results: queue.Queue = queue.Queue()
+    for i, prompt in enumerate(prompts):
+        loop.submit(prompt, gen_config, lambda item, i=i: results.put((i, item)))
+    done = [Finished([], None) for _ in prompts]
+    remaining, deadline = len(prompts), time.monotonic() + timeout_s
+    while remaining:
+        i, item = results.get(timeout=max(0.0, deadline - time.monotonic()))
+        if isinstance(item, BaseException):
+            raise item
+        done[i].token_ids += item.new_token_ids
+        if item.finished:
+            done[i].finish_reason = item.seq.finish_reason
+            remaining -= 1
+    return done

@@ -4,6 +4,8 @@ Every test here starts real worker processes; each has a hard pytest timeout and
 it finished, and the engine's own collective timeout is short, so a hang fails with a message.
 """
 import multiprocessing
+import queue
+import re
 import threading
 import time
 
@@ -12,6 +14,8 @@ import pytest
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
+from tests.helpers.broken import run_requests, skip_dummy_draft
 
 BASE = dict(dtype='float64', device='cpu', block_size=4, session_len=128)
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 49)), [300, 301, 2, 450, 3, 3, 3, 17]]
@@ -100,28 +104,50 @@ def test_staggered_arrivals_and_limits_on_both_ranks(tiny_ckpt):
 @pytest.mark.timeout(300)
 def test_a_rank_that_skips_its_dummy_draft_is_named_not_hung(tiny_ckpt, monkeypatch):
     monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '8')
-    monkeypatch.setenv('LMDEPLOY_LITE_WORKER_HOOK', 'tests.helpers.broken:skip_dummy_draft')
     path = tiny_ckpt(True, layout='plain')
     start = time.monotonic()
-    with pipeline(path, PytorchEngineConfig(dp=2, ep=2, **BASE),
-                  SpeculativeConfig(num_speculative_tokens=2), progress=False) as pipe:
+    loop = MPEngineLoop(path, PytorchEngineConfig(dp=2, ep=2, **BASE),
+                        SpeculativeConfig(num_speculative_tokens=2), worker_hook=skip_dummy_draft)
+    try:
         with pytest.raises(RuntimeError, match=r'collective sequences differ at collective'):
-            pipe(PROMPTS[2:3], GEN)
+            run_requests(loop, PROMPTS[2:3], GEN)
+    finally:
+        loop.close()
     assert time.monotonic() - start < 120
 
 
 @pytest.mark.timeout(300)
 def test_a_dead_worker_is_reported_by_rank_and_nothing_is_left(tiny_ckpt):
+    """SIGKILL of one rank: within seconds the loop's error is one line naming the rank and the
+    signal (no traceback: it is what the server shows), every live request gets it, and close()
+    returns at once leaving no process."""
     path = tiny_ckpt(False, layout='plain')
     pipe = pipeline(path, PytorchEngineConfig(dp=2, **BASE), progress=False)
-    procs = pipe._loop._procs
+    loop, procs = pipe._loop, pipe._loop._procs
     try:
         assert pipe(PROMPTS[0], GEN).generate_token_len == GEN.max_new_tokens
+        sinks = [queue.Queue() for _ in range(2)]            # one request on each rank
+        for prompt, sink in zip(PROMPTS[:2], sinks):
+            loop.submit(prompt, GenerationConfig(max_new_tokens=100, ignore_eos=True), sink.put)
         procs[1].kill()
+        killed = time.monotonic()
+        while loop.error is None and time.monotonic() - killed < 10:
+            time.sleep(0.05)
+        assert loop.error is not None and time.monotonic() - killed < 5
+        message = str(loop.error)
+        assert re.fullmatch(rf'rank 1 \(pid {procs[1].pid}\) was killed by signal SIGKILL',
+                            message), message
+        for sink in sinks:        # tokens may come first; the last item is the error
+            items = [sink.get(timeout=5)]
+            while not isinstance(items[-1], BaseException):
+                items.append(sink.get(timeout=5))
+            assert items[-1] is loop.error
         with pytest.raises(RuntimeError, match='rank 1'):
-            pipe(PROMPTS[:2], GenerationConfig(max_new_tokens=2000, ignore_eos=True))
+            pipe(PROMPTS[:2], GEN)
     finally:
+        start = time.monotonic()
         pipe.close()
+        assert time.monotonic() - start < 10
     assert not any(p.is_alive() for p in procs)
 
 

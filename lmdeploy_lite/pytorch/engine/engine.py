@@ -79,9 +79,25 @@ class InFlight:
         copied.record()
         return cls(batch, inputs, result, host[0], host[1], copied)
 
-    def host_result(self) -> StepResult:
-        if self.copied is not None:
-            self.copied.synchronize()
+    def host_result(self, dist: DistContext | None = None) -> StepResult:
+        """The results on the host. A CUDA copy is awaited by polling its event for at most the
+        collective timeout (LMDEPLOY_LITE_DIST_TIMEOUT): a peer that never joins one of the
+        step's device collectives (NCCL, DeepEP) stalls the stream, and the wait then ends in
+        CollectiveTimeout naming rank (`dist`'s), step and operation instead of hanging."""
+        if self.copied is not None and not self.copied.query():
+            import time
+
+            from lmdeploy_lite.pytorch.distributed import (ENV_TIMEOUT, CollectiveTimeout,
+                                                           dist_timeout_s)
+            timeout, start = dist_timeout_s(), time.monotonic()
+            while not self.copied.query():
+                waited = time.monotonic() - start
+                if waited > timeout:
+                    where = f'rank {dist.rank}, step {dist.step}' if dist else 'this rank'
+                    raise CollectiveTimeout(
+                        f'{where}: waiting for the step\'s results on the device (the copy '
+                        f'after its collectives) timed out after {timeout:g} s ({ENV_TIMEOUT})')
+                time.sleep(0 if waited < 0.1 else 0.001)    # spin as synchronize() would, then nap
         return StepResult(self.host_tokens, self.host_accepted)
 
 

@@ -91,7 +91,7 @@ def set_low_latency(dist_ctx, enabled: bool):
     from ..backends.cuda.token_dispatcher import registered_buffer
     shared = registered_buffer(dist_ctx.group('ep'))
     if shared is not None:
-        shared.set_low_latency(enabled)
+        shared.set_low_latency(enabled, dist_ctx)
 
 
 def uses_deep_ep(dist_ctx) -> bool:

@@ -175,13 +175,21 @@ class SharedBuffer:
         return deep_ep.Buffer(self.group, nvl_bytes, rdma_bytes, low_latency_mode=True,
                               num_qps_per_rank=max(1, self.num_experts // ranks))
 
-    def set_low_latency(self, enabled: bool):
+    def set_low_latency(self, enabled: bool, dist_ctx=None):
         """Switch mode (every rank, same step; allocates the buffer if needed). Normal kernels
-        leave the low-latency region dirty, so entering low-latency mode cleans it (a
-        collective; not inside a graph capture)."""
+        leave the low-latency region dirty, so entering low-latency mode cleans it: a
+        collective (not inside a graph capture), run through `dist_ctx.traced` like every other
+        one (recorded; a launch error names rank, step and op). Its GPU-side wait is bounded
+        where the host next waits for the step (Engine's InFlight.host_result deadline)."""
         buffer = self.get()
         if enabled and not self.low_latency:
-            buffer.clean_low_latency_buffer(self.ll_capacity, self.width, self.num_experts)
+            def clean(_):
+                buffer.clean_low_latency_buffer(self.ll_capacity, self.width, self.num_experts)
+            if dist_ctx is None:
+                clean(None)
+            else:
+                marker = torch.empty(0, dtype=torch.uint8)
+                dist_ctx.traced('deepep_clean', 'ep', marker, clean)
         self.low_latency = enabled
 
 

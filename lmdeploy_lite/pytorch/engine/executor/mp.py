@@ -8,25 +8,36 @@ Every rank runs an Engine for its DP rank and the same loop: read its inbox, `en
 (whose first act is the StepPlan all-gather, so ranks advance in lockstep), send outputs home.
 Ranks with no work wait on their inbox between plan gathers (at most IDLE_WAIT_S, no spinning);
 an idle rank inside a busy step runs dummy target and draft forwards. The front-end routes each
-request to the least-loaded DP rank and forwards results to the caller's sink. A rank that
-dies is detected within a second and reported by rank; close() leaves no process behind.
+request to the least-loaded DP rank and forwards results to the caller's sink.
+
+Failures: a rank that dies is detected within a second; the loop's `error` becomes one short
+line naming it and how it ended ('rank 1 (pid 4242) was killed by signal SIGKILL'), or the
+first line of the exception a rank raised (a collective timeout names rank, step and
+operation); tracebacks go to the log. Every live request's sink gets that error, the other
+ranks are ended, and close() returns promptly. Ranks die with the front-end, however it ends
+(lifeline.py), and ignore SIGINT (a Ctrl-C reaches the whole process group; the front-end
+decides). `worker_hook`: a picklable top-level function called with each rank's Engine before
+it serves (tests break engines on purpose with it); production code never sets it.
 """
 from __future__ import annotations
 
 import logging
 import os
 import queue
+import signal
 import socket
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch.multiprocessing as mp
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
+from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent, make_lifeline
 
 logger = logging.getLogger('lmdeploy_lite')
 
@@ -63,8 +74,13 @@ def rank_device(device: str, local_rank: int):
 
 def worker_main(rank: int, dist_config: DistConfig, model_path: str,
                 engine_config: PytorchEngineConfig, spec_config: SpeculativeConfig | None,
-                init_method: str, inbox, outbox, env: dict, local_rank: int):
-    """One rank; `local_rank`: its GPU among the ones this process sees (CUDA only)."""
+                init_method: str, inbox, outbox, env: dict, local_rank: int,
+                lifeline: Lifeline | None = None, worker_hook: Callable | None = None):
+    """One rank; `local_rank`: its GPU among the ones this process sees (CUDA only);
+    `lifeline`: the parent to die with (None: the launcher sees to it, e.g. ray)."""
+    if lifeline is not None:
+        follow_parent(lifeline)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
     import torch
 
@@ -82,18 +98,24 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
         tokenizer = load_tokenizer(model_path)
         engine = Engine(model_path, engine_config, spec_config, tokenizer=tokenizer,
                         progress=False, dist_ctx=dist_ctx)
-        hook = os.environ.get('LMDEPLOY_LITE_WORKER_HOOK')     # tests: 'module:function'
-        if hook:
-            import importlib
-            module, name = hook.split(':')
-            getattr(importlib.import_module(module), name)(engine)
+        if worker_hook is not None:
+            worker_hook(engine)
         outbox.put(('ready', rank, None))
         _rank_loop(rank, engine, inbox, outbox)
-    except BaseException:
-        outbox.put(('error', rank, traceback.format_exc()))
+    except BaseException as e:
+        outbox.put(('error', rank, (summarize(rank, e), traceback.format_exc())))
     finally:
         if dist_ctx is not None:
             dist_ctx.destroy()
+
+
+def summarize(rank: int, error: BaseException) -> str:
+    """One line for users: the exception's first line, with the rank named."""
+    lines = str(error).strip().splitlines()
+    line = lines[0][:500] if lines else ''
+    if line.startswith(f'rank {rank},'):            # distributed.py's errors name it already
+        return f'{type(error).__name__}: {line}'
+    return f'rank {rank} failed: {type(error).__name__}' + (f': {line}' if line else '')
 
 
 def _rank_loop(rank: int, engine, inbox, outbox):
@@ -178,11 +200,13 @@ class RemoteHandle:
 class RemoteEngineLoop:
     """The EngineLoop interface (submit, abort, close, error) over one worker per rank running
     `worker_main`. Subclasses start the ranks (`_start`: sets `_inboxes`, one per rank, and
-    `_outbox`), name the dead ones (`_dead_ranks`), wait for them (`_join`) and end them (`_kill`);
-    validation, routing, result collection and failure handling are shared."""
+    `_outbox`; passes `_worker_hook` on), name the dead ones (`_dead_ranks`), wait for them
+    (`_join`), end them (`_kill`) and let go of them (`_release`); validation, routing, result
+    collection and failure handling are shared."""
 
     def __init__(self, model_path: str, engine_config: PytorchEngineConfig,
-                 speculative_config: SpeculativeConfig | None = None, env: dict | None = None):
+                 speculative_config: SpeculativeConfig | None = None, env: dict | None = None,
+                 worker_hook: Callable | None = None):
         cfg = engine_config
         self.dist_config = DistConfig(cfg.tp, cfg.dp, cfg.ep)
         self.model_config = ModelConfig.from_pretrained(model_path)
@@ -198,6 +222,7 @@ class RemoteEngineLoop:
         self._next_rid = 0
         self._lock = threading.Lock()
         self._closing = False
+        self._worker_hook = worker_hook
         child_env = {k: v for k, v in os.environ.items() if k.startswith('LMDEPLOY_LITE_')}
         child_env.update(env or {})
         try:
@@ -205,6 +230,7 @@ class RemoteEngineLoop:
             self._wait_ready()
         except BaseException:
             self._kill()
+            self._release()
             raise
         self._collector = threading.Thread(target=self._collect, daemon=True,
                                            name='lmdeploy_lite-collector')
@@ -237,7 +263,9 @@ class RemoteEngineLoop:
                                        f'did not start within {STARTUP_TIMEOUT_S:.0f} s')
                 continue
             if kind == 'error':
-                raise RuntimeError(f'rank {rank} failed to start:\n{payload}')
+                summary, trace = payload
+                logger.error('rank %d failed to start:\n%s', rank, trace)
+                raise RuntimeError(f'failed to start: {summary}')
             ready.add(rank)
 
     def _check_alive(self):
@@ -281,7 +309,7 @@ class RemoteEngineLoop:
                     return
                 continue
             if kind == 'error':
-                self._fail(RuntimeError(self._describe_failure(rank, payload)))
+                self._fail(RuntimeError(self._describe_failure(rank, *payload)))
                 return
             self._deliver(*payload)
 
@@ -300,18 +328,32 @@ class RemoteEngineLoop:
         handle.sink(RemoteOutput(seq, new_ids, finished, reason, num_generated,
                                  snapshot if snapshot.num_drafts else None))
 
-    def _describe_failure(self, rank: int, trace: str) -> str:
-        """A rank's collective fails when a peer dies: name the dead rank first."""
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            dead = [d for r, d in self._dead_ranks().items() if r != rank]
-            if dead:
-                return f'{", ".join(dead)}; rank {rank} then failed:\n{trace}'
-            time.sleep(0.1)
-        return f'rank {rank} failed:\n{trace}'
+    def _describe_failure(self, rank: int, summary: str, trace: str) -> str:
+        """A rank's collective fails when a peer dies: then the dead peer is the news, not the
+        survivor's error (logged with its traceback). A rank that reported an error of its own
+        and then ended (its report is in the outbox before its exit is seen) is no such peer."""
+        logger.error('rank %d failed:\n%s', rank, trace)
+        reported = {rank}
+        deadline = time.monotonic() + 1.0
+        while True:
+            dead = self._dead_ranks()              # before the drain: their reports are in it
+            while True:
+                try:
+                    kind, other, payload = self._outbox.get(timeout=0)
+                except queue.Empty:
+                    break
+                if kind == 'error' and other not in reported:
+                    reported.add(other)
+                    logger.error('rank %d failed:\n%s', other, payload[1])
+            unexplained = [d for r, d in dead.items() if r not in reported]
+            if unexplained:
+                return '; '.join(unexplained)
+            if time.monotonic() > deadline:
+                return summary
+            time.sleep(0.05)
 
     def _fail(self, error: BaseException):
-        logger.error('%s', error)
+        logger.error('engine stopped: %s', error)
         self.error = error
         with self._lock:
             handles, self._live = list(self._live.values()), {}
@@ -332,11 +374,17 @@ class RemoteEngineLoop:
             handles, self._live = list(self._live.values()), {}
         for handle in handles:
             handle.sink(RuntimeError('the engine was closed'))
+        self._release()
+
+    def _release(self):
+        """Let go of what ties the workers to this process (after they are gone)."""
 
 
 class MPEngineLoop(RemoteEngineLoop):
-    """One process per rank on this machine (torch.multiprocessing, spawn)."""
+    """One process per rank on this machine (torch.multiprocessing, spawn), each following
+    this process's life through a lifeline (lifeline.py)."""
     _procs: tuple | list = ()                 # set by _start; empty until then
+    _lifeline_writer = None                   # the pipe end whose closing tells workers to end
 
     def _start(self, model_path: str, cfg: PytorchEngineConfig,
                spec_config: SpeculativeConfig | None, env: dict):
@@ -348,16 +396,21 @@ class MPEngineLoop(RemoteEngineLoop):
         init_method = f'tcp://127.0.0.1:{free_port()}'
         self._inboxes = [ctx.Queue() for _ in range(world)]
         self._outbox = ctx.Queue()
+        lifeline, self._lifeline_writer = make_lifeline(ctx)
         self._procs = [ctx.Process(target=worker_main, daemon=True, name=f'lmdeploy_lite-rank{r}',
                                    args=(r, self.dist_config, model_path, cfg, spec_config,
-                                         init_method, self._inboxes[r], self._outbox, env, r))
+                                         init_method, self._inboxes[r], self._outbox, env, r,
+                                         lifeline, self._worker_hook))
                        for r in range(world)]
-        for p in self._procs:
-            p.start()
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            lifeline.reader.close()             # the workers hold their own copies
 
     def _dead_ranks(self) -> dict[int, str]:
-        return {r: f'rank {r} (pid {p.pid}) exited with code {p.exitcode}'
-                for r, p in enumerate(self._procs) if not p.is_alive()}
+        return {r: f'rank {r} (pid {p.pid}) {describe_exit(p.exitcode)}'
+                for r, p in enumerate(self._procs) if p.pid is not None and not p.is_alive()}
 
     def _join(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s
@@ -369,7 +422,26 @@ class MPEngineLoop(RemoteEngineLoop):
             if p.is_alive():
                 p.terminate()
         for p in self._procs:
+            if p.pid is None:                   # never started
+                continue
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        for q in [*getattr(self, '_inboxes', ()), getattr(self, '_outbox', None)]:
+            if q is not None:     # a dead reader must not keep this process from exiting
+                q.cancel_join_thread()
+
+    def _release(self):
+        if self._lifeline_writer is not None:
+            self._lifeline_writer.close()
+            self._lifeline_writer = None
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f'was killed by signal {signal.Signals(-exitcode).name}'
+        except ValueError:
+            return f'was killed by signal {-exitcode}'
+    return f'exited with code {exitcode}'

@@ -1,16 +1,22 @@
 """The `ray` executor: one Ray actor per rank, placed by a placement group across nodes.
 
 Each actor runs the same `worker_main` as the `mp` executor; inboxes and the outbox are
-`ray.util.queue.Queue`s (their `Empty` subclasses `queue.Empty`, so the worker code is shared
-unchanged). Bundles are {'GPU': 1} per rank on CUDA, {'CPU': 1} on CPU; strategy STRICT_SPREAD
-when the cluster has exactly one node per rank (rank r on its own node), else SPREAD. Rank r
-takes bundle r; torch.distributed meets at rank 0's node. The cluster is `ray.init()`'s
-(RAY_ADDRESS, e.g. `auto`), unless the caller already connected. A placement group that cannot
-be placed within RAY_PG_TIMEOUT_S fails with what is missing; close() kills every actor and
-removes the placement group.
+`ray.util.queue.Queue`s behind a wrapper with the mp queue's interface (empty gets raise
+`queue.Empty`), so the worker code is shared unchanged. Bundles are {'GPU': 1} per rank on
+CUDA, {'CPU': 1} on CPU; strategy STRICT_SPREAD when the cluster has exactly one node per rank
+(rank r on its own node), else SPREAD. Rank r takes bundle r; torch.distributed meets at rank
+0's node. The cluster is `ray.init()`'s (RAY_ADDRESS, e.g. `auto`), unless the caller already
+connected. A placement group that cannot be placed within RAY_PG_TIMEOUT_S fails with what is
+missing; close() kills every actor and removes the placement group.
+
+Every call into ray is bounded (RAY_CALL_TIMEOUT_S; the queues' gets by their own timeout).
+The actors need no lifeline: ray ties a (non-detached) actor's life to its owner, this driver,
+and kills it when the driver's process ends, SIGKILL included (ray's ownership fate-sharing);
+the queue actors likewise.
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import time
@@ -20,26 +26,49 @@ from lmdeploy_lite.pytorch.engine.executor.mp import RemoteEngineLoop, free_port
 
 RAY_PG_TIMEOUT_S = float(os.environ.get('LMDEPLOY_LITE_RAY_PG_TIMEOUT', '30'))
 PLACE_ACTORS_TIMEOUT_S = 120
+RAY_CALL_TIMEOUT_S = 60          # one small actor call (a queue put, a port lookup)
 
 
-class _FrontEndQueue:
-    """The front-end's view of a ray Queue: once its actor is gone (after a failure or close),
-    puts are dropped and gets report Empty, as an mp queue with no reader would."""
+class _RankQueue:
+    """A ray Queue whose every call is bounded in time (ray's own wait forever on an actor
+    that does not answer); a rank's view: errors (the queue actor is gone) propagate."""
 
     def __init__(self, q):
         self.q = q
 
+    def put(self, item):                   # the queues are unbounded: put never waits for room
+        import ray
+        ray.get(self.q.actor.put.remote(item, None), timeout=RAY_CALL_TIMEOUT_S)
+
+    def get(self, timeout: float):
+        import ray
+        return ray.get(self.q.actor.get.remote(timeout), timeout=timeout + RAY_CALL_TIMEOUT_S)
+
+    def get_nowait(self):
+        import ray
+        try:
+            return ray.get(self.q.actor.get_nowait.remote(), timeout=RAY_CALL_TIMEOUT_S)
+        except asyncio.QueueEmpty:         # (the actor's error, re-raised as an instance of it)
+            raise queue.Empty from None
+
+
+class _FrontEndQueue(_RankQueue):
+    """The front-end's view: once the queue's actor is gone (after a failure or close), puts
+    are dropped and gets report Empty, as an mp queue with no reader would."""
+
     def put(self, item):
         import ray
         try:
-            self.q.put(item)
+            super().put(item)
         except ray.exceptions.RayError:
             pass
 
     def get(self, timeout: float):
         import ray
         try:
-            return self.q.get(timeout=timeout)
+            return super().get(timeout)
+        except queue.Empty:                # (ray raises the actor's Empty as a RayError too)
+            raise queue.Empty from None
         except ray.exceptions.RayError:
             time.sleep(timeout)
             raise queue.Empty from None
@@ -101,10 +130,14 @@ class RayEngineLoop(RemoteEngineLoop):
             for r in range(world)]
         where = ray.get([a.node.remote() for a in self._actors], timeout=PLACE_ACTORS_TIMEOUT_S)
         self.node_ids = [node_id for node_id, _ in where]
-        init_method = f'tcp://{where[0][1]}:{ray.get(self._actors[0].free_port.remote())}'
-        # local rank 0: ray shows each GPU actor only its own GPU (CUDA_VISIBLE_DEVICES)
+        port = ray.get(self._actors[0].free_port.remote(), timeout=RAY_CALL_TIMEOUT_S)
+        init_method = f'tcp://{where[0][1]}:{port}'
+        # local rank 0: ray shows each GPU actor only its own GPU (CUDA_VISIBLE_DEVICES);
+        # no lifeline: ray ends the actors with this driver
         self._runs = [a.run.remote(r, self.dist_config, model_path, cfg, spec_config,
-                                   init_method, self._queues[r], self._queues[world], env, 0)
+                                   init_method, _RankQueue(self._queues[r]),
+                                   _RankQueue(self._queues[world]), env, 0, None,
+                                   self._worker_hook)
                       for r, a in enumerate(self._actors)]
 
     def _dead_ranks(self) -> dict[int, str]:
@@ -114,7 +147,7 @@ class RayEngineLoop(RemoteEngineLoop):
         for r, ref in enumerate(self._runs):
             if ref in done:
                 try:
-                    ray.get(ref)
+                    ray.get(ref, timeout=RAY_CALL_TIMEOUT_S)      # done: returns at once
                     dead[r] = f'rank {r} (ray actor on node {self.node_ids[r]}) exited'
                 except Exception as e:
                     dead[r] = (f'rank {r} (ray actor on node {self.node_ids[r]}) died: '
