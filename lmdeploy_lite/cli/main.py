@@ -105,24 +105,65 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _fit_history(pipe, messages: list[dict], session_len: int, room: int) -> tuple[list[dict], int]:
+    """Drop the oldest user/assistant turns (system messages stay) until the conversation's
+    prompt leaves `room` tokens to answer in; returns (messages, turns dropped). Raises
+    ValueError when the newest message alone does not fit."""
+    dropped = 0
+    while len(pipe.encode(messages)) > session_len - room:
+        turns = [i for i, m in enumerate(messages) if m['role'] != 'system']
+        if len(turns) <= 1:
+            raise ValueError(f'this message is {len(pipe.encode(messages))} tokens with the chat '
+                             f'template, but session_len={session_len} leaves room for at most '
+                             f'{session_len - room}; shorten it or start with a larger '
+                             f'--session-len')
+        first = turns[0]                         # a user turn and the reply that followed it
+        end = first + 2 if first + 1 < len(messages) - 1 else first + 1
+        messages = messages[:first] + messages[end:]
+        dropped += 1
+    return messages, dropped
+
+
 def cmd_chat(args) -> int:
+    """Ctrl-C during a reply stops that reply (its text stays in the history); Ctrl-C or Ctrl-D
+    at the prompt, or an empty line, ends the session. A conversation that outgrows the session
+    loses its oldest turns, said so; a message too long on its own is refused and the session
+    goes on."""
     pipe, gen_config = _build(args)
+    session_len = (pipe.engine or pipe._loop).session_len
+    room = min(gen_config.max_new_tokens, max(1, session_len // 4))  # tokens kept to answer in
     messages = []
     with pipe:
-        print('chat: empty line or Ctrl-D to quit', file=sys.stderr)
+        print('chat: empty line, Ctrl-D or Ctrl-C to quit; Ctrl-C during a reply stops it',
+              file=sys.stderr)
         while True:
             try:
                 line = input('user> ')
-            except EOFError:
+            except (EOFError, KeyboardInterrupt):
+                print(file=sys.stderr)
                 break
             if not line.strip():
                 break
-            messages.append({'role': 'user', 'content': line})
+            try:
+                messages, dropped = _fit_history(
+                    pipe, messages + [{'role': 'user', 'content': line}], session_len, room)
+            except ValueError as e:
+                print(f'error: {e}', file=sys.stderr)
+                continue
+            if dropped:
+                print(f'[the conversation outgrew session_len={session_len}: dropped the '
+                      f'{dropped} oldest turn(s)]', file=sys.stderr)
             reply = ''
             print('assistant> ', end='', flush=True)
-            for r in pipe.stream_infer(messages, gen_config):
-                print(r.text, end='', flush=True)
-                reply += r.text
+            stream = pipe.stream_infer(messages, gen_config)
+            try:
+                for r in stream:
+                    print(r.text, end='', flush=True)
+                    reply += r.text
+            except KeyboardInterrupt:
+                print(' [stopped]', end='', flush=True)
+            finally:
+                stream.close()                        # aborts the request if it still runs
             print()
             messages.append({'role': 'assistant', 'content': reply})
     return 0
