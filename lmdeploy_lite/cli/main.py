@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -179,12 +180,20 @@ def _serve_args(p: argparse.ArgumentParser):
     p.add_argument('--server-name', default='127.0.0.1', help='address to listen on')
     p.add_argument('--server-port', type=int, default=23333, help='port to listen on')
     p.add_argument('--api-keys', nargs='+', default=None, metavar='KEY',
-                   help='accept only requests with "Authorization: Bearer KEY" (any of these)')
+                   help='accept only requests with "Authorization: Bearer KEY" (any of these; '
+                        'every path but /health); keys are also read from --api-keys-file and '
+                        'from LMDEPLOY_LITE_API_KEYS (comma-separated), which keep them out of ps')
+    p.add_argument('--api-keys-file', default=None, metavar='PATH',
+                   help='a file with one API key per line (blank and # lines skipped)')
+    p.add_argument('--max-request-bytes', type=int, default=4 * 2**20, metavar='N',
+                   help='largest request body accepted (default 4 MiB); larger ones get HTTP 413')
     p.add_argument('--model-name', default=None,
                    help='model id in /v1/models and requests (default: the model directory name)')
 
 
 def cmd_serve(args) -> int:
+    """Exit code: 0 after SIGINT or SIGTERM (the same graceful shutdown), 1 when the engine died,
+    2 for a bad argument or a missing extra, 3 when the server could not start."""
     missing = [m for m in SERVE_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         print(f"error: serving needs the 'serve' extra (missing: {', '.join(missing)}); "
@@ -193,7 +202,11 @@ def cmd_serve(args) -> int:
     from lmdeploy_lite import PytorchEngineConfig, pipeline
     from lmdeploy_lite.api import resolve_model_path
     from lmdeploy_lite.serve.openai.api_server import default_model_name, serve
+    from lmdeploy_lite.serve.openai.auth import load_api_keys
     logging.basicConfig(level=args.log_level.upper())
+    if args.max_request_bytes < 1:
+        raise ValueError(f'max_request_bytes={args.max_request_bytes}: must be >= 1')
+    api_keys = load_api_keys(args.api_keys, args.api_keys_file)
     engine_config = PytorchEngineConfig(dtype=args.dtype, device=args.device,
                                         max_batch_size=args.max_batch_size,
                                         session_len=args.session_len,
@@ -202,14 +215,15 @@ def cmd_serve(args) -> int:
                                         **executor_args(args))
     spec = speculative_config(args)
     model_path = resolve_model_path(args.model)
-    pipe = pipeline(model_path, engine_config, spec, progress=False)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)    # while loading: as SIGINT
     try:
-        serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
-              args.server_port, args.api_keys, args.log_level,
-              num_spec_tokens=spec.num_speculative_tokens if spec else 0)
-    except KeyboardInterrupt:                # SIGINT, re-raised by uvicorn after a clean shutdown
-        return 130
-    return 0
+        pipe = pipeline(model_path, engine_config, spec, progress=False)
+        return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
+                     args.server_port, api_keys, args.log_level,
+                     num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+                     max_request_bytes=args.max_request_bytes)
+    except KeyboardInterrupt:                # SIGINT or SIGTERM before the server was up
+        return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,10 +2,7 @@
 to with the official `openai` client and plain HTTP (httpx). Tiny random model, float32, CPU."""
 import asyncio
 import json
-import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,117 +15,10 @@ for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
 openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KEY = 'test-key'
-K = 2                                   # draft tokens per step
-SESSION_LEN = 128
-MODEL = 'tiny'
+from tests.serve.live_server import (K, KEY, MODEL, ROOT, SESSION_LEN, Server,  # noqa: E402
+                                     chat, headers, is_alive, post, scrape)
+
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
-
-
-# ---- the server -------------------------------------------------------------------------------
-@pytest.fixture(scope='module')
-def model_dir(tiny_ckpt, tmp_path_factory):
-    """A tiny random checkpoint with MTP tensors plus a real BPE tokenizer with a chat template."""
-    sys.path.insert(0, os.path.join(ROOT, 'tools'))
-    from make_tiny_checkpoint import train_tokenizer
-    path = str(tmp_path_factory.mktemp('serve') / MODEL)
-    shutil.copytree(tiny_ckpt(True, layout='multimodal'), path)
-    train_tokenizer(path, 512)
-    return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model_dir: str, log_path: str, *args: str, deadline_s: float = 180):
-        self.port = _free_port()
-        self.url = f'http://127.0.0.1:{self.port}'
-        self.log = open(log_path, 'w+')
-        cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'serve', 'api_server', model_dir,
-               '--device', 'cpu', '--dtype', 'float32', '--session-len', str(SESSION_LEN),
-               '--max-batch-size', '64', '--server-port', str(self.port), *args]
-        env = dict(os.environ, OMP_NUM_THREADS='1')
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env)
-        try:
-            self._wait_healthy(deadline_s)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _wait_healthy(self, deadline_s: float):
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f'server exited with {self.proc.returncode}:\n{self.output()}')
-            try:
-                if httpx.get(self.url + '/health', timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        pytest.fail(f'server not healthy within {deadline_s} s:\n{self.output()}')
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def children(self) -> list[int]:
-        pids = []
-        for task in os.listdir(f'/proc/{self.proc.pid}/task'):
-            with open(f'/proc/{self.proc.pid}/task/{task}/children') as f:
-                pids += [int(p) for p in f.read().split()]
-        return pids
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-
-
-@pytest.fixture(scope='module')
-def server(model_dir, tmp_path_factory):
-    """Speculative (MTP, k=2) server that wants an API key."""
-    srv = Server(model_dir, str(tmp_path_factory.mktemp('log') / 'server.log'),
-                 '--speculative-num-draft-tokens', str(K), '--api-keys', KEY,
-                 '--model-name', MODEL)
-    try:
-        yield srv
-    finally:
-        srv.stop()
-
-
-@pytest.fixture(scope='module')
-def client(server):
-    return openai.OpenAI(base_url=server.url + '/v1', api_key=KEY, timeout=60, max_retries=0)
-
-
-def scrape(url: str) -> dict[str, float]:
-    """/metrics as {'name{labels}': value}."""
-    text = httpx.get(url + '/metrics', timeout=10).text
-    return {line.rsplit(' ', 1)[0]: float(line.rsplit(' ', 1)[1])
-            for line in text.splitlines() if line and not line.startswith('#')}
-
-
-def post(server, path: str, payload=None, content: str | None = None, key: str | None = KEY):
-    headers = {'Authorization': f'Bearer {key}'} if key else {}
-    headers['Content-Type'] = 'application/json'
-    return httpx.post(server.url + path, json=payload, content=content, headers=headers,
-                      timeout=60)
-
-
-def chat(text: str) -> list[dict]:
-    return [{'role': 'user', 'content': text}]
 
 
 # ---- protocol -----------------------------------------------------------------------------------
@@ -161,7 +51,7 @@ def test_models_completion_chat_and_streaming_chat(client):
 def test_stream_ends_with_done(server):
     lines = []
     with httpx.stream('POST', server.url + '/v1/completions', timeout=60,
-                      headers={'Authorization': f'Bearer {KEY}'},
+                      headers=headers(),
                       json={'prompt': 'x = 1', 'max_tokens': 4, 'stream': True,
                             'temperature': 0, 'ignore_eos': True}) as r:
         assert r.status_code == 200
@@ -215,18 +105,19 @@ BAD_REQUESTS = {
     'unknown model': (dict(payload={'model': 'gpt-9', 'messages': chat('hi')}), 'model',
                       "model='gpt-9': unknown; this server serves 'tiny'"),
     'max_tokens 0': (dict(payload={'messages': chat('hi'), 'max_tokens': 0}), 'max_tokens',
-                     'max_tokens=0: input should be greater than or equal to 1'),
+                     'max_tokens=0: must be in [1, 2147483647]'),
     'max_tokens -3': (dict(payload={'messages': chat('hi'), 'max_tokens': -3}), 'max_tokens',
                       'max_tokens=-3'),
     'temperature < 0': (dict(payload={'messages': chat('hi'), 'temperature': -0.5}),
-                        'temperature', 'temperature=-0.5: input should be greater than or equal'),
+                        'temperature', 'temperature=-0.5: must be in [0, inf)'),
     'top_p 0': (dict(payload={'messages': chat('hi'), 'top_p': 0}), 'top_p',
-                'top_p=0: input should be greater than 0'),
+                'top_p=0: must be in (0, 1]'),
     'top_p > 1': (dict(payload={'messages': chat('hi'), 'top_p': 1.5}), 'top_p',
-                  'top_p=1.5: input should be less than or equal to 1'),
+                  'top_p=1.5: must be in (0, 1]'),
     'prompt too long': (dict(payload={'messages': chat('x ' * 300)}), 'messages',
                         f'session_len={SESSION_LEN}'),
-    'n > 1': (dict(payload={'messages': chat('hi'), 'n': 2}), 'n', 'only n=1 is supported'),
+    'n > 1': (dict(payload={'messages': chat('hi'), 'n': 2}), 'n',
+              'n=2: not supported by this server (accepted only as null or 1)'),
     'empty messages': (dict(payload={'messages': []}), 'messages', 'at least 1 item'),
     'body not an object': (dict(payload=[1, 2]), None, 'must be a JSON object'),
 }
@@ -261,10 +152,16 @@ def test_api_keys(server):
         r = post(server, '/v1/chat/completions', {'messages': chat('hi'), 'max_tokens': 1},
                  key=key)
         assert r.status_code == 401 and r.json()['error']['code'] == 'invalid_api_key'
-        headers = {'Authorization': f'Bearer {key}'} if key else {}
-        assert httpx.get(server.url + '/v1/models', headers=headers).status_code == 401
-    assert httpx.get(server.url + '/health').status_code == 200
-    assert httpx.get(server.url + '/metrics').status_code == 200
+        for path in ('/v1/models', '/metrics', '/docs', '/redoc', '/openapi.json'):
+            r = httpx.get(server.url + path, headers=headers(key))
+            assert r.status_code == 401 and r.json()['error']['code'] == 'invalid_api_key', path
+    assert httpx.get(server.url + '/health').status_code == 200           # open, for probes
+    for path in ('/v1/models', '/metrics', '/docs', '/redoc', '/openapi.json'):
+        assert httpx.get(server.url + path, headers=headers()).status_code == 200, path
+    schema = httpx.get(server.url + '/openapi.json', headers=headers()).json()
+    body = schema['paths']['/v1/chat/completions']['post']['requestBody']
+    assert body['content']['application/json']['schema']['$ref'].endswith('ChatCompletionRequest')
+    assert 'messages' in schema['components']['schemas']['ChatCompletionRequest']['properties']
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + '/v1', api_key='nope', max_retries=0).models.list()
 
@@ -383,23 +280,15 @@ def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path)
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(60)
         reader.join(30)
-        assert srv.proc.returncode in (0, -signal.SIGTERM), srv.output()
+        assert srv.proc.returncode == 0, srv.output()                  # as asked: a success
         assert lines[-1] == '[DONE]'                     # the stream ended cleanly ...
         finish = [json.loads(x)['choices'][0]['finish_reason'] for x in lines[:-1]]
         assert finish[-1] == 'abort'                     # ... as an aborted request
         time.sleep(0.5)
-        alive = [pid for pid in workers if _is_alive(pid)]
+        alive = [pid for pid in workers if is_alive(pid)]
         assert not alive, f'orphaned worker processes {alive}'
     finally:
         srv.stop()
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        with open(f'/proc/{pid}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-    except FileNotFoundError:
-        return False
 
 
 # ---- packaging ------------------------------------------------------------------------------

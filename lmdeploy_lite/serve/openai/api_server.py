@@ -1,138 +1,124 @@
 """The OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions (SSE
 streaming), /health, /metrics.
 
-Every request is checked before it reaches the engine; a bad one gets HTTP 400 with an OpenAI
-error body and touches nothing else. A streaming client that goes away cancels its generator,
-which aborts the request and frees its cache (`Pipeline.generate`).
+A request travels: API key (middleware) -> body read against the size limit (413) -> off the
+event loop: JSON, validation, tokenization and the length checks (400 naming the field) -> the
+engine. Nothing a request holds can reach the engine unchecked, and no failure answers with a
+traceback. A streaming client that goes away cancels its generator, which aborts the request and
+frees its cache (`Pipeline.generate`). If the engine dies for good, every open request ends with
+an error and the server shuts itself down (`serve` returns 1).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
-import secrets
+import signal
+import threading
 from contextlib import aclosing, asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import anyio
-from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response as HTTPResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic.json_schema import models_json_schema
 from sse_starlette.sse import EventSourceResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lmdeploy_lite.messages import GenerationConfig, Response
 from lmdeploy_lite.serve.openai import protocol as p
+from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware
+from lmdeploy_lite.serve.openai.body import parse_request, read_body
+from lmdeploy_lite.serve.openai.errors import RequestError, install_error_handlers
 from lmdeploy_lite.serve.openai.metrics import RequestTracker, ServerMetrics
+
+try:                                   # what a chat template raises for messages it refuses
+    from jinja2 import TemplateError
+except ImportError:
+    class TemplateError(Exception):
+        """Never raised: without jinja2 there are no chat templates."""
 
 logger = logging.getLogger('lmdeploy_lite.serve')
 
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 STREAM_SHUTDOWN_GRACE_S = 5.0          # a stream's time to end itself once shutdown begins
+ENGINE_POLL_S = 0.5                    # how often the server checks that the engine is alive
 # GenerationConfig's field names as the OpenAI API spells them (for error messages)
 API_FIELD_NAMES = {'max_new_tokens': 'max_tokens', 'random_seed': 'seed', 'stop_words': 'stop'}
+GENERATION_FAILED = 'generation failed for this request; the server log has the details'
+ENGINE_STOPPED = 'the engine stopped after an error; the server is shutting down'
 
 
-class RequestError(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None,
-                 status: int = 400, type: str = 'invalid_request_error'):
-        super().__init__(message)
-        self.message, self.param, self.code, self.status, self.type = (message, param, code,
-                                                                       status, type)
-
-
-def _error_body(message: str, type: str = 'invalid_request_error', param: str | None = None,
-                code: str | None = None) -> dict:
-    return p.ErrorResponse(error=p.ErrorInfo(message=message, type=type, param=param,
-                                             code=code)).model_dump()
-
-
-def describe_validation_error(err: dict) -> tuple[str | None, str]:
-    """(param, message) of one pydantic error, in the request's own terms."""
-    loc = [x for x in err.get('loc', ()) if x != 'body']
-    if err.get('type') == 'json_invalid':
-        reason = err.get('ctx', {}).get('error', 'malformed')
-        where = f' at character {loc[0]}' if loc and isinstance(loc[0], int) else ''
-        return None, f'the request body is not valid JSON ({reason}{where})'
-    # drop union-member names ('str', 'list[int]', ...) that pydantic puts in the location
-    path = [str(x) for x in loc if isinstance(x, int) or not any(c in str(x) for c in '[-')
-            and x not in ('str', 'int', 'float', 'bool', 'list', 'dict')]
-    param = '.'.join(path) or None
-    if err.get('type') == 'missing':
-        return param, f"'{param}' is required"
-    if not path:
-        return None, f'the request body must be a JSON object: {err.get("msg", "")}'
-    value = json.dumps(err['input']) if isinstance(err.get('input'), (int, float, str, list)) \
-        else repr(err.get('input'))
-    if len(value) > 80:
-        value = value[:77] + '...'
-    msg = err.get('msg', 'invalid value')
-    return param, f'{param}={value}: {msg[:1].lower() + msg[1:]}'
+def engine_error(e: Exception | None = None) -> RequestError:
+    """What a client is told when its generation failed (the details go to the log only)."""
+    if e is not None:
+        logger.error('generation failed: %s', e)
+    return RequestError(GENERATION_FAILED, status=500, type='internal_error',
+                        code='generation_failed')
 
 
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
-               num_spec_tokens: int = 0) -> FastAPI:
+               num_spec_tokens: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               on_engine_failure: Callable[[], None] | None = None) -> FastAPI:
+    """`on_engine_failure()` is called once the engine has died for good (serve: shut down)."""
+
+    async def watch_engine():
+        while pipe._loop.error is None:
+            await asyncio.sleep(ENGINE_POLL_S)
+        logger.error('%s: %s', ENGINE_STOPPED, pipe._loop.error)
+        app.state.engine_failed = True
+        if on_engine_failure is not None:
+            on_engine_failure()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        # uvicorn re-raises SIGTERM/SIGINT when it returns, so close here, not after it returns
-        await asyncio.to_thread(pipe.close)
+        watcher = asyncio.create_task(watch_engine())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await asyncio.to_thread(pipe.close)
 
     app = FastAPI(title='lmdeploy_lite', version='0.1.0', lifespan=lifespan)
     metrics = ServerMetrics(pipe, num_spec_tokens)
-    session_len = (pipe.engine or pipe._loop).session_len
-    app.state.pipe, app.state.metrics = pipe, metrics
+    engine_like = pipe.engine or pipe._loop
+    session_len, vocab_size = engine_like.session_len, engine_like.model_config.vocab_size
+    app.state.pipe, app.state.metrics, app.state.engine_failed = pipe, metrics, False
+    install_error_handlers(app, metrics.requests.labels('invalid').inc)
+    if api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    _document_request_bodies(app, p.CompletionRequest, p.ChatCompletionRequest)
 
-    # ---- errors -------------------------------------------------------------------------------
-    @app.exception_handler(RequestError)
-    async def _request_error(request: Request, e: RequestError):
-        if e.status == 400:
-            metrics.requests.labels('invalid').inc()
-        return JSONResponse(_error_body(e.message, e.type, e.param, e.code), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        param, message = describe_validation_error(e.errors()[0])
-        metrics.requests.labels('invalid').inc()
-        return JSONResponse(_error_body(message, param=param), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        return JSONResponse(_error_body(str(e.detail), 'invalid_request_error'),
-                            status_code=e.status_code)
-
-    async def check_api_key(request: Request):
-        if not api_keys:
-            return
-        scheme, _, key = request.headers.get('authorization', '').partition(' ')
-        if scheme.lower() != 'bearer' or not any(secrets.compare_digest(key.strip(), k)
-                                                 for k in api_keys):
-            raise RequestError('missing or invalid API key: send "Authorization: Bearer <key>" '
-                               'with one of the keys given to --api-keys', code='invalid_api_key',
-                               status=401)
-
-    v1 = [Depends(check_api_key)]
-
-    # ---- checking and running one request ----------------------------------------------------
-    def prepare(req: p.SamplingRequest, prompt, param: str, default_max_tokens: int | None
+    # ---- checking one request (off the event loop) --------------------------------------------
+    def prepare(req: p.SamplingRequest, prompt, param: str, max_tokens_param: str,
+                max_tokens: int | None, default_max_tokens: int | None
                 ) -> tuple[list[int], GenerationConfig]:
         if req.model is not None and req.model != model_name:
             raise RequestError(f'model={req.model!r}: unknown; this server serves '
                                f'{model_name!r} (see GET /v1/models)', 'model', 'model_not_found')
-        if req.n != 1:
-            raise RequestError(f'n={req.n}: only n=1 is supported', 'n')
         try:
             ids = pipe.encode(prompt)
         except ValueError as e:
             raise RequestError(str(e), param) from None
-        max_tokens = default_max_tokens or max(1, session_len - len(ids))
+        except TemplateError as e:
+            raise RequestError(f'{param}: the chat template refuses them ({e})', param) from None
+        room = session_len - len(ids)
+        if max_tokens is not None and 0 < room < max_tokens:
+            raise RequestError(f'{max_tokens_param}={max_tokens}: the prompt has {len(ids)} '
+                               f'tokens and session_len={session_len}, so at most {room} can be '
+                               f'generated; ask for at most {room}', max_tokens_param)
+        greedy = req.temperature < p.GREEDY_TEMPERATURE or req.top_p < p.GREEDY_TOP_P
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         try:
             gen_config = GenerationConfig(
-                max_new_tokens=max_tokens, do_sample=req.temperature > 0,
-                temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0),
+                max_new_tokens=max(1, max_tokens or min(default_max_tokens or room, room)),
+                do_sample=not greedy, temperature=0.0 if greedy else req.temperature,
+                top_p=req.top_p, top_k=0 if req.top_k >= vocab_size else max(req.top_k, 0),
                 stop_words=stop or None, ignore_eos=req.ignore_eos, random_seed=req.seed,
                 skip_special_tokens=req.skip_special_tokens)
             pipe._loop.validate_request(ids, gen_config)
@@ -145,10 +131,33 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
             raise RequestError(message, param if field == 'prompt' else field or None) from None
         return ids, gen_config
 
+    def check_completion(body: bytes) -> tuple[p.CompletionRequest, list[int], GenerationConfig]:
+        req = parse_request(body, p.CompletionRequest)
+        prompt = req.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise RequestError(f'prompt: {len(prompt)} prompts given; send one prompt per '
+                                   f'request', 'prompt')
+            prompt = prompt[0]
+        return (req, *prepare(req, prompt, 'prompt', 'max_tokens', req.max_tokens, 16))
+
+    def check_chat(body: bytes) -> tuple[p.ChatCompletionRequest, list[int], GenerationConfig]:
+        req = parse_request(body, p.ChatCompletionRequest)
+        messages = [{'role': m.template_role(), 'content': m.text()} for m in req.messages]
+        name = 'max_completion_tokens' if req.max_completion_tokens else 'max_tokens'
+        return (req, *prepare(req, messages, 'messages', name,
+                              req.max_completion_tokens or req.max_tokens, None))
+
+    async def checked(request: Request, check):
+        body = await read_body(request, max_request_bytes)
+        return await asyncio.to_thread(check, body)
+
+    # ---- running one request ------------------------------------------------------------------
     async def generate(ids: list[int], gen_config: GenerationConfig, tracker: RequestTracker,
                        request: Request | None = None) -> AsyncIterator[Response]:
         """`pipe.generate` with bookkeeping; with `request`, stops when the client has gone.
-        Closing or cancelling this generator aborts the request (aclosing makes that immediate)."""
+        Closing or cancelling this generator aborts the request (aclosing makes that immediate).
+        An engine failure raises RequestError (500, or 503 once the engine is dead)."""
         outcome = 'abort'
         try:
             async with aclosing(pipe.generate(ids, gen_config)) as responses:
@@ -160,10 +169,12 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                         logger.info('client disconnected; aborting its request')
                         return
                     yield r
-        except (ValueError, RuntimeError) as e:
+        except Exception as e:
             outcome = 'error'
-            raise RequestError(f'generation failed: {e}', status=500, type='internal_error',
-                               code='engine_error') from e
+            if pipe._loop.error is not None:
+                raise RequestError(ENGINE_STOPPED, status=503, type='internal_error',
+                                   code='engine_stopped') from e
+            raise engine_error(e) from e
         finally:
             tracker.finish(outcome)
 
@@ -186,11 +197,14 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
             async for r in responses:
                 text += r.text
                 last = r
+        if last is not None and last.finish_reason == 'error':
+            raise engine_error()
         return text, last
 
     def stream(ids, gen_config, make_chunk, include_usage: bool) -> EventSourceResponse:
         """make_chunk(text, finish_reason, usage) -> a pydantic chunk; None text: the opening.
-        On server shutdown the stream is aborted and ends with finish_reason 'abort' and [DONE]."""
+        On server shutdown the stream is aborted and ends with finish_reason 'abort' and [DONE];
+        a failed generation ends with finish_reason 'error', an error event and [DONE]."""
         shutdown = anyio.Event()                 # set by sse-starlette when uvicorn shuts down
 
         async def events():
@@ -209,10 +223,14 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                             break
                 if last is None or last.finish_reason is None:
                     yield make_chunk('', 'abort', None).model_dump_json()
+                elif last.finish_reason == 'error':
+                    yield json.dumps(engine_error().body())
                 if include_usage:
                     yield make_chunk('', None, usage(last, len(ids))).model_dump_json()
-            except RequestError as e:
-                yield json.dumps(_error_body(e.message, e.type, e.param, e.code))
+            except Exception as e:
+                error = e if isinstance(e, RequestError) else engine_error(e)
+                yield make_chunk('', 'error', None).model_dump_json()
+                yield json.dumps(error.body())
             finally:
                 tracker.finish('abort')          # a no-op unless it ended before generating
             yield '[DONE]'
@@ -222,28 +240,21 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     # ---- endpoints ----------------------------------------------------------------------------
     @app.get('/health')
     async def health():
-        error = pipe._loop.error
-        if error is not None:
-            return JSONResponse({'status': 'error', 'error': str(error)}, status_code=503)
+        if pipe._loop.error is not None:
+            return JSONResponse({'status': 'error', 'error': ENGINE_STOPPED}, status_code=503)
         return {'status': 'ok'}
 
     @app.get('/metrics')
     async def prometheus():
         return HTTPResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get('/v1/models', dependencies=v1)
+    @app.get('/v1/models')
     async def models() -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=model_name, max_model_len=session_len)])
 
-    @app.post('/v1/completions', dependencies=v1)
-    async def completions(req: p.CompletionRequest, request: Request):
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise RequestError(f'prompt: {len(prompt)} prompts given; send one prompt per '
-                                   f'request', 'prompt')
-            prompt = prompt[0]
-        ids, gen_config = prepare(req, prompt, 'prompt', req.max_tokens)
+    @app.post('/v1/completions', openapi_extra=_json_body(p.CompletionRequest))
+    async def completions(request: Request):
+        req, ids, gen_config = await checked(request, check_completion)
         rid, include_usage = p.random_id('cmpl'), bool(req.stream_options
                                                        and req.stream_options.include_usage)
         if req.stream:
@@ -260,11 +271,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
             choices=[p.CompletionChoice(text=text, finish_reason=last and last.finish_reason)],
             usage=usage(last, len(ids)))
 
-    @app.post('/v1/chat/completions', dependencies=v1)
-    async def chat_completions(req: p.ChatCompletionRequest, request: Request):
-        messages = [{'role': m.role, 'content': m.text()} for m in req.messages]
-        ids, gen_config = prepare(req, messages, 'messages',
-                                  req.max_completion_tokens or req.max_tokens)
+    @app.post('/v1/chat/completions', openapi_extra=_json_body(p.ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        req, ids, gen_config = await checked(request, check_chat)
         rid, include_usage = p.random_id('chatcmpl'), bool(req.stream_options
                                                            and req.stream_options.include_usage)
         if req.stream:
@@ -287,22 +296,70 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     return app
 
 
+# ---- OpenAPI: the endpoints read their bodies themselves, so the schema is declared here -------
+def _json_body(model) -> dict:
+    return {'requestBody': {'required': True, 'content': {'application/json': {
+        'schema': {'$ref': f'#/components/schemas/{model.__name__}'}}}}}
+
+
+def _document_request_bodies(app: FastAPI, *models):
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            _, defs = models_json_schema([(m, 'validation') for m in models],
+                                         ref_template='#/components/schemas/{model}')
+            schema.setdefault('components', {}).setdefault('schemas', {}).update(defs['$defs'])
+            app.openapi_schema = schema
+        return app.openapi_schema
+    app.openapi = openapi
+
+
+# ---- running the server ---------------------------------------------------------------------
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that it does not re-raise SIGINT/SIGTERM once it has shut down:
+    both signals mean the same graceful shutdown, after which `serve` returns 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        saved = {sig: signal.signal(sig, self.handle_exit)
+                 for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+
 def default_model_name(model_path: str) -> str:
     return os.path.basename(os.path.normpath(model_path))
 
 
 def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
-          num_spec_tokens: int = 0, graceful_timeout_s: float = 10.0):
-    """Run until SIGINT/SIGTERM. uvicorn stops accepting and lets in-flight requests finish;
-    streams end with finish_reason 'abort' (their requests aborted), and whatever is left after
-    `graceful_timeout_s` is cancelled, which aborts it. Then the pipeline closes (its workers exit)
-    and uvicorn re-raises the signal, so the process ends as that signal says."""
-    import uvicorn
-    app = create_app(pipe, model_name, api_keys, num_spec_tokens)
+          num_spec_tokens: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          graceful_timeout_s: float = 10.0) -> int:
+    """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
+
+    Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
+    finish_reason 'abort' (their requests aborted), and whatever is left after
+    `graceful_timeout_s` is cancelled, which aborts it. Then the pipeline closes (its workers
+    exit). Returns 0 after a signal, 1 when the engine died (every open request has ended with an
+    error), 3 when the server could not start (as uvicorn)."""
+    server: _Server | None = None
+
+    def stop():
+        server.should_exit = True
+    app = create_app(pipe, model_name, api_keys, num_spec_tokens, max_request_bytes, stop)
+    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                                    timeout_graceful_shutdown=graceful_timeout_s))
     try:
         print(f'lmdeploy_lite: serving {model_name!r} on http://{host}:{port}', flush=True)
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(),
-                    timeout_graceful_shutdown=graceful_timeout_s)
+        server.run()
     finally:
         pipe.close()                             # startup failures (a port in use); idempotent
+    if app.state.engine_failed:
+        return 1
+    return 0 if server.started else 3

@@ -1,16 +1,83 @@
-"""OpenAI wire format (the subset we serve), as pydantic models. Request fields carry the limits a
-request is checked against; unknown fields are ignored, as the OpenAI API does."""
-from __future__ import annotations
+"""OpenAI wire format (the subset we serve), as pydantic models.
 
+Every request field is checked here, once, before anything else sees the request: types are
+strict (`"yes"` is not a bool, `1.5` not an int), numbers finite and inside the range declared on
+their Field, `null` means the default. A field we do not implement is rejected with a 400 naming
+it (`extra='forbid'`), except those that clients send at a harmless default: `no_op` fields are
+accepted at exactly that value and rejected otherwise.
+"""
+import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_INT32 = 2**31 - 1                  # the engine's int tensors (top_k, lengths)
+MAX_SEED = 2**64 - 1                   # torch.Generator.manual_seed takes 0..2**64-1
+# greedy below these (as GenerationConfig): logits / temperature overflow float32 under the
+# first, and a top_p under the second keeps only the most likely token anyway
+GREEDY_TEMPERATURE = 1e-5
+GREEDY_TOP_P = 1e-8
+MAX_STOP_WORDS = 16
+MAX_STOP_WORD_CHARS = 256              # stop words are matched against the text at every step
 
 
 def random_id(prefix: str) -> str:
     return f'{prefix}-{uuid.uuid4().hex}'
+
+
+def allowed_range(model: type[BaseModel], name: str) -> str | None:
+    """'[0, 2]', '(0, 1]', ...: the interval a numeric field's Field(ge/gt/le/lt) allows."""
+    info = model.model_fields.get(name)
+    if info is None:
+        return None
+    low, high = '(-inf', 'inf)'
+    for bound in info.metadata:
+        if isinstance(bound, Ge):
+            low = f'[{bound.ge}'
+        elif isinstance(bound, Gt):
+            low = f'({bound.gt}'
+        elif isinstance(bound, Le):
+            high = f'{bound.le}]'
+        elif isinstance(bound, Lt):
+            high = f'{bound.lt})'
+    return f'{low}, {high}'
+
+
+def _json_equal(a, b) -> bool:
+    """Equal as JSON values: 0 == 0.0, but false != 0 and "1" != 1."""
+    if any(isinstance(x, (bool, str)) for x in (a, b)):
+        return type(a) is type(b) and a == b
+    return a == b
+
+
+def no_op(*values) -> Any:
+    """The type of a field this server does not implement: only null and `values` (which ask
+    for nothing) are accepted, anything else is a 400 naming the field."""
+    allowed = ' or '.join(json.dumps(v) for v in (None, *values))
+
+    def check(value):
+        if not any(_json_equal(value, v) for v in values):
+            raise PydanticCustomError('unsupported', 'not supported by this server (accepted '
+                                      'only as {allowed})', {'allowed': allowed})
+        return value
+    return Annotated[Any, AfterValidator(check),
+                     Field(description=f'not supported: accepted only as {allowed} (no effect)')]
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(extra='forbid', strict=True, allow_inf_nan=False)
+
+    @model_validator(mode='before')
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI clients may send null for any optional field; it means the default."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -26,52 +93,80 @@ class ErrorResponse(BaseModel):
 
 
 # ---- requests -------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class SamplingRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions (top_k, ignore_eos: extensions,
-    as in vLLM)."""
-    model_config = ConfigDict(extra='ignore')
+StopWord = Annotated[str, Field(min_length=1, max_length=MAX_STOP_WORD_CHARS)]
 
+
+class SamplingRequest(RequestModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (top_k, ignore_eos,
+    skip_special_tokens, repetition_penalty: extensions, as in vLLM)."""
     model: str | None = None
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1, description='0 or -1: off')
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0,
+                               description=f'below {GREEDY_TEMPERATURE} (0 included): greedy')
+    top_p: float = Field(1.0, gt=0, le=1, description=f'below {GREEDY_TOP_P}: greedy')
+    top_k: int = Field(0, ge=-1, le=MAX_INT32,
+                       description='0 or -1: off; at least the vocabulary size: off')
+    stop: StopWord | Annotated[list[StopWord], Field(max_length=MAX_STOP_WORDS)] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    user: str | None = Field(None, description='accepted and not used')
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: no_op(1) = 1
+    presence_penalty: no_op(0) = None
+    frequency_penalty: no_op(0) = None
+    repetition_penalty: no_op(1) = None
+    logit_bias: no_op({}) = None
 
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32,
+                                   description='default 16; prompt + max_tokens must fit in '
+                                               'session_len')
+    logprobs: no_op() = None                # any integer asks for logprobs, 0 included
+    echo: no_op(False) = None
+    best_of: no_op(1) = None
+    suffix: no_op('') = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra='ignore')
+class TextPart(RequestModel):
+    type: Literal['text']
+    text: str
 
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+
+class ChatMessage(RequestModel):
+    role: Literal['system', 'user', 'assistant', 'developer'] = Field(
+        description="'developer' is a 'system' message")
+    content: str | list[TextPart] | None = None
+
+    def template_role(self) -> str:
+        return 'system' if self.role == 'developer' else self.role
 
     def text(self) -> str:
-        """Content as one string; a list of parts keeps its text parts."""
+        """Content as one string; a list of parts joins their text."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ''
-        return ''.join(p.get('text', '') for p in self.content if p.get('type') == 'text')
+        return ''.join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-
-
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32,
+                                   description='default: what session_len leaves after the '
+                                               'prompt; more than that is rejected')
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32,
+                                              description='max_tokens by its newer name')
+    logprobs: no_op(False) = None
+    top_logprobs: no_op(0) = None
+    tools: no_op([]) = None
+    tool_choice: no_op('none', 'auto') = None
+    parallel_tool_calls: no_op(True, False) = None
+    response_format: no_op({'type': 'text'}) = None
 # ---- responses ------------------------------------------------------------------------------
 class SpecDecodeUsage(BaseModel):
     """This request's speculative-decoding figures (an extension of `usage`)."""

@@ -1,0 +1,123 @@
+"""The real server as a subprocess on 127.0.0.1 (`lmdeploy_lite serve api_server`), and helpers to
+talk to it. Tiny random model, float32, CPU."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KEY = 'test-key'
+K = 2                                   # draft tokens per step
+SESSION_LEN = 128
+MODEL = 'tiny'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir: str, log_path: str, *args: str, deadline_s: float = 180,
+                 env: dict | None = None, key: str | None = None):
+        self.port = free_port()
+        self.url = f'http://127.0.0.1:{self.port}'
+        self.key = key                       # for the health wait: /health needs none
+        self.log = open(log_path, 'w+')
+        cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'serve', 'api_server', model_dir,
+               '--device', 'cpu', '--dtype', 'float32', '--session-len', str(SESSION_LEN),
+               '--max-batch-size', '64', '--server-port', str(self.port), *args]
+        env = dict(os.environ, OMP_NUM_THREADS='1', **(env or {}))
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env)
+        try:
+            self._wait_healthy(deadline_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self, deadline_s: float):
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f'server exited with {self.proc.returncode}:\n{self.output()}')
+            try:
+                if httpx.get(self.url + '/health', timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        pytest.fail(f'server not healthy within {deadline_s} s:\n{self.output()}')
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def children(self) -> list[int]:
+        pids = []
+        for task in os.listdir(f'/proc/{self.proc.pid}/task'):
+            with open(f'/proc/{self.proc.pid}/task/{task}/children') as f:
+                pids += [int(p) for p in f.read().split()]
+        return pids
+
+    def rank_workers(self) -> list[int]:
+        """The children that run engine ranks (not multiprocessing's resource tracker)."""
+        return [pid for pid in self.children() if b'spawn_main' in _cmdline(pid)]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f'/proc/{pid}/cmdline', 'rb') as f:
+            return f.read()
+    except FileNotFoundError:
+        return b''
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except FileNotFoundError:
+        return False
+
+
+def headers(key: str | None = KEY) -> dict:
+    return {'Authorization': f'Bearer {key}'} if key else {}
+
+
+def scrape(url: str, key: str | None = KEY) -> dict[str, float]:
+    """/metrics as {'name{labels}': value}."""
+    text = httpx.get(url + '/metrics', headers=headers(key), timeout=10).text
+    return {line.rsplit(' ', 1)[0]: float(line.rsplit(' ', 1)[1])
+            for line in text.splitlines() if line and not line.startswith('#')}
+
+
+def post(server, path: str, payload=None, content: str | bytes | None = None,
+         key: str | None = KEY, timeout: float = 60) -> httpx.Response:
+    return httpx.post(server.url + path, json=payload, content=content,
+                      headers={**headers(key), 'Content-Type': 'application/json'},
+                      timeout=timeout)
+
+
+def chat(text: str) -> list[dict]:
+    return [{'role': 'user', 'content': text}]
+
+
+def sse_events(lines) -> list[str]:
+    """The data of each server-sent event."""
+    return [line[6:] for line in lines if line.startswith('data: ')]
