@@ -302,7 +302,7 @@ class Engine:
 
     def _finish(self, launched: 'InFlight') -> list[StepOutput]:
         """Wait for a launched step's results on the host and apply them."""
-        return self._update(launched.batch, launched.host_result())
+        return self._update(launched.batch, launched.host_result(self.dist))
 
     def _sampling_inputs(self, batch: ScheduledBatch) -> SamplingInputs:
         """Rows of a prefill chunk that does not reach the sequence's end sample nothing, so
