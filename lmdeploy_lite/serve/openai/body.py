@@ -111,8 +111,9 @@ def printable(text: str, limit: int = 60) -> str:
 
 
 def deepest(errors: list[dict]) -> dict:
-    """The most specific of pydantic's errors (a union reports one per member)."""
-    return max(errors, key=lambda err: len(err.get('loc', ())))
+    """The most specific of pydantic's errors (a union reports one per member): the deepest,
+    and among those one from a member whose type matched (a constraint failed)."""
+    return max(errors, key=lambda err: (len(err.get('loc', ())), err['type'] not in TYPE_ERRORS))
 
 
 def render(value) -> str:
