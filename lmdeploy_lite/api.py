@@ -2,17 +2,20 @@
 from __future__ import annotations
 
 import asyncio
+import numbers
 import os
 import queue
 from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Response,
-                                    SpeculativeConfig)
+                                    SpeculativeConfig, short_repr)
 from lmdeploy_lite.pytorch.engine.engine import Engine, StepOutput
 from lmdeploy_lite.pytorch.engine.engine_loop import EngineLoop
 from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
 
 Prompt = str | list[int] | list[dict]
+MESSAGE_ROLES = ('system', 'user', 'assistant', 'tool')
+POLL_S = 1.0               # how often a wait for results checks that the engine still runs
 
 EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(__file__), 'assets', 'qwen3_5_moe_tiny')
 
@@ -84,31 +87,34 @@ class Pipeline:
             self.engine = Engine(self.model_path, backend_config, speculative_config,
                                  tokenizer=self.tokenizer, progress=progress)
             self._loop = EngineLoop(self.engine)
+        self._closed = False
 
     # ---- prompts --------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
-        """str: plain text; list of ints: token ids; list of {'role','content'}: chat template."""
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) and prompt:
-            return list(prompt)
+        """str: plain text; list of ints: token ids; list of {'role','content'}: chat template.
+        Anything else is a ValueError naming the prompt (or the message) and what is wrong."""
+        if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+            return [int(t) for t in prompt]
+        check_prompt(prompt)
         if self.tokenizer is None:
             raise ValueError(f'prompt: {type(prompt).__name__} given, but {self.model_path} has no '
                              f'tokenizer; pass token ids (a list of int)')
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        from jinja2 import TemplateError
+        try:
             return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
                                                       tokenize=True, return_dict=False)
-        if isinstance(prompt, list) and not prompt:
-            raise ValueError('prompt: empty; give at least one token')
-        raise ValueError(f'prompt: {type(prompt).__name__} is not a str, a list of token ids '
-                         f'or a list of chat messages')
+        except TemplateError as e:          # the template's own checks (raise_exception)
+            raise ValueError(f'prompt: the chat template rejects these messages: {e}') from None
 
     # ---- batch and streaming --------------------------------------------------------------
     def __call__(self, prompts: Prompt | Seq[Prompt], gen_config: GenerationConfig | None = None
                  ) -> Response | list[Response]:
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                              and not isinstance(prompts[0], (str, list)))
-        batch = [prompts] if single else list(prompts)
+        """A request that fails in the engine comes back with finish_reason 'error' and the
+        reason in Response.error (the other prompts are unaffected); a stopped or closed engine
+        raises RuntimeError."""
+        single, batch = _as_batch(prompts)
         final: dict[int, Response] = {}
         for r in self._stream(batch, gen_config, cumulative=True):
             final[r.index] = r
@@ -117,14 +123,13 @@ class Pipeline:
 
     def stream_infer(self, prompts: Prompt | Seq[Prompt],
                      gen_config: GenerationConfig | None = None) -> Iterator[Response]:
-        """Yields incremental responses (this chunk's text and token ids), each with its index."""
-        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                              and not isinstance(prompts[0], (str, list)))
-        yield from self._stream([prompts] if single else list(prompts), gen_config,
-                                cumulative=False)
+        """Yields incremental responses (this chunk's text and token ids), each with its index;
+        a failed request's last chunk has finish_reason 'error' (see __call__)."""
+        yield from self._stream(_as_batch(prompts)[1], gen_config, cumulative=False)
 
     def _stream(self, prompts: list[Prompt], gen_config, cumulative: bool) -> Iterator[Response]:
-        gen_config = gen_config or GenerationConfig()
+        self._check_open()
+        gen_config = GenerationConfig() if gen_config is None else gen_config
         token_lists = [self.encode(p) for p in prompts]
         for ids in token_lists:                       # validate all before any work starts
             self._loop.validate_request(ids, gen_config)
@@ -157,10 +162,25 @@ class Pipeline:
         """The next result; never waits forever on an engine that has stopped."""
         while True:
             try:
-                return inbox.get(timeout=1.0)
+                return inbox.get(timeout=POLL_S)
             except queue.Empty:
-                if self._loop.error is not None:
-                    raise RuntimeError(f'the engine stopped: {self._loop.error}') from None
+                self._check_engine()
+
+    async def _next_async(self, inbox: asyncio.Queue):
+        """The next result, in asyncio; never waits forever on an engine that has stopped."""
+        while True:
+            try:
+                return await asyncio.wait_for(inbox.get(), POLL_S)
+            except asyncio.TimeoutError:
+                self._check_engine()
+
+    def _check_engine(self):
+        if self._loop.error is not None:
+            raise RuntimeError(f'the engine stopped: {self._loop.error}') from None
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError('the pipeline is closed')
 
     @staticmethod
     def _response(index: int, out: StepOutput, prompt_ids: list[int], text: str,
@@ -168,13 +188,17 @@ class Pipeline:
         return Response(text=text, token_ids=list(token_ids), input_token_len=len(prompt_ids),
                         generate_token_len=out.num_generated, index=index,
                         finish_reason=out.finish_reason if out.finished else None,
-                        spec_stats=out.spec_stats)
+                        spec_stats=out.spec_stats,
+                        error=out.seq.error if out.finish_reason == 'error' else None)
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None
                        ) -> AsyncIterator[Response]:
-        """Async stream of one request; cancelling the consumer aborts the request."""
-        gen_config = gen_config or GenerationConfig()
+        """Async stream of one request; cancelling the consumer aborts the request. A request
+        that fails in the engine ends with a Response whose finish_reason is 'error' (reason in
+        Response.error); a stopped or closed engine raises RuntimeError."""
+        self._check_open()
+        gen_config = GenerationConfig() if gen_config is None else gen_config
         ids = self.encode(prompt)
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
@@ -184,7 +208,7 @@ class Pipeline:
         finished = False
         try:
             while not finished:
-                item = await inbox.get()
+                item = await self._next_async(inbox)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -196,13 +220,67 @@ class Pipeline:
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self):
-        self._loop.close()
+        """Stops the engine; requests still running end with RuntimeError, later calls raise
+        RuntimeError('the pipeline is closed'). Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self._loop.close()
 
     def __enter__(self) -> 'Pipeline':
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_batch(prompts) -> tuple[bool, list]:
+    """(single, the prompts as a list): a str, a list of token ids or a list of messages is one
+    prompt; a list or tuple of those is a batch; anything else is one prompt that
+    `encode` rejects by name."""
+    if isinstance(prompts, (list, tuple)) and (not prompts or isinstance(prompts[0], (str, list,
+                                                                                      tuple))):
+        return False, list(prompts)
+    return True, [prompts]
+
+
+def check_prompt(prompt):
+    """ValueError naming what is wrong with a prompt that is not token ids."""
+    if isinstance(prompt, str):
+        _check_text('prompt', prompt)
+        return
+    if not isinstance(prompt, list):
+        raise ValueError(f'prompt: {type(prompt).__name__} is not a str, a list of token ids '
+                         f'or a list of chat messages')
+    if not prompt:
+        raise ValueError('prompt: empty; give at least one token')
+    if not isinstance(prompt[0], dict):
+        bad = next(i for i, t in enumerate(prompt) if not _is_token_id(t))
+        raise ValueError(f'prompt[{bad}]={short_repr(prompt[bad])}: token ids must be ints '
+                         f'(a prompt is a str, a list of token ids or a list of chat messages)')
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise ValueError(f'prompt[{i}]={short_repr(message)}: a chat message is a dict '
+                             f"with 'role' and 'content'")
+        role, content = message.get('role'), message.get('content')
+        if role not in MESSAGE_ROLES:
+            raise ValueError(f'prompt[{i}].role={short_repr(role)}: must be one of '
+                             f'{MESSAGE_ROLES}')
+        if not isinstance(content, str):
+            raise ValueError(f'prompt[{i}].content={short_repr(content)}: must be a str')
+        _check_text(f'prompt[{i}].content', content)
+
+
+def _check_text(name: str, text: str):
+    """A str holding a lone surrogate cannot be tokenized (or sent anywhere as UTF-8)."""
+    try:
+        text.encode('utf-8')
+    except UnicodeEncodeError as e:
+        raise ValueError(f'{name}: not valid unicode text ({e.reason} at position {e.start})'
+                         ) from None
 
 
 def pipeline(model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,

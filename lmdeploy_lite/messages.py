@@ -1,6 +1,8 @@
 """User-facing configs and results. Configs are frozen and validated once, in `__post_init__`."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -10,56 +12,129 @@ EXECUTOR_BACKENDS = ('uni', 'mp', 'ray')
 SPEC_METHODS = ('qwen3_5_mtp', 'ngram')
 LOAD_FORMATS = ('auto', 'dummy')     # 'dummy': random weights from config.json alone (benchmarks)
 
+INT32_MAX = 2**31 - 1        # the engine's int tensors (top_k, token ids, lengths, positions)
+UINT64_MAX = 2**64 - 1       # torch.Generator.manual_seed takes 0..2**64-1
+# Sampling floors. temperature below GREEDY_TEMPERATURE is greedy (vLLM's _SAMPLING_EPS): the
+# logits / temperature of a smaller one overflow float32, and the softmax's answer is the argmax
+# anyway. top_p below GREEDY_TOP_P keeps only the most likely token (its probability is at least
+# 1 / vocab_size > 1e-8), which is exactly greedy; smaller values would round to 0 in float32.
+GREEDY_TEMPERATURE = 1e-5
+GREEDY_TOP_P = 1e-8
+_MAX_REPR = 40
+
+
+def short_repr(value) -> str:
+    """repr(value), cut short for huge values (a 10**309 int prints as its first digits)."""
+    try:
+        text = repr(value)
+    except ValueError:                           # an int past Python's str-conversion limit
+        return (f'<int of {value.bit_length()} bits>' if isinstance(value, int)
+                else f'<{type(value).__name__} too large to print>')
+    return text if len(text) <= _MAX_REPR else f'{text[:_MAX_REPR - 10]}...({len(text)} chars)'
+
 
 def _check(ok: bool, field_name: str, value, allowed: str):
     if not ok:
-        raise ValueError(f'{field_name}={value!r}: must be {allowed}')
+        raise ValueError(f'{field_name}={short_repr(value)}: must be {allowed}')
 
 
-def _check_int(field_name: str, value, low: int, high: int | None = None):
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
-    ok = ok and (high is None or value <= high)
-    _check(ok, field_name, value, f'an integer in {low}..{high}' if high is not None
-           else f'an integer >= {low}')
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(field_name: str, value, low: int, high: int = INT32_MAX) -> int:
+    """An integer (not a bool) in low..high, returned as a plain int."""
+    _check(_is_int(value) and low <= value <= high, field_name, value,
+           f'an integer in {low}..{high}')
+    return int(value)
+
+
+def _check_float(field_name: str, value, low: float, high: float, allowed: str,
+                 low_open: bool = False) -> float:
+    """A finite real number (not a bool) in [low, high] ((low, high] with low_open), returned
+    as a float."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    try:
+        number = float(value) if ok else math.nan
+    except OverflowError:                        # an int too large for a float
+        number = math.nan
+    _check(math.isfinite(number) and (number > low if low_open else number >= low)
+           and number <= high, field_name, value, allowed)
+    return number
+
+
+def _check_bool(field_name: str, value):
+    _check(isinstance(value, bool), field_name, value, 'True or False')
+
+
+def _set(obj, name: str, value):
+    object.__setattr__(obj, name, value)          # frozen dataclass: normalise in __post_init__
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
+    """`stop_words`: one str or a list of them; `stop_token_ids`: one int or a list of them
+    (stored as tuples). Greedy when do_sample is False, temperature < GREEDY_TEMPERATURE or
+    top_p < GREEDY_TOP_P. max_new_tokens past the session ends at session_len ('length')."""
     max_new_tokens: int = 512
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    stop_words: tuple[str, ...] | list[str] | None = None
-    stop_token_ids: tuple[int, ...] | list[int] | None = None
+    stop_words: tuple[str, ...] | list[str] | str | None = None
+    stop_token_ids: tuple[int, ...] | list[int] | int | None = None
     ignore_eos: bool = False
     random_seed: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        _check_int('max_new_tokens', self.max_new_tokens, 1)
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               'temperature', self.temperature, 'a number >= 0')
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1,
-               'top_p', self.top_p, 'in (0, 1]')
-        _check_int('top_k', self.top_k, 0)
+        self.validate()
+
+    def validate(self):
+        """Check every field and normalise it (ints, floats, tuples). Runs on construction, and
+        again when the engine admits the request (a frozen dataclass can still be changed)."""
+        _set(self, 'max_new_tokens', _check_int('max_new_tokens', self.max_new_tokens, 1))
+        for name in ('do_sample', 'ignore_eos', 'skip_special_tokens'):
+            _check_bool(name, getattr(self, name))
+        _set(self, 'temperature', _check_float('temperature', self.temperature, 0, math.inf,
+                                               'a finite number >= 0'))
+        _set(self, 'top_p', _check_float('top_p', self.top_p, 0, 1, 'a number in (0, 1]',
+                                         low_open=True))
+        _set(self, 'top_k', _check_int('top_k', self.top_k, 0))
         if self.random_seed is not None:
-            _check_int('random_seed', self.random_seed, 0)
-        for name in ('stop_words', 'stop_token_ids'):
-            value = getattr(self, name)
-            if value is not None:
-                object.__setattr__(self, name, tuple(value))
-        if self.stop_words:
-            _check(all(isinstance(w, str) and w for w in self.stop_words),
-                   'stop_words', self.stop_words, 'a list of non-empty strings')
-        if self.stop_token_ids:
-            _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                   'stop_token_ids', self.stop_token_ids, 'a list of token ids >= 0')
+            _set(self, 'random_seed', _check_int('random_seed', self.random_seed, 0, UINT64_MAX))
+        words = self.stop_words
+        if words is not None:
+            words = (words,) if isinstance(words, str) else words    # one str is one stop word
+            _check(isinstance(words, (list, tuple))
+                   and all(isinstance(w, str) and w and _is_unicode(w) for w in words),
+                   'stop_words', self.stop_words, 'a non-empty str or a list of them '
+                   '(valid unicode)')
+            _set(self, 'stop_words', tuple(words))
+        ids = self.stop_token_ids
+        if ids is not None:
+            ids = (ids,) if _is_int(ids) else ids
+            _check(isinstance(ids, (list, tuple))
+                   and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids),
+                   'stop_token_ids', self.stop_token_ids,
+                   f'a token id or a list of them, each in 0..{INT32_MAX}')
+            _set(self, 'stop_token_ids', tuple(int(t) for t in ids))
 
     @property
     def is_greedy(self) -> bool:
-        """temperature 0 means greedy even with do_sample (as in lmdeploy and vLLM)."""
-        return not self.do_sample or self.temperature == 0
+        """temperature 0 means greedy even with do_sample (as in lmdeploy and vLLM); so do the
+        values below the floors (GREEDY_TEMPERATURE, GREEDY_TOP_P)."""
+        return (not self.do_sample or self.temperature < GREEDY_TEMPERATURE
+                or self.top_p < GREEDY_TOP_P)
+
+
+def _is_unicode(text: str) -> bool:
+    """False for a str holding a lone surrogate (it cannot be encoded or ever be generated)."""
+    try:
+        text.encode('utf-8')
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -77,6 +152,8 @@ class SpeculativeConfig:
     def __post_init__(self):
         _check(self.method in SPEC_METHODS, 'method', self.method, f'one of {SPEC_METHODS}')
         _check_int('num_speculative_tokens', self.num_speculative_tokens, 1, 8)
+        _check(self.model is None or isinstance(self.model, str), 'model', self.model,
+               'None (the target checkpoint) or a path')
         if self.tp is not None:
             _check_int('tp', self.tp, 1)
         _check_int('ngram_min', self.ngram_min, 1)
@@ -110,14 +187,19 @@ class PytorchEngineConfig:
         _check_int('max_batch_size', self.max_batch_size, 1)
         _check_int('max_prefill_token_num', self.max_prefill_token_num, 1)
         _check_int('block_size', self.block_size, 1)
-        _check(isinstance(self.cache_max_entry_count, (int, float))
-               and 0 < self.cache_max_entry_count <= 1,
-               'cache_max_entry_count', self.cache_max_entry_count, 'in (0, 1]')
+        _check_float('cache_max_entry_count', self.cache_max_entry_count, 0, 1,
+                     'a number in (0, 1]', low_open=True)
         _check_int('num_gpu_blocks', self.num_gpu_blocks, 0)
         if self.session_len is not None:
             _check_int('session_len', self.session_len, 1)
         for name in ('tp', 'dp', 'ep'):
             _check_int(name, getattr(self, name), 1)
+        world = self.tp * self.dp
+        fix = 'ep=1' if world == 1 else f'ep to 1 or {world}'
+        _check(self.ep in (1, world), 'ep', self.ep,
+               f'1 or tp x dp = {world} (tp={self.tp}, dp={self.dp}): expert parallelism '
+               f'shards the experts over every rank; set {fix}, or tp x dp to {self.ep}')
+        _check_int('seed', self.seed, 0, UINT64_MAX)
         _check(isinstance(self.eager_mode, bool), 'eager_mode', self.eager_mode, 'True or False')
         _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
                'async_scheduling', self.async_scheduling, 'True, False or None (auto)')
@@ -179,3 +261,4 @@ class Response:
     finish_reason: FinishReason | None = None
     index: int = 0
     spec_stats: SpecDecodeStats | None = None
+    error: str | None = None           # why the request failed, with finish_reason 'error'

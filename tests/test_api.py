@@ -133,3 +133,173 @@ def test_cli_bad_model_dir_is_a_clear_error(tmp_path):
                           str(tmp_path / 'missing'), '--prompt', 'x'],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2 and 'no such directory' in out.stderr
+
+
+# ---- issue 16: bad input, one failing request, a stopped or closed engine --------------------
+@pytest.mark.parametrize('prompt,match', [
+    (None, r'^prompt: NoneType'), ({'role': 'user', 'content': 'hi'}, r'^prompt: dict'),
+    (b'def f', r'^prompt: bytes'), (7, r'^prompt: int'), ([1, 'a'], r"^prompt\[1\]='a'"),
+    ([1, 2.5], r'^prompt\[1\]=2.5'), ('a \ud800', r'^prompt: not valid unicode'),
+    ([{'role': 'bogus', 'content': 'hi'}], r"^prompt\[0\]\.role='bogus'"),
+    ([{'role': 'user', 'content': 5}], r'^prompt\[0\]\.content=5'),
+    ([{'role': 'user', 'content': 'hi'}, 'x'], r"^prompt\[1\]='x'"),
+])
+def test_bad_prompt_shapes_are_value_errors(pipe, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        pipe(prompt, GEN)
+    with pytest.raises(ValueError, match=match):
+        list(pipe.stream_infer(prompt, GEN))
+
+    async def run():
+        return [r async for r in pipe.generate(prompt, GEN)]
+    with pytest.raises(ValueError, match=match):
+        asyncio.run(run())
+    with pytest.raises(ValueError, match=match):           # in a batch
+        pipe(['def ok(', prompt], GEN)
+
+
+def test_bad_values_raise_before_work_and_the_answer_is_unchanged(pipe):
+    before = pipe('def ok(', GEN)
+    with pytest.raises(ValueError, match='^top_k='):
+        GenerationConfig(top_k=10**309)             # used to kill the engine thread
+    bad = GenerationConfig(max_new_tokens=4)
+    object.__setattr__(bad, 'top_k', 10**309)       # past the dataclass's own check
+    with pytest.raises(ValueError, match='^top_k='):
+        pipe('def ok(', bad)
+    with pytest.raises(ValueError, match='^gen_config=dict'):
+        pipe('def ok(', {'max_new_tokens': 4})
+    after = pipe('def ok(', GEN)
+    assert after.token_ids == before.token_ids and after.finish_reason == 'length'
+
+
+def test_sampling_below_the_floors_is_greedy_and_big_values_run(pipe):
+    greedy = pipe('def ok(', GEN)
+    for cfg in (dict(temperature=1e-300), dict(top_p=1e-300)):   # used to give token 0, 'stop'
+        r = pipe('def ok(', GenerationConfig(max_new_tokens=12, ignore_eos=True, do_sample=True,
+                                             **cfg))
+        assert r.token_ids == greedy.token_ids and r.finish_reason == 'length'
+    seeded = dict(max_new_tokens=12, ignore_eos=True, do_sample=True, random_seed=2**64 - 1)
+    off = pipe('def ok(', GenerationConfig(top_k=0, **seeded))
+    huge = pipe('def ok(', GenerationConfig(top_k=2**31 - 1, **seeded))
+    assert huge.token_ids == off.token_ids and len(off.token_ids) == 12
+
+
+def test_a_bare_stop_word_is_one_word(pipe):
+    r = pipe('def main(', GEN)
+    # a 3-character word from the middle whose first character also appears before it (split
+    # into characters, it used to stop there)
+    word = next((r.text[i:i + 3] for i in range(2, len(r.text) - 2)
+                 if r.text[i:i + 3].strip() == r.text[i:i + 3] and r.text[i] in r.text[:i]
+                 and r.text.find(r.text[i:i + 3]) == i), '')
+    if not word:
+        pytest.skip('random text has no usable stop word')
+    as_str = pipe('def main(', GenerationConfig(max_new_tokens=12, ignore_eos=True,
+                                                stop_words=word))
+    as_list = pipe('def main(', GenerationConfig(max_new_tokens=12, ignore_eos=True,
+                                                 stop_words=[word]))
+    assert as_str.token_ids == as_list.token_ids and as_str.text == as_list.text
+    assert as_str.finish_reason == 'stop' and r.text.startswith(as_str.text + word)
+
+
+def _inject(pipe, ids: list[int], gen_config: GenerationConfig) -> list:
+    """Hand a request to the engine thread directly, as if the caller's checks had passed."""
+    from lmdeploy_lite.pytorch.engine.engine_loop import RequestHandle
+    got = []
+    pipe._loop._inbox.put(('add', RequestHandle(ids, gen_config, got.append)))
+    return got
+
+
+def test_a_request_failing_in_the_engine_thread_ends_alone(pipe, monkeypatch):
+    alone = pipe(['def main(', 'import os'], GEN)
+    bad = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+    object.__setattr__(bad, 'top_k', 10**309)       # 'int too large to convert to float'
+    got = _inject(pipe, pipe.encode('x = 1'), bad)
+    both = pipe(['def main(', 'import os'], GEN)
+    assert [r.token_ids for r in both] == [r.token_ids for r in alone]
+    for _ in range(100):
+        if got:
+            break
+        import time
+        time.sleep(0.05)
+    assert len(got) == 1 and got[0].finished and got[0].finish_reason == 'error'
+    assert got[0].seq.error.startswith('top_k=')
+
+    real_add = pipe.engine.add_request               # any failure of one request's set-up
+    poison = pipe.encode('import os')
+
+    def add_request(token_ids, gen_config):
+        if token_ids == poison:
+            raise RuntimeError('boom')
+        return real_add(token_ids, gen_config)
+    monkeypatch.setattr(pipe.engine, 'add_request', add_request)
+    good, failed = pipe(['def main(', 'import os'], GEN)
+    assert good.token_ids == alone[0].token_ids and good.finish_reason == 'length'
+    assert failed.finish_reason == 'error' and failed.error == 'RuntimeError: boom'
+    assert failed.token_ids == [] and failed.generate_token_len == 0
+    chunks = list(pipe.stream_infer('import os', GEN))
+    assert [c.finish_reason for c in chunks] == ['error']
+
+    async def run():
+        return [r async for r in pipe.generate('import os', GEN)]
+    assert [r.finish_reason for r in asyncio.run(run())] == ['error']
+    monkeypatch.undo()
+    again = pipe(['def main(', 'import os'], GEN)
+    assert [r.token_ids for r in again] == [r.token_ids for r in alone]
+
+
+@pytest.fixture
+def plain_pipe(tiny_ckpt):
+    """A pipeline of its own (these tests stop or close its engine); token-id prompts."""
+    with pipeline(tiny_ckpt(False, layout='plain'), ENGINE, progress=False) as p:
+        yield p
+
+
+def test_a_failed_step_stops_the_engine_and_every_waiter_is_told(plain_pipe, monkeypatch):
+    """A failure of the step itself belongs to no request: every waiter, queued ones too, gets
+    RuntimeError at once (the async generate used to wait forever on a queued request)."""
+    import threading
+    p = plain_pipe
+    assert len(p([5, 6, 7], GEN).token_ids) == 12
+    entered, release = threading.Event(), threading.Event()
+
+    def step(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        raise RuntimeError('forward failed')
+    monkeypatch.setattr(p.engine.agent, 'step', step)
+
+    async def run():
+        first = asyncio.ensure_future(_collect(p.generate([5, 6, 7], GEN)))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(_collect(p.generate([8, 9], GEN)))   # in the inbox
+        await asyncio.sleep(0.1)
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(first, queued, return_exceptions=True), 10)
+    results = asyncio.run(run())
+    assert all(isinstance(r, RuntimeError) for r in results), results
+    assert 'forward failed' in str(p._loop.error)
+    with pytest.raises(RuntimeError, match='forward failed'):
+        p([5, 6, 7], GEN)
+    with pytest.raises(RuntimeError, match='forward failed'):
+        asyncio.run(_collect(p.generate([5, 6, 7], GEN)))
+
+
+async def _collect(responses):
+    return [r async for r in responses]
+
+
+def test_a_closed_pipeline_raises_at_once(plain_pipe):
+    p = plain_pipe
+    before = p([5, 6, 7], GEN)
+    assert len(before.token_ids) == 12
+    p.close()
+    p.close()                                          # idempotent
+    with pytest.raises(RuntimeError, match='the pipeline is closed'):
+        p([5, 6, 7], GEN)
+    with pytest.raises(RuntimeError, match='the pipeline is closed'):
+        list(p.stream_infer([5, 6, 7], GEN))
+    with pytest.raises(RuntimeError, match='the pipeline is closed'):
+        asyncio.run(asyncio.wait_for(_collect(p.generate([5, 6, 7], GEN)), 10))
+    with pytest.raises(RuntimeError, match='the engine is closed'):
+        p._loop.submit([5, 6, 7], GEN, lambda item: None)

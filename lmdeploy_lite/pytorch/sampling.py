@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P, INT32_MAX
+
 
 def make_generator(seed: int | None, device: torch.device | str = 'cpu') -> torch.Generator | None:
     """A generator seeded with `seed`, or None (use the default RNG) when seed is None."""
@@ -56,7 +58,10 @@ class SamplingInputs:
                     generators: Sequence[torch.Generator | None] | None = None,
                     seeds: Sequence[int | None] | None = None,
                     device: torch.device | str = 'cpu') -> SamplingInputs:
-        """Build from per-request plain values. A row with temperature <= 0 is greedy.
+        """Build from per-request plain values (as GenerationConfig validated them: finite,
+        top_k in 0..INT32_MAX). A row with temperature < GREEDY_TEMPERATURE or top_p <
+        GREEDY_TOP_P is greedy (messages.py says why). top_k past the vocabulary keeps every
+        token, as 0 does.
 
         Pass the engine's long-lived per-request `generators`; `seeds` (fresh generators) is for
         one-off calls and tests.
@@ -65,10 +70,14 @@ class SamplingInputs:
             generators = [make_generator(s, device) for s in (seeds or [None] * len(do_sample))]
         if not len(do_sample) == len(temperature) == len(top_k) == len(top_p) == len(generators):
             raise ValueError('SamplingInputs.from_values: all per-request lists must have one entry per row')
-        do_sample = [bool(s) and t > 0 for s, t in zip(do_sample, temperature)]
-        top_k, top_p = [int(k) for k in top_k], [float(p) for p in top_p]
+        top_k = [min(int(k), INT32_MAX) for k in top_k]          # exact in the float64 packing
+        top_p = [float(p) for p in top_p]
+        # a finite temperature stays finite in float32 (logits / inf would make -inf logits nan)
+        temperature = [min(float(t), torch.finfo(torch.float32).max) for t in temperature]
+        do_sample = [bool(s) and t >= GREEDY_TEMPERATURE and p >= GREEDY_TOP_P
+                     for s, t, p in zip(do_sample, temperature, top_p)]
         # one host-to-device copy (pinned, not blocking the host on a GPU), split there
-        packed = torch.tensor([do_sample, [float(t) for t in temperature], top_k, top_p],
+        packed = torch.tensor([do_sample, temperature, top_k, top_p],
                               dtype=torch.float64).reshape(4, -1)
         if torch.device(device).type == 'cuda':
             packed = packed.pin_memory().to(device, non_blocking=True)

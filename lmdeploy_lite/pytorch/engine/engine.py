@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, SpecDecodeStats,
-                                    SpeculativeConfig)
+                                    SpeculativeConfig, short_repr)
 from lmdeploy_lite.pytorch.config import ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager
@@ -121,14 +121,22 @@ def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -
 
 def validate_request(token_ids: list[int], gen_config: GenerationConfig, vocab_size: int,
                      session_len: int):
-    """Raise ValueError naming the problem; called before the request touches any engine."""
+    """Raise ValueError naming the problem; called before the request touches any engine (in
+    the caller's thread) and again on admission (in the engine's), so that the engine thread only
+    sees values it can handle: the config is checked again too (a frozen dataclass can still be
+    changed through object.__setattr__)."""
     if not isinstance(gen_config, GenerationConfig):
-        raise ValueError(f'gen_config={gen_config!r}: must be a GenerationConfig')
+        raise ValueError(f'gen_config={type(gen_config).__name__}: must be a GenerationConfig')
+    gen_config.validate()
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError(f'prompt: {type(token_ids).__name__} given; token ids are a list of int')
     if len(token_ids) == 0:
         raise ValueError('prompt: empty; give at least one token')
-    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
+           or not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f'prompt: token ids {bad[:5]} are outside 0..{vocab_size - 1}')
+        raise ValueError(f'prompt: token ids {short_repr(bad[:5])} are outside '
+                         f'0..{vocab_size - 1}')
     if len(token_ids) >= session_len:
         raise ValueError(f'prompt: {len(token_ids)} tokens, but session_len={session_len} leaves '
                          f'no room to generate; shorten the prompt to at most {session_len - 1} '
@@ -228,10 +236,11 @@ class Engine:
         validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
 
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig) -> Sequence:
+        """Raises ValueError for an invalid request; the engine is then unchanged."""
         self.validate_request(token_ids, gen_config)
         seed = gen_config.random_seed
-        if seed is None:
-            seed = self.engine_config.seed * 1_000_003 + self._next_seq_id
+        if seed is None:            # derived per request; manual_seed takes 0..2**64-1
+            seed = (self.engine_config.seed * 1_000_003 + self._next_seq_id) % 2**64
         generator = torch.Generator(self.device).manual_seed(seed)
         seq = Sequence(seq_id=self._next_seq_id, token_ids=list(token_ids),
                        num_prompt=len(token_ids), gen_config=gen_config, arrival=0,

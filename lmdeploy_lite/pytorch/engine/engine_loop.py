@@ -10,7 +10,7 @@ from typing import Callable
 
 from lmdeploy_lite.messages import GenerationConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine, StepOutput
-from lmdeploy_lite.pytorch.engine.sequence import Sequence
+from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
 
 logger = logging.getLogger('lmdeploy_lite')
 
@@ -27,6 +27,11 @@ class RequestHandle:
 
 
 class EngineLoop:
+    """Failures: one request's own failure in the engine thread (its admission: the checks
+    again, its generator) ends that request alone with finish_reason 'error' and
+    `seq.error` saying why; the engine goes on. A failure of a step itself cannot be put on one
+    request (the engine's state is then unknown): `error` is set, every waiting request and
+    every later submit gets a RuntimeError, and the thread ends."""
 
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05):
         self.engine = engine
@@ -34,6 +39,8 @@ class EngineLoop:
         self._inbox: queue.Queue = queue.Queue()
         self._live: dict[int, RequestHandle] = {}
         self._stopping = threading.Event()
+        self._lock = threading.Lock()      # submit vs. the thread's last look at the inbox
+        self._ended = False                # the thread takes no more requests
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name='lmdeploy_lite-engine', daemon=True)
         self._thread.start()
@@ -43,18 +50,27 @@ class EngineLoop:
 
     def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink
                ) -> RequestHandle:
-        """Validates in the caller's thread (a bad request raises here and touches nothing)."""
-        if self.error is not None:
-            raise RuntimeError(f'the engine stopped after an error: {self.error!r}')
+        """Validates in the caller's thread (a bad request raises here and touches nothing).
+        Raises RuntimeError once the engine has stopped or is closing."""
+        self._check_running()
         self.engine.validate_request(token_ids, gen_config)
         handle = RequestHandle(list(token_ids), gen_config, sink)
-        self._inbox.put(('add', handle))
+        with self._lock:
+            self._check_running()
+            self._inbox.put(('add', handle))
         return handle
+
+    def _check_running(self):
+        if self.error is not None:
+            raise RuntimeError(f'the engine stopped after an error: {self.error!r}')
+        if self._ended or self._stopping.is_set():
+            raise RuntimeError('the engine is closed')
 
     def abort(self, handle: RequestHandle):
         self._inbox.put(('abort', handle))
 
     def close(self, timeout_s: float = 30.0):
+        """Ends the thread; requests still running get RuntimeError. Idempotent."""
         self._stopping.set()
         self._inbox.put(('stop', None))
         self._thread.join(timeout_s)
@@ -63,6 +79,7 @@ class EngineLoop:
 
     # ---- the thread -----------------------------------------------------------------------
     def _run(self):
+        ended: BaseException = RuntimeError('the engine was closed')
         try:
             while not self._stopping.is_set():
                 self._drain_inbox(block=not self.engine.has_work)
@@ -70,17 +87,31 @@ class EngineLoop:
                     for out in self.engine.step():
                         self._deliver(out)
         except BaseException as e:          # the engine is unusable: tell every waiter
-            logger.exception('engine step failed')
-            self.error = e
-            for handle in list(self._live.values()):
-                handle.sink(e)
-            self._live.clear()
+            logger.exception('engine step failed; the engine stops')
+            self.error = ended = e
         finally:
-            for handle in list(self._live.values()):
-                if handle.seq is not None and not handle.seq.is_finished:
-                    self.engine.abort(handle.seq)
-                handle.sink(RuntimeError('the engine was closed'))
+            with self._lock:                # from here on submit raises
+                self._ended = True
+                queued = self._take_queued()
+            handles = list(self._live.values()) + queued
             self._live.clear()
+            if self.error is None:          # closed: free their caches (a no-op if finished)
+                for handle in handles:
+                    if handle.seq is not None:
+                        self.engine.abort(handle.seq)
+            for handle in handles:
+                self._tell(handle, ended)
+
+    def _take_queued(self) -> list[RequestHandle]:
+        """Requests submitted but never admitted."""
+        handles = []
+        while True:
+            try:
+                kind, handle = self._inbox.get_nowait()
+            except queue.Empty:
+                return handles
+            if kind == 'add' and not handle.aborted:
+                handles.append(handle)
 
     def _drain_inbox(self, block: bool):
         try:
@@ -101,8 +132,13 @@ class EngineLoop:
     def _add(self, handle: RequestHandle):
         try:
             handle.seq = self.engine.add_request(handle.token_ids, handle.gen_config)
-        except ValueError as e:
-            handle.sink(e)
+        except Exception as e:              # this request's own failure: it alone ends
+            logger.warning('request failed on admission: %s', request_error(e))
+            handle.seq = Sequence(seq_id=-1, token_ids=list(handle.token_ids),
+                                  num_prompt=len(handle.token_ids), gen_config=handle.gen_config,
+                                  arrival=-1, status=SeqStatus.FINISHED, finish_reason='error',
+                                  error=request_error(e))
+            self._tell(handle, StepOutput(handle.seq, []))
             return
         self._live[handle.seq.seq_id] = handle
 
@@ -119,9 +155,25 @@ class EngineLoop:
             return
         if out.finished:
             del self._live[out.seq.seq_id]
+        if not self._tell(handle, out) and not out.finished:
+            self._abort(handle)
+
+    @staticmethod
+    def _tell(handle: RequestHandle, item: StepOutput | BaseException) -> bool:
+        """Hand `item` to the request's sink; a failing sink ends that request only."""
         try:
-            handle.sink(out)
+            handle.sink(item)
+            return True
         except Exception:
             logger.exception('a request sink failed; aborting that request only')
-            if not out.finished:
-                self._abort(handle)
+            return False
+
+
+def request_error(error: BaseException) -> str:
+    """One line for the user: a ValueError's message as it is (it names the field), otherwise
+    the exception's type and first line."""
+    lines = str(error).strip().splitlines()
+    line = lines[0][:500] if lines else ''
+    if isinstance(error, ValueError):
+        return line
+    return f'{type(error).__name__}: {line}' if line else type(error).__name__

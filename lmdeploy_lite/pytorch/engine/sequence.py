@@ -28,6 +28,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     state_slot: int | None = None
     finish_reason: str | None = None
+    error: str | None = None              # why, when finish_reason == 'error' (set once, at the end)
     generator: torch.Generator | None = None
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
