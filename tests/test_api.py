@@ -303,3 +303,26 @@ def test_a_closed_pipeline_raises_at_once(plain_pipe):
         asyncio.run(asyncio.wait_for(_collect(p.generate([5, 6, 7], GEN)), 10))
     with pytest.raises(RuntimeError, match='the engine is closed'):
         p._loop.submit([5, 6, 7], GEN, lambda item: None)
+
+
+@pytest.mark.xfail(strict=True, reason='needs the per-sequence guard in Engine._update '
+                   '(Engine.fail_request); until then a stop check that raises stops the engine')
+def test_a_request_failing_in_a_step_ends_alone(plain_pipe, monkeypatch):
+    p = plain_pipe
+    alone = p([[5, 6, 7], [8, 9]], GEN)
+    checker = p.engine.scheduler.stop_checker
+    poison = [8, 9]
+
+    def stop_checker(seq):                         # one sequence's host work fails mid-request
+        if seq.token_ids[:seq.num_prompt] == poison and seq.num_generated == 3:
+            raise RuntimeError('stop check failed')
+        return checker(seq)
+    monkeypatch.setattr(p.engine.scheduler, 'stop_checker', stop_checker)
+    good, failed = p([[5, 6, 7], [8, 9]], GEN)
+    assert good.token_ids == alone[0].token_ids and good.finish_reason == 'length'
+    assert failed.finish_reason == 'error' and failed.error == 'RuntimeError: stop check failed'
+    assert failed.token_ids == alone[1].token_ids[:2] and failed.generate_token_len == 2
+    monkeypatch.undo()
+    assert [r.token_ids for r in p([[5, 6, 7], [8, 9]], GEN)] == [r.token_ids for r in alone]
+    bm = p.engine.scheduler.bm
+    assert bm.num_free_blocks == bm.num_usable_blocks

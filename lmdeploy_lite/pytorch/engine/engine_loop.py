@@ -10,7 +10,7 @@ from typing import Callable
 
 from lmdeploy_lite.messages import GenerationConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine, StepOutput
-from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
+from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence, request_error
 
 logger = logging.getLogger('lmdeploy_lite')
 
@@ -168,12 +168,3 @@ class EngineLoop:
             logger.exception('a request sink failed; aborting that request only')
             return False
 
-
-def request_error(error: BaseException) -> str:
-    """One line for the user: a ValueError's message as it is (it names the field), otherwise
-    the exception's type and first line."""
-    lines = str(error).strip().splitlines()
-    line = lines[0][:500] if lines else ''
-    if isinstance(error, ValueError):
-        return line
-    return f'{type(error).__name__}: {line}' if line else type(error).__name__

@@ -53,3 +53,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+
+def request_error(error: BaseException) -> str:
+    """One line for the user: a ValueError's message as it is (it names the field), otherwise
+    the exception's type and first line."""
+    lines = str(error).strip().splitlines()
+    line = lines[0][:500] if lines else ''
+    if isinstance(error, ValueError):
+        return line
+    return f'{type(error).__name__}: {line}' if line else type(error).__name__
