@@ -473,6 +473,21 @@ def test_sigint_and_sigterm_end_streams_with_abort_and_exit_0(model_dir, tmp_pat
         srv.stop()
 
 
+def test_api_keys_from_a_file_and_the_environment_and_what_goes_wrong(tmp_path, capsys):
+    from lmdeploy_lite.cli import main as cli
+    from lmdeploy_lite.serve.openai.auth import load_api_keys
+    keys_file = tmp_path / 'keys'
+    keys_file.write_text('# comment\n a \n\nb\n')
+    environ = {'LMDEPLOY_LITE_API_KEYS': 'c, a,,d', 'OTHER': '1'}
+    assert load_api_keys(['e'], str(keys_file), environ) == ['e', 'a', 'b', 'c', 'd']
+    assert environ == {'OTHER': '1'}                  # worker processes do not inherit the keys
+    empty = tmp_path / 'empty'
+    empty.write_text('# no key here\n\n')
+    for path, reason in ((tmp_path / 'missing', 'cannot be read'), (empty, 'holds no key')):
+        assert cli.main(['serve', 'api_server', '--api-keys-file', str(path)]) == 2
+        assert f"api_keys_file='{path}': {reason}" in capsys.readouterr().err
+
+
 # ---- 10. fuzz ------------------------------------------------------------------------------------
 FIELDS = ['model', 'prompt', 'messages', 'max_tokens', 'max_completion_tokens', 'temperature',
           'top_p', 'top_k', 'stop', 'seed', 'stream', 'stream_options', 'n', 'ignore_eos',

@@ -33,7 +33,7 @@ from sse_starlette.sse import EventSourceResponse
 from lmdeploy_lite.messages import GenerationConfig, Response
 from lmdeploy_lite.serve.openai import protocol as p
 from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware
-from lmdeploy_lite.serve.openai.body import parse_request, read_body
+from lmdeploy_lite.serve.openai.body import parse_request, read_body, render
 from lmdeploy_lite.serve.openai.errors import RequestError, install_error_handlers
 from lmdeploy_lite.serve.openai.metrics import RequestTracker, ServerMetrics
 
@@ -99,7 +99,7 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                 max_tokens: int | None, default_max_tokens: int | None
                 ) -> tuple[list[int], GenerationConfig]:
         if req.model is not None and req.model != model_name:
-            raise RequestError(f'model={req.model!r}: unknown; this server serves '
+            raise RequestError(f'model={render(req.model)}: unknown; this server serves '
                                f'{model_name!r} (see GET /v1/models)', 'model', 'model_not_found')
         try:
             ids = pipe.encode(prompt)

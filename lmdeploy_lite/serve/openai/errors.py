@@ -59,7 +59,7 @@ def install_error_handlers(app: FastAPI, count_invalid: Callable[[], None]):
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
-        logger.error('%s %s failed', request.method, request.url.path, exc_info=e)
+        logger.error('%s %s failed: %r', request.method, request.url.path, e)  # uvicorn: the trace
         return ErrorJSONResponse(error_body('internal server error; the server log has the '
                                             'details', 'internal_error', code='internal_error'),
                                  status_code=500)
