@@ -199,6 +199,16 @@ def cmd_serve(args) -> int:
         print(f"error: serving needs the 'serve' extra (missing: {', '.join(missing)}); "
               f"install it with: pip install 'lmdeploy_lite[serve]'", file=sys.stderr)
         return 2
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)   # as SIGINT
+    try:
+        return _load_and_serve(args)
+    except KeyboardInterrupt:                # SIGINT or SIGTERM before the server was up
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _load_and_serve(args) -> int:
     from lmdeploy_lite import PytorchEngineConfig, pipeline
     from lmdeploy_lite.api import resolve_model_path
     from lmdeploy_lite.serve.openai.api_server import default_model_name, serve
@@ -215,15 +225,11 @@ def cmd_serve(args) -> int:
                                         **executor_args(args))
     spec = speculative_config(args)
     model_path = resolve_model_path(args.model)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)    # while loading: as SIGINT
-    try:
-        pipe = pipeline(model_path, engine_config, spec, progress=False)
-        return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
-                     args.server_port, api_keys, args.log_level,
-                     num_spec_tokens=spec.num_speculative_tokens if spec else 0,
-                     max_request_bytes=args.max_request_bytes)
-    except KeyboardInterrupt:                # SIGINT or SIGTERM before the server was up
-        return 0
+    pipe = pipeline(model_path, engine_config, spec, progress=False)
+    return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
+                 args.server_port, api_keys, args.log_level,
+                 num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+                 max_request_bytes=args.max_request_bytes)
 
 
 def build_parser() -> argparse.ArgumentParser:
