@@ -189,7 +189,7 @@ class Pipeline:
                         generate_token_len=out.num_generated, index=index,
                         finish_reason=out.finish_reason if out.finished else None,
                         spec_stats=out.spec_stats,
-                        error=out.seq.error if out.finish_reason == 'error' else None)
+                        error=out.error)
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None

@@ -305,8 +305,6 @@ def test_a_closed_pipeline_raises_at_once(plain_pipe):
         p._loop.submit([5, 6, 7], GEN, lambda item: None)
 
 
-@pytest.mark.xfail(strict=True, reason='needs the per-sequence guard in Engine._update '
-                   '(Engine.fail_request); until then a stop check that raises stops the engine')
 def test_a_request_failing_in_a_step_ends_alone(plain_pipe, monkeypatch):
     p = plain_pipe
     alone = p([[5, 6, 7], [8, 9]], GEN)

@@ -16,7 +16,7 @@ from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.engine.cache_plan import available_memory, plan_cache
 from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
-from lmdeploy_lite.pytorch.engine.sequence import Sequence
+from lmdeploy_lite.pytorch.engine.sequence import Sequence, request_error
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
@@ -45,10 +45,12 @@ class StepOutput:
     finish_reason: str | None = field(init=False)
     num_generated: int = field(init=False)
     spec_stats: SpecDecodeStats | None = field(init=False)     # None until the first draft
+    error: str | None = field(init=False)                       # why, when finish_reason='error'
 
     def __post_init__(self):
         seq = self.seq
         self.finished, self.finish_reason = seq.is_finished, seq.finish_reason
+        self.error = seq.error if seq.finish_reason == 'error' else None
         self.num_generated = seq.num_generated
         stats = seq.spec_stats
         self.spec_stats = (dataclasses.replace(stats, accepted_per_position=list(
@@ -252,6 +254,12 @@ class Engine:
     def abort(self, seq: Sequence):
         self.scheduler.abort(seq)
 
+    def fail_request(self, seq: Sequence, error: BaseException):
+        """End one request with finish_reason 'error' and the reason (its cache freed)."""
+        logger.warning('request %d failed: %s', seq.seq_id, error)
+        self.scheduler.abort(seq)
+        seq.finish_reason, seq.error = 'error', request_error(error)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work or self.in_flight is not None
@@ -326,23 +334,34 @@ class Engine:
             device=self.device)
 
     def _update(self, batch: ScheduledBatch, result: StepResult) -> list[StepOutput]:
-        """The host learns the step's tokens here (one device-to-host copy)."""
+        """The host learns the step's tokens here (one device-to-host copy). A failure in one
+        sequence's host work (stop checks, detokenizing) ends that request alone ('error')."""
         tokens = result.output_tokens.tolist()
-        if result.num_accepted_drafts is None:       # prefill chunk or plain decode: one token
-            return [StepOutput(seq, self.scheduler.update(seq, q_len, row[:1] if samples else []))
-                    for seq, q_len, samples, row in zip(batch.seqs, batch.q_lens,
-                                                        batch.sample_mask, tokens)
-                    if not seq.is_finished]      # (async) finished while this step ran
+        accepted = (result.num_accepted_drafts.tolist() if result.num_accepted_drafts is not None
+                    else [None] * len(tokens))
         outputs = []
-        for seq, row, accepted in zip(batch.seqs, tokens, result.num_accepted_drafts.tolist()):
-            if seq.is_finished:
+        for seq, q_len, samples, row, num_accepted in zip(batch.seqs, batch.q_lens,
+                                                          batch.sample_mask, tokens, accepted):
+            if seq.is_finished:                  # (async) finished while this step ran
                 continue
-            seq.spec_stats.add(self.num_spec_tokens, accepted)
-            self.spec_stats.add(self.num_spec_tokens, accepted)
-            # fed [last, d1..dk]: last and the accepted drafts are now in the cache
-            outputs.append(StepOutput(seq, self.scheduler.update(seq, 1 + accepted,
-                                                                 row[:accepted + 1])))
+            num_tokens = len(seq.token_ids)
+            try:
+                outputs.append(StepOutput(seq, self._update_seq(seq, q_len, samples, row,
+                                                                num_accepted)))
+            except Exception as e:
+                del seq.token_ids[num_tokens:]   # what it emitted before this step stands
+                self.fail_request(seq, e)
+                outputs.append(StepOutput(seq, []))
         return outputs
+
+    def _update_seq(self, seq: Sequence, q_len: int, samples: bool, row: list[int],
+                    num_accepted: int | None) -> list[int]:
+        if num_accepted is None:                 # prefill chunk or plain decode: one token
+            return self.scheduler.update(seq, q_len, row[:1] if samples else [])
+        seq.spec_stats.add(self.num_spec_tokens, num_accepted)
+        self.spec_stats.add(self.num_spec_tokens, num_accepted)
+        # fed [last, d1..dk]: last and the accepted drafts are now in the cache
+        return self.scheduler.update(seq, 1 + num_accepted, row[:num_accepted + 1])
 
     # ---- convenience ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], gen_config: GenerationConfig) -> list[Sequence]:

@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
+from lmdeploy_lite.pytorch.engine.sequence import request_error
 from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent, make_lifeline
 
 logger = logging.getLogger('lmdeploy_lite')
@@ -132,7 +133,13 @@ def _rank_loop(rank: int, engine, inbox, outbox):
         for kind, payload in engine.dist.broadcast_object(events, 'tp'):
             if kind == 'add':
                 rid, token_ids, gen_config = payload
-                seq = engine.add_request(token_ids, gen_config)
+                try:                 # the same on every TP rank: all of them refuse it alike
+                    seq = engine.add_request(token_ids, gen_config)
+                except Exception as e:               # this request alone ends, with the reason
+                    if leader:
+                        outbox.put(('out', rank, (rid, [], True, 'error', 0, (0, 0, 0, []),
+                                                  request_error(e))))
+                    continue
                 request_of[seq.seq_id], seq_of[rid] = rid, seq
             elif kind == 'abort' and payload in seq_of:
                 seq = seq_of[payload]
@@ -165,7 +172,8 @@ def _report(rid: int, seq, new_token_ids: list[int]) -> tuple:
     stats = seq.spec_stats
     return (rid, list(new_token_ids), seq.is_finished, seq.finish_reason, seq.num_generated,
             (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-             list(stats.accepted_per_position)))
+             list(stats.accepted_per_position)),
+            seq.error if seq.finish_reason == 'error' else None)
 
 
 # ---- the front-end side ---------------------------------------------------------------------
@@ -178,6 +186,7 @@ class RemoteSeq:
     finish_reason: str | None = None
     num_generated: int = 0
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    error: str | None = None
 
 
 @dataclass
@@ -189,6 +198,7 @@ class RemoteOutput:
     finish_reason: str | None
     num_generated: int
     spec_stats: SpecDecodeStats | None
+    error: str | None = None
 
 
 @dataclass(eq=False)
@@ -313,7 +323,7 @@ class RemoteEngineLoop:
                 return
             self._deliver(*payload)
 
-    def _deliver(self, rid, new_ids, finished, reason, num_generated, stats):
+    def _deliver(self, rid, new_ids, finished, reason, num_generated, stats, error=None):
         with self._lock:
             handle = self._live.get(rid)
             if handle is None:
@@ -325,8 +335,9 @@ class RemoteEngineLoop:
         seq.is_finished, seq.finish_reason, seq.num_generated = finished, reason, num_generated
         seq.spec_stats = SpecDecodeStats(stats[0], stats[1], stats[2], list(stats[3]))
         snapshot = SpecDecodeStats(stats[0], stats[1], stats[2], list(stats[3]))
+        seq.error = error
         handle.sink(RemoteOutput(seq, new_ids, finished, reason, num_generated,
-                                 snapshot if snapshot.num_drafts else None))
+                                 snapshot if snapshot.num_drafts else None, error))
 
     def _describe_failure(self, rank: int, summary: str, trace: str) -> str:
         """A rank's collective fails when a peer dies: then the dead peer is the news, not the
