@@ -206,8 +206,7 @@ def _embedded_prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
-@pytest.mark.parametrize('k', [1, 3])
-def test_pipeline_delivers_every_token_under_async_speculation(k):
+def test_pipeline_delivers_every_token_under_async_speculation(k=3):
     """Through `pipeline()` (an engine thread and a consumer thread), async scheduling with MTP,
     float64, the embedded model (whose MTP head accepts runs of drafts): every Response holds
     the whole sequence the synchronous engine generates, as many ids as generate_token_len, and
@@ -241,13 +240,14 @@ def test_pipeline_delivers_every_token_under_async_speculation(k):
         reference.spec_stats.num_accepted_tokens
 
 
+@pytest.mark.parametrize('k', [1, 3])
 @pytest.mark.parametrize('async_scheduling', [False, True])
-def test_step_outputs_are_snapshots_for_a_lagging_consumer(async_scheduling, tiny_ckpt):
+def test_step_outputs_are_snapshots_for_a_lagging_consumer(async_scheduling, k, tiny_ckpt):
     """A consumer that reads every StepOutput only after the engine has finished (the most a
     consumer can lag) sees each one as it was: one final output, running totals that grow by
     the emitted tokens, and the tokens adding up to the sequence."""
     from lmdeploy_lite.pytorch.engine.engine_loop import EngineLoop
-    engine = _engine(tiny_ckpt(True), 3, async_scheduling)
+    engine = _engine(tiny_ckpt(True), k, async_scheduling)
     loop = EngineLoop(engine)
     received = {i: [] for i in range(len(PROMPTS))}
     try:
