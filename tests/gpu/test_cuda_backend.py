@@ -110,4 +110,6 @@ def test_speculative_pipeline_against_plain(dtype):
             json.dump(report, f)
     if dtype == 'float32':
         assert spec_tokens == plain
+    else:       # not guaranteed exact (near-ties); measured 1.0 on an H100 (BENCHMARKS.md)
+        assert report['tokens_before_first_divergence'] > 0.9, report
     assert torch.cuda.is_available()
