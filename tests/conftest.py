@@ -5,7 +5,13 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+# One torch thread per test process unless LMDEPLOY_LITE_TEST_THREADS says otherwise: two suites
+# on one small machine must not oversubscribe it. mp/ray workers started by a test take this
+# process's thread count divided by the world size (at least 1); subprocesses (CLI, server) are
+# told through OMP_NUM_THREADS.
+TEST_THREADS = int(os.environ.get('LMDEPLOY_LITE_TEST_THREADS') or 1)
+torch.set_num_threads(TEST_THREADS)
+os.environ['OMP_NUM_THREADS'] = str(TEST_THREADS)
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on CPU tensors (set before any kernel module
     # is imported: kernels are wrapped for the interpreter when they are defined)

@@ -46,6 +46,22 @@ IDLE_WAIT_S = 0.02
 STARTUP_TIMEOUT_S = float(os.environ.get('LMDEPLOY_LITE_STARTUP_TIMEOUT', '600'))
 
 
+NUM_THREADS_ENV = 'LMDEPLOY_LITE_NUM_THREADS'
+
+
+def worker_num_threads(world_size: int, requested: str | None = None) -> int:
+    """Torch threads for each rank: `requested` (LMDEPLOY_LITE_NUM_THREADS) if given, else this
+    front-end process's torch thread count shared among the ranks, at least 1 (so a front-end
+    held to one thread, e.g. by OMP_NUM_THREADS=1 or the test suite, starts one-thread ranks)."""
+    import torch
+    if not requested:
+        return max(1, torch.get_num_threads() // world_size)
+    if not requested.strip().isdigit() or int(requested) < 1:
+        raise ValueError(f'{NUM_THREADS_ENV}={requested!r}: must be a positive integer '
+                         f'(torch threads per rank)')
+    return int(requested)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
@@ -88,7 +104,7 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
     from lmdeploy_lite.pytorch.distributed import DistContext
     from lmdeploy_lite.pytorch.engine.engine import Engine
     from lmdeploy_lite.pytorch.nn.token_dispatcher import dispatch_capacity
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_config.world_size))
+    torch.set_num_threads(int(env[NUM_THREADS_ENV]))      # the front-end's worker_num_threads
     dist_ctx = None
     try:
         device = rank_device(engine_config.device, local_rank)
@@ -235,6 +251,8 @@ class RemoteEngineLoop:
         self._worker_hook = worker_hook
         child_env = {k: v for k, v in os.environ.items() if k.startswith('LMDEPLOY_LITE_')}
         child_env.update(env or {})
+        child_env[NUM_THREADS_ENV] = str(worker_num_threads(self.dist_config.world_size,
+                                                            child_env.get(NUM_THREADS_ENV)))
         try:
             self._start(model_path, cfg, speculative_config, child_env)
             self._wait_ready()
