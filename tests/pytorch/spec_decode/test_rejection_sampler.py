@@ -92,35 +92,51 @@ def test_acceptance_by_position():
 
 
 # ---- distribution tests: every emitted token follows the target distribution p -------------------
-N = 20000
+N = 50000
 # three positions (k=2) with different p; q differs: q>p, q<p, q=p and q=0 where p>0, q>0 where p=0
 P = torch.tensor([[0.30, 0.25, 0.20, 0.15, 0.10, 0.00],
                   [0.05, 0.10, 0.15, 0.20, 0.25, 0.25],
                   [0.50, 0.20, 0.10, 0.10, 0.05, 0.05]], dtype=torch.float64)
 Q = torch.tensor([[0.10, 0.40, 0.00, 0.15, 0.15, 0.20],
                   [0.30, 0.00, 0.15, 0.05, 0.25, 0.25]], dtype=torch.float64)
+MIN_SAMPLES = 2000
+P_VALUE = 0.001        # per check; 18 checks (6 cases x 3 positions): ~2% false alarms if reseeded
 
 
 def assert_follows(tokens, expected_probs):
-    counts = torch.bincount(tokens, minlength=expected_probs.numel()).double()
+    counts = torch.bincount(tokens.cpu(), minlength=expected_probs.numel()).double()
+    assert counts.sum() >= MIN_SAMPLES, f'only {int(counts.sum())} samples: the test lost its power'
+    expected_probs = expected_probs.cpu()
     support = expected_probs > 0
     assert counts[~support].sum() == 0, 'emitted a token the target gives probability 0'
     expected = expected_probs[support] * counts.sum()
-    assert scipy.stats.chisquare(counts[support].numpy(), expected.numpy()).pvalue > 0.01
+    assert scipy.stats.chisquare(counts[support].numpy(), expected.numpy()).pvalue > P_VALUE
 
 
-@pytest.mark.parametrize('temperature, top_p', [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.gpu)])
+@pytest.mark.parametrize('temperature, top_k, top_p', [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0)])
 @pytest.mark.parametrize('stochastic_drafts', [True, False])
-def test_emitted_tokens_follow_target(temperature, top_p, stochastic_drafts):
+def test_emitted_tokens_follow_target(temperature, top_k, top_p, stochastic_drafts, device):
+    """Each emitted position follows the (temperature/top-k/top-p shaped) target p exactly: the
+    first token (accepted draft 1 or its correction), the second given draft 1 was accepted, and
+    the bonus given both were. One batched call of N = 50,000 rows on the same p and q.
+
+    Power: position 0 has N samples, the later ones the rows that accepted (>= MIN_SAMPLES,
+    asserted); df = support - 1 <= 5; each check passes at p-value > 0.001. With N = 50,000 and
+    df = 5 that catches a deviation of Cohen's w = sqrt(sum (p' - p)^2 / p) >= 0.024 with power
+    0.9 (w >= 0.12 at 2,000 samples). A token with p = 0 must never appear."""
     torch.manual_seed(1234)
-    logits = P.log().expand(N, -1, -1)
-    sampling = SamplingInputs.from_values([True] * N, [temperature] * N, [0] * N, [top_p] * N)
-    p = probs_from_logits(logits[:1], SamplingInputs.from_values([True], [temperature], [0], [top_p]))[0]
+    logits = P.log().to(device).expand(N, -1, -1)
+    sampling = SamplingInputs.from_values([True] * N, [temperature] * N, [top_k] * N, [top_p] * N,
+                                          device=device)
+    p = probs_from_logits(logits[:1], SamplingInputs.from_values(
+        [True], [temperature], [top_k], [top_p], device=device))[0]
     if stochastic_drafts:            # drafts sampled from q, draft_probs = q
-        draft_probs = Q.expand(N, -1, -1)
-        drafts = torch.multinomial(Q, N, replacement=True).T.contiguous()
-    else:                            # deterministic drafts (q one-hot): always propose token 1
-        draft_probs, drafts = None, torch.ones(N, 2, dtype=torch.long)
+        q = Q.to(device)
+        draft_probs = q.expand(N, -1, -1)
+        drafts = torch.multinomial(q, N, replacement=True).T.contiguous()
+    else:                            # deterministic drafts (q one-hot): always propose 0 then 5
+        draft_probs, drafts = None, torch.tensor([0, 5], device=device).expand(N, -1)
     tokens, accepted = rejection_sample(logits, drafts, draft_probs, sampling)
     assert_follows(tokens[:, 0], p[0])
     assert_follows(tokens[accepted >= 1, 1], p[1])      # second token, given the first was accepted
