@@ -1,4 +1,5 @@
-"""Fixtures shared by the tests of the server: the tiny model and one running server."""
+"""Fixtures shared by the tests of the server: the tiny model and one running server on it, and
+a speculative server on the embedded model, whose MTP drafts get accepted."""
 import os
 import shutil
 import sys
@@ -36,3 +37,25 @@ def client(server):
     openai = pytest.importorskip('openai')
     from tests.serve.live_server import KEY
     return openai.OpenAI(base_url=server.url + '/v1', api_key=KEY, timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope='session')
+def spec_server(tmp_path_factory):
+    """The embedded model (no model argument), MTP k=3, float64 (its greedy output equals plain
+    greedy exactly, and its draft counts the single process's: tests/helpers/accepting), no API
+    key."""
+    from tests.serve.live_server import SPEC_K, Server
+    srv = Server(None, str(tmp_path_factory.mktemp('log') / 'spec_server.log'),
+                 '--speculative-num-draft-tokens', str(SPEC_K), '--dtype', 'float64',
+                 '--model-name', 'embedded')
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope='session')
+def spec_client(spec_server):
+    openai = pytest.importorskip('openai')
+    return openai.OpenAI(base_url=spec_server.url + '/v1', api_key='unused', timeout=60,
+                         max_retries=0)

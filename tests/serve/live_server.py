@@ -1,5 +1,5 @@
 """The real server as a subprocess on 127.0.0.1 (`lmdeploy_lite serve api_server`), and helpers to
-talk to it. Tiny random model, float32, CPU."""
+talk to it. CPU; float32 unless told otherwise."""
 import os
 import socket
 import subprocess
@@ -11,7 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY = 'test-key'
-K = 2                                   # draft tokens per step
+K = 2                                   # draft tokens per step (the tiny model's server)
+SPEC_K = 3                              # the same, the embedded model's server
 SESSION_LEN = 128
 MODEL = 'tiny'
 
@@ -23,13 +24,15 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir: str, log_path: str, *args: str, deadline_s: float = 180,
+    def __init__(self, model_dir: str | None, log_path: str, *args: str, deadline_s: float = 180,
                  env: dict | None = None, key: str | None = None):
+        """model_dir None: the embedded model. `args` come last (a repeated option wins)."""
         self.port = free_port()
         self.url = f'http://127.0.0.1:{self.port}'
         self.key = key                       # for the health wait: /health needs none
         self.log = open(log_path, 'w+')
-        cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'serve', 'api_server', model_dir,
+        cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'serve', 'api_server',
+               *([model_dir] if model_dir else []),
                '--device', 'cpu', '--dtype', 'float32', '--session-len', str(SESSION_LEN),
                '--max-batch-size', '64', '--server-port', str(self.port), *args]
         env = dict(os.environ, OMP_NUM_THREADS='1', **(env or {}))

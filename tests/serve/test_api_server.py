@@ -1,5 +1,7 @@
 """`lmdeploy_lite serve api_server` end to end: the real server as a subprocess on 127.0.0.1, spoken
-to with the official `openai` client and plain HTTP (httpx). Tiny random model, float32, CPU."""
+to with the official `openai` client and plain HTTP (httpx), CPU: a tiny random model (float32) for
+the protocol, errors and load; the embedded model (float64), whose MTP drafts get accepted, for
+speculative decoding's output and metrics."""
 import asyncio
 import json
 import signal
@@ -7,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -15,8 +18,11 @@ for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
 openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
 
-from tests.serve.live_server import (K, KEY, MODEL, ROOT, SESSION_LEN, Server,  # noqa: E402
-                                     chat, headers, is_alive, post, scrape)
+from lmdeploy_lite.messages import PytorchEngineConfig, SpecDecodeStats  # noqa: E402
+from tests.helpers import accepting  # noqa: E402
+from tests.helpers.accepting import assert_real_acceptance, counts  # noqa: E402
+from tests.serve.live_server import (K, KEY, MODEL, ROOT, SESSION_LEN, SPEC_K,  # noqa: E402
+                                     Server, chat, headers, is_alive, post, scrape)
 
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 
@@ -60,40 +66,109 @@ def test_stream_ends_with_done(server):
     assert json.loads(lines[-2][6:])['choices'][0]['finish_reason'] == 'length'
 
 
-@pytest.mark.timeout(120)
-def test_spec_metrics_grow_by_exactly_the_requests_figures(server, client):
-    before = scrape(server.url)
-    usages = [client.completions.create(model=MODEL, prompt=p, max_tokens=n, **GREEDY).usage
-              for p, n in (('import os', 5), ('class Foo:', 9))]
-    usages.append(client.chat.completions.create(model=MODEL, messages=chat('hi'), max_tokens=7,
-                                                 **GREEDY).usage)
-    stream = client.chat.completions.create(model=MODEL, messages=chat('yo'), max_tokens=6,
+# ---- speculative decoding with accepted drafts: the embedded model's server, MTP k=3, float64 --
+def _spec_stats(usage) -> SpecDecodeStats:
+    spec = usage.spec_decode                                 # the server's `usage` extension
+    return SpecDecodeStats(spec['num_drafts'], spec['num_draft_tokens'],
+                           spec['num_accepted_tokens'], spec['accepted_per_position'])
+
+
+@pytest.fixture(scope='module')
+def plain_greedy() -> list:
+    """Plain greedy (no speculation) Responses for accepting.TEXTS, in this process, float64, the
+    server's session_len: texts detokenized as the server does."""
+    from lmdeploy_lite import pipeline
+    config = PytorchEngineConfig(**{**accepting.BASE, 'session_len': SESSION_LEN})
+    with pipeline(None, config, progress=False) as pipe:
+        return pipe(list(accepting.TEXTS), accepting.GREEDY)
+
+
+def _stream_completion(client, prompt: str, max_tokens: int):
+    """(text, the final usage) of a streamed completion."""
+    chunks = list(client.completions.create(model='embedded', prompt=prompt, max_tokens=max_tokens,
                                             stream=True, stream_options={'include_usage': True},
-                                            **GREEDY)
-    usages.append([c for c in stream][-1].usage)
-    after = scrape(server.url)
+                                            **GREEDY))
+    assert chunks[-1].choices == []
+    return ''.join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+
+
+@pytest.mark.timeout(180)
+def test_speculative_output_streamed_or_not_is_plain_greedy(spec_client, plain_greedy):
+    """Completions of code prompts (drafts mostly accepted, asserted first), each streamed and
+    not, all at once: whole texts and token counts equal plain greedy's, and each request's draft
+    counts, positions included, the single process's."""
+    max_tokens = accepting.GREEDY.max_new_tokens
+    with ThreadPoolExecutor(2 * len(accepting.TEXTS)) as pool:
+        done = [pool.submit(spec_client.completions.create, model='embedded', prompt=text,
+                            max_tokens=max_tokens, **GREEDY) for text in accepting.TEXTS]
+        streamed = [pool.submit(_stream_completion, spec_client, text, max_tokens)
+                    for text in accepting.TEXTS]
+        done, streamed = [f.result() for f in done], [f.result() for f in streamed]
+    stats = [_spec_stats(d.usage) for d in done] + [_spec_stats(u) for _, u in streamed]
+    assert_real_acceptance(stats, SPEC_K)
+    want = [r.text for r in plain_greedy]
+    assert [d.choices[0].text for d in done] == [text for text, _ in streamed] == want
+    assert [d.usage.completion_tokens for d in done] == [u.completion_tokens for _, u in streamed] \
+        == [len(r.token_ids) for r in plain_greedy] == [max_tokens] * len(want)
+    assert [d.usage.prompt_tokens for d in done] == [len(p) for p in accepting.prompts()]
+    want_counts = accepting.reference(SPEC_K).counts
+    assert [counts(s) for s in stats] == want_counts + want_counts
+
+
+@pytest.mark.timeout(120)
+def test_spec_metrics_grow_by_exactly_the_requests_figures(spec_server, spec_client):
+    """Completions and chats, streamed and not, of different lengths, all at once, with drafts
+    mostly accepted (asserted first): every speculative counter grows by exactly the requests'
+    own figures."""
+    def completion(prompt, max_tokens):
+        return spec_client.completions.create(model='embedded', prompt=prompt,
+                                              max_tokens=max_tokens, **GREEDY).usage
+
+    def chat_completion(prompt, max_tokens):
+        return spec_client.chat.completions.create(model='embedded', messages=chat(prompt),
+                                                   max_tokens=max_tokens, **GREEDY).usage
+
+    def streamed_chat(prompt, max_tokens):
+        stream = spec_client.chat.completions.create(
+            model='embedded', messages=chat(prompt), max_tokens=max_tokens, stream=True,
+            stream_options={'include_usage': True}, **GREEDY)
+        return [c for c in stream][-1].usage
+
+    def streamed_completion(prompt, max_tokens):
+        return _stream_completion(spec_client, prompt, max_tokens)[1]
+    texts = accepting.TEXTS
+    before = scrape(spec_server.url, key=None)
+    with ThreadPoolExecutor(5) as pool:
+        usages = [f.result() for f in [
+            pool.submit(completion, texts[0], 21), pool.submit(completion, texts[2], 14),
+            pool.submit(streamed_completion, texts[1], 17),
+            pool.submit(chat_completion, texts[3], 19), pool.submit(streamed_chat, texts[0], 16)]]
+    after = scrape(spec_server.url, key=None)
 
     def grew(name):
         return after[name] - before.get(name, 0)
-    specs = [u.spec_decode for u in usages]                  # the server's `usage` extension
-    assert all(s['num_drafts'] > 0 for s in specs)
-    assert grew('lmdeploy_lite_spec_decode_num_drafts_total') == sum(s['num_drafts'] for s in specs)
+    specs = [_spec_stats(u) for u in usages]
+    assert_real_acceptance(specs, SPEC_K)
+    assert grew('lmdeploy_lite_spec_decode_num_drafts_total') == sum(s.num_drafts for s in specs)
     assert grew('lmdeploy_lite_spec_decode_num_draft_tokens_total') == \
-        sum(s['num_draft_tokens'] for s in specs) == K * sum(s['num_drafts'] for s in specs)
-    accepted = sum(s['num_accepted_tokens'] for s in specs)
+        sum(s.num_draft_tokens for s in specs) == SPEC_K * sum(s.num_drafts for s in specs)
+    accepted = sum(s.num_accepted_tokens for s in specs)
     assert grew('lmdeploy_lite_spec_decode_num_accepted_tokens_total') == accepted
-    for position in range(K):
+    for position in range(SPEC_K):
         name = ('lmdeploy_lite_spec_decode_num_accepted_tokens_per_pos_total'
                 f'{{position="{position}"}}')
-        assert grew(name) == sum(s['accepted_per_position'][position] for s in specs)
+        assert grew(name) == sum(s.accepted_per_position[position] for s in specs)
+    for usage, s in zip(usages, specs):
+        assert usage.spec_decode['mean_accepted_length'] == pytest.approx(s.mean_accepted_length)
     assert after['lmdeploy_lite_spec_decode_num_accepted_tokens_total'] <= \
         after['lmdeploy_lite_spec_decode_num_draft_tokens_total']
-    assert 1 <= after['lmdeploy_lite_spec_decode_mean_accepted_length'] <= K + 1
+    assert 1 <= after['lmdeploy_lite_spec_decode_mean_accepted_length'] <= SPEC_K + 1
     assert grew('lmdeploy_lite_prompt_tokens_total') == sum(u.prompt_tokens for u in usages)
-    assert grew('lmdeploy_lite_generation_tokens_total') == 5 + 9 + 7 + 6
-    assert grew('lmdeploy_lite_requests_total{outcome="length"}') == 4
-    assert grew('lmdeploy_lite_time_to_first_token_seconds_count') == 4
-    assert grew('lmdeploy_lite_time_per_output_token_seconds_count') == 4
+    assert grew('lmdeploy_lite_generation_tokens_total') == 21 + 14 + 17 + 19 + 16
+    assert [u.completion_tokens for u in usages] == [21, 14, 17, 19, 16]
+    assert grew('lmdeploy_lite_requests_total{outcome="length"}') == 5
+    assert grew('lmdeploy_lite_time_to_first_token_seconds_count') == 5
+    assert grew('lmdeploy_lite_time_per_output_token_seconds_count') == 5
     assert after['lmdeploy_lite_kv_blocks_used'] == 0
     assert after['lmdeploy_lite_num_requests_running'] == 0
 

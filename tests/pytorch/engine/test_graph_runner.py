@@ -1,13 +1,15 @@
 """GraphRunner's static buffers and batch padding, on CPU (static-buffer mode: the same copies
-and padding as with CUDA graphs, the forward run eagerly). CUDA graphs themselves: tests/gpu."""
+and padding as with CUDA graphs, the forward run eagerly). CUDA graphs themselves: tests/gpu.
+The model is the embedded one (tests/helpers/accepting), float64: its MTP head's drafts are mostly
+accepted (asserted first), so the verify and draft graphs replay with every accepted length."""
 import pytest
 
-from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
+from lmdeploy_lite.messages import PytorchEngineConfig
 from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
 from lmdeploy_lite.pytorch.engine.engine import Engine
-
-PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 45))]
-GEN = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+from tests.helpers import accepting
+from tests.helpers.accepting import GREEDY, assert_real_acceptance, counts, reference
 
 
 def test_batch_buckets():
@@ -17,32 +19,36 @@ def test_batch_buckets():
     assert batch_buckets(64)[-3:] == [32, 48, 64]
 
 
-def _generate(path, spec, graphs: bool, padded: int = 0):
-    cfg = PytorchEngineConfig(dtype='float64', device='cpu', block_size=8, session_len=96,
-                              max_batch_size=8)
-    engine = Engine(path, cfg, spec, progress=False)
-    if graphs:
-        engine.agent.enable_graphs([2, 4, 8], max_blocks=16)
-        if padded:     # as if another DP rank had a bigger batch: pad to its bucket
-            step = engine.agent.step
+def _generate_with_graphs(k: int, padded: int = 0):
+    """(token ids, SpecDecodeStats or None) per prompt, decode steps through static buffers for
+    batch buckets 2, 4, 8; `padded`: every step padded as if another DP rank's batch were that
+    big."""
+    engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE), accepting.spec(k),
+                    progress=False)
+    engine.agent.enable_graphs([2, 4, 8], max_blocks=16)
+    if padded:
+        step = engine.agent.step
 
-            def padded_step(inputs, sampling):
-                inputs.padded_batch_size = padded
-                return step(inputs, sampling)
-            engine.agent.step = padded_step
-    tokens = [s.generated_ids for s in engine.generate(PROMPTS, GEN)]
-    if graphs:
-        agent = engine.agent if spec is None else engine.agent.target
-        assert agent.graph.num_replays > 0
-        if spec is not None:
-            assert all(r.num_replays > 0 for r in engine.agent.proposer.graphs.values())
-    return tokens
+        def padded_step(inputs, sampling):
+            inputs.padded_batch_size = padded
+            return step(inputs, sampling)
+        engine.agent.step = padded_step
+    seqs = engine.generate([list(p) for p in accepting.prompts()], GREEDY)
+    agent = engine.agent if k == 0 else engine.agent.target
+    assert agent.graph.num_replays > 0
+    if k:      # the MTP layer over the verify step (k + 1 tokens), then 1 token per draft step
+        replays = {q_len: r.num_replays for q_len, r in engine.agent.proposer.graphs.items()}
+        assert replays[k + 1] > 0 and (k == 1 or replays[1] > 0), replays
+    return [s.generated_ids for s in seqs], [s.spec_stats if k else None for s in seqs]
 
 
-@pytest.mark.parametrize('spec', [None, SpeculativeConfig(num_speculative_tokens=2)],
-                         ids=['ar', 'mtp'])
-def test_padded_static_buffers_give_the_eager_tokens(spec, tiny_ckpt):
-    path = tiny_ckpt(True)
-    eager = _generate(path, spec, graphs=False)
-    assert _generate(path, spec, graphs=True) == eager
-    assert _generate(path, spec, graphs=True, padded=7) == eager
+@pytest.mark.parametrize('padded', [0, 7], ids=['unpadded', 'padded'])
+@pytest.mark.parametrize('k', [0, 1, 3])
+def test_static_buffers_give_the_eager_and_plain_greedy_tokens(k, padded):
+    """Whole sequences equal the eager engine's (accepting.reference) and plain greedy's, and
+    per-request draft counts, positions included, equal the eager engine's."""
+    tokens, stats = _generate_with_graphs(k, padded)
+    if k:
+        assert_real_acceptance(stats, k)
+    assert tokens == reference(k).token_ids == reference(0).token_ids
+    assert [counts(s) for s in stats] == reference(k).counts
