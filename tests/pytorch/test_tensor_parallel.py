@@ -1,16 +1,19 @@
 """Tensor parallelism of the target model and the MTP head, against one process (float64).
 
-Each multi-process test spawns one gloo process per rank; every rank builds its shard of the
-model with `build_model(..., dist_ctx=ctx)`, allocates per-rank caches (`CacheEngine(..., tp=)`)
-and runs a prefill, 1-token decodes, a 3-token verify with partial acceptance and another decode,
+Each multi-process test runs one gloo process per rank (processes the layouts share, a fresh
+process group each: RankPool); every rank builds its shard of the model with
+`build_model(..., dist_ctx=ctx)`, allocates per-rank caches (`CacheEngine(..., tp=)`) and runs a prefill, 1-token decodes, a 3-token verify with partial acceptance and another decode,
 for the target and the MTP head, with the collective trace check on (`begin_step`/`end_step`).
-Every rank must return the single-process logits. Hard timeouts; the processes must have exited.
+Every rank must return the single-process logits. Hard timeouts; the pool's processes must have
+exited at the end of the module.
 """
 from __future__ import annotations
 
 import os
+import queue
 import re
 import socket
+import time
 import traceback
 
 import pytest
@@ -86,48 +89,93 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, config: DistConfig, port: int, path: str, out_dir: str):
+def _pool_worker(inbox, outbox):
+    """One pool process: runs rank tasks until it gets None. Each task is one rank of one
+    layout in a fresh process group; the result goes to a file, (rank, error or None) home."""
     os.environ['LMDEPLOY_LITE_CHECK_COLLECTIVES'] = '1'
     os.environ['LMDEPLOY_LITE_DIST_TIMEOUT'] = '30'
     torch.set_num_threads(1)
-    ctx = None
-    try:
-        ctx = DistContext.init(config, rank, f'tcp://127.0.0.1:{port}')
-        result = run_steps(ctx, path, PROMPTS[ctx.dp_rank])
-        torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
-    except BaseException:
-        with open(os.path.join(out_dir, f'rank{rank}.err'), 'w') as f:
-            f.write(traceback.format_exc())
-        raise SystemExit(1)
-    finally:
-        if ctx is not None:
-            ctx.destroy()
+    for rank, config, port, path, out_dir in iter(inbox.get, None):
+        ctx, error = None, None
+        try:
+            ctx = DistContext.init(config, rank, f'tcp://127.0.0.1:{port}')
+            result = run_steps(ctx, path, PROMPTS[ctx.dp_rank])
+            torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
+        except BaseException:
+            error = traceback.format_exc()
+        finally:
+            if ctx is not None:
+                ctx.destroy()
+        outbox.put((rank, error))
 
 
-def run_ranks(config: DistConfig, path: str, out_dir: str, join_timeout: float = 240) -> list:
-    """Spawn one process per rank; return each rank's result. No process outlives the call."""
-    spawn = mp.get_context('spawn')
-    port = _free_port()
-    procs = [spawn.Process(target=_worker, args=(r, config, port, path, out_dir), daemon=True)
-             for r in range(config.world_size)]
-    for p in procs:
-        p.start()
-    try:
-        for p in procs:
-            p.join(join_timeout)
-    finally:
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-    assert not alive, f'ranks {alive} did not finish within {join_timeout} s'
-    errors = {r: open(os.path.join(out_dir, f'rank{r}.err')).read()
-              for r in range(config.world_size)
-              if os.path.exists(os.path.join(out_dir, f'rank{r}.err'))}
-    assert not errors, '\n'.join(f'rank {r}:\n{e}' for r, e in errors.items())
-    assert [p.exitcode for p in procs] == [0] * len(procs)
-    return [torch.load(os.path.join(out_dir, f'rank{r}.pt')) for r in range(config.world_size)]
+class RankPool:
+    """Processes (spawn, gloo) that run the ranks of one layout after another, each layout in a
+    fresh process group: a new process spends seconds importing torch, a layout's steps a tenth
+    of one. Process r runs rank r. A layout whose ranks raise leaves the pool usable; one that
+    hangs or loses a process ends it (killed), and the next layout starts a new one."""
+
+    def __init__(self):
+        self.procs, self.inboxes, self.outbox = [], [], None
+
+    def _grow(self, size: int):
+        spawn = mp.get_context('spawn')
+        if self.outbox is None:
+            self.outbox = spawn.Queue()
+        while len(self.procs) < size:
+            inbox = spawn.Queue()
+            proc = spawn.Process(target=_pool_worker, args=(inbox, self.outbox), daemon=True)
+            proc.start()
+            self.procs.append(proc)
+            self.inboxes.append(inbox)
+
+    def run(self, config: DistConfig, path: str, out_dir: str, timeout: float = 240) -> list:
+        """Every rank's run_steps result for this layout (or an AssertionError naming the ranks
+        that failed, with their tracebacks, or that did not finish within `timeout` s)."""
+        world = config.world_size
+        self._grow(world)
+        port = _free_port()
+        for rank in range(world):
+            self.inboxes[rank].put((rank, config, port, path, out_dir))
+        errors, finished, deadline = {}, set(), time.monotonic() + timeout
+        while len(finished) < world:
+            try:
+                rank, error = self.outbox.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r in range(world) if not self.procs[r].is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close(kill=True)
+                    late = sorted(set(range(world)) - finished)
+                    errors['pool'] = (f'ranks {dead} died' if dead else
+                                      f'ranks {late} did not finish within {timeout} s')
+                    break
+                continue
+            finished.add(rank)
+            if error is not None:
+                errors[f'rank {rank}'] = error
+        assert not errors, f'{config}:\n' + '\n'.join(f'{k}: {e}' for k, e in errors.items())
+        return [torch.load(os.path.join(out_dir, f'rank{r}.pt')) for r in range(world)]
+
+    def close(self, kill: bool = False):
+        """End every process (asked first, unless `kill`); none outlives this call."""
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for proc in self.procs:
+            if kill:
+                proc.kill()
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        assert not any(p.is_alive() for p in self.procs)
+        self.procs, self.inboxes, self.outbox = [], [], None
+
+
+@pytest.fixture(scope='module')
+def rank_pool():
+    pool = RankPool()
+    yield pool
+    pool.close()
 
 
 def assert_same_logits(got: dict, want: dict, what: str):
@@ -154,10 +202,10 @@ LAYOUTS = [
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize('moe, ckpt, config', LAYOUTS)
-def test_tp_ranks_give_single_process_logits(moe, ckpt, config, tmp_path):
+def test_tp_ranks_give_single_process_logits(moe, ckpt, config, tmp_path, rank_pool):
     path = make_tiny_checkpoint(str(tmp_path), moe=moe, **ckpt)
     config.validate(ModelConfig.from_pretrained(path))
-    results = run_ranks(config, path, str(tmp_path))
+    results = rank_pool.run(config, path, str(tmp_path))
     want = {dp: run_steps(None, path, PROMPTS[dp]) for dp in range(config.dp)}
     for rank, got in enumerate(results):
         assert_same_logits(got, want[rank // config.tp], f'rank {rank} of {config}')
