@@ -212,9 +212,8 @@ def _target_probs(path, token_lists, gen_kw):
 
 
 def _assert_follows(probs, tokens, what, min_count):
-    """Tokens [M], each drawn from its own distribution probs [M, V] (float64), each draw
-    independent given the ones before it (as generated tokens are): two tests, each to pass
-    at p-value > 0.001.
+    """Tokens [M], each claimed to follow its own distribution probs [M, V] (float64) given
+    everything before it (as generated tokens do): two tests, each to pass at p-value > 0.001.
     * Randomised probability integral transform, tokens ranked by descending p (ties: lower id
       first): u = P(ranked before x) + U * p(x), U ~ U[0, 1), is then i.i.d. U[0, 1) for all
       tokens (Rosenblatt); chi-squared on 10 equal bins (df = 9).
