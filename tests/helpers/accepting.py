@@ -4,10 +4,15 @@ test asserts before it compares anything, so it cannot silently test only the re
 
 The embedded model: 4 attention heads / 2 KV heads, linear attention 2 key / 4 value heads,
 8 experts: tp=2, dp=2 ep=2 and tp=2 dp=2 ep=4 all fit. Measured on these prompts (float64, CPU,
-greedy, 24 new tokens): mean accepted length 1.82 at k=1 (every prompt >= 1.85 of 1 + 1), 2.88 at
-k=3 (per prompt 2.89..3.43); 2.43 at k=2.
+greedy, 24 new tokens): mean accepted length 1.86 at k=1 (per prompt 1.85..1.92), 3.06 at k=3
+(per prompt 2.89..3.43); many_prompts(64) with 8 new tokens: 3.05 at k=3. A random-weight head
+accepts almost nothing (1.0).
 """
+import atexit
 import functools
+import os
+import shutil
+import tempfile
 
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, SpecDecodeStats,
@@ -18,8 +23,23 @@ TEXTS = ('def fibonacci(n):\n', 'import os\nimport sys\n', 'class Config:\n    d
 BASE = dict(dtype='float64', device='cpu', block_size=16, session_len=128)
 GREEDY = GenerationConfig(max_new_tokens=24, ignore_eos=True)
 # floors on the mean accepted length (1 + accepted / verify steps), with margin below what these
-# prompts give (1.82 / 2.43 / 2.88); a random-weight head gives 1.0
+# prompts give (1.86 at k=1, 3.06 at k=3; see k=2 below)
 MIN_MEAN_ACCEPTED_LENGTH = {1: 1.5, 2: 1.8, 3: 2.2}
+
+
+@functools.cache
+def model_dir() -> str:
+    """The embedded model without its tokenizer (config and weights linked into a temporary
+    directory): mp/ray ranks then skip importing transformers, which costs ~5-15 s per pipeline
+    start on a 2-core machine. Prompts are token ids; the tokenizer is only needed for stop words
+    given as text."""
+    path = tempfile.mkdtemp(prefix='lmdeploy_lite_embedded_weights_')
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    for name in os.listdir(EMBEDDED_MODEL_DIR):
+        if name == 'config.json' or name.startswith('model') and name.endswith(('.json',
+                                                                                '.safetensors')):
+            os.symlink(os.path.join(EMBEDDED_MODEL_DIR, name), os.path.join(path, name))
+    return path
 
 
 @functools.cache
@@ -32,6 +52,16 @@ def _tokenizer():
 def prompts() -> tuple[tuple[int, ...], ...]:
     """TEXTS tokenized with the embedded model's tokenizer (3-10 tokens each)."""
     return tuple(tuple(_tokenizer().encode(t)) for t in TEXTS)
+
+
+def many_prompts(n: int) -> tuple[tuple[int, ...], ...]:
+    """n distinct prompts of 3..(2 + n / 4) tokens: prefixes of prompts() followed by their plain
+    greedy continuation (code the model wrote, so it drafts well there too)."""
+    texts = [p + tuple(ids) for p, ids in zip(prompts(), reference(0).token_ids)]
+    out = tuple(texts[i % len(texts)][:3 + i // len(texts)] for i in range(n))
+    assert len(set(out)) == n and all(len(p) == 3 + i // len(texts) for i, p in enumerate(out)), \
+        f'{n} prompts: the continuations are too short'
+    return out
 
 
 def spec(k: int, **kw) -> SpeculativeConfig | None:
@@ -57,33 +87,78 @@ def total(stats_list) -> SpecDecodeStats:
 
 
 class Reference:
-    """One single-process run: token_ids[i] and stats[i] (SpecDecodeStats or None) per prompt."""
+    """One single-process run, per prompt: token_ids[i], stats[i] (SpecDecodeStats or None) and
+    chunks[i], the number of tokens each step emitted (a chunk > 1 is a run of accepted drafts
+    plus the bonus token)."""
 
-    def __init__(self, token_ids: list[list[int]], stats: list):
-        self.token_ids, self.stats = token_ids, stats
+    def __init__(self, token_ids: list[list[int]], stats: list, chunks: list[list[int]]):
+        self.token_ids, self.stats, self.chunks = token_ids, stats, chunks
 
     @property
     def counts(self) -> list[tuple]:
         return [counts(s) for s in self.stats]
 
+    def stop_inside_accepted_run(self, i: int) -> tuple[int, int]:
+        """(token id, position) for a stop token that ends sequence i strictly inside a step's
+        multi-token emission (tokens after it in that step must be dropped): the first such
+        position past the middle of its output whose token appears nowhere before it."""
+        ids, ends = self.token_ids[i], []
+        for n in self.chunks[i]:
+            ends += [False] * (n - 1) + [True]
+        for pos in range(len(ids) // 2, len(ids)):
+            if not ends[pos] and ids[pos] not in ids[:pos]:
+                return ids[pos], pos
+        raise AssertionError(f'sequence {i} has no fresh token inside an accepted run')
+
 
 _cache: dict = {}
 
 
-def reference(k: int, prompt_ids=None, gen: GenerationConfig = GREEDY, **engine_cfg) -> Reference:
-    """The single-process run (Engine, uni executor, BASE updated by engine_cfg: float64 on CPU
-    unless told otherwise) of `prompt_ids` (default: all of prompts()) with MTP k (0: plain),
-    cached for the session per (k, prompts, gen, config)."""
+def reference(k: int, prompt_ids=None, gen=GREEDY, **engine_cfg) -> Reference:
+    """The single-process run (Engine on model_dir(), uni executor, BASE updated by engine_cfg:
+    float64 on CPU unless told otherwise) of `prompt_ids` (default: all of prompts()) with MTP
+    k (0: plain), cached for the session per (k, prompts, gen, config). `gen`: one
+    GenerationConfig, or one per prompt (they run as one batch)."""
     from lmdeploy_lite.pytorch.engine.engine import Engine
     prompt_ids = tuple(tuple(p) for p in (prompts() if prompt_ids is None else prompt_ids))
     cfg = {**BASE, **engine_cfg}
     key = (k, prompt_ids, repr(gen), tuple(sorted(cfg.items())))
     if key not in _cache:
-        engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**cfg), spec(k), progress=False)
-        seqs = engine.generate([list(p) for p in prompt_ids], gen)
+        engine = Engine(model_dir(), PytorchEngineConfig(**cfg), spec(k), progress=False)
+        gens = gen if isinstance(gen, (list, tuple)) else [gen] * len(prompt_ids)
+        seqs = [engine.add_request(list(p), g) for p, g in zip(prompt_ids, gens, strict=True)]
+        chunks = {id(s): [] for s in seqs}
+        while engine.has_work:
+            for out in engine.step():
+                if out.new_token_ids:
+                    chunks[id(out.seq)].append(len(out.new_token_ids))
         _cache[key] = Reference([s.generated_ids for s in seqs],
-                                [s.spec_stats if k else None for s in seqs])
+                                [s.spec_stats if k else None for s in seqs],
+                                [chunks[id(s)] for s in seqs])
     return _cache[key]
+
+
+def stream_lagging(pipe, prompt_ids, k: int, gen=GREEDY, stall_s: float = 0.5):
+    """Stream `prompt_ids` through `pipe.stream_infer` with a consumer that falls behind where it
+    matters: once per request, when that request's chunks so far come within two steps of
+    max_new_tokens (2 * (1 + k) tokens), it stalls `stall_s` (a step or more), so the engine or
+    the mp/ray front-end's collector has usually delivered the request's last report before the
+    consumer takes the next-to-last chunk. Each chunk must be read as it was sent, not from the
+    request's live state. Returns (token ids per prompt, joined from the chunks; each prompt's
+    final chunk, the one with a finish_reason)."""
+    import time
+    streamed, finals = [[] for _ in prompt_ids], [None] * len(prompt_ids)
+    stalled = set()
+    for chunk in pipe.stream_infer([list(p) for p in prompt_ids], gen):
+        i = chunk.index
+        streamed[i] += chunk.token_ids
+        if chunk.finish_reason is not None:
+            assert finals[i] is None, f'request {i} finished twice'
+            finals[i] = chunk
+        elif i not in stalled and len(streamed[i]) >= gen.max_new_tokens - 2 * (1 + k):
+            stalled.add(i)
+            time.sleep(stall_s)
+    return streamed, finals
 
 
 def assert_real_acceptance(stats, k: int):
@@ -101,7 +176,7 @@ def assert_real_acceptance(stats, k: int):
         f'no draft accepted at some position: {stats.accepted_per_position}'
 
 
-def assert_matches_reference(responses, k: int, prompt_ids=None, gen: GenerationConfig = GREEDY):
+def assert_matches_reference(responses, k: int, prompt_ids=None, gen=GREEDY):
     """Multi-rank `responses` (pipeline Responses, one per prompt, in order) against the single
     process: first the acceptance they exercised is real, then whole sequences equal plain greedy
     (k=0) and single-process MTP k output, then per-request draft counts equal the single

@@ -1,5 +1,9 @@
-"""DP / EP with speculative decoding on CPU processes (gloo), against one process.
+"""DP / EP / TP with speculative decoding on CPU processes (gloo), against one process.
 
+The speculative tests run the embedded model (trained, with an MTP head whose drafts are mostly
+accepted: tests/helpers/accepting), so rollback, multi-token emission, stops inside accepted runs
+and the post-broadcast of accepted counts happen on every rank; each asserts the acceptance it
+exercised before it compares whole sequences and per-request draft counts with the single process.
 Every test here starts real worker processes; each has a hard pytest timeout and asserts that
 it finished, and the engine's own collective timeout is short, so a hang fails with a message.
 """
@@ -15,9 +19,11 @@ from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConf
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
+from tests.helpers import accepting
+from tests.helpers.accepting import assert_matches_reference
 from tests.helpers.broken import run_requests, skip_dummy_draft
 
-BASE = dict(dtype='float64', device='cpu', block_size=4, session_len=128)
+BASE = dict(dtype='float64', device='cpu', block_size=4, session_len=128)    # tiny checkpoints
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 49)), [300, 301, 2, 450, 3, 3, 3, 17]]
 GEN = GenerationConfig(max_new_tokens=24, ignore_eos=True)
 
@@ -28,77 +34,70 @@ def strict_collectives(monkeypatch):
     monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '20')
 
 
-def single_process(path, spec, prompts, gen=GEN):
-    engine = Engine(path, PytorchEngineConfig(**BASE), spec, progress=False)
-    seqs = engine.generate(prompts, gen)
-    return [s.generated_ids for s in seqs], engine.spec_stats.mean_accepted_length
-
-
-def run_pipeline(path, layout, spec, prompts, gen=GEN):
-    with pipeline(path, PytorchEngineConfig(**layout, **BASE), spec, progress=False) as pipe:
-        responses = pipe(prompts, gen)
-    return responses
+def embedded_pipeline(layout: dict, spec: SpeculativeConfig | None):
+    return pipeline(accepting.model_dir(), PytorchEngineConfig(**layout, **accepting.BASE), spec,
+                    progress=False)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('moe, layout', [(False, dict(tp=2)), (True, dict(tp=2)),
-                                         (False, dict(dp=2)), (True, dict(dp=2, ep=2)),
-                                         (True, dict(tp=2, dp=2, ep=4))])
-def test_layouts_give_single_process_tokens_and_acceptance(moe, layout, tiny_ckpt):
-    path = tiny_ckpt(moe, layout='multimodal')
-    spec = SpeculativeConfig(num_speculative_tokens=3)
-    want, want_len = single_process(path, spec, PROMPTS)
-    responses = run_pipeline(path, layout, spec, PROMPTS)
-    assert [r.token_ids for r in responses] == want
-    if layout.get('tp', 1) > 1:          # the draft replicated (tp=1) under a TP target
-        replicated = SpeculativeConfig(num_speculative_tokens=3, tp=1)
-        responses = run_pipeline(path, layout, replicated, PROMPTS)
-    assert [r.token_ids for r in responses] == want
-    # per-request acceptance is layout independent
-    single = Engine(path, PytorchEngineConfig(**BASE), spec, progress=False)
-    for r, p in zip(responses, PROMPTS):
-        s = single.generate([p], GEN)[0]
-        assert r.spec_stats.mean_accepted_length == s.spec_stats.mean_accepted_length
+@pytest.mark.parametrize('k, draft_tp', [(3, None), (1, 1)], ids=['k3', 'k1_draft_tp1'])
+def test_tp2_gives_plain_greedy_tokens_and_single_process_acceptance(k, draft_tp):
+    """tp=2 target; the draft sharded like the target (k=3) or replicated (draft tp=1, k=1)."""
+    start = time.monotonic()
+    draft = accepting.spec(k) if draft_tp is None else accepting.spec(k, tp=draft_tp)
+    with embedded_pipeline(dict(tp=2), draft) as pipe:
+        responses = pipe([list(p) for p in accepting.prompts()], accepting.GREEDY)
+    assert_matches_reference(responses, k)
+    assert time.monotonic() - start < 240
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize('k', [1, 3])
-def test_one_request_leaves_a_rank_idle_for_the_whole_run(k, tiny_ckpt):
-    """The seed scenario: dp=2 ep=2, MoE target and MoE MTP layer, exactly one request. The idle
-    rank must run dummy target AND draft forwards or the busy rank's all-to-all has no partner."""
-    path = tiny_ckpt(True, layout='plain')
-    spec = SpeculativeConfig(num_speculative_tokens=k)
-    want, _ = single_process(path, spec, PROMPTS[2:3])
+def test_dp2_ep2_one_request_with_an_idle_rank_then_a_batch(k):
+    """The seed scenario: dp=2 ep=2, MoE target and MoE MTP layer, first exactly one request (the
+    idle rank must run dummy target AND draft forwards or the busy rank's all-to-all has no
+    partner), then a batch over both ranks, in one pipeline."""
     start = time.monotonic()
-    responses = run_pipeline(path, dict(dp=2, ep=2), spec, PROMPTS[2:3])
-    assert [r.token_ids for r in responses] == want
-    assert time.monotonic() - start < 200
+    one = accepting.prompts()[1:2]
+    with embedded_pipeline(dict(dp=2, ep=2), accepting.spec(k)) as pipe:
+        alone = pipe([list(p) for p in one], accepting.GREEDY)
+        batch = pipe([list(p) for p in accepting.prompts()], accepting.GREEDY)
+    assert_matches_reference(alone, k, one)
+    assert_matches_reference(batch, k)
+    assert time.monotonic() - start < 240
 
 
 @pytest.mark.timeout(300)
-def test_staggered_arrivals_and_limits_on_both_ranks(tiny_ckpt):
-    """Requests arrive at different times with different lengths and limits, so one rank is in
-    prefill while the other decodes, and one hits its length limit while the other drafts."""
-    path = tiny_ckpt(True, layout='plain')
-    spec = SpeculativeConfig(num_speculative_tokens=3)
-    jobs = [(PROMPTS[0], GenerationConfig(max_new_tokens=30, ignore_eos=True), 0.0),
-            (PROMPTS[2], GenerationConfig(max_new_tokens=5, ignore_eos=True), 0.2),
-            (PROMPTS[1], GenerationConfig(max_new_tokens=17, ignore_eos=True), 0.5),
-            (PROMPTS[3], GenerationConfig(max_new_tokens=1, ignore_eos=True), 0.7)]
-    want = [single_process(path, spec, [p], g)[0][0] for p, g, _ in jobs]
+def test_staggered_arrivals_limits_and_a_stop_inside_an_accepted_run():
+    """dp=2 ep=2, k=3: requests arrive at different times with different lengths and limits, so
+    one rank is in prefill while the other decodes, one hits its length limit while the other
+    drafts, and one stops on a token in the middle of a run of accepted drafts (what follows it
+    in that step is dropped)."""
+    k, prompts = 3, accepting.prompts()
+    stop, stop_pos = accepting.reference(3, prompts[1:2]).stop_inside_accepted_run(0)
+    jobs = [(prompts[0], GenerationConfig(max_new_tokens=30, ignore_eos=True), 0.0),
+            (prompts[2], GenerationConfig(max_new_tokens=5, ignore_eos=True), 0.2),
+            (prompts[1], GenerationConfig(max_new_tokens=accepting.GREEDY.max_new_tokens,
+                                          ignore_eos=True, stop_token_ids=[stop]), 0.5),
+            (prompts[3], GenerationConfig(max_new_tokens=1, ignore_eos=True), 0.7)]
     results = [None] * len(jobs)
-    with pipeline(path, PytorchEngineConfig(dp=2, ep=2, **BASE), spec, progress=False) as pipe:
+    start = time.monotonic()
+    with embedded_pipeline(dict(dp=2, ep=2), accepting.spec(k)) as pipe:
         def run(i):
             prompt, gen, delay = jobs[i]
             time.sleep(delay)
-            results[i] = pipe(prompt, gen).token_ids
+            results[i] = pipe(list(prompt), gen)
         threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
         for t in threads:
             t.start()
         for t in threads:
             t.join(240)
         assert not any(t.is_alive() for t in threads), 'a request never finished'
-    assert results == want
+    assert time.monotonic() - start < 240
+    assert_matches_reference(results, k, [p for p, _, _ in jobs], [g for _, g, _ in jobs])
+    assert results[2].token_ids[-1] == stop and len(results[2].token_ids) == stop_pos + 1
+    assert results[2].finish_reason == 'stop'
+    assert [r.finish_reason for i, r in enumerate(results) if i != 2] == ['length'] * 3
 
 
 @pytest.mark.timeout(300)
@@ -118,14 +117,16 @@ def test_a_rank_that_skips_its_dummy_draft_is_named_not_hung(tiny_ckpt, monkeypa
 
 @pytest.mark.timeout(300)
 def test_a_dead_worker_is_reported_by_rank_and_nothing_is_left(tiny_ckpt):
-    """SIGKILL of one rank: within seconds the loop's error is one line naming the rank and the
-    signal (no traceback: it is what the server shows), every live request gets it, and close()
-    returns at once leaving no process."""
+    """Dense dp=2 first gives the single process's tokens; then SIGKILL of one rank: within
+    seconds the loop's error is one line naming the rank and the signal (no traceback: it is what
+    the server shows), every live request gets it, and close() returns at once leaving no
+    process."""
     path = tiny_ckpt(False, layout='plain')
+    want = Engine(path, PytorchEngineConfig(**BASE), progress=False).generate(PROMPTS[:2], GEN)
     pipe = pipeline(path, PytorchEngineConfig(dp=2, **BASE), progress=False)
     loop, procs = pipe._loop, pipe._loop._procs
     try:
-        assert pipe(PROMPTS[0], GEN).generate_token_len == GEN.max_new_tokens
+        assert [r.token_ids for r in pipe(PROMPTS[:2], GEN)] == [s.generated_ids for s in want]
         sinks = [queue.Queue() for _ in range(2)]            # one request on each rank
         for prompt, sink in zip(PROMPTS[:2], sinks):
             loop.submit(prompt, GenerationConfig(max_new_tokens=100, ignore_eos=True), sink.put)

@@ -1,18 +1,19 @@
 """Four ranks on CPU processes (what the CPU allows of the four-GPU issue): dp=4 ep=4 and tp=2
-dp=2 ep=4 with the MTP draft (k=3), first ONE request (three ranks idle for the whole run, running
-dummy target and draft forwards), then 64 concurrent requests; float64 tokens equal a single
-process's, with the per-step collective check on. Hard timeouts: a hang fails with a message."""
+dp=2 ep=4 with the MTP draft (k=3) of the embedded model (drafts mostly accepted:
+tests/helpers/accepting), first ONE request (three ranks idle for the whole run, running dummy
+target and draft forwards), then 64 concurrent requests; the acceptance exercised is asserted,
+then float64 tokens equal plain greedy and the single process's speculative run, draft counts
+included, with the per-step collective check on. Hard timeouts: a hang fails with a message."""
 import time
 
 import pytest
 
-from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline
+from tests.helpers import accepting
+from tests.helpers.accepting import assert_matches_reference
 
-BASE = dict(dtype='float64', device='cpu', block_size=8, session_len=64, max_batch_size=64)
-SPEC = SpeculativeConfig(num_speculative_tokens=3)
+K = 3
 GEN = GenerationConfig(max_new_tokens=8, ignore_eos=True)
-PROMPTS = [[(7 * i + 3 * j) % 500 + 2 for j in range(3 + i % 11)] for i in range(64)]
 
 
 @pytest.fixture(autouse=True)
@@ -24,15 +25,15 @@ def strict_collectives(monkeypatch):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize('layout', [dict(dp=4, ep=4), dict(tp=2, dp=2, ep=4)],
                          ids=['dp4_ep4', 'tp2_dp2_ep4'])
-def test_four_ranks_one_request_then_64(layout, tiny_ckpt):
-    path = tiny_ckpt(True, layout='plain')
-    single = Engine(path, PytorchEngineConfig(**BASE), SPEC, progress=False)
-    want = [s.generated_ids for s in single.generate(PROMPTS, GEN)]
+def test_four_ranks_one_request_then_64(layout):
+    prompts = accepting.many_prompts(64)
+    one = accepting.prompts()[1:2]
     start = time.monotonic()
-    with pipeline(path, PytorchEngineConfig(**layout, **BASE), SPEC, progress=False) as pipe:
-        one = pipe(PROMPTS[:1], GEN)
-        assert [r.token_ids for r in one] == want[:1]
-        many = pipe(PROMPTS, GEN)
-    assert [r.token_ids for r in many] == want
-    assert all(r.finish_reason == 'length' for r in many)
+    config = PytorchEngineConfig(**layout, **accepting.BASE, max_batch_size=64)
+    with pipeline(accepting.model_dir(), config, accepting.spec(K), progress=False) as pipe:
+        alone = pipe([list(p) for p in one], accepting.GREEDY)     # the other tests' request
+        many = pipe([list(p) for p in prompts], GEN)
     assert time.monotonic() - start < 500
+    assert_matches_reference(alone, K, one)
+    assert_matches_reference(many, K, prompts, GEN)
+    assert all(r.finish_reason == 'length' for r in many)

@@ -1,7 +1,9 @@
 """The ray executor on a two-node local cluster (ray.cluster_utils.Cluster, all on 127.0.0.1).
 
-One CPU per node, so a two-rank placement group puts one rank on each node. Each test has a
-hard pytest timeout and asserts it finished in time; the collective timeout is short.
+One CPU per node, so a two-rank placement group puts one rank on each node. The speculative test
+runs the embedded model, whose MTP drafts are mostly accepted (tests/helpers/accepting), and
+asserts that acceptance before comparing with the single process. Each test has a hard pytest
+timeout and asserts it finished in time; the collective timeout is short.
 """
 import os
 import time
@@ -11,14 +13,14 @@ import pytest
 os.environ['RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'] = '0'     # before ray is imported: 127.0.0.1 only
 ray = pytest.importorskip('ray', reason="the ray executor tests need ray: pip install 'lmdeploy_lite[ray]'")
 
-from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline  # noqa: E402
-from lmdeploy_lite.pytorch.engine.engine import Engine  # noqa: E402
+from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline  # noqa: E402
+from tests.helpers import accepting  # noqa: E402
+from tests.helpers.accepting import assert_matches_reference  # noqa: E402
 
 BASE = dict(dtype='float64', device='cpu', block_size=4, session_len=128,
             distributed_executor_backend='ray')
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 49)), [300, 301, 2, 450, 3, 3, 3, 17]]
 GEN = GenerationConfig(max_new_tokens=24, ignore_eos=True)
-SPEC = SpeculativeConfig(num_speculative_tokens=3)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -56,26 +58,27 @@ def wait_no_leftovers(timeout_s=20.0):
     assert leftovers() == ([], [])
 
 
-def single_process(path, prompts):
-    engine = Engine(path, PytorchEngineConfig(**{k: v for k, v in BASE.items()
-                                                 if k != 'distributed_executor_backend'}),
-                    SPEC, progress=False)
-    return [s.generated_ids for s in engine.generate(prompts, GEN)]
-
-
 @pytest.mark.timeout(300)
-def test_dp2_ep2_one_rank_per_node_gives_single_process_tokens(cluster, tiny_ckpt):
-    path = tiny_ckpt(True, layout='plain')
+def test_dp2_ep2_one_rank_per_node_gives_single_process_tokens(cluster):
+    """dp=2 ep=2, MTP k=3 on the embedded model: a batch over both ranks, then one request (the
+    other rank idles through the whole run, running dummy forwards), then the batch streamed to
+    a consumer that lags behind the front-end's collector thread."""
+    k, one = 3, accepting.prompts()[1:2]
     start = time.monotonic()
-    with pipeline(path, PytorchEngineConfig(dp=2, ep=2, **BASE), SPEC, progress=False) as pipe:
+    config = PytorchEngineConfig(dp=2, ep=2, distributed_executor_backend='ray', **accepting.BASE)
+    with pipeline(accepting.model_dir(), config, accepting.spec(k), progress=False) as pipe:
         loop = pipe._loop
         assert len(set(loop.node_ids)) == 2                       # one rank per node
         assert set(loop.node_ids) == {n['NodeID'] for n in ray.nodes() if n['Alive']}
         actors, groups = leftovers()
         assert len(actors) == 2 + 3 and len(groups) == 1      # ranks, queues (2 in + 1 out)
-        assert [r.token_ids for r in pipe(PROMPTS, GEN)] == single_process(path, PROMPTS)
-        # one request: the other rank idles through the whole run (dummy forwards)
-        assert [r.token_ids for r in pipe(PROMPTS[2:3], GEN)] == single_process(path, PROMPTS[2:3])
+        batch = pipe([list(p) for p in accepting.prompts()], accepting.GREEDY)
+        alone = pipe([list(p) for p in one], accepting.GREEDY)
+        streamed, finals = accepting.stream_lagging(pipe, accepting.prompts(), k)
+    assert_matches_reference(batch, k)
+    assert_matches_reference(alone, k, one)
+    assert streamed == [r.token_ids for r in batch]
+    assert [accepting.counts(c.spec_stats) for c in finals] == accepting.reference(k).counts
     wait_no_leftovers()
     assert time.monotonic() - start < 240
 
