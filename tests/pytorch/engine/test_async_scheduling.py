@@ -140,25 +140,31 @@ def test_ngram_runs_synchronously(tiny_ckpt, caplog):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('prompts', [PROMPTS[2:3], PROMPTS], ids=['idle_rank', 'both_busy'])
-def test_mp_dp2_ep2_async_gives_the_sync_tokens(prompts, tiny_ckpt, monkeypatch):
-    """The mp executor, dp=2 ep=2, MTP k=3: one request (rank 1 idles, running dummy forwards
-    while rank 0 runs ahead asynchronously) and requests on both ranks; collective check on."""
-    import time
-
+def test_mp_dp2_ep2_async_gives_the_sync_tokens(monkeypatch, k=3):
+    """The mp executor, dp=2 ep=2, async scheduling, MTP k=3, the embedded model (its drafts are
+    mostly accepted, asserted first): one request (rank 1 idles, running dummy forwards while
+    rank 0 runs ahead asynchronously), a batch on both ranks, and the batch streamed to a
+    consumer that lags behind the front-end's collector thread; whole sequences and per-request
+    draft counts equal the synchronous single process's (= plain greedy); collective check on."""
     from lmdeploy_lite import pipeline
+    from tests.helpers import accepting
+    from tests.helpers.accepting import (assert_matches_reference, assert_real_acceptance, counts,
+                                         stream_lagging)
     monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '1')
     monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '20')
-    path = tiny_ckpt(True, layout='plain')
-    want, want_counts, _ = _run(path, 3, False, prompts=prompts)
+    prompts, one, gen = accepting.prompts(), accepting.prompts()[1:2], accepting.GREEDY
     start = time.monotonic()
-    cfg = PytorchEngineConfig(dtype='float64', device='cpu', block_size=8, session_len=96,
-                              dp=2, ep=2, async_scheduling=True)
-    with pipeline(path, cfg, SpeculativeConfig(num_speculative_tokens=3), progress=False) as pipe:
-        responses = pipe(prompts, GREEDY)
-    assert [r.token_ids for r in responses] == want
-    assert sum(r.spec_stats.num_accepted_tokens for r in responses) == want_counts[2]
+    cfg = PytorchEngineConfig(dp=2, ep=2, async_scheduling=True, **accepting.BASE)
+    with pipeline(accepting.model_dir(), cfg, accepting.spec(k), progress=False) as pipe:
+        alone = pipe([list(p) for p in one], gen)
+        batch = pipe([list(p) for p in prompts], gen)
+        streamed, finals = stream_lagging(pipe, prompts, k, gen)
     assert time.monotonic() - start < 200
+    assert_matches_reference(alone, k, one)
+    assert_matches_reference(batch, k)
+    assert_real_acceptance([c.spec_stats for c in finals], k)
+    assert streamed == accepting.reference(k).token_ids
+    assert [counts(c.spec_stats) for c in finals] == accepting.reference(k).counts
 
 
 def test_stop_words_inside_accepted_runs_on_the_embedded_model():
