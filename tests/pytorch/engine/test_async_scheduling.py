@@ -1,45 +1,62 @@
 """Async scheduling (PytorchEngineConfig.async_scheduling): decode step N+1 is launched before
-the host applies step N's results. It must change nothing: the same tokens (greedy, float64) and
-the same drafted/accepted counts as the synchronous engine, under speculation, chunked prefill,
-forced preemption, stops inside accepted runs, max_new_tokens, seeded sampling and aborts; and
-the draft tokens never travel to the host between steps."""
+the host applies step N's results. It must change nothing: the same whole sequences (greedy:
+plain greedy's) and the same per-request drafted/accepted counts, positions included, as the
+synchronous engine, under speculation, chunked prefill, forced preemption, stops inside accepted
+runs, seeded sampling and aborts; and the draft tokens never travel to the host between steps.
+The model is the embedded one (tests/helpers/accepting): its MTP head's drafts are mostly
+accepted, and every speculative test asserts that first, so none of them can pass on the
+reject-all path alone. One test runs in float64; the rest in float32 (twice as fast): async and
+sync run the same kernels on the same shapes, so they agree bit for bit, and on this trained
+model float32 speculative output equals float32 plain greedy."""
 import itertools
 import time
 
 import pytest
 import torch
 
+from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine
+from tests.helpers import accepting
+from tests.helpers.accepting import GREEDY, assert_real_acceptance, counts, reference
 
-PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 45)), [3] * 9]
-GREEDY = GenerationConfig(max_new_tokens=24, ignore_eos=True)
-
-
-def _engine(path, k: int, async_scheduling: bool, **cfg) -> Engine:
-    base = dict(dtype='float64', device='cpu', block_size=8, session_len=96, max_batch_size=8)
-    base.update(cfg)
-    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    return Engine(path, PytorchEngineConfig(async_scheduling=async_scheduling, **base), spec,
-                  progress=False)
+FLOAT32 = dict(dtype='float32')
+# a cache too small for every sequence at once (preemptions) and prompts prefilled in chunks
+CHUNKED_PREEMPTED = dict(FLOAT32, block_size=8, session_len=64, max_prefill_token_num=8,
+                         num_gpu_blocks=10)
 
 
-def _run(path, k, async_scheduling, prompts=PROMPTS, gen=GREEDY, **cfg):
-    engine = _engine(path, k, async_scheduling, **cfg)
-    seqs = engine.generate(prompts, gen)
-    stats = engine.spec_stats
-    counts = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-              list(stats.accepted_per_position))
-    return [s.generated_ids for s in seqs], counts, engine
+def _prompts() -> list[list[int]]:
+    return [list(p) for p in accepting.prompts()]
 
 
-@pytest.mark.parametrize('k', [0, 1, 3])
-@pytest.mark.parametrize('scenario', ['plain', 'chunked_preempted'])
-def test_async_changes_no_token_and_no_count(k, scenario, tiny_ckpt, monkeypatch):
-    path = tiny_ckpt(True)
-    cfg = {} if scenario == 'plain' else dict(max_prefill_token_num=8, num_gpu_blocks=17)
+def _reference(k: int, gen: GenerationConfig = GREEDY, **cfg) -> accepting.Reference:
+    """The synchronous engine's run (cached), float32 unless cfg says otherwise."""
+    return reference(k, gen=gen, **{**FLOAT32, **cfg})
+
+
+def _engine(k: int, async_scheduling: bool, **cfg) -> Engine:
+    """The embedded model with MTP k (0: plain), accepting.BASE in float32 updated by cfg."""
+    config = PytorchEngineConfig(async_scheduling=async_scheduling,
+                                 **{**accepting.BASE, **FLOAT32, **cfg})
+    return Engine(EMBEDDED_MODEL_DIR, config, accepting.spec(k), progress=False)
+
+
+def _run_async(k: int, gen: GenerationConfig = GREEDY, **cfg):
+    """(token ids per prompt, SpecDecodeStats per prompt, engine) with async scheduling on."""
+    engine = _engine(k, True, **cfg)
+    seqs = engine.generate(_prompts(), gen)
+    assert engine.num_continued_steps > 0, 'async scheduling never overlapped a step'
+    return [s.generated_ids for s in seqs], [s.spec_stats if k else None for s in seqs], engine
+
+
+@pytest.mark.parametrize('scenario, k', [('float64', 0), ('float64', 1), ('float64', 3),
+                                         ('chunked_preempted', 1), ('chunked_preempted', 3)])
+def test_async_changes_no_token_and_no_count(scenario, k, monkeypatch):
+    cfg = dict(dtype='float64') if scenario == 'float64' else CHUNKED_PREEMPTED
+    sync = _reference(k, **cfg)                  # the synchronous engine, same config
     preemptions = []
-    if scenario != 'plain':
+    if scenario != 'float64':
         from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
         original = Scheduler._preempt
 
@@ -47,59 +64,67 @@ def test_async_changes_no_token_and_no_count(k, scenario, tiny_ckpt, monkeypatch
             preemptions.append(seq.seq_id)
             original(self, seq)
         monkeypatch.setattr(Scheduler, '_preempt', counting)
-    sync_tokens, sync_counts, _ = _run(path, k, False, **cfg)
-    async_tokens, async_counts, engine = _run(path, k, True, **cfg)
-    assert async_tokens == sync_tokens
-    assert async_counts == sync_counts
-    assert engine.num_continued_steps > 0, 'async scheduling never overlapped a step'
-    assert all(len(t) == GREEDY.max_new_tokens for t in async_tokens)     # exact
-    if scenario != 'plain':
+    tokens, stats, _ = _run_async(k, **cfg)
+    if k:
+        assert_real_acceptance(stats, k)
+    assert tokens == sync.token_ids == _reference(0, dtype=cfg['dtype']).token_ids
+    assert all(len(t) == GREEDY.max_new_tokens for t in tokens)           # whole sequences
+    assert [counts(s) for s in stats] == sync.counts
+    if scenario != 'float64':
         assert preemptions, 'the cache was meant to be too small for every sequence'
 
 
 @pytest.mark.parametrize('k', [1, 3])
-def test_stop_inside_an_accepted_run_emits_nothing_after_it(k, tiny_ckpt):
-    path = tiny_ckpt(True)
-    reference, _, _ = _run(path, k, False)
-    stop = reference[2][6]                       # a token that sequence 2 emits at position 6
+def test_stop_inside_an_accepted_run_emits_nothing_after_it(k):
+    """A stop token that the synchronous engine emits in the middle of a step's run of accepted
+    drafts: every sequence ends at its first occurrence (plain greedy cut there), nothing of the
+    run after it is emitted, and the counts match the synchronous engine's."""
+    stop, position = _reference(k).stop_inside_accepted_run(1)
     gen = GenerationConfig(max_new_tokens=24, ignore_eos=True, stop_token_ids=[stop])
-    sync_tokens, sync_counts, _ = _run(path, k, False, gen=gen)
-    async_tokens, async_counts, _ = _run(path, k, True, gen=gen)
-    assert async_tokens == sync_tokens and async_counts == sync_counts
-    for tokens in async_tokens:
-        assert stop not in tokens[:-1]           # the stop token ends the output
-    assert len(async_tokens[2]) <= 7
+    want = [t[:t.index(stop) + 1] if stop in t else t for t in _reference(0).token_ids]
+    assert len(want[1]) == position + 1
+    sync = _reference(k, gen)
+    tokens, stats, _ = _run_async(k, gen)
+    assert_real_acceptance(stats, k)
+    assert tokens == sync.token_ids == want
+    assert [counts(s) for s in stats] == sync.counts
 
 
-def test_seeded_sampling_gives_the_same_tokens_and_counts(tiny_ckpt):
-    path = tiny_ckpt(True)
-    gen = GenerationConfig(max_new_tokens=20, ignore_eos=True, do_sample=True, temperature=1.0,
+@pytest.mark.parametrize('k', [1, 3])
+def test_seeded_sampling_gives_the_same_tokens_and_counts(k):
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True, do_sample=True, temperature=0.7,
                            top_k=20, random_seed=7)
-    sync_tokens, sync_counts, _ = _run(path, 3, False, gen=gen)
-    async_tokens, async_counts, _ = _run(path, 3, True, gen=gen)
-    assert async_tokens == sync_tokens and async_counts == sync_counts
+    sync = _reference(k, gen)
+    tokens, stats, _ = _run_async(k, gen)
+    assert_real_acceptance(stats, k)
+    assert tokens == sync.token_ids and [counts(s) for s in stats] == sync.counts
+    assert tokens != _reference(k).token_ids                 # it did sample
 
 
 @pytest.mark.parametrize('k', [0, 3])
-def test_abort_mid_generation(k, tiny_ckpt):
-    """Aborting one request mid-run leaves the others' tokens unchanged; the aborted one's
-    output is a prefix of what it would have produced."""
-    path = tiny_ckpt(True)
+def test_abort_mid_generation(k):
+    """Aborting one request mid-run leaves the others' tokens and counts unchanged; the aborted
+    one's output is a prefix of what it would have produced (how long a prefix differs: the
+    async engine has launched one step more when the abort arrives)."""
     outputs = {}
     for async_scheduling in (False, True):
-        engine = _engine(path, k, async_scheduling)
-        seqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
-        for _ in range(5):
+        engine = _engine(k, async_scheduling)
+        seqs = [engine.add_request(p, GREEDY) for p in _prompts()]
+        for _ in range(4):
             engine.step()
         engine.abort(seqs[1])
         while engine.has_work:
             engine.step()
         assert seqs[1].finish_reason == 'abort'
-        outputs[async_scheduling] = [s.generated_ids for s in seqs]
-    full, _, _ = _run(path, k, False)
+        outputs[async_scheduling] = [(s.generated_ids, counts(s.spec_stats if k else None))
+                                     for s in seqs]
+    if k:
+        assert_real_acceptance([s.spec_stats for s in seqs], k)
+    full = _reference(0).token_ids
     for i in (0, 2, 3):
-        assert outputs[True][i] == outputs[False][i] == full[i]
-    assert full[1][:len(outputs[True][1])] == outputs[True][1]
+        assert outputs[True][i] == outputs[False][i] == (full[i], _reference(k).counts[i])
+    for aborted, _ in (outputs[False][1], outputs[True][1]):
+        assert 0 < len(aborted) < len(full[1]) and full[1][:len(aborted)] == aborted
 
 
 class _HostReadGuard(torch.Tensor):
@@ -119,21 +144,22 @@ class _HostReadGuard(torch.Tensor):
         return out
 
 
-def test_decode_loop_never_reads_drafts_on_the_host(tiny_ckpt):
-    path = tiny_ckpt(True)
-    engine = _engine(path, 3, True)
+@pytest.mark.parametrize('k', [1, 3])
+def test_decode_loop_never_reads_drafts_on_the_host(k):
+    engine = _engine(k, True)
     engine.agent.drafts = engine.agent.drafts.as_subclass(_HostReadGuard)
-    seqs = engine.generate(PROMPTS, GREEDY)
+    seqs = engine.generate(_prompts(), GREEDY)
     assert engine.num_continued_steps > 0
     assert isinstance(engine.agent.drafts, _HostReadGuard)
-    assert [s.generated_ids for s in seqs] == _run(path, 3, False)[0]
+    assert_real_acceptance([s.spec_stats for s in seqs], k)
+    assert [s.generated_ids for s in seqs] == _reference(0).token_ids
+    assert [counts(s.spec_stats) for s in seqs] == _reference(k).counts
 
 
-def test_ngram_runs_synchronously(tiny_ckpt, caplog):
-    path = tiny_ckpt(True)
+def test_ngram_runs_synchronously(caplog):
     spec = SpeculativeConfig(method='ngram', num_speculative_tokens=2)
-    engine = Engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=8,
-                                              session_len=96, async_scheduling=True), spec,
+    engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE,
+                                                            async_scheduling=True), spec,
                     progress=False)
     assert engine.async_scheduling is False
     assert 'ngram' in caplog.text
@@ -167,38 +193,42 @@ def test_mp_dp2_ep2_async_gives_the_sync_tokens(monkeypatch, k=3):
     assert [counts(c.spec_stats) for c in finals] == accepting.reference(k).counts
 
 
-def test_stop_words_inside_accepted_runs_on_the_embedded_model():
-    """A stop word (text) ends the output at the same token with and without async scheduling;
-    the embedded model's MTP head accepts runs of drafts, so stops land inside them."""
-    from transformers import AutoTokenizer
+def _stop_word_inside_accepted_run(ref, i: int, tokenizer) -> tuple[str, int]:
+    """(word, position): a token's text (2+ characters) that first appears in sequence i's
+    output at that token, which a step emitted with tokens after it."""
+    ids, ends = ref.token_ids[i], []
+    for n in ref.chunks[i]:
+        ends += [False] * (n - 1) + [True]
+    for pos in range(len(ids)):
+        word = tokenizer.decode(ids[pos:pos + 1]).strip()
+        if not ends[pos] and len(word) >= 2 and word not in tokenizer.decode(ids[:pos]):
+            return word, pos
+    raise AssertionError(f'sequence {i}: no word to stop at inside an accepted run')
 
-    from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
-    prompts = [tokenizer.encode(p) for p in ('def fibonacci(n):\n', 'import os\nimport sys\n',
-                                             'class Config:\n    def __init__(self')]
-    base = dict(dtype='float32', device='cpu', block_size=16, session_len=256)
 
-    def run(async_scheduling, gen):
+def test_stop_words_inside_accepted_runs():
+    """A stop word (text) that the synchronous engine completes in the middle of a step's run of
+    accepted drafts ends the output at that token, with and without async scheduling."""
+    tokenizer = accepting._tokenizer()
+    word, position = _stop_word_inside_accepted_run(_reference(3), 1, tokenizer)
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True, stop_words=[word])
+    runs = []
+    for async_scheduling in (False, True):
         engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(
-            async_scheduling=async_scheduling, **base), SpeculativeConfig(num_speculative_tokens=3),
-            tokenizer=tokenizer, progress=False)
-        seqs = engine.generate(prompts, gen)
-        return [s.generated_ids for s in seqs], [s.finish_reason for s in seqs]
-
-    free, _ = run(False, GenerationConfig(max_new_tokens=48, ignore_eos=True))
-    import re
-    words = re.findall(r'[A-Za-z_]{3,}', tokenizer.decode(free[0]))
-    assert words, f'the model wrote no word to stop at: {tokenizer.decode(free[0])!r}'
-    gen = GenerationConfig(max_new_tokens=48, ignore_eos=True, stop_words=[words[len(words) // 2]])
-    sync_tokens, sync_reasons = run(False, gen)
-    async_tokens, async_reasons = run(True, gen)
-    assert async_tokens == sync_tokens and async_reasons == sync_reasons
-    assert sync_reasons[0] == 'stop' and len(sync_tokens[0]) < len(free[0])
+            async_scheduling=async_scheduling, **{**accepting.BASE, **FLOAT32}),
+            accepting.spec(3), tokenizer=tokenizer, progress=False)
+        seqs = engine.generate(_prompts(), gen)
+        assert_real_acceptance([s.spec_stats for s in seqs], 3)
+        runs.append([(s.generated_ids, s.finish_reason, counts(s.spec_stats)) for s in seqs])
+    assert runs[0] == runs[1]
+    plain = _reference(0).token_ids
+    assert all(plain[i][:len(ids)] == ids for i, (ids, _, _) in enumerate(runs[1]))
+    assert runs[1][1][:2] == (plain[1][:position + 1], 'stop')
 
 
-def test_default_is_off_on_cpu_and_the_field_is_checked(tiny_ckpt):
+def test_default_is_off_on_cpu_and_the_field_is_checked():
     """None (the default) means: on with CUDA, off on CPU, where host and device share cores."""
-    engine = Engine(tiny_ckpt(True), PytorchEngineConfig(device='cpu', dtype='float32'),
+    engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(device='cpu', dtype='float32'),
                     progress=False)
     assert engine.async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling.*'yes'.*True, False or None"):
@@ -206,58 +236,47 @@ def test_default_is_off_on_cpu_and_the_field_is_checked(tiny_ckpt):
 
 
 # ---- what the caller receives (issue 16: Response.token_ids one short under async + MTP) -------
-def _embedded_prompts(tokenizer) -> list[list[int]]:
-    texts = ('def fibonacci(n):\n', 'import os\nimport sys\n', 'class Config:\n    def __init__(',
-             'for i in range(10):\n', 'return self.')
-    return [tokenizer.encode(t) for t in texts]
-
-
 def test_pipeline_delivers_every_token_under_async_speculation(k=3):
     """Through `pipeline()` (an engine thread and a consumer thread), async scheduling with MTP,
-    float64, the embedded model (whose MTP head accepts runs of drafts): every Response holds
-    the whole sequence the synchronous engine generates, as many ids as generate_token_len, and
-    the streamed chunks add up to the same. The bug: a StepOutput read the live Sequence, so a
-    consumer one step behind saw the next-to-last chunk as finished and dropped the last one."""
-    from transformers import AutoTokenizer
-
+    the embedded model: every Response holds the whole sequence plain greedy gives, as
+    many ids as generate_token_len, the draft counts of the synchronous engine, and the streamed
+    chunks add up to the same. The bug: a StepOutput read the live Sequence, so a consumer one
+    step behind saw the next-to-last chunk as finished and dropped the last one. (k=1: the
+    lagging-consumer tests below.)"""
     from lmdeploy_lite import pipeline
-    from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL_DIR)
-    prompts = _embedded_prompts(tokenizer)
-    base = dict(dtype='float64', device='cpu', block_size=16, session_len=128)
-    spec = SpeculativeConfig(num_speculative_tokens=k)
-    reference = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(async_scheduling=False, **base),
-                       spec, progress=False)
-    want = [s.generated_ids for s in reference.generate(prompts, GREEDY)]
-    assert reference.spec_stats.num_accepted_tokens > reference.spec_stats.num_drafts // 2, \
-        'the embedded MTP head should accept drafts; this test needs real acceptance'
-    with pipeline(None, PytorchEngineConfig(async_scheduling=True, **base), spec,
-                  progress=False) as pipe:
-        responses = pipe(prompts, GREEDY)
-        streamed = [[] for _ in prompts]
-        for chunk in pipe.stream_infer(prompts, GREEDY):
+    want = _reference(0).token_ids
+    config = PytorchEngineConfig(async_scheduling=True, **{**accepting.BASE, **FLOAT32})
+    with pipeline(None, config, accepting.spec(k), progress=False) as pipe:
+        responses = pipe(_prompts(), GREEDY)
+        streamed, finals = [[] for _ in want], [None] * len(want)
+        for chunk in pipe.stream_infer(_prompts(), GREEDY):
             streamed[chunk.index] += chunk.token_ids
+            if chunk.finish_reason is not None:
+                finals[chunk.index] = chunk
         assert pipe.engine.num_continued_steps > 0, 'async scheduling never overlapped a step'
+    assert_real_acceptance([r.spec_stats for r in responses], k)
     assert [r.token_ids for r in responses] == want
-    assert [r.generate_token_len for r in responses] == [GREEDY.max_new_tokens] * len(prompts)
+    assert [r.generate_token_len for r in responses] == [GREEDY.max_new_tokens] * len(want)
     assert all(r.finish_reason == 'length' for r in responses)
+    assert [counts(r.spec_stats) for r in responses] == _reference(k).counts
     assert streamed == want
-    assert sum(r.spec_stats.num_accepted_tokens for r in responses) == \
-        reference.spec_stats.num_accepted_tokens
+    assert [counts(c.spec_stats) for c in finals] == _reference(k).counts
 
 
 @pytest.mark.parametrize('k', [1, 3])
 @pytest.mark.parametrize('async_scheduling', [False, True])
-def test_step_outputs_are_snapshots_for_a_lagging_consumer(async_scheduling, k, tiny_ckpt):
+def test_step_outputs_are_snapshots_for_a_lagging_consumer(async_scheduling, k):
     """A consumer that reads every StepOutput only after the engine has finished (the most a
     consumer can lag) sees each one as it was: one final output, running totals that grow by
-    the emitted tokens, and the tokens adding up to the sequence."""
+    the emitted tokens (several per step: accepted drafts), and the tokens adding up to the
+    sequence."""
     from lmdeploy_lite.pytorch.engine.engine_loop import EngineLoop
-    engine = _engine(tiny_ckpt(True), k, async_scheduling)
+    engine = _engine(k, async_scheduling)
     loop = EngineLoop(engine)
-    received = {i: [] for i in range(len(PROMPTS))}
+    prompts = _prompts()
+    received = {i: [] for i in range(len(prompts))}
     try:
-        handles = [loop.submit(p, GREEDY, received[i].append) for i, p in enumerate(PROMPTS)]
+        handles = [loop.submit(p, GREEDY, received[i].append) for i, p in enumerate(prompts)]
         deadline = time.monotonic() + 120
         while not all(r and not isinstance(r[-1], BaseException) and r[-1].finished
                       for r in received.values()):
@@ -266,15 +285,18 @@ def test_step_outputs_are_snapshots_for_a_lagging_consumer(async_scheduling, k, 
             time.sleep(0.05)
     finally:
         loop.close()
+    assert_real_acceptance([h.seq.spec_stats for h in handles], k)
     for i, outs in received.items():
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         totals = list(itertools.accumulate(len(o.new_token_ids) for o in outs))
         assert [o.num_generated for o in outs] == totals
-        assert sum((o.new_token_ids for o in outs), []) == handles[i].seq.generated_ids
-        assert len(handles[i].seq.generated_ids) == GREEDY.max_new_tokens
+        assert sum((o.new_token_ids for o in outs), []) == handles[i].seq.generated_ids \
+            == _reference(0).token_ids[i]
+        assert max(len(o.new_token_ids) for o in outs) > 1
         assert outs[-1].finish_reason == 'length' and outs[0].finish_reason is None
         drafts = [o.spec_stats.num_drafts if o.spec_stats else 0 for o in outs]
         assert drafts == sorted(drafts) and drafts[0] < drafts[-1]      # counted as they were
+        assert counts(outs[-1].spec_stats) == _reference(k).counts[i]
 
 
 def test_remote_outputs_are_snapshots_for_a_lagging_consumer():
