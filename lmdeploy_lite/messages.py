@@ -107,7 +107,7 @@ class GenerationConfig:
         if words is not None:
             words = (words,) if isinstance(words, str) else words    # one str is one stop word
             _check(isinstance(words, (list, tuple))
-                   and all(isinstance(w, str) and w and _is_unicode(w) for w in words),
+                   and all(isinstance(w, str) and w and is_unicode(w) for w in words),
                    'stop_words', self.stop_words, 'a non-empty str or a list of them '
                    '(valid unicode)')
             _set(self, 'stop_words', tuple(words))
@@ -128,7 +128,7 @@ class GenerationConfig:
                 or self.top_p < GREEDY_TOP_P)
 
 
-def _is_unicode(text: str) -> bool:
+def is_unicode(text: str) -> bool:
     """False for a str holding a lone surrogate (it cannot be encoded or ever be generated)."""
     try:
         text.encode('utf-8')

@@ -13,6 +13,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from lmdeploy_lite.messages import is_unicode
 from lmdeploy_lite.serve.openai.errors import RequestError
 from lmdeploy_lite.serve.openai.protocol import allowed_range
 
@@ -84,24 +85,16 @@ def find_lone_surrogate(data) -> str | None:
         for key, item in items:
             key_text = printable(str(key))
             child = f'{path}.{key_text}' if path else key_text
-            if isinstance(key, str) and not _is_unicode(key):
+            if isinstance(key, str) and not is_unicode(key):
                 return child
             if isinstance(item, str):
-                if not _is_unicode(item):
+                if not is_unicode(item):
                     return child
             elif isinstance(item, (dict, list)):
                 todo.append((child, item))
-        if isinstance(value, str) and not _is_unicode(value):
+        if isinstance(value, str) and not is_unicode(value):
             return path
     return None
-
-
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode('utf-8')
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def printable(text: str, limit: int = 60) -> str:

@@ -15,12 +15,10 @@ from annotated_types import Ge, Gt, Le, Lt
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
-MAX_INT32 = 2**31 - 1                  # the engine's int tensors (top_k, lengths)
-MAX_SEED = 2**64 - 1                   # torch.Generator.manual_seed takes 0..2**64-1
-# greedy below these (as GenerationConfig): logits / temperature overflow float32 under the
-# first, and a top_p under the second keeps only the most likely token anyway
-GREEDY_TEMPERATURE = 1e-5
-GREEDY_TOP_P = 1e-8
+from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P   # the engine's ranges
+from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
+from lmdeploy_lite.messages import UINT64_MAX as MAX_SEED
+
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256              # stop words are matched against the text at every step
 
