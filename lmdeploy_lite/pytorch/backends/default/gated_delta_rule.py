@@ -106,8 +106,8 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     """q, k [T, nk, dk]; v [T, nv, dv]; g (log decay), beta [T, nv] -> o [T, nv, dv] in v.dtype.
     Writes each sequence's final state to slot 0 of its row. Sequences are zero-padded to the
     longest of their group (padding leaves the state unchanged, see `chunk_gated_delta_rule`)."""
-    acc = state_cache.dtype
-    init = _initial_states(state_cache, inputs)
+    acc = torch.float64 if torch.float64 in (state_cache.dtype, v.dtype) else torch.float32
+    init = _initial_states(state_cache, inputs).to(acc)
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
     out = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
     heads, width = vp.shape[1], max(q.shape[-1], vp.shape[-1], 64)
@@ -132,7 +132,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """Decode/verify, n = q_lens[b] <= 1 + num_spec tokens per sequence; shapes as in prefill.
     Writes the state after token t to slot t of the sequence's row (t < n). Different lengths
     are zero-padded to the longest (padding leaves the state unchanged and is not stored)."""
-    acc = state_cache.dtype
+    acc = torch.float64 if torch.float64 in (state_cache.dtype, v.dtype) else torch.float32
     init = _initial_states(state_cache, inputs)
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
     (group,) = seq_groups(inputs, lambda *_: 0)      # one group: padding is at most num_spec
