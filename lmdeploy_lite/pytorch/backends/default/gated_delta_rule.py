@@ -37,12 +37,15 @@ def _prepare(q, k, v, g, beta, acc):
     return q, k, v, g, beta
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, state):
+def recurrent_gated_delta_rule(q, k, v, g, beta, state, state_dtype: torch.dtype | None = None):
     """Token-by-token form, batched. q, k [B, n, h, dk]; v [B, n, h, dv]; g, beta [B, n, h];
     state [B, h, dk, dv] (prepared inputs). Returns o [B, n, h, dv] and states after every token
-    [B, n, h, dk, dv]."""
+    [B, n, h, dk, dv]. `state_dtype`: the cache's dtype; each token starts from the state rounded
+    to it, as if stored and read back, so n tokens in one call equal n one-token calls."""
     outs, states = [], []
     for t in range(q.shape[1]):
+        if state_dtype is not None:
+            state = state.to(state_dtype).to(q.dtype)
         state = state * g[:, t].exp()[..., None, None]
         kv_mem = (state * k[:, t, :, :, None]).sum(-2)                  # [B, h, dv]
         delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
@@ -97,7 +100,8 @@ def _store(state_cache: torch.Tensor, rows: torch.Tensor, slots: slice,
            states: torch.Tensor, write: torch.Tensor) -> None:
     """state_cache[rows[b], slots][t] = states[b, t] where write[b, t] (else unchanged)."""
     old = state_cache[rows, slots]
-    state_cache[rows, slots] = torch.where(write[..., None, None, None], states, old)
+    state_cache[rows, slots] = torch.where(write[..., None, None, None],
+                                           states.to(state_cache.dtype), old)
 
 
 def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -138,6 +142,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     (group,) = seq_groups(inputs, lambda *_: 0)      # one group: padding is at most num_spec
     if group.max_q_len == 0:
         return torch.empty(vp.shape, dtype=v.dtype, device=v.device)
-    o, states = recurrent_gated_delta_rule(*(group.pad(x) for x in (q, k, vp, g, beta)), init)
+    o, states = recurrent_gated_delta_rule(*(group.pad(x) for x in (q, k, vp, g, beta)), init,
+                                           state_dtype=state_cache.dtype)
     _store(state_cache, inputs.state_slots, slice(0, group.max_q_len), states, group.valid())
     return group.unpad(o).to(v.dtype)
