@@ -11,6 +11,7 @@ DEVICES = ('auto', 'cpu', 'cuda')
 EXECUTOR_BACKENDS = ('uni', 'mp', 'ray')
 SPEC_METHODS = ('qwen3_5_mtp', 'ngram')
 LOAD_FORMATS = ('auto', 'dummy')     # 'dummy': random weights from config.json alone (benchmarks)
+SSM_STATE_DTYPES = ('auto', 'float32', 'bfloat16')
 
 INT32_MAX = 2**31 - 1        # the engine's int tensors (top_k, token ids, lengths, positions)
 UINT64_MAX = 2**64 - 1       # torch.Generator.manual_seed takes 0..2**64-1
@@ -180,6 +181,10 @@ class PytorchEngineConfig:
     # prepare decode step N+1 while step N runs on the device; None: on with CUDA, off on CPU
     # (where host and device share the cores, so there is nothing to overlap)
     async_scheduling: bool | None = None
+    # storage dtype of the gated-delta recurrent state (always computed in fp32): 'auto' is the
+    # checkpoint's mamba_ssm_dtype (fp32 when absent; fp64 for a float64 model); 'bfloat16'
+    # halves the state bytes and rounds the state once per token
+    ssm_state_dtype: str = 'auto'
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, 'dtype', self.dtype, f'one of {DTYPES}')
@@ -211,6 +216,8 @@ class PytorchEngineConfig:
                f"'mp' or 'ray' for tp * dp = {self.tp * self.dp} ranks ('uni' runs one rank)")
         _check(self.load_format in LOAD_FORMATS, 'load_format', self.load_format,
                f'one of {LOAD_FORMATS}')
+        _check(self.ssm_state_dtype in SSM_STATE_DTYPES, 'ssm_state_dtype', self.ssm_state_dtype,
+               f'one of {SSM_STATE_DTYPES}')
 
 
 FinishReason = Literal['stop', 'length', 'abort', 'error']

@@ -40,6 +40,10 @@ def _engine_args(p: argparse.ArgumentParser):
                    help='prepare the next decode step while the device runs the current one '
                         '(default: on with CUDA, off on CPU)')
     p.add_argument('--eager-mode', action='store_true', help='no CUDA graphs for decode steps')
+    p.add_argument('--ssm-state-dtype', default='auto', choices=['auto', 'float32', 'bfloat16'],
+                   help="storage dtype of the linear-attention recurrent state (auto: the "
+                        "checkpoint's mamba_ssm_dtype, float32 for Qwen3.5; bfloat16 halves "
+                        "the state memory at some cost in exactness)")
     p.add_argument('--log-level', default='WARNING', help='python logging level')
 
 
@@ -75,6 +79,7 @@ def _build(args):
                                         max_batch_size=args.max_batch_size,
                                         session_len=args.session_len,
                                         cache_max_entry_count=args.cache_max_entry_count,
+                                        ssm_state_dtype=args.ssm_state_dtype,
                                         **executor_args(args))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                   do_sample=args.temperature > 0, temperature=args.temperature,
@@ -221,6 +226,7 @@ def _load_and_serve(args) -> int:
                                         max_batch_size=args.max_batch_size,
                                         session_len=args.session_len,
                                         cache_max_entry_count=args.cache_max_entry_count,
+                                        ssm_state_dtype=args.ssm_state_dtype,
                                         tp=args.tp, dp=args.dp, ep=args.ep,
                                         **executor_args(args))
     spec = speculative_config(args)

@@ -4,7 +4,8 @@ full-attention layer:   (k_cache, v_cache), each [num_blocks, block_size, num_kv
                         in the model dtype;
 linear-attention layer: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num_spec] in the model
                          dtype, recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv] in
-                         fp32, or fp64 for a float64 model).
+                         the state dtype of `state_dtype`: fp32 by default, fp64 for a float64
+                         model, bf16 with ssm_state_dtype='bfloat16').
 `tp` is the tensor-parallel size of the model that owns the cache (a TP rank keeps only its heads).
 `caches[layer_idx]` returns the layer's tuple; the slot semantics are in model_inputs.py.
 """
@@ -15,8 +16,25 @@ import torch
 from ..config import CacheConfig, ModelConfig
 
 
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+_STATE_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+
+
+def state_dtype(dtype: torch.dtype, ssm_state_dtype: str = 'auto',
+                model_config: ModelConfig | None = None) -> torch.dtype:
+    """The dtype the recurrent state is STORED in (the kernels compute it in fp32, fp64 for a
+    float64 model, whatever it is stored in). ssm_state_dtype is PytorchEngineConfig's:
+    'auto' is fp64 for a float64 model, else the checkpoint's text_config.mamba_ssm_dtype
+    (float32 for Qwen3.5; float32 when absent); 'float32' / 'bfloat16' as named."""
+    if ssm_state_dtype != 'auto':
+        return _STATE_DTYPES[ssm_state_dtype]
+    if dtype == torch.float64:
+        return torch.float64
+    hf = model_config.hf_config if model_config is not None else {}
+    name = (hf.get('text_config') or hf).get('mamba_ssm_dtype') or 'float32'
+    if name not in _STATE_DTYPES:
+        raise ValueError(f'text_config.mamba_ssm_dtype={name!r} in config.json: must be one of '
+                         f'{tuple(_STATE_DTYPES)}; or set ssm_state_dtype to float32 or bfloat16')
+    return _STATE_DTYPES[name]
 
 
 def _per_rank(what: str, count: int, tp: int) -> int:
@@ -55,11 +73,13 @@ def _numel(shape: tuple) -> int:
 class CacheEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
                  device: torch.device | str, layer_types: tuple[str, ...] | None = None,
-                 tp: int = 1):
+                 tp: int = 1, ssm_state_dtype: str = 'auto'):
         """layer_types: defaults to the model's; the MTP draft passes ('full_attention',).
-        tp: the owning model's TP size (the draft's own TP for the draft's cache)."""
+        tp: the owning model's TP size (the draft's own TP for the draft's cache).
+        ssm_state_dtype: PytorchEngineConfig.ssm_state_dtype (see `state_dtype`)."""
         self.model_config, self.cache_config, self.tp = model_config, cache_config, tp
         self.layer_types = tuple(layer_types or model_config.layer_types)
+        self.state_dtype = state_dtype(dtype, ssm_state_dtype, model_config)
         cc = cache_config
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer_type in self.layer_types:
@@ -70,7 +90,7 @@ class CacheEngine:
             else:
                 conv, rec = state_shapes(model_config, cc.num_state_slots, cc.num_spec_tokens, tp)
                 self.caches.append((torch.zeros(conv, dtype=dtype, device=device),
-                                    torch.zeros(rec, dtype=state_dtype(dtype), device=device)))
+                                    torch.zeros(rec, dtype=self.state_dtype, device=device)))
 
     def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.caches[layer_idx]
@@ -90,12 +110,14 @@ class CacheEngine:
 
     @staticmethod
     def bytes_per_state_slot(model_config: ModelConfig, num_spec_tokens: int, dtype: torch.dtype,
-                             layer_types: tuple[str, ...] | None = None, tp: int = 1) -> int:
-        """Conv window + recurrent state bytes of one sequence over all linear-attention layers,
-        on one TP rank."""
+                             layer_types: tuple[str, ...] | None = None, tp: int = 1,
+                             ssm_state_dtype: str = 'auto') -> int:
+        """Conv window (model dtype) + recurrent state (`state_dtype`) bytes of one sequence over
+        all linear-attention layers, on one TP rank."""
         layer_types = layer_types or model_config.layer_types
         num_linear = sum(t == 'linear_attention' for t in layer_types)
         conv, rec = state_shapes(model_config, 1, num_spec_tokens, tp)
         conv_bytes = _numel(conv) * torch.empty((), dtype=dtype).element_size()
-        rec_bytes = _numel(rec) * torch.empty((), dtype=state_dtype(dtype)).element_size()
+        rec_bytes = _numel(rec) * torch.empty(
+            (), dtype=state_dtype(dtype, ssm_state_dtype, model_config)).element_size()
         return num_linear * (conv_bytes + rec_bytes)

@@ -1,8 +1,9 @@
 """How many KV blocks one rank gets (DESIGN.md invariant 6: the draft's KV is sized per rank).
 
 Blocks come from the memory left after the weights are loaded: `cache_max_entry_count` of it,
-minus the linear-attention state rows, divided by the bytes of one block (the target's
-full-attention layers plus the draft head's, each at this rank's TP share of the KV heads).
+minus the linear-attention state rows (the recurrent part at `ssm_state_dtype`: bf16 halves it),
+divided by the bytes of one block (the target's full-attention layers plus the draft head's,
+each at this rank's TP share of the KV heads).
 On CUDA the memory is the device's free memory; on CPU the ranks share the machine, so each
 rank's budget is MemAvailable / world size. All ranks then take the minimum, so that the block
 tables of TP peers agree.
@@ -42,7 +43,8 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
         num_blocks = engine_config.num_gpu_blocks
     else:
         state_bytes = num_slots * CacheEngine.bytes_per_state_slot(
-            model_config, num_spec_tokens, dtype, tp=tp)
+            model_config, num_spec_tokens, dtype, tp=tp,
+            ssm_state_dtype=engine_config.ssm_state_dtype)
         budget = available_bytes * engine_config.cache_max_entry_count - state_bytes
         per_block = CacheEngine.bytes_per_block(model_config, block_size, dtype, tp=tp)
         per_block += num_draft_layers * CacheEngine.bytes_per_block(

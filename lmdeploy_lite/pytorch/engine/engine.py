@@ -174,7 +174,8 @@ class Engine:
         num_blocks = self.dist.all_reduce(torch.tensor([cache_config.num_blocks]), 'world',
                                           op='min')                 # block tables must agree
         self.cache_config = dataclasses.replace(cache_config, num_blocks=int(num_blocks))
-        caches = CacheEngine(self.model_config, self.cache_config, self.dtype, self.device, tp=tp)
+        caches = CacheEngine(self.model_config, self.cache_config, self.dtype, self.device, tp=tp,
+                             ssm_state_dtype=cfg.ssm_state_dtype)
         num_slots = self.cache_config.num_state_slots
         self.agent = ModelAgent(model, caches, num_slots, self.device)
         self.strategy = ARStrategy()

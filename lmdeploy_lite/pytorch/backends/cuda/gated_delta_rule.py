@@ -24,14 +24,16 @@ def _recurrent_decode_kernel(
         stride_vt, stride_vh, stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
         stride_ot, stride_oh, stride_od,
         stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
-        scale, NUM_TOKENS: tl.constexpr,
+        scale, NUM_TOKENS: tl.constexpr, ACC_FP64: tl.constexpr,
         HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
         BK: tl.constexpr, BV: tl.constexpr):
     """One program: sequence b, value head h, value columns [BV * pid_v, +BV) of the state.
     S [DK, BV] starts at state[slot, state_index[b], h] (zero if fresh); after token t it is
-    stored to state[slot, t, h]. Computes in the state's dtype."""
+    stored to state[slot, t, h]. Computes in fp32 (fp64 with ACC_FP64) whatever the state is
+    stored in (fp32, or bf16 with ssm_state_dtype='bfloat16'); each token starts from the state
+    as stored, so a verify of n tokens equals n one-token decodes."""
     b, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    acc = state_ptr.dtype.element_ty
+    acc = tl.float64 if ACC_FP64 else tl.float32
     kh = h // HEAD_RATIO
     offs_k = tl.arange(0, BK)
     offs_v = pid_v * BV + tl.arange(0, BV)
@@ -64,7 +66,9 @@ def _recurrent_decode_kernel(
         out = tl.sum(state * q[:, None], 0)
         tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_v * stride_od,
                  out.to(out_ptr.dtype.element_ty), mask=mask_v)
-        tl.store(row + t * stride_s1 + tile, state.to(state_ptr.dtype.element_ty), mask=mask_s)
+        stored = state.to(state_ptr.dtype.element_ty)
+        tl.store(row + t * stride_s1 + tile, stored, mask=mask_s)
+        state = stored.to(acc)         # the next token starts from the state as stored (= AR)
 
 
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -73,8 +77,10 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     """Decode/verify with `inputs.uniform_q_len` = n tokens per sequence: q, k [T, nk, dk];
     v [T, nv, dv]; g (log decay), beta [T, nv] -> o [T, nv, dv] in v.dtype. Writes the state
     after token t to slot t of the sequence's row. No host sync. Steps whose sequences have
-    different lengths (no `uniform_q_len`) use the default op."""
-    if inputs.uniform_q_len is None:
+    different lengths (no `uniform_q_len`), and a float64 model with a narrower stored state,
+    use the default op."""
+    if inputs.uniform_q_len is None or (v.dtype == torch.float64) != (
+            state_cache.dtype == torch.float64):         # fp64 math, narrower state: torch's
         return reference.gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs)
     num_tokens, nv, dv = v.shape
     dk = q.shape[-1]
@@ -88,6 +94,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *out.stride(),
         *state_cache.stride(),
         dk ** -0.5, NUM_TOKENS=inputs.uniform_q_len,
+        ACC_FP64=state_cache.dtype == torch.float64,
         HEAD_RATIO=nv // q.shape[1], DK=dk, DV=dv,
         BK=triton.next_power_of_2(dk), BV=block_v, num_warps=1)
     return out
@@ -107,15 +114,17 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              beta: torch.Tensor, state_cache: torch.Tensor,
                              inputs: ModelInputs) -> torch.Tensor:
     """Prefill (chunked continuation allowed); shapes as in decode. Writes each sequence's final
-    state to slot 0 of its row. fla's varlen chunk kernel on CUDA with an fp32 state (fla normalises
-    q/k in the kernel and maps value head j to key head j // (nv / nk) itself); otherwise the
-    default op (CPU, fp64 models, fla missing)."""
+    state to slot 0 of its row. fla's varlen chunk kernel on CUDA with an fp32 or bf16 state
+    (fla normalises q/k in the kernel and maps value head j to key head j // (nv / nk) itself;
+    it starts from an fp32 copy of the rows and returns fp32 final states, stored back in the
+    cache's dtype); otherwise the default op (CPU, fp64 models, fla missing)."""
     chunk = _fla_chunk_gated_delta_rule()
-    if chunk is None or not q.is_cuda or state_cache.dtype != torch.float32:
+    if (chunk is None or not q.is_cuda or v.dtype == torch.float64
+            or state_cache.dtype not in (torch.float32, torch.bfloat16)):
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
     slots = inputs.state_slots
     fresh = (inputs.history_lens == 0)[:, None, None, None]
-    initial = state_cache[slots, inputs.state_index].masked_fill(fresh, 0)   # [B, nv, dk, dv]
+    initial = state_cache[slots, inputs.state_index].float().masked_fill(fresh, 0)  # [B,nv,dk,dv]
     cu_seqlens_cpu = torch.tensor([0, *itertools.accumulate(inputs.host_q_lens)])
     cu_seqlens = F.pad(inputs.q_lens.cumsum(0), (1, 0))
     out, final = chunk(q[None], k[None], v[None], g[None].float(), beta[None],
