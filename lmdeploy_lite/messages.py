@@ -167,6 +167,11 @@ class PytorchEngineConfig:
     device: str = 'auto'
     max_batch_size: int = 64
     max_prefill_token_num: int = 4096
+    # while sequences decode, a step carries at most this many tokens, decode rows included:
+    # a prompt arriving then is prefilled in chunks riding with the decode rows (speculation:
+    # in chunk steps alternating with decode steps), so running streams keep their pace;
+    # 0: prefill goes first with the whole max_prefill_token_num budget
+    max_mixed_token_num: int = 512
     block_size: int = 64
     cache_max_entry_count: float = 0.8
     num_gpu_blocks: int = 0
@@ -191,6 +196,7 @@ class PytorchEngineConfig:
         _check(self.device in DEVICES, 'device', self.device, f'one of {DEVICES}')
         _check_int('max_batch_size', self.max_batch_size, 1)
         _check_int('max_prefill_token_num', self.max_prefill_token_num, 1)
+        _check_int('max_mixed_token_num', self.max_mixed_token_num, 0)
         _check_int('block_size', self.block_size, 1)
         _check_float('cache_max_entry_count', self.cache_max_entry_count, 0, 1,
                      'a number in (0, 1]', low_open=True)

@@ -192,7 +192,8 @@ class Engine:
                                    self.session_len, num_spec_tokens=num_spec,
                                    num_draft_extra=num_draft_extra,
                                    stop_checker=StopChecker(self.model_config.eos_token_ids,
-                                                            tokenizer))
+                                                            tokenizer),
+                                   max_mixed_token_num=cfg.max_mixed_token_num)
         self._next_seq_id = 0
         self.num_steps = 0
         self.stop_requested = False        # set by a driver; travels to every rank in the plan

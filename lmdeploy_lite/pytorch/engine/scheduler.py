@@ -1,8 +1,19 @@
 """Continuous batching: chunked prefill under a token budget, decode, preemption by recompute.
 
-A step is either a prefill step (sequences with more than one uncomputed token; the last chunk
-of a sequence samples) or a decode step (every running sequence feeds its last token, plus
-`num_spec_tokens` drafts under speculation). Prefill goes first when there is any.
+A step is a prefill step (sequences with more than one uncomputed token; the last chunk of a
+sequence samples), a decode step (every running sequence feeds its last token, plus
+`num_spec_tokens` drafts under speculation), or, without speculation, a mixed step: the decode
+rows (1 token each) plus prefill chunks, run in prefill mode (a 1-token prefill row writes its
+state where a 1-token decode does, so the decode rows' results are the same).
+
+Budgets: while nothing decodes, prefill gets `max_prefill_token_num` tokens a step. While
+sequences decode and `max_mixed_token_num` > 0, a step carries at most
+min(max_mixed_token_num, max_prefill_token_num) tokens, decode rows included, so a long prompt
+arriving costs each running stream a bounded delay per token instead of its whole prefill. Under
+speculation a verify row keeps per-token states for rollback and cannot share a forward with a
+prefill chunk: decode steps and prefill-chunk steps alternate instead (the chunk takes the same
+reduced budget less the decode rows' tokens), so a stream waits at most one chunk per token.
+With max_mixed_token_num = 0, prefill goes first with the whole budget (no mixing).
 
 Blocks cover every position a step writes: the fed tokens plus `num_draft_extra` positions past
 them that a draft model writes into its own KV cache while drafting (k - 1 for the MTP head).
@@ -26,6 +37,11 @@ class ScheduledBatch:
     is_decoding: bool
 
     @property
+    def num_decode_rows(self) -> int:
+        """Rows of sequences past their prefill (all rows of a decode step; some of a mixed one)."""
+        return sum(s.prefilled for s in self.seqs)
+
+    @property
     def sample_mask(self) -> list[bool]:
         """True where this step samples: every decode/verify row, and the prefill rows whose
         chunk reaches the end of the sequence's tokens."""
@@ -38,10 +54,13 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int,
                  max_prefill_token_num: int, session_len: int, num_spec_tokens: int = 0,
-                 num_draft_extra: int = 0, stop_checker: Callable[[Sequence], str | None] | None = None):
+                 num_draft_extra: int = 0, stop_checker: Callable[[Sequence], str | None] | None = None,
+                 max_mixed_token_num: int = 0):
         self.bm = block_manager
         self.max_batch_size = max_batch_size
         self.max_prefill_token_num = max_prefill_token_num
+        self.max_mixed_token_num = max_mixed_token_num
+        self._prefill_turn = False      # speculation: the next step with both kinds is a prefill
         self.session_len = session_len
         self.num_spec_tokens = num_spec_tokens
         self.num_draft_extra = num_draft_extra
@@ -81,10 +100,40 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        return self._schedule_prefill() or self._schedule_decode()
+        num_decoding = sum(s.prefilled for s in self.running)
+        if not num_decoding or not self.max_mixed_token_num:
+            return self._schedule_prefill(self.max_prefill_token_num) or self._schedule_decode()
+        step_budget = min(self.max_mixed_token_num, self.max_prefill_token_num)
+        # decode rows count against the budget; the chunk gets the rest (at least one token,
+        # so that a prompt always progresses)
+        budget = max(step_budget - num_decoding * (1 + self.num_spec_tokens), 1)
+        if self.num_spec_tokens:
+            return self._schedule_alternating(budget)
+        decode = self._schedule_decode()
+        prefill = self._schedule_prefill(budget)
+        if decode is None or prefill is None:
+            return decode or prefill
+        # a prefill row's growth may have preempted a decode row (a later arrival), which then
+        # may even have been re-admitted as a prefill row
+        rows = [(s, n) for s, n in zip(decode.seqs, decode.q_lens) if s.prefilled]
+        rows += list(zip(prefill.seqs, prefill.q_lens))
+        return ScheduledBatch([s for s, _ in rows], [n for _, n in rows], is_decoding=False)
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.max_prefill_token_num
+    def _schedule_alternating(self, budget: int) -> ScheduledBatch | None:
+        """Speculation while sequences decode: a prefill-chunk step of `budget` tokens after
+        each decode step, when there is a chunk to run."""
+        if self._prefill_turn:
+            self._prefill_turn = False
+            prefill = self._schedule_prefill(budget)
+            if prefill is not None:
+                return prefill
+        decode = self._schedule_decode()
+        if decode is not None:
+            self._prefill_turn = True
+            return decode
+        return self._schedule_prefill(budget)
+
+    def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
         seqs, q_lens = [], []
         # chunked prefills under way go first; they make room by preempting later arrivals
         for seq in [s for s in self.running if not s.prefilled]:

@@ -10,10 +10,10 @@ from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_batch=8, budget=32, session_len=64,
-                   lookahead=0, extra=0):
+                   lookahead=0, extra=0, mixed=0):
     bm = BlockManager(num_blocks, block_size, max_batch + 1)
     return Scheduler(bm, max_batch, budget, session_len, num_spec_tokens=lookahead,
-                     num_draft_extra=extra)
+                     num_draft_extra=extra, max_mixed_token_num=mixed)
 
 
 def add(sched, prompt_len, max_new=4, seq_id=[0]):
@@ -24,9 +24,13 @@ def add(sched, prompt_len, max_new=4, seq_id=[0]):
     return seq
 
 
-def run_step(sched, token=7):
+def run_step(sched, token=7, seen=None):
+    """Schedule and apply one step; `seen` collects (seqs, q_lens, decode rows, sample mask) as
+    scheduled (the mask changes once the step is applied)."""
     batch = sched.schedule()
     assert batch is not None
+    if seen is not None:
+        seen.append((batch.seqs, batch.q_lens, batch.num_decode_rows, batch.sample_mask))
     for seq, n, samples in zip(batch.seqs, batch.q_lens, batch.sample_mask):
         assert seq.num_computed + n <= len(seq.token_ids) + sched.num_spec_tokens
         sched.update(seq, n if not batch.is_decoding else 1, [token] if samples else [])
@@ -133,3 +137,78 @@ def test_every_decode_row_samples_and_only_final_prefill_chunks_do():
     sched.update(short, 3, [7])
     decode = sched.schedule()
     assert decode.is_decoding and decode.q_lens == [4, 4] and decode.sample_mask == [True, True]
+
+
+def test_mixed_step_carries_decode_rows_and_a_chunk_under_the_budget():
+    sched = make_scheduler(budget=32, mixed=8)
+    a, b = add(sched, 3, max_new=20), add(sched, 4, max_new=20)
+    first = run_step(sched)                           # nothing decodes: the whole budget
+    assert first.q_lens == [3, 4] and not first.is_decoding
+    long = add(sched, 20)
+    steps = []
+    while not long.prefilled:
+        run_step(sched, seen=steps)
+    # decode rows (1 token each, sampling) count against the budget of 8; the chunk takes 6
+    assert steps == [([a, b, long], [1, 1, 6], 2, [True, True, False]),
+                     ([a, b, long], [1, 1, 6], 2, [True, True, False]),
+                     ([a, b, long], [1, 1, 6], 2, [True, True, False]),
+                     ([a, b, long], [1, 1, 2], 2, [True, True, True])]
+    decode = run_step(sched)
+    assert decode.is_decoding and decode.seqs == [a, b, long]
+
+
+def test_mixed_budget_never_exceeds_max_prefill_token_num():
+    sched = make_scheduler(budget=4, mixed=100)
+    a = add(sched, 3, max_new=20)
+    run_step(sched)
+    long = add(sched, 10)
+    assert run_step(sched).q_lens == [1, 3]
+    assert long.num_computed == 3
+
+
+def test_mixing_off_runs_the_whole_prefill_first():
+    sched = make_scheduler(budget=32, mixed=0)
+    a = add(sched, 3, max_new=20)
+    run_step(sched)
+    long = add(sched, 20)
+    batch = run_step(sched)
+    assert batch.seqs == [long] and batch.q_lens == [20]
+
+
+def test_speculation_alternates_decode_and_chunk_steps():
+    sched = make_scheduler(budget=32, mixed=16, lookahead=3)
+    a = add(sched, 3, max_new=40)
+    run_step(sched)
+    long = add(sched, 30)
+    kinds = []
+    while not long.prefilled:
+        batch = run_step(sched)
+        kinds.append(('decode', batch.seqs) if batch.is_decoding else ('chunk', batch.q_lens))
+    # the chunk budget is 16 less the decode row's 1 + 3 tokens
+    assert kinds == [('decode', [a]), ('chunk', [12]), ('decode', [a]), ('chunk', [12]),
+                     ('decode', [a]), ('chunk', [6])]
+    assert run_step(sched).seqs == [a, long]
+
+
+def test_mixed_steps_under_cache_pressure_repeat_no_row_and_free_everything():
+    # a small cache: chunks riding with decode rows preempt later arrivals, decode rows included
+    rng = random.Random(1)
+    sched = make_scheduler(num_blocks=10, block_size=4, max_batch=4, budget=8, session_len=16,
+                           mixed=6)
+    seqs, mixed_steps = [], 0
+    for i in range(300):
+        if rng.random() < 0.4:
+            seqs.append(add(sched, rng.randint(1, 12), max_new=rng.randint(1, 4)))
+        if sched.has_work:
+            seen = []
+            run_step(sched, seen=seen)
+            (rows, q_lens, num_decode_rows, _), = seen
+            assert len({id(s) for s in rows}) == len(rows)
+            assert sum(q_lens) <= 6 or num_decode_rows == 0
+            mixed_steps += 0 < num_decode_rows < len(rows)
+    while sched.has_work:
+        run_step(sched)
+    assert mixed_steps > 10
+    assert all(s.is_finished for s in seqs)
+    assert sched.bm.num_free_blocks == sched.bm.num_usable_blocks
+    assert len(sched.bm.free_slots) == sched.bm.num_state_slots - 1

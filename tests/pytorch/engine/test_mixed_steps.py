@@ -1,0 +1,88 @@
+"""Prefill rides with decode (PytorchEngineConfig.max_mixed_token_num): a prompt that arrives
+while others decode is prefilled in chunks that share steps with the running sequences' decode
+rows (plain decoding), or in chunk steps alternating with decode steps (speculation). It must
+change no token: requests arriving at different steps, prompts prefilled in small chunks, give
+the whole sequences (and, under speculation, the per-request draft counts) of the run that
+prefilled them all at once, in float64 on the embedded model; mixed steps really happen; and a
+running stream is never left out of more than one step while the long prompt is prefilled."""
+import pytest
+
+from lmdeploy_lite.messages import PytorchEngineConfig
+from lmdeploy_lite.pytorch.engine.engine import Engine
+from tests.helpers import accepting
+from tests.helpers.accepting import GREEDY, assert_real_acceptance, counts, reference
+
+CFG = dict(session_len=256, max_prefill_token_num=16)
+ARRIVE_AT_STEP = (0, 0, 3, 6, 6)     # per prompt (the long one third): the step it is added before
+
+
+def _prompts() -> list[list[int]]:
+    """The four code prompts and, third, a long one (~60 tokens): two prompts with their greedy
+    continuations, which the MTP head drafts well."""
+    short = [list(p) for p in accepting.prompts()]
+    plain = reference(0).token_ids
+    long = short[0] + plain[0] + short[1] + plain[1]
+    return short[:2] + [long] + short[2:]
+
+
+def _run(k: int, **cfg):
+    """Add the prompts at ARRIVE_AT_STEP and run to the end. Returns the sequences, and per step
+    (rows that had finished their prefill, rows) as scheduled and the sequences that emitted."""
+    config = PytorchEngineConfig(**{**accepting.BASE, **CFG, **cfg})
+    engine = Engine(accepting.model_dir(), config, accepting.spec(k), progress=False)
+    scheduled, schedule = [], engine.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        if batch is not None:
+            scheduled.append((batch.num_decode_rows, len(batch.seqs)))
+        return batch
+    engine.scheduler.schedule = recording
+    prompts, seqs, emitted, step = _prompts(), {}, [], 0
+    while engine.has_work or len(seqs) < len(prompts):
+        for i, at in enumerate(ARRIVE_AT_STEP):
+            if at == step:
+                seqs[i] = engine.add_request(prompts[i], GREEDY)
+        emitted.append({out.seq.seq_id for out in engine.step() if out.new_token_ids})
+        step += 1
+    return [seqs[i] for i in range(len(prompts))], scheduled, emitted
+
+
+def _assert_no_stall(seqs, emitted, max_gap: int):
+    """Each sequence emits at least once every `max_gap` steps from its first token to its last."""
+    for seq in seqs:
+        steps = [i for i, ids in enumerate(emitted) if seq.seq_id in ids]
+        gaps = [b - a for a, b in zip(steps, steps[1:])]
+        assert max(gaps) <= max_gap, f'sequence {seq.seq_id} waited {max(gaps)} steps: {steps}'
+
+
+@pytest.mark.parametrize('k', [0, 3])
+def test_mixed_steps_change_no_token(k):
+    mixed, scheduled, emitted = _run(k, max_mixed_token_num=12)
+    if k:
+        assert_real_acceptance([s.spec_stats for s in mixed], k)
+    everything_at_once = reference(k, _prompts(), **CFG)       # one batch, prefilled together
+    assert everything_at_once.token_ids == reference(0, _prompts(), **CFG).token_ids
+    assert [s.generated_ids for s in mixed] == everything_at_once.token_ids
+    assert all(s.num_generated == GREEDY.max_new_tokens for s in mixed)
+    if k:
+        assert [counts(s.spec_stats) for s in mixed] == everything_at_once.counts
+    if k == 0:      # steps carried decode rows and prefill chunks together
+        assert sum(0 < d < n for d, n in scheduled) >= 4, scheduled
+    else:           # chunk steps while sequences decode (between decode steps)
+        chunk_steps = [d == 0 for d, _ in scheduled]
+        assert sum(chunk_steps[3:]) >= 4, scheduled
+    # the long prompt (60 tokens, chunks of at most 12 less the decode rows) took several steps
+    # while the first two decoded; neither waited more than one step for a token
+    _assert_no_stall(mixed[:2], emitted, max_gap=1 if k == 0 else 2)
+    _assert_no_stall(mixed[2:], emitted, max_gap=1 if k == 0 else 2)
+
+
+def test_without_mixing_the_long_prompt_stalls_the_streams():
+    """The other side of the no-stall check: prefill first stalls the running streams for the
+    long prompt's whole prefill (several chunks of max_prefill_token_num)."""
+    seqs, scheduled, emitted = _run(0, max_mixed_token_num=0)
+    assert [s.generated_ids for s in seqs] == reference(0, _prompts(), **CFG).token_ids
+    assert not any(0 < d < n for d, n in scheduled)
+    with pytest.raises(AssertionError, match='waited'):
+        _assert_no_stall(seqs[:2], emitted, max_gap=1)
