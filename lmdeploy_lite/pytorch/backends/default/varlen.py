@@ -64,18 +64,25 @@ class SeqGroup:
 def seq_groups(inputs: ModelInputs, cost: Callable[[int, int, int], int]) -> list[SeqGroup]:
     """Split the step into groups of consecutive sequences. `cost(num_seqs, max_q_len, max_kv_len)`
     is the element count of the op's largest padded intermediate; a group grows while it stays
-    within `MAX_PADDED_ELEMENTS` (a single sequence always forms a group)."""
+    within `MAX_PADDED_ELEMENTS` and, when new-token runs differ in length, within twice its
+    sequences' unpadded costs (a mixed step's 1-token decode rows are not padded to a prefill
+    chunk's length); a single sequence always forms a group."""
     q_lens, kv_lens = inputs.host_q_lens, inputs.host_kv_lens
-    if cost(len(q_lens), inputs.max_q_len, inputs.max_kv_len) <= MAX_PADDED_ELEMENTS:
+    whole = cost(len(q_lens), inputs.max_q_len, inputs.max_kv_len)
+    if whole <= MAX_PADDED_ELEMENTS and (
+            min(q_lens, default=0) == inputs.max_q_len
+            or whole <= 2 * sum(cost(1, q, kv) for q, kv in zip(q_lens, kv_lens))):
         bounds = [(0, len(q_lens), inputs.max_q_len, inputs.max_kv_len)]
     else:
-        bounds, start, max_q, max_kv = [], 0, 0, 0
+        bounds, start, max_q, max_kv, unpadded = [], 0, 0, 0, 0
         for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
             grown_q, grown_kv = max(max_q, q_len), max(max_kv, kv_len)
-            if b > start and cost(b + 1 - start, grown_q, grown_kv) > MAX_PADDED_ELEMENTS:
+            own = cost(1, q_len, kv_len)
+            padded = cost(b + 1 - start, grown_q, grown_kv)
+            if b > start and (padded > MAX_PADDED_ELEMENTS or padded > 2 * (unpadded + own)):
                 bounds.append((start, b, max_q, max_kv))
-                start, grown_q, grown_kv = b, q_len, kv_len
-            max_q, max_kv = grown_q, grown_kv
+                start, grown_q, grown_kv, unpadded = b, q_len, kv_len, 0
+            max_q, max_kv, unpadded = grown_q, grown_kv, unpadded + own
         bounds.append((start, len(q_lens), max_q, max_kv))
     groups, token_start = [], 0
     for start, stop, max_q, max_kv in bounds:
