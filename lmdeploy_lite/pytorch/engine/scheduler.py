@@ -11,8 +11,8 @@ sequences decode and `max_mixed_token_num` > 0, a step carries at most
 min(max_mixed_token_num, max_prefill_token_num) tokens, decode rows included, so a long prompt
 arriving costs each running stream a bounded delay per token instead of its whole prefill. Under
 speculation a verify row keeps per-token states for rollback and cannot share a forward with a
-prefill chunk: decode steps and prefill-chunk steps alternate instead (the chunk takes the same
-reduced budget less the decode rows' tokens), so a stream waits at most one chunk per token.
+prefill chunk: decode steps and prefill-chunk steps of at most that many tokens alternate
+instead, so a stream waits at most one chunk step per token.
 With max_mixed_token_num = 0, prefill goes first with the whole budget (no mixing).
 
 Blocks cover every position a step writes: the fed tokens plus `num_draft_extra` positions past
@@ -103,12 +103,12 @@ class Scheduler:
         num_decoding = sum(s.prefilled for s in self.running)
         if not num_decoding or not self.max_mixed_token_num:
             return self._schedule_prefill(self.max_prefill_token_num) or self._schedule_decode()
-        step_budget = min(self.max_mixed_token_num, self.max_prefill_token_num)
-        # decode rows count against the budget; the chunk gets the rest (at least one token,
-        # so that a prompt always progresses)
-        budget = max(step_budget - num_decoding * (1 + self.num_spec_tokens), 1)
+        budget = min(self.max_mixed_token_num, self.max_prefill_token_num)
         if self.num_spec_tokens:
             return self._schedule_alternating(budget)
+        # decode rows count against the budget; the chunk gets the rest (at least one token,
+        # so that a prompt always progresses)
+        budget = max(budget - num_decoding, 1)
         decode = self._schedule_decode()
         prefill = self._schedule_prefill(budget)
         if decode is None or prefill is None:
