@@ -71,7 +71,8 @@ def test_auto_is_the_checkpoint_dtype_float32_when_absent_float64_for_float64():
     assert state_dtype(torch.float32, 'auto', config) == torch.float32
     assert state_dtype(torch.bfloat16, 'auto', config) == torch.float32
     assert state_dtype(torch.float64, 'auto', config) == torch.float64
-    assert state_dtype(torch.float64) == torch.float64 and state_dtype(torch.float32) == torch.float32
+    assert (state_dtype(torch.float64), state_dtype(torch.float32)) == (torch.float64,
+                                                                         torch.float32)
     declared = with_ssm_dtype(config, 'bfloat16')
     assert state_dtype(torch.bfloat16, 'auto', declared) == torch.bfloat16
     assert state_dtype(torch.float64, 'auto', declared) == torch.float64
