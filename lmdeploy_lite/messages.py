@@ -186,9 +186,10 @@ class PytorchEngineConfig:
     # prepare decode step N+1 while step N runs on the device; None: on with CUDA, off on CPU
     # (where host and device share the cores, so there is nothing to overlap)
     async_scheduling: bool | None = None
-    # storage dtype of the gated-delta recurrent state (always computed in fp32): 'auto' is the
-    # checkpoint's mamba_ssm_dtype (fp32 when absent; fp64 for a float64 model); 'bfloat16'
-    # halves the state bytes and rounds the state once per token
+    # storage dtype of the gated-delta recurrent state (computed in fp32, fp64 for a float64
+    # model, whatever it is stored in): 'auto' is the checkpoint's mamba_ssm_dtype (fp32 when
+    # absent; fp64 for a float64 model); 'bfloat16' halves the state bytes and rounds the state
+    # once per token
     ssm_state_dtype: str = 'auto'
 
     def __post_init__(self):
