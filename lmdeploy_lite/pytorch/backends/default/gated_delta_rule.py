@@ -117,13 +117,17 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     heads, width = vp.shape[1], max(q.shape[-1], vp.shape[-1], 64)
 
     def chunk_elements(num_seqs: int, max_q: int, max_kv: int) -> int:   # q/k/v and decay per chunk
-        return num_seqs * heads * (max_q + 63) * width
+        return num_seqs * heads * (max_q + 63 if max_q > 1 else 1) * width
 
     for group in seq_groups(inputs, chunk_elements):
         if group.max_q_len == 0:
             continue
-        o, final = chunk_gated_delta_rule(
-            *(group.pad(x[group.tokens]) for x in (q, k, vp, g, beta)), init[group.seqs])
+        padded = [group.pad(x[group.tokens]) for x in (q, k, vp, g, beta)]
+        if group.max_q_len == 1:     # 1-token rows (a mixed step's decode rows): one recurrent
+            o, states = recurrent_gated_delta_rule(*padded, init[group.seqs])     # step, no chunk
+            final = states[:, -1]
+        else:
+            o, final = chunk_gated_delta_rule(*padded, init[group.seqs])
         out[group.tokens] = group.unpad(o).to(v.dtype)
         _store(state_cache, inputs.state_slots[group.seqs], slice(0, 1), final[:, None],
                (group.q_lens > 0)[:, None])
