@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import numbers
 import os
 import queue
@@ -10,7 +11,7 @@ from typing import AsyncIterator, Iterator, Sequence as Seq
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Response,
                                     SpeculativeConfig, short_repr)
 from lmdeploy_lite.pytorch.engine.engine import Engine, StepOutput
-from lmdeploy_lite.pytorch.engine.engine_loop import EngineLoop
+from lmdeploy_lite.pytorch.engine.engine_loop import Channel, EngineLoop
 from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
 
 Prompt = str | list[int] | list[dict]
@@ -39,32 +40,142 @@ def load_tokenizer(model_path: str):
     return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 
-class _Detokenizer:
-    """Incremental text of one request; holds back text that may still turn into a stop word."""
+class TextStream:
+    """The text of one request's output, built as its tokens arrive. While it runs, only a short
+    window of tokens is decoded per step (incremental detokenization with a prefix and a read
+    offset, as in vLLM and lmdeploy; `detokenize` does it for many streams in one tokenizer
+    call); when it finishes, the whole output is decoded once, so the final text is exactly
+    `tokenizer.decode(token_ids)` cut before the first stop word, streamed or not. Text that may
+    still turn into a stop word, or is an incomplete UTF-8 sequence, is held back until it
+    cannot."""
 
-    def __init__(self, tokenizer, gen_config: GenerationConfig):
-        self.tokenizer = tokenizer
+    __slots__ = ('gen_config', 'stream', 'token_ids', 'text', 'sent', 'prefix', 'read')
+
+    def __init__(self, gen_config: GenerationConfig, stream: bool):
         self.gen_config = gen_config
+        self.stream = stream              # False: no text until the end (the caller reads it then)
         self.token_ids: list[int] = []
-        self.sent = 0                                     # characters already handed out
+        self.text = ''                    # decoded so far (append-only)
+        self.sent = 0                     # characters handed out
+        self.prefix = self.read = 0       # token offsets of the decode window
 
-    def add(self, token_ids: list[int], finished: bool) -> str:
-        self.token_ids += token_ids
-        if self.tokenizer is None:
-            return ''
-        text = self.tokenizer.decode(self.token_ids,
-                                     skip_special_tokens=self.gen_config.skip_special_tokens)
-        stop_words = self.gen_config.stop_words or ()
-        text = truncate_at_stop_word(text, stop_words)
-        if not finished:
-            if text.endswith('\ufffd'):                   # an incomplete UTF-8 sequence
-                text = text.rstrip('\ufffd')
-            hold = max((n for w in stop_words for n in range(len(w), 0, -1)
-                        if text.endswith(w[:n])), default=0)
-            text = text[:len(text) - hold]
-        delta = text[self.sent:]
+    def window(self) -> tuple[list[int], list[int]]:
+        """(the tokens already turned into text that give context, those plus the new ones)."""
+        return self.token_ids[self.prefix:self.read], self.token_ids[self.prefix:]
+
+    def advance(self, before: str, after: str):
+        """`window()` decoded: the new text is what `after` adds to `before`, once it does not
+        end in an incomplete character."""
+        if len(after) > len(before) and not after.endswith('\ufffd'):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.token_ids)
+
+    def delta(self, finished: bool) -> str:
+        """The text not handed out yet that can be: before the first stop word, and (while
+        running) short of a suffix that may still grow into one."""
+        text, words = self.text, self.gen_config.stop_words
+        if words:
+            longest, prefixes = _stop_word_prefixes(tuple(words))
+            text = truncate_at_stop_word(text, words, max(0, self.sent - longest))
+            if not finished:
+                for n in range(min(longest - 1, len(text)), 0, -1):
+                    if text[-n:] in prefixes:
+                        text = text[:-n]
+                        break
+        out = text[self.sent:]
         self.sent = max(self.sent, len(text))
-        return delta
+        return out
+
+
+@functools.lru_cache(maxsize=256)
+def _stop_word_prefixes(words: tuple[str, ...]) -> tuple[int, frozenset[str]]:
+    """(the longest stop word's length, every proper prefix of a stop word)."""
+    return max(map(len, words)), frozenset(w[:n] for w in words for n in range(1, len(w)))
+
+
+def batch_decoder(tokenizer):
+    """A function (lists of token ids, skip_special_tokens) -> their texts, equal to
+    `tokenizer.decode` of each: the Rust tokenizer's decode where transformers adds nothing to
+    it (a fast tokenizer without clean-up of tokenization spaces, which transformers never
+    applies to BPE; ~1 us a window, where transformers' own path costs ~10), else transformers'
+    batch_decode. One call per window: the Rust batch decode's thread pool costs more to wake
+    than these few-token windows take."""
+    backend = getattr(tokenizer, 'backend_tokenizer', None)
+    cleans = getattr(tokenizer, 'clean_up_tokenization_spaces', False)
+    if backend is not None and (not cleans or type(backend.model).__name__ == 'BPE'):
+        decode = backend.decode
+        return lambda batch, skip: [decode(ids, skip_special_tokens=skip) for ids in batch]
+    return lambda batch, skip: tokenizer.batch_decode(batch, skip_special_tokens=skip)
+
+
+def detokenize(decode, updates: list[tuple[TextStream, list[int], bool]]) -> list[str]:
+    """Add each update's new token ids (and whether the request finished) to its stream; returns
+    each stream's new text. `decode`: `batch_decoder(tokenizer)`, or None without a tokenizer.
+    One batched decode per skip_special_tokens setting, for the running streams' windows and
+    the finished streams' whole outputs together."""
+    for s, ids, _ in updates:
+        s.token_ids += ids
+    deltas = [''] * len(updates)
+    if decode is None:
+        return deltas
+    windows: dict[bool, list] = {}          # skip_special_tokens -> [(update index, ...)]
+    for i, (s, ids, finished) in enumerate(updates):
+        if finished or (s.stream and ids):
+            windows.setdefault(s.gen_config.skip_special_tokens, []).append(i)
+    for skip, indices in windows.items():
+        batch = []
+        for i in indices:
+            s, _, finished = updates[i]
+            batch += [s.token_ids] if finished else list(s.window())
+        texts = iter(decode(batch, skip))
+        for i in indices:
+            s, _, finished = updates[i]
+            if finished:                     # the whole output once: exactly decode()'s text
+                s.text = next(texts)
+            else:
+                s.advance(next(texts), next(texts))
+    for i, (s, _, finished) in enumerate(updates):
+        if s.stream or finished:
+            deltas[i] = s.delta(finished)
+    return deltas
+
+
+class _AsyncFanout:
+    """The async front-end of one event loop (the server): the engine thread posts a step's
+    results once; on the loop they are detokenized in bulk and put on each request's queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, decode):
+        self.loop = loop
+        self.decode = decode
+        self.channel = Channel(self._post)
+
+    def _post(self, items: list):                  # the engine's thread
+        self.loop.call_soon_threadsafe(self._dispatch, items)
+
+    def _dispatch(self, items: list):              # the event loop's thread
+        updates, requests = [], []
+        for request, item in items:
+            if isinstance(item, BaseException):
+                request.inbox.put_nowait(item)
+            else:
+                updates.append((request.text, item.new_token_ids, item.finished))
+                requests.append((request, item))
+        try:
+            deltas = detokenize(self.decode, updates)
+        except Exception as e:                     # their text is lost: these requests end
+            for request, _ in requests:
+                request.inbox.put_nowait(e)
+            return
+        for (request, item), delta in zip(requests, deltas):
+            request.inbox.put_nowait((item, delta))
+
+
+class _AsyncRequest:
+    __slots__ = ('inbox', 'text')
+
+    def __init__(self, gen_config: GenerationConfig, stream_text: bool):
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.text = TextStream(gen_config, stream_text)
 
 
 class Pipeline:
@@ -74,6 +185,7 @@ class Pipeline:
                  speculative_config: SpeculativeConfig | None = None, progress: bool = True):
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = load_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
+        self._decode = batch_decoder(self.tokenizer) if self.tokenizer is not None else None
         backend_config = backend_config or PytorchEngineConfig()
         if backend_config.distributed_executor_backend == 'ray':       # one actor per rank
             from lmdeploy_lite.pytorch.engine.executor.ray import RayEngineLoop
@@ -88,6 +200,7 @@ class Pipeline:
                                  tokenizer=self.tokenizer, progress=progress)
             self._loop = EngineLoop(self.engine)
         self._closed = False
+        self._fanouts: dict[asyncio.AbstractEventLoop, _AsyncFanout] = {}
 
     # ---- prompts --------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
@@ -128,31 +241,38 @@ class Pipeline:
         yield from self._stream(_as_batch(prompts)[1], gen_config, cumulative=False)
 
     def _stream(self, prompts: list[Prompt], gen_config, cumulative: bool) -> Iterator[Response]:
+        """All requests share one Channel: one inbox message per engine step, whatever the
+        batch; their text is decoded in bulk (while they run only when streamed)."""
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
         token_lists = [self.encode(p) for p in prompts]
         for ids in token_lists:                       # validate all before any work starts
             self._loop.validate_request(ids, gen_config)
         inbox: queue.Queue = queue.Queue()
-        handles = [self._loop.submit(ids, gen_config,
-                                     lambda item, i=i: inbox.put((i, item)))
+        channel = Channel(inbox.put)
+        handles = [self._loop.submit(ids, gen_config, channel, tag=i)
                    for i, ids in enumerate(token_lists)]
-        detoks = [_Detokenizer(self.tokenizer, gen_config) for _ in prompts]
-        texts = [''] * len(prompts)
+        streams = [TextStream(gen_config, stream=not cumulative) for _ in prompts]
         remaining = len(prompts)
         try:
             while remaining:
-                i, item = self._next(inbox)
-                if isinstance(item, BaseException):
-                    raise item
-                delta = detoks[i].add(item.new_token_ids, item.finished)
-                texts[i] += delta
-                remaining -= item.finished
-                if cumulative and not item.finished:
-                    continue
-                yield self._response(i, item, token_lists[i],
-                                     texts[i] if cumulative else delta,
-                                     detoks[i].token_ids if cumulative else item.new_token_ids)
+                items = self._next(inbox)
+                for _, item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                if cumulative:
+                    for i, item in items:
+                        streams[i].token_ids += item.new_token_ids
+                    items = [(i, item) for i, item in items if item.finished]
+                deltas = detokenize(self._decode, [
+                    (streams[i], [] if cumulative else item.new_token_ids, item.finished)
+                    for i, item in items])
+                for (i, item), delta in zip(items, deltas):
+                    remaining -= item.finished
+                    s = streams[i]
+                    yield self._response(i, item, token_lists[i],
+                                         s.text[:s.sent] if cumulative else delta,
+                                         s.token_ids if cumulative else item.new_token_ids)
         finally:
             for h in handles:
                 if h.seq is None or not h.seq.is_finished:
@@ -192,27 +312,32 @@ class Pipeline:
                         error=out.error)
 
     # ---- async (the server) ---------------------------------------------------------------
-    async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None
-                       ) -> AsyncIterator[Response]:
+    async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
+                       stream_text: bool = True) -> AsyncIterator[Response]:
         """Async stream of one request; cancelling the consumer aborts the request. A request
         that fails in the engine ends with a Response whose finish_reason is 'error' (reason in
-        Response.error); a stopped or closed engine raises RuntimeError."""
+        Response.error); a stopped or closed engine raises RuntimeError. `stream_text=False`:
+        the chunks carry token ids only and the last one the whole text (a caller that joins
+        the text at the end saves the incremental decoding)."""
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
         ids = self.encode(prompt)
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
-        handle = self._loop.submit(ids, gen_config,
-                                   lambda item: loop.call_soon_threadsafe(inbox.put_nowait, item))
-        detok = _Detokenizer(self.tokenizer, gen_config)
+        fanout = self._fanouts.get(loop)
+        if fanout is None:
+            if len(self._fanouts) > 8:                # loops that ended (tests, asyncio.run)
+                self._fanouts = {lp: f for lp, f in self._fanouts.items() if not lp.is_closed()}
+            fanout = self._fanouts[loop] = _AsyncFanout(loop, self._decode)
+        request = _AsyncRequest(gen_config, stream_text)
+        handle = self._loop.submit(ids, gen_config, fanout.channel, tag=request)
         finished = False
         try:
             while not finished:
-                item = await self._next_async(inbox)
+                item = await self._next_async(request.inbox)
                 if isinstance(item, BaseException):
                     raise item
+                item, delta = item
                 finished = item.finished
-                delta = detok.add(item.new_token_ids, finished)
                 yield self._response(0, item, ids, delta, item.new_token_ids)
         finally:
             if not finished:

@@ -309,13 +309,14 @@ def test_a_request_failing_in_a_step_ends_alone(plain_pipe, monkeypatch):
     p = plain_pipe
     alone = p([[5, 6, 7], [8, 9]], GEN)
     checker = p.engine.scheduler.stop_checker
+    scan = checker.scan
     poison = [8, 9]
 
-    def stop_checker(seq):                         # one sequence's host work fails mid-request
-        if seq.token_ids[:seq.num_prompt] == poison and seq.num_generated == 3:
+    def failing_scan(seq, tokens):                 # one sequence's host work fails mid-request
+        if seq.token_ids[:seq.num_prompt] == poison and seq.num_generated == 2:
             raise RuntimeError('stop check failed')
-        return checker(seq)
-    monkeypatch.setattr(p.engine.scheduler, 'stop_checker', stop_checker)
+        return scan(seq, tokens)
+    monkeypatch.setattr(checker, 'scan', failing_scan)
     good, failed = p([[5, 6, 7], [8, 9]], GEN)
     assert good.token_ids == alone[0].token_ids and good.finish_reason == 'length'
     assert failed.finish_reason == 'error' and failed.error == 'RuntimeError: stop check failed'

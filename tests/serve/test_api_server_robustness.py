@@ -317,7 +317,7 @@ class FakePipe:
         self.prompts[ids[0]] = prompt
         return ids
 
-    async def generate(self, ids, gen_config):
+    async def generate(self, ids, gen_config, stream_text=True):
         from lmdeploy_lite.messages import Response
         prompt = self.prompts[ids[0]]
         yield Response(text='hel', token_ids=[1], input_token_len=1, generate_token_len=1)

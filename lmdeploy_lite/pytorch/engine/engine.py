@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,27 +34,34 @@ _DTYPES = {'float32': torch.float32, 'float64': torch.float64, 'bfloat16': torch
            'float16': torch.float16}
 
 
-@dataclass
 class StepOutput:
     """One sequence's result of one step, as it stood at the end of that step. The thread that
     consumes it may run a step or more behind the engine (async scheduling makes the last step
-    of a batch nearly free), so nothing a consumer reads may come from the live Sequence."""
-    seq: Sequence                     # identity only: its fields move on with the engine
-    new_token_ids: list[int]          # tokens emitted this step (empty for a non-final chunk)
-    finished: bool = field(init=False)
-    finish_reason: str | None = field(init=False)
-    num_generated: int = field(init=False)
-    spec_stats: SpecDecodeStats | None = field(init=False)     # None until the first draft
-    error: str | None = field(init=False)                       # why, when finish_reason='error'
+    of a batch nearly free), so nothing a consumer reads may come from the live Sequence: the
+    fields are copied when the output is made (the speculative counters as a tuple, made into a
+    SpecDecodeStats only when read)."""
+    __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated', 'error',
+                 '_stats')
 
-    def __post_init__(self):
-        seq = self.seq
-        self.finished, self.finish_reason = seq.is_finished, seq.finish_reason
-        self.error = seq.error if seq.finish_reason == 'error' else None
+    def __init__(self, seq: Sequence, new_token_ids: list[int]):
+        self.seq = seq                          # identity only: its fields move on
+        self.new_token_ids = new_token_ids      # tokens emitted this step (none: a non-final chunk)
+        self.finished = seq.is_finished
+        self.finish_reason = seq.finish_reason
         self.num_generated = seq.num_generated
+        self.error = seq.error if seq.finish_reason == 'error' else None   # why, with 'error'
         stats = seq.spec_stats
-        self.spec_stats = (dataclasses.replace(stats, accepted_per_position=list(
-            stats.accepted_per_position)) if stats.num_drafts else None)
+        self._stats = (None if not stats.num_drafts else
+                       (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
+                        tuple(stats.accepted_per_position)))
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """The request's speculative counters so far; None until its first draft."""
+        if self._stats is None:
+            return None
+        drafts, draft_tokens, accepted, per_position = self._stats
+        return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position))
 
 
 @dataclass

@@ -1,5 +1,10 @@
 """Drives an Engine in a background thread so that callers (pipeline, server) can submit,
-stream and abort concurrently. Engine state is touched by this thread alone."""
+stream and abort concurrently. Engine state is touched by this thread alone.
+
+Results reach a front-end once per engine step, not once per token per request: requests
+submitted with the same `Channel` get one `post` per step carrying all of their outputs of that
+step (a batch of 64 streams is one queue put, one thread wake-up). A plain callable sink still
+gets one call per output (tests, simple callers)."""
 from __future__ import annotations
 
 import logging
@@ -14,16 +19,54 @@ from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence, request_e
 
 logger = logging.getLogger('lmdeploy_lite')
 
-Sink = Callable[[StepOutput | BaseException], None]
+Item = StepOutput | BaseException      # a request's output, or the exception that ended it
+
+
+class Channel:
+    """A front-end's inbox for many requests. `post(items)` is called in the engine's thread
+    once per step with `[(tag, item), ...]` for every request of this channel that has news
+    (in the engine's order; `tag` as given to `submit`). It must not block for long; raising
+    aborts those requests (the engine goes on)."""
+
+    def __init__(self, post: Callable[[list[tuple[object, Item]]], None]):
+        self.post = post
+
+
+Sink = Callable[[Item], None] | Channel
 
 
 @dataclass(eq=False)
 class RequestHandle:
     token_ids: list[int]
     gen_config: GenerationConfig
-    sink: Sink                         # receives every StepOutput, or the exception that ended it
+    sink: Sink                         # a Channel, or a callable that receives every item
+    tag: object = None                 # names the request in its Channel's posts
     seq: Sequence | None = None
     aborted: bool = field(default=False)
+
+
+def hand_out(pairs: list[tuple[object, Item]]) -> list:
+    """Give each (handle, item) to its request's sink: one `post` per Channel with all of its
+    items (in order), one call per item for a callable sink. A sink that raises is logged and
+    its handles are returned (the caller aborts them); the others are unaffected."""
+    failed, posts = [], {}
+    for handle, item in pairs:
+        sink = handle.sink
+        if isinstance(sink, Channel):
+            posts.setdefault(id(sink), (sink, []))[1].append((handle, item))
+            continue
+        try:
+            sink(item)
+        except Exception:
+            logger.exception('a request sink failed; aborting that request only')
+            failed.append(handle)
+    for channel, entries in posts.values():
+        try:
+            channel.post([(h.tag, item) for h, item in entries])
+        except Exception:
+            logger.exception('a front-end channel failed; aborting its requests of this step')
+            failed += [h for h, _ in entries]
+    return failed
 
 
 class EngineLoop:
@@ -48,13 +91,13 @@ class EngineLoop:
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
         self.engine.validate_request(token_ids, gen_config)
 
-    def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink
-               ) -> RequestHandle:
+    def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
+               tag: object = None) -> RequestHandle:
         """Validates in the caller's thread (a bad request raises here and touches nothing).
         Raises RuntimeError once the engine has stopped or is closing."""
         self._check_running()
         self.engine.validate_request(token_ids, gen_config)
-        handle = RequestHandle(list(token_ids), gen_config, sink)
+        handle = RequestHandle(list(token_ids), gen_config, sink, tag)
         with self._lock:
             self._check_running()
             self._inbox.put(('add', handle))
@@ -84,8 +127,7 @@ class EngineLoop:
             while not self._stopping.is_set():
                 self._drain_inbox(block=not self.engine.has_work)
                 if self.engine.has_work:
-                    for out in self.engine.step():
-                        self._deliver(out)
+                    self._deliver(self.engine.step())
         except BaseException as e:          # the engine is unusable: tell every waiter
             logger.exception('engine step failed; the engine stops')
             self.error = ended = e
@@ -99,8 +141,7 @@ class EngineLoop:
                 for handle in handles:
                     if handle.seq is not None:
                         self.engine.abort(handle.seq)
-            for handle in handles:
-                self._tell(handle, ended)
+            hand_out([(handle, ended) for handle in handles])
 
     def _take_queued(self) -> list[RequestHandle]:
         """Requests submitted but never admitted."""
@@ -138,7 +179,7 @@ class EngineLoop:
                                   num_prompt=len(handle.token_ids), gen_config=handle.gen_config,
                                   arrival=-1, status=SeqStatus.FINISHED, finish_reason='error',
                                   error=request_error(e))
-            self._tell(handle, StepOutput(handle.seq, []))
+            hand_out([(handle, StepOutput(handle.seq, []))])
             return
         self._live[handle.seq.seq_id] = handle
 
@@ -147,24 +188,18 @@ class EngineLoop:
         if handle.seq is None or handle.seq.is_finished:
             return
         self.engine.abort(handle.seq)
-        self._deliver(StepOutput(handle.seq, []))
+        self._deliver([StepOutput(handle.seq, [])])
 
-    def _deliver(self, out: StepOutput):
-        handle = self._live.get(out.seq.seq_id)
-        if handle is None:
-            return
-        if out.finished:
-            del self._live[out.seq.seq_id]
-        if not self._tell(handle, out) and not out.finished:
-            self._abort(handle)
-
-    @staticmethod
-    def _tell(handle: RequestHandle, item: StepOutput | BaseException) -> bool:
-        """Hand `item` to the request's sink; a failing sink ends that request only."""
-        try:
-            handle.sink(item)
-            return True
-        except Exception:
-            logger.exception('a request sink failed; aborting that request only')
-            return False
-
+    def _deliver(self, outputs: list[StepOutput]):
+        """One step's outputs to their requests' sinks (one post per Channel)."""
+        pairs = []
+        for out in outputs:
+            handle = self._live.get(out.seq.seq_id)
+            if handle is None:
+                continue
+            if out.finished:
+                del self._live[out.seq.seq_id]
+            pairs.append((handle, out))
+        for handle in hand_out(pairs):
+            if not handle.seq.is_finished:
+                self._abort(handle)

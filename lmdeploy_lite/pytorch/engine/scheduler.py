@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
 
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager, blocks_needed
 from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
+from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_batch_size: int,
                  max_prefill_token_num: int, session_len: int, num_spec_tokens: int = 0,
-                 num_draft_extra: int = 0, stop_checker: Callable[[Sequence], str | None] | None = None,
+                 num_draft_extra: int = 0, stop_checker: StopChecker | None = None,
                  max_mixed_token_num: int = 0):
         self.bm = block_manager
         self.max_batch_size = max_batch_size
@@ -64,7 +64,7 @@ class Scheduler:
         self.session_len = session_len
         self.num_spec_tokens = num_spec_tokens
         self.num_draft_extra = num_draft_extra
-        self.stop_checker = stop_checker
+        self.stop_checker = stop_checker or StopChecker(())
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._arrivals = 0
@@ -224,27 +224,20 @@ class Scheduler:
         """Record a step's result for `seq`; returns the tokens actually emitted (a stop inside
         `new_tokens` truncates there). Frees the sequence's cache when it finishes."""
         seq.num_computed += num_new_computed
-        seq.prefilled = seq.prefilled or bool(new_tokens)
-        emitted = []
-        for token in new_tokens:
-            seq.token_ids.append(token)
-            emitted.append(token)
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
-                break
-        return emitted
-
-    def _check_stop(self, seq: Sequence, token: int) -> str | None:
+        if not new_tokens:
+            return []
+        seq.prefilled = True
         cfg = seq.gen_config
-        if cfg.stop_token_ids and token in cfg.stop_token_ids:
-            return 'stop'
-        if self.stop_checker is not None and self.stop_checker(seq) is not None:
-            return 'stop'
-        if seq.num_generated >= cfg.max_new_tokens or len(seq.token_ids) >= self.session_len:
-            return 'length'
-        return None
+        room = min(cfg.max_new_tokens - seq.num_generated, self.session_len - len(seq.token_ids))
+        n, reason = self.stop_checker.scan(seq, new_tokens[:room])
+        if reason is None and len(new_tokens) >= room:
+            n, reason = room, 'length'
+        emitted = new_tokens[:n]
+        seq.token_ids += emitted
+        if reason is not None:
+            self.running.remove(seq)
+            self._finish(seq, reason)
+        return emitted
 
     def _finish(self, seq: Sequence, reason: str):
         self.bm.free(seq)

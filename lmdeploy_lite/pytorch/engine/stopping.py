@@ -1,4 +1,7 @@
-"""Stop conditions that need the tokenizer or the model's EOS ids (the rest live in the scheduler)."""
+"""Where a step's new tokens end a request: a stop token (the request's `stop_token_ids`, or an EOS
+id unless `ignore_eos`) or a completed stop word (needs the tokenizer). Lengths (max_new_tokens,
+the session) are the scheduler's. A verify step emits up to k + 1 tokens at once; a stop inside
+them truncates there."""
 from __future__ import annotations
 
 from lmdeploy_lite.pytorch.engine.sequence import Sequence
@@ -7,27 +10,49 @@ _STOP_WORD_TAIL_TOKENS = 16
 
 
 class StopChecker:
-    """Called after each appended token: 'stop' on EOS (unless ignore_eos) or a completed stop word."""
 
     def __init__(self, eos_token_ids: tuple[int, ...], tokenizer=None):
-        self.eos_token_ids = set(eos_token_ids)
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
 
-    def __call__(self, seq: Sequence) -> str | None:
-        cfg = seq.gen_config
-        token = seq.token_ids[-1]
-        if not cfg.ignore_eos and token in self.eos_token_ids:
-            return 'stop'
-        if cfg.stop_words and self.tokenizer is not None:
-            tail = seq.generated_ids[-(_STOP_WORD_TAIL_TOKENS + max(map(len, cfg.stop_words))):]
+    def stop_ids(self, seq: Sequence) -> frozenset[int]:
+        """The token ids that end `seq` (computed once per request)."""
+        if seq.stop_ids is None:
+            cfg = seq.gen_config
+            seq.stop_ids = frozenset(cfg.stop_token_ids or ()) | (
+                frozenset() if cfg.ignore_eos else self.eos_token_ids)
+        return seq.stop_ids
+
+    def scan(self, seq: Sequence, tokens: list[int]) -> tuple[int, str | None]:
+        """(how many of `tokens`, about to follow seq.token_ids, the request emits; 'stop' if the
+        last of those ends it, else None). Stop ids are found by one set test for the common
+        case of none among the tokens; stop words, when the request has any, token by token."""
+        n, reason = len(tokens), None
+        stop_ids = self.stop_ids(seq)
+        if stop_ids and not stop_ids.isdisjoint(tokens):
+            n, reason = next(i for i, t in enumerate(tokens) if t in stop_ids) + 1, 'stop'
+        if seq.gen_config.stop_words and self.tokenizer is not None:
+            end = self._stop_word_end(seq, tokens[:n])
+            if end is not None:
+                n, reason = end, 'stop'
+        return n, reason
+
+    def _stop_word_end(self, seq: Sequence, tokens: list[int]) -> int | None:
+        """1 + the index of the first token of `tokens` that completes a stop word, or None."""
+        words = seq.gen_config.stop_words
+        width = _STOP_WORD_TAIL_TOKENS + max(map(len, words))
+        generated = seq.generated_ids[-width:]
+        for i in range(len(tokens)):
+            tail = (generated + tokens[:i + 1])[-width:]
             now = self.tokenizer.decode(tail)
             before = self.tokenizer.decode(tail[:-1])
-            if any(w in now and w not in before for w in cfg.stop_words):
-                return 'stop'
+            if any(w in now and w not in before for w in words):
+                return i + 1
         return None
 
 
-def truncate_at_stop_word(text: str, stop_words) -> str:
-    """The output text ends before the first stop word (the stop word itself is not returned)."""
-    cut = min((i for i in (text.find(w) for w in stop_words or ()) if i >= 0), default=-1)
+def truncate_at_stop_word(text: str, stop_words, start: int = 0) -> str:
+    """The output text ends before the first stop word (the stop word itself is not returned);
+    `start`: no stop word begins before this offset (the text there was checked already)."""
+    cut = min((i for i in (text.find(w, start) for w in stop_words or ()) if i >= 0), default=-1)
     return text if cut < 0 else text[:cut]

@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import threading
+import time
 from contextlib import aclosing, asynccontextmanager
 from typing import AsyncIterator, Callable
 
@@ -47,6 +48,7 @@ logger = logging.getLogger('lmdeploy_lite.serve')
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 STREAM_SHUTDOWN_GRACE_S = 5.0          # a stream's time to end itself once shutdown begins
+DISCONNECT_CHECK_S = 0.25             # how often a non-streamed request asks whether its client left
 ENGINE_POLL_S = 0.5                    # how often the server checks that the engine is alive
 # GenerationConfig's field names as the OpenAI API spells them (for error messages)
 API_FIELD_NAMES = {'max_new_tokens': 'max_tokens', 'random_seed': 'seed', 'stop_words': 'stop'}
@@ -154,20 +156,25 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
 
     # ---- running one request ------------------------------------------------------------------
     async def generate(ids: list[int], gen_config: GenerationConfig, tracker: RequestTracker,
-                       request: Request | None = None) -> AsyncIterator[Response]:
-        """`pipe.generate` with bookkeeping; with `request`, stops when the client has gone.
-        Closing or cancelling this generator aborts the request (aclosing makes that immediate).
-        An engine failure raises RequestError (500, or 503 once the engine is dead)."""
+                       request: Request | None = None, stream_text: bool = True
+                       ) -> AsyncIterator[Response]:
+        """`pipe.generate` with bookkeeping; with `request`, stops when the client has gone
+        (looked at most every DISCONNECT_CHECK_S). Closing or cancelling this generator aborts
+        the request (aclosing makes that immediate). An engine failure raises RequestError
+        (500, or 503 once the engine is dead)."""
         outcome = 'abort'
+        next_check = 0.0
         try:
-            async with aclosing(pipe.generate(ids, gen_config)) as responses:
+            async with aclosing(pipe.generate(ids, gen_config, stream_text)) as responses:
                 async for r in responses:
                     tracker.observe(r)
                     if r.finish_reason is not None:
                         outcome = r.finish_reason
-                    elif request is not None and await request.is_disconnected():
-                        logger.info('client disconnected; aborting its request')
-                        return
+                    elif request is not None and time.monotonic() >= next_check:
+                        next_check = time.monotonic() + DISCONNECT_CHECK_S
+                        if await request.is_disconnected():
+                            logger.info('client disconnected; aborting its request')
+                            return
                     yield r
         except Exception as e:
             outcome = 'error'
@@ -193,7 +200,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     async def run_to_end(ids, gen_config, request) -> tuple[str, Response | None]:
         tracker = metrics.track(len(ids))
         text, last = '', None
-        async with aclosing(generate(ids, gen_config, tracker, request)) as responses:
+        async with aclosing(generate(ids, gen_config, tracker, request,
+                                     stream_text=False)) as responses:
             async for r in responses:
                 text += r.text
                 last = r

@@ -8,7 +8,8 @@ Every rank runs an Engine for its DP rank and the same loop: read its inbox, `en
 (whose first act is the StepPlan all-gather, so ranks advance in lockstep), send outputs home.
 Ranks with no work wait on their inbox between plan gathers (at most IDLE_WAIT_S, no spinning);
 an idle rank inside a busy step runs dummy target and draft forwards. The front-end routes each
-request to the least-loaded DP rank and forwards results to the caller's sink.
+request to the least-loaded DP rank; each rank leader sends one message per step with all of its
+requests' outputs, which the front-end hands to their sinks (one post per Channel).
 
 Failures: a rank that dies is detected within a second; the loop's `error` becomes one short
 line naming it and how it ended ('rank 1 (pid 4242) was killed by signal SIGKILL'), or the
@@ -29,7 +30,7 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch.multiprocessing as mp
@@ -37,6 +38,8 @@ import torch.multiprocessing as mp
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
+from lmdeploy_lite.pytorch.engine.engine import StepOutput
+from lmdeploy_lite.pytorch.engine.engine_loop import Sink, hand_out
 from lmdeploy_lite.pytorch.engine.sequence import request_error
 from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent, make_lifeline
 
@@ -146,31 +149,30 @@ def _rank_loop(rank: int, engine, inbox, outbox):
         # world must reach the next plan gather at once, or every busy step waits for it
         wait = None if engine.has_work or engine.world_busy else IDLE_WAIT_S
         events = _drain(inbox, wait) if leader else None
+        reports = []                         # one message to the front-end per step
         for kind, payload in engine.dist.broadcast_object(events, 'tp'):
             if kind == 'add':
                 rid, token_ids, gen_config = payload
                 try:                 # the same on every TP rank: all of them refuse it alike
                     seq = engine.add_request(token_ids, gen_config)
                 except Exception as e:               # this request alone ends, with the reason
-                    if leader:
-                        outbox.put(('out', rank, (rid, [], True, 'error', 0, (0, 0, 0, []),
-                                                  request_error(e))))
+                    reports.append((rid, [], True, 'error', 0, None, request_error(e)))
                     continue
                 request_of[seq.seq_id], seq_of[rid] = rid, seq
             elif kind == 'abort' and payload in seq_of:
                 seq = seq_of[payload]
                 if not seq.is_finished:
                     engine.abort(seq)
-                    if leader:
-                        outbox.put(('out', rank, _report(payload, seq, [])))
+                    reports.append(_report(payload, StepOutput(seq, [])))
             elif kind == 'stop':
                 engine.stop_requested = True
         for out in engine.step():
             rid = request_of[out.seq.seq_id]
-            if leader:
-                outbox.put(('out', rank, _report(rid, out.seq, out.new_token_ids)))
+            reports.append(_report(rid, out))
             if out.finished:
                 del request_of[out.seq.seq_id], seq_of[rid]
+        if leader and reports:
+            outbox.put(('out', rank, reports))
 
 
 def _drain(inbox, wait: float | None) -> list:
@@ -184,12 +186,10 @@ def _drain(inbox, wait: float | None) -> list:
     return items
 
 
-def _report(rid: int, seq, new_token_ids: list[int]) -> tuple:
-    stats = seq.spec_stats
-    return (rid, list(new_token_ids), seq.is_finished, seq.finish_reason, seq.num_generated,
-            (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-             list(stats.accepted_per_position)),
-            seq.error if seq.finish_reason == 'error' else None)
+def _report(rid: int, out: StepOutput) -> tuple:
+    """A StepOutput as plain data for the front-end (its snapshot, pickled once per step)."""
+    return (rid, out.new_token_ids, out.finished, out.finish_reason, out.num_generated,
+            out._stats, out.error)
 
 
 # ---- the front-end side ---------------------------------------------------------------------
@@ -201,8 +201,15 @@ class RemoteSeq:
     is_finished: bool = False
     finish_reason: str | None = None
     num_generated: int = 0
-    spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     error: str | None = None
+
+
+def _stats(snapshot: tuple | None) -> SpecDecodeStats | None:
+    """StepOutput's counters tuple (None before the first draft) as a SpecDecodeStats."""
+    if snapshot is None:
+        return None
+    drafts, draft_tokens, accepted, per_position = snapshot
+    return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position))
 
 
 @dataclass
@@ -220,7 +227,8 @@ class RemoteOutput:
 @dataclass(eq=False)
 class RemoteHandle:
     seq: RemoteSeq
-    sink: object
+    sink: Sink
+    tag: object = None
 
 
 class RemoteEngineLoop:
@@ -305,7 +313,8 @@ class RemoteEngineLoop:
         from lmdeploy_lite.pytorch.engine.engine import validate_request
         validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
 
-    def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink) -> RemoteHandle:
+    def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
+               tag: object = None) -> RemoteHandle:
         if self.error is not None:
             raise RuntimeError(f'the engine stopped after an error: {self.error}')
         self.validate_request(token_ids, gen_config)
@@ -313,7 +322,7 @@ class RemoteEngineLoop:
             dp_rank = min(range(len(self._load)), key=self._load.__getitem__)   # least loaded
             self._load[dp_rank] += 1
             rid, self._next_rid = self._next_rid, self._next_rid + 1
-            handle = RemoteHandle(RemoteSeq(rid, dp_rank), sink)
+            handle = RemoteHandle(RemoteSeq(rid, dp_rank), sink, tag)
             self._live[rid] = handle
         self._inboxes[dp_rank * self.dist_config.tp].put(('add', (rid, list(token_ids),
                                                                   gen_config)))
@@ -339,23 +348,27 @@ class RemoteEngineLoop:
             if kind == 'error':
                 self._fail(RuntimeError(self._describe_failure(rank, *payload)))
                 return
-            self._deliver(*payload)
+            self._deliver(payload)
 
-    def _deliver(self, rid, new_ids, finished, reason, num_generated, stats, error=None):
+    def _deliver(self, reports: list[tuple]):
+        """One step's reports of one rank to their requests' sinks (one post per Channel)."""
+        pairs = []
         with self._lock:
-            handle = self._live.get(rid)
-            if handle is None:
-                return
-            if finished:
-                del self._live[rid]
-                self._load[handle.seq.dp_rank] -= 1
-        seq = handle.seq
-        seq.is_finished, seq.finish_reason, seq.num_generated = finished, reason, num_generated
-        seq.spec_stats = SpecDecodeStats(stats[0], stats[1], stats[2], list(stats[3]))
-        snapshot = SpecDecodeStats(stats[0], stats[1], stats[2], list(stats[3]))
-        seq.error = error
-        handle.sink(RemoteOutput(seq, new_ids, finished, reason, num_generated,
-                                 snapshot if snapshot.num_drafts else None, error))
+            for rid, new_ids, finished, reason, num_generated, stats, error in reports:
+                handle = self._live.get(rid)
+                if handle is None:
+                    continue
+                if finished:
+                    del self._live[rid]
+                    self._load[handle.seq.dp_rank] -= 1
+                seq = handle.seq
+                seq.is_finished, seq.finish_reason = finished, reason
+                seq.num_generated, seq.error = num_generated, error
+                pairs.append((handle, RemoteOutput(seq, new_ids, finished, reason, num_generated,
+                                                   _stats(stats), error)))
+        for handle in hand_out(pairs):
+            if not handle.seq.is_finished:
+                self.abort(handle)
 
     def _describe_failure(self, rank: int, summary: str, trace: str) -> str:
         """A rank's collective fails when a peer dies: then the dead peer is the news, not the
@@ -386,8 +399,7 @@ class RemoteEngineLoop:
         self.error = error
         with self._lock:
             handles, self._live = list(self._live.values()), {}
-        for handle in handles:
-            handle.sink(error)
+        hand_out([(handle, error) for handle in handles])
         self._kill()
 
     # ---- lifetime -------------------------------------------------------------------------
@@ -401,8 +413,8 @@ class RemoteEngineLoop:
         self._kill()
         with self._lock:
             handles, self._live = list(self._live.values()), {}
-        for handle in handles:
-            handle.sink(RuntimeError('the engine was closed'))
+        closed = RuntimeError('the engine was closed')
+        hand_out([(handle, closed) for handle in handles])
         self._release()
 
     def _release(self):
