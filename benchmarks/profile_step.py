@@ -12,7 +12,7 @@ import time
 import torch
 from common import add_model_args, resolve_model
 
-from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine
 
 
@@ -22,11 +22,17 @@ def main():
     parser.add_argument('--batch', type=int, default=1)
     parser.add_argument('--steps', type=int, default=50)
     parser.add_argument('--eager', action='store_true')
+    parser.add_argument('--shapes', action='store_true',
+                        help='torch.profiler table grouped by op and input shapes')
+    parser.add_argument('--spec', type=int, default=0, help='MTP draft tokens (0: plain decode)')
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)
+    spec_kwargs = ({'speculative_config': SpeculativeConfig(num_speculative_tokens=args.spec)}
+                   if args.spec else {})
     engine = Engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch, 2), session_len=2048,
-        load_format=load_format, seed=args.seed, eager_mode=args.eager), progress=False)
+        load_format=load_format, seed=args.seed, eager_mode=args.eager), progress=False,
+        **spec_kwargs)
     cfg = GenerationConfig(max_new_tokens=10_000, ignore_eos=True)
     for b in range(args.batch):
         engine.add_request(list(range(10 + b, 138 + b)), cfg)
@@ -48,12 +54,14 @@ def main():
     activities = [torch.profiler.ProfilerActivity.CPU]
     if engine.device.type == 'cuda':
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=args.shapes) as prof:
         for _ in range(10):
             engine.step()
         sync()
     key = 'self_cuda_time_total' if engine.device.type == 'cuda' else 'self_cpu_time_total'
-    print(prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=60))
+    table = prof.key_averages(group_by_input_shape=args.shapes)
+    print(table.table(sort_by=key, row_limit=40 if args.shapes else 30, max_name_column_width=60,
+                      max_shapes_column_width=80))
 
 
 if __name__ == '__main__':

@@ -112,6 +112,20 @@ class ModelInputs:
         flat = torch.arange(self.token_seq_idx.numel(), device=self.q_lens.device)
         return flat - self.q_start_loc[self.token_seq_idx]
 
+    @cached_property
+    def has_fresh_seqs(self) -> bool:
+        """Some sequence starts from zero state (`history_lens == 0`); from the host lengths
+        (computed once): decode ops skip the zero-state masking when False."""
+        return any(kv == q for q, kv in zip(self.host_q_lens, self.host_kv_lens))
+
+    @cached_property
+    def op_cache(self) -> dict:
+        """Index tensors an op derives from this step's lengths, positions and block tables
+        (e.g. the KV cache slots of the new tokens), keyed by the op, computed by the first layer
+        that needs them and reused by the others. Nothing derived from `state_index` (it may be
+        reassigned) goes here."""
+        return {}
+
     def to(self, device: torch.device | str) -> 'ModelInputs':
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return ModelInputs(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)

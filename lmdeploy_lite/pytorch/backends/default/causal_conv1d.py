@@ -59,11 +59,36 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_cache: tor
                  store_count=torch.full_like(inputs.q_lens, kernel - 1))
 
 
+def _update_uniform(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
+                    inputs: ModelInputs, num_new: int) -> torch.Tensor:
+    """`causal_conv1d_update` when every sequence has `num_new` tokens (decode, verify): the
+    rows read whole, the window taken at `state_index` only when the row holds more than one
+    (speculative columns), the K taps as a multiply-sum over an unfolded window, one store."""
+    kernel, width = weight.shape[1], conv_cache.shape[2]
+    num_seqs, channels = inputs.q_lens.shape[0], x.shape[1]
+    window = conv_cache.index_select(0, inputs.state_slots)                     # [B, C, W]
+    if width > kernel - 1:
+        cols = inputs.state_index[:, None] + torch.arange(kernel - 1, device=x.device)
+        window = torch.gather(window, 2, cols[:, None, :].expand(-1, channels, -1))
+    if inputs.has_fresh_seqs:
+        window = window.masked_fill((inputs.history_lens == 0)[:, None, None], 0)
+    new = x.view(num_seqs, num_new, channels).transpose(1, 2).to(conv_cache.dtype)
+    full = torch.cat([window, new], dim=2)                                       # [B, C, K - 1 + n]
+    conv = (full.unfold(2, kernel, 1).to(weight.dtype) * weight[:, None, :]).sum(-1)   # [B, C, n]
+    if kernel - 2 + num_new == width:                       # the whole row is rewritten
+        conv_cache.index_copy_(0, inputs.state_slots, full[:, :, 1:])
+    else:
+        conv_cache[inputs.state_slots, :, :kernel - 2 + num_new] = full[:, :, 1:]
+    return F.silu(conv).transpose(1, 2).reshape(x.shape).to(x.dtype)
+
+
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
                          inputs: ModelInputs) -> torch.Tensor:
     """Decode/verify over n = q_lens[b] tokens per sequence: x [T, C] -> [T, C]. Writes
     `cat(window, x_0..x_{n-1})[:, 1:]` to columns 0..K-3+n, so that after accepting a tokens the
     window at index a - 1 is the last K-1 raw inputs up to the accepted token."""
     kernel = weight.shape[1]
+    if inputs.uniform_q_len:
+        return _update_uniform(x, weight, conv_cache, inputs, inputs.uniform_q_len)
     return _conv(x, weight, conv_cache, inputs, store_from=torch.ones_like(inputs.q_lens),
                  store_count=inputs.q_lens + kernel - 2)

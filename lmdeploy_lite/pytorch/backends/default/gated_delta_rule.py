@@ -141,6 +141,8 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     Writes the state after token t to slot t of the sequence's row (t < n). Different lengths
     are zero-padded to the longest (padding leaves the state unchanged and is not stored)."""
     acc = torch.float64 if torch.float64 in (state_cache.dtype, v.dtype) else torch.float32
+    if inputs.uniform_q_len:
+        return _decode_uniform(q, k, v, g, beta, state_cache, inputs, acc)
     init = _initial_states(state_cache, inputs)
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
     (group,) = seq_groups(inputs, lambda *_: 0)      # one group: padding is at most num_spec
@@ -150,3 +152,53 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                                            state_dtype=state_cache.dtype)
     _store(state_cache, inputs.state_slots, slice(0, group.max_q_len), states, group.valid())
     return group.unpad(o).to(v.dtype)
+
+
+def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelInputs,
+                    acc: torch.dtype) -> torch.Tensor:
+    """`gated_delta_rule_decode` when every sequence has n = `uniform_q_len` tokens: the
+    recurrence of `recurrent_gated_delta_rule` on states read and written as whole rows of the
+    flattened cache (`index_select` / `index_copy_`), value heads grouped under their key head
+    (`[B, nk, nv / nk, dk, dv]`, no repeated q/k), products as small batched matmuls. Each token
+    starts from the state rounded to the cache's dtype, as a one-token call reads it back."""
+    num_new, num_seqs = inputs.uniform_q_len, inputs.q_lens.shape[0]
+    num_key_heads, key_dim = q.shape[1:]
+    num_value_heads, value_dim = v.shape[1:]
+    ratio, slots_per_row = num_value_heads // num_key_heads, state_cache.shape[1]
+    out_dtype = v.dtype
+    flat_cache = state_cache.view(-1, *state_cache.shape[2:])          # [rows * S, nv, dk, dv]
+    if slots_per_row == 1:                                              # no speculative slots
+        row_start = current = inputs.state_slots
+    else:
+        row_start = inputs.state_slots * slots_per_row
+        current = row_start + inputs.state_index
+    state = flat_cache.index_select(0, current).to(acc)
+    if inputs.has_fresh_seqs:
+        state = state.masked_fill((inputs.history_lens == 0)[:, None, None, None], 0)
+    state = state.view(num_seqs, num_key_heads, ratio, key_dim, value_dim)
+    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
+    q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * key_dim ** -0.5)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    # per token t: [B, nk, 1, 1, dk] for q/k, [B, nk, ratio, 1, dv] for v, [B, nk, ratio, 1, 1]
+    q, k = (x.view(num_seqs, num_new, num_key_heads, 1, 1, key_dim) for x in (q, k))
+    v = v.view(num_seqs, num_new, num_key_heads, ratio, 1, value_dim)
+    decay, beta = (x.view(num_seqs, num_new, num_key_heads, ratio, 1, 1) for x in (g.exp(), beta))
+    if num_new == 1:                    # state is a fresh copy: update it in place
+        state.mul_(decay[:, 0])
+        delta = (v[:, 0] - k[:, 0] @ state) * beta[:, 0]
+        state.addcmul_(k[:, 0].transpose(-1, -2), delta)                # S + k delta^T
+        out = q[:, 0] @ state
+        flat_cache.index_copy_(0, row_start, state.flatten(1, 2).to(state_cache.dtype))
+        return out.reshape(num_seqs, num_value_heads, value_dim).to(out_dtype)
+    states = torch.empty((num_seqs, num_new) + state.shape[1:], dtype=acc, device=state.device)
+    outs = []
+    for t in range(num_new):
+        new = torch.mul(state.to(state_cache.dtype).to(acc), decay[:, t], out=states[:, t])
+        delta = (v[:, t] - k[:, t] @ new) * beta[:, t]
+        state = new.addcmul_(k[:, t].transpose(-1, -2), delta)
+        outs.append(q[:, t] @ state)
+    new_slots = row_start[:, None] + torch.arange(num_new, device=row_start.device)
+    states = states.view(-1, num_value_heads, key_dim, value_dim)
+    flat_cache.index_copy_(0, new_slots.flatten(), states.to(state_cache.dtype))
+    out = torch.stack(outs, 1)                                          # [B, n, nk, ratio, 1, dv]
+    return out.reshape(num_seqs * num_new, num_value_heads, value_dim).to(out_dtype)

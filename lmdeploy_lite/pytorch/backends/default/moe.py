@@ -19,17 +19,44 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     summed over j in order (EP's combine sums the same way, so every layout gives the same numbers).
     Reads device values on the host: not for captured decode steps."""
     num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)
     pairs = torch.zeros(num_tokens * top_k, x.shape[-1], dtype=x.dtype, device=x.device)
-    rows_x = x.repeat_interleave(top_k, dim=0)
-    for expert in flat_ids.unique().tolist():
-        if expert < 0:
-            continue
-        rows = torch.where(flat_ids == expert)[0]
-        gate_up = F.linear(rows_x[rows], gate_up_proj[expert])
-        pairs[rows] = F.linear(silu_mul(gate_up), down_proj[expert])
+    if num_tokens * top_k <= SMALL_BATCH_PAIRS:
+        _experts_by_pair_list(x, gate_up_proj, down_proj, topk_ids, pairs)
+    else:
+        flat_ids = topk_ids.reshape(-1)
+        rows_x = x.repeat_interleave(top_k, dim=0)
+        for expert in flat_ids.unique().tolist():
+            if expert < 0:
+                continue
+            rows = torch.where(flat_ids == expert)[0]
+            gate_up = F.linear(rows_x[rows], gate_up_proj[expert])
+            pairs[rows] = F.linear(silu_mul(gate_up), down_proj[expert])
     out = (pairs.view(num_tokens, top_k, x.shape[-1]) * topk_weights[..., None]).sum(1)
     return out.to(x.dtype)
+
+
+SMALL_BATCH_PAIRS = 64     # up to this many (token, expert) pairs: group them on the host
+
+
+def _experts_by_pair_list(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                          topk_ids: torch.Tensor, pairs: torch.Tensor) -> None:
+    """`fused_moe`'s expert loop for a few pairs (decode): the ids read once, grouped by expert
+    in Python; a lone row is sliced, not gathered. pairs [T * k, H] row i <- expert(x[i // k])."""
+    top_k = topk_ids.shape[1]
+    by_expert: dict[int, list[int]] = {}
+    for pair, expert in enumerate(topk_ids.reshape(-1).tolist()):
+        if expert >= 0:
+            by_expert.setdefault(expert, []).append(pair)
+    for expert in sorted(by_expert):
+        rows = by_expert[expert]
+        if len(rows) == 1:
+            token = rows[0] // top_k
+            rows_x, target = x[token:token + 1], slice(rows[0], rows[0] + 1)
+        else:
+            target = torch.tensor(rows, device=x.device)
+            rows_x = x[target // top_k]
+        gate_up = F.linear(rows_x, gate_up_proj[expert])
+        pairs[target] = F.linear(silu_mul(gate_up), down_proj[expert])
 
 
 def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,

@@ -1,7 +1,8 @@
 """RMSNorm variants of Qwen3.5 and the SwiGLU activation, in plain PyTorch.
 
 `rms_norm` is zero-centred (`x / rms(x) * (1 + w)`, w as stored in the checkpoint), computed in
-float32 (float64 for float64 inputs) and cast back. `add_rms_norm` is the decoder layer's residual
+float32 (float64 for float64 inputs) and cast back; `F.rms_norm` computes
+`x * rsqrt(mean(x^2) + eps) * w'` in one call. `add_rms_norm` is the decoder layer's residual
 add followed by that norm (unfused here: the reference the CUDA kernel is checked against).
 `gated_rms_norm` is the gated delta net's per-head output norm: plain `w`, the norm rounded to
 x.dtype before the weight, then the SiLU gate.
@@ -20,9 +21,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> `x * rsqrt(mean(x^2) + eps) * (1 + w)` [..., D] in x.dtype."""
     acc = compute_dtype(x.dtype)
-    xf = x.to(acc)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * (1.0 + weight.to(acc))).to(x.dtype)
+    return F.rms_norm(x.to(acc), x.shape[-1:], 1.0 + weight.to(acc), eps).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -40,9 +39,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     """x, gate [..., D], weight [D] -> `w * norm(x).to(x.dtype) * silu(gate)` [..., D] in x.dtype
     (the gate's SiLU and the product in the compute dtype)."""
     acc = compute_dtype(x.dtype)
-    xf = x.to(acc)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    y = weight * xf.to(x.dtype)
+    y = weight * F.rms_norm(x.to(acc), x.shape[-1:], None, eps).to(x.dtype)
     return (y * F.silu(gate.to(acc))).to(x.dtype)
 
 

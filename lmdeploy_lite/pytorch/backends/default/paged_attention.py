@@ -58,6 +58,43 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return group.unpad(out).flatten(1, 2)
 
 
+def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    inputs: ModelInputs, scale: float) -> torch.Tensor:
+    """`paged_attention`'s attention when every sequence has n = `uniform_q_len` queries (decode,
+    verify): q [B * n, nq, d] (accumulation dtype) -> [B * n, nq, d]; whole blocks gathered with
+    `index_select`, scores `[B, n_kv, n * g, max_kv]` from batched matmuls; masks only where a
+    query could see a padded or future position (not for one sequence decoding one token)."""
+    num_new, num_seqs = inputs.uniform_q_len, inputs.q_lens.shape[0]
+    num_blocks, block_size, n_kv, head_dim = k_cache.shape
+    max_kv = inputs.max_kv_len
+    blocks = inputs.block_tables[:, :(max_kv + block_size - 1) // block_size].reshape(-1)
+
+    def gather(cache):                                                  # -> [B, n_kv, L, d]
+        rows = cache.index_select(0, blocks).view(num_seqs, -1, n_kv, head_dim)[:, :max_kv]
+        return rows.to(q.dtype).transpose(1, 2)
+
+    keys, values = gather(k_cache), gather(v_cache)
+    group = q.shape[1] // n_kv
+    queries = q.view(num_seqs, num_new, n_kv, group, head_dim).permute(0, 2, 1, 3, 4)
+    scores = queries.reshape(num_seqs, n_kv, num_new * group, head_dim) @ keys.transpose(-1, -2)
+    scores = scores * scale
+    if num_seqs > 1 or num_new > 1:
+        kv_lens = inputs.history_lens + num_new                         # [B]
+        k_pos = torch.arange(max_kv, device=q.device)
+        q_pos = kv_lens[:, None] - num_new + torch.arange(num_new, device=q.device)   # [B, n]
+        hidden = k_pos[None, None, :] > q_pos[:, :, None]               # [B, n, L]
+        scores = scores.view(num_seqs, n_kv, num_new, group, max_kv)
+        scores = scores.masked_fill(hidden[:, None, :, None, :], float('-inf'))
+        scores = scores.view(num_seqs, n_kv, num_new * group, max_kv)
+        # positions past a sequence's kv_len hold stale data: probability 0 must not meet a
+        # non-finite value
+        stale = k_pos[None, :] >= kv_lens[:, None]                      # [B, L]
+        values = values.masked_fill(stale[:, None, :, None], 0)
+    out = scores.softmax(dim=-1) @ values                               # [B, n_kv, n * g, d]
+    out = out.view(num_seqs, n_kv, num_new, group, head_dim).permute(0, 2, 1, 3, 4)
+    return out.reshape(num_seqs * num_new, n_kv * group, head_dim)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, inputs: ModelInputs, scale: float) -> torch.Tensor:
     """Store the step's k/v, then attend each sequence's new queries over its whole cached prefix.
@@ -68,6 +105,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     group (scores `[n, nq, max_q, max_kv]`); padded queries are computed and dropped."""
     fill_kv_cache(k, v, k_cache, v_cache, inputs)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if inputs.uniform_q_len:
+        return _attend_uniform(q.to(acc), k_cache, v_cache, inputs, scale).to(q.dtype)
     num_heads = q.shape[1]
     out = torch.empty_like(q)
     for group in seq_groups(inputs, lambda n, max_q, max_kv: n * num_heads * max_q * max_kv):
