@@ -203,12 +203,17 @@ def load_mtp_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
 def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True,
                      load_format: str = 'auto', seed: int = 0) -> None:
     """Load `mtp.*` into the draft head (`Qwen3_5MTP`); its shared embed/lm_head are not loaded.
-    `load_format='dummy'`: random weights instead (`init_dummy_weights`, names `mtp.*`)."""
+    `load_format='dummy'`: random weights instead (`init_dummy_weights`, names `mtp.*`).
+    Off CUDA the projections are then fused with their parts kept, as `build_model` does (on
+    CUDA the caller fuses)."""
     if load_format == 'dummy':
         init_dummy_weights(mtp, seed, prefix='mtp.')
-        return
-    load_module_weights(mtp, model_dir, {'mtp.': ''}, allow_missing=('embed_tokens.', 'lm_head.'),
-                        progress=progress, desc='Loading MTP weights')
+    else:
+        load_module_weights(mtp, model_dir, {'mtp.': ''},
+                            allow_missing=('embed_tokens.', 'lm_head.'), progress=progress,
+                            desc='Loading MTP weights')
+    if next(mtp.parameters()).device.type != 'cuda':   # as build_model does (CUDA: the caller)
+        fuse_projections(mtp, keep_parts=True)
 
 
 DUMMY_STD = 0.02                  # matrices, conv kernels, embeddings, experts: normal(0, 0.02)
@@ -262,10 +267,12 @@ def _init_dummy(module: nn.Module, param_name: str, name: str, param: torch.Tens
 
 def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = 'cpu', progress: bool = True,
-                dist_ctx=None, load_format: str = 'auto', seed: int = 0) -> nn.Module:
+                dist_ctx=None, load_format: str = 'auto', seed: int = 0,
+                fuse: bool = True) -> nn.Module:
     """ModelConfig from config.json -> Qwen3_5ForCausalLM with weights loaded (this rank's
     shard under a DistContext), in eval mode. `load_format='dummy'`: random weights
-    (`init_dummy_weights(model, seed)`), no safetensors read."""
+    (`init_dummy_weights(model, seed)`), no safetensors read. `fuse`: same-input projections
+    as one GEMM (`fuse_projections`; off CUDA the parts stay, as views)."""
     from .qwen3_5 import Qwen3_5ForCausalLM
     config = ModelConfig.from_pretrained(model_dir)
     model = Qwen3_5ForCausalLM(config, dtype, device, dist_ctx)
@@ -273,6 +280,8 @@ def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
         init_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir, progress=progress)
-    if torch.device(device).type == 'cuda':      # fewer, larger GEMMs for decode
-        fuse_projections(model)
+    # fewer, larger GEMMs for decode; off CUDA the parts stay (views of the fused weights), so
+    # names and state_dict are the checkpoint's
+    if fuse:
+        fuse_projections(model, keep_parts=torch.device(device).type != 'cuda')
     return model.eval()

@@ -42,9 +42,12 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps, dtype, device)
         self.qkv_proj = None         # q/k/v_proj as one GEMM, after `fuse_projections`
 
-    def fuse_projections(self):
-        self.qkv_proj = FusedColumnLinear([self.q_proj, self.k_proj, self.v_proj])
-        del self.q_proj, self.k_proj, self.v_proj
+    def fuse_projections(self, keep_parts: bool = False):
+        if self.qkv_proj is not None:
+            return
+        self.qkv_proj = FusedColumnLinear([self.q_proj, self.k_proj, self.v_proj], keep_parts)
+        if not keep_parts:
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs) -> torch.Tensor:

@@ -60,10 +60,13 @@ class GatedDeltaNet(nn.Module):
                                           dist_ctx=dist_ctx)
         self.in_proj = None          # in_proj_qkv/z/b/a as one GEMM, after `fuse_projections`
 
-    def fuse_projections(self):
+    def fuse_projections(self, keep_parts: bool = False):
+        if self.in_proj is not None:
+            return
         self.in_proj = FusedColumnLinear([self.in_proj_qkv, self.in_proj_z, self.in_proj_b,
-                                          self.in_proj_a])
-        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+                                          self.in_proj_a], keep_parts)
+        if not keep_parts:
+            del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def forward(self, hidden: torch.Tensor, state_cache: tuple[torch.Tensor, torch.Tensor],
                 inputs: ModelInputs) -> torch.Tensor:

@@ -8,6 +8,8 @@ in HF checkpoints; sharded ones carry `weight.shard` (nn/sharding.py) for the lo
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -96,23 +98,37 @@ class RowParallelLinear(nn.Module):
 class FusedColumnLinear(nn.Module):
     """Column-parallel projections of the same input as ONE GEMM: the parts' (local) weights
     concatenated by rows; `forward` returns the parts' outputs split again. Built after loading
-    (`fuse_projections`), so checkpoint names and sharding stay those of the parts."""
+    (`fuse_projections`), so checkpoint names and sharding stay those of the parts.
+    `keep_parts=True`: the parts stay, their weights become views of the fused one (a
+    non-persistent buffer here), so `state_dict`, names and later in-place loads are the parts'.
+    `outputs`: how many consecutive parts each returned piece covers (default: one each)."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: list[nn.Module], keep_parts: bool = False,
+                 outputs: list[int] | None = None):
         super().__init__()
-        if any(p.bias is not None for p in parts):
+        if any(getattr(p, 'bias', None) is not None for p in parts):
             raise ValueError('FusedColumnLinear: parts with a bias are not fused')
-        self.sizes = [p.weight.shape[0] for p in parts]
-        self.weight = nn.Parameter(torch.cat([p.weight.data for p in parts]), requires_grad=False)
+        part_sizes = [p.weight.shape[0] for p in parts]
+        weight = torch.cat([p.weight.data for p in parts])
+        if keep_parts:
+            self.register_buffer('weight', weight, persistent=False)
+            for part, rows in zip(parts, weight.split(part_sizes)):
+                part.weight.data = rows
+        else:
+            self.weight = nn.Parameter(weight, requires_grad=False)
+        bounds = [0] + list(itertools.accumulate(outputs or [1] * len(parts)))
+        self.sizes = [sum(part_sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return F.linear(x, self.weight).split(self.sizes, dim=-1)
 
 
-def fuse_projections(model: nn.Module) -> nn.Module:
+def fuse_projections(model: nn.Module, keep_parts: bool = False) -> nn.Module:
     """Replace each module's same-input projections by one GEMM (`module.fuse_projections()`;
-    fewer, larger GEMMs: what decode at small batch on a GPU needs). Call after loading."""
+    fewer, larger GEMMs: what small-batch decode needs, on a GPU and on a CPU alike). Call after
+    loading; a module already fused is left as it is. `keep_parts`: see `FusedColumnLinear`
+    (the parts' parameters stay, as views of the fused weights)."""
     for module in list(model.modules()):
         if hasattr(module, 'fuse_projections'):
-            module.fuse_projections()
+            module.fuse_projections(keep_parts)
     return model

@@ -21,13 +21,21 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, dtype, device,
                                            dist_ctx=dist_ctx, reduce_output=reduce_output)
         self.gate_up_proj = None     # gate/up_proj as one GEMM, after `fuse_projections`
+        self.fused_by_parent = False  # a parent's GEMM computes gate/up (SparseMoeBlock)
+        self.backend = get_backend(device)
 
-    def fuse_projections(self):
-        self.gate_up_proj = FusedColumnLinear([self.gate_proj, self.up_proj])
-        self.backend = get_backend(self.gate_up_proj.weight.device)
-        del self.gate_proj, self.up_proj
+    def fuse_projections(self, keep_parts: bool = False):
+        if self.gate_up_proj is not None or self.fused_by_parent:
+            return
+        self.gate_up_proj = FusedColumnLinear([self.gate_proj, self.up_proj], keep_parts)
+        if not keep_parts:
+            del self.gate_proj, self.up_proj
+
+    def forward_fused(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP from its `[gate | up]` projection (computed by the caller's GEMM)."""
+        return self.down_proj(self.backend.silu_mul(gate_up))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:       # [gate | up] from one GEMM, one fused kernel
-            return self.down_proj(self.backend.silu_mul(F.linear(x, self.gate_up_proj.weight)))
+            return self.forward_fused(F.linear(x, self.gate_up_proj.weight))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

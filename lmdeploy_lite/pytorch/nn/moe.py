@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backends import get_backend
-from .linear import ReplicatedLinear
+from .linear import FusedColumnLinear, ReplicatedLinear
 from .mlp import SwiGLUMLP
 from .norm import compute_dtype
 from .sharding import sharded_parameter, tp_layout
@@ -36,11 +36,14 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x.dtype, expert ids [T, k] long)."""
-        logits = F.linear(x, self.weight)
-        probs = logits.softmax(dim=-1, dtype=compute_dtype(x.dtype))
+        return self.route(F.linear(x, self.weight))
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] (x @ weight.T, in x.dtype) -> (weights, ids) as `forward`."""
+        probs = logits.softmax(dim=-1, dtype=compute_dtype(logits.dtype))
         weights, ids = probs.topk(self.top_k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return weights.to(logits.dtype), ids
 
 
 class FusedExperts(nn.Module):
@@ -102,15 +105,34 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, dtype, device,
                                        dist_ctx=dist_ctx, reduce_output=False)
         self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, dtype, device)
+        self.in_proj = None     # router, shared gate and shared gate/up as one GEMM (CPU)
+
+    def fuse_projections(self, keep_parts: bool = False):
+        """With `keep_parts` (the parts stay as views): the router, the shared expert's gate
+        and its gate/up projections read x in one GEMM. Otherwise only the shared expert fuses
+        its gate/up (its own `fuse_projections`)."""
+        if not keep_parts or self.in_proj is not None:
+            return
+        mlp = self.shared_expert
+        if mlp.gate_up_proj is not None:
+            return
+        self.in_proj = FusedColumnLinear([self.gate, self.shared_expert_gate, mlp.gate_proj,
+                                          mlp.up_proj], keep_parts=True, outputs=[1, 1, 2])
+        mlp.fused_by_parent = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
+        if self.in_proj is not None:
+            logits, shared_gate, shared_gate_up = self.in_proj(x)
+            weights, ids = self.gate.route(logits)
+            shared = self.shared_expert.forward_fused(shared_gate_up)
+        else:
+            weights, ids = self.gate(x)
+            shared_gate, shared = self.shared_expert_gate(x), self.shared_expert(x)
         if self.dispatcher is None:
             routed = self.experts(x, weights, ids)
         else:
             routed = self._routed_by_ep(x, weights, ids)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        out = routed + shared
+        out = routed + torch.sigmoid(shared_gate) * shared
         if self.tp > 1:     # the one reduction: routed and shared partial sums together
             self.dist_ctx.all_reduce(out, 'tp')
         return out
