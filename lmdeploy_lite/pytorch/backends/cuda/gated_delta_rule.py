@@ -71,6 +71,33 @@ def _recurrent_decode_kernel(
         state = stored.to(acc)         # the next token starts from the state as stored (= AR)
 
 
+# (block_v, num_warps), widest first: a program holds the [dk, block_v] state tile of one head
+TILINGS = ((64, 4), (32, 2), (16, 1), (8, 1))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (1 under Triton's CPU interpreter, in tests)."""
+    if device.type != 'cuda':
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_tiling(num_heads: int, dv: int, device: torch.device) -> tuple[int, int]:
+    """(block_v, num_warps) for `num_heads` = sequences x value heads in the step. Wide tiles
+    read the state in 256-byte rows (fp32) with four warps in flight: measured on an H100 at
+    batch 64-256 they move the state at ~2.3-2.7 TB/s where fla's one-warp [dk, 8] tiling moves
+    0.8-1.2 (benchmarks/tune_gdn_decode.py); they are taken while they still give every SM two
+    programs, narrower ones for small batches (more programs, each shorter). Each state column's
+    arithmetic is the same in every tiling (the sums run over dk inside one program), so the
+    choice, which depends on the batch, never changes a bit (tests/gpu checks it)."""
+    for block_v, num_warps in TILINGS:
+        if block_v <= triton.next_power_of_2(dv) and \
+                num_heads * triton.cdiv(dv, block_v) >= 2 * _num_sms(device):
+            return block_v, num_warps
+    return min(triton.next_power_of_2(dv), 8), 1
+
+
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, state_cache: torch.Tensor,
                             inputs: ModelInputs) -> torch.Tensor:
@@ -85,9 +112,9 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     num_tokens, nv, dv = v.shape
     dk = q.shape[-1]
     out = torch.empty(num_tokens, nv, dv, dtype=v.dtype, device=v.device)
-    # fla's fused_recurrent tiling: S [dk, 8] per one-warp program (~95 registers at dk = 128)
-    block_v = min(triton.next_power_of_2(dv), 8)
-    grid = (inputs.q_lens.numel(), nv, triton.cdiv(dv, block_v))
+    num_seqs = inputs.q_lens.numel()
+    block_v, num_warps = decode_tiling(num_seqs * nv, dv, v.device)
+    grid = (num_seqs, nv, triton.cdiv(dv, block_v))
     _recurrent_decode_kernel[grid](
         q, k, v, g, beta, out, state_cache,
         inputs.state_slots, inputs.state_index, inputs.history_lens,
@@ -96,7 +123,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         dk ** -0.5, NUM_TOKENS=inputs.uniform_q_len,
         ACC_FP64=state_cache.dtype == torch.float64,
         HEAD_RATIO=nv // q.shape[1], DK=dk, DV=dv,
-        BK=triton.next_power_of_2(dk), BV=block_v, num_warps=1)
+        BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps)
     return out
 
 
