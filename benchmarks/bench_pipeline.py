@@ -1,20 +1,143 @@
-"""Output tokens/s of `pipeline()` (any layout: tp/dp/ep through the mp executor) for batches of
-concurrent requests, e.g. the Qwen3.5-35B-A3B shape with dp=2 ep=2 on two GPUs beside one GPU.
+"""Decode tokens/s through `pipeline()` (streamed, as a server would) beside the bare
+`Engine.step` loop on the same engine, for plain AR and MTP k (synthetic acceptance on random
+weights), plus time to first token and prefill model-FLOPs utilisation.
 
-    python benchmarks/bench_pipeline.py --preset qwen3_5_35b_a3b --device cuda --dtype bfloat16 \
-        --dp 2 --ep 2 --batch-sizes 1,16,64,128
+    python benchmarks/bench_pipeline.py --preset qwen3_5_0_8b --device cuda --dtype bfloat16 \
+        --batch-sizes 1,16,64,128,256 --spec-ks 0,3 --synthetic-acceptance 0.8,0.6,0.5 \
+        --ttft-lens 128,2048,8192
+    python benchmarks/bench_pipeline.py --dp 2 --ep 2 --preset qwen3_5_35b_a3b ...   (mp executor)
+
+Decode rows: `batch` prompts of `--prompt-len` random token ids, `--new-tokens` each, greedy,
+ignore_eos. `pipeline_tok_s`: tokens streamed to the consumer between the moment every request
+has its first token (prefill done) and the last token, over that time (best of `--repeats`).
+`pipeline_all_tok_s`: all output tokens over the whole call (prefill included; what a serving
+benchmark's output throughput measures). `loop_tok_s`: the same engine after the pipeline is closed, `--loop-steps` full-batch steps of
+the bare step loop (common.timed_decode). `overhead_pct` = loop / pipeline - 1.
+TTFT rows: one prompt of that length on an idle engine (one prefill forward up to
+`--max-prefill-tokens`), through `pipeline()`; `mfu_pct` = model FLOPs of the prefill (2 x
+non-embedding parameters x tokens, plus causal attention 2 x L^2 x heads x head_dim per
+full-attention layer; the gated-delta chunks are not counted) / TTFT / `--peak-tflops`.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
-from common import add_model_args, output_path, print_table, resolve_model, save_json
+from bench_spec import synthetic_rejection_sampler
+from common import (add_model_args, environment, output_path, print_table, release_memory,
+                    resolve_model, save_json, timed_decode)
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
+from lmdeploy_lite.pytorch.config import ModelConfig
+
+DECODE_COLUMNS = ['layout', 'spec_k', 'batch', 'pipeline_tok_s', 'pipeline_all_tok_s',
+                  'loop_tok_s', 'overhead_pct',
+                  'loop_step_ms', 'mean_accepted_len']
+TTFT_COLUMNS = ['spec_k', 'prompt_len', 'ttft_ms', 'prefill_tok_s', 'tflops', 'mfu_pct']
+
+
+def prompts_of(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (batch, length), generator=generator).tolist()
+
+
+def stream_decode(pipe, prompts: list[list[int]], gen: GenerationConfig
+                  ) -> tuple[float, int, float, int]:
+    """(seconds from every request's first token to the last token, tokens in that window;
+    seconds from the call to the last token, all tokens)."""
+    first: set[int] = set()
+    begin = time.perf_counter()
+    start, tokens, total, end = None, 0, 0, None
+    for chunk in pipe.stream_infer(prompts, gen):
+        now = time.perf_counter()
+        total += len(chunk.token_ids)
+        end = now
+        if start is None:
+            first.add(chunk.index)
+            if len(first) == len(prompts):
+                start = now
+            continue
+        tokens += len(chunk.token_ids)
+    if start is None or tokens == 0:
+        raise RuntimeError('no decode window: raise --new-tokens')
+    return end - start, tokens, end - begin, total
+
+
+def prefill_flops(config: ModelConfig, length: int) -> float:
+    from lmdeploy_lite.pytorch.models.qwen3_5 import Qwen3_5ForCausalLM
+    model = Qwen3_5ForCausalLM(config, torch.bfloat16, 'meta')
+    params = sum(p.numel() for n, p in model.named_parameters() if 'embed_tokens' not in n)
+    if config.tie_word_embeddings:
+        params += config.vocab_size * config.hidden_size
+    full = sum(t == 'full_attention' for t in config.layer_types)
+    attention = full * 2 * length * length * config.num_attention_heads * config.head_dim
+    lm_head_unused = 2 * (length - 1) * config.vocab_size * config.hidden_size  # logits: last only
+    return 2 * params * length + attention - lm_head_unused
+
+
+def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, list]:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(',') if b]
+    ttft_lens = [int(n) for n in args.ttft_lens.split(',') if n] if k == 0 else []
+    session_len = max([args.prompt_len + (args.new_tokens + 2) * (k + 1) + 16,
+                       args.prompt_len + (args.loop_steps + args.warmup_steps + 2) * (k + 1) + 16,
+                       *(n + 16 for n in ttft_lens)])
+    cfg = PytorchEngineConfig(dtype=args.dtype, device=args.device, tp=args.tp, dp=args.dp,
+                              ep=args.ep, max_batch_size=max(batch_sizes), session_len=session_len,
+                              max_prefill_token_num=args.max_prefill_tokens,
+                              load_format=load_format, seed=args.seed,
+                              eager_mode=args.eager_mode, async_scheduling=args.async_scheduling,
+                              ssm_state_dtype=args.ssm_state_dtype)
+    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
+    pipe = pipeline(model_dir, backend_config=cfg, speculative_config=spec, progress=False)
+    engine = pipe.engine                           # None with the mp/ray executors
+    if k and rates:
+        if engine is None:
+            raise ValueError('--synthetic-acceptance needs one rank (tp = dp = 1)')
+        engine.agent.rejection_sampler = synthetic_rejection_sampler(rates)
+    config = ModelConfig.from_pretrained(model_dir)
+    vocab = config.vocab_size
+    layout = f'tp{args.tp} dp{args.dp} ep{args.ep}'
+    rows, ttft_rows = [], []
+    try:
+        pipe([[5] * 16] * 2, GenerationConfig(max_new_tokens=4, ignore_eos=True))   # warm-up
+        for bs in batch_sizes:
+            prompts = prompts_of(bs, args.prompt_len, vocab, bs)
+            gen = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True)
+            best = best_all = 0.0
+            for _ in range(args.repeats):
+                seconds, tokens, all_seconds, all_tokens = stream_decode(pipe, prompts, gen)
+                best = max(best, tokens / seconds)
+                best_all = max(best_all, all_tokens / all_seconds)
+            rows.append({'layout': layout, 'spec_k': k, 'batch': bs, 'pipeline_tok_s': best,
+                         'pipeline_all_tok_s': best_all})
+        for n in ttft_lens:
+            prompt = prompts_of(1, n, vocab, n)[0]
+            gen = GenerationConfig(max_new_tokens=1, ignore_eos=True)
+            best = float('inf')
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                pipe(prompt, gen)
+                best = min(best, time.perf_counter() - start)
+            flops = prefill_flops(config, n)
+            ttft_rows.append({'spec_k': k, 'prompt_len': n, 'ttft_ms': 1000 * best,
+                              'prefill_tok_s': n / best, 'tflops': flops / best / 1e12,
+                              'mfu_pct': 100 * flops / best / 1e12 / args.peak_tflops})
+    finally:
+        pipe.close()
+    if engine is not None:                       # the bare step loop on the same engine
+        for row in rows:
+            prompts = prompts_of(row['batch'], args.prompt_len, vocab, row['batch'])
+            gen = GenerationConfig(max_new_tokens=(args.warmup_steps + args.loop_steps + 1)
+                                   * (k + 1), ignore_eos=True)
+            seconds, tokens = timed_decode(engine, prompts, gen, args.warmup_steps,
+                                           args.loop_steps)
+            row.update(loop_tok_s=tokens / seconds, loop_step_ms=1000 * seconds / args.loop_steps,
+                       overhead_pct=100 * ((tokens / seconds) / row['pipeline_tok_s'] - 1),
+                       mean_accepted_len=engine.spec_stats.mean_accepted_length if k else 1.0)
+    del pipe, engine
+    release_memory()
+    return rows, ttft_rows
 
 
 def main():
@@ -23,47 +146,44 @@ def main():
     parser.add_argument('--tp', type=int, default=1)
     parser.add_argument('--dp', type=int, default=1)
     parser.add_argument('--ep', type=int, default=1)
-    parser.add_argument('--spec-k', type=int, default=0, help='MTP draft tokens (0: off)')
+    parser.add_argument('--spec-ks', default='0', help='MTP draft tokens per run (0: plain AR)')
+    parser.add_argument('--synthetic-acceptance', default=None,
+                        help='draft i accepted with these conditional rates (random weights '
+                             'accept nothing), e.g. 0.8,0.6,0.5')
     parser.add_argument('--batch-sizes', default='1,16,64')
     parser.add_argument('--prompt-len', type=int, default=128)
-    parser.add_argument('--new-tokens', type=int, default=64)
-    parser.add_argument('--eager-mode', action='store_true', help='no CUDA graphs')
+    parser.add_argument('--new-tokens', type=int, default=256)
     parser.add_argument('--repeats', type=int, default=2,
-                        help='runs per batch size; the fastest counts (the first one may pay '
-                             'for kernel compiles of new prefill shapes)')
+                        help='pipeline runs per row; the best counts (the first one may pay for '
+                             'kernel compiles of new prefill shapes)')
+    parser.add_argument('--loop-steps', type=int, default=64, help='timed bare-loop steps')
+    parser.add_argument('--warmup-steps', type=int, default=4)
+    parser.add_argument('--ttft-lens', default='', help='prompt lengths of TTFT rows (AR run)')
+    parser.add_argument('--max-prefill-tokens', type=int, default=8192)
+    parser.add_argument('--peak-tflops', type=float, default=989.0,
+                        help='dense bf16 peak of the card (H100 SXM: 989)')
+    parser.add_argument('--ssm-state-dtype', default='auto')
+    parser.add_argument('--eager-mode', action='store_true', help='no CUDA graphs')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)
-    batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
-    cfg = PytorchEngineConfig(dtype=args.dtype, device=args.device, tp=args.tp, dp=args.dp,
-                              ep=args.ep, max_batch_size=max(batch_sizes), session_len=1024,
-                              load_format=load_format, seed=args.seed,
-                              eager_mode=args.eager_mode, async_scheduling=args.async_scheduling)
-    spec = SpeculativeConfig(num_speculative_tokens=args.spec_k) if args.spec_k else None
-    pipe = pipeline(model_dir, backend_config=cfg, speculative_config=spec)
-    gen = GenerationConfig(max_new_tokens=args.new_tokens, ignore_eos=True)
-    with open(os.path.join(model_dir, 'config.json')) as f:
-        config = json.load(f)
-    vocab = config.get('text_config', config)['vocab_size']
-    rows = []
-    try:
-        pipe([[5] * 16] * 2, GenerationConfig(max_new_tokens=4, ignore_eos=True))   # warm-up
-        for bs in batch_sizes:
-            prompts = torch.randint(2, vocab, (bs, args.prompt_len),
-                                    generator=torch.Generator().manual_seed(bs)).tolist()
-            seconds = float('inf')
-            for _ in range(args.repeats):
-                start = time.perf_counter()
-                outputs = pipe(prompts, gen)
-                seconds = min(seconds, time.perf_counter() - start)
-            tokens = sum(len(o.token_ids) for o in outputs)
-            rows.append({'batch': bs, 'layout': f'tp{args.tp} dp{args.dp} ep{args.ep}',
-                         'graphs': not args.eager_mode, 'spec_k': args.spec_k, 'seconds': seconds,
-                         'output_tok_s': tokens / seconds})
-    finally:
-        pipe.close()
-    save_json(output_path(args.out, 'bench_pipeline.json'), {'args': vars(args), 'rows': rows})
-    print_table(rows, ['layout', 'graphs', 'spec_k', 'batch', 'seconds', 'output_tok_s'])
+    rates = ([float(r) for r in args.synthetic_acceptance.split(',')]
+             if args.synthetic_acceptance else None)
+    rows, ttft_rows = [], []
+    for k in (int(k) for k in args.spec_ks.split(',')):
+        more, more_ttft = run_k(args, model_dir, load_format, k, rates)
+        rows += more
+        ttft_rows += more_ttft
+    name = args.preset or model_dir
+    save_json(output_path(args.out, f'bench_pipeline_{args.preset or "model"}_'
+                                    f'{args.device}.json'),
+              {'env': environment(), 'model': name, 'args': vars(args), 'rows': rows,
+               'ttft_rows': ttft_rows})
+    print(f'model: {name} ({load_format} weights), {args.dtype} on {environment()["device"]}; '
+          f'synthetic acceptance: {rates}')
+    if ttft_rows:
+        print_table(ttft_rows, TTFT_COLUMNS)
+    print_table(rows, DECODE_COLUMNS)
 
 
 if __name__ == '__main__':

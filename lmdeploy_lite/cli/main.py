@@ -44,6 +44,11 @@ def _engine_args(p: argparse.ArgumentParser):
                    help="storage dtype of the linear-attention recurrent state (auto: the "
                         "checkpoint's mamba_ssm_dtype, float32 for Qwen3.5; bfloat16 halves "
                         "the state memory at some cost in exactness)")
+    p.add_argument('--max-prefill-token-num', type=int, default=4096,
+                   help='tokens one prefill step carries at most while nothing decodes')
+    p.add_argument('--max-mixed-token-num', type=int, default=512,
+                   help='tokens a step carries at most while sequences decode: their decode rows '
+                        'plus a prefill chunk (0: prefill steps apart, running streams wait)')
     p.add_argument('--log-level', default='WARNING', help='python logging level')
 
 
@@ -80,6 +85,8 @@ def _build(args):
                                         session_len=args.session_len,
                                         cache_max_entry_count=args.cache_max_entry_count,
                                         ssm_state_dtype=args.ssm_state_dtype,
+                                        max_prefill_token_num=args.max_prefill_token_num,
+                                        max_mixed_token_num=args.max_mixed_token_num,
                                         **executor_args(args))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                   do_sample=args.temperature > 0, temperature=args.temperature,
@@ -227,6 +234,8 @@ def _load_and_serve(args) -> int:
                                         session_len=args.session_len,
                                         cache_max_entry_count=args.cache_max_entry_count,
                                         ssm_state_dtype=args.ssm_state_dtype,
+                                        max_prefill_token_num=args.max_prefill_token_num,
+                                        max_mixed_token_num=args.max_mixed_token_num,
                                         tp=args.tp, dp=args.dp, ep=args.ep,
                                         **executor_args(args))
     spec = speculative_config(args)
