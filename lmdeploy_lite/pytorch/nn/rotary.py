@@ -19,24 +19,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer('inv_freq32', (1.0 / theta ** exponent).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] long -> (cos, sin), each [T, rotary_dim] in `dtype`.
+        """positions [T] long -> (cos, sin), each [T, rotary_dim] in `dtype`, sin with its first
+        half negated (the sign of rotate_half folded in: what `apply_rotary` multiplies the
+        half-swapped x by).
 
         Angles are computed in float32 like transformers (float64 for a float64 model)."""
         inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq32
         freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        sin = emb.sin()
+        half = freqs.shape[-1]
+        return emb.cos().to(dtype), torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, rotary_dim]; rotates x[..., :rotary_dim]."""
+    """x [T, heads, head_dim]; cos/sin [T, rotary_dim] from `RotaryEmbedding`; rotates
+    x[..., :rotary_dim]: `x * cos + rotate_half(x) * sin` with rotate_half(x) = [-x2, x1], here
+    [x2, x1] (a roll) times the sign-folded sin, the very same products."""
     rotary_dim = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    x_rot = x_rot * cos + _rotate_half(x_rot) * sin
-    return torch.cat([x_rot, x_pass], dim=-1)
+    x_rot = x[..., :rotary_dim]
+    rotated = x_rot * cos[:, None, :] + x_rot.roll(rotary_dim // 2, -1) * sin[:, None, :]
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)

@@ -19,10 +19,10 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     summed over j in order (EP's combine sums the same way, so every layout gives the same numbers).
     Reads device values on the host: not for captured decode steps."""
     num_tokens, top_k = topk_ids.shape
-    pairs = torch.zeros(num_tokens * top_k, x.shape[-1], dtype=x.dtype, device=x.device)
-    if num_tokens * top_k <= SMALL_BATCH_PAIRS:
-        _experts_by_pair_list(x, gate_up_proj, down_proj, topk_ids, pairs)
+    if 0 < num_tokens * top_k <= SMALL_BATCH_PAIRS:
+        pairs = _experts_by_pair_list(x, gate_up_proj, down_proj, topk_ids)
     else:
+        pairs = torch.zeros(num_tokens * top_k, x.shape[-1], dtype=x.dtype, device=x.device)
         flat_ids = topk_ids.reshape(-1)
         rows_x = x.repeat_interleave(top_k, dim=0)
         for expert in flat_ids.unique().tolist():
@@ -39,24 +39,31 @@ SMALL_BATCH_PAIRS = 64     # up to this many (token, expert) pairs: group them o
 
 
 def _experts_by_pair_list(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                          topk_ids: torch.Tensor, pairs: torch.Tensor) -> None:
-    """`fused_moe`'s expert loop for a few pairs (decode): the ids read once, grouped by expert
-    in Python; a lone row is sliced, not gathered. pairs [T * k, H] row i <- expert(x[i // k])."""
+                          topk_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe`'s expert outputs for a few pairs (decode): the ids read once and grouped by
+    expert in Python, a lone row sliced rather than gathered -> pairs [T * k, H], row i =
+    expert(x[i // k]) (zeros for id -1)."""
     top_k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1).tolist()
     by_expert: dict[int, list[int]] = {}
-    for pair, expert in enumerate(topk_ids.reshape(-1).tolist()):
+    for pair, expert in enumerate(ids):
         if expert >= 0:
             by_expert.setdefault(expert, []).append(pair)
+    rows: list[torch.Tensor | None] = [None] * len(ids)
     for expert in sorted(by_expert):
-        rows = by_expert[expert]
-        if len(rows) == 1:
-            token = rows[0] // top_k
-            rows_x, target = x[token:token + 1], slice(rows[0], rows[0] + 1)
+        pairs = by_expert[expert]
+        if len(pairs) == 1:
+            token = pairs[0] // top_k
+            rows_x = x[token:token + 1]
         else:
-            target = torch.tensor(rows, device=x.device)
-            rows_x = x[target // top_k]
-        gate_up = F.linear(rows_x, gate_up_proj[expert])
-        pairs[target] = F.linear(silu_mul(gate_up), down_proj[expert])
+            rows_x = x[torch.tensor([p // top_k for p in pairs], device=x.device)]
+        out = F.linear(silu_mul(F.linear(rows_x, gate_up_proj[expert])), down_proj[expert])
+        for i, pair in enumerate(pairs):
+            rows[pair] = out[i:i + 1]
+    if None in rows:
+        zero = x.new_zeros(1, x.shape[-1])
+        rows = [zero if row is None else row for row in rows]
+    return torch.cat(rows)
 
 
 def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,

@@ -24,9 +24,12 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
                   inputs: ModelInputs) -> None:
     """Write k, v `[T, n_kv, head_dim]` into the caches at the step's slots."""
     num_blocks, block_size, n_kv, head_dim = k_cache.shape
-    slots = kv_slot_mapping(inputs, block_size)
-    k_cache.view(-1, n_kv, head_dim)[slots] = k.to(k_cache.dtype)
-    v_cache.view(-1, n_kv, head_dim)[slots] = v.to(v_cache.dtype)
+    key = ('kv_slots', block_size)         # the same for every attention layer of the step
+    slots = inputs.op_cache.get(key)
+    if slots is None:
+        slots = inputs.op_cache[key] = kv_slot_mapping(inputs, block_size)
+    k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -67,7 +70,11 @@ def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_new, num_seqs = inputs.uniform_q_len, inputs.q_lens.shape[0]
     num_blocks, block_size, n_kv, head_dim = k_cache.shape
     max_kv = inputs.max_kv_len
-    blocks = inputs.block_tables[:, :(max_kv + block_size - 1) // block_size].reshape(-1)
+    key = ('kv_blocks', block_size)
+    blocks = inputs.op_cache.get(key)
+    if blocks is None:
+        blocks = inputs.block_tables[:, :(max_kv + block_size - 1) // block_size].reshape(-1)
+        inputs.op_cache[key] = blocks
 
     def gather(cache):                                                  # -> [B, n_kv, L, d]
         rows = cache.index_select(0, blocks).view(num_seqs, -1, n_kv, head_dim)[:, :max_kv]
