@@ -172,9 +172,19 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
     else:
         row_start = inputs.state_slots * slots_per_row
         current = row_start + inputs.state_index
-    state = flat_cache.index_select(0, current).to(acc)
-    if inputs.has_fresh_seqs:
-        state = state.masked_fill((inputs.history_lens == 0)[:, None, None, None], 0)
+    # one sequence, one slot, the state kept in the compute dtype on the host: update its row
+    # in place (the row is a view; no copy in, no store); else work on a copy of the rows
+    in_place = (num_new == 1 and num_seqs == 1 and slots_per_row == 1
+                and state_cache.dtype == acc and state_cache.device.type == 'cpu')
+    if in_place:
+        slot = int(current[0])
+        state = flat_cache[slot:slot + 1]
+        if inputs.has_fresh_seqs:
+            state.zero_()
+    else:
+        state = flat_cache.index_select(0, current).to(acc)
+        if inputs.has_fresh_seqs:
+            state = state.masked_fill((inputs.history_lens == 0)[:, None, None, None], 0)
     state = state.view(num_seqs, num_key_heads, ratio, key_dim, value_dim)
     q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
     q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * key_dim ** -0.5)
@@ -183,12 +193,13 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
     q, k = (x.view(num_seqs, num_new, num_key_heads, 1, 1, key_dim) for x in (q, k))
     v = v.view(num_seqs, num_new, num_key_heads, ratio, 1, value_dim)
     decay, beta = (x.view(num_seqs, num_new, num_key_heads, ratio, 1, 1) for x in (g.exp(), beta))
-    if num_new == 1:                    # state is a fresh copy: update it in place
+    if num_new == 1:                    # state is the row or a copy: update it in place
         state.mul_(decay[:, 0])
         delta = (v[:, 0] - k[:, 0] @ state) * beta[:, 0]
         state.addcmul_(k[:, 0].transpose(-1, -2), delta)                # S + k delta^T
         out = q[:, 0] @ state
-        flat_cache.index_copy_(0, row_start, state.flatten(1, 2).to(state_cache.dtype))
+        if not in_place:
+            flat_cache.index_copy_(0, row_start, state.flatten(1, 2).to(state_cache.dtype))
         return out.reshape(num_seqs, num_value_heads, value_dim).to(out_dtype)
     states = torch.empty((num_seqs, num_new) + state.shape[1:], dtype=acc, device=state.device)
     outs = []
