@@ -60,7 +60,7 @@ def _experts_by_pair_list(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
         out = F.linear(silu_mul(F.linear(rows_x, gate_up_proj[expert])), down_proj[expert])
         for i, pair in enumerate(pairs):
             rows[pair] = out[i:i + 1]
-    if None in rows:
+    if any(row is None for row in rows):        # (not `None in rows`: that compares tensors)
         zero = x.new_zeros(1, x.shape[-1])
         rows = [zero if row is None else row for row in rows]
     return torch.cat(rows)
