@@ -71,31 +71,16 @@ def _recurrent_decode_kernel(
         state = stored.to(acc)         # the next token starts from the state as stored (= AR)
 
 
-# (block_v, num_warps), widest first: a program holds the [dk, block_v] state tile of one head
-TILINGS = ((64, 4), (32, 2), (16, 1), (8, 1))
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors (1 under Triton's CPU interpreter, in tests)."""
-    if device.type != 'cuda':
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_tiling(num_heads: int, dv: int, device: torch.device) -> tuple[int, int]:
-    """(block_v, num_warps) for `num_heads` = sequences x value heads in the step. Wide tiles
-    read the state in 256-byte rows (fp32) with four warps in flight: measured on an H100 at
-    batch 64-256 they move the state at ~2.3-2.7 TB/s where fla's one-warp [dk, 8] tiling moves
-    0.8-1.2 (benchmarks/tune_gdn_decode.py); they are taken while they still give every SM two
-    programs, narrower ones for small batches (more programs, each shorter). Each state column's
-    arithmetic is the same in every tiling (the sums run over dk inside one program), so the
-    choice, which depends on the batch, never changes a bit (tests/gpu checks it)."""
-    for block_v, num_warps in TILINGS:
-        if block_v <= triton.next_power_of_2(dv) and \
-                num_heads * triton.cdiv(dv, block_v) >= 2 * _num_sms(device):
-            return block_v, num_warps
-    return min(triton.next_power_of_2(dv), 8), 1
+def decode_tiling(dv: int) -> tuple[int, int]:
+    """(block_v, num_warps): a program holds the [dk, block_v] state tile of one value head.
+    [dk, 64] tiles with four warps read the state in 256-byte rows (fp32); measured on an H100
+    at batch 64-256 they move it at ~2.3-2.7 TB/s where fla's one-warp [dk, 8] tiling moves
+    0.8-1.2 (benchmarks/tune_gdn_decode.py), and at batch 1-8 (launch-bound) they are as fast.
+    The tiling depends on the head size only, never on the batch: a tiling with another warp
+    count sums over dk in another order (other bits), and a request's tokens must not depend
+    on the batch it shares, its graph bucket or async scheduling."""
+    block_v = min(triton.next_power_of_2(dv), 64)
+    return block_v, max(1, block_v // 16)
 
 
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -113,7 +98,7 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     dk = q.shape[-1]
     out = torch.empty(num_tokens, nv, dv, dtype=v.dtype, device=v.device)
     num_seqs = inputs.q_lens.numel()
-    block_v, num_warps = decode_tiling(num_seqs * nv, dv, v.device)
+    block_v, num_warps = decode_tiling(dv)
     grid = (num_seqs, nv, triton.cdiv(dv, block_v))
     _recurrent_decode_kernel[grid](
         q, k, v, g, beta, out, state_cache,
@@ -152,8 +137,14 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     slots = inputs.state_slots
     fresh = (inputs.history_lens == 0)[:, None, None, None]
     initial = state_cache[slots, inputs.state_index].float().masked_fill(fresh, 0)  # [B,nv,dk,dv]
-    cu_seqlens_cpu = torch.tensor([0, *itertools.accumulate(inputs.host_q_lens)])
-    cu_seqlens = F.pad(inputs.q_lens.cumsum(0), (1, 0))
+    if 'fla_cu_seqlens' not in inputs.op_cache:
+        # the same tensors for every layer: fla caches what it derives from them (chunk
+        # indices, via .tolist()) by identity; new ones per layer cost ~2.5 ms of host time
+        # per layer call (measured: a mixed step of 0.8B spent ~50 ms on the host in fla)
+        inputs.op_cache['fla_cu_seqlens'] = (
+            F.pad(inputs.q_lens.cumsum(0), (1, 0)),
+            torch.tensor([0, *itertools.accumulate(inputs.host_q_lens)]))
+    cu_seqlens, cu_seqlens_cpu = inputs.op_cache['fla_cu_seqlens']
     out, final = chunk(q[None], k[None], v[None], g[None].float(), beta[None],
                        scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=True,
                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,

@@ -105,31 +105,26 @@ def test_decode_realistic_sizes(num_tokens, dtype):
 
 
 @pytest.mark.parametrize('num_tokens', [1, 4])
-def test_decode_tilings_give_the_same_bits(kernel_device, monkeypatch, num_tokens):
-    """The decode tiling depends on the batch (decode_tiling); every tiling must compute the
-    same bits, or a graph bucket, the batch a request shares or async scheduling could change a
-    token. Qwen3.5 sizes on the GPU (fp32 and bf16-stored state), small ones on the CPU."""
+def test_decode_is_batch_invariant(kernel_device, num_tokens):
+    """A sequence's outputs and states are the same bits alone and in a batch of 6 (its graph
+    bucket, the requests it shares a step with and async scheduling must not change a token):
+    Qwen3.5 sizes on the GPU (fp32 and bf16-stored state), small ones on the CPU."""
     realistic = kernel_device == 'cuda'
-    dims = (16, 32, 128, 128, 3) if realistic else (2, 4, 32, 32, 3)
-    state_dtypes = [torch.float32, torch.bfloat16] if realistic else [torch.float32]
-    nk, nv, dk, dv, num_spec = dims
-    inputs = step([num_tokens] * 6, [9, 0, 33, 4, 100, 1], [6, 0, 2, 5, 4, 3],
-                  [1, 0, 3, 0, 2, 1], True, kernel_device)
-    args = gdn_args(6 * num_tokens, nk, nv, dk, dv, torch.bfloat16 if realistic else
-                    torch.float32, kernel_device, seed=11)
-    for cache_dtype in state_dtypes:
+    nk, nv, dk, dv, num_spec = (16, 32, 128, 128, 3) if realistic else (2, 4, 32, 32, 3)
+    act = torch.bfloat16 if realistic else torch.float32
+    hist, slots, index = [9, 0, 33, 4, 100, 1], [6, 0, 2, 5, 4, 3], [1, 0, 3, 0, 2, 1]
+    batch = step([num_tokens] * 6, hist, slots, index, True, kernel_device)
+    alone = step([num_tokens], hist[2:3], slots[2:3], index[2:3], True, kernel_device)
+    args = gdn_args(6 * num_tokens, nk, nv, dk, dv, act, kernel_device, seed=11)
+    own = [x[2 * num_tokens:3 * num_tokens] for x in args]        # sequence 2's rows
+    for cache_dtype in [torch.float32, torch.bfloat16] if realistic else [torch.float32]:
         cache = random_cache(num_spec, nv, dk, dv, torch.float32, kernel_device, seed=5)
         cache = cache.to(cache_dtype)
-        results = []
-        for tiling in cuda_gdr.TILINGS:
-            monkeypatch.setattr(cuda_gdr, 'decode_tiling', lambda *_, t=tiling: t)
-            state = cache.clone()
-            results.append((tiling, cuda_gdr.gated_delta_rule_decode(*args, state, inputs),
-                            state))
-        (_, out0, state0), rest = results[0], results[1:]
-        for tiling, out, state in rest:
-            assert torch.equal(out, out0) and torch.equal(state, state0), \
-                f'tiling {tiling} differs from {results[0][0]} ({cache_dtype})'
+        in_batch, by_itself = cache.clone(), cache.clone()
+        out_batch = cuda_gdr.gated_delta_rule_decode(*args, in_batch, batch)
+        out_alone = cuda_gdr.gated_delta_rule_decode(*own, by_itself, alone)
+        assert torch.equal(out_batch[2 * num_tokens:3 * num_tokens], out_alone)
+        assert torch.equal(in_batch[slots[2]], by_itself[slots[2]]), cache_dtype
 
 
 # ----------------------------------------------------------------------------- prefill
