@@ -80,14 +80,17 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
     batch_sizes = [int(b) for b in args.batch_sizes.split(',') if b]
     ttft_lens = [int(n) for n in args.ttft_lens.split(',') if n] if k == 0 else []
     session_len = max([args.prompt_len + (args.new_tokens + 2) * (k + 1) + 16,
-                       args.prompt_len + (args.loop_steps + args.warmup_steps + 2) * (k + 1) + 16,
+                       args.prompt_len + (args.loop_steps + args.warmup_steps + 2
+                                          + max(batch_sizes)) * (k + 1) + 16,   # + the stagger
                        *(n + 16 for n in ttft_lens)])
     cfg = PytorchEngineConfig(dtype=args.dtype, device=args.device, tp=args.tp, dp=args.dp,
                               ep=args.ep, max_batch_size=max(batch_sizes), session_len=session_len,
                               max_prefill_token_num=args.max_prefill_tokens,
                               load_format=load_format, seed=args.seed,
                               eager_mode=args.eager_mode, async_scheduling=args.async_scheduling,
-                              ssm_state_dtype=args.ssm_state_dtype)
+                              ssm_state_dtype=args.ssm_state_dtype,
+                              **({} if args.max_mixed_tokens is None
+                                 else {'max_mixed_token_num': args.max_mixed_tokens}))
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
     pipe = pipeline(model_dir, backend_config=cfg, speculative_config=spec, progress=False)
     engine = pipe.engine                           # None with the mp/ray executors
@@ -128,8 +131,10 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
     if engine is not None:                       # the bare step loop on the same engine
         for row in rows:
             prompts = prompts_of(row['batch'], args.prompt_len, vocab, row['batch'])
-            gen = GenerationConfig(max_new_tokens=(args.warmup_steps + args.loop_steps + 1)
-                                   * (k + 1), ignore_eos=True)
+            # as many tokens as the session allows: with mixed steps the batch's sequences
+            # start decoding over many steps, and none may finish inside the timed window
+            gen = GenerationConfig(max_new_tokens=session_len - args.prompt_len - 1,
+                                   ignore_eos=True)
             seconds, tokens = timed_decode(engine, prompts, gen, args.warmup_steps,
                                            args.loop_steps)
             row.update(loop_tok_s=tokens / seconds, loop_step_ms=1000 * seconds / args.loop_steps,
@@ -163,6 +168,8 @@ def main():
     parser.add_argument('--peak-tflops', type=float, default=989.0,
                         help='dense bf16 peak of the card (H100 SXM: 989)')
     parser.add_argument('--ssm-state-dtype', default='auto')
+    parser.add_argument('--max-mixed-tokens', type=int, default=None,
+                        help="max_mixed_token_num (default: the engine's)")
     parser.add_argument('--eager-mode', action='store_true', help='no CUDA graphs')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
