@@ -167,11 +167,13 @@ class PytorchEngineConfig:
     device: str = 'auto'
     max_batch_size: int = 64
     max_prefill_token_num: int = 4096
-    # while sequences decode, a step carries at most this many tokens, decode rows included:
-    # a prompt arriving then is prefilled in chunks riding with the decode rows (speculation:
-    # in chunk steps alternating with decode steps), so running streams keep their pace;
+    # while sequences decode, a step carries at most this many tokens (and at most
+    # max_prefill_token_num), decode rows included: a prompt arriving then is prefilled in
+    # chunks riding with the decode rows (speculation: in chunk steps alternating with decode
+    # steps), so running streams get a token every step; smaller: shorter steps while a prompt
+    # is prefilled, longer time to its first token (README "Prefill rides with decode");
     # 0: prefill goes first with the whole max_prefill_token_num budget
-    max_mixed_token_num: int = 512
+    max_mixed_token_num: int = 4096
     block_size: int = 64
     cache_max_entry_count: float = 0.8
     num_gpu_blocks: int = 0

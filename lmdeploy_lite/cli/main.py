@@ -46,7 +46,7 @@ def _engine_args(p: argparse.ArgumentParser):
                         "the state memory at some cost in exactness)")
     p.add_argument('--max-prefill-token-num', type=int, default=4096,
                    help='tokens one prefill step carries at most while nothing decodes')
-    p.add_argument('--max-mixed-token-num', type=int, default=512,
+    p.add_argument('--max-mixed-token-num', type=int, default=4096,
                    help='tokens a step carries at most while sequences decode: their decode rows '
                         'plus a prefill chunk (0: prefill steps apart, running streams wait)')
     p.add_argument('--log-level', default='WARNING', help='python logging level')
