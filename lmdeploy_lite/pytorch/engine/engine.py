@@ -38,10 +38,11 @@ class StepOutput:
     """One sequence's result of one step, as it stood at the end of that step. The thread that
     consumes it may run a step or more behind the engine (async scheduling makes the last step
     of a batch nearly free), so nothing a consumer reads may come from the live Sequence: the
-    fields are copied when the output is made (the speculative counters as a tuple, made into a
-    SpecDecodeStats only when read)."""
+    fields are copied when the output is made (the speculative counters as a tuple,
+    `stats_snapshot`, made into a SpecDecodeStats only when read; the mp/ray ranks send it
+    home as it is)."""
     __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated', 'error',
-                 '_stats')
+                 'stats_snapshot')
 
     def __init__(self, seq: Sequence, new_token_ids: list[int]):
         self.seq = seq                          # identity only: its fields move on
@@ -51,17 +52,22 @@ class StepOutput:
         self.num_generated = seq.num_generated
         self.error = seq.error if seq.finish_reason == 'error' else None   # why, with 'error'
         stats = seq.spec_stats
-        self._stats = (None if not stats.num_drafts else
-                       (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                        tuple(stats.accepted_per_position)))
+        self.stats_snapshot = (None if not stats.num_drafts else
+                               (stats.num_drafts, stats.num_draft_tokens,
+                                stats.num_accepted_tokens, tuple(stats.accepted_per_position)))
 
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
         """The request's speculative counters so far; None until its first draft."""
-        if self._stats is None:
-            return None
-        drafts, draft_tokens, accepted, per_position = self._stats
-        return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position))
+        return spec_stats_of(self.stats_snapshot)
+
+
+def spec_stats_of(snapshot: tuple | None) -> SpecDecodeStats | None:
+    """`StepOutput.stats_snapshot` (None before the first draft) as a SpecDecodeStats."""
+    if snapshot is None:
+        return None
+    drafts, draft_tokens, accepted, per_position = snapshot
+    return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position))
 
 
 @dataclass

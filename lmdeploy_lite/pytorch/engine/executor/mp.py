@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
-from lmdeploy_lite.pytorch.engine.engine import StepOutput
+from lmdeploy_lite.pytorch.engine.engine import StepOutput, spec_stats_of
 from lmdeploy_lite.pytorch.engine.engine_loop import Sink, hand_out
 from lmdeploy_lite.pytorch.engine.sequence import request_error
 from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent, make_lifeline
@@ -189,7 +189,7 @@ def _drain(inbox, wait: float | None) -> list:
 def _report(rid: int, out: StepOutput) -> tuple:
     """A StepOutput as plain data for the front-end (its snapshot, pickled once per step)."""
     return (rid, out.new_token_ids, out.finished, out.finish_reason, out.num_generated,
-            out._stats, out.error)
+            out.stats_snapshot, out.error)
 
 
 # ---- the front-end side ---------------------------------------------------------------------
@@ -202,14 +202,6 @@ class RemoteSeq:
     finish_reason: str | None = None
     num_generated: int = 0
     error: str | None = None
-
-
-def _stats(snapshot: tuple | None) -> SpecDecodeStats | None:
-    """StepOutput's counters tuple (None before the first draft) as a SpecDecodeStats."""
-    if snapshot is None:
-        return None
-    drafts, draft_tokens, accepted, per_position = snapshot
-    return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position))
 
 
 @dataclass
@@ -365,7 +357,7 @@ class RemoteEngineLoop:
                 seq.is_finished, seq.finish_reason = finished, reason
                 seq.num_generated, seq.error = num_generated, error
                 pairs.append((handle, RemoteOutput(seq, new_ids, finished, reason, num_generated,
-                                                   _stats(stats), error)))
+                                                   spec_stats_of(stats), error)))
         for handle in hand_out(pairs):
             if not handle.seq.is_finished:
                 self.abort(handle)
