@@ -7,6 +7,9 @@ throughput, and the mean accepted length of speculative decoding.
     # or launch one (the embedded model when --model is omitted), run, stop it
     python benchmarks/bench_serve.py --launch [--model DIR] \
         --server-args "--speculative-num-draft-tokens 3"
+    # a preset shape on random weights, with a word-level tokenizer over the preset's vocabulary
+    python benchmarks/bench_serve.py --launch --preset qwen3_5_0_8b --input-words 128 \
+        --server-args "--device cuda --dtype bfloat16"
 
 TTFT: request sent -> first streamed text. ITL: gaps between streamed chunks (a chunk holds every
 token of one engine step, so up to k+1 with speculation). TPOT: (latency - TTFT) / (tokens - 1) per
@@ -115,6 +118,26 @@ def summarize(results: list[dict], duration: float, concurrency: int, rate: floa
                                      if drafts else None)}
 
 
+def preset_model_dir(name: str) -> str:
+    """A preset's model directory (config.json, for `--load-format dummy`) with a word-level
+    tokenizer of the preset's vocabulary (token i is the word `t<i>`), so that a random-weight
+    model of a real shape serves text: every id decodes, and detokenizing costs what a real
+    vocabulary's does per token."""
+    import tempfile
+
+    from presets import preset_config, write_preset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    path = write_preset(name, tempfile.mkdtemp(prefix=f'bench_serve_{name}_'))
+    vocab_size = preset_config(name)['vocab_size']
+    tokenizer = Tokenizer(models.WordLevel({f't{i}': i for i in range(vocab_size)}, unk_token='t0'))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(os.path.join(path, 'tokenizer.json'))
+    with open(os.path.join(path, 'tokenizer_config.json'), 'w') as f:
+        json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'unk_token': 't0',
+                   'clean_up_tokenization_spaces': False}, f)
+    return path
+
+
 def launch(model: str | None, server_args: str) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
@@ -149,6 +172,9 @@ def main():
     parser.add_argument('--launch', action='store_true', help='start a server for the run')
     parser.add_argument('--model', default=None, help='with --launch: model directory')
     parser.add_argument('--server-args', default='', help='with --launch: extra server flags')
+    parser.add_argument('--preset', default=None,
+                        help='with --launch: a benchmarks/presets.py shape on random weights '
+                             '(--load-format dummy) with a word-level tokenizer')
     parser.add_argument('--api-key', default=None)
     parser.add_argument('--num-prompts', type=int, default=64)
     parser.add_argument('--input-words', type=int, default=32, help='words per random prompt')
@@ -161,6 +187,11 @@ def main():
     args = parser.parse_args()
     if (args.base_url is None) == (not args.launch):
         parser.error('give exactly one of --base-url and --launch')
+    if args.preset:
+        if not args.launch or args.model:
+            parser.error('--preset goes with --launch and without --model')
+        args.model = preset_model_dir(args.preset)
+        args.server_args += ' --load-format dummy'
     proc, url = launch(args.model, args.server_args) if args.launch else (None, args.base_url)
     try:
         prompts = make_prompts(args.num_prompts, args.input_words, args.seed)

@@ -40,6 +40,9 @@ def _engine_args(p: argparse.ArgumentParser):
                    help='prepare the next decode step while the device runs the current one '
                         '(default: on with CUDA, off on CPU)')
     p.add_argument('--eager-mode', action='store_true', help='no CUDA graphs for decode steps')
+    p.add_argument('--load-format', default='auto', choices=['auto', 'dummy'],
+                   help="'dummy': random weights of the checkpoint's shapes (config.json only; "
+                        "benchmarks)")
     p.add_argument('--ssm-state-dtype', default='auto', choices=['auto', 'float32', 'bfloat16'],
                    help="storage dtype of the linear-attention recurrent state (auto: the "
                         "checkpoint's mamba_ssm_dtype, float32 for Qwen3.5; bfloat16 halves "
@@ -74,7 +77,8 @@ def executor_args(args) -> dict:
     if args.ray_address:
         os.environ['RAY_ADDRESS'] = args.ray_address
     return dict(distributed_executor_backend=args.distributed_executor_backend,
-                async_scheduling=args.async_scheduling, eager_mode=args.eager_mode)
+                async_scheduling=args.async_scheduling, eager_mode=args.eager_mode,
+                load_format=args.load_format)
 
 
 def leave_a_core_to_the_front_end(device: str):
