@@ -140,23 +140,38 @@ def is_unicode(text: str) -> bool:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`model=None` drafts with the target checkpoint's own `mtp.*` head. `tp`: the draft
-    head's tensor parallelism — None for the target's, or 1 to replicate the MTP layer on every
-    rank (its experts too); the draft shares the target's DP layout, embedding and LM head."""
+    """`model=None` drafts with the target checkpoint's own `mtp.*` head.
+
+    The draft's own layout (DESIGN.md invariant 6; dp is always the target's, and the draft
+    shares the target's embedding, LM head and block table):
+      `tp`: None for the target's tp, else a divisor of it (1: the MTP layer whole on every
+            rank; 1 < tp < the target's: sharded over consecutive runs of `tp` ranks of each TP
+            group). TP rank 0's drafts are what every rank verifies.
+      `ep`: None for the target's ep; 1: the MTP layer's experts replicated on every rank
+            (TP-split over the draft's tp instead of dispatched); or the target's ep.
+    Ranges are checked here; the cross-check against the target's layout (a divisor of its tp,
+    its ep) is `spec_decode.build.check_speculative_config`, run before any rank starts.
+    Only the 'qwen3_5_mtp' method has a draft model to lay out."""
     method: str = 'qwen3_5_mtp'
     num_speculative_tokens: int = 3
     model: str | None = None
     ngram_min: int = 1
     ngram_max: int = 4
     tp: int | None = None
+    ep: int | None = None
 
     def __post_init__(self):
         _check(self.method in SPEC_METHODS, 'method', self.method, f'one of {SPEC_METHODS}')
         _check_int('num_speculative_tokens', self.num_speculative_tokens, 1, 8)
         _check(self.model is None or isinstance(self.model, str), 'model', self.model,
                'None (the target checkpoint) or a path')
-        if self.tp is not None:
-            _check_int('tp', self.tp, 1)
+        for name in ('tp', 'ep'):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _check(self.method == 'qwen3_5_mtp', f'SpeculativeConfig.{name}', value,
+                   f"None with method={self.method!r} (it has no draft model to lay out)")
+            _set(self, name, _check_int(f'SpeculativeConfig.{name}', value, 1))
         _check_int('ngram_min', self.ngram_min, 1)
         _check_int('ngram_max', self.ngram_max, self.ngram_min)
 

@@ -30,6 +30,12 @@ def _engine_args(p: argparse.ArgumentParser):
                    help='drafts per step, 1..8 (enables speculative decoding)')
     p.add_argument('--speculative-draft-model', default=None,
                    help='directory with the mtp.* tensors (default: the target model)')
+    p.add_argument('--speculative-tp', type=int, default=None,
+                   help="the MTP draft's tensor parallelism: a divisor of --tp (default: the "
+                        "target's tp; 1: the draft layer whole on every rank)")
+    p.add_argument('--speculative-ep', type=int, default=None,
+                   help="the MTP draft's expert parallelism: 1 (its experts replicated on every "
+                        "rank) or --ep (default: the target's ep)")
     p.add_argument('--distributed-executor-backend', default='mp', choices=['uni', 'mp', 'ray'],
                    help='how tp * dp > 1 ranks run: mp (processes on this host) or ray (one '
                         'actor per rank across a ray cluster)')
@@ -66,10 +72,16 @@ def _sampling_args(p: argparse.ArgumentParser):
 def speculative_config(args):
     from lmdeploy_lite import SpeculativeConfig
     if args.speculative_algorithm is None and args.speculative_num_draft_tokens is None:
+        for flag in ('speculative_tp', 'speculative_ep', 'speculative_draft_model'):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: "
+                                 'speculative decoding is off; add '
+                                 '--speculative-num-draft-tokens K to turn it on')
         return None
     return SpeculativeConfig(method=args.speculative_algorithm or 'qwen3_5_mtp',
                              num_speculative_tokens=args.speculative_num_draft_tokens or 3,
-                             model=args.speculative_draft_model)
+                             model=args.speculative_draft_model, tp=args.speculative_tp,
+                             ep=args.speculative_ep)
 
 
 def executor_args(args) -> dict:

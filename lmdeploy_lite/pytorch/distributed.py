@@ -1,6 +1,13 @@
 """Process groups and the one wrapper every collective goes through.
 
-DistContext holds the world, TP, DP and EP groups on gloo. On CUDA (`init(..., device=cuda:i)`)
+DistContext holds the world, TP, DP and EP groups on gloo.
+
+Group sizes: world = dp x tp ranks; 'tp' = the tp consecutive ranks of one DP rank; 'dp' = the
+dp ranks of one TP rank; 'ep' = the world (ep is 1 or dp x tp). The MTP draft has its own
+layout (SpeculativeConfig tp / ep, dp the target's): `draft_context` gives its layers a
+`DraftDistContext` whose 'tp' is the TP group, a 'draft_tp' sub-group of it (consecutive runs
+of the draft's tp ranks, for 1 < draft tp < tp) or none (draft tp=1), and whose 'ep' is the
+EP group or none (draft ep=1). On CUDA (`init(..., device=cuda:i)`)
 every multi-rank group also gets an NCCL twin with the same ranks, and `traced` runs a
 collective of a CUDA tensor on the twin, of a CPU tensor on the gloo group: the StepPlan gather,
 the inbox broadcast and the trace check stay on gloo, TP all-reduces and EP all-to-alls of
@@ -61,6 +68,8 @@ class DistContext:
     # tokens per rank a DeepEP low-latency dispatch holds (the executor sets it from the engine
     # config: nn/token_dispatcher.dispatch_capacity); None: unknown, DeepEP is not used
     max_tokens_per_rank: int | None = None
+    nccl_device: torch.device | None = None     # CUDA ranks: where the NCCL twins live
+    nccl_twins: dict = field(default_factory=dict)   # tuple(ranks) -> NCCL group
     check: bool = False
     step: int = 0
     trace: list = field(default_factory=list)
@@ -100,35 +109,57 @@ class DistContext:
         dist.init_process_group('gloo', init_method=init_method, rank=rank,
                                 world_size=config.world_size, timeout=timeout)
         ctx = cls(config, rank, check=os.environ.get(ENV_CHECK, '0') == '1')
-        nccl = device is not None and torch.device(device).type == 'cuda'
-        twins: dict[tuple, object] = {}          # ranks -> NCCL group: one communicator each
-
-        def add(name: str, ranks: list[int], group=None):
-            """Every rank creates every group, in the same order (torch.distributed's rule)."""
-            member = rank in ranks
-            if group is None:
-                group = dist.new_group(ranks, backend='gloo', timeout=timeout)
-            if nccl and len(ranks) > 1 and tuple(ranks) not in twins:
-                twins[tuple(ranks)] = dist.new_group(
-                    ranks, backend='nccl', timeout=timeout, group_desc=f'lmdeploy_lite_{name}',
-                    device_id=torch.device(device) if member else None)
-            if member:
-                ctx.groups[name] = group if len(ranks) > 1 else None
-                ctx.device_groups[name] = twins.get(tuple(ranks))
-
+        if device is not None and torch.device(device).type == 'cuda':
+            ctx.nccl_device = torch.device(device)
         tp, dp = config.tp, config.dp
         world = list(range(config.world_size))
-        add('world', world, dist.group.WORLD)
+        ctx.add_group('world', world, dist.group.WORLD)
         # the check group waits longer than any data collective, so that a rank stuck in one
         # can still reach the comparison after its own timeout
         ctx.groups['check'] = dist.new_group(world, backend='gloo', timeout=3 * timeout)
         for d in range(dp):
-            add('tp', [d * tp + t for t in range(tp)])
+            ctx.add_group('tp', [d * tp + t for t in range(tp)])
         for t in range(tp):
-            add('dp', [d * tp + t for d in range(dp)])
+            ctx.add_group('dp', [d * tp + t for d in range(dp)])
         if config.ep > 1:
-            add('ep', world, dist.group.WORLD)
+            ctx.add_group('ep', world, dist.group.WORLD)
         return ctx
+
+    def add_group(self, name: str, ranks: list[int], group=None):
+        """Create group `name` over `ranks` (gloo, plus its NCCL twin on CUDA; one communicator
+        per set of ranks); this rank keeps it if it is a member. Every rank creates every group,
+        in the same order (torch.distributed's rule)."""
+        timeout = datetime.timedelta(seconds=dist_timeout_s())
+        member = self.rank in ranks
+        if group is None:
+            group = dist.new_group(ranks, backend='gloo', timeout=timeout)
+        twins = self.nccl_twins
+        if self.nccl_device is not None and len(ranks) > 1 and tuple(ranks) not in twins:
+            twins[tuple(ranks)] = dist.new_group(
+                ranks, backend='nccl', timeout=timeout, group_desc=f'lmdeploy_lite_{name}',
+                device_id=self.nccl_device if member else None)
+        if member:
+            self.groups[name] = group if len(ranks) > 1 else None
+            self.device_groups[name] = twins.get(tuple(ranks))
+
+    def draft_context(self, draft: DistConfig) -> 'DistContext | DraftDistContext':
+        """The DistContext the MTP draft's layers are built with (DESIGN.md invariant 6): this
+        one when the draft's layout is the target's, else a `DraftDistContext` with the draft's
+        tp and ep. A draft tp strictly between 1 and the target's needs the 'draft_tp' groups:
+        each TP group cut into consecutive runs of `draft.tp` ranks, created here, so every rank
+        must call this once, at the same point of start-up."""
+        if draft == self.config:
+            return self
+        tp = self.config.tp
+        if draft.dp != self.config.dp or tp % draft.tp or draft.ep not in (1, self.config.ep):
+            raise ValueError(f'draft layout {draft}: needs dp={self.config.dp}, a tp dividing '
+                             f'{tp} and ep 1 or {self.config.ep}')
+        if 1 < draft.tp < tp and self.world_size > 1:
+            for start in range(0, self.world_size, draft.tp):
+                self.add_group('draft_tp', list(range(start, start + draft.tp)))
+        names = {'tp': 'tp' if draft.tp == tp else 'draft_tp' if draft.tp > 1 else None,
+                 'ep': 'ep' if draft.ep > 1 else None}
+        return DraftDistContext(self, draft, names)
 
     def destroy(self):
         if dist.is_initialized():
@@ -261,10 +292,13 @@ class DistContext:
                                          f'differ at collective #{i}: {detail}')
 
 
+TP_LOCAL_GROUPS = ('tp', 'draft_tp')     # groups inside one DP rank's TP group
+
+
 def _cross_dp(record: list) -> list:
     """What every rank must agree on: the collectives of groups that span DP ranks, without
     their token dimension."""
-    return [_coarse(e) for e in record if len(e) < 4 or e[1] != 'tp']
+    return [_coarse(e) for e in record if len(e) < 4 or e[1] not in TP_LOCAL_GROUPS]
 
 
 def _coarse(entry: tuple) -> tuple:
@@ -278,3 +312,59 @@ def _coarse(entry: tuple) -> tuple:
 def _digest(record: list) -> int:
     return int.from_bytes(hashlib.sha256(repr(record).encode()).digest()[:8], 'little',
                           signed=True)
+
+
+class DraftDistContext:
+    """The MTP draft's view of its rank's DistContext: the same process, groups and trace, with
+    the draft's own DistConfig (`config`: its tp and ep; dp the target's). Layers built with it
+    ask for 'tp' and 'ep' as usual and get the draft's: 'tp' is the target's TP group when the
+    tps agree, this rank's 'draft_tp' sub-group for a smaller draft tp > 1, none for tp=1; 'ep'
+    is the target's EP group, or none with ep=1 (experts replicated). Collectives are recorded
+    in the parent's trace under the real group's name. Anything else (rank, step,
+    max_tokens_per_rank, ...) is the parent's."""
+
+    def __init__(self, parent: DistContext, config: DistConfig, names: dict[str, str | None]):
+        self.parent, self.config, self.names = parent, config, names
+
+    def __getattr__(self, name: str):
+        return getattr(self.parent, name)
+
+    def _real(self, group: str) -> str | None:
+        return self.names.get(group, group)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.parent.tp_rank % self.config.tp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.parent.rank if self.config.ep > 1 else 0
+
+    def group(self, name: str):
+        real = self._real(name)
+        return None if real is None else self.parent.group(real)
+
+    def all_reduce(self, tensor: torch.Tensor, group: str, op: str = 'sum') -> torch.Tensor:
+        real = self._real(group)
+        return tensor if real is None else self.parent.all_reduce(tensor, real, op)
+
+    def all_gather(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
+        real = self._real(group)
+        return tensor[None] if real is None else self.parent.all_gather(tensor, real)
+
+    def broadcast(self, tensor: torch.Tensor, src_local: int, group: str) -> torch.Tensor:
+        real = self._real(group)
+        return tensor if real is None else self.parent.broadcast(tensor, src_local, real)
+
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   group: str) -> torch.Tensor:
+        return self.parent.all_to_all(tensor, send_counts, recv_counts, self._checked(group))
+
+    def traced(self, op: str, group: str, tensor: torch.Tensor, fn, variable: bool = False):
+        self.parent.traced(op, self._checked(group), tensor, fn, variable)
+
+    def _checked(self, group: str) -> str:
+        real = self._real(group)
+        if real is None:
+            raise RuntimeError(f'the draft ({self.config}) has no {group!r} group')
+        return real

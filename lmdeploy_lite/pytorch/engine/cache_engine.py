@@ -6,7 +6,9 @@ linear-attention layer: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num
                          dtype, recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv] in
                          the state dtype of `state_dtype`: fp32 by default, fp64 for a float64
                          model, bf16 with ssm_state_dtype='bfloat16').
-`tp` is the tensor-parallel size of the model that owns the cache (a TP rank keeps only its heads).
+`tp` is the tensor-parallel size of the model that owns the cache (a TP rank keeps only its heads):
+the target's tp for the target's cache, the draft's own tp (SpeculativeConfig.tp, default the
+target's) for the MTP head's; num_blocks / block_size / num_state_slots come from `plan_cache`.
 `caches[layer_idx]` returns the layer's tuple; the slot semantics are in model_inputs.py.
 """
 from __future__ import annotations

@@ -1,12 +1,17 @@
 """How many KV blocks one rank gets (DESIGN.md invariant 6: the draft's KV is sized per rank).
 
-Blocks come from the memory left after the weights are loaded: `cache_max_entry_count` of it,
-minus the linear-attention state rows (the recurrent part at `ssm_state_dtype`: bf16 halves it),
-divided by the bytes of one block (the target's full-attention layers plus the draft head's,
-each at this rank's TP share of the KV heads).
-On CUDA the memory is the device's free memory; on CPU the ranks share the machine, so each
-rank's budget is MemAvailable / world size. All ranks then take the minimum, so that the block
-tables of TP peers agree.
+Where each size comes from:
+  * the budget: the memory left after the target's weights are loaded (on CUDA the device's
+    free memory; on CPU, where the ranks share the machine, MemAvailable / world size), less
+    the draft head's own weights, which are loaded after this plan (`draft_weight_bytes`, at the
+    draft's tp / ep), times `cache_max_entry_count`, less the linear-attention state rows
+    (max_batch_size + 1 slots at the target's tp; the recurrent part at `ssm_state_dtype`);
+  * one block: the target's full-attention layers at the target's TP share of the KV heads,
+    plus the draft's KV layers at the draft's TP share (`draft_tp`: a draft tp=1 holds all its
+    KV heads on every rank);
+  * the cap: max_batch_size sequences of `max_positions` (session_len + the speculative
+    overhang), plus the reserved block 0 (dummy forwards).
+All ranks then take the minimum, so that the block tables of TP peers agree.
 """
 from __future__ import annotations
 
@@ -30,11 +35,12 @@ def available_memory(device: torch.device, world_size: int = 1) -> int:
 
 def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, max_positions: int,
                num_spec_tokens: int, num_draft_layers: int, dtype: torch.dtype,
-               available_bytes: int, tp: int = 1, draft_tp: int | None = None) -> CacheConfig:
+               available_bytes: int, tp: int = 1, draft_tp: int | None = None,
+               draft_weight_bytes: int = 0) -> CacheConfig:
     """num_gpu_blocks if given; else the budget above, never more than max_batch_size sequences
-    of `max_positions` need, plus the reserved block 0 (dummy forwards). The draft's KV is
-    charged at its own tp (`draft_tp`, default the target's): a replicated draft (tp=1) holds
-    all its KV heads on every rank."""
+    of `max_positions` need, plus the reserved block 0. `available_bytes`: this rank's memory
+    after the target's weights; `draft_weight_bytes`: what the draft's own weights will take of
+    it on this rank; `draft_tp`: the draft's tp (default the target's)."""
     draft_tp = tp if draft_tp is None else draft_tp
     block_size = engine_config.block_size
     num_slots = engine_config.max_batch_size + 1                 # slot 0 is reserved
@@ -45,7 +51,8 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
         state_bytes = num_slots * CacheEngine.bytes_per_state_slot(
             model_config, num_spec_tokens, dtype, tp=tp,
             ssm_state_dtype=engine_config.ssm_state_dtype)
-        budget = available_bytes * engine_config.cache_max_entry_count - state_bytes
+        budget = ((available_bytes - draft_weight_bytes) * engine_config.cache_max_entry_count
+                  - state_bytes)
         per_block = CacheEngine.bytes_per_block(model_config, block_size, dtype, tp=tp)
         per_block += num_draft_layers * CacheEngine.bytes_per_block(
             model_config, block_size, dtype, layer_types=('full_attention',), tp=draft_tp)

@@ -24,7 +24,7 @@ from lmdeploy_lite.pytorch.models.loader import build_model
 from lmdeploy_lite.pytorch.nn.token_dispatcher import set_low_latency, uses_deep_ep
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
 from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
-                                                     check_speculative_config, draft_tp)
+                                                     check_speculative_config, draft_footprint)
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
 from lmdeploy_lite.pytorch.strategies.base import dummy_table_width
 
@@ -172,7 +172,7 @@ class Engine:
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
         spec = speculative_config
         if spec is not None:
-            check_speculative_config(spec, model_path, self.dist.config.tp, cfg.load_format)
+            check_speculative_config(spec, model_path, self.dist.config, cfg.load_format)
         self.num_spec_tokens = num_spec = spec.num_speculative_tokens if spec else 0
         uses_mtp = spec is not None and spec.method == 'qwen3_5_mtp'
         num_draft_extra = num_spec - 1 if uses_mtp else 0     # positions the MTP writes past k+1
@@ -181,9 +181,11 @@ class Engine:
                             dist_ctx=self.dist, load_format=cfg.load_format, seed=cfg.seed)
         set_low_latency(self.dist, False)      # allocates a DeepEP buffer (if any) before the KV
         tp = self.dist.config.tp
-        cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec, int(uses_mtp),
-                                  self.dtype, available_memory(self.device, self.dist.world_size),
-                                  tp, draft_tp(spec, tp) if uses_mtp else tp)
+        draft = draft_footprint(spec, self.model_config, self.dtype, self.dist.config)
+        cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec,
+                                  draft.num_kv_layers, self.dtype,
+                                  available_memory(self.device, self.dist.world_size), tp,
+                                  draft.tp, draft.weight_bytes)
         num_blocks = self.dist.all_reduce(torch.tensor([cache_config.num_blocks]), 'world',
                                           op='min')                 # block tables must agree
         self.cache_config = dataclasses.replace(cache_config, num_blocks=int(num_blocks))

@@ -8,8 +8,13 @@
     h'_t = norm(u)                                        # lm_head(h'_t) predicts x_{t+2}
 The layer has its own paged KV cache (`CacheEngine(..., layer_types=('full_attention',))`, same
 block table and block size as the target). Parameter names equal the checkpoint's minus `mtp.`.
-Under TP the decoder layer is sharded like the target's (by this head's `dist_ctx`), fc and the
-norms are replicated, and the shared vocab-parallel embedding / LM head keep the target's TP.
+
+Sizes per rank come from this head's `dist_ctx`, the draft's own layout (SpeculativeConfig tp /
+ep; `DistContext.draft_context`), not the target's: the decoder layer's attention and MLP hold
+1 / draft-tp of the heads and intermediate dims; its experts are 1 / ep of them, whole, with
+ep > 1, or all of them (each 1 / draft-tp of I) with ep=1; its KV cache holds
+num_key_value_heads / draft-tp heads. fc and the norms are replicated. The shared vocab-parallel
+embedding and LM head keep the target's TP (their collectives run on the target's TP group).
 """
 from __future__ import annotations
 

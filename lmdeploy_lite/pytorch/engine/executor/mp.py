@@ -239,7 +239,7 @@ class RemoteEngineLoop:
         self.dist_config.validate(self.model_config, num_devices=None)
         if speculative_config is not None:
             from lmdeploy_lite.pytorch.spec_decode.build import check_speculative_config
-            check_speculative_config(speculative_config, model_path, self.dist_config.tp,
+            check_speculative_config(speculative_config, model_path, self.dist_config,
                                      cfg.load_format)
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
         self.error: BaseException | None = None
