@@ -327,6 +327,8 @@ class DraftDistContext:
         self.parent, self.config, self.names = parent, config, names
 
     def __getattr__(self, name: str):
+        if name == 'parent':                 # not set yet (copy / unpickle): no recursion
+            raise AttributeError(name)
         return getattr(self.parent, name)
 
     def _real(self, group: str) -> str | None:
