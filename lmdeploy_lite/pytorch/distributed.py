@@ -15,7 +15,10 @@ activations go over NCCL. Each collective is recorded per step as (op, group, sh
 variable first dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
 (DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest
 comparison on a separate check group, and a mismatch raises CollectiveMismatch naming the first
-collective that differs. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
+collective that differs. Which ranks advance together is `plan_group` (the StepPlan's group, for
+the engine and the executors alike): the world with ep > 1, whose MoE all-to-alls join every
+rank; each TP group with ep = 1, whose DP ranks share no collective inside a step and so run as
+independent engines; the check group spans the same ranks. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
 default 180); expiry raises CollectiveTimeout naming rank, step and operation (invariant 3).
 A timeout also triggers the trace comparison, so a rank that skipped a collective is named
 instead of leaving its peers to hang (the comparison waits up to 3x the timeout for peers still
@@ -91,6 +94,19 @@ class DistContext:
     def ep_rank(self) -> int:
         return self.rank if self.config.ep > 1 else 0
 
+    @property
+    def plan_group(self) -> str:
+        """The group the StepPlan spans: the ranks that share collectives inside a step. With
+        ep > 1 the MoE all-to-alls join every rank, so the world advances in lockstep (an idle
+        DP rank runs dummy forwards); with ep = 1 DP ranks share nothing inside the forward and
+        each DP group (its TP group) runs on its own."""
+        return 'world' if self.config.ep > 1 else 'tp'
+
+    @property
+    def plan_ranks(self) -> list[int]:
+        """The global ranks of `plan_group`, in group order."""
+        return next(ranks for ranks in _plan_rank_sets(self.config) if self.rank in ranks)
+
     def group(self, name: str):
         return self.groups.get(name)
 
@@ -114,9 +130,13 @@ class DistContext:
         tp, dp = config.tp, config.dp
         world = list(range(config.world_size))
         ctx.add_group('world', world, dist.group.WORLD)
-        # the check group waits longer than any data collective, so that a rank stuck in one
-        # can still reach the comparison after its own timeout
-        ctx.groups['check'] = dist.new_group(world, backend='gloo', timeout=3 * timeout)
+        # the check group spans the plan group's ranks (those that share collectives) and waits
+        # longer than any data collective, so that a rank stuck in one can still reach the
+        # comparison after its own timeout
+        for ranks in _plan_rank_sets(config):
+            check = dist.new_group(ranks, backend='gloo', timeout=3 * timeout)
+            if rank in ranks:
+                ctx.groups['check'] = check if len(ranks) > 1 else None
         for d in range(dp):
             ctx.add_group('tp', [d * tp + t for t in range(tp)])
         for t in range(tp):
@@ -256,43 +276,61 @@ class DistContext:
         self.trace = []
 
     def end_step(self):
-        if self.check and self.world_size > 1:
+        if self.check and len(self.plan_ranks) > 1:
             self.compare_traces()
 
     def compare_traces(self, failed: tuple | None = None):
-        """Compare this step's collective sequences; raise CollectiveMismatch on the first
-        difference. Collectives on groups that span DP ranks must agree on every rank in
-        (op, group, dtype) and every dimension but the token count (DP ranks legitimately carry
-        different numbers of tokens); TP peers (same DP rank) must agree exactly on everything,
-        their own TP-group collectives included. `failed`: this rank's collective that just
-        failed (marks its trace)."""
+        """Compare this step's collective sequences across the plan group (the ranks that share
+        collectives: the world with ep > 1, else this TP group) on the check group; raise
+        CollectiveMismatch on the first difference. Collectives on groups that span DP ranks
+        must agree on every rank in (op, group, dtype) and every dimension but the token count
+        (DP ranks legitimately carry different numbers of tokens); TP peers (same DP rank) must
+        agree exactly on everything, their own TP-group collectives included. `failed`: this
+        rank's collective that just failed (marks its trace)."""
+        ranks = self.plan_ranks
+        if len(ranks) == 1:
+            return
         record = list(self.trace) + ([('<timed out here>',)] if failed else [])
         mine = torch.tensor([_digest(_cross_dp(record)), _digest(record)], dtype=torch.int64)
         check = self.group('check')
-        digests = [torch.empty_like(mine) for _ in range(self.world_size)]
+        digests = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(digests, mine, group=check)
-        tp = self.config.tp
+
+        def tp_leader(i: int) -> int:       # position of ranks[i]'s TP rank 0 (ranks are a range)
+            return i - ranks[i] % self.config.tp
         same_coarse = all(int(d[0]) == int(digests[0][0]) for d in digests)
-        same_fine = all(int(d[1]) == int(digests[r - r % tp][1]) for r, d in enumerate(digests))
+        same_fine = all(int(d[1]) == int(digests[tp_leader(i)][1]) for i, d in enumerate(digests))
         if same_coarse and same_fine:
             return
-        traces = [None] * self.world_size
+        traces = [None] * len(ranks)
         dist.all_gather_object(traces, record, group=check)
         if not same_fine:                   # within a TP group: the full sequences
-            self._raise_first_difference(traces, lambda r: r - r % tp, 'TP peers\'')
-        self._raise_first_difference([_cross_dp(t) for t in traces], lambda r: 0,
+            self._raise_first_difference(traces, tp_leader, 'TP peers\'')
+        self._raise_first_difference([_cross_dp(t) for t in traces], lambda i: 0,
                                      'ranks\' cross-DP')
 
     def _raise_first_difference(self, traces: list, reference, what: str):
+        """`traces[i]`: the sequence of the plan group's i-th rank; `reference(i)`: the position
+        whose sequence it must equal."""
+        ranks = self.plan_ranks
         for i in range(max(map(len, traces))):
             entries = [t[i] if i < len(t) else ('<end of step>',) for t in traces]
-            if any(e != entries[reference(r)] for r, e in enumerate(entries)):
-                detail = '; '.join(f'rank {r}: {e}' for r, e in enumerate(entries))
+            if any(e != entries[reference(p)] for p, e in enumerate(entries)):
+                detail = '; '.join(f'rank {ranks[p]}: {e}' for p, e in enumerate(entries))
                 raise CollectiveMismatch(f'step {self.step}: the {what} collective sequences '
                                          f'differ at collective #{i}: {detail}')
 
 
 TP_LOCAL_GROUPS = ('tp', 'draft_tp')     # groups inside one DP rank's TP group
+
+
+def _plan_rank_sets(config: DistConfig) -> list[list[int]]:
+    """Every plan group's ranks (DistContext.plan_group), in creation order: the world with
+    ep > 1, else one set per TP group."""
+    if config.ep > 1:
+        return [list(range(config.world_size))]
+    tp = config.tp
+    return [[d * tp + t for t in range(tp)] for d in range(config.dp)]
 
 
 def _cross_dp(record: list) -> list:

@@ -41,10 +41,29 @@ def rank1_stalls(engine):
     engine.step = step
 
 
+SLOW_STEP_S = 0.1
+
+
+def rank0_steps_slowly(engine):
+    """Rank 0 sleeps SLOW_STEP_S in every step with work: a request on it reports for a while,
+    one message every SLOW_STEP_S, so the front-end's queue is never quiet meanwhile."""
+    if engine.dist.rank != 0:
+        return
+    real = engine.step
+
+    def step():
+        if engine.has_work:
+            time.sleep(SLOW_STEP_S)
+        return real()
+    engine.step = step
+
+
 @dataclass
 class Finished:
     token_ids: list[int]
     finish_reason: str | None
+    spec_stats: object = None       # the last report's SpecDecodeStats (None: no draft)
+    dp_rank: int | None = None      # the DP rank the front-end routed the request to
 
 
 def run_requests(loop, prompts: list[list[int]], gen_config, timeout_s: float = 120
@@ -61,6 +80,7 @@ def run_requests(loop, prompts: list[list[int]], gen_config, timeout_s: float = 
         if isinstance(item, BaseException):
             raise item
         done[i].token_ids += item.new_token_ids
+        done[i].spec_stats, done[i].dp_rank = item.spec_stats, item.seq.dp_rank
         if item.finished:
             done[i].finish_reason = item.seq.finish_reason
             remaining -= 1

@@ -24,16 +24,17 @@ BASE = dict(dtype='float32', device='cpu', block_size=4, session_len=128)
 @pytest.mark.timeout(120)
 def test_a_rank_that_stops_participating_times_out_naming_rank_step_and_op(tiny_ckpt,
                                                                             monkeypatch):
-    """Rank 1 stays alive but never reaches step STALL_AT_STEP's plan gather. Rank 0's gather
-    raises after LMDEPLOY_LITE_DIST_TIMEOUT (trace check off, as in production: with it on the
-    comparison waits for the peers too), the loop's error is that one line, the request in
-    flight gets it, and close() returns leaving no process."""
+    """dp=2 ep=2 (the world shares collectives and plans together: a pure-DP rank would not
+    wait for rank 1 at all). Rank 1 stays alive but never reaches step STALL_AT_STEP's plan
+    gather. Rank 0's gather raises after LMDEPLOY_LITE_DIST_TIMEOUT (trace check off, as in
+    production: with it on the comparison waits for the peers too), the loop's error is that one
+    line, the request in flight gets it, and close() returns leaving no process."""
     timeout_s = 5
     monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', str(timeout_s))
     monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '0')
-    path = tiny_ckpt(False, layout='plain')
+    path = tiny_ckpt(True, layout='plain')
     begin = time.monotonic()
-    loop = MPEngineLoop(path, PytorchEngineConfig(dp=2, **BASE), worker_hook=rank1_stalls)
+    loop = MPEngineLoop(path, PytorchEngineConfig(dp=2, ep=2, **BASE), worker_hook=rank1_stalls)
     procs = list(loop._procs)
     try:
         sink = queue.Queue()

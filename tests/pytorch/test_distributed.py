@@ -21,7 +21,8 @@ from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
 from tests.helpers import accepting
 from tests.helpers.accepting import assert_matches_reference
-from tests.helpers.broken import run_requests, skip_dummy_draft
+from tests.helpers.broken import rank0_steps_slowly, run_requests, skip_dummy_draft
+from tests.helpers.forward_counts import FORWARD_COUNT_DIR, count_forwards, read_counts
 
 BASE = dict(dtype='float64', device='cpu', block_size=4, session_len=128)    # tiny checkpoints
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 49)), [300, 301, 2, 450, 3, 3, 3, 17]]
@@ -52,19 +53,39 @@ def test_tp2_gives_plain_greedy_tokens_and_single_process_acceptance(k, draft_tp
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('k', [1, 3])
-def test_dp2_ep2_one_request_with_an_idle_rank_then_a_batch(k):
-    """The seed scenario: dp=2 ep=2, MoE target and MoE MTP layer, first exactly one request (the
-    idle rank must run dummy target AND draft forwards or the busy rank's all-to-all has no
-    partner), then a batch over both ranks, in one pipeline."""
+@pytest.mark.parametrize('layout, k', [(dict(dp=2, ep=2), 1), (dict(dp=2, ep=2), 3),
+                                       (dict(dp=2), 3)], ids=['dp2_ep2_k1', 'dp2_ep2_k3',
+                                                              'dp2_ep1_k3'])
+def test_dp2_one_request_with_an_idle_rank_then_a_batch(layout, k, tmp_path):
+    """First exactly one request, then a batch over both ranks, in one engine; forwards counted
+    per rank. dp=2 ep=2 (the seed scenario; MoE target and MoE MTP layer): the ranks run in
+    lockstep, so the idle rank runs a dummy target AND draft forward for each of the busy rank's
+    (or the busy rank's all-to-all has no partner). dp=2 ep=1: DP ranks share no collective and
+    run independently, so the idle rank runs no forward at all."""
     start = time.monotonic()
     one = accepting.prompts()[1:2]
-    with embedded_pipeline(dict(dp=2, ep=2), accepting.spec(k)) as pipe:
-        alone = pipe([list(p) for p in one], accepting.GREEDY)
-        batch = pipe([list(p) for p in accepting.prompts()], accepting.GREEDY)
+    loop = MPEngineLoop(accepting.model_dir(), PytorchEngineConfig(**layout, **accepting.BASE),
+                        accepting.spec(k), env={FORWARD_COUNT_DIR: str(tmp_path)},
+                        worker_hook=count_forwards)
+    try:
+        alone = run_requests(loop, [list(p) for p in one], accepting.GREEDY)
+        counts_alone = read_counts(tmp_path, 2)
+        batch = run_requests(loop, [list(p) for p in accepting.prompts()], accepting.GREEDY)
+        counts_batch = read_counts(tmp_path, 2)
+    finally:
+        loop.close()
+    assert time.monotonic() - start < 240
     assert_matches_reference(alone, k, one)
     assert_matches_reference(batch, k)
-    assert time.monotonic() - start < 240
+    busy = alone[0].dp_rank
+    idle = 1 - busy
+    assert min(counts_alone[busy]) > 0, counts_alone            # target and draft forwards
+    if layout.get('ep', 1) > 1:
+        assert counts_alone[idle] == counts_alone[busy], counts_alone      # one dummy for each
+    else:
+        assert counts_alone[idle] == (0, 0), counts_alone
+    assert sorted(r.dp_rank for r in batch) == [0, 0, 1, 1]              # the load is balanced
+    assert min(counts_batch[idle]) > 0 and counts_batch[busy] > counts_alone[busy], counts_batch
 
 
 @pytest.mark.timeout(300)
@@ -117,24 +138,27 @@ def test_a_rank_that_skips_its_dummy_draft_is_named_not_hung(tiny_ckpt, monkeypa
 
 @pytest.mark.timeout(300)
 def test_a_dead_worker_is_reported_by_rank_and_nothing_is_left(tiny_ckpt):
-    """Dense dp=2 first gives the single process's tokens; then SIGKILL of one rank: within
-    seconds the loop's error is one line naming the rank and the signal (no traceback: it is what
-    the server shows), every live request gets it, and close() returns at once leaving no
-    process."""
+    """Dense dp=2 first gives the single process's tokens; then SIGKILL of rank 1 while rank 0
+    streams (a report every SLOW_STEP_S: pure-DP rank 0 runs on without its peer, and its
+    traffic must not hide the death): within seconds the loop's error is one line naming the
+    rank and the signal (no traceback: it is what the server shows), every live request gets it,
+    and close() returns at once leaving no process."""
     path = tiny_ckpt(False, layout='plain')
     want = Engine(path, PytorchEngineConfig(**BASE), progress=False).generate(PROMPTS[:2], GEN)
-    pipe = pipeline(path, PytorchEngineConfig(dp=2, **BASE), progress=False)
-    loop, procs = pipe._loop, pipe._loop._procs
+    loop = MPEngineLoop(path, PytorchEngineConfig(dp=2, **BASE), worker_hook=rank0_steps_slowly)
+    procs = loop._procs
     try:
-        assert [r.token_ids for r in pipe(PROMPTS[:2], GEN)] == [s.generated_ids for s in want]
+        assert [r.token_ids for r in run_requests(loop, PROMPTS[:2], GEN)] == \
+            [s.generated_ids for s in want]
         sinks = [queue.Queue() for _ in range(2)]            # one request on each rank
         for prompt, sink in zip(PROMPTS[:2], sinks):
             loop.submit(prompt, GenerationConfig(max_new_tokens=100, ignore_eos=True), sink.put)
+        sinks[0].get(timeout=10)                 # rank 0 is streaming (for 100 x SLOW_STEP_S)
         procs[1].kill()
         killed = time.monotonic()
         while loop.error is None and time.monotonic() - killed < 10:
             time.sleep(0.05)
-        assert loop.error is not None and time.monotonic() - killed < 5
+        assert loop.error is not None and time.monotonic() - killed < 3
         message = str(loop.error)
         assert re.fullmatch(rf'rank 1 \(pid {procs[1].pid}\) was killed by signal SIGKILL',
                             message), message
@@ -144,10 +168,10 @@ def test_a_dead_worker_is_reported_by_rank_and_nothing_is_left(tiny_ckpt):
                 items.append(sink.get(timeout=5))
             assert items[-1] is loop.error
         with pytest.raises(RuntimeError, match='rank 1'):
-            pipe(PROMPTS[:2], GEN)
+            run_requests(loop, PROMPTS[:2], GEN)
     finally:
         start = time.monotonic()
-        pipe.close()
+        loop.close()
         assert time.monotonic() - start < 10
     assert not any(p.is_alive() for p in procs)
 

@@ -193,6 +193,7 @@ LAYOUTS = [
     pytest.param(True, dict(per_expert=True, layout='multimodal'), DistConfig(tp=2),
                  id='moe-per-expert-multimodal-tp2'),
     pytest.param(True, {}, DistConfig(tp=2, ep=2), id='moe-tp2-ep2'),
+    pytest.param(False, {}, DistConfig(tp=2, dp=2), id='dense-tp2-dp2'),   # a check group per TP
     pytest.param(True, dict(tie=True, vocab_size=510, **WIDE), DistConfig(tp=4, ep=4),
                  id='moe-tied-vocab510-tp4-ep4'),     # 2-token decodes: 2 TP ranks dispatch 0 rows
     pytest.param(True, dict(per_expert=True, **WIDE), DistConfig(tp=2, dp=2, ep=4),

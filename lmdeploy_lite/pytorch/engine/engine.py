@@ -213,7 +213,7 @@ class Engine:
         self.num_steps = 0
         self.stop_requested = False        # set by a driver; travels to every rank in the plan
         self.stopped = False
-        self.world_busy = False
+        self.plan_busy = False             # some rank of the plan group worked last step
         self.in_flight: InFlight | None = None           # async scheduling: a launched step
         self.num_continued_steps = 0       # decode steps launched before the host caught up
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
@@ -296,7 +296,7 @@ class Engine:
             batch = None if self.stop_requested else self.scheduler.schedule()
         plan = StepPlan.gather(batch, self.dist, self.stop_requested)
         self.stopped = plan.shutdown
-        self.world_busy = plan.any_work          # some rank worked this step (executors poll)
+        self.plan_busy = plan.any_work     # a plan_group rank worked this step (executors poll)
         if not plan.any_work or plan.shutdown:
             return outputs + (self._finish(pending) if continued else [])
         set_low_latency(self.dist, plan.all_decoding)     # DeepEP mode: same on every rank

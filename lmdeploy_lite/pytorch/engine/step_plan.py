@@ -1,7 +1,15 @@
 """The StepPlan: everything a step needs to know about the other ranks (DESIGN.md invariant 1).
 
-Built from ONE fixed-shape all-gather of an int64 row per rank on the world CPU group. Every
-padded size of the step is a pure function of it; nothing else decides a size.
+Built from ONE fixed-shape all-gather of an int64 row per rank on the CPU group
+`DistContext.plan_group`. Every padded size of the step is a pure function of it; nothing else
+decides a size.
+
+Which ranks the plan spans: the ranks that share a collective inside the step, no more. With
+ep > 1 that is the world (the MoE all-to-alls join every rank), so every rank runs every step
+and an idle DP rank runs dummy target and draft forwards (DESIGN.md invariant 2). With ep = 1 it
+is the DP rank's own TP group: TP peers must agree on every size (they all-reduce activations),
+but DP ranks share nothing, so each DP rank plans, runs or idles on its own, like vLLM's
+pure-DP engines: a rank with no work runs no forward and waits for no one.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ def round_up(value: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class StepPlan:
-    rows: torch.Tensor          # [world_size, len(FIELDS)] int64
+    rows: torch.Tensor          # [len(dist_ctx.plan_ranks), len(FIELDS)] int64
     tp: int = 1
 
     @staticmethod
@@ -33,7 +41,7 @@ class StepPlan:
     @classmethod
     def gather(cls, batch, dist_ctx, shutdown: bool = False) -> 'StepPlan':
         row = cls.local_row(batch, dist_ctx.config.tp, shutdown)
-        return cls(dist_ctx.all_gather(row, 'world'), dist_ctx.config.tp)
+        return cls(dist_ctx.all_gather(row, dist_ctx.plan_group), dist_ctx.config.tp)
 
     @property
     def any_work(self) -> bool:

@@ -2,6 +2,7 @@
 import torch
 
 from lmdeploy_lite.messages import GenerationConfig
+from lmdeploy_lite.pytorch.config import DistConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch
 from lmdeploy_lite.pytorch.engine.sequence import Sequence
@@ -35,3 +36,15 @@ def test_single_process_gather_runs_no_collective():
     ctx = DistContext.single()
     plan = StepPlan.gather(batch([5], False), ctx)
     assert plan.rows.tolist() == [[5, 1, 0, 1, 0]] and ctx.trace == []
+
+
+def test_the_plan_spans_the_ranks_that_share_collectives():
+    """ep > 1: the world (MoE all-to-alls join every rank); ep = 1: the DP rank's own TP group,
+    so pure-DP ranks plan and run independently."""
+    def ctx(rank, **layout):
+        return DistContext(DistConfig(**layout), rank)
+    assert (ctx(1, dp=2, ep=2).plan_group, ctx(1, dp=2, ep=2).plan_ranks) == ('world', [0, 1])
+    assert (ctx(1, dp=2).plan_group, ctx(1, dp=2).plan_ranks) == ('tp', [1])
+    assert ctx(3, tp=2, dp=2).plan_ranks == [2, 3]
+    assert ctx(3, tp=2, dp=2, ep=4).plan_ranks == [0, 1, 2, 3]
+    assert ctx(1, tp=2).plan_ranks == [0, 1]

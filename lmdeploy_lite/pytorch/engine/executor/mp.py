@@ -5,20 +5,32 @@ made current before anything is built; the front-end first checks that there are
 and its device collectives run on NCCL (DistContext.init).
 
 Every rank runs an Engine for its DP rank and the same loop: read its inbox, `engine.step()`
-(whose first act is the StepPlan all-gather, so ranks advance in lockstep), send outputs home.
-Ranks with no work wait on their inbox between plan gathers (at most IDLE_WAIT_S, no spinning);
-an idle rank inside a busy step runs dummy target and draft forwards. The front-end routes each
-request to the least-loaded DP rank; each rank leader sends one message per step with all of its
-requests' outputs, which the front-end hands to their sinks (one post per Channel).
+(whose first act is the StepPlan all-gather over `DistContext.plan_group`), send outputs home.
+The ranks of a plan group advance in lockstep; plan groups do not wait for each other:
+- ep > 1: the plan group is the world (the MoE all-to-alls join every rank). A rank with no work
+  inside a busy step runs dummy target and draft forwards, and polls its inbox without waiting
+  while any rank is busy (`engine.plan_busy`), or every busy step would wait for it.
+- ep = 1: the plan group is the DP rank's TP group. DP ranks share no collective, so each runs
+  as an independent engine: an idle DP rank runs no forward and never holds up a busy one.
+A plan group with no work waits on its inbox between plan gathers (at most IDLE_WAIT_S, no
+spinning; short, since its TP peers wait for TP rank 0's inbox broadcast within the collective
+timeout). A stop reaches every rank through the executor, not through one rank's plan: close()
+puts it in every rank's inbox, each DP group's TP rank 0 shares it with its TP peers, and the
+plan's shutdown flag ends the group's loop in the same step on every rank of the group. The
+front-end routes each request to the DP rank with the fewest live requests; each rank leader
+sends one message per step with all of its requests' outputs, which the front-end hands to
+their sinks (one post per Channel).
 
-Failures: a rank that dies is detected within a second; the loop's `error` becomes one short
-line naming it and how it ended ('rank 1 (pid 4242) was killed by signal SIGKILL'), or the
-first line of the exception a rank raised (a collective timeout names rank, step and
-operation); tracebacks go to the log. Every live request's sink gets that error, the other
-ranks are ended, and close() returns promptly. Ranks die with the front-end, however it ends
-(lifeline.py), and ignore SIGINT (a Ctrl-C reaches the whole process group; the front-end
-decides). `worker_hook`: a picklable top-level function called with each rank's Engine before
-it serves (tests break engines on purpose with it); production code never sets it.
+Failures: a rank that dies is detected within a second (the front-end checks every
+LIVENESS_CHECK_S, however busy the other ranks are: pure-DP ranks run on without a dead peer);
+the loop's `error` becomes one short line naming it and how it ended ('rank 1 (pid 4242) was
+killed by signal SIGKILL'), or the first line of the exception a rank raised (a collective
+timeout names rank, step and operation); tracebacks go to the log. Every live request's sink
+gets that error, the other ranks are ended, and close() returns promptly. Ranks die with the
+front-end, however it ends (lifeline.py), and ignore SIGINT (a Ctrl-C reaches the whole process
+group; the front-end decides). `worker_hook`: a picklable top-level function called with each
+rank's Engine before it serves (tests break engines on purpose with it); production code never
+sets it.
 """
 from __future__ import annotations
 
@@ -46,6 +58,7 @@ from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_pare
 logger = logging.getLogger('lmdeploy_lite')
 
 IDLE_WAIT_S = 0.02
+LIVENESS_CHECK_S = 0.5           # the front-end looks for dead ranks this often
 STARTUP_TIMEOUT_S = float(os.environ.get('LMDEPLOY_LITE_STARTUP_TIMEOUT', '600'))
 
 
@@ -145,9 +158,10 @@ def _rank_loop(rank: int, engine, inbox, outbox):
     seq_of: dict[int, object] = {}           # request id -> Sequence
     leader = engine.dist.tp_rank == 0
     while not engine.stopped:
-        # wait on the inbox only when no rank had work last step: an idle rank inside a busy
-        # world must reach the next plan gather at once, or every busy step waits for it
-        wait = None if engine.has_work or engine.world_busy else IDLE_WAIT_S
+        # wait on the inbox only when no rank of the plan group had work last step: an idle
+        # rank inside a busy plan group (ep > 1: the world) must reach the next plan gather at
+        # once, or every busy step waits for it
+        wait = None if engine.has_work or engine.plan_busy else IDLE_WAIT_S
         events = _drain(inbox, wait) if leader else None
         reports = []                         # one message to the front-end per step
         for kind, payload in engine.dist.broadcast_object(events, 'tp'):
@@ -325,22 +339,30 @@ class RemoteEngineLoop:
 
     # ---- results --------------------------------------------------------------------------
     def _collect(self):
+        """Hand the ranks' reports to their sinks, and check every LIVENESS_CHECK_S, busy or
+        not, that every rank is alive: DP ranks that share no collective (ep = 1) run on
+        without a dead peer, so their reports must not hide it."""
+        next_check = time.monotonic() + LIVENESS_CHECK_S
         while True:
             try:
-                kind, rank, payload = self._outbox.get(timeout=0.5)
+                kind, rank, payload = self._outbox.get(
+                    timeout=max(0.01, next_check - time.monotonic()))
             except queue.Empty:
                 if self._closing:
                     return
+                kind = None
+            if kind == 'error':
+                self._fail(RuntimeError(self._describe_failure(rank, *payload)))
+                return
+            if kind is not None:
+                self._deliver(payload)
+            if time.monotonic() >= next_check and not self._closing:
+                next_check = time.monotonic() + LIVENESS_CHECK_S
                 try:
                     self._check_alive()
                 except RuntimeError as e:
                     self._fail(e)
                     return
-                continue
-            if kind == 'error':
-                self._fail(RuntimeError(self._describe_failure(rank, *payload)))
-                return
-            self._deliver(payload)
 
     def _deliver(self, reports: list[tuple]):
         """One step's reports of one rank to their requests' sinks (one post per Channel)."""

@@ -2,7 +2,10 @@
 
 Each actor runs the same `worker_main` as the `mp` executor; inboxes and the outbox are
 `ray.util.queue.Queue`s behind a wrapper with the mp queue's interface (empty gets raise
-`queue.Empty`), so the worker code is shared unchanged. Bundles are {'GPU': 1} per rank on
+`queue.Empty`), so the worker code is shared unchanged, and so is how ranks advance: in
+lockstep within `DistContext.plan_group` (the world with ep > 1, else each DP rank's TP group,
+whose DP ranks run as independent engines; mp.py says why), stops through every rank's inbox,
+dead ranks found by the front-end's periodic liveness check however busy the others are. Bundles are {'GPU': 1} per rank on
 CUDA, {'CPU': 1} on CPU; strategy STRICT_SPREAD when the cluster has exactly one node per rank
 (rank r on its own node), else SPREAD. Rank r takes bundle r; torch.distributed meets at rank
 0's node. The cluster is `ray.init()`'s (RAY_ADDRESS, e.g. `auto`), unless the caller already
