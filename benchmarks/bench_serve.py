@@ -66,8 +66,10 @@ async def one_request(http: httpx.AsyncClient, payload: dict) -> dict:
     return {'ttft': ttft, 'latency': last - start, 'itl': itl, 'usage': usage}
 
 
-async def run(base_url: str, prompts: list[str], output_len: int, concurrency: int,
-              request_rate: float, api_key: str | None, seed: int) -> dict:
+async def collect(base_url: str, prompts: list[str], output_len: int, concurrency: int,
+                  request_rate: float, api_key: str | None, seed: int, warm_up: bool
+                  ) -> tuple[list[dict], float, float]:
+    """Per-request results of one client, with its wall-clock start and end (time.time())."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
     headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
@@ -75,19 +77,43 @@ async def run(base_url: str, prompts: list[str], output_len: int, concurrency: i
                  'stream': True, 'stream_options': {'include_usage': True}} for p in prompts]
     async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600,
                                  limits=httpx.Limits(max_connections=concurrency + 4)) as http:
-        await one_request(http, dict(payloads[0], max_tokens=4))             # warm-up
+        if warm_up:
+            await one_request(http, dict(payloads[0], max_tokens=4))
 
         async def limited(payload):
             async with limit:
                 return await one_request(http, payload)
-        start = time.perf_counter()
+        start = time.time()
         tasks = []
         for payload in payloads:
             tasks.append(asyncio.create_task(limited(payload)))
             if math.isfinite(request_rate):                              # Poisson arrivals
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    return results, start, time.time()
+
+
+def _client(args: tuple) -> tuple[list[dict], float, float]:
+    return asyncio.run(collect(*args))
+
+
+def run(base_url: str, prompts: list[str], output_len: int, concurrency: int,
+        request_rate: float, api_key: str | None, seed: int, client_procs: int = 1) -> dict:
+    """One row: `client_procs` client processes share the prompts, the concurrency and the
+    request rate (one Python client parses ~10k streamed chunks/s at most: a fast server
+    streaming 64 sequences would otherwise be measured by its client)."""
+    asyncio.run(collect(base_url, prompts[:1], 4, 1, math.inf, api_key, seed, True))  # warm-up
+    n = max(1, min(client_procs, concurrency, len(prompts)))
+    jobs = [(base_url, prompts[i::n], output_len, concurrency // n + (i < concurrency % n),
+             request_rate / n, api_key, seed + i, False) for i in range(n)]
+    if n == 1:
+        parts = [_client(jobs[0])]
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+        with ProcessPoolExecutor(n) as pool:
+            parts = list(pool.map(_client, jobs))
+    results = [r for part in parts for r in part[0]]
+    duration = max(p[2] for p in parts) - min(p[1] for p in parts)
     return summarize(results, duration, concurrency, request_rate)
 
 
@@ -183,6 +209,8 @@ def main():
     parser.add_argument('--concurrency', default='1,8', help='comma list of max in-flight requests')
     parser.add_argument('--request-rate', default='inf', help='comma list of requests/s (Poisson)')
     parser.add_argument('--seed', type=int, default=0)
+    parser.add_argument('--client-procs', type=int, default=1,
+                        help='client processes sharing the requests (a fast server outruns one)')
     parser.add_argument('--out', default=os.path.join(ROOT, 'out', 'bench_serve.json'))
     args = parser.parse_args()
     if (args.base_url is None) == (not args.launch):
@@ -195,8 +223,8 @@ def main():
     proc, url = launch(args.model, args.server_args) if args.launch else (None, args.base_url)
     try:
         prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
-        rows = [asyncio.run(run(url, prompts, args.output_len, int(c), float(rate),
-                                args.api_key, args.seed))
+        rows = [run(url, prompts, args.output_len, int(c), float(rate), args.api_key, args.seed,
+                    args.client_procs)
                 for c in args.concurrency.split(',') for rate in args.request_rate.split(',')]
     finally:
         if proc is not None:
