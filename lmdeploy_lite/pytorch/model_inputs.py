@@ -18,15 +18,50 @@ A step with n new tokens for a sequence writes:
     a of the n tokens (1 <= a <= n), the next index = a - 1.
 Reads happen before writes, so reading slot j while writing slot 0 is safe.
 
+Sizes that other ranks must agree on (DESIGN.md invariant 1) are not derived here: they come
+from the step's StepPlan as `ForwardSizes` (`sizes`, set by the engine; see engine/step_plan.py).
+
 Derived values marked "computed once" are cached on first use (ops call them in every layer);
 `q_lens` and `history_lens` must not change after that (`state_index` may be reassigned).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import torch
+
+
+@dataclass(frozen=True)
+class ForwardSizes:
+    """The sizes of one forward that the other ranks must agree on, all from the step's StepPlan
+    (`StepPlan.forward_sizes`). Token counts are multiples of the target's tp (so of any tp that
+    divides it, e.g. the draft's).
+
+    tokens:      this rank's tokens rounded up to a multiple of tp; an EP MoE pads its rows to it,
+                 so each of its TP ranks dispatches exactly tokens / tp rows;
+    max_tokens:  the largest `tokens` of any rank in this forward (an idle rank's dummy
+                 included): the EP dispatch capacity is max_tokens / tp tokens per rank;
+    seqs, max_seqs: the same two for a forward of one token per sequence (the MTP draft steps
+                 after the first: `one_token_per_seq()`);
+    low_latency: DeepEP's mode for the step: low-latency (fixed capacity, CUDA graphs) when
+                 every rank with work decodes, else normal.
+    """
+    tokens: int
+    max_tokens: int
+    seqs: int
+    max_seqs: int
+    low_latency: bool = False
+
+    @classmethod
+    def captured(cls, num_tokens: int, num_seqs: int) -> 'ForwardSizes':
+        """A CUDA-graph bucket's forward: graphs hold decode steps with tp = 1, whose EP runs
+        DeepEP's low-latency kernels on its start-up capacity (checked per step against the
+        plan: nn/token_dispatcher.prepare_dispatch)."""
+        return cls(num_tokens, num_tokens, num_seqs, num_seqs, low_latency=True)
+
+    def one_token_per_seq(self) -> 'ForwardSizes':
+        return replace(self, tokens=self.seqs, max_tokens=self.max_seqs)
 
 
 @dataclass
@@ -47,6 +82,8 @@ class ModelInputs:
     graphable: bool = True         # False: run eagerly even where a CUDA graph fits (EP steps
                                    # that DeepEP runs in normal mode: the graphs hold its
                                    # low-latency kernels)
+    sizes: ForwardSizes | None = None   # from the StepPlan (the engine sets it); required by
+                                        # an EP forward, unused otherwise
     # speculative decoding (strategies/ar_spec) only:
     draft_tokens: torch.Tensor | None = None    # [B, k] long, drafts proposed on the host (ngram);
                                                 # None: the drafts are on the device already

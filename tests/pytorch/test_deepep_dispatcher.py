@@ -16,10 +16,12 @@ from lmdeploy_lite.pytorch.backends.cuda import token_dispatcher as deepep
 from lmdeploy_lite.pytorch.config import DistConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.nn.moe import FusedExperts
+from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.nn.token_dispatcher import (ENV_CAPACITY, ENV_DISPATCHER,
                                                        AllToAllDispatcher, GroupedRows,
-                                                       dispatch_capacity, make_dispatcher,
-                                                       set_low_latency)
+                                                       allocate_buffers, dispatch_capacity,
+                                                       make_dispatcher, prepare_dispatch,
+                                                       uses_deep_ep)
 
 
 def ep_context(ep: int = 2, rank: int = 0) -> DistContext:
@@ -43,7 +45,10 @@ def test_factory_falls_back_to_all_to_all_on_cpu(monkeypatch):
     monkeypatch.setenv(ENV_DISPATCHER, 'nccl')
     with pytest.raises(ValueError, match="LMDEPLOY_LITE_EP_DISPATCHER='nccl': must be one of"):
         make_dispatcher(ctx, 4, 64, 2, 16, 'cpu', torch.float32)
-    set_low_latency(ep_context(), True)            # no DeepEP buffer registered: a no-op
+    ctx = ep_context()                             # no DeepEP buffer registered: no-ops
+    allocate_buffers(ctx)
+    prepare_dispatch(ctx, ForwardSizes(4, 400, 4, 4, low_latency=True))
+    assert not uses_deep_ep(ctx)
 
 
 def test_dispatch_capacity_default_and_override(monkeypatch):
@@ -57,12 +62,19 @@ def test_dispatch_capacity_default_and_override(monkeypatch):
         dispatch_capacity(64, 3)
 
 
-def test_a_step_over_capacity_names_both_numbers():
-    dispatcher = deepep.DeepEPDispatcher(ep_context(), 4, 64, 2, torch.bfloat16, capacity=16)
-    dispatcher.check_capacity(16)
-    with pytest.raises(ValueError, match=r'17 tokens on this rank, but the buffer holds 16 per '
-                                         r'rank \(DEEPEP_MAX_TOKENS_PER_RANK'):
-        dispatcher.check_capacity(17)
+def test_a_step_over_capacity_names_rank_step_and_both_numbers():
+    """The plan's per-rank tokens (max_tokens / tp), not a rank's own count, are checked against
+    the start-up capacity before the step (graph replays run no Python dispatch)."""
+    ctx = ep_context(rank=1)
+    ctx.config = DistConfig(tp=2, dp=2, ep=4)
+    ctx.step = 7
+    dispatcher = deepep.DeepEPDispatcher(ctx, 4, 64, 2, torch.bfloat16, capacity=16)
+    dispatcher.shared.buffer = OneRankBuffer()
+    prepare_dispatch(ctx, ForwardSizes(2, 32, 2, 2, low_latency=True))       # 16 per rank
+    prepare_dispatch(ctx, ForwardSizes(2, 34, 2, 2, low_latency=False))      # normal: no limit
+    with pytest.raises(ValueError, match=r'at step 7: the plan has 17 tokens per rank \(rank 1\), '
+                                         r'but the buffer holds 16 per rank \(DEEPEP_MAX_TOKENS'):
+        prepare_dispatch(ctx, ForwardSizes(2, 34, 2, 2, low_latency=True))
 
 
 def test_what_deepep_cannot_carry():
@@ -142,7 +154,7 @@ class OneRankBuffer:
         return out.to(torch.bfloat16), None, None
 
     def clean_low_latency_buffer(self, capacity, width, num_experts):
-        pass
+        self.num_cleans = getattr(self, 'num_cleans', 0) + 1
 
 
 def toy_experts(x, local_ids):
@@ -177,8 +189,7 @@ def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, low_latency):
     ctx = ep_context(ep=1)
     dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, dtype, capacity=tokens)
     dispatcher.shared.buffer = OneRankBuffer()
-    set_low_latency(ctx, low_latency)
-    expert_x, routing, handle = dispatcher.dispatch(x, ids, weights)
+    expert_x, routing, handle = dispatcher.dispatch(x, ids, weights, tokens, low_latency)
     capacity = dispatcher.shared.ll_capacity
     if low_latency and dtype == torch.bfloat16:      # grouped by expert: [E, capacity, H]
         assert isinstance(routing, GroupedRows) and expert_x.shape == (num_experts, capacity,
@@ -194,11 +205,15 @@ def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, low_latency):
     else:
         torch.testing.assert_close(out.float(), want.float(), atol=3e-2, rtol=2e-2)
     more = [torch.cat([t, t[:1]]) for t in (x, ids, weights)]
+    with pytest.raises(ValueError, match="8 tokens on rank 0 at step 0, but the plan's capacity "
+                                         "is 7 per rank"):
+        dispatcher.dispatch(*more, tokens, low_latency)
     if low_latency:
-        with pytest.raises(ValueError, match='8 tokens on this rank, but the buffer holds 7'):
-            dispatcher.dispatch(*more)
+        with pytest.raises(ValueError, match='the plan has 8 tokens per rank .rank 0., but the '
+                                             'buffer holds 7 per rank'):
+            dispatcher.dispatch(*more, tokens + 1, low_latency)
     else:                                            # normal mode has no per-rank limit
-        dispatcher.dispatch(*more)
+        dispatcher.dispatch(*more, tokens + 1, low_latency)
 
 
 def test_low_latency_bf16_experts_run_masked_into_the_combine_buffer():
@@ -218,8 +233,7 @@ def test_low_latency_bf16_experts_run_masked_into_the_combine_buffer():
     dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, torch.bfloat16,
                                          capacity=tokens)
     dispatcher.shared.buffer = OneRankBuffer()
-    set_low_latency(ctx, True)
-    expert_x, routing, handle = dispatcher.dispatch(x, ids, weights)
+    expert_x, routing, handle = dispatcher.dispatch(x, ids, weights, tokens, low_latency=True)
     assert isinstance(routing, GroupedRows) and routing.counts[3] == 0
     assert routing.out.shape == (num_experts, dispatcher.shared.ll_capacity,
                                  dispatcher.shared.width)
@@ -228,6 +242,30 @@ def test_low_latency_bf16_experts_run_masked_into_the_combine_buffer():
     out = dispatcher.combine(expert_out, handle)
     torch.testing.assert_close(out.float(), experts(x, weights, ids).float(), atol=2e-2,
                                rtol=2e-2)
+
+
+def test_each_call_has_its_mode_and_normal_kernels_dirty_the_low_latency_region():
+    """No mode is stored: every dispatch runs in the mode it is given. The buffer remembers only
+    whether normal kernels ran since its low-latency region was last cleaned: the next
+    low-latency call (or `prepare_dispatch` of a low-latency step, for graph replays) cleans it,
+    once, on every rank alike (a traced collective)."""
+    num_experts, hidden, top_k, tokens = 4, 64, 2, 3
+    x = torch.randn(tokens, hidden)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    weights = torch.full((tokens, top_k), 0.5)
+    ctx = ep_context(ep=1)
+    dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, torch.float32,
+                                         capacity=tokens)
+    buffer = dispatcher.shared.buffer = OneRankBuffer()
+
+    def cleans_after(low_latency: bool) -> int:
+        dispatcher.dispatch(x, ids, weights, tokens, low_latency)
+        return getattr(buffer, 'num_cleans', 0)
+    assert [cleans_after(m) for m in (True, True, False, True, True)] == [1, 1, 1, 2, 2]
+    cleans_after(False)
+    prepare_dispatch(ctx, ForwardSizes(tokens, tokens, tokens, tokens, low_latency=True))
+    assert buffer.num_cleans == 3 and cleans_after(True) == 3
+    assert [op for op, *_ in ctx.trace].count('deepep_clean') == 3
 
 
 # ---- two GPUs: DeepEP against all-to-all -----------------------------------------------------
@@ -259,10 +297,9 @@ def _compare_worker(rank: int, init_method: str, results):
                 ids = torch.rand(tokens, num_experts, device=device,
                                  generator=gen).argsort(1)[:, :top_k]
                 weights = torch.rand(tokens, top_k, device=device, generator=gen).to(dtype)
-                dispatcher.shared.set_low_latency(low_latency)
                 results_of = []
                 for d in (reference, dispatcher):
-                    expert_x, routing, handle = d.dispatch(x, ids, weights)
+                    expert_x, routing, handle = d.dispatch(x, ids, weights, tokens, low_latency)
                     expert_out = run_toy_experts(expert_x, routing, d.first_expert)
                     results_of.append(d.combine(expert_out, handle))
                 want, got = results_of

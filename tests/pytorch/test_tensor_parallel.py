@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.models.loader import build_model, load_mtp_weights, load_weights
 from lmdeploy_lite.pytorch.models.qwen3_5 import Qwen3_5ForCausalLM
 from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
@@ -70,6 +71,8 @@ def run_steps(ctx: DistContext | None, path: str, prompts: list[list[int]]) -> d
     with torch.inference_mode():
         for i, (chunks, history_lens, state_index, decoding) in enumerate(steps):
             inputs = make_inputs(chunks, history_lens, tables, slots, state_index, decoding)
+            tokens, seqs = -(-inputs.num_tokens // tp) * tp, -(-inputs.batch_size // tp) * tp
+            inputs.sizes = ForwardSizes(tokens, tokens, seqs, seqs)   # DP ranks: equal counts
             # the token after each position: the next input, and a fixed id at each chunk's end
             next_ids = torch.cat([torch.tensor(c[1:] + [7 + b]) for b, c in enumerate(chunks)])
             if ctx:

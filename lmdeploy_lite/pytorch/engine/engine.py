@@ -19,9 +19,10 @@ from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
 from lmdeploy_lite.pytorch.engine.sequence import Sequence, request_error
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
-from lmdeploy_lite.pytorch.model_inputs import ModelInputs
+from lmdeploy_lite.pytorch.model_inputs import ForwardSizes, ModelInputs
 from lmdeploy_lite.pytorch.models.loader import build_model
-from lmdeploy_lite.pytorch.nn.token_dispatcher import set_low_latency, uses_deep_ep
+from lmdeploy_lite.pytorch.nn.token_dispatcher import (allocate_buffers, prepare_dispatch,
+                                                       uses_deep_ep)
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
 from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
                                                      check_speculative_config, draft_footprint)
@@ -179,7 +180,7 @@ class Engine:
         max_positions = self.session_len + num_spec + num_draft_extra
         model = build_model(model_path, self.dtype, self.device, progress=progress,
                             dist_ctx=self.dist, load_format=cfg.load_format, seed=cfg.seed)
-        set_low_latency(self.dist, False)      # allocates a DeepEP buffer (if any) before the KV
+        allocate_buffers(self.dist)            # a DeepEP buffer (if any), before the KV plan
         tp = self.dist.config.tp
         draft = draft_footprint(spec, self.model_config, self.dtype, self.dist.config)
         cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec,
@@ -246,7 +247,8 @@ class Engine:
         max_blocks = max(-(-max_positions // block_size),
                          dummy_table_width(1 + self.num_spec_tokens))
         if deep_ep:             # every rank captures the same buckets in the same order
-            set_low_latency(self.dist, True)
+            most = self.engine_config.max_batch_size * (1 + self.num_spec_tokens)
+            prepare_dispatch(self.dist, ForwardSizes.captured(most, most))
         self.agent.enable_graphs(batch_buckets(self.engine_config.max_batch_size), max_blocks,
                                  recorder=self.dist)
 
@@ -299,7 +301,6 @@ class Engine:
         self.plan_busy = plan.any_work     # a plan_group rank worked this step (executors poll)
         if not plan.any_work or plan.shutdown:
             return outputs + (self._finish(pending) if continued else [])
-        set_low_latency(self.dist, plan.all_decoding)     # DeepEP mode: same on every rank
         self.num_steps += 1
         if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
             inputs = self.strategy.make_dummy_inputs(
@@ -312,6 +313,9 @@ class Engine:
             sampling = self._sampling_inputs(batch)
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
         inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
+        inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size,
+                                          self.num_spec_tokens)    # EP sizes and DeepEP mode
+        prepare_dispatch(self.dist, inputs.sizes)       # DeepEP: capacity check, clean
         result = self.agent.step(inputs, sampling)
         result = self.strategy.post_broadcast(result, self.agent, inputs, self.dist)
         self.dist.end_step()

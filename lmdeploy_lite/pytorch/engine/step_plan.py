@@ -10,12 +10,22 @@ and an idle DP rank runs dummy target and draft forwards (DESIGN.md invariant 2)
 is the DP rank's own TP group: TP peers must agree on every size (they all-reduce activations),
 but DP ranks share nothing, so each DP rank plans, runs or idles on its own, like vLLM's
 pure-DP engines: a rank with no work runs no forward and waits for no one.
+
+Where each size comes from:
+  * a rank's token count: `local_row` rounds it up to a multiple of tp (TP ranks split tokens);
+  * the CUDA-graph bucket: at least `max_batch_size` (ModelInputs.padded_batch_size);
+  * an EP forward's sizes (`forward_sizes` -> ModelInputs.sizes): this rank's tp-aligned token
+    count, the largest of any rank (the EP dispatch capacity, an idle rank's dummy included,
+    `dummy_tokens_per_seq`), the same two for the draft's one-token-per-sequence forwards, and
+    DeepEP's mode (`all_decoding`: low-latency).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 
 FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown')
 _NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN = range(len(FIELDS))
@@ -70,6 +80,18 @@ class StepPlan:
     def max_batch_size(self) -> int:
         """The largest per-rank batch: every rank's CUDA-graph decode step pads to its bucket."""
         return int(self.rows[:, _BATCH].max())
+
+    def forward_sizes(self, num_tokens: int, num_seqs: int, num_spec_tokens: int) -> ForwardSizes:
+        """Sizes of this rank's forward of `num_tokens` tokens in `num_seqs` sequences (its batch,
+        or its dummy inputs when idle), tp-aligned; the maxima cover an idle rank's dummy (one
+        sequence of `dummy_tokens_per_seq` tokens)."""
+        max_tokens, max_seqs = self.max_tokens, self.max_batch_size
+        if not self.rows[:, _WORK].all():
+            max_tokens = max(max_tokens, self.dummy_tokens_per_seq(num_spec_tokens))
+            max_seqs = max(max_seqs, 1)
+        tp = self.tp
+        return ForwardSizes(round_up(num_tokens, tp), round_up(max_tokens, tp),
+                            round_up(num_seqs, tp), round_up(max_seqs, tp), self.all_decoding)
 
     def dummy_tokens_per_seq(self, num_spec_tokens: int) -> int:
         """An idle rank feeds one sequence shaped like the busiest kind of step in the plan."""

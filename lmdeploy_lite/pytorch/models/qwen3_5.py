@@ -32,8 +32,8 @@ from ..nn.rotary import RotaryEmbedding
 
 def build_mlp(config: ModelConfig, dtype: torch.dtype, device, dist_ctx=None) -> nn.Module:
     """SwiGLU MLP or sparse MoE; with ep > 1 the MoE holds its rank's experts and a dispatcher
-    (DeepEP or all-to-all, nn/token_dispatcher.py; DeepEP's per-rank token capacity is
-    `dist_ctx.max_tokens_per_rank`)."""
+    (DeepEP or all-to-all, nn/token_dispatcher.py; DeepEP's start-up per-rank token capacity
+    is `dist_ctx.max_tokens_per_rank`; every per-step size comes with `ModelInputs.sizes`)."""
     if config.is_moe:
         dispatcher = None
         if dist_ctx is not None and dist_ctx.config.ep > 1:
@@ -64,6 +64,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             raise ValueError(f'layer_type={layer_type!r}: must be linear_attention or full_attention')
         self.mlp = build_mlp(config, dtype, device, dist_ctx)
+        self.mlp_takes_sizes = config.is_moe        # an EP MoE needs the step's ForwardSizes
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 device)
@@ -84,6 +85,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             mixed = self.self_attn(normed, rope, cache, inputs)
         normed, residual = self.post_attention_layernorm(mixed, residual)
+        if self.mlp_takes_sizes:
+            return self.mlp(normed, inputs.sizes), residual
         return self.mlp(normed), residual
 
 

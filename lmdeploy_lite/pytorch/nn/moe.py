@@ -11,6 +11,13 @@ intermediate dim is split over TP like a SwiGLU MLP; with ep > 1 (== world) whol
 sharded over EP and, under tp > 1, each TP rank dispatches only its 1/tp of the (identical)
 tokens. Either way every TP rank ends with a partial sum of routed + shared, and the block
 all-reduces that sum exactly once over TP.
+
+Sizes of an EP forward: all from the step's StepPlan, carried by `ModelInputs.sizes`
+(`ForwardSizes`, model_inputs.py), never from module state: the local rows are padded to the
+plan's tp-aligned count `sizes.tokens` (padding rows route to expert -1, weight 0), so TP rank r
+dispatches exactly rows [r * tokens / tp, (r + 1) * tokens / tp); the dispatch capacity is
+`sizes.max_tokens / tp` tokens per rank (the plan's largest count); DeepEP's mode is
+`sizes.low_latency`.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backends import get_backend
+from ..model_inputs import ForwardSizes
 from .linear import FusedColumnLinear, ReplicatedLinear
 from .mlp import SwiGLUMLP
 from .norm import compute_dtype
@@ -120,7 +128,8 @@ class SparseMoeBlock(nn.Module):
                                           mlp.up_proj], keep_parts=True, outputs=[1, 1, 2])
         mlp.fused_by_parent = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sizes: ForwardSizes | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; `sizes`: the step's (ModelInputs.sizes), required with EP."""
         if self.in_proj is not None:
             logits, shared_gate, shared_gate_up = self.in_proj(x)
             weights, ids = self.gate.route(logits)
@@ -131,24 +140,36 @@ class SparseMoeBlock(nn.Module):
         if self.dispatcher is None:
             routed = self.experts(x, weights, ids)
         else:
-            routed = self._routed_by_ep(x, weights, ids)
+            routed = self._routed_by_ep(x, weights, ids, sizes)
         out = routed + torch.sigmoid(shared_gate) * shared
         if self.tp > 1:     # the one reduction: routed and shared partial sums together
             self.dist_ctx.all_reduce(out, 'tp')
         return out
 
-    def _routed_by_ep(self, x: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor) -> torch.Tensor:
+    def _routed_by_ep(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      sizes: ForwardSizes | None) -> torch.Tensor:
         """EP: tokens travel to their experts' ranks and back (collectives inside). The TP ranks
-        of a DP group hold the same tokens, so TP rank r sends only rows
-        [r * ceil(T/tp), (r+1) * ceil(T/tp)); the other rows stay 0 until the TP all-reduce."""
+        of a DP group hold the same tokens; padded to the plan's `sizes.tokens` rows, TP rank r
+        sends rows [r * share, (r + 1) * share), share = tokens / tp; the other rows stay 0
+        until the TP all-reduce."""
+        if sizes is None:
+            raise ValueError('an EP forward needs ModelInputs.sizes (the StepPlan\'s '
+                             'ForwardSizes, engine/step_plan.py), got None')
+        num_rows = x.shape[0]
+        pad = sizes.tokens - num_rows
+        if pad < 0 or sizes.tokens % self.tp:
+            raise ValueError(f'ForwardSizes.tokens={sizes.tokens}: must be a multiple of tp='
+                             f'{self.tp} and >= this forward\'s {num_rows} tokens')
+        if pad:
+            x, weights = F.pad(x, (0, 0, 0, pad)), F.pad(weights, (0, 0, 0, pad))
+            ids = F.pad(ids, (0, 0, 0, pad), value=-1)
+        share = sizes.tokens // self.tp
+        mine = slice(self.tp_rank * share, (self.tp_rank + 1) * share)
+        expert_x, routing, handle = self.dispatcher.dispatch(
+            x[mine], ids[mine], weights[mine], sizes.max_tokens // self.tp, sizes.low_latency)
+        out = self.dispatcher.combine(self.experts.run(expert_x, routing), handle)
         if self.tp == 1:
-            expert_x, routing, handle = self.dispatcher.dispatch(x, ids, weights)
-            return self.dispatcher.combine(self.experts.run(expert_x, routing), handle)
-        rows = -(-x.shape[0] // self.tp)
-        start = min(self.tp_rank * rows, x.shape[0])
-        mine = slice(start, min(start + rows, x.shape[0]))
-        expert_x, routing, handle = self.dispatcher.dispatch(x[mine], ids[mine], weights[mine])
-        routed = torch.zeros_like(x)
-        routed[mine] = self.dispatcher.combine(self.experts.run(expert_x, routing), handle)
-        return routed
+            return out[:num_rows]
+        routed = x.new_zeros(sizes.tokens, x.shape[1])
+        routed[mine] = out
+        return routed[:num_rows]

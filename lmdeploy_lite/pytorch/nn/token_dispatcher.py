@@ -1,9 +1,10 @@
 """Moving MoE tokens to the ranks that own their experts (expert parallelism).
 
-Interface: `dispatch(x, topk_ids, topk_weights) -> (expert_x, routing, handle)` sends every
-(token, chosen expert) pair to the expert's rank; the caller runs its local experts on `expert_x`
-(`FusedExperts.run(expert_x, routing)`) and `combine(expert_out, handle) -> [T, H]` brings the
-results home and sums them with the router weights. `routing` says how the rows are laid out:
+Interface: `dispatch(x, topk_ids, topk_weights, capacity, low_latency) -> (expert_x, routing,
+handle)` sends every (token, chosen expert) pair to the expert's rank (ids -1: a padding token,
+sent nowhere); the caller runs its local experts on `expert_x` (`FusedExperts.run(expert_x,
+routing)`) and `combine(expert_out, handle) -> [T, H]` brings the results home and sums them with
+the router weights. `routing` says how the rows are laid out:
   * local expert ids [R] (a tensor): expert_x [R, H], row r for expert routing[r]; -1 marks a
     padding row, whose output is ignored; expert_out [R, H].
   * `GroupedRows` (DeepEP low-latency, bf16): expert_x [E_local, C, H], expert e's rows are
@@ -13,10 +14,24 @@ results home and sums them with the router weights. `routing` says how the rows 
 
 Two implementations, chosen by `make_dispatcher` (LMDEPLOY_LITE_EP_DISPATCHER=auto|alltoall|
 deepep, default auto): `AllToAllDispatcher` below (torch.distributed, gloo or NCCL; anywhere)
-and DeepEP (backends/cuda/token_dispatcher.py; CUDA with `deep_ep` importable). DeepEP runs in
-normal mode (prefill) or low-latency mode (decode, CUDA graphs): `set_low_latency` switches
-every DeepEP dispatcher of an EP group at once; each rank must call it with the same value before
-the step's forwards. Low-latency calls hold at most `dispatch_capacity` tokens per rank.
+and DeepEP (backends/cuda/token_dispatcher.py; CUDA with `deep_ep` importable).
+
+Where each size comes from (DESIGN.md invariant 1; nothing inside a forward reads a device
+value on the host to size anything):
+  * `capacity`, the most tokens any rank of the EP group dispatches in this call, the same on
+    every rank: `SparseMoeBlock` passes the StepPlan's `ForwardSizes.max_tokens / tp` (the
+    largest tp-aligned token count of any rank, idle ranks' dummies included, split over the
+    TP ranks that share those tokens; model_inputs.py, engine/step_plan.py).
+  * the all-to-all sends each rank a fixed block of `capacity * min(top_k, experts_per_rank)`
+    rows: a token's k experts are distinct, so at most that many of its pairs go to one rank;
+    unused rows carry expert id -1. Equal splits: no counts are exchanged or read on the host.
+  * DeepEP's mode, `low_latency`: `ForwardSizes.low_latency` (every rank with work decodes),
+    passed to each call; nothing holds a mode.
+  * DeepEP's low-latency capacity (tokens per rank its buffer holds) is a start-up value, as
+    the CUDA graphs that hold its kernels need: `dispatch_capacity` below, from the engine
+    config, set once by the executor (executor/mp.py, `DistContext.max_tokens_per_rank`).
+    A step whose plan needs more raises on every rank, naming rank and step
+    (`prepare_dispatch` before the step; each low-latency dispatch).
 """
 from __future__ import annotations
 
@@ -28,7 +43,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.cuda import token_dispatcher as deep_ep_dispatcher
+from ..backends.default.moe import GroupedRows
+
 logger = logging.getLogger('lmdeploy_lite')
+
+__all__ = ['AllToAllDispatcher', 'GroupedRows', 'allocate_buffers', 'dispatch_capacity',
+           'make_dispatcher', 'prepare_dispatch', 'uses_deep_ep']
 
 ENV_DISPATCHER = 'LMDEPLOY_LITE_EP_DISPATCHER'
 ENV_CAPACITY = 'DEEPEP_MAX_TOKENS_PER_RANK'
@@ -66,16 +87,15 @@ def make_dispatcher(dist_ctx, num_experts: int, hidden_size: int, top_k: int,
     elif importlib.util.find_spec('deep_ep') is None:
         reason = 'deep_ep is not installed'
     else:
-        from ..backends.cuda.token_dispatcher import DeepEPDispatcher
-        reason = DeepEPDispatcher.unsupported(hidden_size, top_k, dtype)
+        reason = deep_ep_dispatcher.DeepEPDispatcher.unsupported(hidden_size, top_k, dtype)
     if reason is None:
         try:                  # loads NVSHMEM: fails without its libraries
             importlib.import_module('deep_ep')
         except (ImportError, OSError) as e:
             reason = f'deep_ep does not import: {e}'
     if reason is None:
-        return DeepEPDispatcher(dist_ctx, num_experts, hidden_size, top_k, dtype,
-                                max_tokens_per_rank)
+        return deep_ep_dispatcher.DeepEPDispatcher(dist_ctx, num_experts, hidden_size, top_k,
+                                                   dtype, max_tokens_per_rank)
     if choice == 'deepep':
         raise ValueError(f'{ENV_DISPATCHER}=deepep, but DeepEP cannot be used: {reason}')
     if choice == 'auto' and torch.device(device).type == 'cuda':
@@ -83,42 +103,44 @@ def make_dispatcher(dist_ctx, num_experts: int, hidden_size: int, top_k: int,
     return AllToAllDispatcher(dist_ctx, num_experts)
 
 
-def set_low_latency(dist_ctx, enabled: bool):
-    """DeepEP mode of the EP group's dispatchers, target's and draft's: low-latency (True) or
-    normal. Same value on every rank, once per step before its forwards (and True before
-    capturing decode graphs). The first call allocates the shared buffer: make it once at
-    start-up, after both models are built. No-op without DeepEP."""
-    from ..backends.cuda.token_dispatcher import registered_buffer
-    shared = registered_buffer(dist_ctx.group('ep'))
+def allocate_buffers(dist_ctx):
+    """Allocate the EP group's DeepEP buffer now (at start-up, after both models are built and
+    before the KV cache is planned, so that the plan sees its memory). No-op without DeepEP."""
+    shared = _deep_ep_buffer(dist_ctx)
     if shared is not None:
-        shared.set_low_latency(enabled, dist_ctx)
+        shared.get()
+
+
+def prepare_dispatch(dist_ctx, sizes) -> None:
+    """Before a step's forwards, on every rank (CUDA-graph replays run no Python dispatch):
+    DeepEP checks the plan's `sizes` (ModelInputs.sizes) against its low-latency capacity,
+    raising on every rank alike, and cleans its low-latency region if this step runs
+    low-latency after normal kernels dirtied it (a collective). No-op without DeepEP."""
+    shared = _deep_ep_buffer(dist_ctx)
+    if shared is not None and sizes.low_latency:
+        shared.check_capacity(-(-sizes.max_tokens // dist_ctx.config.tp), dist_ctx)
+        shared.clean_low_latency(dist_ctx)
 
 
 def uses_deep_ep(dist_ctx) -> bool:
     """The EP group's MoE layers dispatch through DeepEP (a shared buffer is registered)."""
-    from ..backends.cuda.token_dispatcher import registered_buffer
-    return registered_buffer(dist_ctx.group('ep')) is not None
+    return _deep_ep_buffer(dist_ctx) is not None
 
 
-@dataclass
-class GroupedRows:
-    """`routing` of rows grouped by local expert (see the module docstring). counts [E_local]
-    int, on the device (never read on the host: capturable); out [E_local, C, W >= H] or None:
-    where the experts should write their outputs (columns :H), so that combine sends it as is."""
-    counts: torch.Tensor
-    out: torch.Tensor | None = None
+def _deep_ep_buffer(dist_ctx):
+    return deep_ep_dispatcher.registered_buffer(dist_ctx.group('ep'))
 
 
 @dataclass
 class DispatchHandle:
-    order: torch.Tensor              # [T*k] sort permutation of the (token, expert) pairs
-    send_counts: list[int]
-    recv_counts: list[int]
+    order: torch.Tensor              # [T*k] the (token, expert) pairs sorted by destination rank
+    slot: torch.Tensor               # [T*k] row of each sorted pair in the send buffer
     topk_weights: torch.Tensor       # [T, k]
 
 
 class AllToAllDispatcher:
-    """torch.distributed all_to_all_single (gloo or NCCL): counts first, then the payload."""
+    """torch.distributed all_to_all_single (gloo or NCCL) of fixed, equal blocks: every rank
+    sends every rank `capacity * pairs_per_token` rows (see the module docstring)."""
 
     def __init__(self, dist_ctx, num_experts: int, group: str = 'ep'):
         self.dist = dist_ctx
@@ -127,29 +149,54 @@ class AllToAllDispatcher:
         self.experts_per_rank = num_experts // self.ep_size
         self.first_expert = dist_ctx.ep_rank * self.experts_per_rank
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-        """x [T, H], topk_ids/weights [T, k] -> expert_x [R, H], local ids [R] (0-based on this
-        rank), handle."""
-        top_k = topk_ids.shape[1]
+    def block_rows(self, capacity: int, top_k: int) -> int:
+        """Rows one rank sends to (and receives from) each rank in a call of `capacity` tokens
+        per rank: a token's k experts are distinct, so at most min(k, experts_per_rank) of its
+        pairs share a destination."""
+        return capacity * min(top_k, self.experts_per_rank)
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 capacity: int, low_latency: bool = False):
+        """x [T, H], topk_ids/weights [T, k] (ids -1: padding, sent nowhere), T <= capacity (the
+        plan's, equal on every rank) -> expert_x [ep * block, H], local ids [ep * block] (0-based
+        on this rank, -1: an unused row), handle. `low_latency` is DeepEP's; ignored here."""
+        num_tokens, top_k = topk_ids.shape
+        if num_tokens > capacity:
+            raise ValueError(f'EP dispatch: {num_tokens} tokens on rank {self.dist.rank} at step '
+                             f'{self.dist.step}, but the plan\'s capacity is {capacity} per rank')
+        block = self.block_rows(capacity, top_k)
         flat_ids = topk_ids.reshape(-1)
-        dest = flat_ids // self.experts_per_rank
+        dest = torch.where(flat_ids >= 0, flat_ids // self.experts_per_rank, self.ep_size)
         order = torch.argsort(dest, stable=True)
-        send_counts = torch.bincount(dest, minlength=self.ep_size)
-        recv_counts = self.dist.all_to_all(send_counts, [1] * self.ep_size, [1] * self.ep_size,
-                                           self.group)
-        send, recv = send_counts.tolist(), recv_counts.tolist()
-        rows = x.repeat_interleave(top_k, dim=0)[order]
-        expert_x = self.dist.all_to_all(rows, send, recv, self.group)
-        expert_ids = self.dist.all_to_all(flat_ids[order], send, recv, self.group)
-        return expert_x, expert_ids - self.first_expert, DispatchHandle(order, send, recv,
-                                                                        topk_weights)
+        slot = self._send_slots(dest[order], block)
+        rows = x.new_zeros((self.ep_size * block + 1, x.shape[1]))    # + 1: where -1 pairs go
+        rows[slot] = x.repeat_interleave(top_k, dim=0)[order]
+        ids = flat_ids.new_full((self.ep_size * block + 1,), -1)
+        ids[slot] = flat_ids[order]
+        splits = [block] * self.ep_size
+        expert_x = self.dist.all_to_all(rows[:-1], splits, splits, self.group)
+        expert_ids = self.dist.all_to_all(ids[:-1], splits, splits, self.group)
+        local_ids = torch.where(expert_ids >= 0, expert_ids - self.first_expert, -1)
+        return expert_x, local_ids, DispatchHandle(order, slot, topk_weights)
+
+    def _send_slots(self, sorted_dest: torch.Tensor, block: int) -> torch.Tensor:
+        """sorted_dest [P] (destination rank of each pair, ascending; ep_size: none) -> the
+        pair's row in the send buffer: its rank's block, in order; the last row for none."""
+        counts = torch.bincount(sorted_dest, minlength=self.ep_size + 1)
+        first = torch.cumsum(counts, 0) - counts
+        index = torch.arange(sorted_dest.numel(), device=sorted_dest.device)
+        slot = sorted_dest * block + index - first[sorted_dest]
+        return torch.where(sorted_dest < self.ep_size, slot, self.ep_size * block)
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """expert_out [R, H] -> [T, H] = sum over each token's k experts of weight * output."""
-        back = self.dist.all_to_all(expert_out, handle.recv_counts, handle.send_counts,
-                                    self.group)
-        pairs = torch.empty_like(back)
-        pairs[handle.order] = back
+        """expert_out [ep * block, H] -> [T, H] = sum over each token's k experts of weight *
+        output (in top-k order; a padding pair adds weight * 0)."""
+        splits = [expert_out.shape[0] // self.ep_size] * self.ep_size
+        back = self.dist.all_to_all(expert_out, splits, splits, self.group)
+        back = torch.cat([back, back.new_zeros(1, back.shape[1])])      # the row of -1 pairs
+        pairs = torch.empty((handle.slot.numel(), back.shape[1]), dtype=back.dtype,
+                            device=back.device)
+        pairs[handle.order] = back[handle.slot]
         num_tokens, top_k = handle.topk_weights.shape
         pairs = pairs.view(num_tokens, top_k, back.shape[-1]) * handle.topk_weights[..., None]
         return pairs.sum(1)

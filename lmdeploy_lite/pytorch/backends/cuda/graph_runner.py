@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import torch
 
-from ...model_inputs import ModelInputs
+from ...model_inputs import ForwardSizes, ModelInputs
 
 logger = logging.getLogger('lmdeploy_lite')
 
@@ -78,7 +78,8 @@ class GraphRunner:
             input_ids=self.input_ids[:tokens], positions=self.positions[:tokens],
             q_lens=self.q_lens[:batch], history_lens=self.history_lens[:batch],
             block_tables=self.block_tables[:batch], state_slots=self.state_slots[:batch],
-            state_index=self.state_index[:batch], is_decoding=True, uniform_q_len=self.q_len)
+            state_index=self.state_index[:batch], is_decoding=True, uniform_q_len=self.q_len,
+            sizes=ForwardSizes.captured(tokens, batch))
 
     def _run_static(self, batch: int) -> torch.Tensor:
         # graphs: inputs built once (their cached derived values are functions of shapes only);

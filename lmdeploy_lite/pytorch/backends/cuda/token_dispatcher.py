@@ -1,11 +1,16 @@
 """DeepEP (V1 API) token dispatch for expert parallelism over NVLink: the `AllToAllDispatcher`
 interface (nn/token_dispatcher.py) on DeepEP's kernels.
 
-Two modes, the same on every rank of a step (`SharedBuffer.set_low_latency`, from the plan):
+Two modes, chosen per step from the StepPlan (`ForwardSizes.low_latency`: every rank with work
+decodes) and passed to every `dispatch` call, so the same on every rank of a step:
   * normal (prefill): `get_dispatch_layout` -> `dispatch` sends each token once to every rank
     holding one of its experts, with its local expert ids (-1: another rank's) and weights; the
     receiver expands that to one row per (token, local expert); `combine` sums what the ranks
-    send back. Host syncs (row counts): eager only; no per-rank token limit.
+    send back. No per-rank token limit. The host syncs that remain in an EP forward are here,
+    eager only: DeepEP's `dispatch` waits on the GPU for the received row count (its
+    `num_worst_tokens` would avoid that, intranode, at the cost of buffers sized for the
+    worst case), and `_dispatch_normal` / `_combine_normal` select the received (token, slot)
+    pairs with `nonzero`.
   * low-latency (decode; CUDA-graph capturable, no host sync): `low_latency_dispatch` packs the
     tokens of each local expert into `[num_local_experts, capacity * ep, W]` with a count per
     expert; bf16 hands that to the experts as is (`GroupedRows`: a masked grouped GEMM whose
@@ -24,8 +29,14 @@ checks it serves; DeepEP is for bf16 serving). float64 is not supported.
 
 ONE deep_ep.Buffer per EP group (`SharedBuffer`, module registry keyed by the group) serves
 every MoE layer of the target and of the draft: dispatchers register their widest rows when
-built, and the buffer is allocated by the first `set_low_latency` (at start-up, after both
-models are built) or else by the first dispatch.
+built, and the buffer is allocated by `nn/token_dispatcher.allocate_buffers` (at start-up, after
+both models are built) or else by the first dispatch. It holds no mode, only what its memory
+is: whether normal kernels left the low-latency region dirty since it was last cleaned.
+
+Sizes: the low-latency capacity (tokens per rank) is a start-up value, `dispatch_capacity` of
+the engine config (nn/token_dispatcher.py), fixed because the CUDA graphs hold these kernels;
+`prepare_dispatch` (before each step) and every low-latency dispatch check the plan's
+per-rank tokens against it and raise naming rank and step.
 """
 from __future__ import annotations
 
@@ -35,7 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...nn.token_dispatcher import GroupedRows
+from ..default.moe import GroupedRows
 
 LL_WIDTHS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)   # DeepEP's low-latency kernels
 _SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
@@ -135,7 +146,7 @@ class SharedBuffer:
     normal_bytes: int = 0             # widest normal-mode row, in bytes
     ll_columns: int = 0               # widest low-latency row, in bf16 columns
     buffer: object = None
-    low_latency: bool = False
+    ll_dirty: bool = True             # the low-latency region needs a clean before its next use
 
     @property
     def ll_capacity(self) -> int:
@@ -175,22 +186,35 @@ class SharedBuffer:
         return deep_ep.Buffer(self.group, nvl_bytes, rdma_bytes, low_latency_mode=True,
                               num_qps_per_rank=max(1, self.num_experts // ranks))
 
-    def set_low_latency(self, enabled: bool, dist_ctx=None):
-        """Switch mode (every rank, same step; allocates the buffer if needed). Normal kernels
-        leave the low-latency region dirty, so entering low-latency mode cleans it: a
-        collective (not inside a graph capture), run through `dist_ctx.traced` like every other
-        one (recorded; a launch error names rank, step and op). Its GPU-side wait is bounded
-        where the host next waits for the step (Engine's InFlight.host_result deadline)."""
+    def check_capacity(self, num_tokens: int, dist_ctx):
+        """Raise unless a low-latency call of `num_tokens` tokens per rank (the plan's) fits."""
+        if num_tokens > self.capacity:
+            raise ValueError(
+                f'DeepEP low-latency dispatch at step {dist_ctx.step}: the plan has '
+                f'{num_tokens} tokens per rank (rank {dist_ctx.rank}), but the buffer holds '
+                f'{self.capacity} per rank (DEEPEP_MAX_TOKENS_PER_RANK, default max_batch_size '
+                f'x (1 + num_speculative_tokens)); raise it or lower max_batch_size')
+
+    def clean_low_latency(self, dist_ctx=None):
+        """Clean the low-latency region if normal kernels dirtied it (every rank at the same
+        point: they run the same dispatches). A collective (allocates the buffer if needed),
+        run through `dist_ctx.traced` like every other one (recorded; a launch error names
+        rank, step and op); its GPU-side wait is bounded where the host next waits for the step
+        (Engine's InFlight.host_result deadline). Not inside a graph capture."""
         buffer = self.get()
-        if enabled and not self.low_latency:
-            def clean(_):
-                buffer.clean_low_latency_buffer(self.ll_capacity, self.width, self.num_experts)
-            if dist_ctx is None:
-                clean(None)
-            else:
-                marker = torch.empty(0, dtype=torch.uint8)
-                dist_ctx.traced('deepep_clean', 'ep', marker, clean)
-        self.low_latency = enabled
+        if not self.ll_dirty:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError('DeepEP: the low-latency region must be clean before a CUDA graph '
+                               'is captured (nn/token_dispatcher.prepare_dispatch first)')
+
+        def clean(_):
+            buffer.clean_low_latency_buffer(self.ll_capacity, self.width, self.num_experts)
+        if dist_ctx is None:
+            clean(None)
+        else:
+            dist_ctx.traced('deepep_clean', 'ep', torch.empty(0, dtype=torch.uint8), clean)
+        self.ll_dirty = False
 
 
 def shared_buffer(group, num_experts: int, capacity: int) -> SharedBuffer:
@@ -239,7 +263,7 @@ class LowLatencyHandle:
 
 class DeepEPDispatcher:
     """Same interface as AllToAllDispatcher; see the module docstring. `capacity`: tokens per
-    rank per low-latency call (DEEPEP_MAX_TOKENS_PER_RANK)."""
+    rank its low-latency calls hold (start-up: `dispatch_capacity`)."""
 
     @staticmethod
     def unsupported(hidden_size: int, top_k: int, dtype: torch.dtype) -> str | None:
@@ -268,14 +292,23 @@ class DeepEPDispatcher:
         self.shared = shared_buffer(dist_ctx.group(group), num_experts, capacity)
         self.shared.require(normal_bytes, ll_columns)
 
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
-        """x [T, H], topk_ids/weights [T, k] -> (expert_x, routing, handle) in x.dtype: rows
-        [R, H] and local ids [R] (-1: padding row, exact low-latency mode), or in bf16
-        low-latency mode expert_x [E_local, C, H] (a view of DeepEP's receive buffer) and
-        `GroupedRows`. DeepEP wants contiguous routing tensors."""
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 capacity: int, low_latency: bool = False):
+        """x [T, H], topk_ids/weights [T, k] (ids -1: padding, sent nowhere); capacity: the
+        plan's most tokens per rank in this call (T <= capacity); low_latency: the step's mode
+        -> (expert_x, routing, handle) in x.dtype: rows [R, H] and local ids [R] (-1: padding
+        row, exact low-latency mode), or in bf16 low-latency mode expert_x [E_local, C, H] (a
+        view of DeepEP's receive buffer) and `GroupedRows`. DeepEP wants contiguous routing
+        tensors."""
+        if x.shape[0] > capacity:
+            raise ValueError(f'EP dispatch: {x.shape[0]} tokens on rank {self.dist.rank} at step '
+                             f'{self.dist.step}, but the plan\'s capacity is {capacity} per rank')
         x, topk_ids, topk_weights = x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous()
-        if self.shared.low_latency:
+        if low_latency:
+            self.shared.check_capacity(capacity, self.dist)
+            self.shared.clean_low_latency(self.dist)       # no-op unless normal kernels ran
             return self._dispatch_low_latency(x, topk_ids, topk_weights)
+        self.shared.ll_dirty = True
         return self._dispatch_normal(x, topk_ids, topk_weights)
 
     def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
@@ -334,16 +367,7 @@ class DeepEPDispatcher:
         return weighted_sum(pairs, handle.topk_weights)
 
     # ---- low-latency mode -----------------------------------------------------------------
-    def check_capacity(self, num_tokens: int):
-        if num_tokens > self.capacity:
-            raise ValueError(
-                f'DeepEP low-latency dispatch: {num_tokens} tokens on this rank, but the buffer '
-                f'holds {self.capacity} per rank (DEEPEP_MAX_TOKENS_PER_RANK, default '
-                f'max_batch_size x (1 + num_speculative_tokens)); raise it or lower '
-                f'max_batch_size')
-
     def _dispatch_low_latency(self, x, topk_ids, topk_weights):
-        self.check_capacity(x.shape[0])
         buffer, width = self.shared.get(), self.shared.width
         topk_idx = topk_ids.to(_TOPK_IDX)
         if self.exact:        # raw bits of x, then of the token's top-k ids (to find the slot)

@@ -6,10 +6,22 @@ Layout (as transformers keeps Qwen3.5's experts): `gate_up_proj [E, 2I, H]` (gat
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from .norm import silu_mul
+
+
+@dataclass
+class GroupedRows:
+    """Rows grouped by expert, as `fused_moe_masked` takes them (an EP dispatcher's `routing`,
+    nn/token_dispatcher.py): counts [E_local] int, on the device (never read on the host:
+    capturable); out [E_local, C, W >= H] or None: where the experts should write their outputs
+    (columns :H), so that the dispatcher's combine sends it as is."""
+    counts: torch.Tensor
+    out: torch.Tensor | None = None
 
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

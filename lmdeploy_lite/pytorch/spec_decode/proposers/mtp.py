@@ -61,7 +61,8 @@ class MTPProposer:
                                    state_slots=inputs.state_slots, state_index=inputs.state_index,
                                    is_decoding=True, is_dummy=inputs.is_dummy, uniform_q_len=1,
                                    padded_batch_size=inputs.padded_batch_size,
-                                   graphable=inputs.graphable)
+                                   graphable=inputs.graphable,
+                                   sizes=inputs.sizes and inputs.sizes.one_token_per_seq())
                 hidden = self._run_mtp(drafts[-1], hidden, step)
             logits = self.compute_logits(hidden)
             token = logits.argmax(-1)
