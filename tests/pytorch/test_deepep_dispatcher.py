@@ -1,13 +1,15 @@
 """The EP dispatcher factory and the DeepEP dispatcher's tensor logic.
 
 CPU: the factory's choice and fallbacks, the capacity rules, the pure helpers (low-latency
-flattening, exact bf16 splitting), and the whole DeepEPDispatcher (both modes, bf16 and exact
-float32) on a one-rank stand-in for deep_ep.Buffer that follows DeepEP's documented semantics,
-including bf16 low-latency's grouped rows run by FusedExperts' masked op.
+flattening, exact bf16 splitting), and the whole DeepEPDispatcher (both modes, each call in
+the mode it is given; normal mode with and without `num_worst_tokens`' fixed rows; bf16 and
+exact float32) on a one-rank stand-in for deep_ep.Buffer that follows DeepEP's documented
+semantics, including bf16 low-latency's grouped rows run by FusedExperts' masked op.
 GPU (2 GPUs, `deep_ep` importable): DeepEP against the all-to-all dispatcher on random inputs.
 """
 import queue
 import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.nn.moe import FusedExperts
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.nn.token_dispatcher import (ENV_CAPACITY, ENV_DISPATCHER,
-                                                       AllToAllDispatcher, GroupedRows,
+                                                       AllToAllDispatcher, GroupedRows, TopKRows,
                                                        allocate_buffers, dispatch_capacity,
                                                        make_dispatcher, prepare_dispatch,
                                                        uses_deep_ep)
@@ -157,6 +159,25 @@ class OneRankBuffer:
         self.num_cleans = getattr(self, 'num_cleans', 0) + 1
 
 
+class FixedRowsOneRankBuffer(OneRankBuffer):
+    """A DeepEP with `num_worst_tokens` (intranode): the normal dispatch receives into that many
+    rows, those past the received tokens stale (NaN) with ids -1."""
+    runtime = SimpleNamespace(get_num_rdma_ranks=lambda: 1)
+
+    def dispatch(self, x, topk_idx, topk_weights, num_worst_tokens=0, **layout):
+        assert num_worst_tokens >= x.shape[0]
+        pad = num_worst_tokens - x.shape[0]
+        recv_x = torch.cat([x, x.new_full((pad, x.shape[1]), float('nan'))])
+        recv_idx = torch.cat([topk_idx, topk_idx.new_full((pad, topk_idx.shape[1]), -1)])
+        recv_weights = torch.cat([topk_weights, topk_weights.new_full((pad, topk_idx.shape[1]),
+                                                                      float('nan'))])
+        return recv_x, recv_idx, recv_weights, [], ('handle', x.shape[0]), None
+
+    def combine(self, x, handle):
+        assert x.dtype == torch.bfloat16 and handle[0] == 'handle'
+        return x[:handle[1]].clone(), None, None
+
+
 def toy_experts(x, local_ids):
     """Expert e: tanh(x * (e + 1)) - e; padding rows (-1): 0."""
     scale = (local_ids.clamp(min=0) + 1).to(x.dtype)[:, None]
@@ -166,8 +187,16 @@ def toy_experts(x, local_ids):
 
 def run_toy_experts(expert_x, routing, first_expert=0):
     """toy_experts on what a dispatcher hands over (global expert = first_expert + local id):
-    rows and local ids, or rows grouped by expert (`GroupedRows`; a new tensor, not written into
-    routing.out, so combine must copy it in)."""
+    rows and local ids, rows grouped by expert (`GroupedRows`; a new tensor, not written into
+    routing.out, so combine must copy it in), or tokens with their top-k (`TopKRows`: each
+    token's weighted sum over its slots, in slot order)."""
+    if isinstance(routing, TopKRows):
+        out = torch.zeros_like(expert_x, dtype=torch.float32)
+        for slot in range(routing.ids.shape[1]):
+            ids = routing.ids[:, slot]
+            pairs = toy_experts(expert_x, torch.where(ids >= 0, ids + first_expert, -1))
+            out += pairs.float() * routing.weights[:, slot, None].float()
+        return out.to(expert_x.dtype)
     if isinstance(routing, GroupedRows):
         experts, capacity, hidden = expert_x.shape
         valid = torch.arange(capacity, device=expert_x.device)[None, :] < routing.counts[:, None]
@@ -177,9 +206,12 @@ def run_toy_experts(expert_x, routing, first_expert=0):
     return toy_experts(expert_x, torch.where(routing >= 0, routing + first_expert, -1))
 
 
-@pytest.mark.parametrize('low_latency', [False, True])
+@pytest.mark.parametrize('mode', ['normal', 'normal_fixed_rows', 'low_latency'])
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, low_latency):
+def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, mode):
+    """Normal mode without `num_worst_tokens` (host-synced row counts) and with it (fixed rows:
+    capacity x ep, no host sync), and low-latency mode, against the all-to-all's arithmetic."""
+    low_latency = mode == 'low_latency'
     num_experts, hidden, top_k, tokens = 4, 64, 2, 7
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
@@ -188,14 +220,22 @@ def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, low_latency):
     weights = torch.rand(tokens, top_k, generator=gen).to(dtype)
     ctx = ep_context(ep=1)
     dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, dtype, capacity=tokens)
-    dispatcher.shared.buffer = OneRankBuffer()
-    expert_x, routing, handle = dispatcher.dispatch(x, ids, weights, tokens, low_latency)
+    fixed = mode == 'normal_fixed_rows'
+    dispatcher.shared.buffer = FixedRowsOneRankBuffer() if fixed else OneRankBuffer()
+    plan_capacity = tokens + 3 if fixed else tokens      # fixed rows: 3 stale ones past them
+    expert_x, routing, handle = dispatcher.dispatch(x, ids, weights, plan_capacity, low_latency)
+    assert dispatcher.shared.fixed_normal_rows() == fixed
     capacity = dispatcher.shared.ll_capacity
     if low_latency and dtype == torch.bfloat16:      # grouped by expert: [E, capacity, H]
         assert isinstance(routing, GroupedRows) and expert_x.shape == (num_experts, capacity,
                                                                        hidden)
     elif low_latency:                                # fixed shapes: E * capacity rows
         assert expert_x.shape == (num_experts * capacity, hidden)
+    elif fixed and dtype == torch.bfloat16:          # the received tokens, ids -1 past them
+        assert isinstance(routing, TopKRows) and expert_x.shape == (plan_capacity, hidden)
+    elif fixed:                                      # one row per (token, slot)
+        assert expert_x.shape == (plan_capacity * top_k, hidden)
+        assert routing.shape == (plan_capacity * top_k,) and (routing[tokens * top_k:] == -1).all()
     assert expert_x.dtype == dtype
     out = dispatcher.combine(run_toy_experts(expert_x, routing), handle)
     pairs = toy_experts(x.repeat_interleave(top_k, 0), ids.reshape(-1)).view(tokens, top_k, -1)

@@ -31,7 +31,7 @@ from .linear import FusedColumnLinear, ReplicatedLinear
 from .mlp import SwiGLUMLP
 from .norm import compute_dtype
 from .sharding import sharded_parameter, tp_layout
-from .token_dispatcher import GroupedRows
+from .token_dispatcher import GroupedRows, TopKRows
 
 
 class TopKRouter(nn.Module):
@@ -79,14 +79,19 @@ class FusedExperts(nn.Module):
         for param in (self.gate_up_proj, self.down_proj):
             param.expert_range = (first_expert, num_local, num_experts)
 
-    def run(self, x: torch.Tensor, routing: torch.Tensor | GroupedRows) -> torch.Tensor:
-        """Unweighted outputs of the rows a dispatcher hands over: x [R, H] with local expert
-        ids `routing [R]` (-1: none, gives 0) -> [R, H]; or x [E_local, C, H] grouped by expert
-        (`GroupedRows`) -> [E_local, C, H] (in `routing.out` when given; rows past the counts
-        undefined)."""
+    def run(self, x: torch.Tensor, routing: torch.Tensor | GroupedRows | TopKRows
+            ) -> torch.Tensor:
+        """Outputs of the rows a dispatcher hands over: x [R, H] with local expert ids
+        `routing [R]` (-1: none, gives 0) -> [R, H] unweighted; x [E_local, C, H] grouped by
+        expert (`GroupedRows`) -> [E_local, C, H] unweighted (in `routing.out` when given; rows
+        past the counts undefined); x [N, H] with top-k ids and weights (`TopKRows`) -> [N, H],
+        each row's weighted sum over its local experts."""
         if isinstance(routing, GroupedRows):
             return self.backend.fused_moe_masked(x, routing.counts, self.gate_up_proj,
                                                  self.down_proj, out=routing.out)
+        if isinstance(routing, TopKRows):
+            return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, routing.weights,
+                                          routing.ids)
         ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
         return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, ones,
                                       routing[:, None])

@@ -11,6 +11,9 @@ the router weights. `routing` says how the rows are laid out:
     expert_x[e, :counts[e]] (the rest is garbage, never read); expert_out [E_local, C, H], rows
     past the counts undefined. The experts run as one masked grouped GEMM (`fused_moe_masked`)
     with cost following the counts, and write into `GroupedRows.out`, the buffer combine sends.
+  * `TopKRows` (DeepEP normal mode with fixed shapes, bf16): expert_x [N, H] received tokens
+    with their local top-k ids and weights; expert_out [N, H] is each token's weighted sum over
+    its local experts (`fused_moe`), which is what the combine adds up.
 
 Two implementations, chosen by `make_dispatcher` (LMDEPLOY_LITE_EP_DISPATCHER=auto|alltoall|
 deepep, default auto): `AllToAllDispatcher` below (torch.distributed, gloo or NCCL; anywhere)
@@ -44,12 +47,12 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.cuda import token_dispatcher as deep_ep_dispatcher
-from ..backends.default.moe import GroupedRows
+from ..backends.default.moe import GroupedRows, TopKRows
 
 logger = logging.getLogger('lmdeploy_lite')
 
-__all__ = ['AllToAllDispatcher', 'GroupedRows', 'allocate_buffers', 'dispatch_capacity',
-           'make_dispatcher', 'prepare_dispatch', 'uses_deep_ep']
+__all__ = ['AllToAllDispatcher', 'GroupedRows', 'TopKRows', 'allocate_buffers',
+           'dispatch_capacity', 'make_dispatcher', 'prepare_dispatch', 'uses_deep_ep']
 
 ENV_DISPATCHER = 'LMDEPLOY_LITE_EP_DISPATCHER'
 ENV_CAPACITY = 'DEEPEP_MAX_TOKENS_PER_RANK'

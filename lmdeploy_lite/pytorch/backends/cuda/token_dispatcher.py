@@ -6,11 +6,15 @@ decodes) and passed to every `dispatch` call, so the same on every rank of a ste
   * normal (prefill): `get_dispatch_layout` -> `dispatch` sends each token once to every rank
     holding one of its experts, with its local expert ids (-1: another rank's) and weights; the
     receiver expands that to one row per (token, local expert); `combine` sums what the ranks
-    send back. No per-rank token limit. The host syncs that remain in an EP forward are here,
-    eager only: DeepEP's `dispatch` waits on the GPU for the received row count (its
-    `num_worst_tokens` would avoid that, intranode, at the cost of buffers sized for the
-    worst case), and `_dispatch_normal` / `_combine_normal` select the received (token, slot)
-    pairs with `nonzero`.
+    send back. No per-rank token limit. Fixed shapes, no host sync, where DeepEP offers
+    `num_worst_tokens` (intranode; `SharedBuffer.fixed_normal_rows`): it receives into
+    capacity x ep rows (each rank sends a token at most once to a rank; unused rows have ids -1).
+    bf16 hands them to the experts as `TopKRows` (each token's weighted sum over its local
+    experts, what the combine adds up); exact mode expands them to one row per (token, slot).
+    Otherwise (internode, or an older DeepEP) the host syncs that remain in an EP forward are
+    here, eager only: `dispatch` waits on the GPU for the received row count, and
+    `_dispatch_normal` / `_combine_normal` select the received (token, slot) pairs with
+    `nonzero`.
   * low-latency (decode; CUDA-graph capturable, no host sync): `low_latency_dispatch` packs the
     tokens of each local expert into `[num_local_experts, capacity * ep, W]` with a count per
     expert; bf16 hands that to the experts as is (`GroupedRows`: a masked grouped GEMM whose
@@ -40,13 +44,14 @@ per-rank tokens against it and raise naming rank and step.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..default.moe import GroupedRows
+from ..default.moe import GroupedRows, TopKRows
 
 LL_WIDTHS = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)   # DeepEP's low-latency kernels
 _SIGNIFICAND_BITS = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
@@ -147,6 +152,7 @@ class SharedBuffer:
     ll_columns: int = 0               # widest low-latency row, in bf16 columns
     buffer: object = None
     ll_dirty: bool = True             # the low-latency region needs a clean before its next use
+    fixed_normal: bool | None = None  # `fixed_normal_rows()`, once known
 
     @property
     def ll_capacity(self) -> int:
@@ -185,6 +191,18 @@ class SharedBuffer:
         os.environ[ENV_QP_DEPTH] = str(max(depth, int(os.environ.get(ENV_QP_DEPTH, '0'))))
         return deep_ep.Buffer(self.group, nvl_bytes, rdma_bytes, low_latency_mode=True,
                               num_qps_per_rank=max(1, self.num_experts // ranks))
+
+    def fixed_normal_rows(self) -> bool:
+        """The normal dispatch can receive into `num_worst_tokens` rows, with no host sync:
+        DeepEP versions that have the argument, intranode only (its docstring says so)."""
+        if self.fixed_normal is None:
+            buffer = self.get()
+            try:
+                self.fixed_normal = ('num_worst_tokens' in inspect.signature(buffer.dispatch)
+                                     .parameters and buffer.runtime.get_num_rdma_ranks() == 1)
+            except (AttributeError, TypeError, ValueError):
+                self.fixed_normal = False
+        return self.fixed_normal
 
     def check_capacity(self, num_tokens: int, dist_ctx):
         """Raise unless a low-latency call of `num_tokens` tokens per rank (the plan's) fits."""
@@ -250,6 +268,7 @@ class NormalHandle:
     weight: torch.Tensor         # [R] its router weight (float32)
     num_received: int
     topk_weights: torch.Tensor   # [T, k] this rank's tokens' weights (exact mode)
+    fixed: bool = False          # fixed shapes (num_worst_tokens): token/slot/weight unused
 
 
 @dataclass
@@ -309,7 +328,7 @@ class DeepEPDispatcher:
             self.shared.clean_low_latency(self.dist)       # no-op unless normal kernels ran
             return self._dispatch_low_latency(x, topk_ids, topk_weights)
         self.shared.ll_dirty = True
-        return self._dispatch_normal(x, topk_ids, topk_weights)
+        return self._dispatch_normal(x, topk_ids, topk_weights, capacity)
 
     def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
         """expert_out ([R, H] or [E_local, C, H], as dispatch's expert_x) -> [T, H] = sum over
@@ -319,10 +338,12 @@ class DeepEPDispatcher:
         return self._combine_normal(expert_out, handle)
 
     # ---- normal mode ----------------------------------------------------------------------
-    def _dispatch_normal(self, x, topk_ids, topk_weights):
+    def _dispatch_normal(self, x, topk_ids, topk_weights, capacity: int):
         buffer = self.shared.get()
         topk_idx = topk_ids.to(_TOPK_IDX)
         send = x.contiguous() if self.exact else x.to(torch.bfloat16)
+        worst = capacity * self.ep_size if self.shared.fixed_normal_rows() else 0
+        fixed = {'num_worst_tokens': worst} if worst else {}
         out = {}
 
         def run(_):
@@ -331,17 +352,37 @@ class DeepEPDispatcher:
             out['recv'] = buffer.dispatch(
                 send, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                topk_weights=topk_weights.float())
+                topk_weights=topk_weights.float(), **fixed)
         self.dist.traced('deepep_dispatch', self.group, send, run, variable=True)
         recv_x, recv_idx, recv_weights, _, deep_ep_handle, _ = out['recv']
+        if worst:
+            return self._fixed_rows(recv_x, recv_idx, recv_weights, deep_ep_handle, x.dtype,
+                                    topk_weights)
         token, slot = (recv_idx >= 0).nonzero(as_tuple=True)         # host sync: prefill only
         handle = NormalHandle(deep_ep_handle, token, slot, recv_weights[token, slot],
                               recv_x.shape[0], topk_weights)
         return recv_x[token].to(x.dtype), recv_idx[token, slot], handle
 
+    def _fixed_rows(self, recv_x, recv_idx, recv_weights, deep_ep_handle, dtype, topk_weights):
+        """num_worst_tokens' output (N rows, ids -1 past the received ones, whose rows hold
+        stale data: zeroed) -> bf16: the tokens as `TopKRows`; exact: one row per (token,
+        slot), [N * k, H] with local ids [N * k]. Fixed shapes, no host sync."""
+        num_rows, top_k = recv_idx.shape
+        handle = NormalHandle(deep_ep_handle, None, None, None, num_rows, topk_weights, True)
+        valid = recv_idx >= 0
+        if not self.exact:
+            rows = torch.where(valid.any(1, keepdim=True), recv_x, 0).to(dtype)
+            return rows, TopKRows(recv_idx, torch.where(valid, recv_weights, 0)), handle
+        rows = recv_x.to(dtype).repeat_interleave(top_k, dim=0)
+        rows = torch.where(valid.reshape(-1, 1), rows, 0)
+        return rows, recv_idx.reshape(-1), handle
+
     def _combine_normal(self, expert_out, handle: NormalHandle):
         buffer = self.shared.get()
-        if self.exact:        # each (token, slot) output in its own block: the sums add zeros
+        if handle.fixed:      # exact: rows in (token, slot) order; bf16: weighted sums already
+            send = (split_bf16(expert_out, self.parts).view(handle.num_received, -1)
+                    if self.exact else expert_out.to(torch.bfloat16))
+        elif self.exact:        # each (token, slot) output in its own block: the sums add zeros
             send = expert_out.new_zeros((handle.num_received, self.top_k, self.parts,
                                          self.hidden), dtype=torch.bfloat16)
             send[handle.token, handle.slot] = split_bf16(expert_out, self.parts)

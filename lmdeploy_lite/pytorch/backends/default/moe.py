@@ -24,6 +24,16 @@ class GroupedRows:
     out: torch.Tensor | None = None
 
 
+@dataclass
+class TopKRows:
+    """Rows with their top-k routing, as `fused_moe` takes them (DeepEP normal mode with fixed
+    shapes hands its received tokens over this way): ids [N, k] local expert ids (-1: an expert
+    elsewhere, or a padding row), weights [N, k]; the experts return each row's weighted sum
+    over its local experts [N, H]."""
+    ids: torch.Tensor
+    weights: torch.Tensor
+
+
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """x [T, H]; topk_weights [T, k] (x.dtype or fp32); topk_ids [T, k] in 0..E-1, or -1 for
