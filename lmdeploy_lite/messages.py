@@ -169,9 +169,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value is None:
                 continue
-            _check(self.method == 'qwen3_5_mtp', f'SpeculativeConfig.{name}', value,
+            _check(self.method == 'qwen3_5_mtp', name, value,
                    f"None with method={self.method!r} (it has no draft model to lay out)")
-            _set(self, name, _check_int(f'SpeculativeConfig.{name}', value, 1))
+            _set(self, name, _check_int(name, value, 1))
         _check_int('ngram_min', self.ngram_min, 1)
         _check_int('ngram_max', self.ngram_max, self.ngram_min)
 

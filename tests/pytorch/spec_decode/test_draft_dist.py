@@ -104,15 +104,15 @@ def test_draft_tp_sub_groups_of_a_tp4_group():
 
 # ---- fast checks: no processes -----------------------------------------------------------
 def test_speculative_config_ranges_name_the_field():
-    cases = [(dict(tp=0), 'SpeculativeConfig.tp=0: must be an integer in 1..'),
-             (dict(ep=True), 'SpeculativeConfig.ep=True: must be an integer in 1..'),
-             (dict(tp=1.5), 'SpeculativeConfig.tp=1.5: must be an integer'),
-             (dict(method='ngram', tp=1),
-              "SpeculativeConfig.tp=1: must be None with method='ngram'"),
-             (dict(method='ngram', ep=1), "SpeculativeConfig.ep=1: must be None")]
+    cases = [(dict(tp=0), 'tp=0: must be an integer in 1..'),
+             (dict(ep=True), 'ep=True: must be an integer in 1..'),
+             (dict(tp=1.5), 'tp=1.5: must be an integer'),
+             (dict(method='ngram', tp=1), "tp=1: must be None with method='ngram'"),
+             (dict(method='ngram', ep=1), "ep=1: must be None with method='ngram'")]
     for kwargs, match in cases:
-        with pytest.raises(ValueError, match=match.replace('(', r'\(').replace('.', r'\.')):
+        with pytest.raises(ValueError) as error:
             SpeculativeConfig(**kwargs)
+        assert str(error.value).startswith(match)
 
 
 def test_draft_layout_checked_against_the_target(tiny_ckpt):
