@@ -321,9 +321,6 @@ class DistContext:
                                          f'differ at collective #{i}: {detail}')
 
 
-TP_LOCAL_GROUPS = ('tp', 'draft_tp')     # groups inside one DP rank's TP group
-
-
 def _plan_rank_sets(config: DistConfig) -> list[list[int]]:
     """Every plan group's ranks (DistContext.plan_group), in creation order: the world with
     ep > 1, else one set per TP group."""
@@ -331,6 +328,9 @@ def _plan_rank_sets(config: DistConfig) -> list[list[int]]:
         return [list(range(config.world_size))]
     tp = config.tp
     return [[d * tp + t for t in range(tp)] for d in range(config.dp)]
+
+
+TP_LOCAL_GROUPS = ('tp', 'draft_tp')     # groups inside one DP rank's TP group
 
 
 def _cross_dp(record: list) -> list:
