@@ -170,6 +170,24 @@ class _AsyncFanout:
             request.inbox.put_nowait((item, delta))
 
 
+def _coalesce(inbox: asyncio.Queue, first: tuple) -> tuple:
+    """`first` and every result already waiting behind it as one: (last StepOutput, joined
+    text, joined token ids, an error that came after them or None). A consumer that keeps up
+    gets one response per engine step; one that fell behind (a server streaming to many
+    clients: each chunk costs the event loop ~0.1 ms) gets the steps it missed in one
+    response instead of a backlog that grows every step."""
+    item, delta = first
+    token_ids = item.new_token_ids
+    while not item.finished and not inbox.empty():
+        more = inbox.get_nowait()
+        if isinstance(more, BaseException):
+            return item, delta, token_ids, more
+        item, more_text = more
+        token_ids = token_ids + item.new_token_ids
+        delta += more_text
+    return item, delta, token_ids, None
+
+
 class _AsyncRequest:
     __slots__ = ('inbox', 'text')
 
@@ -336,9 +354,11 @@ class Pipeline:
                 item = await self._next_async(request.inbox)
                 if isinstance(item, BaseException):
                     raise item
-                item, delta = item
+                item, delta, token_ids, error = _coalesce(request.inbox, item)
                 finished = item.finished
-                yield self._response(0, item, ids, delta, item.new_token_ids)
+                yield self._response(0, item, ids, delta, token_ids)
+                if error is not None:
+                    raise error
         finally:
             if not finished:
                 self._loop.abort(handle)

@@ -176,3 +176,33 @@ def test_text_stream_matches_whole_decode_token_by_token():
         assert ''.join(deltas) == text[:cut]
         assert not any('\ufffd' in d for d in deltas)    # (deltas only grow the text: none
                                                          # went past the cut either)
+
+
+def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
+    """The server's event loop can fall behind the engine (each SSE chunk costs it ~0.1 ms);
+    what waits in a request's inbox goes out as one response, text and ids joined in order,
+    ending where the first finished item is, and an error after them is raised after them."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from lmdeploy_lite.api import _coalesce
+
+    def out(ids, finished=False):
+        return SimpleNamespace(new_token_ids=ids, finished=finished)
+
+    async def run():
+        inbox = asyncio.Queue()
+        for item in [(out([3, 4]), 'b'), (out([5], True), 'c'), (out([9]), 'x')]:
+            inbox.put_nowait(item)
+        last, text, ids, error = _coalesce(inbox, (out([1, 2]), 'a'))
+        assert (text, ids, last.finished, error) == ('abc', [1, 2, 3, 4, 5], True, None)
+        assert inbox.qsize() == 1                 # nothing past the finished item is taken
+        inbox.get_nowait()
+        failure = RuntimeError('engine stopped')
+        inbox.put_nowait((out([2]), 'b'))
+        inbox.put_nowait(failure)
+        last, text, ids, error = _coalesce(inbox, (out([1]), 'a'))
+        assert (text, ids, last.finished, error) == ('ab', [1, 2], False, failure)
+        last, text, ids, error = _coalesce(inbox, (out([7]), 'z'))      # nothing waiting
+        assert (text, ids, error) == ('z', [7], None)
+    asyncio.run(run())
