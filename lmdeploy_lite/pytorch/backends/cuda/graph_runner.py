@@ -7,8 +7,8 @@ into static buffers; a call copies the step's inputs into them, pads the batch t
 replays. `extras` are tensors with one row per token (e.g. the target hidden the draft consumes).
 
 The bucket is the smallest one >= max(batch, inputs.padded_batch_size); the engine sets
-`padded_batch_size` from the StepPlan (the largest batch of any rank), so all DP ranks replay the
-same shapes. Collectives inside a graph (DeepEP's low-latency dispatch and combine under EP) are
+`padded_batch_size` from the StepPlan (the largest batch of any rank the plan spans: the world
+under EP, so that all EP ranks replay the same shapes; a pure-DP rank's own TP group otherwise). Collectives inside a graph (DeepEP's low-latency dispatch and combine under EP) are
 captured with it; since replay runs no Python, the runner keeps the collective-trace entries its
 capture recorded (`recorder`: the DistContext) and appends them on each replay, so the per-step
 trace check sees the same sequence whether a step replays or runs eagerly. Every rank replays in
