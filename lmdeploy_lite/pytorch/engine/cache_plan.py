@@ -57,6 +57,8 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
         per_block += num_draft_layers * CacheEngine.bytes_per_block(
             model_config, block_size, dtype, layer_types=('full_attention',), tp=draft_tp)
         num_blocks = min(int(budget // per_block), engine_config.max_batch_size * per_seq + 1)
+        if budget < per_seq * per_block:
+            _raise_state_too_large(engine_config, state_bytes, budget + state_bytes)
     if num_blocks - 1 < per_seq:
         session_len = engine_config.session_len or model_config.max_position_embeddings
         raise ValueError(
@@ -65,3 +67,17 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
             f'raise num_gpu_blocks / cache_max_entry_count')
     return CacheConfig(block_size=block_size, num_blocks=num_blocks, num_state_slots=num_slots,
                        num_spec_tokens=num_spec_tokens)
+
+
+def _raise_state_too_large(engine_config: PytorchEngineConfig, state_bytes: int, budget: int):
+    """The per-sequence state rows (max_batch_size + 1 of them) leave no room for one sequence's
+    KV: the fix is a smaller batch (or a smaller state), not a shorter session."""
+    if state_bytes < budget / 2:
+        return                          # the KV of one session is what does not fit
+    gib = 2**30
+    raise ValueError(
+        f'max_batch_size={engine_config.max_batch_size}: the linear-attention state of '
+        f'{engine_config.max_batch_size + 1} sequence slots takes {state_bytes / gib:.1f} GiB of '
+        f'the {budget / gib:.1f} GiB cache budget and leaves too little for the KV cache; lower '
+        f'max_batch_size, use ssm_state_dtype=\'bfloat16\' (half the recurrent state), fewer '
+        f'speculative tokens (each keeps its own state copy) or raise cache_max_entry_count')
