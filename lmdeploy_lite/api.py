@@ -13,6 +13,7 @@ from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Respo
 from lmdeploy_lite.pytorch.engine.engine import Engine, StepOutput
 from lmdeploy_lite.pytorch.engine.engine_loop import Channel, EngineLoop
 from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
+from lmdeploy_lite.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | list[dict]
 MESSAGE_ROLES = ('system', 'user', 'assistant', 'tool')
@@ -29,15 +30,6 @@ def resolve_model_path(model_path: str | None) -> str:
         raise ValueError(f'model_path=None: the embedded model is missing at {EMBEDDED_MODEL_DIR}; '
                          f'pass a model directory')
     return EMBEDDED_MODEL_DIR
-
-
-def load_tokenizer(model_path: str):
-    """The model directory's tokenizer through transformers, offline; None if it has none."""
-    names = ('tokenizer.json', 'tokenizer_config.json', 'vocab.json', 'tokenizer.model')
-    if not any(os.path.isfile(os.path.join(model_path, n)) for n in names):
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
 
 
 class TextStream:
