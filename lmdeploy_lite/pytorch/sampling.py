@@ -121,6 +121,11 @@ def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def probs_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of `probs_from_logits`' result for logits of `logits_dtype`."""
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
 def probs_from_logits(logits: Tensor, sampling: SamplingInputs) -> Tensor:
     """The distribution each row samples from: logits [B, ..., V] -> probs [B, ..., V].
 
@@ -129,7 +134,7 @@ def probs_from_logits(logits: Tensor, sampling: SamplingInputs) -> Tensor:
     argmax (first max on ties).
     """
     shape = _row_shape(logits)
-    logits = logits if logits.dtype == torch.float64 else logits.float()
+    logits = logits.to(probs_dtype(logits.dtype))
     temperature = torch.where(sampling.do_sample, sampling.temperature, 1.0).to(logits.dtype)
     scaled = logits / temperature.view(shape)
     if sampling.needs_filter:

@@ -4,8 +4,10 @@ Where each size comes from:
   * the budget: the memory left after the target's weights are loaded (on CUDA the device's
     free memory; on CPU, where the ranks share the machine, MemAvailable / world size), less
     the draft head's own weights, which are loaded after this plan (`draft_weight_bytes`, at the
-    draft's tp / ep), times `cache_max_entry_count`, less the linear-attention state rows
-    (max_batch_size + 1 slots at the target's tp; the recurrent part at `ssm_state_dtype`);
+    draft's tp / ep), times `cache_max_entry_count`, less what each of the max_batch_size + 1
+    state slots holds: the linear-attention state rows (at the target's tp; the recurrent part
+    at `ssm_state_dtype`) and the speculative agent's per-slot tables (`spec_bytes_per_slot`:
+    the sampled drafts' distribution, k x vocab x 4 bytes; spec_decode/build.py SpecPlan);
   * one block: the target's full-attention layers at the target's TP share of the KV heads,
     plus the draft's KV layers at the draft's TP share (`draft_tp`: a draft tp=1 holds all its
     KV heads on every rank);
@@ -36,11 +38,12 @@ def available_memory(device: torch.device, world_size: int = 1) -> int:
 def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, max_positions: int,
                num_spec_tokens: int, num_draft_layers: int, dtype: torch.dtype,
                available_bytes: int, tp: int = 1, draft_tp: int | None = None,
-               draft_weight_bytes: int = 0) -> CacheConfig:
+               draft_weight_bytes: int = 0, spec_bytes_per_slot: int = 0) -> CacheConfig:
     """num_gpu_blocks if given; else the budget above, never more than max_batch_size sequences
     of `max_positions` need, plus the reserved block 0. `available_bytes`: this rank's memory
     after the target's weights; `draft_weight_bytes`: what the draft's own weights will take of
-    it on this rank; `draft_tp`: the draft's tp (default the target's)."""
+    it on this rank; `draft_tp`: the draft's tp (default the target's); `spec_bytes_per_slot`:
+    what the speculative agent allocates per state slot."""
     draft_tp = tp if draft_tp is None else draft_tp
     block_size = engine_config.block_size
     num_slots = engine_config.max_batch_size + 1                 # slot 0 is reserved
@@ -48,9 +51,9 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
     if engine_config.num_gpu_blocks:
         num_blocks = engine_config.num_gpu_blocks
     else:
-        state_bytes = num_slots * CacheEngine.bytes_per_state_slot(
+        state_bytes = num_slots * (spec_bytes_per_slot + CacheEngine.bytes_per_state_slot(
             model_config, num_spec_tokens, dtype, tp=tp,
-            ssm_state_dtype=engine_config.ssm_state_dtype)
+            ssm_state_dtype=engine_config.ssm_state_dtype))
         budget = ((available_bytes - draft_weight_bytes) * engine_config.cache_max_entry_count
                   - state_bytes)
         per_block = CacheEngine.bytes_per_block(model_config, block_size, dtype, tp=tp)
@@ -76,8 +79,9 @@ def _raise_state_too_large(engine_config: PytorchEngineConfig, state_bytes: int,
         return                          # the KV of one session is what does not fit
     gib = 2**30
     raise ValueError(
-        f'max_batch_size={engine_config.max_batch_size}: the linear-attention state of '
-        f'{engine_config.max_batch_size + 1} sequence slots takes {state_bytes / gib:.1f} GiB of '
-        f'the {budget / gib:.1f} GiB cache budget and leaves too little for the KV cache; lower '
+        f'max_batch_size={engine_config.max_batch_size}: the linear-attention state (and the '
+        f'draft\'s distributions kept for sampling) of {engine_config.max_batch_size + 1} sequence '
+        f'slots takes {state_bytes / gib:.1f} GiB of the {budget / gib:.1f} GiB cache budget and '
+        f'leaves too little for the KV cache; lower '
         f'max_batch_size, use ssm_state_dtype=\'bfloat16\' (half the recurrent state), fewer '
         f'speculative tokens (each keeps its own state copy) or raise cache_max_entry_count')

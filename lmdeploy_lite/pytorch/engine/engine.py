@@ -1,4 +1,17 @@
-"""The engine of one DP rank: schedule -> make inputs -> forward -> update (DESIGN.md "One step")."""
+"""The engine of one DP rank: schedule -> plan -> inputs -> forward -> post -> update (DESIGN.md
+"One step"; `Engine.step` names each stage).
+
+Where its sizes come from:
+  * speculation: `SpecPlan` (spec_decode/build.py), plain data derived from the
+    SpeculativeConfig: k, the draft's extra KV positions (-> max_positions, the scheduler's
+    block reservations), its KV layers, tp and weights and the per-slot draft tables (-> the KV
+    plan), whether proposals need the host's tokens (-> no async scheduling). The engine checks
+    no method name;
+  * KV blocks and state slots: `plan_cache` (engine/cache_plan.py), the minimum over all ranks;
+  * every padded size of a step (graph bucket, tp-aligned token counts, EP capacity, DeepEP
+    mode) and whether TP peers exchange sampled drafts' distributions: the StepPlan
+    (engine/step_plan.py).
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +38,7 @@ from lmdeploy_lite.pytorch.nn.token_dispatcher import (allocate_buffers, prepare
                                                        uses_deep_ep)
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
 from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
-                                                     check_speculative_config, draft_footprint)
+                                                     check_speculative_config, spec_plan)
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
 from lmdeploy_lite.pytorch.strategies.base import dummy_table_width
 
@@ -171,22 +184,22 @@ class Engine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.model_config, self.device)
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
-        spec = speculative_config
-        if spec is not None:
-            check_speculative_config(spec, model_path, self.dist.config, cfg.load_format)
-        self.num_spec_tokens = num_spec = spec.num_speculative_tokens if spec else 0
-        uses_mtp = spec is not None and spec.method == 'qwen3_5_mtp'
-        num_draft_extra = num_spec - 1 if uses_mtp else 0     # positions the MTP writes past k+1
-        max_positions = self.session_len + num_spec + num_draft_extra
+        if speculative_config is not None:
+            check_speculative_config(speculative_config, model_path, self.dist.config,
+                                     cfg.load_format)
+        self.spec_plan = spec = spec_plan(speculative_config, self.model_config, self.dtype,
+                                     self.dist.config)
+        self.num_spec_tokens = num_spec = spec.num_spec_tokens
+        max_positions = self.session_len + num_spec + spec.num_draft_extra
         model = build_model(model_path, self.dtype, self.device, progress=progress,
                             dist_ctx=self.dist, load_format=cfg.load_format, seed=cfg.seed)
         allocate_buffers(self.dist)            # a DeepEP buffer (if any), before the KV plan
         tp = self.dist.config.tp
-        draft = draft_footprint(spec, self.model_config, self.dtype, self.dist.config)
         cache_config = plan_cache(self.model_config, cfg, max_positions, num_spec,
-                                  draft.num_kv_layers, self.dtype,
+                                  spec.draft.num_kv_layers, self.dtype,
                                   available_memory(self.device, self.dist.world_size), tp,
-                                  draft.tp, draft.weight_bytes)
+                                  spec.draft.tp, spec.draft.weight_bytes,
+                                  spec.draft_probs_bytes_per_slot)
         num_blocks = self.dist.all_reduce(torch.tensor([cache_config.num_blocks]), 'world',
                                           op='min')                 # block tables must agree
         self.cache_config = dataclasses.replace(cache_config, num_blocks=int(num_blocks))
@@ -195,18 +208,18 @@ class Engine:
         num_slots = self.cache_config.num_state_slots
         self.agent = ModelAgent(model, caches, num_slots, self.device)
         self.strategy = ARStrategy()
-        self.spec_stats = SpecDecodeStats()
-        if spec is not None:
+        if spec.enabled:
             self.agent, self.strategy = build_spec_decoding(
-                spec, model_path, self.agent, self.model_config, self.cache_config, self.dtype,
-                self.device, progress, self.dist, load_format=cfg.load_format, seed=cfg.seed)
+                speculative_config, model_path, self.agent, self.model_config, self.cache_config,
+                self.dtype, self.device, progress, self.dist, load_format=cfg.load_format,
+                seed=cfg.seed)
         if self.device.type == 'cuda' and not cfg.eager_mode:
             self._enable_graphs(max_positions)
         block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
                                      num_slots)
         self.scheduler = Scheduler(block_manager, cfg.max_batch_size, cfg.max_prefill_token_num,
                                    self.session_len, num_spec_tokens=num_spec,
-                                   num_draft_extra=num_draft_extra,
+                                   num_draft_extra=spec.num_draft_extra,
                                    stop_checker=StopChecker(self.model_config.eos_token_ids,
                                                             tokenizer),
                                    max_mixed_token_num=cfg.max_mixed_token_num)
@@ -219,11 +232,13 @@ class Engine:
         self.num_continued_steps = 0       # decode steps launched before the host caught up
         self.async_scheduling = (cfg.async_scheduling if cfg.async_scheduling is not None
                                  else self.device.type == 'cuda')
-        if self.async_scheduling and spec is not None and spec.method == 'ngram':
+        if self.async_scheduling and spec.needs_host_tokens:
             log = logger.warning if cfg.async_scheduling else logger.info
-            log('async_scheduling: the ngram proposer needs the accepted tokens on the host '
-                'before each step; running without async scheduling')
+            log('async_scheduling: the %s proposer drafts on the host from the accepted tokens, '
+                'which it needs before each step; running without async scheduling',
+                spec.proposer)
             self.async_scheduling = False
+        self._idle_sampling = SamplingInputs.greedy(1, self.device)    # a dummy forward's
         logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path,
                     self.dtype, self.device, self.cache_config.num_blocks,
                     self.cache_config.block_size)
@@ -285,47 +300,33 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """One forward on every rank. With async scheduling a decode step is launched before
-        the host applies the previous step's results (they reach it here, one step late)."""
+        """One forward on every rank of the plan group: schedule -> plan -> inputs -> forward ->
+        post -> update. With async scheduling a decode step is launched before the host applies
+        the previous step's results (they reach it here, one step late)."""
         self.dist.begin_step(self.num_steps)
-        pending, self.in_flight = self.in_flight, None
-        continued = pending is not None and self._can_continue(pending)
-        outputs = self._finish(pending) if pending is not None and not continued else []
-        if continued:
-            batch = pending.batch
-            self.num_continued_steps += 1
-        else:
-            batch = None if self.stop_requested else self.scheduler.schedule()
-        plan = StepPlan.gather(batch, self.dist, self.stop_requested)
-        self.stopped = plan.shutdown
-        self.plan_busy = plan.any_work     # a plan_group rank worked this step (executors poll)
+        outputs, batch, continued = self._schedule()
+        sampling = self._sampling_inputs(batch)
+        plan = self._gather_plan(batch, sampling)
         if not plan.any_work or plan.shutdown:
-            return outputs + (self._finish(pending) if continued else [])
+            return outputs + self._finish(continued)
         self.num_steps += 1
-        if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
-            inputs = self.strategy.make_dummy_inputs(
-                plan.dummy_tokens_per_seq(self.num_spec_tokens), plan.any_decoding, self.device)
-            sampling = SamplingInputs.greedy(1, self.device)
-        else:
-            inputs = (self.strategy.make_next_decode_inputs(batch, pending.inputs,
-                                                            pending.result, self.device)
-                      if continued else self.strategy.make_model_inputs(batch, self.device))
-            sampling = self._sampling_inputs(batch)
-        inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
-        inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
-        inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size,
-                                          self.num_spec_tokens)    # EP sizes and DeepEP mode
-        prepare_dispatch(self.dist, inputs.sizes)       # DeepEP: capacity check, clean
+        inputs = self._make_inputs(batch, continued, plan)
         result = self.agent.step(inputs, sampling)
-        result = self.strategy.post_broadcast(result, self.agent, inputs, self.dist)
+        result = self.strategy.post_broadcast(result, self.agent, inputs, plan, self.dist)
         self.dist.end_step()
-        if batch is None:
-            return outputs
-        launched = InFlight.launch(batch, inputs, result)
-        if not (self.async_scheduling and batch.is_decoding):
-            return outputs + self._finish(launched)
-        self.in_flight = launched
-        return outputs + (self._finish(pending) if continued else [])
+        return outputs + self._update_or_hold(batch, inputs, result, continued)
+
+    def _schedule(self) -> tuple[list[StepOutput], ScheduledBatch | None, InFlight | None]:
+        """(outputs, this step's batch, the in-flight step it continues). Async scheduling runs
+        the in-flight decode batch again when nothing else could be scheduled (`continued`: its
+        results are applied once this step is launched); otherwise its results are applied first
+        (`outputs`) and the scheduler decides. None: no batch on this rank (or a stop)."""
+        pending, self.in_flight = self.in_flight, None
+        if pending is not None and self._can_continue(pending):
+            self.num_continued_steps += 1
+            return [], pending.batch, pending
+        outputs = self._finish(pending)
+        return outputs, None if self.stop_requested else self.scheduler.schedule(), None
 
     def _can_continue(self, pending: 'InFlight') -> bool:
         """Async scheduling: run the in-flight decode batch again without the host catching up,
@@ -338,14 +339,13 @@ class Engine:
             return False
         return self.scheduler.reserve_ahead(seqs, num_steps=2)
 
-    def _finish(self, launched: 'InFlight') -> list[StepOutput]:
-        """Wait for a launched step's results on the host and apply them."""
-        return self._update(launched.batch, launched.host_result(self.dist))
-
-    def _sampling_inputs(self, batch: ScheduledBatch) -> SamplingInputs:
+    def _sampling_inputs(self, batch: ScheduledBatch | None) -> SamplingInputs:
         """Rows of a prefill chunk that does not reach the sequence's end sample nothing, so
         they draw nothing from the request's generator: a seed's stream does not depend on how
-        the prompt was chunked (which depends on the rest of the batch)."""
+        the prompt was chunked (which depends on the rest of the batch). No batch: a dummy
+        forward's one greedy row."""
+        if batch is None:
+            return self._idle_sampling
         cfgs, mask = [s.gen_config for s in batch.seqs], batch.sample_mask
         return SamplingInputs.from_values(
             do_sample=[not c.is_greedy and m for c, m in zip(cfgs, mask)],
@@ -354,8 +354,56 @@ class Engine:
             generators=[s.generator if m else None for s, m in zip(batch.seqs, mask)],
             device=self.device)
 
+    def _gather_plan(self, batch: ScheduledBatch | None, sampling: SamplingInputs) -> StepPlan:
+        """The StepPlan of the ranks that share this step's collectives; it carries the stop
+        and whether any of them works (the executors poll `plan_busy`)."""
+        plan = StepPlan.gather(batch, self.dist, self.stop_requested,
+                               sampled=not sampling.all_greedy)
+        self.stopped = plan.shutdown
+        self.plan_busy = plan.any_work
+        return plan
+
+    def _make_inputs(self, batch: ScheduledBatch | None, continued: InFlight | None,
+                     plan: StepPlan) -> ModelInputs:
+        """The batch's inputs (a continued decode batch's built on the device from its last
+        results), or an idle rank's dummy inputs shaped like the busiest rank's step; every
+        padded size from the plan."""
+        if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
+            inputs = self.strategy.make_dummy_inputs(
+                plan.dummy_tokens_per_seq(self.num_spec_tokens), plan.any_decoding, self.device)
+        elif continued is not None:
+            inputs = self.strategy.make_next_decode_inputs(batch, continued.inputs,
+                                                           continued.result, self.device)
+        else:
+            inputs = self.strategy.make_model_inputs(batch, self.device)
+        inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
+        inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
+        inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size,
+                                          self.num_spec_tokens)    # EP sizes and DeepEP mode
+        prepare_dispatch(self.dist, inputs.sizes)       # DeepEP: capacity check, clean
+        return inputs
+
+    def _update_or_hold(self, batch: ScheduledBatch | None, inputs: ModelInputs,
+                        result: StepResult, continued: InFlight | None) -> list[StepOutput]:
+        """Apply this step's results, or (async scheduling, a decode step) hold them in flight
+        and apply the step it continued, one step late. An idle rank has nothing to apply."""
+        if batch is None:
+            return []
+        launched = InFlight.launch(batch, inputs, result)
+        if not (self.async_scheduling and batch.is_decoding):
+            return self._finish(launched)
+        self.in_flight = launched
+        return self._finish(continued)
+
+    def _finish(self, launched: InFlight | None) -> list[StepOutput]:
+        """Wait for a launched step's results on the host and apply them (none: nothing)."""
+        if launched is None:
+            return []
+        return self._update(launched.batch, launched.host_result(self.dist))
+
     def _update(self, batch: ScheduledBatch, result: StepResult) -> list[StepOutput]:
-        """The host learns the step's tokens here (one device-to-host copy). A failure in one
+        """The host learns the step's tokens here (one device-to-host copy). What each row adds
+        to its sequence is the strategy's (it keeps the speculative counters). A failure in one
         sequence's host work (stop checks, detokenizing) ends that request alone ('error')."""
         tokens = result.output_tokens.tolist()
         accepted = (result.num_accepted_drafts.tolist() if result.num_accepted_drafts is not None
@@ -367,22 +415,23 @@ class Engine:
                 continue
             num_tokens = len(seq.token_ids)
             try:
-                outputs.append(StepOutput(seq, self._update_seq(seq, q_len, samples, row,
-                                                                num_accepted)))
+                computed, emitted = self.strategy.emitted(seq, q_len, samples, row, num_accepted)
+                outputs.append(StepOutput(seq, self.scheduler.update(seq, computed, emitted)))
             except Exception as e:
                 del seq.token_ids[num_tokens:]   # what it emitted before this step stands
                 self.fail_request(seq, e)
                 outputs.append(StepOutput(seq, []))
         return outputs
 
-    def _update_seq(self, seq: Sequence, q_len: int, samples: bool, row: list[int],
-                    num_accepted: int | None) -> list[int]:
-        if num_accepted is None:                 # prefill chunk or plain decode: one token
-            return self.scheduler.update(seq, q_len, row[:1] if samples else [])
-        seq.spec_stats.add(self.num_spec_tokens, num_accepted)
-        self.spec_stats.add(self.num_spec_tokens, num_accepted)
-        # fed [last, d1..dk]: last and the accepted drafts are now in the cache
-        return self.scheduler.update(seq, 1 + num_accepted, row[:num_accepted + 1])
+    @property
+    def spec_stats(self) -> SpecDecodeStats:
+        """Speculative counters over every verify step (the strategy keeps them; empty without
+        speculation). Settable: benchmarks reset them after a warm-up."""
+        return self.strategy.stats
+
+    @spec_stats.setter
+    def spec_stats(self, stats: SpecDecodeStats):
+        self.strategy.stats = stats
 
     # ---- convenience ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], gen_config: GenerationConfig) -> list[Sequence]:

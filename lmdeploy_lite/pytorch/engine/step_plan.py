@@ -18,6 +18,8 @@ Where each size comes from:
     count, the largest of any rank (the EP dispatch capacity, an idle rank's dummy included,
     `dummy_tokens_per_seq`), the same two for the draft's one-token-per-sequence forwards, and
     DeepEP's mode (`all_decoding`: low-latency).
+Whether a step ships extra data is in the plan too (`any_sampled`: TP rank 0's sampled drafts'
+distributions go to its peers), so every rank of the group runs the same collectives.
 """
 from __future__ import annotations
 
@@ -27,8 +29,8 @@ import torch
 
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 
-FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown')
-_NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN = range(len(FIELDS))
+FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown', 'sampled')
+_NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN, _SAMPLED = range(len(FIELDS))
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -41,16 +43,19 @@ class StepPlan:
     tp: int = 1
 
     @staticmethod
-    def local_row(batch, tp: int, shutdown: bool) -> torch.Tensor:
-        """This rank's row; token counts are rounded up to a multiple of tp first."""
+    def local_row(batch, tp: int, shutdown: bool, sampled: bool = False) -> torch.Tensor:
+        """This rank's row; token counts are rounded up to a multiple of tp first. `sampled`:
+        some row of the batch samples (not greedy) this step."""
         if batch is None:
-            return torch.tensor([0, 0, 0, 0, int(shutdown)], dtype=torch.int64)
+            return torch.tensor([0, 0, 0, 0, int(shutdown), 0], dtype=torch.int64)
         return torch.tensor([round_up(sum(batch.q_lens), tp), len(batch.seqs),
-                             int(batch.is_decoding), 1, int(shutdown)], dtype=torch.int64)
+                             int(batch.is_decoding), 1, int(shutdown), int(sampled)],
+                            dtype=torch.int64)
 
     @classmethod
-    def gather(cls, batch, dist_ctx, shutdown: bool = False) -> 'StepPlan':
-        row = cls.local_row(batch, dist_ctx.config.tp, shutdown)
+    def gather(cls, batch, dist_ctx, shutdown: bool = False, sampled: bool = False
+               ) -> 'StepPlan':
+        row = cls.local_row(batch, dist_ctx.config.tp, shutdown, sampled)
         return cls(dist_ctx.all_gather(row, dist_ctx.plan_group), dist_ctx.config.tp)
 
     @property
@@ -60,6 +65,12 @@ class StepPlan:
     @property
     def shutdown(self) -> bool:
         return bool(self.rows[:, _SHUTDOWN].any())
+
+    @property
+    def any_sampled(self) -> bool:
+        """Some rank samples a row this step: sampled drafts' distributions travel to TP peers
+        (strategies/ar_spec post_broadcast); a greedy step ships none."""
+        return bool(self.rows[:, _SAMPLED].any())
 
     @property
     def any_decoding(self) -> bool:

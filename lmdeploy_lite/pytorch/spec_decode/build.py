@@ -1,4 +1,21 @@
-"""Turn a SpeculativeConfig into the engine's speculative pieces: agent, strategy, proposer."""
+"""Turn a SpeculativeConfig into the engine's speculative pieces: its plan, agent, strategy.
+
+The engine and the executors learn of speculation only through `SpecPlan`, plain numbers that
+`spec_plan` derives here from the SpeculativeConfig; only this package and strategies/ar_spec/
+know the methods. Where each of its sizes comes from:
+  * num_draft_extra: the MTP head drafts k tokens from the last accepted position, writing its
+    own KV k - 1 positions past the k + 1 a verify step feeds (the scheduler reserves blocks for
+    them, the KV plan counts them in max_positions); a host proposer (ngram) writes none;
+  * draft (DraftFootprint): the MTP head's KV layers at its own tp and its weights per rank,
+    charged by plan_cache;
+  * draft_probs_bytes_per_slot: the draft distribution q [k, vocab] that verifying a sampled
+    draft needs, kept per state slot (SpecAgent.draft_probs, allocated at start-up, charged by
+    plan_cache: slots x k x vocab x 4 bytes in float32, 8 in float64; ~194 MB at
+    max_batch_size 64, k = 3 and Qwen3.5's 248k vocabulary); none for host proposers, whose
+    drafts are deterministic;
+  * needs_host_tokens: a host proposer drafts from the accepted tokens, so every step waits for
+    the last one's tokens on the host (no async scheduling).
+"""
 from __future__ import annotations
 
 import os
@@ -12,6 +29,7 @@ from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent
 from lmdeploy_lite.pytorch.models.loader import has_mtp_weights
 from lmdeploy_lite.pytorch.nn.linear import fuse_projections
+from lmdeploy_lite.pytorch.sampling import probs_dtype
 from lmdeploy_lite.pytorch.spec_decode.proposers.ngram import NgramProposer
 from lmdeploy_lite.pytorch.spec_decode.spec_agent import SpecAgent
 from lmdeploy_lite.pytorch.strategies.ar_spec import ARSpecStrategy
@@ -69,7 +87,7 @@ def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
     """The MTP head's per-rank footprint; nothing for no draft or a host proposer (ngram). The
     weight bytes are those of the head built on the meta device with the draft's layout: the
     exact shapes a rank allocates (every rank's shard has the same shape)."""
-    if spec is None or spec.method != 'qwen3_5_mtp':
+    if not uses_draft_model(spec):
         return DraftFootprint(0, target.tp, 0)
     from lmdeploy_lite.pytorch.distributed import DistContext
     from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
@@ -79,6 +97,41 @@ def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
     return DraftFootprint(1, layout.tp, weight_bytes)
 
 
+@dataclass(frozen=True)
+class SpecPlan:
+    """What the engine and executors know of speculative decoding (module docstring)."""
+    num_spec_tokens: int = 0               # k drafts verified per decode step (0: no speculation)
+    num_draft_extra: int = 0               # KV positions the draft writes past the k + 1 fed
+    draft: DraftFootprint = DraftFootprint(0, 1, 0)
+    draft_probs_bytes_per_slot: int = 0    # q [k, vocab] kept per state slot for sampled drafts
+    needs_host_tokens: bool = False        # proposals read accepted tokens on the host
+    proposer: str = ''                     # the method's name, for messages only
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_spec_tokens > 0
+
+
+def uses_draft_model(spec: SpeculativeConfig | None) -> bool:
+    """A draft model on the device (the MTP head), as opposed to a host proposer or none."""
+    return spec is not None and spec.method == 'qwen3_5_mtp'
+
+
+def spec_plan(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: torch.dtype,
+              target: DistConfig) -> SpecPlan:
+    """The SpecPlan of `spec` (None: no speculation) for a target of `dtype` laid out as
+    `target`."""
+    if spec is None:
+        return SpecPlan(draft=DraftFootprint(0, target.tp, 0))
+    k = spec.num_speculative_tokens
+    draft = draft_footprint(spec, model_config, dtype, target)
+    if not uses_draft_model(spec):
+        return SpecPlan(k, draft=draft, needs_host_tokens=True, proposer=spec.method)
+    probs_bytes = k * model_config.vocab_size * probs_dtype(dtype).itemsize
+    return SpecPlan(k, num_draft_extra=k - 1, draft=draft, draft_probs_bytes_per_slot=probs_bytes,
+                    proposer=spec.method)
+
+
 def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelAgent,
                         model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
                         device: torch.device, progress: bool = True, dist_ctx=None,
@@ -86,7 +139,7 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
                         ) -> tuple[SpecAgent, ARSpecStrategy]:
     k = spec.num_speculative_tokens
     proposer, host_proposer = None, None
-    if spec.method == 'qwen3_5_mtp':
+    if uses_draft_model(spec):
         from lmdeploy_lite.pytorch.models.loader import load_mtp_weights
         from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
         from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import MTPProposer
@@ -108,5 +161,6 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
         proposer = MTPProposer(mtp, caches, target_model.compute_logits, k)
     else:
         host_proposer = NgramProposer(k, spec.ngram_min, spec.ngram_max)
-    agent = SpecAgent(target, proposer, k, cache_config.num_state_slots, model_config.vocab_size)
+    agent = SpecAgent(target, proposer, k, cache_config.num_state_slots, model_config.vocab_size,
+                      probs_dtype(dtype))
     return agent, ARSpecStrategy(k, host_proposer)

@@ -1,9 +1,12 @@
 """One speculative step on one rank: verify -> accept -> bonus -> draft (DESIGN.md "One step").
 
 Device-resident decode state, one row per linear-attention state slot (DESIGN.md invariant 7):
-`last_token` (the bonus token of the last step), `drafts` [k] and, for sampled requests, the
-draft distribution `draft_probs` [k, V] that verification needs. The next decode step's inputs
-`[last_token, d1..dk]` are built from them on the device; the host only learns the emitted tokens.
+`last_token` (the bonus token of the last step), `drafts` [k] and, with a device proposer (the
+MTP head), the draft distribution `draft_probs` [k, V] that verifying a sampled draft needs. All
+of it is allocated here at start-up, sized by the state slots of the KV plan, which charges
+`draft_probs` (spec_decode/build.py SpecPlan.draft_probs_bytes_per_slot). The next decode step's
+inputs `[last_token, d1..dk]` are built from them on the device; the host only learns the
+emitted tokens.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
 class SpecAgent:
 
     def __init__(self, target: ModelAgent, proposer, num_spec_tokens: int, num_state_slots: int,
-                 vocab_size: int):
+                 vocab_size: int, probs_dtype: torch.dtype = torch.float32):
         self.target = target
         self.proposer = proposer          # MTPProposer (drafts on the device), or None (host drafts)
         self.k = num_spec_tokens
@@ -26,7 +29,11 @@ class SpecAgent:
         device = target.device
         self.last_token = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         self.drafts = torch.zeros(num_state_slots, num_spec_tokens, dtype=torch.long, device=device)
-        self.draft_probs: torch.Tensor | None = None      # [slots, k, V], made on first sampling
+        # [slots, k, V]: q of each slot's drafts, written when its batch samples; None without
+        # a device proposer (host drafts are deterministic)
+        self.draft_probs = (None if proposer is None else
+                            torch.zeros(num_state_slots, num_spec_tokens, vocab_size,
+                                        dtype=probs_dtype, device=device))
         self.rejection_sampler = rejection_sample         # benchmarks may swap in a synthetic one
 
     def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None):
@@ -86,7 +93,4 @@ class SpecAgent:
         drafts, probs = self.proposer.propose(inputs, hidden, next_ids, rows, sampling)
         self.drafts[inputs.state_slots] = drafts
         if probs is not None:
-            if self.draft_probs is None:
-                self.draft_probs = torch.zeros(self.drafts.shape + (self.vocab_size,),
-                                               dtype=probs.dtype, device=probs.device)
             self.draft_probs[inputs.state_slots] = probs

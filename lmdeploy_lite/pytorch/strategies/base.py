@@ -1,9 +1,11 @@
 """The strategy interface: how a paradigm (plain AR, AR + speculation) turns a scheduled batch
-into model inputs, what a rank with no work feeds, and what is shared after sampling."""
+into model inputs, what a rank with no work feeds, what is shared after sampling, and what a
+step's result row adds to its sequence on the host (with its counters: `stats`)."""
 from __future__ import annotations
 
 import torch
 
+from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 
 
@@ -46,6 +48,9 @@ def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
 
 
 class Strategy:
+    def __init__(self):
+        self.stats = SpecDecodeStats()     # speculative counters of every verify step (none: AR)
+
     def make_model_inputs(self, batch, device) -> ModelInputs:
         raise NotImplementedError
 
@@ -86,9 +91,17 @@ class Strategy:
         inputs.is_dummy = True
         return inputs
 
-    def post_broadcast(self, result, agent, inputs: ModelInputs, dist_ctx):
+    def post_broadcast(self, result, agent, inputs: ModelInputs, plan, dist_ctx):
         """Make TP rank 0's sampled tokens every TP peer's, so that all TP ranks agree exactly
-        even when sampling; a no-op without TP."""
+        even when sampling; a no-op without TP. `plan`: the step's StepPlan."""
         if dist_ctx.config.tp > 1:
             dist_ctx.broadcast(result.output_tokens, 0, 'tp')
         return result
+
+    def emitted(self, seq, q_len: int, samples: bool, row: list[int],
+                num_accepted: int | None) -> tuple[int, list[int]]:
+        """On the host, one sequence's share of a step's result: (tokens now in its cache, the
+        tokens it emits). `row`: its output tokens; `samples`: the step sampled for it (a
+        non-final prefill chunk does not); `num_accepted`: its accepted drafts (None: no
+        verify)."""
+        return q_len, row[:1] if samples else []

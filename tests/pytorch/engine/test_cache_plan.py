@@ -11,9 +11,10 @@ float32 (4 bytes), block_size 4, k = 3 drafts, the MTP head adds one full-attent
 import pytest
 import torch
 
-from lmdeploy_lite.messages import PytorchEngineConfig
-from lmdeploy_lite.pytorch.config import ModelConfig
+from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.engine.cache_plan import plan_cache
+from lmdeploy_lite.pytorch.spec_decode.build import spec_plan
 
 MB = 1 << 20
 
@@ -65,3 +66,24 @@ def test_state_rows_that_crowd_out_the_kv_name_max_batch_size(tiny_ckpt):
     slot = CacheEngine.bytes_per_state_slot(model, 3, torch.float32)
     with pytest.raises(ValueError, match=r'max_batch_size=256: .*lower max_batch_size'):
         plan_cache(model, cfg, 69, 3, 1, torch.float32, int(slot * 257 / 0.8 * 0.99))
+
+
+def test_sampled_drafts_distribution_is_charged_per_state_slot(tiny_ckpt):
+    """The MTP draft keeps q [k, vocab] per state slot for sampled requests (SpecAgent
+    .draft_probs, allocated at start-up): k x vocab x 4 bytes in float32, taken from the budget
+    for each of the max_batch_size + 1 slots before blocks are counted; a host proposer (ngram)
+    keeps none."""
+    model = ModelConfig.from_pretrained(tiny_ckpt(False, layout='plain'))
+    mtp = spec_plan(SpeculativeConfig(num_speculative_tokens=3), model, torch.float32,
+                    DistConfig())
+    assert mtp.draft_probs_bytes_per_slot == 3 * model.vocab_size * 4
+    ngram = spec_plan(SpeculativeConfig(method='ngram', num_speculative_tokens=3), model,
+                      torch.float32, DistConfig())
+    assert ngram.draft_probs_bytes_per_slot == 0
+    cfg = PytorchEngineConfig(block_size=4, max_batch_size=128, cache_max_entry_count=0.5,
+                              session_len=100000)
+    plan = plan_cache(model, cfg, 100000 + 3 + 2, 3, 1, torch.float32, 512 * MB,
+                      spec_bytes_per_slot=mtp.draft_probs_bytes_per_slot)
+    per_block = 1024 + 1024                     # target + draft KV, tp = 1 (module docstring)
+    per_slot = 58368 + 3 * model.vocab_size * 4
+    assert plan.num_blocks == int((512 * MB * 0.5 - 129 * per_slot) // per_block)

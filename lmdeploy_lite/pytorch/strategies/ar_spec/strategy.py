@@ -19,6 +19,7 @@ from lmdeploy_lite.pytorch.strategies.base import Strategy, pack_model_inputs
 class ARSpecStrategy(Strategy):
 
     def __init__(self, num_spec_tokens: int, host_proposer=None):
+        super().__init__()
         self.num_spec_tokens = num_spec_tokens
         self.host_proposer = host_proposer      # .propose(token_ids) -> k drafts, or None
 
@@ -62,16 +63,18 @@ class ARSpecStrategy(Strategy):
         inputs.next_token_ids = torch.zeros(1, dtype=torch.long, device=device)
         return inputs
 
-    def post_broadcast(self, result, agent, inputs: ModelInputs, dist_ctx):
+    def post_broadcast(self, result, agent, inputs: ModelInputs, plan, dist_ctx):
         """TP rank 0's emitted tokens, accepted counts and next drafts become every TP peer's;
-        the peers re-derive their device tables (state slot, last token) from them."""
+        the peers re-derive their device tables (state slot, last token) from them. The drafts'
+        distribution q travels only in a step the plan marks `any_sampled` (the only steps that
+        write it, agreed by every rank): greedy steps ship no [B, k, V] table."""
         if dist_ctx.config.tp == 1:
             return result
         slots = inputs.state_slots
         dist_ctx.broadcast(result.output_tokens, 0, 'tp')
         drafts = dist_ctx.broadcast(agent.drafts[slots].contiguous(), 0, 'tp')
         agent.drafts[slots] = drafts
-        if agent.draft_probs is not None:
+        if agent.draft_probs is not None and plan.any_sampled:
             agent.draft_probs[slots] = dist_ctx.broadcast(agent.draft_probs[slots].contiguous(),
                                                           0, 'tp')
         if result.num_accepted_drafts is None:           # prefill: the sampled token
@@ -82,3 +85,12 @@ class ARSpecStrategy(Strategy):
         rows = torch.arange(slots.numel(), device=slots.device)
         agent.last_token[slots] = result.output_tokens[rows, accepted]
         return result
+
+    def emitted(self, seq, q_len: int, samples: bool, row: list[int],
+                num_accepted: int | None) -> tuple[int, list[int]]:
+        if num_accepted is None:                  # prefill chunk: one token at most
+            return super().emitted(seq, q_len, samples, row, num_accepted)
+        seq.spec_stats.add(self.num_spec_tokens, num_accepted)
+        self.stats.add(self.num_spec_tokens, num_accepted)
+        # fed [last, d1..dk]: last and the accepted drafts are now in the cache
+        return 1 + num_accepted, row[:num_accepted + 1]
