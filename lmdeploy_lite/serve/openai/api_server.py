@@ -17,7 +17,6 @@ import logging
 import os
 import re
 import signal
-import sys
 import threading
 import time
 from contextlib import aclosing, asynccontextmanager
@@ -50,7 +49,6 @@ logger = logging.getLogger('lmdeploy_lite.serve')
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 STREAM_SHUTDOWN_GRACE_S = 5.0          # a stream's time to end itself once shutdown begins
 DISCONNECT_CHECK_S = 0.25             # how often a non-streamed request asks whether its client left
-ENV_SWITCH_INTERVAL = 'LMDEPLOY_LITE_SWITCH_INTERVAL_S'   # sys.setswitchinterval of the server
 ENGINE_POLL_S = 0.5                    # how often the server checks that the engine is alive
 # GenerationConfig's field names as the OpenAI API spells them (for error messages)
 API_FIELD_NAMES = {'max_new_tokens': 'max_tokens', 'random_seed': 'seed', 'stop_words': 'stop'}
@@ -359,11 +357,6 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
     exit). Returns 0 after a signal, 1 when the engine died (every open request has ended with an
     error), 3 when the server could not start (as uvicorn)."""
     server: _Server | None = None
-    # the engine's thread and the event loop share the GIL: while the loop streams to many
-    # clients it holds the GIL in slices of the switch interval (5 ms by default), and the
-    # engine's thread waits that long each time it wants the GIL back (after every CUDA wait),
-    # i.e. per step; 1 ms bounds that wait for a few % more switching
-    sys.setswitchinterval(float(os.environ.get(ENV_SWITCH_INTERVAL, '0.001')))
 
     def stop():
         server.should_exit = True
