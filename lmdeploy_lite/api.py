@@ -192,7 +192,12 @@ class Pipeline:
 
     def __init__(self, model_path: str | None = None,
                  backend_config: PytorchEngineConfig | None = None,
-                 speculative_config: SpeculativeConfig | None = None, progress: bool = True):
+                 speculative_config: SpeculativeConfig | None = None, progress: bool = True,
+                 engine_process: bool = False):
+        """`engine_process`: run a one-rank engine in a process of its own (the mp executor's
+        rank), as a multi-rank one always does, instead of in a thread of this one. The server
+        does so on CUDA: its event loop spends ~0.1 ms of Python per streamed chunk, and in one
+        process that time holds the GIL that the engine's thread needs between its CUDA steps."""
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = load_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
         self._decode = batch_decoder(self.tokenizer) if self.tokenizer is not None else None
@@ -201,7 +206,7 @@ class Pipeline:
             from lmdeploy_lite.pytorch.engine.executor.ray import RayEngineLoop
             self.engine = None
             self._loop = RayEngineLoop(self.model_path, backend_config, speculative_config)
-        elif backend_config.tp * backend_config.dp > 1:      # one process per rank
+        elif backend_config.tp * backend_config.dp > 1 or engine_process:   # a process per rank
             from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
             self.engine = None
             self._loop = MPEngineLoop(self.model_path, backend_config, speculative_config)
@@ -421,6 +426,7 @@ def _check_text(name: str, text: str):
 
 
 def pipeline(model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
-             speculative_config: SpeculativeConfig | None = None, progress: bool = True
-             ) -> Pipeline:
-    return Pipeline(model_path, backend_config, speculative_config, progress=progress)
+             speculative_config: SpeculativeConfig | None = None, progress: bool = True,
+             engine_process: bool = False) -> Pipeline:
+    return Pipeline(model_path, backend_config, speculative_config, progress=progress,
+                    engine_process=engine_process)

@@ -206,3 +206,19 @@ def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
         last, text, ids, error = _coalesce(inbox, (out([7]), 'z'))      # nothing waiting
         assert (text, ids, error) == ('z', [7], None)
     asyncio.run(run())
+
+
+def test_an_engine_in_its_own_process_streams_what_the_thread_engine_does(spec_pipe):
+    """`engine_process=True` (the server's default on CUDA): a one-rank engine in the mp
+    executor's rank process gives the same text, ids, finish reasons and accepted counts as the
+    engine in a thread, through the async path the server uses."""
+    batch = [list(p) for p in prompts()]
+    want = asyncio.run(_generate_all(spec_pipe, batch, GEN, stream_text=True))
+    with pipeline(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**BASE, max_batch_size=64), spec(K),
+                  progress=False, engine_process=True) as pipe:
+        assert pipe.engine is None                     # no engine in this process
+        got = asyncio.run(_generate_all(pipe, batch, GEN, stream_text=True))
+        finals = pipe(batch, GEN)
+    assert_real_acceptance([f.spec_stats for f in finals], K)
+    assert got == want
+    assert [(r.text, r.token_ids, r.finish_reason) for r in finals] == want

@@ -230,6 +230,10 @@ def _serve_args(p: argparse.ArgumentParser):
                    help='a file with one API key per line (blank and # lines skipped)')
     p.add_argument('--max-request-bytes', type=int, default=4 * 2**20, metavar='N',
                    help='largest request body accepted (default 4 MiB); larger ones get HTTP 413')
+    p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None,
+                   help='run a one-rank engine in a process of its own, so that streaming to '
+                        'many clients does not hold the GIL the engine needs (default: on with '
+                        'CUDA, off on CPU)')
     p.add_argument('--model-name', default=None,
                    help='model id in /v1/models and requests (default: the model directory name)')
 
@@ -272,7 +276,13 @@ def _load_and_serve(args) -> int:
                                         **executor_args(args))
     spec = speculative_config(args)
     model_path = resolve_model_path(args.model)
-    pipe = pipeline(model_path, engine_config, spec, progress=False)
+    engine_process = args.engine_process
+    if engine_process is None:       # auto: where a step is faster than the loop's streaming
+        import torch
+        engine_process = args.device == 'cuda' or (args.device == 'auto' and
+                                                     torch.cuda.is_available())
+    pipe = pipeline(model_path, engine_config, spec, progress=False,
+                    engine_process=engine_process)
     return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
                  args.server_port, api_keys, args.log_level,
                  num_spec_tokens=spec.num_speculative_tokens if spec else 0,
