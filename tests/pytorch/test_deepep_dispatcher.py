@@ -57,6 +57,7 @@ def test_dispatch_capacity_default_and_override(monkeypatch):
     monkeypatch.delenv(ENV_CAPACITY, raising=False)
     assert dispatch_capacity(64, 3) == 256
     assert dispatch_capacity(8, 0) == 8
+    assert dispatch_capacity(64, 3, tp=3) == 258        # the plan's tp-rounded count fits
     monkeypatch.setenv(ENV_CAPACITY, '40')
     assert dispatch_capacity(64, 3) == 40
     monkeypatch.setenv(ENV_CAPACITY, '-3')

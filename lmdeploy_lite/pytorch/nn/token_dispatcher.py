@@ -59,12 +59,14 @@ ENV_CAPACITY = 'DEEPEP_MAX_TOKENS_PER_RANK'
 DISPATCHERS = ('auto', 'alltoall', 'deepep')
 
 
-def dispatch_capacity(max_batch_size: int, num_speculative_tokens: int) -> int:
+def dispatch_capacity(max_batch_size: int, num_speculative_tokens: int, tp: int = 1) -> int:
     """Tokens per rank a low-latency dispatch holds: DEEPEP_MAX_TOKENS_PER_RANK, default
-    max_batch_size x (1 + num_speculative_tokens) (a decode step's most tokens)."""
+    max_batch_size x (1 + num_speculative_tokens) (a decode step's most tokens) rounded up to a
+    multiple of tp, as the StepPlan rounds a rank's token count: a draft with tp=1 under a TP
+    target dispatches the whole rounded count on every rank."""
     value = os.environ.get(ENV_CAPACITY)
     if value is None:
-        return max_batch_size * (1 + num_speculative_tokens)
+        return -(-max_batch_size * (1 + num_speculative_tokens) // tp) * tp
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f'{ENV_CAPACITY}={value!r}: must be an integer >= 1')
     return int(value)

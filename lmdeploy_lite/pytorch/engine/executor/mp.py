@@ -126,7 +126,8 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
         device = rank_device(engine_config.device, local_rank)
         dist_ctx = DistContext.init(dist_config, rank, init_method, device)
         dist_ctx.max_tokens_per_rank = dispatch_capacity(
-            engine_config.max_batch_size, spec_config.num_speculative_tokens if spec_config else 0)
+            engine_config.max_batch_size, spec_config.num_speculative_tokens if spec_config else 0,
+            dist_config.tp)
         from lmdeploy_lite.tokenizer import load_tokenizer     # stop words need it
         tokenizer = load_tokenizer(model_path)
         engine = Engine(model_path, engine_config, spec_config, tokenizer=tokenizer,
