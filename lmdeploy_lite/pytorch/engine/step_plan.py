@@ -24,6 +24,7 @@ distributions go to its peers), so every rank of the group runs the same collect
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -58,46 +59,52 @@ class StepPlan:
         row = cls.local_row(batch, dist_ctx.config.tp, shutdown, sampled)
         return cls(dist_ctx.all_gather(row, dist_ctx.plan_group), dist_ctx.config.tp)
 
+    @cached_property
+    def _columns(self) -> list[tuple[int, ...]]:
+        """The plan as Python ints, one tuple per field: read once, then every property below
+        is a few comparisons (each is read every step, on the host's critical path)."""
+        return list(zip(*self.rows.tolist()))
+
     @property
     def any_work(self) -> bool:
-        return bool(self.rows[:, _WORK].any())
+        return any(self._columns[_WORK])
 
     @property
     def shutdown(self) -> bool:
-        return bool(self.rows[:, _SHUTDOWN].any())
+        return any(self._columns[_SHUTDOWN])
 
     @property
     def any_sampled(self) -> bool:
         """Some rank samples a row this step: sampled drafts' distributions travel to TP peers
         (strategies/ar_spec post_broadcast); a greedy step ships none."""
-        return bool(self.rows[:, _SAMPLED].any())
+        return any(self._columns[_SAMPLED])
 
     @property
     def any_decoding(self) -> bool:
-        return bool(self.rows[:, _DECODING].any())
+        return any(self._columns[_DECODING])
 
     @property
     def all_decoding(self) -> bool:
         """Every rank with work decodes (EP may use DeepEP's fixed-capacity low-latency mode)."""
-        work = self.rows[:, _WORK].bool()
-        return bool(work.any() and self.rows[work, _DECODING].all())
+        busy = [d for w, d in zip(self._columns[_WORK], self._columns[_DECODING]) if w]
+        return bool(busy) and all(busy)
 
     @property
     def max_tokens(self) -> int:
         """The largest per-rank token count (a multiple of tp): EP dispatch capacity."""
-        return int(self.rows[:, _NUM_TOKENS].max())
+        return max(self._columns[_NUM_TOKENS])
 
     @property
     def max_batch_size(self) -> int:
         """The largest per-rank batch: every rank's CUDA-graph decode step pads to its bucket."""
-        return int(self.rows[:, _BATCH].max())
+        return max(self._columns[_BATCH])
 
     def forward_sizes(self, num_tokens: int, num_seqs: int, num_spec_tokens: int) -> ForwardSizes:
         """Sizes of this rank's forward of `num_tokens` tokens in `num_seqs` sequences (its batch,
         or its dummy inputs when idle), tp-aligned; the maxima cover an idle rank's dummy (one
         sequence of `dummy_tokens_per_seq` tokens)."""
         max_tokens, max_seqs = self.max_tokens, self.max_batch_size
-        if not self.rows[:, _WORK].all():
+        if not all(self._columns[_WORK]):
             max_tokens = max(max_tokens, self.dummy_tokens_per_seq(num_spec_tokens))
             max_seqs = max(max_seqs, 1)
         tp = self.tp
