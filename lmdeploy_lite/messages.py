@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import os
 import numbers
 from dataclasses import dataclass, field
 from typing import Literal
@@ -151,7 +152,16 @@ class SpeculativeConfig:
             (TP-split over the draft's tp instead of dispatched); or the target's ep.
     Ranges are checked here; the cross-check against the target's layout (a divisor of its tp,
     its ep) is `spec_decode.build.check_speculative_config`, run before any rank starts.
-    Only the 'qwen3_5_mtp' method has a draft model to lay out."""
+    Only the 'qwen3_5_mtp' method has a draft model to lay out.
+
+    `num_speculative_tokens`: the most drafts a step verifies. `dynamic`: the engine picks each
+    step's draft count in 0..num_speculative_tokens from the batch size and the measured
+    acceptance (0: a plain decode step), so speculation never runs slower than plain decoding;
+    False: every decode step drafts exactly num_speculative_tokens (benchmarks).
+    `draft_token_map`: a file of the token ids the MTP draft may propose (a JSON list, or a
+    safetensors file with an int64 tensor `token_map`), most frequent first; the draft's LM head
+    then scores only those ids. Verification is unchanged: output is still exactly the
+    target's. The file itself is checked at start-up (`check_speculative_config`)."""
     method: str = 'qwen3_5_mtp'
     num_speculative_tokens: int = 3
     model: str | None = None
@@ -159,6 +169,8 @@ class SpeculativeConfig:
     ngram_max: int = 4
     tp: int | None = None
     ep: int | None = None
+    dynamic: bool = True
+    draft_token_map: str | None = None
 
     def __post_init__(self):
         _check(self.method in SPEC_METHODS, 'method', self.method, f'one of {SPEC_METHODS}')
@@ -174,6 +186,14 @@ class SpeculativeConfig:
             _set(self, name, _check_int(name, value, 1))
         _check_int('ngram_min', self.ngram_min, 1)
         _check_int('ngram_max', self.ngram_max, self.ngram_min)
+        _check_bool('dynamic', self.dynamic)
+        if self.draft_token_map is not None:
+            _check(isinstance(self.draft_token_map, (str, os.PathLike)), 'draft_token_map',
+                   self.draft_token_map, 'None or the path of a JSON or safetensors file')
+            _check(self.method == 'qwen3_5_mtp', 'draft_token_map', self.draft_token_map,
+                   f"None with method={self.method!r} (only the MTP draft has an LM head to "
+                   f"restrict)")
+            _set(self, 'draft_token_map', os.fspath(self.draft_token_map))
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,14 @@ def _engine_args(p: argparse.ArgumentParser):
     p.add_argument('--speculative-ep', type=int, default=None,
                    help="the MTP draft's expert parallelism: 1 (its experts replicated on every "
                         "rank) or --ep (default: the target's ep)")
+    p.add_argument('--speculative-token-map', default=None, metavar='PATH',
+                   help="token ids the MTP draft may propose: a JSON list or a safetensors file "
+                        "with an int64 tensor 'token_map', most frequent first (build one with "
+                        "tools/build_token_map.py); output is unchanged, drafting is cheaper")
+    p.add_argument('--speculative-dynamic', action=argparse.BooleanOptionalAction, default=True,
+                   help='pick each step\'s draft count (0 .. --speculative-num-draft-tokens) '
+                        'from the batch size and the measured acceptance; '
+                        '--no-speculative-dynamic: always draft the full count (benchmarks)')
     p.add_argument('--distributed-executor-backend', default='mp', choices=['uni', 'mp', 'ray'],
                    help='how tp * dp > 1 ranks run: mp (processes on this host) or ray (one '
                         'actor per rank across a ray cluster)')
@@ -72,7 +80,8 @@ def _sampling_args(p: argparse.ArgumentParser):
 def speculative_config(args):
     from lmdeploy_lite import SpeculativeConfig
     if args.speculative_algorithm is None and args.speculative_num_draft_tokens is None:
-        for flag in ('speculative_tp', 'speculative_ep', 'speculative_draft_model'):
+        for flag in ('speculative_tp', 'speculative_ep', 'speculative_draft_model',
+                     'speculative_token_map'):
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: "
                                  'speculative decoding is off; add '
@@ -81,7 +90,8 @@ def speculative_config(args):
     return SpeculativeConfig(method=args.speculative_algorithm or 'qwen3_5_mtp',
                              num_speculative_tokens=args.speculative_num_draft_tokens or 3,
                              model=args.speculative_draft_model, tp=args.speculative_tp,
-                             ep=args.speculative_ep)
+                             ep=args.speculative_ep, dynamic=args.speculative_dynamic,
+                             draft_token_map=args.speculative_token_map)
 
 
 def executor_args(args) -> dict:
