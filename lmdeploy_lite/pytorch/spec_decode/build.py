@@ -7,12 +7,13 @@ know the methods. Where each of its sizes comes from:
     own KV k - 1 positions past the k + 1 a verify step feeds (the scheduler reserves blocks for
     them, the KV plan counts them in max_positions); a host proposer (ngram) writes none;
   * draft (DraftFootprint): the MTP head's KV layers at its own tp and its weights per rank,
-    charged by plan_cache;
+    charged by plan_cache; with a token map (token_map.py) also the reduced LM head's copy of
+    R x hidden rows of the shared LM head (R: the most map ids one TP shard holds);
   * draft_probs_bytes_per_slot: the draft distribution q [k, vocab] that verifying a sampled
     draft needs, kept per state slot (SpecAgent.draft_probs, allocated at start-up, charged by
     plan_cache: slots x k x vocab x 4 bytes in float32, 8 in float64; ~194 MB at
-    max_batch_size 64, k = 3 and Qwen3.5's 248k vocabulary); none for host proposers, whose
-    drafts are deterministic;
+    max_batch_size 64, k = 3 and Qwen3.5's 248k vocabulary; k x M with a token map of M ids,
+    ~25 MB at M = 32k); none for host proposers, whose drafts are deterministic;
   * needs_host_tokens: a host proposer drafts from the accepted tokens, so every step waits for
     the last one's tokens on the host (no async scheduling).
 """
@@ -32,6 +33,8 @@ from lmdeploy_lite.pytorch.nn.linear import fuse_projections
 from lmdeploy_lite.pytorch.sampling import probs_dtype
 from lmdeploy_lite.pytorch.spec_decode.proposers.ngram import NgramProposer
 from lmdeploy_lite.pytorch.spec_decode.spec_agent import SpecAgent
+from lmdeploy_lite.pytorch.spec_decode.token_map import (ReducedLMHead, load_token_map,
+                                                         rows_per_rank)
 from lmdeploy_lite.pytorch.strategies.ar_spec import ARSpecStrategy
 
 
@@ -69,6 +72,8 @@ def check_speculative_config(spec: SpeculativeConfig, model_path: str,
     if load_format != 'dummy' and not has_mtp_weights(path):
         raise ValueError(f"SpeculativeConfig(method='qwen3_5_mtp'): {path} has no mtp.* tensors; "
                          f"use a Qwen3.5 checkpoint that ships its MTP head, or method='ngram'")
+    if spec.draft_token_map is not None:     # the draft shares the target's LM head and vocab
+        load_token_map(spec.draft_token_map, ModelConfig.from_pretrained(model_path).vocab_size)
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ class DraftFootprint:
     """What the draft holds on one rank, for `plan_cache`: `num_kv_layers` full-attention KV
     layers at `tp`'s share of the KV heads, and `weight_bytes` of its own weights (the MTP
     layer, fc and norms at the draft's tp / ep; the shared embedding and LM head are the
-    target's)."""
+    target's; with a token map, the reduced LM head's rows at the target's tp)."""
     num_kv_layers: int
     tp: int
     weight_bytes: int
@@ -94,6 +99,10 @@ def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
     layout = draft_dist_config(spec, target)
     mtp = Qwen3_5MTP(model_config, dtype, 'meta', None, None, DistContext(layout, rank=0))
     weight_bytes = sum(p.numel() * p.element_size() for p in mtp.parameters())
+    if spec.draft_token_map is not None:
+        token_map = load_token_map(spec.draft_token_map, model_config.vocab_size)
+        rows = rows_per_rank(token_map, model_config.vocab_size, target.tp)
+        weight_bytes += rows * model_config.hidden_size * dtype.itemsize
     return DraftFootprint(1, layout.tp, weight_bytes)
 
 
@@ -103,7 +112,7 @@ class SpecPlan:
     num_spec_tokens: int = 0               # k drafts verified per decode step (0: no speculation)
     num_draft_extra: int = 0               # KV positions the draft writes past the k + 1 fed
     draft: DraftFootprint = DraftFootprint(0, 1, 0)
-    draft_probs_bytes_per_slot: int = 0    # q [k, vocab] kept per state slot for sampled drafts
+    draft_probs_bytes_per_slot: int = 0    # q [k, vocab or M] per state slot for sampled drafts
     needs_host_tokens: bool = False        # proposals read accepted tokens on the host
     proposer: str = ''                     # the method's name, for messages only
 
@@ -127,7 +136,9 @@ def spec_plan(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: 
     draft = draft_footprint(spec, model_config, dtype, target)
     if not uses_draft_model(spec):
         return SpecPlan(k, draft=draft, needs_host_tokens=True, proposer=spec.method)
-    probs_bytes = k * model_config.vocab_size * probs_dtype(dtype).itemsize
+    draft_vocab = (model_config.vocab_size if spec.draft_token_map is None else
+                   len(load_token_map(spec.draft_token_map, model_config.vocab_size)))
+    probs_bytes = k * draft_vocab * probs_dtype(dtype).itemsize
     return SpecPlan(k, num_draft_extra=k - 1, draft=draft, draft_probs_bytes_per_slot=probs_bytes,
                     proposer=spec.method)
 
@@ -138,7 +149,7 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
                         load_format: str = 'auto', seed: int = 0
                         ) -> tuple[SpecAgent, ARSpecStrategy]:
     k = spec.num_speculative_tokens
-    proposer, host_proposer = None, None
+    proposer, host_proposer, token_map = None, None, None
     if uses_draft_model(spec):
         from lmdeploy_lite.pytorch.models.loader import load_mtp_weights
         from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
@@ -158,9 +169,13 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
         mtp.eval()
         caches = CacheEngine(model_config, cache_config, dtype, device,
                              layer_types=('full_attention',), tp=layout.tp)
-        proposer = MTPProposer(mtp, caches, target_model.compute_logits, k)
+        compute_logits = target_model.compute_logits
+        if spec.draft_token_map is not None:     # checked at start-up; read again here
+            token_map = load_token_map(spec.draft_token_map, model_config.vocab_size).to(device)
+            compute_logits = ReducedLMHead(target_model.lm_head, token_map, probs_dtype(dtype))
+        proposer = MTPProposer(mtp, caches, compute_logits, k, token_map)
     else:
         host_proposer = NgramProposer(k, spec.ngram_min, spec.ngram_max)
     agent = SpecAgent(target, proposer, k, cache_config.num_state_slots, model_config.vocab_size,
-                      probs_dtype(dtype))
+                      probs_dtype(dtype), token_map)
     return agent, ARSpecStrategy(k, host_proposer)

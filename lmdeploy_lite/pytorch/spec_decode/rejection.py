@@ -12,7 +12,8 @@ from lmdeploy_lite.pytorch.sampling import SamplingInputs, draw_from_probs, prob
 
 
 def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None,
-                     sampling: SamplingInputs, num_drafts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     sampling: SamplingInputs, num_drafts: Tensor | None = None,
+                     token_map: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Accept a prefix of each row's drafts and emit one more token after it.
 
     target_logits [B, k+1, V]: position i scores the token after draft i-1 (position 0 follows the
@@ -20,7 +21,8 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
         e.g. -1); draft_probs [B, k, V] float: the draft distribution q the drafts were sampled
         from, already shaped by the caller, or None for deterministic drafts (q one-hot at the
         draft); num_drafts [B] long in 0..k: real drafts per row (default k), later positions are
-        never accepted.
+        never accepted; token_map [M] long (a reduced draft vocabulary, spec_decode/token_map.py):
+        draft_probs is then [B, k, M], q at token_map[j], and q is zero at every other id.
     Returns output_tokens [B, k+1] long (accepted drafts, then one correction / bonus token, then
     -1 padding) and num_accepted_drafts [B] long in 0..num_drafts. Row b emits
     num_accepted_drafts[b] + 1 tokens.
@@ -42,6 +44,9 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
         p_draft = target_probs[:, :k].gather(-1, safe_drafts[..., None])[..., 0]
         if draft_probs is None:
             q_draft = torch.ones_like(p_draft)
+        elif token_map is not None:     # q at each draft's entry in the map (0 if it has none)
+            in_map = token_map == safe_drafts[..., None]                            # [B, k, M]
+            q_draft = (draft_probs.to(p_draft.dtype) * in_map).sum(-1)
         else:
             q_draft = draft_probs.to(p_draft.dtype).gather(-1, safe_drafts[..., None])[..., 0]
         uniform = random_like_rows((batch_size, k), sampling.generators, 'uniform', p_draft.dtype, device)
@@ -64,6 +69,9 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
                 q_next = torch.nn.functional.one_hot(safe_drafts[rows, at], p_next.size(-1)).to(p_next.dtype)
             else:
                 q_next = draft_probs[rows, at].to(p_next.dtype)
+                if token_map is not None:                         # [B, M] -> [B, V], 0 off the map
+                    q_next = torch.zeros_like(p_next).scatter_(
+                        -1, token_map.expand(batch_size, -1), q_next)
             # After a rejection, sample from norm(max(p - q, 0)) (falling back to p if that is
             # all zero, i.e. p == q); after all accepts, the bonus comes from p at the next position.
             residual = (p_next - q_next).clamp(min=0)

@@ -2,13 +2,16 @@
 
 Device-resident decode state, one row per linear-attention state slot (DESIGN.md invariant 7):
 `last_token` (the bonus token of the last step), `drafts` [k] and, with a device proposer (the
-MTP head), the draft distribution `draft_probs` [k, V] that verifying a sampled draft needs. All
+MTP head), the draft distribution `draft_probs` [k, V] that verifying a sampled draft needs ([k, M]
+over a token map's M ids when the draft's vocabulary is reduced: q is zero elsewhere). All
 of it is allocated here at start-up, sized by the state slots of the KV plan, which charges
 `draft_probs` (spec_decode/build.py SpecPlan.draft_probs_bytes_per_slot). The next decode step's
 inputs `[last_token, d1..dk]` are built from them on the device; the host only learns the
 emitted tokens.
 """
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -21,7 +24,8 @@ from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
 class SpecAgent:
 
     def __init__(self, target: ModelAgent, proposer, num_spec_tokens: int, num_state_slots: int,
-                 vocab_size: int, probs_dtype: torch.dtype = torch.float32):
+                 vocab_size: int, probs_dtype: torch.dtype = torch.float32,
+                 token_map: torch.Tensor | None = None):
         self.target = target
         self.proposer = proposer          # MTPProposer (drafts on the device), or None (host drafts)
         self.k = num_spec_tokens
@@ -29,12 +33,15 @@ class SpecAgent:
         device = target.device
         self.last_token = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         self.drafts = torch.zeros(num_state_slots, num_spec_tokens, dtype=torch.long, device=device)
-        # [slots, k, V]: q of each slot's drafts, written when its batch samples; None without
-        # a device proposer (host drafts are deterministic)
+        # [slots, k, V] ([slots, k, M] over token_map's ids): q of each slot's drafts, written
+        # when its batch samples; None without a device proposer (host drafts are deterministic)
+        draft_vocab = vocab_size if token_map is None else token_map.numel()
         self.draft_probs = (None if proposer is None else
-                            torch.zeros(num_state_slots, num_spec_tokens, vocab_size,
+                            torch.zeros(num_state_slots, num_spec_tokens, draft_vocab,
                                         dtype=probs_dtype, device=device))
         self.rejection_sampler = rejection_sample         # benchmarks may swap in a synthetic one
+        if token_map is not None:
+            self.rejection_sampler = partial(rejection_sample, token_map=token_map)
 
     def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None):
         """CUDA graphs for the verify forward (k + 1 tokens per sequence) and the draft steps."""

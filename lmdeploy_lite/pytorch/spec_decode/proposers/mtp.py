@@ -17,10 +17,12 @@ from lmdeploy_lite.pytorch.sampling import SamplingInputs, draw_from_probs, prob
 class MTPProposer:
     drafts_on_device = True
 
-    def __init__(self, mtp, caches, compute_logits, num_spec_tokens: int):
+    def __init__(self, mtp, caches, compute_logits, num_spec_tokens: int,
+                 token_map: torch.Tensor | None = None):
         self.mtp = mtp
         self.caches = caches
-        self.compute_logits = compute_logits          # the target's LM head
+        self.compute_logits = compute_logits          # the target's LM head (or ReducedLMHead)
+        self.token_map = token_map    # [M] long: logits index it (token_map.py); None: full vocab
         self.num_spec_tokens = num_spec_tokens
         self.graphs = {}           # q_len -> GraphRunner: k + 1 (over a verify step), 1 (drafting)
 
@@ -49,7 +51,8 @@ class MTPProposer:
         """inputs/target_hidden [T, H]: the target step just run; next_ids [T] long: the token
         after each position (any valid id where unknown: that KV entry is rewritten later);
         rows [B] long: each sequence's row whose successor is the first draft.
-        Returns drafts [B, k] long and, if any row samples, q [B, k, V] (the draft distribution)."""
+        Returns drafts [B, k] long and, if any row samples, q [B, k, V] (the draft distribution;
+        [B, k, M] over token_map's ids with a reduced vocabulary)."""
         hidden = self._run_mtp(next_ids, target_hidden, inputs)[rows]
         positions = inputs.positions[rows]
         ones = torch.ones_like(positions)
@@ -71,5 +74,5 @@ class MTPProposer:
                 token = torch.where(sampling.do_sample, draw_from_probs(q, sampling.generators),
                                     token)
                 probs.append(q)
-            drafts.append(token)
+            drafts.append(token if self.token_map is None else self.token_map[token])
         return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
