@@ -106,3 +106,71 @@ def reference(k: int, token_map: str, prompt_ids=None, gen=accepting.GREEDY
         _cache[key] = ([s.generated_ids for s in seqs], [accepting.counts(s.spec_stats)
                                                          for s in seqs])
     return _cache[key]
+
+
+# ---- one gloo rank of the sharded reduced head (tests/pytorch/spec_decode/test_token_map_ranks.py)
+HEAD_VOCAB, HEAD_HIDDEN = 103, 16         # 103: not a multiple of tp, the last shard is short
+
+
+def head_maps() -> dict:
+    """name -> token map [M] for the head test: 40 random ids, four ids all in rank 0's shard
+    (rank 1 holds only padding), one id in the short last shard."""
+    import torch
+    return {'random': torch.randperm(HEAD_VOCAB, generator=torch.Generator().manual_seed(11))[:40],
+            'one_shard': torch.tensor([30, 2, 17, 5]), 'single': torch.tensor([102])}
+
+
+REDUCED_HEAD_DIR = 'REDUCED_HEAD_DIR'
+
+
+def check_reduced_heads(engine):
+    """A worker hook (MPEngineLoop's `worker_hook`; env REDUCED_HEAD_DIR names where results go)
+    run by every rank of a TP group right after its engine is built, before any request: the
+    ranks run its collectives in lockstep, with the collective trace check.
+    1. The engine's own reduced head: its rows are exactly the map ids of this rank's vocab
+       shard (a copy), padded to the same count on every rank, fewer than the shard holds; its
+       logits equal the full head's at the map ids up to summation order (real weights: BLAS
+       may sum a [R, H] and a [Vp, H] product in different orders).
+    2. A head of small integer weights (exact in any summation order), untied and tied (the
+       vocab-parallel embedding's table), reduced for each of head_maps(): logits exactly the
+       full head's at the map ids.
+    Saves {name: value} to REDUCED_HEAD_DIR/rank{r}.pt."""
+    import torch
+    from lmdeploy_lite.pytorch.nn.embedding import ParallelLMHead, VocabParallelEmbedding
+    from lmdeploy_lite.pytorch.spec_decode.token_map import ReducedLMHead
+    ctx, rank = engine.dist, engine.dist.tp_rank
+    results = {}
+    lm_head, reduced = engine.agent.target.model.lm_head, engine.agent.proposer.compute_logits
+    token_map = engine.agent.proposer.token_map
+    shard = lm_head.weight.shape[0]
+    local = token_map[token_map // shard == rank] - rank * shard
+    held = reduced.weight[:local.numel()]
+    results['engine_rows'] = (reduced.weight.shape[0], shard, token_map.numel())
+    results['engine_rows_copied'] = (torch.equal(held, lm_head.weight[local]) and
+                                     held.data_ptr() != lm_head.weight.data_ptr())
+    hidden = torch.randn(3, lm_head.weight.shape[1], dtype=lm_head.weight.dtype,
+                         generator=torch.Generator().manual_seed(0))
+    ctx.begin_step(-1)
+    full, got = lm_head(hidden), reduced(hidden)
+    ctx.end_step()
+    results['engine_logits_error'] = float((got - full[:, token_map]).abs().max())
+    vocab, width = HEAD_VOCAB, HEAD_HIDDEN
+    weights = torch.randint(-8, 9, (vocab, width), generator=torch.Generator().manual_seed(0))
+    hidden = torch.randint(-8, 9, (5, width), generator=torch.Generator().manual_seed(1)).double()
+    for tied in (False, True):
+        head = ParallelLMHead(vocab, width, torch.float64, 'cpu', ctx)
+        if tied:
+            head.weight = VocabParallelEmbedding(vocab, width, torch.float64, 'cpu', ctx).weight
+        rows = weights[rank * head.weight.shape[0]:(rank + 1) * head.weight.shape[0]]
+        with torch.no_grad():
+            head.weight.zero_()
+            head.weight[:rows.shape[0]] = rows
+        for name, head_map in head_maps().items():
+            small = ReducedLMHead(head, head_map, torch.float64)
+            ctx.begin_step(-2 - len(results))
+            full, got = head(hidden), small(hidden)
+            ctx.end_step()
+            results[tied, name] = (torch.equal(got, full[:, head_map]),
+                                   torch.equal(full, hidden @ weights.double().T),
+                                   small.weight.shape[0], head.weight.shape[0])
+    torch.save(results, os.path.join(os.environ[REDUCED_HEAD_DIR], f'rank{engine.dist.rank}.pt'))

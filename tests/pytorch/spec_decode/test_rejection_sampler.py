@@ -141,3 +141,61 @@ def test_emitted_tokens_follow_target(temperature, top_k, top_p, stochastic_draf
     assert_follows(tokens[:, 0], p[0])
     assert_follows(tokens[accepted >= 1, 1], p[1])      # second token, given the first was accepted
     assert_follows(tokens[accepted == 2, 2], p[2])      # bonus token, given both were accepted
+
+
+# ---- a reduced draft vocabulary: q over a token map's M ids ([B, k, M]), zero at every other id ----
+# 'without_the_likeliest' leaves out token 0, which p gives 0.30 / 0.05 / 0.50 (and token 2); the
+# drafts then never propose it, and every emitted 0 comes from a correction or the bonus
+MAPS = {'without_the_likeliest': [4, 1, 3, 5], 'whole_vocab_permuted': [5, 3, 0, 1, 4, 2]}
+
+
+def map_q(token_map):
+    """Q restricted to the map's ids (in map order) and renormalized: [k, M]."""
+    q = Q[:, token_map]
+    return q / q.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.gpu)])
+@pytest.mark.parametrize('temperature, top_k, top_p', [(1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0)])
+@pytest.mark.parametrize('map_name', list(MAPS))
+def test_emitted_tokens_follow_target_with_a_token_map(map_name, temperature, top_k, top_p, device):
+    """test_emitted_tokens_follow_target with drafts sampled from q over a token map (the MTP
+    draft with SpeculativeConfig.draft_token_map): the same power, the same three positions."""
+    torch.manual_seed(4321)
+    token_map = torch.tensor(MAPS[map_name], device=device)
+    logits = P.log().to(device).expand(N, -1, -1)
+    sampling = SamplingInputs.from_values([True] * N, [temperature] * N, [top_k] * N, [top_p] * N,
+                                          device=device)
+    p = probs_from_logits(logits[:1], SamplingInputs.from_values(
+        [True], [temperature], [top_k], [top_p], device=device))[0]
+    q = map_q(MAPS[map_name]).to(device)
+    drafts = token_map[torch.multinomial(q, N, replacement=True).T.contiguous()]
+    tokens, accepted = rejection_sample(logits, drafts, q.expand(N, -1, -1), sampling,
+                                        token_map=token_map)
+    assert set(drafts.unique().tolist()) <= set(MAPS[map_name])
+    assert_follows(tokens[:, 0], p[0])
+    assert_follows(tokens[accepted >= 1, 1], p[1])
+    assert_follows(tokens[accepted == 2, 2], p[2])
+    if map_name == 'without_the_likeliest':     # the target still emits what the draft cannot
+        assert (tokens[:, 0] == 0).float().mean() > 0.25
+
+
+@pytest.mark.parametrize('map_name', list(MAPS))
+def test_a_token_map_equals_q_scattered_over_the_vocabulary(map_name):
+    """Row for row, with the same generators: q kept over the map plus the map gives exactly
+    what the same q written out over the whole vocabulary (zero off the map) gives."""
+    rows, token_map = 256, torch.tensor(MAPS[map_name])
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, 3, P.shape[1], generator=gen, dtype=torch.float64)
+    q = torch.rand(rows, 2, len(token_map), generator=gen, dtype=torch.float64).softmax(-1)
+    drafts = token_map[torch.randint(len(token_map), (rows, 2), generator=gen)]
+    q_full = torch.zeros(rows, 2, P.shape[1], dtype=torch.float64).scatter_(
+        -1, token_map.expand(rows, 2, -1), q)
+
+    def sampling():
+        return SamplingInputs.from_values([True] * rows, [0.9] * rows, [0] * rows, [1.0] * rows,
+                                          seeds=list(range(rows)))
+    got = rejection_sample(logits, drafts, q, sampling(), token_map=token_map)
+    want = rejection_sample(logits, drafts, q_full, sampling())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert 0 < int(got[1].sum()) < 2 * rows         # some drafts accepted, some rejected
