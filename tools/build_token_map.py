@@ -13,8 +13,8 @@ Corpus files, by name:
 Output, by --out's extension: .json (a JSON list of ints) or .safetensors (an int64 tensor
 `token_map`). The map is the top N ids by count, ties (unseen ids included) broken by the lower
 id, so the same corpus always gives the same map; --top is clipped to the vocabulary. Ids given
-to --always-include (default: the model's eos ids) are kept: any not among the top N replace the
-least frequent ones and go at the end.
+to --always-include (comma-separated; default 'eos', the model's eos ids; 'none') are kept: any
+not among the top N replace the least frequent ones and go at the end.
 """
 from __future__ import annotations
 
@@ -98,6 +98,20 @@ def top_ids(counts: torch.Tensor, top: int, always_include: list[int]) -> list[i
     return chosen[:top - len(extra)] + extra
 
 
+def parse_always_include(value: str, eos_ids, vocab_size: int) -> list[int]:
+    """'eos,17' -> the eos ids and 17; 'none' or '' -> []."""
+    ids = []
+    for item in value.replace(' ', '').split(','):
+        if item == 'eos':
+            ids += eos_ids
+        elif item not in ('', 'none'):
+            if not (item.isdigit() and int(item) < vocab_size):
+                raise ValueError(f"--always-include={value!r}: {item!r} is not 'eos', 'none' or "
+                                 f"an id in 0..{vocab_size - 1}")
+            ids.append(int(item))
+    return ids
+
+
 def write_token_map(ids: list[int], out: str):
     if out.endswith('.json'):
         with open(out, 'w') as f:
@@ -115,20 +129,23 @@ def main(argv: list[str] | None = None):
     parser.add_argument('--model', required=True, help='model directory or Hugging Face repo id')
     parser.add_argument('--top', type=int, default=32768, help='map size N (default 32768)')
     parser.add_argument('--out', required=True, help='output .json or .safetensors')
-    parser.add_argument('--always-include', type=int, nargs='*', default=None, metavar='ID',
-                        help="ids kept in the map (default: the model's eos ids; none: pass "
-                             "the flag without ids)")
+    parser.add_argument('--always-include', default='eos', metavar='IDS',
+                        help="comma-separated ids kept in the map; 'eos' stands for the model's "
+                             "eos ids (default: eos; 'none': nothing)")
     args = parser.parse_args(argv)
     if args.top < 1:
         parser.error(f'--top={args.top}: must be >= 1')
     if not args.out.endswith(('.json', '.safetensors')):
         parser.error(f'--out={args.out!r}: must end in .json or .safetensors')
+    missing = [f for f in args.files if not os.path.isfile(f)]
+    if missing:
+        parser.error(f'corpus files not found: {missing}')
     config = read_model_config(args.model)
     vocab_size = config.vocab_size
-    always = list(config.eos_token_ids) if args.always_include is None else args.always_include
-    bad = [t for t in always if not 0 <= t < vocab_size]
-    if bad:
-        parser.error(f'--always-include {bad}: ids must be in 0..{vocab_size - 1}')
+    try:
+        always = parse_always_include(args.always_include, config.eos_token_ids, vocab_size)
+    except ValueError as e:
+        parser.error(str(e))
     counts = count_tokens(args.files, args.model, vocab_size)
     ids = top_ids(counts, args.top, always)
     write_token_map(ids, args.out)
@@ -139,4 +156,7 @@ def main(argv: list[str] | None = None):
 
 
 if __name__ == '__main__':
-    main()
+    try:
+        main()
+    except ValueError as e:               # a bad corpus file: its name and the entry
+        sys.exit(f'error: {e}')
