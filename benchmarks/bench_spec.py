@@ -2,7 +2,8 @@
 
     python benchmarks/bench_spec.py [--model DIR | --preset qwen3_5_9b] [--device cuda]
         [--dtype bfloat16] [--batch-sizes 1,8] [--ks 1,2,3,4]
-        [--synthetic-acceptance 0.8,0.6,0.5] [--out bench_spec.json]
+        [--synthetic-acceptance 0.8,0.6,0.5] [--token-map PATH | --token-map-size N]
+        [--out bench_spec.json]
 
 --synthetic-acceptance accepts draft position i with the given conditional rate (after all
 earlier positions were accepted; the last rate repeats) while the engine still does the full
@@ -10,10 +11,17 @@ verify and draft work, so that speed can be measured on random weights (a --pres
 weights, MTP head included). Each row times `--decode-steps` engine steps of the full batch after
 `--warmup-steps` (prefill excluded) and counts the tokens they emitted; `speedup` is tokens/s over
 the AR row of the same batch size.
+
+--token-map PATH drafts over a reduced vocabulary (SpeculativeConfig.draft_token_map; build one
+with tools/build_token_map.py). --token-map-size N, for dummy weights (a --preset) only, where
+no corpus means anything: a map of the first N ids, written to a temporary JSON file.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 
 import torch
 from common import (add_model_args, environment, output_path, print_table, release_memory,
@@ -24,14 +32,15 @@ from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
 
 
-def synthetic_rejection_sampler(rates: list[float], seed: int = 0):
+def synthetic_rejection_sampler(rates: list[float], seed: int = 0, verify=rejection_sample):
     """Accept draft i with probability rates[i], drawn on the device (a host draw would need a
-    synchronizing host-to-device copy every step)."""
+    synchronizing host-to-device copy every step). `verify`: the verification whose work it
+    still does (the agent's own rejection_sampler, which knows a token map)."""
     generators: dict[torch.device, torch.Generator] = {}
     thresholds: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def sampler(target_logits, draft_tokens, draft_probs, sampling):
-        output, _ = rejection_sample(target_logits, draft_tokens, draft_probs, sampling)
+        output, _ = verify(target_logits, draft_tokens, draft_probs, sampling)
         batch, k = draft_tokens.shape
         device = draft_tokens.device
         if device not in generators:
@@ -53,14 +62,33 @@ def synthetic_rejection_sampler(rates: list[float], seed: int = 0):
 
 def build_engine(model_dir: str, load_format: str, k: int, rates, args) -> Engine:
     steps = args.warmup_steps + args.decode_steps
-    spec = SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k) if k else None
+    spec = SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k,
+                             draft_token_map=args.token_map) if k else None
     engine = Engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch_sizes + [2]),
         session_len=args.prompt_len + (steps + 2) * (k + 1) + 16, load_format=load_format,
         seed=args.seed, async_scheduling=args.async_scheduling), spec, progress=False)
     if k and rates:
-        engine.agent.rejection_sampler = synthetic_rejection_sampler(rates)
+        engine.agent.rejection_sampler = synthetic_rejection_sampler(
+            rates, verify=engine.agent.rejection_sampler)
     return engine
+
+
+def first_ids_map(parser, args, model_dir: str, load_format: str) -> str:
+    """--token-map-size N: a temporary JSON map of ids 0..N-1 (dummy weights only)."""
+    from lmdeploy_lite.pytorch.config import ModelConfig
+    vocab = ModelConfig.from_pretrained(model_dir).vocab_size
+    if args.token_map is not None:
+        parser.error('--token-map and --token-map-size: give one of them')
+    if load_format != 'dummy':
+        parser.error('--token-map-size: only with dummy weights (--preset); for a checkpoint '
+                     'build a map with tools/build_token_map.py and pass --token-map')
+    if not 1 <= args.token_map_size <= vocab:
+        parser.error(f'--token-map-size={args.token_map_size}: must be in 1..{vocab}')
+    fd, path = tempfile.mkstemp(prefix='bench_spec_token_map_', suffix='.json')
+    with os.fdopen(fd, 'w') as f:
+        json.dump(list(range(args.token_map_size)), f)
+    return path
 
 
 def measure(engine: Engine, k: int, batch_size: int, prompt_len: int, warmup_steps: int,
@@ -88,10 +116,16 @@ def main():
     parser.add_argument('--warmup-steps', type=int, default=4)
     parser.add_argument('--synthetic-acceptance', default=None,
                         help='comma-separated conditional acceptance rates per draft position')
+    parser.add_argument('--token-map', default=None, metavar='PATH',
+                        help='draft token map (a JSON list or a safetensors token_map tensor)')
+    parser.add_argument('--token-map-size', type=int, default=None, metavar='N',
+                        help='dummy weights only: a token map of the first N ids')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
     model_dir, load_format = resolve_model(args)
+    if args.token_map_size is not None:
+        args.token_map = first_ids_map(parser, args, model_dir, load_format)
     rates = [float(r) for r in args.synthetic_acceptance.split(',')] \
         if args.synthetic_acceptance else None
     results = {}
@@ -109,11 +143,14 @@ def main():
         rows += [dict(row, ar_tok_s=ar, speedup=row['decode_tok_s'] / ar)
                  for (_, b), row in results.items() if b == batch]
     name = args.preset or model_dir
+    token_map = (f'first {args.token_map_size} ids' if args.token_map_size is not None
+                 else args.token_map)
     save_json(output_path(args.out, f'bench_spec_{args.preset or "model"}_{args.device}.json'),
               {'env': environment(), 'model': name, 'load_format': load_format,
-               'dtype': args.dtype, 'synthetic_acceptance': rates, 'rows': rows})
+               'dtype': args.dtype, 'synthetic_acceptance': rates, 'token_map': token_map,
+               'rows': rows})
     print(f'model: {name} ({load_format} weights), {args.dtype} on {environment()["device"]}; '
-          f'synthetic acceptance: {rates}')
+          f'synthetic acceptance: {rates}; draft token map: {token_map or "none (full vocab)"}')
     print_table(rows, ['batch', 'k', 'step_ms', 'decode_tok_s', 'ar_tok_s', 'speedup',
                        'mean_accepted_len', 'acceptance'])
 
