@@ -7,7 +7,6 @@ import sys
 from collections import Counter
 
 import pytest
-import torch
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
