@@ -108,7 +108,7 @@ def reference(k: int, token_map: str, prompt_ids=None, gen=accepting.GREEDY
     return _cache[key]
 
 
-# ---- one gloo rank of the sharded reduced head (tests/pytorch/spec_decode/test_token_map_ranks.py)
+# ---- the sharded reduced head on real TP ranks (tests/pytorch/spec_decode/test_token_map_ranks.py)
 HEAD_VOCAB, HEAD_HIDDEN = 103, 16         # 103: not a multiple of tp, the last shard is short
 
 
