@@ -3,14 +3,16 @@
     python benchmarks/bench_spec.py [--model DIR | --preset qwen3_5_9b] [--device cuda]
         [--dtype bfloat16] [--batch-sizes 1,8] [--ks 1,2,3,4]
         [--synthetic-acceptance 0.8,0.6,0.5] [--token-map PATH | --token-map-size N]
-        [--out bench_spec.json]
+        [--dynamic] [--out bench_spec.json]
 
 --synthetic-acceptance accepts draft position i with the given conditional rate (after all
 earlier positions were accepted; the last rate repeats) while the engine still does the full
 verify and draft work, so that speed can be measured on random weights (a --preset runs on dummy
 weights, MTP head included). Each row times `--decode-steps` engine steps of the full batch after
 `--warmup-steps` (prefill excluded) and counts the tokens they emitted; `speedup` is tokens/s over
-the AR row of the same batch size.
+the AR row of the same batch size. Rows of a fixed k run SpeculativeConfig(dynamic=False);
+`--dynamic` adds a row 'dyn' per batch size: k chosen per step up to the largest of --ks, after
+`--dynamic-warmup-steps` steps in which the policy measures (its choices are in `k_hist`).
 
 --token-map PATH drafts over a reduced vocabulary (SpeculativeConfig.draft_token_map; build one
 with tools/build_token_map.py). --token-map-size N, for dummy weights (a --preset) only, where
@@ -39,17 +41,19 @@ def synthetic_rejection_sampler(rates: list[float], seed: int = 0, verify=reject
     generators: dict[torch.device, torch.Generator] = {}
     thresholds: dict[tuple[torch.device, int], torch.Tensor] = {}
 
-    def sampler(target_logits, draft_tokens, draft_probs, sampling):
-        output, _ = verify(target_logits, draft_tokens, draft_probs, sampling)
+    def sampler(target_logits, draft_tokens, draft_probs, sampling, num_drafts=None):
+        output, _ = verify(target_logits, draft_tokens, draft_probs, sampling, num_drafts)
         batch, k = draft_tokens.shape
         device = draft_tokens.device
         if device not in generators:
             generators[device] = torch.Generator(device).manual_seed(seed)
-            for n in range(1, 9):      # copied once, before any step is timed
+            for n in range(0, 9):      # copied once, before any step is timed
                 thresholds[device, n] = torch.tensor(
                     [rates[min(i, len(rates) - 1)] for i in range(n)]).to(device)
         accept = torch.rand(batch, k, generator=generators[device], device=device) \
             < thresholds[device, k]
+        if num_drafts is not None:      # a row verifies only the drafts its last step made
+            accept &= torch.arange(k, device=device) < num_drafts[:, None]
         num_accepted = accept.long().cumprod(-1).sum(-1)
         rows = torch.arange(batch, device=draft_tokens.device)
         positions = torch.arange(k + 1, device=draft_tokens.device)
@@ -60,10 +64,11 @@ def synthetic_rejection_sampler(rates: list[float], seed: int = 0, verify=reject
     return sampler
 
 
-def build_engine(model_dir: str, load_format: str, k: int, rates, args) -> Engine:
-    steps = args.warmup_steps + args.decode_steps
-    spec = SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k,
-                             draft_token_map=args.token_map) if k else None
+def build_engine(model_dir: str, load_format: str, k: int, rates, args,
+                 dynamic: bool = False) -> Engine:
+    steps = max(args.warmup_steps, args.dynamic_warmup_steps) + args.decode_steps
+    spec = (SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k, dynamic=dynamic,
+                              draft_token_map=args.token_map) if k else None)
     engine = Engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch_sizes + [2]),
         session_len=args.prompt_len + (steps + 2) * (k + 1) + 16, load_format=load_format,
@@ -92,18 +97,31 @@ def first_ids_map(parser, args, model_dir: str, load_format: str) -> str:
 
 
 def measure(engine: Engine, k: int, batch_size: int, prompt_len: int, warmup_steps: int,
-            decode_steps: int) -> dict:
+            decode_steps: int, label=None) -> dict:
     """Prefill, warm up, then time `decode_steps` steps; tokens/s of what they emitted."""
     vocab = engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(batch_size)
     prompts = torch.randint(2, vocab, (batch_size, prompt_len), generator=generator).tolist()
     cfg = GenerationConfig(max_new_tokens=(warmup_steps + decode_steps + 1) * (k + 1),
                            ignore_eos=True)
+    chosen = []
+    if engine.draft_policy is not None:            # the plan's k of every step
+        gather = engine._gather_plan
+
+        def gather_and_record(batch, sampling):
+            plan = gather(batch, sampling)
+            chosen.append(plan.num_spec)
+            return plan
+        engine._gather_plan = gather_and_record
     elapsed, generated = timed_decode(engine, prompts, cfg, warmup_steps, decode_steps)
-    return {'k': k, 'batch': batch_size, 'step_ms': 1000 * elapsed / decode_steps,
-            'decode_tok_s': generated / elapsed,
+    if engine.draft_policy is not None:
+        del engine._gather_plan
+    timed = chosen[-decode_steps:]
+    return {'k': k if label is None else label, 'batch': batch_size,
+            'step_ms': 1000 * elapsed / decode_steps, 'decode_tok_s': generated / elapsed,
             'mean_accepted_len': engine.spec_stats.mean_accepted_length if k else 1.0,
-            'acceptance': engine.spec_stats.acceptance_rate if k else None}
+            'acceptance': engine.spec_stats.acceptance_rate if k else None,
+            'k_hist': {j: timed.count(j) for j in sorted(set(timed))} if timed else None}
 
 
 def main():
@@ -120,6 +138,12 @@ def main():
                         help='draft token map (a JSON list or a safetensors token_map tensor)')
     parser.add_argument('--token-map-size', type=int, default=None, metavar='N',
                         help='dummy weights only: a token map of the first N ids')
+    parser.add_argument('--dynamic', action='store_true',
+                        help="add a row 'dyn' per batch size: k chosen per step (at most the "
+                             "largest of --ks)")
+    parser.add_argument('--dynamic-warmup-steps', type=int, default=60,
+                        help='steps the dynamic row runs before it is timed (the policy '
+                             'measures each k first)')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
@@ -129,12 +153,16 @@ def main():
     rates = [float(r) for r in args.synthetic_acceptance.split(',')] \
         if args.synthetic_acceptance else None
     results = {}
-    for k in [0] + [int(x) for x in args.ks.split(',')]:
-        engine = build_engine(model_dir, load_format, k, rates, args)
-        measure(engine, k, 2, args.prompt_len, 2, 2)                          # warm-up
+    ks = [int(x) for x in args.ks.split(',')]
+    for k in [0] + ks + (['dyn'] if args.dynamic else []):
+        dynamic = k == 'dyn'
+        k_max = max(ks) if dynamic else k
+        engine = build_engine(model_dir, load_format, k_max, rates, args, dynamic=dynamic)
+        measure(engine, k_max, 2, args.prompt_len, 2, 2)                     # warm-up
         for batch in args.batch_sizes:
-            results[k, batch] = measure(engine, k, batch, args.prompt_len, args.warmup_steps,
-                                        args.decode_steps)
+            warmup = args.dynamic_warmup_steps if dynamic else args.warmup_steps
+            results[k, batch] = measure(engine, k_max, batch, args.prompt_len, warmup,
+                                        args.decode_steps, label=k)
         del engine
         release_memory()
     rows = []
@@ -152,7 +180,7 @@ def main():
     print(f'model: {name} ({load_format} weights), {args.dtype} on {environment()["device"]}; '
           f'synthetic acceptance: {rates}; draft token map: {token_map or "none (full vocab)"}')
     print_table(rows, ['batch', 'k', 'step_ms', 'decode_tok_s', 'ar_tok_s', 'speedup',
-                       'mean_accepted_len', 'acceptance'])
+                       'mean_accepted_len', 'acceptance', 'k_hist'])
 
 
 if __name__ == '__main__':

@@ -89,6 +89,8 @@ class ModelInputs:
                                                 # None: the drafts are on the device already
     next_token_ids: torch.Tensor | None = None  # [B] long, prefill: the token after each chunk if
                                                 # the host knows it (a later prompt chunk), else -1
+    num_spec: int = 0              # the StepPlan's draft count: drafts a decode step verifies
+                                   # per row (uniform_q_len - 1) and every step makes
 
     @property
     def batch_size(self) -> int:

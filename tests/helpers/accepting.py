@@ -64,9 +64,24 @@ def many_prompts(n: int) -> tuple[tuple[int, ...], ...]:
     return out
 
 
+# the draft counts a dynamic run steps through (LMDEPLOY_LITE_SPEC_K_CYCLE, clamped to k):
+# every switch up and down, to and from plain decode steps, deterministically
+K_CYCLE = '3,0,2,1,3,3,0,1,2,4,4'
+# the floor of a dynamic run's mean accepted length (its verify steps have 1..k drafts)
+MIN_DYNAMIC_MEAN_ACCEPTED_LENGTH = 1.4
+
+
 def spec(k: int, **kw) -> SpeculativeConfig | None:
-    """The MTP draft with k tokens; None for k=0 (plain decoding)."""
+    """The MTP draft with k tokens; None for k=0 (plain decoding). Fixed k (dynamic=False)
+    unless told: per-request draft counts are then a function of the requests alone, comparable
+    across layouts. A dynamic run's draft counts depend on the policy (and the cycle hook)."""
+    kw.setdefault('dynamic', False)
     return SpeculativeConfig(num_speculative_tokens=k, **kw) if k else None
+
+
+def cycle_draft_counts(monkeypatch):
+    """Dynamic runs (this process and the ranks it starts) step through K_CYCLE."""
+    monkeypatch.setenv('LMDEPLOY_LITE_SPEC_K_CYCLE', K_CYCLE)
 
 
 def counts(stats: SpecDecodeStats | None) -> tuple:
@@ -176,15 +191,34 @@ def assert_real_acceptance(stats, k: int):
         f'no draft accepted at some position: {stats.accepted_per_position}'
 
 
-def assert_matches_reference(responses, k: int, prompt_ids=None, gen=GREEDY):
+def assert_dynamic_acceptance(stats, k: int):
+    """A dynamic run verified drafts at every position 1..min(k, 3) and accepted enough."""
+    stats = total(stats) if isinstance(stats, (list, tuple)) else stats
+    assert stats is not None and stats.num_drafts > 0, 'no draft was verified'
+    assert stats.mean_accepted_length >= MIN_DYNAMIC_MEAN_ACCEPTED_LENGTH, (
+        f'mean accepted length {stats.mean_accepted_length:.2f} at k<={k}: the test would '
+        'exercise only the reject-all path')
+    per_position = list(stats.accepted_per_position) + [0] * k
+    assert all(per_position[i] > 0 for i in range(min(k, 3))), \
+        f'no draft accepted at some position: {stats.accepted_per_position}'
+
+
+def assert_matches_reference(responses, k: int, prompt_ids=None, gen=GREEDY,
+                             dynamic: bool = False):
     """Multi-rank `responses` (pipeline Responses, one per prompt, in order) against the single
     process: first the acceptance they exercised is real, then whole sequences equal plain greedy
     (k=0) and single-process MTP k output, then per-request draft counts equal the single
-    process's (positions included)."""
+    process's (positions included). `dynamic`: the run chose its draft counts step by step, so
+    its counts are its own; whole sequences must still equal plain greedy."""
     got_ids = [list(r.token_ids) for r in responses]
     got_counts = [counts(r.spec_stats) for r in responses]
+    plain = reference(0, prompt_ids, gen)
+    if dynamic:
+        assert_dynamic_acceptance([r.spec_stats for r in responses], k)
+        assert got_ids == plain.token_ids
+        return
     assert_real_acceptance([r.spec_stats for r in responses], k)
-    plain, speculative = reference(0, prompt_ids, gen), reference(k, prompt_ids, gen)
+    speculative = reference(k, prompt_ids, gen)
     assert speculative.token_ids == plain.token_ids     # the single process's own invariant
     assert got_ids == plain.token_ids
     assert got_counts == speculative.counts

@@ -16,10 +16,11 @@ def skip_dummy_draft(engine):
     proposer = engine.agent.proposer
     real = proposer.propose
 
-    def propose(inputs, hidden, next_ids, rows, sampling):
+    def propose(inputs, hidden, next_ids, rows, sampling, num_drafts=None):
         if inputs.is_dummy:
-            return torch.zeros(rows.numel(), proposer.num_spec_tokens, dtype=torch.long), None
-        return real(inputs, hidden, next_ids, rows, sampling)
+            k = proposer.num_spec_tokens if num_drafts is None else num_drafts
+            return torch.zeros(rows.numel(), k, dtype=torch.long), None
+        return real(inputs, hidden, next_ids, rows, sampling, num_drafts)
     proposer.propose = propose
 
 

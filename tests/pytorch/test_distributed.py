@@ -41,31 +41,44 @@ def embedded_pipeline(layout: dict, spec: SpeculativeConfig | None):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('k, draft_tp', [(3, None), (1, 1)], ids=['k3', 'k1_draft_tp1'])
-def test_tp2_gives_plain_greedy_tokens_and_single_process_acceptance(k, draft_tp):
-    """tp=2 target; the draft sharded like the target (k=3) or replicated (draft tp=1, k=1)."""
+@pytest.mark.parametrize('k, draft_tp, dynamic', [(3, None, False), (1, 1, False),
+                                                  (3, None, True), (3, 1, True)],
+                         ids=['k3', 'k1_draft_tp1', 'k3_dynamic', 'k3_draft_tp1_dynamic'])
+def test_tp2_gives_plain_greedy_tokens_and_single_process_acceptance(k, draft_tp, dynamic,
+                                                                     monkeypatch):
+    """tp=2 target; the draft sharded like the target or replicated (draft tp=1); fixed k, or
+    each step's k from the cycle (every switch, plain steps included)."""
+    if dynamic:
+        accepting.cycle_draft_counts(monkeypatch)
     start = time.monotonic()
-    draft = accepting.spec(k) if draft_tp is None else accepting.spec(k, tp=draft_tp)
+    draft = accepting.spec(k, tp=draft_tp, dynamic=dynamic)
     with embedded_pipeline(dict(tp=2), draft) as pipe:
         responses = pipe([list(p) for p in accepting.prompts()], accepting.GREEDY)
-    assert_matches_reference(responses, k)
+    assert_matches_reference(responses, k, dynamic=dynamic)
     assert time.monotonic() - start < 240
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('layout, k', [(dict(dp=2, ep=2), 1), (dict(dp=2, ep=2), 3),
-                                       (dict(dp=2), 3)], ids=['dp2_ep2_k1', 'dp2_ep2_k3',
-                                                              'dp2_ep1_k3'])
-def test_dp2_one_request_with_an_idle_rank_then_a_batch(layout, k, tmp_path):
+@pytest.mark.parametrize('layout, k, dynamic', [
+    (dict(dp=2, ep=2), 1, False), (dict(dp=2, ep=2), 3, False), (dict(dp=2), 3, False),
+    (dict(dp=2, ep=2), 3, True), (dict(dp=2), 3, True)],
+    ids=['dp2_ep2_k1', 'dp2_ep2_k3', 'dp2_ep1_k3', 'dp2_ep2_k3_dynamic', 'dp2_ep1_k3_dynamic'])
+def test_dp2_one_request_with_an_idle_rank_then_a_batch(layout, k, dynamic, tmp_path,
+                                                        monkeypatch):
     """First exactly one request, then a batch over both ranks, in one engine; forwards counted
     per rank. dp=2 ep=2 (the seed scenario; MoE target and MoE MTP layer): the ranks run in
     lockstep, so the idle rank runs a dummy target AND draft forward for each of the busy rank's
     (or the busy rank's all-to-all has no partner). dp=2 ep=1: DP ranks share no collective and
-    run independently, so the idle rank runs no forward at all."""
+    run independently, so the idle rank runs no forward at all. `dynamic`: each rank proposes
+    its step's k from the cycle, the plan runs the smallest (ranks at different points of the
+    cycle disagree), and the idle rank's dummy follows the plan's k."""
+    if dynamic:
+        accepting.cycle_draft_counts(monkeypatch)
     start = time.monotonic()
     one = accepting.prompts()[1:2]
     loop = MPEngineLoop(accepting.model_dir(), PytorchEngineConfig(**layout, **accepting.BASE),
-                        accepting.spec(k), env={FORWARD_COUNT_DIR: str(tmp_path)},
+                        accepting.spec(k, dynamic=dynamic),
+                        env={FORWARD_COUNT_DIR: str(tmp_path)},
                         worker_hook=count_forwards)
     try:
         alone = run_requests(loop, [list(p) for p in one], accepting.GREEDY)
@@ -75,8 +88,8 @@ def test_dp2_one_request_with_an_idle_rank_then_a_batch(layout, k, tmp_path):
     finally:
         loop.close()
     assert time.monotonic() - start < 240
-    assert_matches_reference(alone, k, one)
-    assert_matches_reference(batch, k)
+    assert_matches_reference(alone, k, one, dynamic=dynamic)
+    assert_matches_reference(batch, k, dynamic=dynamic)
     busy = alone[0].dp_rank
     idle = 1 - busy
     assert min(counts_alone[busy]) > 0, counts_alone            # target and draft forwards

@@ -130,14 +130,14 @@ def run_rank(ctx: DistContext | None, path: str, steps: list) -> list[dict]:
             q_lens=[len(c) for c in work[0]], seqs=work[0], is_decoding=work[2])
         plan = StepPlan.gather(batch, ctx) if ctx else None
         if work is None:
-            inputs = ARStrategy().make_dummy_inputs(plan.dummy_tokens_per_seq(0),
+            inputs = ARStrategy().make_dummy_inputs(plan.dummy_tokens_per_seq,
                                                     plan.any_decoding, 'cpu')
         else:
             chunks, history, decoding = work
             inputs = make_inputs(chunks, history, tables[:len(chunks)],
                                  list(range(1, len(chunks) + 1)), is_decoding=decoding)
         if plan is not None:
-            inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size, 0)
+            inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size)
         inputs.host_q_lens                  # the inputs' lengths on the host: not a forward value
         sent.clear()
         if ctx:
@@ -235,12 +235,28 @@ def test_forward_sizes_are_functions_of_the_plan():
     low-latency only when every rank with work decodes."""
     def plan(*rows):
         return StepPlan(torch.tensor(rows, dtype=torch.int64), tp=2)
-    prefill = plan([12, 2, 0, 1, 0], [12, 2, 0, 1, 0], [3, 1, 0, 1, 0], [3, 1, 0, 1, 0])
-    assert prefill.forward_sizes(3, 1, 0) == ForwardSizes(4, 12, 2, 2, low_latency=False)
-    decode_idle = plan([8, 2, 1, 1, 0], [8, 2, 1, 1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0])
-    dummy = decode_idle.dummy_tokens_per_seq(3)
-    sizes = decode_idle.forward_sizes(dummy, 1, 3)
+    prefill = plan([12, 2, 0, 1, 0, 0, 0], [12, 2, 0, 1, 0, 0, 0], [3, 1, 0, 1, 0, 0, 0],
+                   [3, 1, 0, 1, 0, 0, 0])
+    assert prefill.forward_sizes(3, 1) == ForwardSizes(4, 12, 2, 2, low_latency=False)
+    decode_idle = plan([8, 2, 1, 1, 0, 0, 3], [8, 2, 1, 1, 0, 0, 3], [0] * 7, [0] * 7)
+    dummy = decode_idle.dummy_tokens_per_seq
+    assert dummy == 4
+    sizes = decode_idle.forward_sizes(dummy, 1)
     assert sizes == ForwardSizes(4, 8, 2, 2, low_latency=True)
     assert sizes.one_token_per_seq() == ForwardSizes(2, 2, 2, 2, low_latency=True)
-    one_seq = plan([1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0])
-    assert one_seq.forward_sizes(dummy, 1, 3).max_tokens == 4      # the dummy's 1 + k tokens
+    one_seq = plan([2, 1, 1, 1, 0, 0, 3], [2, 1, 1, 1, 0, 0, 3], [0] * 7, [0] * 7)
+    assert one_seq.forward_sizes(dummy, 1).max_tokens == 4      # the dummy's 1 + k tokens
+
+
+def test_plan_agrees_on_the_smallest_draft_count():
+    """Each working rank proposes a draft count; the plan runs the smallest, and a decode
+    rank's token count is taken at that count (an idle rank's proposal does not count)."""
+    def plan(*rows):
+        return StepPlan(torch.tensor(rows, dtype=torch.int64), tp=2)
+    mixed = plan([8, 2, 1, 1, 0, 0, 3], [4, 2, 1, 1, 0, 0, 1], [0, 0, 0, 0, 0, 0, 0])
+    assert mixed.num_spec == 1
+    assert mixed.max_tokens == 4                   # 2 rows x (1 + 1) on either decode rank
+    assert mixed.dummy_tokens_per_seq == 2
+    prefill = plan([10, 2, 0, 1, 0, 0, 2], [0, 0, 0, 0, 0, 0, 0])
+    assert prefill.num_spec == 2 and prefill.max_tokens == 10
+    assert plan([0] * 7, [0] * 7).num_spec == 0

@@ -23,17 +23,23 @@ def strict_collectives(monkeypatch):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize('layout', [dict(dp=4, ep=4), dict(tp=2, dp=2, ep=4)],
-                         ids=['dp4_ep4', 'tp2_dp2_ep4'])
-def test_four_ranks_one_request_then_64(layout):
+@pytest.mark.parametrize('layout, dynamic', [(dict(dp=4, ep=4), False),
+                                             (dict(tp=2, dp=2, ep=4), False),
+                                             (dict(tp=2, dp=2, ep=4), True)],
+                         ids=['dp4_ep4', 'tp2_dp2_ep4', 'tp2_dp2_ep4_dynamic'])
+def test_four_ranks_one_request_then_64(layout, dynamic, monkeypatch):
+    """`dynamic`: k per step from the cycle on each rank, the plan's smallest proposal run."""
+    if dynamic:
+        accepting.cycle_draft_counts(monkeypatch)
     prompts = accepting.many_prompts(64)
     one = accepting.prompts()[1:2]
     start = time.monotonic()
     config = PytorchEngineConfig(**layout, **accepting.BASE, max_batch_size=64)
-    with pipeline(accepting.model_dir(), config, accepting.spec(K), progress=False) as pipe:
+    with pipeline(accepting.model_dir(), config, accepting.spec(K, dynamic=dynamic),
+                  progress=False) as pipe:
         alone = pipe([list(p) for p in one], accepting.GREEDY)     # the other tests' request
         many = pipe([list(p) for p in prompts], GEN)
     assert time.monotonic() - start < 500
-    assert_matches_reference(alone, K, one)
-    assert_matches_reference(many, K, prompts, GEN)
+    assert_matches_reference(alone, K, one, dynamic=dynamic)
+    assert_matches_reference(many, K, prompts, GEN, dynamic=dynamic)
     assert all(r.finish_reason == 'length' for r in many)

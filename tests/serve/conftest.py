@@ -43,10 +43,12 @@ def client(server):
 def spec_server(tmp_path_factory):
     """The embedded model (no model argument), MTP k=3, float64 (its greedy output equals plain
     greedy exactly, and its draft counts the single process's: tests/helpers/accepting), no API
-    key."""
+    key. Fixed k (--no-speculative-dynamic): per-request draft counts are then comparable with
+    the single process's."""
     from tests.serve.live_server import SPEC_K, Server
     srv = Server(None, str(tmp_path_factory.mktemp('log') / 'spec_server.log'),
-                 '--speculative-num-draft-tokens', str(SPEC_K), '--dtype', 'float64',
+                 '--speculative-num-draft-tokens', str(SPEC_K), '--no-speculative-dynamic',
+                 '--dtype', 'float64',
                  '--model-name', 'embedded')
     try:
         yield srv

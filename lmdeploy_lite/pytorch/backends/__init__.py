@@ -3,6 +3,7 @@ device backend (`backends/cuda`, Triton kernels) can replace the plain-PyTorch o
 
 Every backend provides (see `backends/default` for shapes and semantics):
     paged_attention(q, k, v, k_cache, v_cache, inputs, scale) -> [T, nq, head_dim]
+    store_kv(k, v, k_cache, v_cache, inputs) -> None   (the step's k/v into the paged caches only)
     causal_conv1d_prefill(x, weight, conv_cache, inputs) -> [T, C]
     causal_conv1d_update(x, weight, conv_cache, inputs) -> [T, C]
     gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]

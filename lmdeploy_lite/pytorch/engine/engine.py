@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from lmdeploy_lite.pytorch.nn.token_dispatcher import (allocate_buffers, prepare
 from lmdeploy_lite.pytorch.sampling import SamplingInputs
 from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
                                                      check_speculative_config, spec_plan)
+from lmdeploy_lite.pytorch.spec_decode.policy import DraftCountPolicy
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
 from lmdeploy_lite.pytorch.strategies.base import dummy_table_width
 
@@ -208,6 +210,9 @@ class Engine:
         num_slots = self.cache_config.num_state_slots
         self.agent = ModelAgent(model, caches, num_slots, self.device)
         self.strategy = ARStrategy()
+        # each rank's proposal of a step's draft count; the StepPlan agrees on one
+        self.draft_policy = (DraftCountPolicy.from_config(num_spec, spec.dynamic)
+                             if spec.enabled else None)
         if spec.enabled:
             self.agent, self.strategy = build_spec_decoding(
                 speculative_config, model_path, self.agent, self.model_config, self.cache_config,
@@ -303,6 +308,7 @@ class Engine:
         """One forward on every rank of the plan group: schedule -> plan -> inputs -> forward ->
         post -> update. With async scheduling a decode step is launched before the host applies
         the previous step's results (they reach it here, one step late)."""
+        start = time.perf_counter()
         self.dist.begin_step(self.num_steps)
         outputs, batch, continued = self._schedule()
         sampling = self._sampling_inputs(batch)
@@ -310,11 +316,42 @@ class Engine:
         if not plan.any_work or plan.shutdown:
             return outputs + self._finish(continued)
         self.num_steps += 1
+        batch = self._with_draft_count(batch, plan.num_spec)
         inputs = self._make_inputs(batch, continued, plan)
         result = self.agent.step(inputs, sampling)
         result = self.strategy.post_broadcast(result, self.agent, inputs, plan, self.dist)
         self.dist.end_step()
-        return outputs + self._update_or_hold(batch, inputs, result, continued)
+        outputs += self._update_or_hold(batch, inputs, result, continued)
+        if self.draft_policy is not None:
+            self._time_step(batch, plan.num_spec, time.perf_counter() - start)
+        return outputs
+
+    def _with_draft_count(self, batch: ScheduledBatch | None, k: int
+                          ) -> ScheduledBatch | None:
+        """The batch at the plan's draft count k (speculation): a decode row feeds k + 1
+        tokens and verifies the drafts its last step made, at most k (`row_drafts`; fewer when
+        that step drafted fewer: its extra positions are never accepted); every row then drafts
+        k. A new object: a continued batch is still its in-flight step's."""
+        if batch is None or self.draft_policy is None:
+            return batch
+        seqs = batch.seqs
+        if batch.is_decoding and self.spec_plan.needs_host_tokens:
+            row_drafts, q_lens = [k] * len(seqs), [k + 1] * len(seqs)   # drafted on the host now
+        elif batch.is_decoding:
+            row_drafts = [min(s.drafts_ready, k) for s in seqs]
+            q_lens = [k + 1] * len(seqs)
+        else:
+            row_drafts, q_lens = None, batch.q_lens
+        for seq in seqs:
+            seq.drafts_ready = k
+        return ScheduledBatch(seqs, q_lens, batch.is_decoding, k, row_drafts)
+
+    def _time_step(self, batch: ScheduledBatch | None, k: int, seconds: float):
+        """The draft-count policy learns decode steps' wall times (module policy.py)."""
+        if batch is not None and batch.is_decoding:
+            self.draft_policy.observe_time(len(batch.seqs), k, seconds)
+        else:
+            self.draft_policy.break_sequence()
 
     def _schedule(self) -> tuple[list[StepOutput], ScheduledBatch | None, InFlight | None]:
         """(outputs, this step's batch, the in-flight step it continues). Async scheduling runs
@@ -357,8 +394,10 @@ class Engine:
     def _gather_plan(self, batch: ScheduledBatch | None, sampling: SamplingInputs) -> StepPlan:
         """The StepPlan of the ranks that share this step's collectives; it carries the stop
         and whether any of them works (the executors poll `plan_busy`)."""
+        num_spec = (self.draft_policy.propose(len(batch.seqs))
+                    if batch is not None and self.draft_policy is not None else 0)
         plan = StepPlan.gather(batch, self.dist, self.stop_requested,
-                               sampled=not sampling.all_greedy)
+                               sampled=not sampling.all_greedy, num_spec=num_spec)
         self.stopped = plan.shutdown
         self.plan_busy = plan.any_work
         return plan
@@ -370,7 +409,7 @@ class Engine:
         padded size from the plan."""
         if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
             inputs = self.strategy.make_dummy_inputs(
-                plan.dummy_tokens_per_seq(self.num_spec_tokens), plan.any_decoding, self.device)
+                plan.dummy_tokens_per_seq, plan.any_decoding, self.device, plan.num_spec)
         elif continued is not None:
             inputs = self.strategy.make_next_decode_inputs(batch, continued.inputs,
                                                            continued.result, self.device)
@@ -378,8 +417,8 @@ class Engine:
             inputs = self.strategy.make_model_inputs(batch, self.device)
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
         inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
-        inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size,
-                                          self.num_spec_tokens)    # EP sizes and DeepEP mode
+        inputs.num_spec = plan.num_spec                       # drafts verified and made
+        inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size)  # EP, DeepEP mode
         prepare_dispatch(self.dist, inputs.sizes)       # DeepEP: capacity check, clean
         return inputs
 
@@ -406,16 +445,20 @@ class Engine:
         to its sequence is the strategy's (it keeps the speculative counters). A failure in one
         sequence's host work (stop checks, detokenizing) ends that request alone ('error')."""
         tokens = result.output_tokens.tolist()
-        accepted = (result.num_accepted_drafts.tolist() if result.num_accepted_drafts is not None
-                    else [None] * len(tokens))
+        verified = result.num_accepted_drafts is not None
+        accepted = result.num_accepted_drafts.tolist() if verified else [None] * len(tokens)
+        row_drafts = batch.row_drafts or [None] * len(tokens)
+        if verified and self.draft_policy is not None and batch.row_drafts is not None:
+            self.draft_policy.observe_acceptance(row_drafts, accepted)
         outputs = []
-        for seq, q_len, samples, row, num_accepted in zip(batch.seqs, batch.q_lens,
-                                                          batch.sample_mask, tokens, accepted):
+        for seq, q_len, samples, row, num_accepted, num_drafts in zip(
+                batch.seqs, batch.q_lens, batch.sample_mask, tokens, accepted, row_drafts):
             if seq.is_finished:                  # (async) finished while this step ran
                 continue
             num_tokens = len(seq.token_ids)
             try:
-                computed, emitted = self.strategy.emitted(seq, q_len, samples, row, num_accepted)
+                computed, emitted = self.strategy.emitted(seq, q_len, samples, row, num_accepted,
+                                                          num_drafts)
                 outputs.append(StepOutput(seq, self.scheduler.update(seq, computed, emitted)))
             except Exception as e:
                 del seq.token_ids[num_tokens:]   # what it emitted before this step stands

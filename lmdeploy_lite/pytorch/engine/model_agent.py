@@ -29,21 +29,37 @@ class ModelAgent:
         self.device = device
         # [num_state_slots] long: current recurrent-state slot / conv offset of each state row
         self.state_index = torch.zeros(num_state_slots, dtype=torch.long, device=device)
-        self.graph = None            # GraphRunner for decode steps (backends/cuda/graph_runner)
+        # q_len -> GraphRunner for decode steps (backends/cuda/graph_runner): 1, or each verify
+        # width k + 1 a speculative step may run
+        self.graphs = {}
 
-    def enable_graphs(self, buckets: list[int], max_blocks: int, q_len: int = 1, recorder=None):
-        """Capture the decode forward (q_len tokens per sequence) for each batch bucket;
-        `recorder`: the DistContext whose collective trace replays extend."""
+    @property
+    def graph(self):
+        """The runner of the widest decode step (None without graphs)."""
+        return self.graphs[max(self.graphs)] if self.graphs else None
+
+    def enable_graphs(self, buckets: list[int], max_blocks: int, q_lens: list[int] = (1,),
+                      recorder=None):
+        """Capture the decode forward (q_len tokens per sequence, for each of `q_lens`) for
+        each batch bucket; `recorder`: the DistContext whose collective trace replays extend.
+        The widths share one memory pool (a step replays one of them, and its output is read
+        before the next step's replay)."""
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
-        self.graph = GraphRunner(lambda inputs: self.model(inputs, self.caches), 'target', q_len,
-                                 buckets, max_blocks, [], self.device, recorder=recorder)
-        self.graph.capture()
+        pool = None
+        for q_len in sorted(q_lens, reverse=True):
+            runner = GraphRunner(lambda inputs: self.model(inputs, self.caches), 'target', q_len,
+                                 buckets, max_blocks, [], self.device, pool=pool,
+                                 recorder=recorder)
+            runner.capture()
+            pool = runner.pool
+            self.graphs[q_len] = runner
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """[T, H] post-final-norm hidden states; linear attention reads the current state slots."""
         inputs.state_index = self.state_index[inputs.state_slots]
-        if self.graph is not None and self.graph.can_run(inputs):
-            return self.graph(inputs)
+        runner = self.graphs.get(inputs.uniform_q_len) if inputs.is_decoding else None
+        if runner is not None and runner.can_run(inputs):
+            return runner(inputs)
         return self.model(inputs, self.caches)
 
     def set_state_index(self, state_slots: torch.Tensor, index: torch.Tensor | int):

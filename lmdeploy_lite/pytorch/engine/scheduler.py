@@ -35,6 +35,9 @@ class ScheduledBatch:
     seqs: list[Sequence]
     q_lens: list[int]              # tokens fed per sequence this step
     is_decoding: bool
+    # speculation, set once the StepPlan agreed on the step's draft count (Engine.step):
+    num_spec: int = 0                      # drafts each row verifies (decoding) and makes
+    row_drafts: list[int] | None = None    # decoding: real drafts each row verifies (<= num_spec)
 
     @property
     def num_decode_rows(self) -> int:

@@ -31,6 +31,7 @@ class Sequence:
     error: str | None = None              # why, when finish_reason == 'error' (set once, at the end)
     generator: torch.Generator | None = None
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
+    drafts_ready: int = 0                 # drafts its last step made (the next verify's at most)
     stop_ids: frozenset[int] | None = None   # token ids that end it (StopChecker, computed once)
 
     @property

@@ -18,6 +18,9 @@ Where each size comes from:
     count, the largest of any rank (the EP dispatch capacity, an idle rank's dummy included,
     `dummy_tokens_per_seq`), the same two for the draft's one-token-per-sequence forwards, and
     DeepEP's mode (`all_decoding`: low-latency).
+  * the step's draft count k (`num_spec`: the verify width k + 1 of a decode step, the drafts
+    every step makes): each rank proposes one (spec_decode/policy.py), the plan takes the
+    smallest proposal of a working rank, so every rank runs the same shapes and draft loop.
 Whether a step ships extra data is in the plan too (`any_sampled`: TP rank 0's sampled drafts'
 distributions go to its peers), so every rank of the group runs the same collectives.
 """
@@ -30,8 +33,9 @@ import torch
 
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 
-FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown', 'sampled')
-_NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN, _SAMPLED = range(len(FIELDS))
+FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown', 'sampled',
+          'num_spec')
+_NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN, _SAMPLED, _NUM_SPEC = range(len(FIELDS))
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -44,19 +48,22 @@ class StepPlan:
     tp: int = 1
 
     @staticmethod
-    def local_row(batch, tp: int, shutdown: bool, sampled: bool = False) -> torch.Tensor:
+    def local_row(batch, tp: int, shutdown: bool, sampled: bool = False, num_spec: int = 0
+                  ) -> torch.Tensor:
         """This rank's row; token counts are rounded up to a multiple of tp first. `sampled`:
-        some row of the batch samples (not greedy) this step."""
+        some row of the batch samples (not greedy) this step; `num_spec`: the draft count this
+        rank proposes (ignored without a batch). A decode batch's token count is taken at
+        `num_spec` drafts per row, the width it runs with if the plan agrees."""
         if batch is None:
-            return torch.tensor([0, 0, 0, 0, int(shutdown), 0], dtype=torch.int64)
-        return torch.tensor([round_up(sum(batch.q_lens), tp), len(batch.seqs),
-                             int(batch.is_decoding), 1, int(shutdown), int(sampled)],
-                            dtype=torch.int64)
+            return torch.tensor([0, 0, 0, 0, int(shutdown), 0, 0], dtype=torch.int64)
+        tokens = ((1 + num_spec) * len(batch.seqs) if batch.is_decoding else sum(batch.q_lens))
+        return torch.tensor([round_up(tokens, tp), len(batch.seqs), int(batch.is_decoding), 1,
+                             int(shutdown), int(sampled), num_spec], dtype=torch.int64)
 
     @classmethod
-    def gather(cls, batch, dist_ctx, shutdown: bool = False, sampled: bool = False
-               ) -> 'StepPlan':
-        row = cls.local_row(batch, dist_ctx.config.tp, shutdown, sampled)
+    def gather(cls, batch, dist_ctx, shutdown: bool = False, sampled: bool = False,
+               num_spec: int = 0) -> 'StepPlan':
+        row = cls.local_row(batch, dist_ctx.config.tp, shutdown, sampled, num_spec)
         return cls(dist_ctx.all_gather(row, dist_ctx.plan_group), dist_ctx.config.tp)
 
     @cached_property
@@ -89,28 +96,41 @@ class StepPlan:
         busy = [d for w, d in zip(self._columns[_WORK], self._columns[_DECODING]) if w]
         return bool(busy) and all(busy)
 
-    @property
+    @cached_property
+    def num_spec(self) -> int:
+        """The step's draft count: the smallest that a working rank proposed (0 without
+        speculation). A decode step verifies this many drafts per row; every step makes this
+        many."""
+        proposals = [k for w, k in zip(self._columns[_WORK], self._columns[_NUM_SPEC]) if w]
+        return min(proposals, default=0)
+
+    @cached_property
     def max_tokens(self) -> int:
-        """The largest per-rank token count (a multiple of tp): EP dispatch capacity."""
-        return max(self._columns[_NUM_TOKENS])
+        """The largest per-rank token count (a multiple of tp): EP dispatch capacity. A decode
+        row counts at the agreed `num_spec` (a rank that proposed more drafts runs fewer)."""
+        k, tp = self.num_spec, self.tp
+        return max(round_up((1 + k) * b, tp) if d else n for n, b, d in
+                   zip(self._columns[_NUM_TOKENS], self._columns[_BATCH],
+                       self._columns[_DECODING]))
 
     @property
     def max_batch_size(self) -> int:
         """The largest per-rank batch: every rank's CUDA-graph decode step pads to its bucket."""
         return max(self._columns[_BATCH])
 
-    def forward_sizes(self, num_tokens: int, num_seqs: int, num_spec_tokens: int) -> ForwardSizes:
+    def forward_sizes(self, num_tokens: int, num_seqs: int) -> ForwardSizes:
         """Sizes of this rank's forward of `num_tokens` tokens in `num_seqs` sequences (its batch,
         or its dummy inputs when idle), tp-aligned; the maxima cover an idle rank's dummy (one
         sequence of `dummy_tokens_per_seq` tokens)."""
         max_tokens, max_seqs = self.max_tokens, self.max_batch_size
         if not all(self._columns[_WORK]):
-            max_tokens = max(max_tokens, self.dummy_tokens_per_seq(num_spec_tokens))
+            max_tokens = max(max_tokens, self.dummy_tokens_per_seq)
             max_seqs = max(max_seqs, 1)
         tp = self.tp
         return ForwardSizes(round_up(num_tokens, tp), round_up(max_tokens, tp),
                             round_up(num_seqs, tp), round_up(max_seqs, tp), self.all_decoding)
 
-    def dummy_tokens_per_seq(self, num_spec_tokens: int) -> int:
+    @property
+    def dummy_tokens_per_seq(self) -> int:
         """An idle rank feeds one sequence shaped like the busiest kind of step in the plan."""
-        return 1 + num_spec_tokens if self.any_decoding else 1
+        return 1 + self.num_spec if self.any_decoding else 1

@@ -64,13 +64,26 @@ class Qwen3_5MTP(nn.Module):
         post-norm hidden (or this head's previous output when drafting recursively); positions,
         lengths and block tables from `inputs`; `caches[layer_idx]` = this head's (k, v) cache.
         Returns the post-`norm` hidden [T, H]."""
-        embeds = self.pre_fc_norm_embedding(self.embed_tokens(input_ids))
-        hidden = self.pre_fc_norm_hidden(target_hidden.to(embeds.dtype))
-        hidden = self.fc(torch.cat([embeds, hidden], dim=-1))
+        hidden = self._layer_input(input_ids, target_hidden)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         layer_idx %= len(self.layers)
         hidden, residual = self.layers[layer_idx](hidden, None, rope, caches[layer_idx], inputs)
         return self.norm(hidden, residual)[0]
+
+    def _layer_input(self, input_ids: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        embeds = self.pre_fc_norm_embedding(self.embed_tokens(input_ids))
+        hidden = self.pre_fc_norm_hidden(target_hidden.to(embeds.dtype))
+        return self.fc(torch.cat([embeds, hidden], dim=-1))
+
+    def write_kv(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, inputs: ModelInputs,
+                 caches) -> None:
+        """What `forward` (layer 0) writes to this head's KV cache, and nothing else: a step
+        that drafts nothing keeps the head's cache complete for later drafts at the cost of fc
+        and the K/V projections (no attention, MLP or LM head)."""
+        hidden = self._layer_input(input_ids, target_hidden)
+        rope = self.rotary_emb(inputs.positions, hidden.dtype)
+        layer = self.layers[0]
+        layer.self_attn.store_kv(layer.input_layernorm(hidden), rope, caches[0], inputs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> [N, V] through the shared LM head (float32, float64 if the model is)."""

@@ -68,3 +68,16 @@ class GatedAttention(nn.Module):
         out = self.backend.paged_attention(q, k, v, kv_cache[0], kv_cache[1], inputs, self.scale)
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)
+
+    def store_kv(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs):
+        """Only the cache writes of `forward`: the same k/v (same projections, norm and RoPE)
+        stored at the step's positions, without queries, attention or o_proj."""
+        num_tokens = hidden.shape[0]
+        if self.qkv_proj is not None:
+            _, k, v = self.qkv_proj(hidden)
+        else:
+            k, v = self.k_proj(hidden), self.v_proj(hidden)
+        k = apply_rotary(self.k_norm(k.view(num_tokens, -1, self.head_dim)), *rope)
+        self.backend.store_kv(k, v.view(num_tokens, -1, self.head_dim), kv_cache[0], kv_cache[1],
+                              inputs)

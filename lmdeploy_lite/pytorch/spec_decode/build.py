@@ -115,6 +115,7 @@ class SpecPlan:
     draft_probs_bytes_per_slot: int = 0    # q [k, vocab or M] per state slot for sampled drafts
     needs_host_tokens: bool = False        # proposals read accepted tokens on the host
     proposer: str = ''                     # the method's name, for messages only
+    dynamic: bool = False                  # each step's draft count chosen in 0..k (policy.py)
 
     @property
     def enabled(self) -> bool:
@@ -135,12 +136,13 @@ def spec_plan(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: 
     k = spec.num_speculative_tokens
     draft = draft_footprint(spec, model_config, dtype, target)
     if not uses_draft_model(spec):
-        return SpecPlan(k, draft=draft, needs_host_tokens=True, proposer=spec.method)
+        return SpecPlan(k, draft=draft, needs_host_tokens=True, proposer=spec.method,
+                        dynamic=spec.dynamic)
     draft_vocab = (model_config.vocab_size if spec.draft_token_map is None else
                    len(load_token_map(spec.draft_token_map, model_config.vocab_size)))
     probs_bytes = k * draft_vocab * probs_dtype(dtype).itemsize
     return SpecPlan(k, num_draft_extra=k - 1, draft=draft, draft_probs_bytes_per_slot=probs_bytes,
-                    proposer=spec.method)
+                    proposer=spec.method, dynamic=spec.dynamic)
 
 
 def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelAgent,
@@ -177,5 +179,5 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
     else:
         host_proposer = NgramProposer(k, spec.ngram_min, spec.ngram_max)
     agent = SpecAgent(target, proposer, k, cache_config.num_state_slots, model_config.vocab_size,
-                      probs_dtype(dtype), token_map)
+                      probs_dtype(dtype), token_map, dynamic=spec.dynamic)
     return agent, ARSpecStrategy(k, host_proposer)

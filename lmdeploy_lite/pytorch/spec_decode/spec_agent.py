@@ -1,7 +1,11 @@
 """One speculative step on one rank: verify -> accept -> bonus -> draft (DESIGN.md "One step").
 
+Each step verifies and makes `inputs.num_spec` drafts (the StepPlan's k, in 0..max k; 0: a
+plain decode step, after which the draft head only writes its KV for the step's positions).
+
 Device-resident decode state, one row per linear-attention state slot (DESIGN.md invariant 7):
-`last_token` (the bonus token of the last step), `drafts` [k] and, with a device proposer (the
+`last_token` (the bonus token of the last step), `drafts` [k], `num_drafted` (how many drafts
+the slot's last step made: a verify accepts no more than those) and, with a device proposer (the
 MTP head), the draft distribution `draft_probs` [k, V] that verifying a sampled draft needs ([k, M]
 over a token map's M ids when the draft's vocabulary is reduced: q is zero elsewhere). All
 of it is allocated here at start-up, sized by the state slots of the KV plan, which charges
@@ -25,14 +29,17 @@ class SpecAgent:
 
     def __init__(self, target: ModelAgent, proposer, num_spec_tokens: int, num_state_slots: int,
                  vocab_size: int, probs_dtype: torch.dtype = torch.float32,
-                 token_map: torch.Tensor | None = None):
+                 token_map: torch.Tensor | None = None, dynamic: bool = False):
         self.target = target
+        # the draft counts a step may run (graphs are captured for each)
+        self.draft_counts = list(range(num_spec_tokens + 1)) if dynamic else [num_spec_tokens]
         self.proposer = proposer          # MTPProposer (drafts on the device), or None (host drafts)
         self.k = num_spec_tokens
         self.vocab_size = vocab_size
         device = target.device
         self.last_token = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         self.drafts = torch.zeros(num_state_slots, num_spec_tokens, dtype=torch.long, device=device)
+        self.num_drafted = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         # [slots, k, V] ([slots, k, M] over token_map's ids): q of each slot's drafts, written
         # when its batch samples; None without a device proposer (host drafts are deterministic)
         draft_vocab = vocab_size if token_map is None else token_map.numel()
@@ -43,11 +50,15 @@ class SpecAgent:
         if token_map is not None:
             self.rejection_sampler = partial(rejection_sample, token_map=token_map)
 
-    def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None):
-        """CUDA graphs for the verify forward (k + 1 tokens per sequence) and the draft steps."""
-        self.target.enable_graphs(buckets, max_blocks, q_len=self.k + 1, recorder=recorder)
+    def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None,
+                      draft_counts: list[int] | None = None):
+        """CUDA graphs for the verify forward (k + 1 tokens per sequence) and the draft steps,
+        for each draft count k a step may run (`draft_counts`, default the maximum only)."""
+        counts = sorted(set(draft_counts or self.draft_counts))
+        self.target.enable_graphs(buckets, max_blocks, q_lens=[k + 1 for k in counts],
+                                  recorder=recorder)
         if self.proposer is not None:
-            self.proposer.enable_graphs(buckets, max_blocks, recorder=recorder)
+            self.proposer.enable_graphs(buckets, max_blocks, counts, recorder=recorder)
 
     @torch.inference_mode()
     def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
@@ -64,25 +75,28 @@ class SpecAgent:
         # chunk the token just sampled (a non-final chunk's drafts are discarded)
         next_ids = torch.roll(inputs.input_ids, -1)
         next_ids[last_rows] = torch.where(inputs.next_token_ids >= 0, inputs.next_token_ids, tokens)
-        self._save_drafts(inputs, hidden, next_ids, last_rows, sampling)
+        self._save_drafts(inputs, hidden, next_ids, last_rows, sampling, inputs.num_spec)
         self.last_token[inputs.state_slots] = tokens
         return StepResult(tokens[:, None])
 
     def _verify_and_draft(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
-        slots, k = inputs.state_slots, self.k
+        slots, k = inputs.state_slots, inputs.num_spec
         batch = slots.numel()
-        # 1. inputs [last accepted token, d1..dk], built on the device from the last step
+        # 1. inputs [last accepted token, d1..dk], built on the device from the last step; a
+        #    slot whose last step drafted fewer than k verifies only those (num_drafts)
         if inputs.draft_tokens is None:
-            drafts = self.drafts[slots]
+            drafts = self.drafts[slots, :k]
             inputs.input_ids = torch.cat([self.last_token[slots, None], drafts], 1).flatten()
-            draft_probs = None if sampling.all_greedy else self.draft_probs[slots]
-        else:
-            drafts, draft_probs = inputs.draft_tokens, None    # host drafts are deterministic
+            draft_probs = None if sampling.all_greedy else self.draft_probs[slots, :k]
+            num_drafts = self.num_drafted[slots].clamp_(max=k)
+        else:                                   # host drafts: all k real and deterministic
+            drafts, draft_probs, num_drafts = inputs.draft_tokens, None, None
         # 2. verify: one target forward over the k + 1 positions
         hidden = self.target.forward(inputs)
         logits = self.target.model.compute_logits(hidden).view(batch, k + 1, -1)
         # 3. accept a prefix of the drafts, then one correction or bonus token
-        output_tokens, num_accepted = self.rejection_sampler(logits, drafts, draft_probs, sampling)
+        output_tokens, num_accepted = self.rejection_sampler(logits, drafts, draft_probs, sampling,
+                                                             num_drafts)
         # 4. rollback is arithmetic: the next step reads the state after the last accepted token
         #    (slot num_accepted); rejected KV entries are overwritten by later steps
         self.target.set_state_index(slots, num_accepted)
@@ -91,13 +105,16 @@ class SpecAgent:
         # 5. draft the next k tokens from the last accepted position; positions past it carry
         #    -1 placeholders, clamped to a valid id before the embedding lookup
         next_ids = output_tokens.clamp(min=0).flatten()
-        self._save_drafts(inputs, hidden, next_ids, inputs.q_start_loc + num_accepted, sampling)
+        self._save_drafts(inputs, hidden, next_ids, inputs.q_start_loc + num_accepted, sampling, k)
         return StepResult(output_tokens, num_accepted)
 
-    def _save_drafts(self, inputs, hidden, next_ids, rows, sampling):
+    def _save_drafts(self, inputs, hidden, next_ids, rows, sampling, k: int):
         if self.proposer is None:
             return
-        drafts, probs = self.proposer.propose(inputs, hidden, next_ids, rows, sampling)
-        self.drafts[inputs.state_slots] = drafts
+        slots = inputs.state_slots
+        drafts, probs = self.proposer.propose(inputs, hidden, next_ids, rows, sampling, k)
+        self.num_drafted.index_fill_(0, slots, k)
+        if k:
+            self.drafts[slots, :k] = drafts
         if probs is not None:
-            self.draft_probs[inputs.state_slots] = probs
+            self.draft_probs[slots, :k] = probs

@@ -60,13 +60,15 @@ class Strategy:
         still run. Lengths advance on the device by what it emitted, so the host does not need
         to know; block tables come from the host (reserved ahead by the scheduler)."""
         history = prev.history_lens + self.emitted_per_row(prev_result)
-        n = prev.uniform_q_len
+        n = batch.q_lens[0]                  # the plan's width (speculation: k may change)
         positions = (history[:, None] + torch.arange(n, device=history.device)).flatten()
         width = max(len(s.blocks) for s in batch.seqs)
         table = to_device(torch.tensor([s.blocks + [0] * (width - len(s.blocks))
                                         for s in batch.seqs], dtype=torch.long), device)
         return ModelInputs(input_ids=self.next_input_ids(prev_result, n), positions=positions,
-                           q_lens=prev.q_lens, history_lens=history, block_tables=table,
+                           q_lens=(prev.q_lens if n == prev.uniform_q_len
+                                   else torch.full_like(prev.q_lens, n)),
+                           history_lens=history, block_tables=table,
                            state_slots=prev.state_slots,
                            state_index=torch.zeros_like(prev.state_slots), is_decoding=True,
                            uniform_q_len=n)
@@ -79,8 +81,8 @@ class Strategy:
         """[B * q_len] long on the device: the next decode step's token ids (or placeholders)."""
         raise NotImplementedError
 
-    def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device
-                          ) -> ModelInputs:
+    def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device,
+                          num_spec: int = 0) -> ModelInputs:
         """One sequence of `num_tokens_per_seq` padding tokens for a rank with no work, so that
         its collectives match the busy ranks' (sizes from the StepPlan). Every block-table entry
         is the reserved block 0 and the state row is the reserved slot 0: its cache writes
@@ -99,9 +101,10 @@ class Strategy:
         return result
 
     def emitted(self, seq, q_len: int, samples: bool, row: list[int],
-                num_accepted: int | None) -> tuple[int, list[int]]:
+                num_accepted: int | None, num_drafts: int | None = None
+                ) -> tuple[int, list[int]]:
         """On the host, one sequence's share of a step's result: (tokens now in its cache, the
         tokens it emits). `row`: its output tokens; `samples`: the step sampled for it (a
         non-final prefill chunk does not); `num_accepted`: its accepted drafts (None: no
-        verify)."""
+        verify) out of `num_drafts` real drafts."""
         return q_len, row[:1] if samples else []

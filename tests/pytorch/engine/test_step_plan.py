@@ -16,20 +16,23 @@ def batch(q_lens, decoding):
 
 def test_row_is_fixed_shape_and_rounds_tokens_to_tp():
     assert StepPlan.local_row(batch([3, 4], False), tp=4, shutdown=False).tolist() == \
-        [8, 2, 0, 1, 0, 0]
+        [8, 2, 0, 1, 0, 0, 0]
     assert StepPlan.local_row(batch([1], True), tp=1, shutdown=False, sampled=True).tolist() == \
-        [1, 1, 1, 1, 0, 1]
-    assert StepPlan.local_row(None, tp=2, shutdown=True).tolist() == [0, 0, 0, 0, 1, 0]
+        [1, 1, 1, 1, 0, 1, 0]
+    # a decode batch's tokens at the proposed draft count (its q_lens may be wider)
+    assert StepPlan.local_row(batch([4, 4, 4], True), tp=2, shutdown=False,
+                              num_spec=2).tolist() == [10, 3, 1, 1, 0, 0, 2]
+    assert StepPlan.local_row(None, tp=2, shutdown=True).tolist() == [0, 0, 0, 0, 1, 0, 0]
     assert StepPlan.local_row(None, tp=1, shutdown=False).shape == (len(FIELDS),)
 
 
 def test_sizes_are_functions_of_the_plan():
-    rows = torch.stack([StepPlan.local_row(batch([4, 4], True), 2, False),
+    rows = torch.stack([StepPlan.local_row(batch([4, 4], True), 2, False, num_spec=3),
                         StepPlan.local_row(None, 2, False)])
     plan = StepPlan(rows, tp=2)
     assert plan.any_work and plan.any_decoding and not plan.shutdown
-    assert plan.max_tokens == 8
-    assert plan.dummy_tokens_per_seq(num_spec_tokens=3) == 4       # idle rank mirrors a verify
+    assert plan.max_tokens == 8 and plan.num_spec == 3
+    assert plan.dummy_tokens_per_seq == 4       # idle rank mirrors a verify
     assert not plan.any_sampled            # a greedy step ships no draft distributions
     sampled = StepPlan(torch.stack([rows[0], StepPlan.local_row(batch([1], True), 2, False,
                                                                  sampled=True)]), tp=2)
@@ -41,7 +44,7 @@ def test_sizes_are_functions_of_the_plan():
 def test_single_process_gather_runs_no_collective():
     ctx = DistContext.single()
     plan = StepPlan.gather(batch([5], False), ctx)
-    assert plan.rows.tolist() == [[5, 1, 0, 1, 0, 0]] and ctx.trace == []
+    assert plan.rows.tolist() == [[5, 1, 0, 1, 0, 0, 0]] and ctx.trace == []
 
 
 def test_the_plan_spans_the_ranks_that_share_collectives():

@@ -24,7 +24,8 @@ def make_engine(path, spec=None, **kw):
 
 
 def mtp(k):
-    return SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k)
+    """Fixed k: the tests here check per-step draft counts (test_dynamic_k.py: dynamic k)."""
+    return SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k, dynamic=False)
 
 
 @pytest.fixture(scope='module')
@@ -86,7 +87,8 @@ class OracleProposer:
 
 
 def oracle_engine(path, k, correct, continuations, **kw):
-    engine = make_engine(path, SpeculativeConfig(method='ngram', num_speculative_tokens=k), **kw)
+    engine = make_engine(path, SpeculativeConfig(method='ngram', num_speculative_tokens=k,
+                                                 dynamic=False), **kw)
     engine.strategy.host_proposer = OracleProposer(continuations, k, correct)
     return engine
 

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ...model_inputs import ModelInputs
+from ..default.paged_attention import fill_kv_cache as default_fill_kv_cache
 from ..default.paged_attention import paged_attention as default_paged_attention
 
 MAX_SPLITS = 64           # decode: most splits of one sequence's KV
@@ -271,6 +272,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
              inputs: ModelInputs) -> None:
     """Write k, v `[T, n_kv, head_dim]` into the caches at the step's slots (no host sync when
     `inputs.uniform_q_len` is set)."""
+    if k.dtype == torch.float64:          # float64 (reference runs): the plain-PyTorch op
+        return default_fill_kv_cache(k, v, k_cache, v_cache, inputs)
     num_tokens, n_kv, head_dim = k.shape
     block_size = k_cache.shape[1]
     _store_kv_kernel[(num_tokens, n_kv)](

@@ -3,12 +3,13 @@ from .causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
 from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating
 from .moe import fused_moe, fused_moe_masked
 from .norm import add_rms_norm, gated_rms_norm, rms_norm, silu_mul
-from .paged_attention import paged_attention
+from .paged_attention import fill_kv_cache, paged_attention
 
 
 class DefaultBackend:
     name = 'default'
     paged_attention = staticmethod(paged_attention)
+    store_kv = staticmethod(fill_kv_cache)
     causal_conv1d_prefill = staticmethod(causal_conv1d_prefill)
     causal_conv1d_update = staticmethod(causal_conv1d_update)
     gated_delta_rule_prefill = staticmethod(gated_delta_rule_prefill)

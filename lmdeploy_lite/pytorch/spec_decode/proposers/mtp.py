@@ -4,7 +4,9 @@ Its KV cache is its own (one full-attention layer) on the target's block table. 
 runs the head over every position the target just ran — the pair (target hidden h_t, token
 x_{t+1}) at position t — so its cache stays complete, then drafts k tokens from the row of the
 last accepted position, reusing the one layer for each step at position + 1 and feeding it its
-own normed output (qwen3_5.md section 3).
+own normed output (qwen3_5.md section 3). A step that drafts nothing (k = 0, the StepPlan's
+choice) only writes the head's KV for the positions just run (`Qwen3_5MTP.write_kv`), so later
+drafts see a complete cache.
 """
 from __future__ import annotations
 
@@ -24,19 +26,34 @@ class MTPProposer:
         self.compute_logits = compute_logits          # the target's LM head (or ReducedLMHead)
         self.token_map = token_map    # [M] long: logits index it (token_map.py); None: full vocab
         self.num_spec_tokens = num_spec_tokens
-        self.graphs = {}           # q_len -> GraphRunner: k + 1 (over a verify step), 1 (drafting)
+        # q_len -> GraphRunner: k + 1 over a verify step of k drafts (each k a step may run),
+        # 1 for each draft step; `kv_graphs`: the KV-only pass of a step that drafts nothing
+        self.graphs, self.kv_graphs = {}, {}
 
-    def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None):
+    def enable_graphs(self, buckets: list[int], max_blocks: int,
+                      draft_counts: list[int] | None = None, recorder=None):
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
         weight = self.mtp.fc.weight
-        hidden = ((weight.shape[0],), weight.dtype)
-        for q_len in sorted({self.num_spec_tokens + 1, 1}):
+        extras = [((), torch.long), ((weight.shape[0],), weight.dtype)]
+        counts = sorted(set(draft_counts or [self.num_spec_tokens]), reverse=True)
+        pool = None
+        for q_len in [k + 1 for k in counts if k] + [1]:
             runner = GraphRunner(lambda inputs, ids, h: self.mtp(ids, h, inputs, self.caches),
-                                 'mtp draft', q_len, buckets, max_blocks,
-                                 [((), torch.long), hidden], weight.device,
-                                 recorder=recorder)
+                                 'mtp draft', q_len, buckets, max_blocks, extras, weight.device,
+                                 pool=pool, recorder=recorder)
             runner.capture()
-            self.graphs[q_len] = runner
+            pool = runner.pool
+            self.graphs.setdefault(q_len, runner)
+        if 0 in counts:
+            runner = GraphRunner(self._write_kv, 'mtp kv', 1, buckets, max_blocks, extras,
+                                 weight.device, pool=pool, recorder=recorder)
+            runner.capture()
+            self.kv_graphs[1] = runner
+
+    def _write_kv(self, inputs: ModelInputs, input_ids: torch.Tensor, hidden: torch.Tensor
+                  ) -> torch.Tensor:
+        self.mtp.write_kv(input_ids, hidden, inputs, self.caches)
+        return hidden[:, :0]                  # a graph runner returns a tensor; nothing to read
 
     def _run_mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor,
                  inputs: ModelInputs) -> torch.Tensor:
@@ -46,18 +63,27 @@ class MTPProposer:
         return self.mtp(input_ids, hidden, inputs, self.caches)
 
     def propose(self, inputs: ModelInputs, target_hidden: torch.Tensor, next_ids: torch.Tensor,
-                rows: torch.Tensor, sampling: SamplingInputs
+                rows: torch.Tensor, sampling: SamplingInputs, num_drafts: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """inputs/target_hidden [T, H]: the target step just run; next_ids [T] long: the token
         after each position (any valid id where unknown: that KV entry is rewritten later);
-        rows [B] long: each sequence's row whose successor is the first draft.
+        rows [B] long: each sequence's row whose successor is the first draft; num_drafts: k
+        (default the maximum; 0: write the head's KV only).
         Returns drafts [B, k] long and, if any row samples, q [B, k, V] (the draft distribution;
         [B, k, M] over token_map's ids with a reduced vocabulary)."""
+        k = self.num_spec_tokens if num_drafts is None else num_drafts
+        if k == 0:
+            runner = self.kv_graphs.get(inputs.uniform_q_len)
+            if runner is not None and runner.can_run(inputs):
+                runner(inputs, next_ids, target_hidden)
+            else:
+                self.mtp.write_kv(next_ids, target_hidden, inputs, self.caches)
+            return rows.new_empty((rows.numel(), 0)), None
         hidden = self._run_mtp(next_ids, target_hidden, inputs)[rows]
         positions = inputs.positions[rows]
         ones = torch.ones_like(positions)
         drafts, probs = [], []
-        for i in range(self.num_spec_tokens):
+        for i in range(k):
             if i > 0:   # the same layer again, one position on, fed its own output
                 step = ModelInputs(input_ids=drafts[-1], positions=positions + i, q_lens=ones,
                                    history_lens=positions + i, block_tables=inputs.block_tables,

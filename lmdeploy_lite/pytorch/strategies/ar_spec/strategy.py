@@ -35,9 +35,9 @@ class ARSpecStrategy(Strategy):
                                        [s.state_slot for s in seqs], False, device)
             inputs.next_token_ids = torch.tensor(nexts, dtype=torch.long, device=device)
             return inputs
-        k = self.num_spec_tokens
+        k = batch.num_spec
         if self.host_proposer is not None:
-            drafts = [self.host_proposer.propose(s.token_ids) for s in seqs]
+            drafts = [self.host_proposer.propose(s.token_ids)[:k] for s in seqs]
             chunks = [[s.token_ids[-1]] + d for s, d in zip(seqs, drafts)]
         else:
             drafts, chunks = None, [[-1] * (k + 1) for _ in seqs]
@@ -54,12 +54,11 @@ class ARSpecStrategy(Strategy):
         # placeholders: the spec agent builds [bonus, drafts] from its device tables
         return result.output_tokens.new_full((result.output_tokens.shape[0] * q_len,), -1)
 
-    def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device
-                          ) -> ModelInputs:
+    def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device,
+                          num_spec: int = 0) -> ModelInputs:
         inputs = super().make_dummy_inputs(num_tokens_per_seq, is_decoding, device)
         if self.host_proposer is not None and is_decoding:
-            inputs.draft_tokens = torch.zeros(1, self.num_spec_tokens, dtype=torch.long,
-                                              device=device)
+            inputs.draft_tokens = torch.zeros(1, num_spec, dtype=torch.long, device=device)
         inputs.next_token_ids = torch.zeros(1, dtype=torch.long, device=device)
         return inputs
 
@@ -87,10 +86,14 @@ class ARSpecStrategy(Strategy):
         return result
 
     def emitted(self, seq, q_len: int, samples: bool, row: list[int],
-                num_accepted: int | None) -> tuple[int, list[int]]:
+                num_accepted: int | None, num_drafts: int | None = None
+                ) -> tuple[int, list[int]]:
         if num_accepted is None:                  # prefill chunk: one token at most
             return super().emitted(seq, q_len, samples, row, num_accepted)
-        seq.spec_stats.add(self.num_spec_tokens, num_accepted)
-        self.stats.add(self.num_spec_tokens, num_accepted)
+        if num_drafts is None:
+            num_drafts = q_len - 1
+        if num_drafts:                            # a row with no drafts verified nothing
+            seq.spec_stats.add(num_drafts, num_accepted)
+            self.stats.add(num_drafts, num_accepted)
         # fed [last, d1..dk]: last and the accepted drafts are now in the cache
         return 1 + num_accepted, row[:num_accepted + 1]

@@ -1,0 +1,169 @@
+"""How many drafts each step verifies and makes: k in 0..max_k, chosen per step.
+
+A step with k drafts costs t(b, k) (b: the batch-size bucket) and emits, per sequence,
+E(k) = 1 + c_0 + ... + c_{k-1} tokens on average, where c_i = P(more than i drafts accepted) is
+the measured acceptance at draft position i. The policy picks the k with the most tokens per
+second, E(k) / t(b, k), so speculation is never slower than plain decoding (k = 0) by more than
+what it costs to keep measuring.
+
+What it measures, on the host, from steps that already ran:
+  * c_i: decayed counts of rows that drafted position i and of those that accepted it (drafts do
+    not depend on k, so any step with more than i drafts measures c_i);
+  * t(b, k): a moving average of the step's wall time, recorded only when the step before it ran
+    the same (b, k) (with async scheduling a step's wall time is its predecessor's device time).
+Cells not yet measured are estimated from the prior (every draft position accepted with
+`prior_acceptance`, and a draft position costing `prior_draft_cost` of a k = 0 step) or from
+the measured ks around them, and tried: at a new bucket each k runs for `explore_steps` steps
+once, best estimate first (a step's cost is not linear in k: the first draft carries the verify
+width and the head's pass over the verified positions, so no cell is left to extrapolation),
+and every `revisit_every` steps at a bucket the neighbour k + 1 of the choice (which measures
+c_k, never seen at k) and k - 1 are run again, so the choice follows changing acceptance.
+
+The choice is a proposal: every rank of the plan group proposes, and the StepPlan's `num_spec`
+(the smallest proposal of a working rank) is what every rank runs (DESIGN.md invariant 1).
+"""
+from __future__ import annotations
+
+import os
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Power-of-two buckets: steps of nearby batch sizes share timings."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+class DraftCountPolicy:
+    """`dynamic=False`: always max_k. `cycle`: a fixed sequence of k repeated step by step (a
+    test hook, LMDEPLOY_LITE_SPEC_K_CYCLE='3,0,1,2': every switch exercised, deterministically)."""
+
+    def __init__(self, max_k: int, dynamic: bool = True, cycle: tuple[int, ...] | None = None,
+                 prior_acceptance: float = 0.7, prior_draft_cost: float = 0.25,
+                 decay: float = 0.98, time_alpha: float = 0.2, explore_steps: int = 3,
+                 revisit_every: int = 100):
+        self.max_k = max_k
+        self.dynamic = dynamic and max_k > 0
+        self.cycle = tuple(min(max(k, 0), max_k) for k in cycle) if cycle else None
+        self.prior_acceptance = prior_acceptance
+        self.prior_draft_cost = prior_draft_cost
+        self.decay = decay
+        self.time_alpha = time_alpha
+        self.explore_steps = explore_steps
+        self.revisit_every = revisit_every
+        # decayed counts per draft position, starting from a weak prior (2 rows' worth)
+        self.drafted = [2.0] * max_k
+        self.accepted = [2.0 * prior_acceptance ** (i + 1) for i in range(max_k)]
+        self.times: dict[tuple[int, int], float] = {}     # (bucket, k) -> seconds per step
+        self.samples: dict[tuple[int, int], int] = {}
+        self._hold: tuple[int, int] = (0, 0)              # (k, steps left) of an exploration
+        self._steps: dict[int, int] = {}                  # steps proposed per bucket
+        self._last: tuple[int, int] | None = None         # (bucket, k) of the last recorded step
+        self._num_proposed = 0
+
+    @classmethod
+    def from_config(cls, max_k: int, dynamic: bool) -> 'DraftCountPolicy':
+        cycle = os.environ.get('LMDEPLOY_LITE_SPEC_K_CYCLE')
+        if cycle and dynamic:
+            return cls(max_k, cycle=tuple(int(k) for k in cycle.split(',')))
+        return cls(max_k, dynamic)
+
+    # ---- measurements ---------------------------------------------------------------------
+    def acceptance(self) -> list[float]:
+        """c_i for i < max_k: the measured P(more than i drafts accepted)."""
+        return [a / d if d > 0 else 0.0 for a, d in zip(self.accepted, self.drafted)]
+
+    def observe_acceptance(self, num_drafts: list[int], num_accepted: list[int]):
+        """One verify step's rows: real drafts each verified and how many it accepted."""
+        if not self.dynamic:
+            return
+        decay = self.decay
+        drafted = [d * decay for d in self.drafted]
+        accepted = [a * decay for a in self.accepted]
+        for n, a in zip(num_drafts, num_accepted):
+            for i in range(n):
+                drafted[i] += 1
+            for i in range(a):
+                accepted[i] += 1
+        self.drafted, self.accepted = drafted, accepted
+
+    def observe_time(self, batch_size: int, k: int, seconds: float):
+        """The wall time of a decode step of `batch_size` sequences with k drafts; recorded only
+        after a step of the same bucket and k (the first after a switch measures the switch)."""
+        cell = (batch_bucket(batch_size), k)
+        last, self._last = self._last, cell
+        if not self.dynamic or last != cell or seconds <= 0:
+            return
+        old = self.times.get(cell)
+        self.times[cell] = seconds if old is None else old + self.time_alpha * (seconds - old)
+        self.samples[cell] = self.samples.get(cell, 0) + 1
+
+    def break_sequence(self):
+        """A step that is not a decode step ran (a prefill chunk): the next decode step's wall
+        time is not its own."""
+        self._last = None
+
+    # ---- the choice -----------------------------------------------------------------------
+    def step_time(self, bucket: int, k: int) -> float:
+        """Measured, or estimated from the nearest measured k at this bucket (a draft position
+        costing prior_draft_cost of the k = 0 step, or the measured slope between two ks)."""
+        known = {j: t for (b, j), t in self.times.items() if b == bucket}
+        if k in known:
+            return known[k]
+        if not known:
+            return 1.0 + self.prior_draft_cost * k           # relative units: only ratios matter
+        ks = sorted(known)
+        if len(ks) >= 2:
+            lo, hi = (ks[0], ks[1]) if k < ks[0] else (ks[-2], ks[-1])
+            if ks[0] < k < ks[-1]:
+                lo = max(j for j in ks if j < k)
+                hi = min(j for j in ks if j > k)
+            slope = (known[hi] - known[lo]) / (hi - lo)
+            return max(known[lo] + slope * (k - lo), 1e-9)
+        j = ks[0]
+        base = known[j] / (1.0 + self.prior_draft_cost * j)  # the k = 0 time it implies
+        return base * (1.0 + self.prior_draft_cost * k)
+
+    def rates(self, bucket: int) -> list[float]:
+        """Estimated tokens per second per sequence for each k in 0..max_k."""
+        accept = self.acceptance()
+        tokens, rates = 1.0, []
+        for k in range(self.max_k + 1):
+            if k:
+                tokens += accept[k - 1]
+            rates.append(tokens / self.step_time(bucket, k))
+        return rates
+
+    def best(self, batch_size: int) -> int:
+        rates = self.rates(batch_bucket(batch_size))
+        return max(range(len(rates)), key=lambda k: (rates[k], -k))
+
+    def propose(self, batch_size: int) -> int:
+        """This rank's k for a step of `batch_size` sequences (prefill or decode)."""
+        if self.cycle is not None:
+            k = self.cycle[self._num_proposed % len(self.cycle)]
+            self._num_proposed += 1
+            return k
+        if not self.dynamic:
+            return self.max_k
+        k, left = self._hold
+        if left > 0:
+            self._hold = (k, left - 1)
+            return k
+        bucket = batch_bucket(batch_size)
+        steps = self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        rates = self.rates(bucket)
+        best = max(range(len(rates)), key=lambda j: (rates[j], -j))
+        # cells not measured yet at this bucket, the best estimate first
+        for j in sorted(range(len(rates)), key=lambda j: -rates[j]):
+            if self.samples.get((bucket, j), 0) == 0:
+                return self._explore(j)
+        if steps % self.revisit_every == 0:
+            return self._explore(min(best + 1, self.max_k))
+        if steps % self.revisit_every == self.revisit_every // 2 and best > 0:
+            return self._explore(best - 1)
+        return best
+
+    def _explore(self, k: int) -> int:
+        # explore_steps + 1: the first step after a switch is not timed, and one that raises k
+        # verifies the fewer drafts of the step before
+        self._hold = (k, self.explore_steps)
+        return k

@@ -1,0 +1,178 @@
+"""k chosen per step (SpeculativeConfig(dynamic=True), spec_decode/policy.py).
+
+Exactness: whatever draft count each step runs (0: a plain decode step that only writes the
+draft head's KV), greedy output equals plain greedy output; the cycle hook
+(LMDEPLOY_LITE_SPEC_K_CYCLE) walks every switch deterministically, and the embedded model's
+trained MTP head makes the drafts real (acceptance asserted first). The policy itself: unit tests
+on synthetic timings, and engine runs whose step times come from a synthetic cost model, so the
+choice it converges to is a function of the acceptance alone (no timed test).
+"""
+import pytest
+import torch
+
+from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.spec_decode.policy import DraftCountPolicy, batch_bucket
+from tests.helpers import accepting
+
+GREEDY = GenerationConfig(max_new_tokens=40, ignore_eos=True)
+
+
+def engine_of(path, k, dynamic=True, **kw):
+    cfg = dict(dtype='float64', device='cpu', block_size=4, session_len=160)
+    cfg.update(kw)
+    spec = SpeculativeConfig(num_speculative_tokens=k, dynamic=dynamic)
+    return Engine(path, PytorchEngineConfig(**cfg), spec, progress=False)
+
+
+def record_draft_counts(engine) -> list[int]:
+    """The plan's draft count of every step the engine runs from now on."""
+    seen, gather = [], engine._gather_plan
+
+    def gather_and_record(batch, sampling):
+        plan = gather(batch, sampling)
+        seen.append(plan.num_spec)
+        return plan
+    engine._gather_plan = gather_and_record
+    return seen
+
+
+@pytest.mark.parametrize('k', [1, 2, 3, 4])
+def test_every_switch_of_k_gives_plain_greedy(k, monkeypatch):
+    """The embedded model (drafts mostly accepted), with chunked prefill: each step's k from the
+    cycle, so steps verify fewer drafts than the last one made, more than it made (a row verifies
+    only the real ones), none after a plain step, and plain steps follow drafting steps."""
+    accepting.cycle_draft_counts(monkeypatch)
+    prompts = [list(p) for p in accepting.many_prompts(6)]
+    plain = accepting.reference(0, prompts, GREEDY)
+    engine = Engine(accepting.model_dir(), PytorchEngineConfig(
+        **{**accepting.BASE, 'session_len': 160}, max_prefill_token_num=5),
+        SpeculativeConfig(num_speculative_tokens=k), progress=False)
+    seen = record_draft_counts(engine)
+    got = [s.generated_ids for s in engine.generate(prompts, GREEDY)]
+    accepting.assert_dynamic_acceptance(engine.spec_stats, k)
+    assert got == plain.token_ids
+    assert set(seen) == set(range(k + 1)), seen          # every count ran
+
+
+@pytest.mark.parametrize('moe', [False, True])
+def test_dynamic_k_on_random_heads_gives_plain_greedy(moe, tiny_ckpt, monkeypatch):
+    """Tiny random checkpoints (dense and MoE, float64) against transformers-checked plain
+    output, with the cycle and with the real policy."""
+    path = tiny_ckpt(moe, layout='multimodal')
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 49))]
+    plain = [s.generated_ids for s in engine_of(path, 1, dynamic=False).generate(prompts, GREEDY)]
+    monkeypatch.setenv('LMDEPLOY_LITE_SPEC_K_CYCLE', '3,0,1,0,2,3')
+    got = [s.generated_ids for s in engine_of(path, 3, max_prefill_token_num=7)
+           .generate(prompts, GREEDY)]
+    assert got == plain
+    monkeypatch.delenv('LMDEPLOY_LITE_SPEC_K_CYCLE')
+    assert [s.generated_ids for s in engine_of(path, 3).generate(prompts, GREEDY)] == plain
+
+
+def synthetic_clock(engine, cost_per_draft: float):
+    """Decode steps 'take' (1 + cost_per_draft * k) x a batch-proportional unit, whatever the
+    machine does: the policy then sees a fixed cost model."""
+    policy = engine.draft_policy
+    observe = policy.observe_time
+
+    def observe_synthetic(batch_size, k, seconds):
+        observe(batch_size, k, 1e-3 * (1 + 0.1 * batch_size) * (1 + cost_per_draft * k))
+    policy.observe_time = observe_synthetic
+
+
+def test_policy_turns_speculation_off_when_nothing_is_accepted(tiny_ckpt):
+    """A random MTP head accepts nearly nothing: with drafts costing 30% of a step each, the
+    policy settles on plain decode steps (k=0), only revisiting k=1 now and then."""
+    engine = engine_of(tiny_ckpt(False, layout='multimodal'), 3)
+    synthetic_clock(engine, 0.3)
+    seen = record_draft_counts(engine)
+    engine.generate([[5, 6, 7, 8, 9], [10, 11, 12]], GenerationConfig(max_new_tokens=150,
+                                                                       ignore_eos=True))
+    late = seen[-60:]
+    assert late.count(0) >= 50, seen
+    assert engine.draft_policy.best(2) == 0
+
+
+def test_policy_drafts_deep_when_drafts_are_accepted():
+    """The embedded model accepts ~60-80% per position: with drafts costing 10% of a step each,
+    the policy settles on k >= 2; the cost model of 60% per draft pushes it to k <= 1."""
+    prompts = [list(p) for p in accepting.many_prompts(4)]
+    gen = GenerationConfig(max_new_tokens=100, ignore_eos=True)
+    for cost, allowed in ((0.1, {2, 3}), (0.6, {0, 1})):
+        engine = Engine(accepting.model_dir(), PytorchEngineConfig(
+            **{**accepting.BASE, 'session_len': 160}),
+            SpeculativeConfig(num_speculative_tokens=3), progress=False)
+        synthetic_clock(engine, cost)
+        seen = record_draft_counts(engine)
+        engine.generate(prompts, gen)
+        late = seen[-20:]
+        assert sum(k in allowed for k in late) >= 16, (cost, seen)
+
+
+# ---- the policy on its own ------------------------------------------------------------------
+def feed(policy, batch, k_time, accept, steps):
+    """Run `steps` steps: the policy proposes, the step takes k_time(k), rows accept per the
+    cumulative acceptance list `accept` (row i of the batch accepts `accept`-weighted counts)."""
+    chosen = []
+    for _ in range(steps):
+        k = policy.propose(batch)
+        chosen.append(k)
+        policy.observe_time(batch, k, k_time(k))
+        if k:
+            # deterministic rows: a fraction accept[i] of rows get past position i
+            accepted = [sum(1 for i in range(k) if r < round(accept[i] * batch))
+                        for r in range(batch)]
+            policy.observe_acceptance([k] * batch, accepted)
+    return chosen
+
+
+@pytest.mark.parametrize('accept, draft_cost, want', [
+    ([0.9, 0.8, 0.7, 0.6], 0.1, 4),           # cheap drafts, high acceptance: all of them
+    ([0.8, 0.6, 0.5, 0.4], 0.25, 3),          # E/t = 1.44, 1.60, 1.657, 1.65 at k = 1..4
+    ([0.8, 0.4, 0.1, 0.0], 0.25, 2),          # E/t = 1.44, 1.47, 1.43, 1.25
+    ([0.0, 0.0, 0.0, 0.0], 0.2, 0),           # nothing accepted: plain decode
+    ([0.5, 0.2, 0.1, 0.0], 0.8, 0),           # expensive drafts
+])
+def test_policy_converges_to_the_best_k(accept, draft_cost, want):
+    policy = DraftCountPolicy(4)
+    chosen = feed(policy, 8, lambda k: 0.01 * (1 + draft_cost * k), accept, 400)
+    assert policy.best(8) == want, (policy.rates(batch_bucket(8)), chosen[-40:])
+    assert chosen[-50:].count(want) >= 40, chosen[-50:]
+
+
+def test_policy_follows_a_change_of_acceptance():
+    """Acceptance drops to zero mid-run: the policy leaves k=4 for k=0; it comes back."""
+    policy = DraftCountPolicy(4)
+    cost = lambda k: 0.01 * (1 + 0.1 * k)                      # noqa: E731
+    feed(policy, 4, cost, [0.9, 0.8, 0.7, 0.6], 200)
+    assert policy.best(4) == 4
+    feed(policy, 4, cost, [0.0] * 4, 400)
+    assert policy.best(4) == 0
+    feed(policy, 4, cost, [0.9, 0.8, 0.7, 0.6], 600)
+    assert policy.best(4) >= 3
+
+
+def test_policy_per_batch_bucket():
+    """Large batches make drafts expensive (a compute-bound verify): k differs by bucket."""
+    policy = DraftCountPolicy(3)
+    accept = [0.8, 0.6, 0.5]
+    for _ in range(3):
+        feed(policy, 8, lambda k: 0.01 * (1 + 0.1 * k), accept, 150)
+        feed(policy, 128, lambda k: 0.05 * (1 + 1.0 * k), accept, 150)
+    assert policy.best(8) == 3 and policy.best(128) == 0
+
+
+def test_fixed_and_cycle_modes():
+    assert [DraftCountPolicy(3, dynamic=False).propose(b) for b in (1, 64)] == [3, 3]
+    cycle = DraftCountPolicy(2, cycle=(3, 0, 1))
+    assert [cycle.propose(1) for _ in range(6)] == [2, 0, 1, 2, 0, 1]     # clamped to k
+
+
+def test_state_graph_buffers_do_not_depend_on_k():
+    """The draft tables are allocated once at the maximum k (DESIGN.md invariant 7)."""
+    engine = Engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
+                    SpeculativeConfig(num_speculative_tokens=3), progress=False)
+    agent = engine.agent
+    assert agent.drafts.shape[1] == 3 and agent.num_drafted.dtype == torch.long
+    assert agent.draft_counts == [0, 1, 2, 3]
