@@ -36,9 +36,10 @@ def _generate_with_graphs(k: int, padded: int = 0):
     seqs = engine.generate([list(p) for p in accepting.prompts()], GREEDY)
     agent = engine.agent if k == 0 else engine.agent.target
     assert agent.graph.num_replays > 0
-    if k:      # the MTP layer over the verify step (k + 1 tokens), then 1 token per draft step
-        replays = {q_len: r.num_replays for q_len, r in engine.agent.proposer.graphs.items()}
-        assert replays[k + 1] > 0 and (k == 1 or replays[1] > 0), replays
+    if k:      # the MTP layer over the verify step (k + 1 tokens), then the greedy draft chain
+        proposer = engine.agent.proposer
+        replays = {q_len: r.num_replays for q_len, r in proposer.graphs.items()}
+        assert replays[k + 1] > 0 and proposer.chain_graphs[k].num_replays > 0, replays
     return [s.generated_ids for s in seqs], [s.spec_stats if k else None for s in seqs]
 
 
@@ -52,3 +53,21 @@ def test_static_buffers_give_the_eager_and_plain_greedy_tokens(k, padded):
         assert_real_acceptance(stats, k)
     assert tokens == reference(k).token_ids == reference(0).token_ids
     assert [counts(s) for s in stats] == reference(k).counts
+
+
+def test_static_buffers_with_a_draft_count_per_step(monkeypatch):
+    """Dynamic k (the cycle: every switch, plain steps included): a runner per verify width, per
+    greedy draft chain and the KV-only pass of a plain step, each replayed; whole sequences
+    equal plain greedy."""
+    accepting.cycle_draft_counts(monkeypatch)
+    engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE),
+                    accepting.spec(3, dynamic=True), progress=False)
+    engine.agent.enable_graphs([2, 4, 8], max_blocks=16)
+    seqs = engine.generate([list(p) for p in accepting.prompts()], GREEDY)
+    accepting.assert_dynamic_acceptance([s.spec_stats for s in seqs], 3, positions=3)
+    assert [s.generated_ids for s in seqs] == reference(0).token_ids
+    proposer, target = engine.agent.proposer, engine.agent.target
+    assert all(r.num_replays > 0 for r in target.graphs.values()), target.graphs.keys()
+    assert sorted(target.graphs) == [1, 2, 3, 4]
+    assert all(proposer.chain_graphs[k].num_replays > 0 for k in (1, 2, 3))
+    assert proposer.kv_graphs[1].num_replays > 0

@@ -50,7 +50,7 @@ def test_every_switch_of_k_gives_plain_greedy(k, monkeypatch):
         SpeculativeConfig(num_speculative_tokens=k), progress=False)
     seen = record_draft_counts(engine)
     got = [s.generated_ids for s in engine.generate(prompts, GREEDY)]
-    accepting.assert_dynamic_acceptance(engine.spec_stats, k)
+    accepting.assert_dynamic_acceptance(engine.spec_stats, k, positions=k)
     assert got == plain.token_ids
     assert set(seen) == set(range(k + 1)), seen          # every count ran
 

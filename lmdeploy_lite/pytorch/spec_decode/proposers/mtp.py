@@ -7,6 +7,12 @@ last accepted position, reusing the one layer for each step at position + 1 and 
 own normed output (qwen3_5.md section 3). A step that drafts nothing (k = 0, the StepPlan's
 choice) only writes the head's KV for the positions just run (`Qwen3_5MTP.write_kv`), so later
 drafts see a complete cache.
+
+With CUDA graphs a greedy step drafts in two replays: the head over the verified positions
+(q_len k + 1), then the whole chain — LM head, argmax, and k - 1 more (head, LM head, argmax)
+steps — as ONE graph per k (`chain_graphs`), instead of a replay, its input copies and a few
+eager kernels per draft. Sampled rows draw from per-request generators, which a graph cannot
+hold: a step with any sampled row drafts step by step.
 """
 from __future__ import annotations
 
@@ -27,8 +33,9 @@ class MTPProposer:
         self.token_map = token_map    # [M] long: logits index it (token_map.py); None: full vocab
         self.num_spec_tokens = num_spec_tokens
         # q_len -> GraphRunner: k + 1 over a verify step of k drafts (each k a step may run),
-        # 1 for each draft step; `kv_graphs`: the KV-only pass of a step that drafts nothing
-        self.graphs, self.kv_graphs = {}, {}
+        # 1 for each draft step; `kv_graphs`: the KV-only pass of a step that drafts nothing;
+        # `chain_graphs`: k -> the greedy draft chain (module docstring)
+        self.graphs, self.kv_graphs, self.chain_graphs = {}, {}, {}
 
     def enable_graphs(self, buckets: list[int], max_blocks: int,
                       draft_counts: list[int] | None = None, recorder=None):
@@ -49,6 +56,39 @@ class MTPProposer:
                                  weight.device, pool=pool, recorder=recorder)
             runner.capture()
             self.kv_graphs[1] = runner
+        for k in [k for k in counts if k]:
+            runner = GraphRunner(lambda inputs, ids, h, k=k: self._greedy_chain(inputs, h, k),
+                                 f'mtp chain k={k}', 1, buckets, max_blocks, extras,
+                                 weight.device, pool=pool, recorder=recorder)
+            runner.capture()
+            self.chain_graphs[k] = runner
+
+    def _greedy_chain(self, first: ModelInputs, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Greedy drafts [B, k] from the head's output `hidden` [B, H] at each sequence's last
+        accepted position; `first` is the one-token step of draft 2 (positions one past it)."""
+        token = self._greedy_token(hidden)
+        drafts = [token]
+        for i in range(1, k):
+            step = self._draft_step_inputs(first, token, first.positions + (i - 1))
+            hidden = self.mtp(token, hidden, step, self.caches)
+            token = self._greedy_token(hidden)
+            drafts.append(token)
+        return torch.stack(drafts, 1)
+
+    def _greedy_token(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.compute_logits(hidden).argmax(-1)
+
+    @staticmethod
+    def _draft_step_inputs(inputs: ModelInputs, ids: torch.Tensor, positions: torch.Tensor
+                           ) -> ModelInputs:
+        """One draft token per sequence at `positions` (its history: every earlier position)."""
+        return ModelInputs(input_ids=ids, positions=positions, q_lens=torch.ones_like(positions),
+                           history_lens=positions, block_tables=inputs.block_tables,
+                           state_slots=inputs.state_slots, state_index=inputs.state_index,
+                           is_decoding=True, is_dummy=inputs.is_dummy, uniform_q_len=1,
+                           padded_batch_size=inputs.padded_batch_size,
+                           graphable=inputs.graphable,
+                           sizes=inputs.sizes and inputs.sizes.one_token_per_seq())
 
     def _write_kv(self, inputs: ModelInputs, input_ids: torch.Tensor, hidden: torch.Tensor
                   ) -> torch.Tensor:
@@ -81,17 +121,15 @@ class MTPProposer:
             return rows.new_empty((rows.numel(), 0)), None
         hidden = self._run_mtp(next_ids, target_hidden, inputs)[rows]
         positions = inputs.positions[rows]
-        ones = torch.ones_like(positions)
+        chain = self.chain_graphs.get(k) if sampling.all_greedy else None
+        if chain is not None:
+            first = self._draft_step_inputs(inputs, positions, positions + 1)
+            if chain.can_run(first):
+                return chain(first, positions, hidden), None
         drafts, probs = [], []
         for i in range(k):
             if i > 0:   # the same layer again, one position on, fed its own output
-                step = ModelInputs(input_ids=drafts[-1], positions=positions + i, q_lens=ones,
-                                   history_lens=positions + i, block_tables=inputs.block_tables,
-                                   state_slots=inputs.state_slots, state_index=inputs.state_index,
-                                   is_decoding=True, is_dummy=inputs.is_dummy, uniform_q_len=1,
-                                   padded_batch_size=inputs.padded_batch_size,
-                                   graphable=inputs.graphable,
-                                   sizes=inputs.sizes and inputs.sizes.one_token_per_seq())
+                step = self._draft_step_inputs(inputs, drafts[-1], positions + i)
                 hidden = self._run_mtp(drafts[-1], hidden, step)
             logits = self.compute_logits(hidden)
             token = logits.argmax(-1)
