@@ -73,6 +73,8 @@ def read_map(path: str) -> list[int]:
 
 
 def spec(k: int, token_map: str, **kw) -> SpeculativeConfig:
+    """Fixed k unless told (accepting.spec: per-request draft counts comparable)."""
+    kw.setdefault('dynamic', False)
     return SpeculativeConfig(num_speculative_tokens=k, draft_token_map=token_map, **kw)
 
 

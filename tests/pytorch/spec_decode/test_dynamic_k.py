@@ -55,6 +55,19 @@ def test_every_switch_of_k_gives_plain_greedy(k, monkeypatch):
     assert set(seen) == set(range(k + 1)), seen          # every count ran
 
 
+def test_every_switch_of_k_with_a_token_map_gives_plain_greedy(monkeypatch):
+    """The cycle with a reduced draft vocabulary (a frequency map of the embedded model)."""
+    from tests.helpers import token_maps
+    accepting.cycle_draft_counts(monkeypatch)
+    prompts = [list(p) for p in accepting.many_prompts(6)]
+    engine = Engine(accepting.model_dir(), PytorchEngineConfig(
+        **{**accepting.BASE, 'session_len': 160}, max_prefill_token_num=5),
+        token_maps.spec(3, token_maps.frequency_map(), dynamic=True), progress=False)
+    got = [s.generated_ids for s in engine.generate(prompts, GREEDY)]
+    accepting.assert_dynamic_acceptance(engine.spec_stats, 3, positions=3)
+    assert got == accepting.reference(0, prompts, GREEDY).token_ids
+
+
 @pytest.mark.parametrize('moe', [False, True])
 def test_dynamic_k_on_random_heads_gives_plain_greedy(moe, tiny_ckpt, monkeypatch):
     """Tiny random checkpoints (dense and MoE, float64) against transformers-checked plain

@@ -76,7 +76,9 @@ class MTPProposer:
         return torch.stack(drafts, 1)
 
     def _greedy_token(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_logits(hidden).argmax(-1)
+        """The argmax draft's token id (through the token map with a reduced vocabulary)."""
+        token = self.compute_logits(hidden).argmax(-1)
+        return token if self.token_map is None else self.token_map[token]
 
     @staticmethod
     def _draft_step_inputs(inputs: ModelInputs, ids: torch.Tensor, positions: torch.Tensor
