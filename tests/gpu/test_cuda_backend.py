@@ -55,6 +55,24 @@ def test_float32_graphs_and_speculation_change_no_token(moe, tiny_ckpt):
     assert engine.agent.target.graph.num_replays > 0
 
 
+@pytest.mark.parametrize('moe', [False, True], ids=['dense', 'moe'])
+def test_float32_graphs_for_every_draft_count(moe, tiny_ckpt, monkeypatch):
+    """Dynamic k through CUDA graphs: each step's k from the cycle (every switch, plain steps
+    included), so every verify width, greedy draft chain and the KV-only pass replay; the tokens
+    equal the eager default backend's plain output."""
+    from tests.helpers import accepting
+    accepting.cycle_draft_counts(monkeypatch)
+    path = tiny_ckpt(moe, layout='multimodal')
+    reference, _ = _run(path, 'float32', eager=True, backend='default')
+    tokens, engine = _run(path, 'float32', SpeculativeConfig(num_speculative_tokens=3))
+    assert tokens == reference
+    proposer, target = engine.agent.proposer, engine.agent.target
+    assert sorted(target.graphs) == [1, 2, 3, 4]
+    assert all(r.num_replays > 0 for r in target.graphs.values())
+    assert all(proposer.chain_graphs[k].num_replays > 0 for k in (1, 2, 3))
+    assert proposer.kv_graphs[1].num_replays > 0
+
+
 def _snippet_prompts(tokenizer, count: int) -> list[list[int]]:
     import collections
     import json as json_module
