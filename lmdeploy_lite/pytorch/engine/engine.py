@@ -244,6 +244,7 @@ class Engine:
                 spec.proposer)
             self.async_scheduling = False
         self._idle_sampling = SamplingInputs.greedy(1, self.device)    # a dummy forward's
+        self._greedy_sampling: dict[int, SamplingInputs] = {}          # all-greedy batches'
         logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path,
                     self.dtype, self.device, self.cache_config.num_blocks,
                     self.cache_config.block_size)
@@ -384,6 +385,12 @@ class Engine:
         if batch is None:
             return self._idle_sampling
         cfgs, mask = [s.gen_config for s in batch.seqs], batch.sample_mask
+        if all(c.is_greedy for c in cfgs):      # no row samples: one cached table per size
+            greedy = self._greedy_sampling.get(len(cfgs))
+            if greedy is None:
+                greedy = self._greedy_sampling[len(cfgs)] = SamplingInputs.greedy(
+                    len(cfgs), self.device)
+            return greedy
         return SamplingInputs.from_values(
             do_sample=[not c.is_greedy and m for c, m in zip(cfgs, mask)],
             temperature=[c.temperature for c in cfgs], top_k=[c.top_k for c in cfgs],
