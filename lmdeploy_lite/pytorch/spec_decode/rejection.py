@@ -28,6 +28,8 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
     num_accepted_drafts[b] + 1 tokens.
     Randomness: each sampled row draws k uniforms and V exponentials from its own generator.
     """
+    if sampling.all_greedy:
+        return greedy_verify(target_logits, draft_tokens, num_drafts)
     batch_size, k = draft_tokens.shape
     device = draft_tokens.device
     positions = torch.arange(k, device=device)
@@ -84,6 +86,21 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
     output_tokens[:, :k] = torch.where(positions < num_accepted[:, None], draft_tokens, -1)
     output_tokens[rows, num_accepted] = next_token
     return output_tokens, num_accepted
+
+
+def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_drafts: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor]:
+    """`rejection_sample` when no row samples, in a handful of kernels: an accepted draft equals
+    the target's argmax at its position, so the emitted tokens are the argmax itself up to and
+    including the first mismatch (the correction, or the bonus after all k), then -1."""
+    k = draft_tokens.shape[1]
+    target_argmax = target_logits.argmax(-1)                       # [B, k+1]
+    accept = draft_tokens == target_argmax[:, :k]                  # -1 placeholders never match
+    if num_drafts is not None:
+        accept &= torch.arange(k, device=accept.device) < num_drafts[:, None]
+    num_accepted = accept.long().cumprod(-1).sum(-1)
+    emitted = torch.arange(k + 1, device=accept.device) <= num_accepted[:, None]
+    return target_argmax.masked_fill_(~emitted, -1), num_accepted
 
 
 def acceptance_by_position(num_accepted_drafts: Tensor, num_drafts: Tensor, k: int) -> tuple[Tensor, Tensor]:

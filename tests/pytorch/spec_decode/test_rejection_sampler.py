@@ -3,7 +3,8 @@ import scipy.stats
 import torch
 
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, make_generator, probs_from_logits
-from lmdeploy_lite.pytorch.spec_decode.rejection import acceptance_by_position, rejection_sample
+from lmdeploy_lite.pytorch.spec_decode.rejection import (acceptance_by_position, greedy_verify,
+                                                         rejection_sample)
 
 VOCAB = 10
 
@@ -199,3 +200,23 @@ def test_a_token_map_equals_q_scattered_over_the_vocabulary(map_name):
     want = rejection_sample(logits, drafts, q_full, sampling())
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert 0 < int(got[1].sum()) < 2 * rows         # some drafts accepted, some rejected
+
+
+def test_greedy_verify_equals_the_general_path():
+    """The all-greedy fast path against the general one run with greedy rows (all_greedy=False
+    forces it): same tokens and counts, with num_drafts below k and -1 placeholders past it."""
+    gen = torch.Generator().manual_seed(0)
+    batch, k, vocab = 64, 4, 6
+    logits = torch.randn(batch, k + 1, vocab, generator=gen)
+    argmax = logits.argmax(-1)
+    drafts = torch.where(torch.rand(batch, k, generator=gen) < 0.7, argmax[:, :k],
+                         torch.randint(0, vocab, (batch, k), generator=gen))
+    num_drafts = torch.randint(0, k + 1, (batch,), generator=gen)
+    drafts = torch.where(torch.arange(k) < num_drafts[:, None], drafts, -1)
+    greedy = SamplingInputs.greedy(batch)
+    general = SamplingInputs(greedy.do_sample, greedy.temperature, greedy.top_k, greedy.top_p,
+                             greedy.generators, all_greedy=False, needs_filter=False)
+    want = rejection_sample(logits, drafts, None, general, num_drafts)
+    got = greedy_verify(logits, drafts, num_drafts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (got[1] > 0).any() and (got[1] < num_drafts).any()      # both kinds of rows
