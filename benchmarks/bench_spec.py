@@ -57,7 +57,7 @@ def synthetic_rejection_sampler(rates: list[float], seed: int = 0, verify=reject
         num_accepted = accept.long().cumprod(-1).sum(-1)
         rows = torch.arange(batch, device=draft_tokens.device)
         positions = torch.arange(k + 1, device=draft_tokens.device)
-        drafts = torch.cat([draft_tokens, draft_tokens[:, :1]], 1)
+        drafts = torch.cat([draft_tokens, draft_tokens.new_zeros(batch, 1)], 1)   # k may be 0
         output = torch.where(positions < num_accepted[:, None], drafts, -1)
         output[rows, num_accepted] = target_logits.argmax(-1)[rows, num_accepted]
         return output, num_accepted

@@ -122,3 +122,12 @@ def test_bench_spec_runs_on_cpu(tmp_path):
     assert (ar['k'], spec['k']) == (0, 2)
     assert spec['mean_accepted_len'] == 3.0 and spec['acceptance'] == 1.0
     assert spec['speedup'] == pytest.approx(spec['decode_tok_s'] / ar['decode_tok_s'])
+
+
+def test_bench_spec_dynamic_row_at_acceptance_zero(tmp_path):
+    """The dynamic row with nothing accepted: the policy runs plain steps (k=0) among others."""
+    result, _ = _run('bench_spec.py', tmp_path, '--batch-sizes', '1', '--ks', '2', '--dynamic',
+                     '--dynamic-warmup-steps', '12', '--decode-steps', '8',
+                     '--synthetic-acceptance', '0.0')
+    dyn = result['rows'][-1]
+    assert dyn['k'] == 'dyn' and sum(dyn['k_hist'].values()) == 8
