@@ -119,7 +119,8 @@ def measure(engine: Engine, k: int, batch_size: int, prompt_len: int, warmup_ste
     timed = chosen[-decode_steps:]
     return {'k': k if label is None else label, 'batch': batch_size,
             'step_ms': 1000 * elapsed / decode_steps, 'decode_tok_s': generated / elapsed,
-            'mean_accepted_len': engine.spec_stats.mean_accepted_length if k else 1.0,
+            # 1 + accepted / verify steps; 1.0 where no step verified a draft (k = 0 throughout)
+            'mean_accepted_len': engine.spec_stats.mean_accepted_length or 1.0,
             'acceptance': engine.spec_stats.acceptance_rate if k else None,
             'k_hist': {j: timed.count(j) for j in sorted(set(timed))} if timed else None}
 

@@ -68,9 +68,9 @@ def test_float32_graphs_for_every_draft_count(moe, tiny_ckpt, monkeypatch):
     assert tokens == reference
     proposer, target = engine.agent.proposer, engine.agent.target
     assert sorted(target.graphs) == [1, 2, 3, 4]
-    assert all(r.num_replays > 0 for r in target.graphs.values())
+    assert all(target.graphs[q].num_replays > 0 for q in (2, 3, 4))   # verify widths
     assert all(proposer.chain_graphs[k].num_replays > 0 for k in (1, 2, 3))
-    assert proposer.kv_graphs[1].num_replays > 0
+    assert engine.agent.plain_graph.num_replays > 0       # greedy plain steps: one replay
 
 
 def _snippet_prompts(tokenizer, count: int) -> list[list[int]]:

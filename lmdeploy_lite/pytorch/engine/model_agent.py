@@ -32,6 +32,7 @@ class ModelAgent:
         # q_len -> GraphRunner for decode steps (backends/cuda/graph_runner): 1, or each verify
         # width k + 1 a speculative step may run
         self.graphs = {}
+        self.graph_pool = None
 
     @property
     def graph(self):
@@ -45,7 +46,7 @@ class ModelAgent:
         The widths share one memory pool (a step replays one of them, and its output is read
         before the next step's replay)."""
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
-        pool = None
+        pool = self.graph_pool
         for q_len in sorted(q_lens, reverse=True):
             runner = GraphRunner(lambda inputs: self.model(inputs, self.caches), 'target', q_len,
                                  buckets, max_blocks, [], self.device, pool=pool,
@@ -53,6 +54,7 @@ class ModelAgent:
             runner.capture()
             pool = runner.pool
             self.graphs[q_len] = runner
+        self.graph_pool = pool           # shared with other graphs of this model's forward
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """[T, H] post-final-norm hidden states; linear attention reads the current state slots."""

@@ -38,8 +38,8 @@ class DraftCountPolicy:
 
     def __init__(self, max_k: int, dynamic: bool = True, cycle: tuple[int, ...] | None = None,
                  prior_acceptance: float = 0.7, prior_draft_cost: float = 0.25,
-                 decay: float = 0.98, time_alpha: float = 0.2, explore_steps: int = 3,
-                 revisit_every: int = 100):
+                 decay: float = 0.98, time_alpha: float = 0.2, explore_steps: int = 2,
+                 revisit_every: int = 200):
         self.max_k = max_k
         self.dynamic = dynamic and max_k > 0
         self.cycle = tuple(min(max(k, 0), max_k) for k in cycle) if cycle else None

@@ -47,6 +47,7 @@ class SpecAgent:
                             torch.zeros(num_state_slots, num_spec_tokens, draft_vocab,
                                         dtype=probs_dtype, device=device))
         self.rejection_sampler = rejection_sample         # benchmarks may swap in a synthetic one
+        self.plain_graph = None        # GraphRunner of a greedy plain step (k = 0), when captured
         if token_map is not None:
             self.rejection_sampler = partial(rejection_sample, token_map=token_map)
 
@@ -59,12 +60,53 @@ class SpecAgent:
                                   recorder=recorder)
         if self.proposer is not None:
             self.proposer.enable_graphs(buckets, max_blocks, counts, recorder=recorder)
+        if 0 in counts:
+            from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
+            self.plain_graph = GraphRunner(self._greedy_plain_step, 'plain step', 1, buckets,
+                                           max_blocks, [], self.target.device,
+                                           pool=self.target.graph_pool, recorder=recorder)
+            self.plain_graph.capture()
+
+    def _greedy_plain_step(self, inputs: ModelInputs) -> torch.Tensor:
+        """Forward, LM head, argmax and the draft head's KV write of a greedy plain step."""
+        target = self.target
+        hidden = target.model(inputs, target.caches)
+        tokens = target.model.compute_logits(hidden).argmax(-1)
+        if self.proposer is not None:
+            self.proposer.mtp.write_kv(tokens, hidden, inputs, self.proposer.caches)
+        return tokens
 
     @torch.inference_mode()
     def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
         if inputs.is_decoding:
+            if inputs.num_spec == 0:
+                return self._plain_step(inputs, sampling)
             return self._verify_and_draft(inputs, sampling)
         return self._prefill_and_draft(inputs, sampling)
+
+    def _plain_step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
+        """A decode step of the plan's k = 0: it verifies no draft and makes none. Plain
+        decoding of the last token, then the draft head writes only its KV for that position
+        (later drafts see a complete cache). Greedy, with CUDA graphs: one replay of forward, LM
+        head, argmax and that KV write (`plain_graph`), so a plain step costs what a step of a
+        plain engine does. No accepted counts: the host takes one token per row."""
+        slots = inputs.state_slots
+        if inputs.draft_tokens is None:           # device drafts: the id is on the device
+            inputs.input_ids = self.last_token[slots]
+        runner = self.plain_graph if sampling.all_greedy else None
+        if runner is not None and runner.can_run(inputs):
+            inputs.state_index = self.target.state_index[slots]
+            tokens = runner(inputs)
+        else:
+            hidden = self.target.forward(inputs)
+            tokens = sample(self.target.last_logits(inputs, hidden), sampling)
+            if self.proposer is not None:
+                self.proposer.propose(inputs, hidden, tokens, slots, sampling, 0)
+        self.target.set_state_index(slots, 0)
+        self.last_token[slots] = tokens
+        if self.proposer is not None:
+            self.num_drafted.index_fill_(0, slots, 0)
+        return StepResult(tokens[:, None])
 
     def _prefill_and_draft(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
         hidden = self.target.forward(inputs)

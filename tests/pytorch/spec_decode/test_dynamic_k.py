@@ -162,7 +162,7 @@ def test_policy_follows_a_change_of_acceptance():
     assert policy.best(4) == 4
     feed(policy, 4, cost, [0.0] * 4, 400)
     assert policy.best(4) == 0
-    feed(policy, 4, cost, [0.9, 0.8, 0.7, 0.6], 600)
+    feed(policy, 4, cost, [0.9, 0.8, 0.7, 0.6], 1200)
     assert policy.best(4) >= 3
 
 

@@ -48,6 +48,8 @@ class ARSpecStrategy(Strategy):
         return inputs
 
     def emitted_per_row(self, result) -> torch.Tensor:
+        if result.num_accepted_drafts is None:        # a plain step (k = 0): one token
+            return torch.ones_like(result.output_tokens[:, 0])
         return result.num_accepted_drafts + 1         # accepted drafts and the bonus token
 
     def next_input_ids(self, result, q_len: int) -> torch.Tensor:
