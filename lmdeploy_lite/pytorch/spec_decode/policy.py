@@ -17,7 +17,9 @@ the measured ks around them, and tried: at a new bucket each k runs for `explore
 once, best estimate first (a step's cost is not linear in k: the first draft carries the verify
 width and the head's pass over the verified positions, so no cell is left to extrapolation),
 and every `revisit_every` steps at a bucket the neighbour k + 1 of the choice (which measures
-c_k, never seen at k) and k - 1 are run again, so the choice follows changing acceptance.
+c_k, never seen at k) and k - 1 are run again, so the choice follows changing acceptance. The
+running choice changes only for a k estimated `switch_margin` faster (a switch up costs a step
+that verifies fewer drafts; noisy near-ties would flap).
 
 The choice is a proposal: every rank of the plan group proposes, and the StepPlan's `num_spec`
 (the smallest proposal of a working rank) is what every rank runs (DESIGN.md invariant 1).
@@ -39,7 +41,7 @@ class DraftCountPolicy:
     def __init__(self, max_k: int, dynamic: bool = True, cycle: tuple[int, ...] | None = None,
                  prior_acceptance: float = 0.7, prior_draft_cost: float = 0.25,
                  decay: float = 0.98, time_alpha: float = 0.2, explore_steps: int = 2,
-                 revisit_every: int = 200):
+                 revisit_every: int = 200, switch_margin: float = 0.03):
         self.max_k = max_k
         self.dynamic = dynamic and max_k > 0
         self.cycle = tuple(min(max(k, 0), max_k) for k in cycle) if cycle else None
@@ -49,6 +51,7 @@ class DraftCountPolicy:
         self.time_alpha = time_alpha
         self.explore_steps = explore_steps
         self.revisit_every = revisit_every
+        self.switch_margin = switch_margin
         # decayed counts per draft position, starting from a weak prior (2 rows' worth)
         self.drafted = [2.0] * max_k
         self.accepted = [2.0 * prior_acceptance ** (i + 1) for i in range(max_k)]
@@ -56,6 +59,7 @@ class DraftCountPolicy:
         self.samples: dict[tuple[int, int], int] = {}
         self._hold: tuple[int, int] = (0, 0)              # (k, steps left) of an exploration
         self._steps: dict[int, int] = {}                  # steps proposed per bucket
+        self._choice: dict[int, int] = {}                 # the running choice per bucket
         self._last: tuple[int, int] | None = None         # (bucket, k) of the last recorded step
         self._num_proposed = 0
 
@@ -160,6 +164,12 @@ class DraftCountPolicy:
             return self._explore(min(best + 1, self.max_k))
         if steps % self.revisit_every == self.revisit_every // 2 and best > 0:
             return self._explore(best - 1)
+        # hysteresis: a switch costs (a step that raises k verifies the fewer drafts of the one
+        # before), so near-ties of noisy timings keep the running choice
+        current = self._choice.get(bucket)
+        if current is not None and rates[best] < rates[current] * (1 + self.switch_margin):
+            return current
+        self._choice[bucket] = best
         return best
 
     def _explore(self, k: int) -> int:
