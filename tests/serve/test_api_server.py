@@ -322,8 +322,10 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path):
+    # a session long enough that the streamed request below is still running when SIGTERM
+    # lands, even on a loaded machine (with 128 tokens it could finish first: 'length')
     srv = Server(model_dir, str(tmp_path / 'server_dp2.log'), '--dp', '2',
-                 '--speculative-num-draft-tokens', str(K))
+                 '--speculative-num-draft-tokens', str(K), '--session-len', '2048')
     try:
         workers = srv.children()
         assert len(workers) >= 2
@@ -342,7 +344,7 @@ def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path)
 
         def read_stream():
             with httpx.stream('POST', srv.url + '/v1/chat/completions', timeout=60,
-                              json={'messages': chat('go on'), 'max_tokens': 100, 'stream': True,
+                              json={'messages': chat('go on'), 'max_tokens': 2000, 'stream': True,
                                     'temperature': 0, 'ignore_eos': True}) as resp:
                 for line in resp.iter_lines():
                     if line.startswith('data: '):

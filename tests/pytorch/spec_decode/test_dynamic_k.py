@@ -37,7 +37,7 @@ def record_draft_counts(engine) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize('k', [1, 2, 3, 4])
+@pytest.mark.parametrize('k', [2, 4])        # the cycle clamped to 2; every count up to 4
 def test_every_switch_of_k_gives_plain_greedy(k, monkeypatch):
     """The embedded model (drafts mostly accepted), with chunked prefill: each step's k from the
     cycle, so steps verify fewer drafts than the last one made, more than it made (a row verifies
