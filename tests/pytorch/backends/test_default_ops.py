@@ -226,3 +226,23 @@ def test_conv_update_window_buffer_and_rollback(q_lens):
         history = torch.cat([windows[b], x[start:start + a].t()], 1)[:, -(kernel - 1):]
         torch.testing.assert_close(out2[b:b + 1], conv_reference(x2[b:b + 1], weight, history))
         start += n
+
+
+# ----------------------------------------------------------------------------- norms
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize('shape', [(1, 256), (4, 4, 64), (33, 128)])
+def test_norms_are_f_rms_norm_bit_for_bit(dtype, shape):
+    """rms_norm / gated_rms_norm run F.rms_norm's own ops (cheaper): the very bits, contiguous,
+    for contiguous and transposed inputs."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    weight = (0.1 * randn(shape[-1])).to(dtype)
+    gate = randn(*shape).to(dtype)
+    transposed = randn(*shape[:-2], shape[-1], shape[-2]).to(dtype).mT
+    for x in (randn(*shape).to(dtype), transposed):
+        ref = F.rms_norm(x.to(acc), shape[-1:], 1.0 + weight.to(acc), 1e-6).to(dtype)
+        out = ops.rms_norm(x, weight, 1e-6)
+        assert torch.equal(out, ref) and out.is_contiguous()
+        ref = weight * F.rms_norm(x.to(acc), shape[-1:], None, 1e-6).to(dtype)
+        ref = (ref * F.silu(gate.to(acc))).to(dtype)
+        assert torch.equal(ops.gated_rms_norm(x, gate, weight, 1e-6), ref)

@@ -201,15 +201,27 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
         if not in_place:
             flat_cache.index_copy_(0, row_start, state.flatten(1, 2).to(state_cache.dtype))
         return out.reshape(num_seqs, num_value_heads, value_dim).to(out_dtype)
-    states = torch.empty((num_seqs, num_new) + state.shape[1:], dtype=acc, device=state.device)
-    outs = []
-    for t in range(num_new):
-        new = torch.mul(state.to(state_cache.dtype).to(acc), decay[:, t], out=states[:, t])
-        delta = (v[:, t] - k[:, t] @ new) * beta[:, t]
-        state = new.addcmul_(k[:, t].transpose(-1, -2), delta)
-        outs.append(q[:, t] @ state)
-    new_slots = row_start[:, None] + torch.arange(num_new, device=row_start.device)
-    states = states.view(-1, num_value_heads, key_dim, value_dim)
+    # The per-token products `k_t @ S` and `q_t @ S` as the bmm calls `matmul` makes of them
+    # (the same operands, laid out as it lays them out, so the same bits), with the per-token
+    # copies done once: q/k broadcast over the ratio value heads, `[n, B * nv, 1, dk]`; the
+    # states token-major, `[n, B, nk, ratio, dk, dv]`, so each token's are one contiguous block.
+    batch_heads = num_seqs * num_value_heads
+    expand = (num_seqs, num_new, num_key_heads, ratio, 1, key_dim)
+    q_rows, k_rows = (x.expand(expand).transpose(0, 1).reshape(num_new, batch_heads, 1, key_dim)
+                      for x in (q, k))
+    states = torch.empty((num_new,) + state.shape, dtype=acc, device=state.device)
+    outs = torch.empty(num_new, batch_heads, 1, value_dim, dtype=acc, device=state.device)
+    rounded = state_cache.dtype != acc      # each token starts from the state as stored
+    for t, (k_t, v_t, decay_t, beta_t) in enumerate(zip(k.unbind(1), v.unbind(1),
+                                                        decay.unbind(1), beta.unbind(1))):
+        new = torch.mul(state.to(state_cache.dtype).to(acc) if rounded else state, decay_t,
+                        out=states[t])
+        kv_mem = torch.bmm(k_rows[t], new.view(batch_heads, key_dim, value_dim))
+        delta = (v_t - kv_mem.view(v_t.shape)) * beta_t
+        state = new.addcmul_(k_t.transpose(-1, -2), delta)
+        torch.bmm(q_rows[t], state.view(batch_heads, key_dim, value_dim), out=outs[t])
+    new_slots = row_start[None, :] + torch.arange(num_new, device=row_start.device)[:, None]
+    states = states.view(-1, num_value_heads, key_dim, value_dim)       # token-major rows
     flat_cache.index_copy_(0, new_slots.flatten(), states.to(state_cache.dtype))
-    out = torch.stack(outs, 1)                                          # [B, n, nk, ratio, 1, dv]
+    out = outs.view(num_new, num_seqs, num_value_heads, value_dim).transpose(0, 1)
     return out.reshape(num_seqs * num_new, num_value_heads, value_dim).to(out_dtype)
