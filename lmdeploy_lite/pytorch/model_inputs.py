@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
+from typing import Any, Callable
 
 import torch
 
@@ -161,9 +162,18 @@ class ModelInputs:
     def op_cache(self) -> dict:
         """Index tensors an op derives from this step's lengths, positions and block tables
         (e.g. the KV cache slots of the new tokens), keyed by the op, computed by the first layer
-        that needs them and reused by the others. Nothing derived from `state_index` (it may be
-        reassigned) goes here."""
+        that needs them and reused by the others (`derived`)."""
         return {}
+
+    def derived(self, key, make: Callable[[], Any], from_state_index: bool = False) -> Any:
+        """`make()` computed once for all the layers of a forward that ask for `key`
+        (`op_cache`). `from_state_index`: the value depends on `state_index` too; it is made
+        again once `state_index` has been reassigned (the agents set it before each forward)."""
+        tag = self.state_index if from_state_index else None
+        hit = self.op_cache.get(key)
+        if hit is None or hit[0] is not tag:
+            hit = self.op_cache[key] = (tag, make())
+        return hit[1]
 
     def to(self, device: torch.device | str) -> 'ModelInputs':
         moved = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -67,9 +67,11 @@ def _update_uniform(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Ten
     kernel, width = weight.shape[1], conv_cache.shape[2]
     num_seqs, channels = inputs.q_lens.shape[0], x.shape[1]
     window = conv_cache.index_select(0, inputs.state_slots)                     # [B, C, W]
-    if width > kernel - 1:
-        cols = inputs.state_index[:, None] + torch.arange(kernel - 1, device=x.device)
-        window = torch.gather(window, 2, cols[:, None, :].expand(-1, channels, -1))
+    if width > kernel - 1:                  # the same columns for every layer of the step
+        cols = inputs.derived(('conv_window', kernel, channels), lambda: (
+            inputs.state_index[:, None] + torch.arange(kernel - 1, device=x.device)
+        )[:, None, :].expand(-1, channels, -1), from_state_index=True)
+        window = torch.gather(window, 2, cols)
     if inputs.has_fresh_seqs:
         window = window.masked_fill((inputs.history_lens == 0)[:, None, None], 0)
     new = x.view(num_seqs, num_new, channels).transpose(1, 2).to(conv_cache.dtype)

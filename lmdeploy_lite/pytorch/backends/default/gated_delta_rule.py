@@ -169,9 +169,10 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
     flat_cache = state_cache.view(-1, *state_cache.shape[2:])          # [rows * S, nv, dk, dv]
     if slots_per_row == 1:                                              # no speculative slots
         row_start = current = inputs.state_slots
-    else:
-        row_start = inputs.state_slots * slots_per_row
-        current = row_start + inputs.state_index
+    else:                                   # the same rows for every layer of the step
+        row_start, current = inputs.derived(('gdn_rows', slots_per_row), lambda: (
+            inputs.state_slots * slots_per_row,
+            inputs.state_slots * slots_per_row + inputs.state_index), from_state_index=True)
     # one sequence, one slot, the state kept in the compute dtype on the host: update its row
     # in place (the row is a view; no copy in, no store); else work on a copy of the rows
     in_place = (num_new == 1 and num_seqs == 1 and slots_per_row == 1
@@ -220,8 +221,9 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
         delta = (v_t - kv_mem.view(v_t.shape)) * beta_t
         state = new.addcmul_(k_t.transpose(-1, -2), delta)
         torch.bmm(q_rows[t], state.view(batch_heads, key_dim, value_dim), out=outs[t])
-    new_slots = row_start[None, :] + torch.arange(num_new, device=row_start.device)[:, None]
+    new_slots = inputs.derived(('gdn_new_rows', slots_per_row), lambda: (
+        row_start[None, :] + torch.arange(num_new, device=row_start.device)[:, None]).flatten())
     states = states.view(-1, num_value_heads, key_dim, value_dim)       # token-major rows
-    flat_cache.index_copy_(0, new_slots.flatten(), states.to(state_cache.dtype))
+    flat_cache.index_copy_(0, new_slots, states.to(state_cache.dtype))
     out = outs.view(num_new, num_seqs, num_value_heads, value_dim).transpose(0, 1)
     return out.reshape(num_seqs * num_new, num_value_heads, value_dim).to(out_dtype)

@@ -24,10 +24,8 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
                   inputs: ModelInputs) -> None:
     """Write k, v `[T, n_kv, head_dim]` into the caches at the step's slots."""
     num_blocks, block_size, n_kv, head_dim = k_cache.shape
-    key = ('kv_slots', block_size)         # the same for every attention layer of the step
-    slots = inputs.op_cache.get(key)
-    if slots is None:
-        slots = inputs.op_cache[key] = kv_slot_mapping(inputs, block_size)
+    # the same for every attention layer of the step
+    slots = inputs.derived(('kv_slots', block_size), lambda: kv_slot_mapping(inputs, block_size))
     k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
 
@@ -61,6 +59,20 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return group.unpad(out).flatten(1, 2)
 
 
+def _uniform_masks(inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attend_uniform`'s masks (the same for every attention layer of the step): (hidden
+    [B, 1, n, 1, L]: cache positions past each query's own, stale [B, 1, L, 1]: past each
+    sequence's kv_len, whose stale data must not meet a non-finite value at probability 0)."""
+    num_new, max_kv = inputs.uniform_q_len, inputs.max_kv_len
+    device = inputs.history_lens.device
+    kv_lens = inputs.history_lens + num_new                             # [B]
+    k_pos = torch.arange(max_kv, device=device)
+    q_pos = kv_lens[:, None] - num_new + torch.arange(num_new, device=device)     # [B, n]
+    hidden = k_pos[None, None, :] > q_pos[:, :, None]                   # [B, n, L]
+    stale = k_pos[None, :] >= kv_lens[:, None]                          # [B, L]
+    return hidden[:, None, :, None, :], stale[:, None, :, None]
+
+
 def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     inputs: ModelInputs, scale: float) -> torch.Tensor:
     """`paged_attention`'s attention when every sequence has n = `uniform_q_len` queries (decode,
@@ -70,11 +82,8 @@ def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_new, num_seqs = inputs.uniform_q_len, inputs.q_lens.shape[0]
     num_blocks, block_size, n_kv, head_dim = k_cache.shape
     max_kv = inputs.max_kv_len
-    key = ('kv_blocks', block_size)
-    blocks = inputs.op_cache.get(key)
-    if blocks is None:
-        blocks = inputs.block_tables[:, :(max_kv + block_size - 1) // block_size].reshape(-1)
-        inputs.op_cache[key] = blocks
+    blocks = inputs.derived(('kv_blocks', block_size), lambda: inputs.block_tables[
+        :, :(max_kv + block_size - 1) // block_size].reshape(-1))
 
     def gather(cache):                                                  # -> [B, n_kv, L, d]
         rows = cache.index_select(0, blocks).view(num_seqs, -1, n_kv, head_dim)[:, :max_kv]
@@ -86,17 +95,11 @@ def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scores = queries.reshape(num_seqs, n_kv, num_new * group, head_dim) @ keys.transpose(-1, -2)
     scores = scores * scale
     if num_seqs > 1 or num_new > 1:
-        kv_lens = inputs.history_lens + num_new                         # [B]
-        k_pos = torch.arange(max_kv, device=q.device)
-        q_pos = kv_lens[:, None] - num_new + torch.arange(num_new, device=q.device)   # [B, n]
-        hidden = k_pos[None, None, :] > q_pos[:, :, None]               # [B, n, L]
+        hidden, stale = inputs.derived(('attn_masks', num_new), lambda: _uniform_masks(inputs))
         scores = scores.view(num_seqs, n_kv, num_new, group, max_kv)
-        scores = scores.masked_fill(hidden[:, None, :, None, :], float('-inf'))
+        scores = scores.masked_fill(hidden, float('-inf'))
         scores = scores.view(num_seqs, n_kv, num_new * group, max_kv)
-        # positions past a sequence's kv_len hold stale data: probability 0 must not meet a
-        # non-finite value
-        stale = k_pos[None, :] >= kv_lens[:, None]                      # [B, L]
-        values = values.masked_fill(stale[:, None, :, None], 0)
+        values = values.masked_fill(stale, 0)
     out = scores.softmax(dim=-1) @ values                               # [B, n_kv, n * g, d]
     out = out.view(num_seqs, n_kv, num_new, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(num_seqs * num_new, n_kv * group, head_dim)
