@@ -84,7 +84,7 @@ class GatedDeltaNet(nn.Module):
             mixed = self.backend.causal_conv1d_update(mixed, conv_weight, conv_cache, inputs)
         else:
             mixed = self.backend.causal_conv1d_prefill(mixed, conv_weight, conv_cache, inputs)
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q, k, v = mixed.split_with_sizes([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.view(num_tokens, -1, self.key_head_dim)
         k = k.view(num_tokens, -1, self.key_head_dim)
         v = v.view(num_tokens, -1, self.value_head_dim)

@@ -120,7 +120,7 @@ class FusedColumnLinear(nn.Module):
         self.sizes = [sum(part_sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+        return F.linear(x, self.weight).split_with_sizes(self.sizes, dim=-1)
 
 
 def fuse_projections(model: nn.Module, keep_parts: bool = False) -> nn.Module:

@@ -73,3 +73,30 @@ def test_uniform_decode_equals_general_path(q_len, history_lens, slots, index, n
     _both(lambda q, k, v, kc, vc, i: ops.paged_attention(q, k, v, kc, vc, i, d ** -0.5),
           (randn(tokens, 4, d), randn(tokens, 2, d), randn(tokens, 2, d)), [k_cache, v_cache],
           inputs, general, **tol)
+
+
+def test_per_step_indices_follow_a_reassigned_state_index():
+    """The verify ops make their index tensors once per forward (`ModelInputs.derived`); those
+    that depend on state_index are made again once it is reassigned: a second forward of the same
+    inputs with another state_index equals one of fresh inputs, bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    tables = shuffled_block_tables(2, 8, seed=1)
+    inputs = make_inputs([[0] * 4] * 2, [9, 5], tables, [1, 2], [1, 3], is_decoding=True)
+    x, weight, conv = randn(8, 6), randn(6, 4), randn(3, 6, 6)
+    nk, nv, d = 2, 4, 8
+    args = (randn(8, nk, d), randn(8, nk, d), randn(8, nv, d), -torch.rand(8, nv, generator=gen,
+            dtype=torch.float64), torch.rand(8, nv, generator=gen, dtype=torch.float64))
+    state = randn(3, 4, nv, d, d)
+    ops.causal_conv1d_update(x, weight, conv.clone(), inputs)
+    ops.gated_delta_rule_decode(*args, state.clone(), inputs)
+    inputs.state_index = torch.tensor([0, 2])
+    fresh = make_inputs([[0] * 4] * 2, [9, 5], tables, [1, 2], [0, 2], is_decoding=True)
+    for op, operands, cache in ((ops.causal_conv1d_update, (x, weight), conv),
+                                (ops.gated_delta_rule_decode, args, state)):
+        again, ref = cache.clone(), cache.clone()
+        assert torch.equal(op(*operands, again, inputs), op(*operands, ref, fresh))
+        assert torch.equal(again, ref)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model_inputs import ModelInputs
+from .norm import cast
 from .varlen import seq_groups
 
 
@@ -74,14 +75,14 @@ def _update_uniform(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Ten
         window = torch.gather(window, 2, cols)
     if inputs.has_fresh_seqs:
         window = window.masked_fill((inputs.history_lens == 0)[:, None, None], 0)
-    new = x.view(num_seqs, num_new, channels).transpose(1, 2).to(conv_cache.dtype)
+    new = cast(x.view(num_seqs, num_new, channels).transpose(1, 2), conv_cache.dtype)
     full = torch.cat([window, new], dim=2)                                       # [B, C, K - 1 + n]
-    conv = (full.unfold(2, kernel, 1).to(weight.dtype) * weight[:, None, :]).sum(-1)   # [B, C, n]
+    conv = (cast(full.unfold(2, kernel, 1), weight.dtype) * weight[:, None, :]).sum(-1)  # [B, C, n]
     if kernel - 2 + num_new == width:                       # the whole row is rewritten
         conv_cache.index_copy_(0, inputs.state_slots, full[:, :, 1:])
     else:
         conv_cache[inputs.state_slots, :, :kernel - 2 + num_new] = full[:, :, 1:]
-    return F.silu(conv).transpose(1, 2).reshape(x.shape).to(x.dtype)
+    return cast(F.silu(conv).transpose(1, 2).reshape(x.shape), x.dtype)
 
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,

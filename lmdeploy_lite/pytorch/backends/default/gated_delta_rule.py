@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model_inputs import ModelInputs
+from .norm import cast, constant
 from .varlen import seq_groups
 
 
@@ -22,7 +23,7 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: t
     """a, b [T, nv] (in_proj_a/b outputs) -> g = -exp(A_log) * softplus(a + dt_bias) (log decay,
     float32; float64 for float64 inputs) and beta = sigmoid(b) (b.dtype), both [T, nv]."""
     acc = torch.float64 if a.dtype == torch.float64 else torch.float32
-    return -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias), torch.sigmoid(b)
+    return -cast(A_log, acc).exp() * F.softplus(cast(a, acc) + dt_bias), torch.sigmoid(b)
 
 
 def _prepare(q, k, v, g, beta, acc):
@@ -183,13 +184,14 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
         if inputs.has_fresh_seqs:
             state.zero_()
     else:
-        state = flat_cache.index_select(0, current).to(acc)
+        state = cast(flat_cache.index_select(0, current), acc)
         if inputs.has_fresh_seqs:
             state = state.masked_fill((inputs.history_lens == 0)[:, None, None, None], 0)
     state = state.view(num_seqs, num_key_heads, ratio, key_dim, value_dim)
-    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
-    q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * key_dim ** -0.5)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q, k, v, g, beta = (cast(x, acc) for x in (q, k, v, g, beta))
+    eps = constant(1e-6, q)
+    q = q * (torch.rsqrt((q * q).sum(-1, keepdim=True) + eps) * constant(key_dim ** -0.5, q))
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + eps)
     # per token t: [B, nk, 1, 1, dk] for q/k, [B, nk, ratio, 1, dv] for v, [B, nk, ratio, 1, 1]
     q, k = (x.view(num_seqs, num_new, num_key_heads, 1, 1, key_dim) for x in (q, k))
     v = v.view(num_seqs, num_new, num_key_heads, ratio, 1, value_dim)
@@ -200,8 +202,8 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
         state.addcmul_(k[:, 0].transpose(-1, -2), delta)                # S + k delta^T
         out = q[:, 0] @ state
         if not in_place:
-            flat_cache.index_copy_(0, row_start, state.flatten(1, 2).to(state_cache.dtype))
-        return out.reshape(num_seqs, num_value_heads, value_dim).to(out_dtype)
+            flat_cache.index_copy_(0, row_start, cast(state.flatten(1, 2), state_cache.dtype))
+        return cast(out.reshape(num_seqs, num_value_heads, value_dim), out_dtype)
     # The per-token products `k_t @ S` and `q_t @ S` as the bmm calls `matmul` makes of them
     # (the same operands, laid out as it lays them out, so the same bits), with the per-token
     # copies done once: q/k broadcast over the ratio value heads, `[n, B * nv, 1, dk]`; the
@@ -224,6 +226,6 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
     new_slots = inputs.derived(('gdn_new_rows', slots_per_row), lambda: (
         row_start[None, :] + torch.arange(num_new, device=row_start.device)[:, None]).flatten())
     states = states.view(-1, num_value_heads, key_dim, value_dim)       # token-major rows
-    flat_cache.index_copy_(0, new_slots, states.to(state_cache.dtype))
+    flat_cache.index_copy_(0, new_slots, cast(states, state_cache.dtype))
     out = outs.view(num_new, num_seqs, num_value_heads, value_dim).transpose(0, 1)
-    return out.reshape(num_seqs * num_new, num_value_heads, value_dim).to(out_dtype)
+    return cast(out.reshape(num_seqs * num_new, num_value_heads, value_dim), out_dtype)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .norm import silu_mul
+from .norm import cast, silu_mul
 
 
 @dataclass
@@ -54,7 +54,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
             gate_up = F.linear(rows_x[rows], gate_up_proj[expert])
             pairs[rows] = F.linear(silu_mul(gate_up), down_proj[expert])
     out = (pairs.view(num_tokens, top_k, x.shape[-1]) * topk_weights[..., None]).sum(1)
-    return out.to(x.dtype)
+    return cast(out, x.dtype)
 
 
 SMALL_BATCH_PAIRS = 64     # up to this many (token, expert) pairs: group them on the host
@@ -78,7 +78,7 @@ def _experts_by_pair_list(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
             token = pairs[0] // top_k
             rows_x = x[token:token + 1]
         else:
-            rows_x = x[torch.tensor([p // top_k for p in pairs], device=x.device)]
+            rows_x = x.index_select(0, torch.tensor([p // top_k for p in pairs], device=x.device))
         out = F.linear(silu_mul(F.linear(rows_x, gate_up_proj[expert])), down_proj[expert])
         for i, pair in enumerate(pairs):
             rows[pair] = out[i:i + 1]

@@ -20,35 +20,40 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without the call where x has that dtype already (~1 us of a decode
+    step's many no-op casts)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 _CONSTANTS: dict[tuple[float, torch.dtype], torch.Tensor] = {}
 
 
-def _constant(value: float, like: torch.Tensor) -> torch.Tensor | float:
+def constant(value: float, like: torch.Tensor) -> torch.Tensor | float:
     """`value` as a cached 0-dim CPU tensor of like.dtype (an op adds or multiplies it exactly as
     the Python scalar, rounded to that dtype); elsewhere the scalar itself (nothing is created
     inside a captured CUDA graph)."""
     if like.device.type != 'cpu':
         return value
     key = (value, like.dtype)
-    constant = _CONSTANTS.get(key)
-    if constant is None:
-        constant = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype)
-    return constant
+    cached = _CONSTANTS.get(key)
+    if cached is None:
+        cached = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype)
+    return cached
 
 
 def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D] in the compute dtype -> `x * rsqrt(mean(x^2) + eps)`, contiguous (F.rms_norm
     without weight, op for op)."""
-    return (x * (x * x).mean(-1, keepdim=True).add_(_constant(eps, x)).rsqrt_()).contiguous()
+    return (x * (x * x).mean(-1, keepdim=True).add_(constant(eps, x)).rsqrt_()).contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> `x * rsqrt(mean(x^2) + eps) * (1 + w)` [..., D] in x.dtype."""
     acc = compute_dtype(x.dtype)
-    x_acc = x if x.dtype == acc else x.to(acc)
-    weight = weight if weight.dtype == acc else weight.to(acc)
-    out = _normalized(x_acc, eps).mul_(weight + _constant(1.0, weight))
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    x_acc, weight = cast(x, acc), cast(weight, acc)
+    out = _normalized(x_acc, eps).mul_(weight + constant(1.0, weight))
+    return cast(out, x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -66,8 +71,8 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     """x, gate [..., D], weight [D] -> `w * norm(x).to(x.dtype) * silu(gate)` [..., D] in x.dtype
     (the gate's SiLU and the product in the compute dtype)."""
     acc = compute_dtype(x.dtype)
-    y = weight * _normalized(x if x.dtype == acc else x.to(acc), eps).to(x.dtype)
-    return (y * F.silu(gate if gate.dtype == acc else gate.to(acc))).to(x.dtype)
+    y = weight * cast(_normalized(cast(x, acc), eps), x.dtype)
+    return cast(y * F.silu(cast(gate, acc)), x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ...model_inputs import ModelInputs
+from .norm import cast
 from .varlen import SeqGroup, seq_groups
 
 
@@ -26,8 +27,8 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     num_blocks, block_size, n_kv, head_dim = k_cache.shape
     # the same for every attention layer of the step
     slots = inputs.derived(('kv_slots', block_size), lambda: kv_slot_mapping(inputs, block_size))
-    k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+    k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, cast(k, k_cache.dtype))
+    v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, cast(v, v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -87,7 +88,7 @@ def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     def gather(cache):                                                  # -> [B, n_kv, L, d]
         rows = cache.index_select(0, blocks).view(num_seqs, -1, n_kv, head_dim)[:, :max_kv]
-        return rows.to(q.dtype).transpose(1, 2)
+        return cast(rows, q.dtype).transpose(1, 2)
 
     keys, values = gather(k_cache), gather(v_cache)
     group = q.shape[1] // n_kv
@@ -116,7 +117,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     fill_kv_cache(k, v, k_cache, v_cache, inputs)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     if inputs.uniform_q_len:
-        return _attend_uniform(q.to(acc), k_cache, v_cache, inputs, scale).to(q.dtype)
+        return cast(_attend_uniform(cast(q, acc), k_cache, v_cache, inputs, scale), q.dtype)
     num_heads = q.shape[1]
     out = torch.empty_like(q)
     for group in seq_groups(inputs, lambda n, max_q, max_kv: n * num_heads * max_q * max_kv):
