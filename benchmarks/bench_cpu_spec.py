@@ -9,7 +9,9 @@ each row of a batch starting at a different line. Each row runs `--repeats` stre
 for k > 0) and keeps the best; `decode_tok_s` counts the tokens streamed between the moment every
 request has its first token (prefill done) and the last token, over that time. `accept_len`:
 mean accepted length (tokens per verify step, bonus included) over the row's calls;
-`speedup`: decode_tok_s over the AR row of the same batch. The table is printed last.
+`speedup`: decode_tok_s over the AR row of the same batch; `step_ms`: what one engine step
+costs through the pipeline, batch x accept_len tokens over decode_tok_s, and `step_cost`: that
+over the AR row's (a k step pays off by accept_len / step_cost). The table is printed last.
 """
 from __future__ import annotations
 
@@ -139,15 +141,18 @@ def main():
     ks = ([] if args.no_ar else [0]) + [int(k) for k in args.ks.split(',') if k]
     rows = [row for k in ks for row in run_k(args, k)]
     for row in rows:
+        row['step_ms'] = 1000 * row['batch'] * row['accept_len'] / row['decode_tok_s']
+    for row in rows:
         ar = next((r for r in rows if r['batch'] == row['batch'] and r['k'] == 'AR'), None)
         row['speedup'] = row['decode_tok_s'] / ar['decode_tok_s'] if ar else None
+        row['step_cost'] = row['step_ms'] / ar['step_ms'] if ar else None
     rows.sort(key=lambda r: (r['batch'], -1 if r['k'] == 'AR' else r['k']))
     save_json(output_path(args.out, 'bench_cpu_spec.json'),
               {'env': environment(), 'args': vars(args), 'rows': rows})
     print(f'embedded model, {args.dtype}, {args.threads} threads, greedy, prompt '
           f'{args.prompt_len} tokens, {args.new_tokens} new tokens, best of {args.repeats}')
     print_table(rows, ['batch', 'k', 'decode_tok_s', 'median_tok_s', 'min_tok_s', 'accept_len',
-                       'speedup'])
+                       'step_ms', 'step_cost', 'speedup'])
 
 
 if __name__ == '__main__':

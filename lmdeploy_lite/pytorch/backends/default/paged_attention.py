@@ -15,6 +15,12 @@ from .varlen import SeqGroup, seq_groups
 
 def kv_slot_mapping(inputs: ModelInputs, block_size: int) -> torch.Tensor:
     """[T] long: flat cache slot of every new token."""
+    if inputs.uniform_q_len:      # [B, n] positions: a gather per row, no advanced indexing
+        num_new = inputs.uniform_q_len
+        cache_pos = inputs.history_lens[:, None] + torch.arange(num_new,
+                                                                device=inputs.q_lens.device)
+        blocks = inputs.block_tables.gather(1, cache_pos // block_size)
+        return (blocks * block_size + cache_pos % block_size).flatten()
     seq_idx = inputs.token_seq_idx
     cache_pos = inputs.history_lens[seq_idx] + inputs.token_offsets
     blocks = inputs.block_tables[seq_idx, cache_pos // block_size]
