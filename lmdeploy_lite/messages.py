@@ -274,6 +274,8 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # verify steps that drafted each position (with a dynamic k, fewer for later positions)
+    drafted_per_position: list[int] = field(default_factory=list)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -284,14 +286,24 @@ class SpecDecodeStats:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Accepted / drafted at each draft position."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position,
+                                                     self.drafted_per_position)]
+
     def add(self, num_draft_tokens: int, num_accepted: int):
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
         if len(self.accepted_per_position) < num_draft_tokens:
             self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        if len(self.drafted_per_position) < num_draft_tokens:
+            self.drafted_per_position += [0] * (num_draft_tokens - len(self.drafted_per_position))
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
+        for i in range(num_draft_tokens):
+            self.drafted_per_position[i] += 1
 
     def merge(self, other: 'SpecDecodeStats'):
         self.num_drafts += other.num_drafts
@@ -301,6 +313,10 @@ class SpecDecodeStats:
         a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
         b = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
         self.accepted_per_position = [x + y for x, y in zip(a, b)]
+        n = max(len(self.drafted_per_position), len(other.drafted_per_position))
+        a = self.drafted_per_position + [0] * (n - len(self.drafted_per_position))
+        b = other.drafted_per_position + [0] * (n - len(other.drafted_per_position))
+        self.drafted_per_position = [x + y for x, y in zip(a, b)]
 
 
 @dataclass

@@ -150,8 +150,7 @@ def cmd_generate(args) -> int:
               f'finish_reason={last.finish_reason}]', file=sys.stderr)
         stats = last.spec_stats
         if stats is not None:
-            per_position = ', '.join(f'{a / stats.num_drafts:.2f}'
-                                     for a in stats.accepted_per_position)
+            per_position = ', '.join(f'{r:.2f}' for r in stats.acceptance_by_position)
             print(f'[speculative: {stats.num_drafts} drafts, {stats.num_accepted_tokens}/'
                   f'{stats.num_draft_tokens} draft tokens accepted, mean accepted length '
                   f'{stats.mean_accepted_length:.2f}, acceptance by position: {per_position}]',

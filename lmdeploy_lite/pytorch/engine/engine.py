@@ -70,7 +70,8 @@ class StepOutput:
         stats = seq.spec_stats
         self.stats_snapshot = (None if not stats.num_drafts else
                                (stats.num_drafts, stats.num_draft_tokens,
-                                stats.num_accepted_tokens, tuple(stats.accepted_per_position)))
+                                stats.num_accepted_tokens, tuple(stats.accepted_per_position),
+                                tuple(stats.drafted_per_position)))
 
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
@@ -82,8 +83,8 @@ def spec_stats_of(snapshot: tuple | None) -> SpecDecodeStats | None:
     """`StepOutput.stats_snapshot` (None before the first draft) as a SpecDecodeStats."""
     if snapshot is None:
         return None
-    drafts, draft_tokens, accepted, per_position = snapshot
-    return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position))
+    drafts, draft_tokens, accepted, per_position, drafted = snapshot
+    return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position), list(drafted))
 
 
 @dataclass

@@ -310,8 +310,8 @@ def test_remote_outputs_are_snapshots_for_a_lagging_consumer():
     received = []
     front._live = {0: RemoteHandle(RemoteSeq(0, 0), received.append)}
     front._deliver([(0, [5], False, None, 1, None, None)])       # one message per rank step
-    front._deliver([(0, [6, 7], False, None, 3, (1, 3, 1, (1, 0, 0)), None)])
-    front._deliver([(0, [8], True, 'length', 4, (2, 6, 1, (1, 0, 0)), None)])
+    front._deliver([(0, [6, 7], False, None, 3, (1, 3, 1, (1, 0, 0), (1, 1, 1)), None)])
+    front._deliver([(0, [8], True, 'length', 4, (2, 6, 1, (1, 0, 0), (2, 2, 2)), None)])
     assert [(o.new_token_ids, o.finished, o.finish_reason, o.num_generated) for o in received] \
         == [([5], False, None, 1), ([6, 7], False, None, 3), ([8], True, 'length', 4)]
     assert received[0].spec_stats is None and received[1].spec_stats.num_drafts == 1

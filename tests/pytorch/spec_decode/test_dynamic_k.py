@@ -53,6 +53,12 @@ def test_every_switch_of_k_gives_plain_greedy(k, monkeypatch):
     accepting.assert_dynamic_acceptance(engine.spec_stats, k, positions=k)
     assert got == plain.token_ids
     assert set(seen) == set(range(k + 1)), seen          # every count ran
+    # per-position figures count the steps that drafted each position
+    stats = engine.spec_stats
+    assert stats.drafted_per_position[0] == stats.num_drafts
+    assert sum(stats.drafted_per_position) == stats.num_draft_tokens
+    assert stats.drafted_per_position[k - 1] < stats.num_drafts     # fewer drafted deep
+    assert all(0 < r <= 1 for r in stats.acceptance_by_position), stats
 
 
 def test_every_switch_of_k_with_a_token_map_gives_plain_greedy(monkeypatch):
