@@ -55,7 +55,7 @@ class DraftCountPolicy:
         # decayed counts per draft position, starting from a weak prior (2 rows' worth)
         self.drafted = [2.0] * max_k
         self.accepted = [2.0 * prior_acceptance ** (i + 1) for i in range(max_k)]
-        self.times: dict[tuple[int, int], float] = {}     # (bucket, k) -> seconds per step
+        self.times: dict[int, dict[int, float]] = {}      # bucket -> k -> seconds per step
         self.samples: dict[tuple[int, int], int] = {}
         self._hold: tuple[int, int] = (0, 0)              # (k, steps left) of an exploration
         self._steps: dict[int, int] = {}                  # steps proposed per bucket
@@ -79,15 +79,19 @@ class DraftCountPolicy:
         """One verify step's rows: real drafts each verified and how many it accepted."""
         if not self.dynamic:
             return
-        decay = self.decay
-        drafted = [d * decay for d in self.drafted]
-        accepted = [a * decay for a in self.accepted]
+        # rows that drafted (accepted) position i: those with more than i drafts (accepted);
+        # one count per row, then a suffix sum over the k positions
+        k = self.max_k
+        drafts_hist, accepted_hist = [0] * (k + 1), [0] * (k + 1)
         for n, a in zip(num_drafts, num_accepted):
-            for i in range(n):
-                drafted[i] += 1
-            for i in range(a):
-                accepted[i] += 1
-        self.drafted, self.accepted = drafted, accepted
+            drafts_hist[n] += 1
+            accepted_hist[a] += 1
+        decay, more_drafted, more_accepted = self.decay, 0, 0
+        for i in range(k - 1, -1, -1):
+            more_drafted += drafts_hist[i + 1]
+            more_accepted += accepted_hist[i + 1]
+            self.drafted[i] = self.drafted[i] * decay + more_drafted
+            self.accepted[i] = self.accepted[i] * decay + more_accepted
 
     def observe_time(self, batch_size: int, k: int, seconds: float):
         """The wall time of a decode step of `batch_size` sequences with k drafts; recorded only
@@ -96,8 +100,9 @@ class DraftCountPolicy:
         last, self._last = self._last, cell
         if not self.dynamic or last != cell or seconds <= 0:
             return
-        old = self.times.get(cell)
-        self.times[cell] = seconds if old is None else old + self.time_alpha * (seconds - old)
+        times = self.times.setdefault(cell[0], {})
+        old = times.get(k)
+        times[k] = seconds if old is None else old + self.time_alpha * (seconds - old)
         self.samples[cell] = self.samples.get(cell, 0) + 1
 
     def break_sequence(self):
@@ -109,7 +114,7 @@ class DraftCountPolicy:
     def step_time(self, bucket: int, k: int) -> float:
         """Measured, or estimated from the nearest measured k at this bucket (a draft position
         costing prior_draft_cost of the k = 0 step, or the measured slope between two ks)."""
-        known = {j: t for (b, j), t in self.times.items() if b == bucket}
+        known = self.times.get(bucket, {})
         if k in known:
             return known[k]
         if not known:
