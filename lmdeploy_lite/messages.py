@@ -228,6 +228,9 @@ class PytorchEngineConfig:
     # absent; fp64 for a float64 model); 'bfloat16' halves the state bytes and rounds the state
     # once per token
     ssm_state_dtype: str = 'auto'
+    # reuse the KV blocks and linear-attention states of earlier requests' prompt prefixes
+    # (README "Prefix caching"); a hit never changes a token
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, 'dtype', self.dtype, f'one of {DTYPES}')
@@ -262,6 +265,8 @@ class PytorchEngineConfig:
                f'one of {LOAD_FORMATS}')
         _check(self.ssm_state_dtype in SSM_STATE_DTYPES, 'ssm_state_dtype', self.ssm_state_dtype,
                f'one of {SSM_STATE_DTYPES}')
+        _check(isinstance(self.enable_prefix_caching, bool), 'enable_prefix_caching',
+               self.enable_prefix_caching, 'True or False')
 
 
 FinishReason = Literal['stop', 'length', 'abort', 'error']

@@ -58,7 +58,7 @@ class StepOutput:
     `stats_snapshot`, made into a SpecDecodeStats only when read; the mp/ray ranks send it
     home as it is)."""
     __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated', 'error',
-                 'stats_snapshot')
+                 'stats_snapshot', 'num_cached_tokens')
 
     def __init__(self, seq: Sequence, new_token_ids: list[int]):
         self.seq = seq                          # identity only: its fields move on
@@ -67,6 +67,7 @@ class StepOutput:
         self.finish_reason = seq.finish_reason
         self.num_generated = seq.num_generated
         self.error = seq.error if seq.finish_reason == 'error' else None   # why, with 'error'
+        self.num_cached_tokens = seq.num_cached_tokens      # prompt tokens from the prefix cache
         stats = seq.spec_stats
         self.stats_snapshot = (None if not stats.num_drafts else
                                (stats.num_drafts, stats.num_draft_tokens,
