@@ -136,6 +136,7 @@ class CacheConfig:
     num_blocks: int
     num_state_slots: int
     num_spec_tokens: int = 0
+    num_snapshots: int = 0        # prefix cache: linear-attention state snapshots (0: no cache)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,11 @@ class ModelInputs:
                                                 # the host knows it (a later prompt chunk), else -1
     num_spec: int = 0              # the StepPlan's draft count: drafts a decode step verifies
                                    # per row (uniform_q_len - 1) and every step makes
+    # prefix cache (engine/prefix_cache.py), prefill steps only: [R, 2] long (snapshot row, state
+    # slot) copied into the slot before the forward (the slot's current index becomes 0), and
+    # [S, 2] long (state slot, snapshot row) copied out after it
+    state_restores: torch.Tensor | None = None
+    state_saves: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -1,6 +1,16 @@
-"""Paged KV blocks and linear-attention state slots: free lists, nothing more."""
+"""Paged KV blocks, linear-attention state slots and the prefix cache's bookkeeping.
+
+A block is in exactly one of three places: the free list (no content anyone may reuse), held by
+running sequences (`ref` > 0; a cached block may be held by several), or cached and unheld
+(`ref` == 0, in `evictable`, least recently used first: taken for a new allocation only when the
+free list is empty). Cached blocks are named by their key (engine/prefix_cache.py); a cached
+block that some running sequence holds is never handed to another allocation.
+"""
 from __future__ import annotations
 
+from collections import OrderedDict
+
+from lmdeploy_lite.pytorch.engine.prefix_cache import PrefixCacheStats, SnapshotPool, block_keys
 from lmdeploy_lite.pytorch.engine.sequence import Sequence
 
 
@@ -12,15 +22,26 @@ class BlockManager:
     """Owns the free lists. A sequence's blocks cover positions 0..len(blocks)*block_size-1.
 
     Block 0 and state slot 0 are reserved for dummy forwards (a rank with no work) and are never
-    handed to a sequence.
+    handed to a sequence. `num_snapshots` > 0 turns the prefix cache on (`lookahead`: block keys
+    include the token after the block, for a draft that keeps its KV in the blocks).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int):
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int,
+                 num_snapshots: int = 0, lookahead: bool = False):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_state_slots = num_state_slots
         self.free_blocks = list(range(num_blocks - 1, 0, -1))      # pop() hands out 1, 2, ...
         self.free_slots = list(range(num_state_slots - 1, 0, -1))
+        self.ref = [0] * num_blocks
+        self.caching = num_snapshots > 0
+        self.lookahead = lookahead
+        self.key_of: dict[int, int] = {}                  # cached block -> key
+        self.block_of: dict[int, int] = {}                # key -> cached block
+        self.evictable: OrderedDict[int, None] = OrderedDict()     # cached, ref 0; LRU first
+        self.snapshots = SnapshotPool(num_snapshots)
+        self.stats = PrefixCacheStats()
+        self.evicted_keys: list[int] = []   # snapshot keys dropped since the owner last looked
 
     @property
     def num_usable_blocks(self) -> int:
@@ -28,13 +49,18 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation may take: free, or cached and held by no one."""
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.block_of)
 
     def can_hold(self, seq: Sequence, num_tokens: int) -> bool:
         """Whether `seq` can grow to cover `num_tokens` positions (and has or can get a slot)."""
         need = blocks_needed(num_tokens, self.block_size) - len(seq.blocks)
         has_slot = seq.state_slot is not None or bool(self.free_slots)
-        return need <= len(self.free_blocks) and has_slot
+        return need <= self.num_free_blocks and has_slot
 
     def grow(self, seq: Sequence, num_tokens: int):
         """Allocate so that `seq` covers `num_tokens` positions; the caller checked can_hold."""
@@ -42,11 +68,109 @@ class BlockManager:
             seq.state_slot = self.free_slots.pop()
         need = blocks_needed(num_tokens, self.block_size) - len(seq.blocks)
         for _ in range(max(need, 0)):
-            seq.blocks.append(self.free_blocks.pop())
+            block = self._allocate()
+            self.ref[block] = 1
+            seq.blocks.append(block)
+
+    def _allocate(self) -> int:
+        if self.free_blocks:
+            return self.free_blocks.pop()
+        block, _ = self.evictable.popitem(last=False)
+        key = self.key_of.pop(block)
+        del self.block_of[key]
+        if key in self.snapshots:             # the snapshot at its end can no longer be reached
+            self.snapshots.drop(key)
+            self.evicted_keys.append(key)
+        return block
 
     def free(self, seq: Sequence):
-        self.free_blocks.extend(reversed(seq.blocks))
+        """Release `seq`'s blocks and slot. Its full blocks whose content is complete (every
+        position computed; with lookahead, the next token known and computed too) stay cached;
+        the last block goes first when blocks are evicted."""
+        self.register(seq, seq.num_computed)
+        for block in reversed(seq.blocks):
+            self.ref[block] -= 1
+            if self.ref[block]:
+                continue
+            if block in self.key_of:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
         seq.blocks = []
         if seq.state_slot is not None:
             self.free_slots.append(seq.state_slot)
             seq.state_slot = None
+        if seq.pending_save is not None:        # its step's snapshot is never named
+            self.snapshots.give_back(seq.pending_save[1])
+            seq.pending_save = None
+        seq.restore_row = None
+
+    # ---- the prefix cache -----------------------------------------------------------------
+    def keys(self, seq: Sequence) -> list[int]:
+        """The keys of `seq`'s full blocks (kept on the sequence, extended as it grows)."""
+        seq.block_keys = block_keys(seq.token_ids, self.block_size, self.lookahead,
+                                    seq.block_keys)
+        return seq.block_keys
+
+    def register(self, seq: Sequence, num_computed: int):
+        """Name `seq`'s blocks whose content is complete once `num_computed` positions are in
+        the cache. A key another block already has keeps that block (this one stays private)."""
+        if not self.caching:
+            return
+        keys = self.keys(seq)
+        extra = 1 if self.lookahead else 0     # (a stop may have cut tokens the step computed)
+        full = min(num_computed // self.block_size, len(seq.blocks),
+                   (len(seq.token_ids) - extra) // self.block_size, len(keys))
+        for j in range(full):
+            block, key = seq.blocks[j], keys[j]
+            if block in self.key_of or key in self.block_of:
+                continue
+            self.key_of[block], self.block_of[key] = key, block
+
+    def match(self, seq: Sequence) -> tuple[int, int]:
+        """(hit, matched): the blocks of `seq`'s longest cached prefix that ends at a snapshot,
+        and the run of cached blocks from its start (>= hit). At least one token is left to
+        compute (the last one samples)."""
+        keys = self.keys(seq)
+        limit = (len(seq.token_ids) - 1) // self.block_size
+        hit = matched = 0
+        for j, key in enumerate(keys[:limit]):
+            if key not in self.block_of:
+                break
+            matched = j + 1
+            if key in self.snapshots:
+                hit = matched
+        return hit, matched
+
+    def acquire(self, seq: Sequence, num_blocks: int) -> int:
+        """Give a sequence with no blocks the first `num_blocks` cached blocks of its prefix;
+        returns the snapshot row at their end (the caller restores it into the sequence's
+        state slot)."""
+        keys = self.keys(seq)
+        for key in keys[:num_blocks]:
+            block = self.block_of[key]
+            if self.ref[block] == 0:
+                del self.evictable[block]
+            self.ref[block] += 1
+            seq.blocks.append(block)
+        return self.snapshots.touch(keys[num_blocks - 1])
+
+    def release(self, seq: Sequence):
+        """Undo `acquire` (admission fell through): the blocks go back unheld."""
+        for block in reversed(seq.blocks):
+            self.ref[block] -= 1
+            if not self.ref[block]:
+                self.evictable[block] = None
+        seq.blocks = []
+
+    def check(self):
+        """Every block is free, held, or cached and unheld, exactly once (tests call this)."""
+        free, evictable = set(self.free_blocks), set(self.evictable)
+        held = {b for b in range(1, self.num_blocks) if self.ref[b] > 0}
+        assert len(free) == len(self.free_blocks), 'a block is on the free list twice'
+        assert not (free & evictable) and not (free & held) and not (evictable & held)
+        assert free | evictable | held == set(range(1, self.num_blocks)), 'a block was lost'
+        assert all(self.ref[b] == 0 for b in free | evictable)
+        assert evictable <= set(self.key_of), 'an unheld block is neither free nor cached'
+        assert {self.block_of[k] for k in self.key_of.values()} == set(self.key_of)
+        assert all(k in self.block_of for k in self.snapshots.row_of), 'an orphan snapshot'

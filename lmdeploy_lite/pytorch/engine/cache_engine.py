@@ -10,6 +10,11 @@ linear-attention layer: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num
 the target's tp for the target's cache, the draft's own tp (SpeculativeConfig.tp, default the
 target's) for the MTP head's; num_blocks / block_size / num_state_slots come from `plan_cache`.
 `caches[layer_idx]` returns the layer's tuple; the slot semantics are in model_inputs.py.
+
+Prefix cache: `num_snapshots` rows per linear-attention layer of what a prefill leaves in a state
+row (recurrent slot 0 and conv columns 0..K-2): conv [num_snapshots, conv_dim / tp, K - 1],
+recurrent [num_snapshots, nv / tp, dk, dv]; `save` and `restore` copy between them and the state
+slots (engine/prefix_cache.py).
 """
 from __future__ import annotations
 
@@ -65,6 +70,14 @@ def state_shapes(model_config: ModelConfig, num_state_slots: int, num_spec_token
     return conv, rec
 
 
+def snapshot_shapes(model_config: ModelConfig, num_snapshots: int, tp: int = 1
+                    ) -> tuple[tuple, tuple]:
+    """(conv, recurrent) snapshot rows of one linear-attention layer on one TP rank: one
+    recurrent state and the K - 1 conv columns of each snapshot."""
+    conv, rec = state_shapes(model_config, num_snapshots, 0, tp)
+    return conv, rec[:1] + rec[2:]
+
+
 def _numel(shape: tuple) -> int:
     n = 1
     for s in shape:
@@ -93,6 +106,29 @@ class CacheEngine:
                 conv, rec = state_shapes(model_config, cc.num_state_slots, cc.num_spec_tokens, tp)
                 self.caches.append((torch.zeros(conv, dtype=dtype, device=device),
                                     torch.zeros(rec, dtype=self.state_dtype, device=device)))
+        # layer index -> (conv, recurrent) snapshot rows
+        self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if cc.num_snapshots:
+            conv, rec = snapshot_shapes(model_config, cc.num_snapshots, tp)
+            for i, layer_type in enumerate(self.layer_types):
+                if layer_type == 'linear_attention':
+                    self.snapshots[i] = (torch.zeros(conv, dtype=dtype, device=device),
+                                         torch.zeros(rec, dtype=self.state_dtype, device=device))
+
+    def save(self, slots: torch.Tensor, rows: torch.Tensor):
+        """Snapshot rows `rows` = the state a prefill left in state slots `slots`."""
+        for i, (conv_rows, rec_rows) in self.snapshots.items():
+            conv, rec = self.caches[i]
+            conv_rows[rows] = conv[slots, :, :conv_rows.shape[-1]]
+            rec_rows[rows] = rec[slots, 0]
+
+    def restore(self, rows: torch.Tensor, slots: torch.Tensor):
+        """State slots `slots` = snapshot rows `rows`, as a prefill would have left them (the
+        caller sets their current index to 0)."""
+        for i, (conv_rows, rec_rows) in self.snapshots.items():
+            conv, rec = self.caches[i]
+            conv[slots, :, :conv_rows.shape[-1]] = conv_rows[rows]
+            rec[slots, 0] = rec_rows[rows]
 
     def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.caches[layer_idx]
@@ -123,3 +159,10 @@ class CacheEngine:
         rec_bytes = _numel(rec) * torch.empty(
             (), dtype=state_dtype(dtype, ssm_state_dtype, model_config)).element_size()
         return num_linear * (conv_bytes + rec_bytes)
+
+    @staticmethod
+    def bytes_per_snapshot(model_config: ModelConfig, dtype: torch.dtype, tp: int = 1,
+                           ssm_state_dtype: str = 'auto') -> int:
+        """One prefix-cache snapshot on one TP rank: a state slot without speculative copies."""
+        return CacheEngine.bytes_per_state_slot(model_config, 0, dtype, tp=tp,
+                                                ssm_state_dtype=ssm_state_dtype)

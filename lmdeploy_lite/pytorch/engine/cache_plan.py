@@ -14,6 +14,11 @@ Where each size comes from:
   * the cap: max_batch_size sequences of `max_positions` (session_len + the speculative
     overhang), plus the reserved block 0 (dummy forwards).
 All ranks then take the minimum, so that the block tables of TP peers agree.
+
+Prefix caching (`enable_prefix_caching`) keeps linear-attention state snapshots beside the
+blocks (engine/prefix_cache.py): SNAPSHOT_SHARE of the budget above (after the state slots), at
+most SNAPSHOTS_PER_SEQ x max_batch_size of them; the KV blocks get the rest. With num_gpu_blocks
+given, the snapshots are planned from the same budget and the blocks are as given.
 """
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ from lmdeploy_lite.messages import PytorchEngineConfig
 from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
 from lmdeploy_lite.pytorch.engine.block_manager import blocks_needed
 from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+
+
+SNAPSHOT_SHARE = 0.1
+SNAPSHOTS_PER_SEQ = 4
 
 
 def available_memory(device: torch.device, world_size: int = 1) -> int:
@@ -48,14 +57,24 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
     block_size = engine_config.block_size
     num_slots = engine_config.max_batch_size + 1                 # slot 0 is reserved
     per_seq = blocks_needed(max_positions, block_size)
+    state_bytes = num_slots * (spec_bytes_per_slot + CacheEngine.bytes_per_state_slot(
+        model_config, num_spec_tokens, dtype, tp=tp,
+        ssm_state_dtype=engine_config.ssm_state_dtype))
+    budget = ((available_bytes - draft_weight_bytes) * engine_config.cache_max_entry_count
+              - state_bytes)
+    num_snapshots, snapshot_bytes = 0, 0
+    if engine_config.enable_prefix_caching:
+        per_snapshot = CacheEngine.bytes_per_snapshot(
+            model_config, dtype, tp=tp, ssm_state_dtype=engine_config.ssm_state_dtype)
+        num_snapshots = SNAPSHOTS_PER_SEQ * engine_config.max_batch_size
+        if per_snapshot:
+            num_snapshots = min(num_snapshots, max(int(budget * SNAPSHOT_SHARE // per_snapshot),
+                                                   0))
+        snapshot_bytes = num_snapshots * per_snapshot
     if engine_config.num_gpu_blocks:
         num_blocks = engine_config.num_gpu_blocks
     else:
-        state_bytes = num_slots * (spec_bytes_per_slot + CacheEngine.bytes_per_state_slot(
-            model_config, num_spec_tokens, dtype, tp=tp,
-            ssm_state_dtype=engine_config.ssm_state_dtype))
-        budget = ((available_bytes - draft_weight_bytes) * engine_config.cache_max_entry_count
-                  - state_bytes)
+        budget -= snapshot_bytes
         per_block = CacheEngine.bytes_per_block(model_config, block_size, dtype, tp=tp)
         per_block += num_draft_layers * CacheEngine.bytes_per_block(
             model_config, block_size, dtype, layer_types=('full_attention',), tp=draft_tp)
@@ -69,7 +88,7 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
             f'session_len={session_len} ({per_seq} blocks + 1 reserved); lower session_len or '
             f'raise num_gpu_blocks / cache_max_entry_count')
     return CacheConfig(block_size=block_size, num_blocks=num_blocks, num_state_slots=num_slots,
-                       num_spec_tokens=num_spec_tokens)
+                       num_spec_tokens=num_spec_tokens, num_snapshots=num_snapshots)
 
 
 def _raise_state_too_large(engine_config: PytorchEngineConfig, state_bytes: int, budget: int):

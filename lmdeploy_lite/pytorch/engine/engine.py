@@ -204,9 +204,12 @@ class Engine:
                                   available_memory(self.device, self.dist.world_size), tp,
                                   spec.draft.tp, spec.draft.weight_bytes,
                                   spec.draft_probs_bytes_per_slot)
-        num_blocks = self.dist.all_reduce(torch.tensor([cache_config.num_blocks]), 'world',
-                                          op='min')                 # block tables must agree
-        self.cache_config = dataclasses.replace(cache_config, num_blocks=int(num_blocks))
+        # block tables and prefix-cache decisions must agree
+        num_blocks, num_snapshots = self.dist.all_reduce(
+            torch.tensor([cache_config.num_blocks, cache_config.num_snapshots]), 'world',
+            op='min').tolist()
+        self.cache_config = dataclasses.replace(cache_config, num_blocks=num_blocks,
+                                                num_snapshots=num_snapshots)
         caches = CacheEngine(self.model_config, self.cache_config, self.dtype, self.device, tp=tp,
                              ssm_state_dtype=cfg.ssm_state_dtype)
         num_slots = self.cache_config.num_state_slots
@@ -223,7 +226,8 @@ class Engine:
         if self.device.type == 'cuda' and not cfg.eager_mode:
             self._enable_graphs(max_positions)
         block_manager = BlockManager(self.cache_config.num_blocks, self.cache_config.block_size,
-                                     num_slots)
+                                     num_slots, num_snapshots=self.cache_config.num_snapshots,
+                                     lookahead=spec.draft.num_kv_layers > 0)
         self.scheduler = Scheduler(block_manager, cfg.max_batch_size, cfg.max_prefill_token_num,
                                    self.session_len, num_spec_tokens=num_spec,
                                    num_draft_extra=spec.num_draft_extra,
@@ -347,7 +351,8 @@ class Engine:
             row_drafts, q_lens = None, batch.q_lens
         for seq in seqs:
             seq.drafts_ready = k
-        return ScheduledBatch(seqs, q_lens, batch.is_decoding, k, row_drafts)
+        return ScheduledBatch(seqs, q_lens, batch.is_decoding, k, row_drafts, batch.restores,
+                              batch.saves)
 
     def _time_step(self, batch: ScheduledBatch | None, k: int, seconds: float):
         """The draft-count policy learns decode steps' wall times (module policy.py)."""
@@ -424,6 +429,10 @@ class Engine:
                                                            continued.result, self.device)
         else:
             inputs = self.strategy.make_model_inputs(batch, self.device)
+            if batch.restores:
+                inputs.state_restores = torch.tensor(batch.restores, device=self.device)
+            if batch.saves:
+                inputs.state_saves = torch.tensor(batch.saves, device=self.device)
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
         inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
         inputs.num_spec = plan.num_spec                       # drafts verified and made

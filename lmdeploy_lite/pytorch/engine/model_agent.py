@@ -57,12 +57,22 @@ class ModelAgent:
         self.graph_pool = pool           # shared with other graphs of this model's forward
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """[T, H] post-final-norm hidden states; linear attention reads the current state slots."""
+        """[T, H] post-final-norm hidden states; linear attention reads the current state slots
+        (after restoring prefix-cache snapshots into them; snapshots of the new states are kept
+        after the forward)."""
+        if inputs.state_restores is not None:
+            rows, slots = inputs.state_restores.unbind(1)
+            self.caches.restore(rows, slots)
+            self.state_index[slots] = 0
         inputs.state_index = self.state_index[inputs.state_slots]
         runner = self.graphs.get(inputs.uniform_q_len) if inputs.is_decoding else None
         if runner is not None and runner.can_run(inputs):
             return runner(inputs)
-        return self.model(inputs, self.caches)
+        hidden = self.model(inputs, self.caches)
+        if inputs.state_saves is not None:
+            slots, rows = inputs.state_saves.unbind(1)
+            self.caches.save(slots, rows)
+        return hidden
 
     def set_state_index(self, state_slots: torch.Tensor, index: torch.Tensor | int):
         """After a step: slot `index` holds the state after the last accepted token."""

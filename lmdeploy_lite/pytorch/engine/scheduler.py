@@ -19,11 +19,18 @@ Blocks cover every position a step writes: the fed tokens plus `num_draft_extra`
 them that a draft model writes into its own KV cache while drafting (k - 1 for the MTP head).
 A sequence near its end still feeds k + 1 tokens (padding, never emitted past a stop), so the
 cache holds session_len + k + num_draft_extra positions per sequence.
+
+Prefix caching (engine/prefix_cache.py): a sequence admitted with nothing computed takes its
+longest cached prefix that ends at a state snapshot (its blocks shared, the snapshot restored
+into its state slot before its first chunk) and prefills only the rest. Its prefill then stops
+a chunk at each of its `snapshot_points` (where its cached blocks ran out: a branch point; where
+its last full prompt block ends) and keeps a snapshot there, as at any other block-aligned chunk
+end; the blocks before a snapshot are named in the cache once the step has computed them.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager, blocks_needed
 from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
@@ -38,6 +45,10 @@ class ScheduledBatch:
     # speculation, set once the StepPlan agreed on the step's draft count (Engine.step):
     num_spec: int = 0                      # drafts each row verifies (decoding) and makes
     row_drafts: list[int] | None = None    # decoding: real drafts each row verifies (<= num_spec)
+    # prefix cache, state copies on the device: (snapshot row, state slot) restored before the
+    # forward, (state slot, snapshot row) saved after it
+    restores: list[tuple[int, int]] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_decode_rows(self) -> int:
@@ -103,6 +114,9 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        return self._with_state_copies(self._schedule())
+
+    def _schedule(self) -> ScheduledBatch | None:
         num_decoding = sum(s.prefilled for s in self.running)
         if not num_decoding or not self.max_mixed_token_num:
             return self._schedule_prefill(self.max_prefill_token_num) or self._schedule_decode()
@@ -144,7 +158,7 @@ class Scheduler:
                 break
             if seq.status != SeqStatus.RUNNING:
                 continue                                   # preempted in this loop
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             need = seq.num_computed + n + self.num_draft_extra
             if not self.bm.can_hold(seq, need) and not self._preempt_for(seq, need):
                 continue
@@ -155,7 +169,8 @@ class Scheduler:
         # then new sequences, first come first served: stop at the first that does not fit
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            n = min(seq.num_uncomputed, budget)
+            hit = self._take_cached_prefix(seq)
+            n = self._chunk(seq, budget)
             need = seq.num_computed + n + self.num_draft_extra
             # admit only with room for the whole prompt: a sequence admitted on a first chunk
             # that then cannot grow preempts itself and is re-admitted, forever (a livelock
@@ -163,7 +178,9 @@ class Scheduler:
             whole = min(len(seq.token_ids) + self.num_draft_extra,
                         self.max_positions(self.session_len))
             if not self.bm.can_hold(seq, max(need, whole)):
+                self._drop_cached_prefix(seq)
                 break
+            self._count_lookup(seq, hit)
             self.bm.grow(seq, need)
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -222,11 +239,89 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
+    # ---- the prefix cache -----------------------------------------------------------------
+    def _take_cached_prefix(self, seq: Sequence) -> int:
+        """A sequence about to be admitted with nothing computed takes its longest cached
+        prefix (its blocks; the snapshot to restore) and plans its snapshot points. Returns the
+        tokens taken."""
+        if not self.bm.caching or seq.num_computed or seq.blocks:
+            return 0
+        bs = self.bm.block_size
+        hit, matched = self.bm.match(seq)
+        if hit:
+            seq.restore_row = self.bm.acquire(seq, hit)
+            seq.num_computed = hit * bs
+        prompt_end = (len(seq.token_ids) - 1) // bs * bs      # its last full block, one token left
+        points = {matched * bs, prompt_end}
+        seq.snapshot_points = sorted(p for p in points if p > hit * bs)
+        return hit * bs
+
+    def _drop_cached_prefix(self, seq: Sequence):
+        """Admission fell through: give back what `_take_cached_prefix` took."""
+        if seq.blocks:
+            self.bm.release(seq)
+        seq.num_computed, seq.restore_row = 0, None
+
+    def _count_lookup(self, seq: Sequence, hit: int):
+        if not self.bm.caching:
+            return
+        self.bm.stats.queried_tokens += len(seq.token_ids)
+        self.bm.stats.hit_tokens += hit
+        if not seq.num_generated:
+            seq.num_cached_tokens = hit
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of `seq`'s next prefill chunk: the budget's share, ending at its next
+        snapshot point."""
+        n = min(seq.num_uncomputed, budget)
+        for point in seq.snapshot_points:
+            if point > seq.num_computed:
+                return min(n, point - seq.num_computed)
+        return n
+
+    def _with_state_copies(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
+        """The batch's state copies: restores of newly admitted cached prefixes, and a snapshot
+        where a prefill chunk ends on a block boundary before the sequence's last token (the
+        row taken now, named once the step has run: `update`)."""
+        if batch is None or not self.bm.caching or batch.is_decoding:
+            return batch
+        bs = self.bm.block_size
+        for seq, n in zip(batch.seqs, batch.q_lens):
+            if seq.restore_row is not None:
+                batch.restores.append((seq.restore_row, seq.state_slot))
+                seq.restore_row = None
+            end = seq.num_computed + n
+            if seq.prefilled or end % bs or end >= len(seq.token_ids):
+                continue
+            keys = self.bm.keys(seq)
+            if end // bs > len(keys) or keys[end // bs - 1] in self.bm.snapshots:
+                continue
+            row = self.bm.snapshots.take()
+            if row is not None:
+                seq.pending_save = (end, row)
+                batch.saves.append((seq.state_slot, row))
+        return batch
+
+    def _keep_snapshot(self, seq: Sequence):
+        """The step that saved `seq`'s state at a block boundary has run: name its blocks up
+        to there and the snapshot after them."""
+        end, row = seq.pending_save
+        seq.pending_save = None
+        keys = self.bm.keys(seq)
+        self.bm.register(seq, end)
+        key = keys[end // self.bm.block_size - 1]
+        if seq.num_computed >= end and key in self.bm.block_of:
+            self.bm.snapshots.name(key, row)
+        else:
+            self.bm.snapshots.give_back(row)
+
     # ---- results --------------------------------------------------------------------------
     def update(self, seq: Sequence, num_new_computed: int, new_tokens: list[int]) -> list[int]:
         """Record a step's result for `seq`; returns the tokens actually emitted (a stop inside
         `new_tokens` truncates there). Frees the sequence's cache when it finishes."""
         seq.num_computed += num_new_computed
+        if seq.pending_save is not None:
+            self._keep_snapshot(seq)
         if not new_tokens:
             return []
         seq.prefilled = True

@@ -33,6 +33,13 @@ class Sequence:
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     drafts_ready: int = 0                 # drafts its last step made (the next verify's at most)
     stop_ids: frozenset[int] | None = None   # token ids that end it (StopChecker, computed once)
+    # prefix cache (engine/prefix_cache.py; the scheduler's): keys of its full blocks so far,
+    # block-aligned positions where its prefill keeps a state snapshot, the snapshot row to
+    # restore before its next chunk, and the (position, row) of the save its current step makes
+    block_keys: list[int] = field(default_factory=list)
+    snapshot_points: list[int] = field(default_factory=list)
+    restore_row: int | None = None
+    pending_save: tuple[int, int] | None = None
     num_cached_tokens: int = 0            # prompt tokens its first admission took from the
                                           # prefix cache (Response.num_cached_tokens)
 

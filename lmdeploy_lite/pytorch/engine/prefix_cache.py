@@ -1,0 +1,93 @@
+"""Prefix caching for a hybrid model: which full KV blocks and linear-attention state snapshots
+an earlier request left behind, and what a new request may take from them.
+
+Keys. A full block is named by a hash chain: key(j) = H(key(j - 1), tokens of block j). With a
+draft that keeps its own KV in the same blocks (the MTP head), the head's entry at a block's last
+position was computed from the token AFTER the block, so that token is hashed too (`lookahead`):
+a block is reused only by a request that continues it the same way. H is blake2b over the int64
+tokens: the same value in every process, so the DP front-end routes with the keys the ranks use.
+
+Snapshots. Three of four Qwen3.5 layers keep a recurrent state and a conv window instead of
+per-token KV, so a cached prefix is usable only up to a point where the state after exactly those
+tokens was kept: a snapshot (the recurrent state and the K - 1 conv columns of one sequence, all
+linear-attention layers) named by the key of the block that ends there. A hit is the longest run
+of cached blocks from the start that ends at a snapshot. Snapshots are taken at block-aligned
+prefill chunk ends (engine/scheduler.py `snapshot_points`): where the prompt's last full block
+ends, where a request's cached blocks run out (a branch point other requests share), and at the
+block-aligned ends of a long prefill's chunks. They live in a fixed pool (`CacheConfig.
+num_snapshots`, planned with the KV blocks: engine/cache_plan.py), evicted least recently used;
+a snapshot goes with the block it ends at.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+def block_keys(token_ids: list[int], block_size: int, lookahead: bool,
+               known: list[int] | None = None) -> list[int]:
+    """Keys of every full block of `token_ids` that can be named (with `lookahead`, a block
+    needs the token after it). `known`: keys computed before for a prefix of the same tokens
+    (extended, not recomputed)."""
+    keys = list(known or ())
+    extra = 1 if lookahead else 0
+    prev = keys[-1].to_bytes(16, 'little') if keys else b''
+    for j in range(len(keys), (len(token_ids) - extra) // block_size):
+        chunk = token_ids[j * block_size:(j + 1) * block_size + extra]
+        digest = hashlib.blake2b(prev + array('q', chunk).tobytes(), digest_size=16).digest()
+        keys.append(int.from_bytes(digest, 'little'))
+        prev = digest
+    return keys
+
+
+@dataclass
+class PrefixCacheStats:
+    """Engine-wide counters: prompt tokens looked up at admission, and those served from the
+    cache."""
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class SnapshotPool:
+    """`size` snapshot rows, each named by a block key; least recently used goes first."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.free = list(range(size - 1, -1, -1))
+        self.row_of: OrderedDict[int, int] = OrderedDict()     # key -> row, LRU first
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.row_of
+
+    def __len__(self) -> int:
+        return len(self.row_of)
+
+    def touch(self, key: int) -> int:
+        self.row_of.move_to_end(key)
+        return self.row_of[key]
+
+    def take(self) -> int | None:
+        """A row for a new snapshot (evicting the least recently used); None: no rows."""
+        if self.free:
+            return self.free.pop()
+        if not self.row_of:
+            return None
+        _, row = self.row_of.popitem(last=False)
+        return row
+
+    def name(self, key: int, row: int):
+        """Row `row` now holds the snapshot at block `key` (replacing one of the same key)."""
+        old = self.row_of.pop(key, None)
+        if old is not None and old != row:
+            self.free.append(old)
+        self.row_of[key] = row
+
+    def give_back(self, row: int):
+        self.free.append(row)
+
+    def drop(self, key: int):
+        row = self.row_of.pop(key, None)
+        if row is not None:
+            self.free.append(row)
