@@ -7,6 +7,9 @@ float32 (4 bytes), block_size 4, k = 3 drafts, the MTP head adds one full-attent
   draft  KV per block = the same again (its one layer) at the draft's tp         = 1024 / draft_tp
   state per sequence  = 3 layers * (128/tp * (4 - 1 + 3) * 4 B + (1 + 3) * 4/tp * 16*16 * 4 B)
                       = 3 * (3072 + 16384) / tp = 58368 / tp
+  prefix-cache snapshot = 3 layers * (128/tp * (4 - 1) * 4 B + 4/tp * 16*16 * 4 B)
+                      = 3 * (1536 + 4096) / tp = 16896 / tp; SNAPSHOT_SHARE (10%) of the budget
+                        after the state rows, at most 4 x max_batch_size of them
 """
 import pytest
 import torch
@@ -22,11 +25,12 @@ MB = 1 << 20
 @pytest.mark.parametrize('tp', [1, 2, 4])
 @pytest.mark.parametrize('dp', [1, 2])
 @pytest.mark.parametrize('with_draft, draft_tp', [(False, None), (True, 'target'), (True, 1)])
-def test_blocks_per_rank_by_hand(tp, dp, with_draft, draft_tp, tiny_ckpt):
+@pytest.mark.parametrize('prefix_caching', [False, True])
+def test_blocks_per_rank_by_hand(tp, dp, with_draft, draft_tp, prefix_caching, tiny_ckpt):
     model = ModelConfig.from_pretrained(tiny_ckpt(True, layout='plain', linear_num_key_heads=4,
                                                   num_key_value_heads=4))
     cfg = PytorchEngineConfig(block_size=4, max_batch_size=128, cache_max_entry_count=0.5,
-                              session_len=100000)
+                              session_len=100000, enable_prefix_caching=prefix_caching)
     machine = 1024 * MB
     per_rank = machine // dp                           # CPU: the ranks share the machine
     kv_heads, key_heads, value_heads = 4, 4, 4
@@ -35,11 +39,15 @@ def test_blocks_per_rank_by_hand(tp, dp, with_draft, draft_tp, tiny_ckpt):
     draft_block = 2 * 1 * 4 * (kv_heads // draft_tp) * 16 * 4 if with_draft else 0
     conv_dim = (2 * key_heads * 16 + value_heads * 16) // tp
     state = 3 * (conv_dim * (4 - 1 + 3) * 4 + (1 + 3) * (value_heads // tp) * 16 * 16 * 4)
-    expected = int((per_rank * 0.5 - 129 * state) // (target_block + draft_block))
+    budget = per_rank * 0.5 - 129 * state
+    snapshot = 3 * (conv_dim * (4 - 1) * 4 + (value_heads // tp) * 16 * 16 * 4)
+    snapshots = min(4 * 128, int(budget * 0.1 // snapshot)) if prefix_caching else 0
+    expected = int((budget - snapshots * snapshot) // (target_block + draft_block))
     plan = plan_cache(model, cfg, max_positions=100000 + 3 + 2, num_spec_tokens=3,
                       num_draft_layers=int(with_draft), dtype=torch.float32,
                       available_bytes=per_rank, tp=tp, draft_tp=draft_tp)
     assert plan.num_blocks == expected
+    assert plan.num_snapshots == snapshots
     assert plan.num_state_slots == 129 and plan.num_spec_tokens == 3
 
 
@@ -81,7 +89,7 @@ def test_sampled_drafts_distribution_is_charged_per_state_slot(tiny_ckpt):
                       torch.float32, DistConfig())
     assert ngram.draft_probs_bytes_per_slot == 0
     cfg = PytorchEngineConfig(block_size=4, max_batch_size=128, cache_max_entry_count=0.5,
-                              session_len=100000)
+                              session_len=100000, enable_prefix_caching=False)   # (no snapshots)
     plan = plan_cache(model, cfg, 100000 + 3 + 2, 3, 1, torch.float32, 512 * MB,
                       spec_bytes_per_slot=mtp.draft_probs_bytes_per_slot)
     per_block = 1024 + 1024                     # target + draft KV, tp = 1 (module docstring)

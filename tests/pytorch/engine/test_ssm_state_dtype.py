@@ -139,7 +139,8 @@ def test_plan_charges_half_the_recurrent_bytes_so_more_blocks_fit():
     blocks = {}
     for name, elem in (('float32', 4), ('bfloat16', 2)):
         cfg = PytorchEngineConfig(block_size=16, max_batch_size=64, cache_max_entry_count=0.5,
-                                  session_len=4096, ssm_state_dtype=name)
+                                  session_len=4096, ssm_state_dtype=name,
+                                  enable_prefix_caching=False)             # (no snapshots)
         plan = plan_cache(config, cfg, 4096 + 3 + 2, 3, 1, torch.float32, available)
         expected = int((available * 0.5 - slots * 6 * (conv + rec * elem)) // block)
         assert plan.num_blocks == expected, name

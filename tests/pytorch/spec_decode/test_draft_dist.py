@@ -176,7 +176,7 @@ def test_plan_cache_charges_the_drafts_kv_heads_and_weights_per_rank():
                            DistConfig(tp=2)).num_kv_layers == 0
     # blocks: (available - draft weights) * 0.5 / bytes per block (target + draft KV)
     cfg = PytorchEngineConfig(block_size=16, max_batch_size=4, cache_max_entry_count=0.5,
-                              dtype='float64', device='cpu')
+                              dtype='float64', device='cpu', enable_prefix_caching=False)
     target_block = _kv_block_bytes(model, dtype, tp=2)
     available = 128 * 2**20
     for fp in (sizes['tp2'], sizes['tp2_draft_tp1']):

@@ -139,8 +139,8 @@ def test_rollback_leaves_exactly_the_state_of_a_fresh_prefill(moe, tiny_ckpt, pl
     path = tiny_ckpt(moe, layout='multimodal')
     prompt = PROMPTS[0]
     ref = plain(moe)[0]
-    for j in range(k + 1):
-        engine = make_engine(path, mtp(k))
+    for j in range(k + 1):      # (no prefix cache: it would end a chunk at the last full block)
+        engine = make_engine(path, mtp(k), enable_prefix_caching=False)
         seq = engine.add_request(prompt, GenerationConfig(max_new_tokens=20, ignore_eos=True))
         engine.step()                                                # prefill: emits ref[0]
         slot = seq.state_slot
@@ -150,7 +150,7 @@ def test_rollback_leaves_exactly_the_state_of_a_fresh_prefill(moe, tiny_ckpt, pl
         engine.step()
         assert seq.spec_stats.num_accepted_tokens == j
         assert seq.generated_ids == ref[:j + 2]
-        fresh = make_engine(path, mtp(k))
+        fresh = make_engine(path, mtp(k), enable_prefix_caching=False)
         fresh_seq = fresh.add_request(prompt + ref[:j + 1], GenerationConfig(max_new_tokens=20,
                                                                             ignore_eos=True))
         fresh.step()
@@ -199,7 +199,8 @@ def _target_probs(path, token_lists, gen_kw):
     from lmdeploy_lite.pytorch.sampling import SamplingInputs, probs_from_logits
     total = sum(map(len, token_lists))
     ref = make_engine(path, max_batch_size=len(token_lists), max_prefill_token_num=total,
-                      session_len=max(map(len, token_lists)) + 1)
+                      session_len=max(map(len, token_lists)) + 1,
+                      enable_prefix_caching=False)       # no chunk ends at snapshot points
     for tokens in token_lists:
         ref.add_request(tokens, GenerationConfig(max_new_tokens=1, ignore_eos=True))
     batch = ref.scheduler.schedule()
