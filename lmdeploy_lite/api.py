@@ -324,7 +324,7 @@ class Pipeline:
                         generate_token_len=out.num_generated, index=index,
                         finish_reason=out.finish_reason if out.finished else None,
                         spec_stats=out.spec_stats,
-                        error=out.error)
+                        error=out.error, num_cached_tokens=out.num_cached_tokens)
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,

@@ -334,3 +334,4 @@ class Response:
     index: int = 0
     spec_stats: SpecDecodeStats | None = None
     error: str | None = None           # why the request failed, with finish_reason 'error'
+    num_cached_tokens: int = 0         # prompt tokens served from the prefix cache

@@ -171,7 +171,7 @@ def _rank_loop(rank: int, engine, inbox, outbox):
                 try:                 # the same on every TP rank: all of them refuse it alike
                     seq = engine.add_request(token_ids, gen_config)
                 except Exception as e:               # this request alone ends, with the reason
-                    reports.append((rid, [], True, 'error', 0, None, request_error(e)))
+                    reports.append((rid, [], True, 'error', 0, None, request_error(e), 0))
                     continue
                 request_of[seq.seq_id], seq_of[rid] = rid, seq
             elif kind == 'abort' and payload in seq_of:
@@ -204,7 +204,7 @@ def _drain(inbox, wait: float | None) -> list:
 def _report(rid: int, out: StepOutput) -> tuple:
     """A StepOutput as plain data for the front-end (its snapshot, pickled once per step)."""
     return (rid, out.new_token_ids, out.finished, out.finish_reason, out.num_generated,
-            out.stats_snapshot, out.error)
+            out.stats_snapshot, out.error, out.num_cached_tokens)
 
 
 # ---- the front-end side ---------------------------------------------------------------------
@@ -229,6 +229,7 @@ class RemoteOutput:
     num_generated: int
     spec_stats: SpecDecodeStats | None
     error: str | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -369,7 +370,7 @@ class RemoteEngineLoop:
         """One step's reports of one rank to their requests' sinks (one post per Channel)."""
         pairs = []
         with self._lock:
-            for rid, new_ids, finished, reason, num_generated, stats, error in reports:
+            for rid, new_ids, finished, reason, num_generated, stats, error, cached in reports:
                 handle = self._live.get(rid)
                 if handle is None:
                     continue
@@ -380,7 +381,7 @@ class RemoteEngineLoop:
                 seq.is_finished, seq.finish_reason = finished, reason
                 seq.num_generated, seq.error = num_generated, error
                 pairs.append((handle, RemoteOutput(seq, new_ids, finished, reason, num_generated,
-                                                   spec_stats_of(stats), error)))
+                                                   spec_stats_of(stats), error, cached)))
         for handle in hand_out(pairs):
             if not handle.seq.is_finished:
                 self.abort(handle)
