@@ -66,6 +66,42 @@ def test_stream_ends_with_done(server):
     assert json.loads(lines[-2][6:])['choices'][0]['finish_reason'] == 'length'
 
 
+PREFIX_CACHE_METRICS = ('lmdeploy_lite_prefix_cache_queried_tokens_total',
+                        'lmdeploy_lite_prefix_cache_hit_tokens_total',
+                        'lmdeploy_lite_prefix_cache_cached_blocks')
+
+
+@pytest.mark.timeout(120)
+def test_usage_has_cached_prompt_tokens_and_the_prefix_metrics_count_them(server, client):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI names it, on both endpoints,
+    streamed (include_usage) and not, read by the official client; the prefix-cache counters
+    grow by exactly the requests' prompt tokens and cached tokens."""
+    before = scrape(server.url)
+
+    def streamed_usage(create, **kw):
+        return list(create(stream=True, stream_options={'include_usage': True}, **kw))[-1].usage
+    completion = dict(model=MODEL, prompt='def cached(', max_tokens=3, **GREEDY)
+    chat_completion = dict(model=MODEL, messages=chat('cached?'), max_tokens=3, **GREEDY)
+    usages = [client.completions.create(**completion).usage,
+              streamed_usage(client.completions.create, **completion),
+              client.chat.completions.create(**chat_completion).usage,
+              streamed_usage(client.chat.completions.create, **chat_completion)]
+    figures = [(u.prompt_tokens, u.prompt_tokens_details.cached_tokens) for u in usages]
+    raw = post(server, '/v1/completions', {'prompt': 'def cached(', 'max_tokens': 1}).json()
+    assert set(raw['usage']['prompt_tokens_details']) == {'cached_tokens'}
+    figures.append((raw['usage']['prompt_tokens'],
+                    raw['usage']['prompt_tokens_details']['cached_tokens']))
+    for num_prompt, cached in figures:
+        assert type(cached) is int and 0 <= cached < num_prompt, figures
+    after = scrape(server.url)
+    queried, hit, blocks = PREFIX_CACHE_METRICS
+    assert all(name in after for name in PREFIX_CACHE_METRICS), sorted(after)
+    assert after[queried] - before[queried] == sum(n for n, _ in figures)
+    assert after[hit] - before[hit] == sum(c for _, c in figures)
+    assert after[hit] <= after[queried]
+    assert 0 <= after[blocks] <= after['lmdeploy_lite_kv_blocks_total']
+
+
 # ---- speculative decoding with accepted drafts: the embedded model's server, MTP k=3, float64 --
 def _spec_stats(usage) -> SpecDecodeStats:
     spec = usage.spec_decode                                 # the server's `usage` extension
@@ -339,6 +375,11 @@ def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path)
             spec['num_accepted_tokens']
         assert m['lmdeploy_lite_num_requests_in_flight'] == 0
         assert 'lmdeploy_lite_kv_blocks_used' not in m          # not known to the front-end
+        assert 'lmdeploy_lite_prefix_cache_cached_blocks' not in m
+        cached = r['usage']['prompt_tokens_details']['cached_tokens']   # through the ranks
+        assert type(cached) is int and 0 <= cached < r['usage']['prompt_tokens']
+        assert m['lmdeploy_lite_prefix_cache_queried_tokens_total'] == r['usage']['prompt_tokens']
+        assert m['lmdeploy_lite_prefix_cache_hit_tokens_total'] == cached
 
         lines, first = [], threading.Event()
 

@@ -385,6 +385,48 @@ def test_an_unexpected_exception_is_a_short_json_500_and_others_go_on():
     assert answer(ok) == ('hello', 2, 'length')
 
 
+class CachingFakePipe(FakePipe):
+    """FakePipe with 10-token prompts, 8 tokens of each served from the prefix cache."""
+
+    def encode(self, prompt):
+        return super().encode(prompt) * 10
+
+    async def generate(self, ids, gen_config, stream_text=True):
+        async for r in super().generate(ids, gen_config, stream_text):
+            r.input_token_len, r.num_cached_tokens = len(ids), 8
+            yield r
+
+
+def test_cached_prompt_tokens_reach_usage_and_the_prefix_cache_counters():
+    """Response.num_cached_tokens -> usage.prompt_tokens_details.cached_tokens, streamed and not,
+    on both endpoints; the counters add up the requests' figures (no engine in this process:
+    counted from the responses, as with the mp executor, and no cached-blocks gauge)."""
+    from lmdeploy_lite.serve.openai.api_server import create_app
+    app = create_app(CachingFakePipe(), 'fake')
+    include_usage = {'stream': True, 'stream_options': {'include_usage': True}}
+    requests = [('/v1/completions', {'prompt': 'a'}),
+                ('/v1/completions', {'prompt': 'b', **include_usage}),
+                ('/v1/chat/completions', {'messages': chat('c')}),
+                ('/v1/chat/completions', {'messages': chat('d'), **include_usage})]
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url='http://test',
+                                     timeout=30) as http:
+            answers = [await http.post(path, json=body) for path, body in requests]
+            return answers, (await http.get('/metrics')).text
+    answers, metrics = asyncio.run(run())
+    for (_, body), r in zip(requests, answers):
+        assert r.status_code == 200, r.text
+        usage = (json.loads(sse_events(r.text.splitlines())[-2])['usage'] if body.get('stream')
+                 else r.json()['usage'])
+        assert usage['prompt_tokens'] == 10
+        assert usage['prompt_tokens_details'] == {'cached_tokens': 8}
+    assert 'lmdeploy_lite_prefix_cache_queried_tokens_total 40.0' in metrics.splitlines()
+    assert 'lmdeploy_lite_prefix_cache_hit_tokens_total 32.0' in metrics.splitlines()
+    assert 'lmdeploy_lite_prefix_cache_cached_blocks' not in metrics
+
+
 # ---- 8. the engine dies: streams end with an error, the server exits non-zero ------------------
 @pytest.mark.slow
 @pytest.mark.timeout(150)

@@ -194,8 +194,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                                      num_accepted_tokens=s.num_accepted_tokens,
                                      accepted_per_position=list(s.accepted_per_position),
                                      mean_accepted_length=s.mean_accepted_length)
+        cached = p.PromptTokensDetails(cached_tokens=last.num_cached_tokens if last else 0)
         return p.Usage(prompt_tokens=num_prompt, completion_tokens=n, total_tokens=num_prompt + n,
-                       spec_decode=spec)
+                       prompt_tokens_details=cached, spec_decode=spec)
 
     async def run_to_end(ids, gen_config, request) -> tuple[str, Response | None]:
         tracker = metrics.track(len(ids))

@@ -1,11 +1,12 @@
 """Prometheus metrics of the server: per-request figures measured here, engine-wide figures read at
 scrape time.
 
-Engine-wide sources: with the single-process engine, the scheduler (running/waiting, KV blocks) and
-`engine.spec_stats` (every verify step, aborted requests' included). With the mp executor (dp > 1)
-the engine lives in other processes, so the speculative counters add up the per-request figures
-that arrive with every response, and the scheduler gauges are not exported rather than guessed;
-`lmdeploy_lite_num_requests_in_flight` (admitted, not finished) is exact in both modes.
+Engine-wide sources: with the single-process engine, the scheduler (running/waiting, KV blocks,
+cached prefix blocks) and `engine.spec_stats` (every verify step, aborted requests' included). With
+the mp executor (dp > 1) the engine lives in other processes, so the speculative counters add up
+the per-request figures that arrive with every response, and the scheduler gauges are not exported
+rather than guessed; `lmdeploy_lite_num_requests_in_flight` (admitted, not finished) and the
+prefix-cache token counters (from each request's responses) are exact in both modes.
 """
 from __future__ import annotations
 
@@ -56,6 +57,11 @@ class ServerMetrics:
                                      'requests', registry=r)
         self.generation_tokens = Counter(PREFIX + 'generation_tokens', 'Generated tokens sent',
                                          registry=r)
+        self.prefix_queried_tokens = Counter(PREFIX + 'prefix_cache_queried_tokens',
+                                             'Prompt tokens looked up in the prefix cache '
+                                             "(counted at each request's first token)", registry=r)
+        self.prefix_hit_tokens = Counter(PREFIX + 'prefix_cache_hit_tokens', 'Prompt tokens '
+                                         'served from the prefix cache', registry=r)
         self.ttft = Histogram(PREFIX + 'time_to_first_token_seconds', 'Request arrival to first '
                               'generated token', buckets=TTFT_BUCKETS, registry=r)
         self.tpot = Histogram(PREFIX + 'time_per_output_token_seconds', 'Mean time per output '
@@ -98,9 +104,11 @@ class RequestTracker:
         now = time.perf_counter()
         new_tokens = r.generate_token_len - self.num_generated
         if new_tokens > 0:
-            if self.first_token_time is None:
+            if self.first_token_time is None:    # prefilled: its cache hit is final
                 self.first_token_time = now
                 self.metrics.ttft.observe(now - self.arrival)
+                self.metrics.prefix_queried_tokens.inc(r.input_token_len)
+                self.metrics.prefix_hit_tokens.inc(r.num_cached_tokens)
             self.last_token_time = now
             self.num_generated = r.generate_token_len
             self.metrics.generation_tokens.inc(new_tokens)
@@ -147,6 +155,8 @@ class _EngineCollector:
                                     value=bm.num_usable_blocks - bm.num_free_blocks)
             yield GaugeMetricFamily(PREFIX + 'kv_blocks_total', 'KV cache blocks usable by '
                                     'sequences', value=bm.num_usable_blocks)
+            yield GaugeMetricFamily(PREFIX + 'prefix_cache_cached_blocks', 'KV blocks in the '
+                                    'prefix cache', value=bm.num_cached_blocks)
         stats = m.spec_totals()
         yield CounterMetricFamily(PREFIX + 'spec_decode_num_drafts', 'Verify steps with drafts',
                                   value=stats.num_drafts)

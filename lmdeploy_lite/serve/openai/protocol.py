@@ -175,10 +175,15 @@ class SpecDecodeUsage(BaseModel):
     mean_accepted_length: float
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description='prompt tokens served from the prefix cache')
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     spec_decode: SpecDecodeUsage | None = None
 
 
