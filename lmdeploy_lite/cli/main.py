@@ -61,6 +61,10 @@ def _engine_args(p: argparse.ArgumentParser):
                    help="storage dtype of the linear-attention recurrent state (auto: the "
                         "checkpoint's mamba_ssm_dtype, float32 for Qwen3.5; bfloat16 halves "
                         "the state memory at some cost in exactness)")
+    p.add_argument('--enable-prefix-caching', action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV blocks and linear-attention states of earlier requests' "
+                        'prompt prefixes (a hit never changes a token); '
+                        '--no-enable-prefix-caching: prefill every prompt whole')
     p.add_argument('--max-prefill-token-num', type=int, default=4096,
                    help='tokens one prefill step carries at most while nothing decodes')
     p.add_argument('--max-mixed-token-num', type=int, default=4096,
@@ -128,6 +132,7 @@ def _build(args):
                                         ssm_state_dtype=args.ssm_state_dtype,
                                         max_prefill_token_num=args.max_prefill_token_num,
                                         max_mixed_token_num=args.max_mixed_token_num,
+                                        enable_prefix_caching=args.enable_prefix_caching,
                                         **executor_args(args))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                   do_sample=args.temperature > 0, temperature=args.temperature,
@@ -281,6 +286,7 @@ def _load_and_serve(args) -> int:
                                         ssm_state_dtype=args.ssm_state_dtype,
                                         max_prefill_token_num=args.max_prefill_token_num,
                                         max_mixed_token_num=args.max_mixed_token_num,
+                                        enable_prefix_caching=args.enable_prefix_caching,
                                         tp=args.tp, dp=args.dp, ep=args.ep,
                                         **executor_args(args))
     spec = speculative_config(args)
