@@ -117,7 +117,6 @@ def test_every_response_says_how_many_prompt_tokens_came_from_the_prefix_cache(p
         assert 0 <= r.num_cached_tokens < r.input_token_len
 
 
-@pytest.mark.xfail(reason='prefix cache core not landed', strict=False)
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(pipe):
     """43 tokens, block_size 8: the second time, at least the first full blocks come from the
     cache (batch, streamed and async alike), and the output is the same."""

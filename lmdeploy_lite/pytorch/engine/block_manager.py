@@ -41,7 +41,6 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()     # cached, ref 0; LRU first
         self.snapshots = SnapshotPool(num_snapshots)
         self.stats = PrefixCacheStats()
-        self.evicted_keys: list[int] = []   # snapshot keys dropped since the owner last looked
 
     @property
     def num_usable_blocks(self) -> int:
@@ -78,9 +77,7 @@ class BlockManager:
         block, _ = self.evictable.popitem(last=False)
         key = self.key_of.pop(block)
         del self.block_of[key]
-        if key in self.snapshots:             # the snapshot at its end can no longer be reached
-            self.snapshots.drop(key)
-            self.evicted_keys.append(key)
+        self.snapshots.drop(key)              # the snapshot at its end can no longer be reached
         return block
 
     def free(self, seq: Sequence):

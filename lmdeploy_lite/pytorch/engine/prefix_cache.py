@@ -51,12 +51,19 @@ class PrefixCacheStats:
 
 
 class SnapshotPool:
-    """`size` snapshot rows, each named by a block key; least recently used goes first."""
+    """`size` snapshot rows, each named by a block key; least recently used goes first.
+    `events`: (key, kept) for every snapshot named (True) or dropped (False) since the owner
+    last took them (`take_events`; the DP front-end routes by them)."""
 
     def __init__(self, size: int):
         self.size = size
         self.free = list(range(size - 1, -1, -1))
         self.row_of: OrderedDict[int, int] = OrderedDict()     # key -> row, LRU first
+        self.events: list[tuple[int, bool]] = []
+
+    def take_events(self) -> list[tuple[int, bool]]:
+        events, self.events = self.events, []
+        return events
 
     def __contains__(self, key: int) -> bool:
         return key in self.row_of
@@ -74,7 +81,8 @@ class SnapshotPool:
             return self.free.pop()
         if not self.row_of:
             return None
-        _, row = self.row_of.popitem(last=False)
+        key, row = self.row_of.popitem(last=False)
+        self.events.append((key, False))
         return row
 
     def name(self, key: int, row: int):
@@ -83,6 +91,7 @@ class SnapshotPool:
         if old is not None and old != row:
             self.free.append(old)
         self.row_of[key] = row
+        self.events.append((key, True))
 
     def give_back(self, row: int):
         self.free.append(row)
@@ -91,3 +100,15 @@ class SnapshotPool:
         row = self.row_of.pop(key, None)
         if row is not None:
             self.free.append(row)
+            self.events.append((key, False))
+
+
+def longest_cached(keys: list[int], snapshot_keys, num_tokens: int, block_size: int) -> int:
+    """Tokens of the longest prefix whose last block's key is in `snapshot_keys` (the DP
+    front-end's view of a rank's snapshots: it does not see every block eviction, so this is a
+    routing hint; the rank's own lookup decides), leaving one of `num_tokens` to compute."""
+    limit = (num_tokens - 1) // block_size
+    for j in range(min(limit, len(keys)) - 1, -1, -1):
+        if keys[j] in snapshot_keys:
+            return (j + 1) * block_size
+    return 0

@@ -17,7 +17,10 @@ spinning; short, since its TP peers wait for TP rank 0's inbox broadcast within 
 timeout). A stop reaches every rank through the executor, not through one rank's plan: close()
 puts it in every rank's inbox, each DP group's TP rank 0 shares it with its TP peers, and the
 plan's shutdown flag ends the group's loop in the same step on every rank of the group. The
-front-end routes each request to the DP rank with the fewest live requests; each rank leader
+front-end routes each request to the DP rank whose prefix cache holds the longest prefix of its
+prompt (each rank leader reports the state snapshots it keeps and drops, engine/prefix_cache.py),
+unless that rank already has a full batch (max_batch_size) more live requests than the least
+loaded one; ties and misses go to the rank with the fewest live requests. Each rank leader
 sends one message per step with all of its requests' outputs, which the front-end hands to
 their sinks (one post per Channel).
 
@@ -52,6 +55,7 @@ from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.engine.engine import StepOutput, spec_stats_of
 from lmdeploy_lite.pytorch.engine.engine_loop import Sink, hand_out
+from lmdeploy_lite.pytorch.engine.prefix_cache import block_keys, longest_cached
 from lmdeploy_lite.pytorch.engine.sequence import request_error
 from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent, make_lifeline
 
@@ -134,7 +138,8 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
                         progress=False, dist_ctx=dist_ctx)
         if worker_hook is not None:
             worker_hook(engine)
-        outbox.put(('ready', rank, None))
+        bm = engine.scheduler.bm          # how the front-end names this rank's cached prefixes
+        outbox.put(('ready', rank, (bm.block_size, bm.lookahead, bm.caching)))
         _rank_loop(rank, engine, inbox, outbox)
     except BaseException as e:
         outbox.put(('error', rank, (summarize(rank, e), traceback.format_exc())))
@@ -158,6 +163,7 @@ def _rank_loop(rank: int, engine, inbox, outbox):
     request_of: dict[int, int] = {}          # seq_id -> front-end request id
     seq_of: dict[int, object] = {}           # request id -> Sequence
     leader = engine.dist.tp_rank == 0
+    route_by_prefix = engine.dist.config.dp > 1      # the front-end routes by cached prefixes
     while not engine.stopped:
         # wait on the inbox only when no rank of the plan group had work last step: an idle
         # rank inside a busy plan group (ep > 1: the world) must reach the next plan gather at
@@ -188,6 +194,9 @@ def _rank_loop(rank: int, engine, inbox, outbox):
                 del request_of[out.seq.seq_id], seq_of[rid]
         if leader and reports:
             outbox.put(('out', rank, reports))
+        events = engine.scheduler.bm.snapshots.take_events()
+        if leader and events and route_by_prefix:
+            outbox.put(('cache', rank, events))
 
 
 def _drain(inbox, wait: float | None) -> list:
@@ -261,6 +270,11 @@ class RemoteEngineLoop:
         self.error: BaseException | None = None
         self._live: dict[int, RemoteHandle] = {}
         self._load = [0] * self.dist_config.dp
+        # prefix-cache routing (dp > 1): each DP rank's snapshot keys, from its 'cache' reports;
+        # (block_size, lookahead, caching) from the ranks' ready messages
+        self._snapshot_keys: list[set[int]] = [set() for _ in range(self.dist_config.dp)]
+        self._prefix_naming = (0, False, False)
+        self._max_batch_size = cfg.max_batch_size
         self._next_rid = 0
         self._lock = threading.Lock()
         self._closing = False
@@ -311,6 +325,7 @@ class RemoteEngineLoop:
                 logger.error('rank %d failed to start:\n%s', rank, trace)
                 raise RuntimeError(f'failed to start: {summary}')
             ready.add(rank)
+            self._prefix_naming = payload
 
     def _check_alive(self):
         for description in self._dead_ranks().values():
@@ -326,8 +341,13 @@ class RemoteEngineLoop:
         if self.error is not None:
             raise RuntimeError(f'the engine stopped after an error: {self.error}')
         self.validate_request(token_ids, gen_config)
+        cached = self._cached_tokens(token_ids)
         with self._lock:
-            dp_rank = min(range(len(self._load)), key=self._load.__getitem__)   # least loaded
+            # the rank that holds the longest cached prefix, unless it is a whole batch busier
+            # than the least loaded; ties: the least loaded
+            least = min(self._load)
+            dp_rank = min(range(len(self._load)), key=lambda r: (
+                -cached[r] if self._load[r] - least < self._max_batch_size else 0, self._load[r]))
             self._load[dp_rank] += 1
             rid, self._next_rid = self._next_rid, self._next_rid + 1
             handle = RemoteHandle(RemoteSeq(rid, dp_rank), sink, tag)
@@ -335,6 +355,17 @@ class RemoteEngineLoop:
         self._inboxes[dp_rank * self.dist_config.tp].put(('add', (rid, list(token_ids),
                                                                   gen_config)))
         return handle
+
+    def _cached_tokens(self, token_ids: list[int]) -> list[int]:
+        """Per DP rank, the prompt tokens its prefix cache holds as far as its reports say."""
+        block_size, lookahead, caching = self._prefix_naming
+        dp = self.dist_config.dp
+        if dp == 1 or not caching:
+            return [0] * dp
+        keys = block_keys(list(token_ids), block_size, lookahead)
+        with self._lock:
+            return [longest_cached(keys, held, len(token_ids), block_size)
+                    for held in self._snapshot_keys]
 
     def abort(self, handle: RemoteHandle):
         self._inboxes[handle.seq.dp_rank * self.dist_config.tp].put(('abort', handle.seq.seq_id))
@@ -356,7 +387,9 @@ class RemoteEngineLoop:
             if kind == 'error':
                 self._fail(RuntimeError(self._describe_failure(rank, *payload)))
                 return
-            if kind is not None:
+            if kind == 'cache':
+                self._note_snapshots(rank, payload)
+            elif kind is not None:
                 self._deliver(payload)
             if time.monotonic() >= next_check and not self._closing:
                 next_check = time.monotonic() + LIVENESS_CHECK_S
@@ -365,6 +398,15 @@ class RemoteEngineLoop:
                 except RuntimeError as e:
                     self._fail(e)
                     return
+
+    def _note_snapshots(self, rank: int, events: list[tuple[int, bool]]):
+        held = self._snapshot_keys[rank // self.dist_config.tp]
+        with self._lock:
+            for key, kept in events:
+                if kept:
+                    held.add(key)
+                else:
+                    held.discard(key)
 
     def _deliver(self, reports: list[tuple]):
         """One step's reports of one rank to their requests' sinks (one post per Channel)."""
