@@ -217,6 +217,14 @@ class Pipeline:
         self._closed = False
         self._fanouts: dict[asyncio.AbstractEventLoop, _AsyncFanout] = {}
 
+    @property
+    def num_cached_blocks(self) -> int:
+        """KV blocks held by the prefix cache (with ranks in other processes: as they last
+        reported)."""
+        if self.engine is not None:
+            return self.engine.scheduler.bm.num_cached_blocks
+        return self._loop.prefix_cache_blocks()
+
     # ---- prompts --------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """str: plain text; list of ints: token ids; list of {'role','content'}: chat template.

@@ -305,6 +305,7 @@ class FakePipe:
     """'fail': the engine ends the request with finish_reason 'error'; 'raise': generation raises
     mid-way; 'crash': tokenization raises; anything else: 'hello' then 'length'."""
     engine = None
+    num_cached_blocks = 0
     SECRET = '/srv/secret/lmdeploy_lite/model.py'
 
     def __init__(self):
@@ -386,7 +387,9 @@ def test_an_unexpected_exception_is_a_short_json_500_and_others_go_on():
 
 
 class CachingFakePipe(FakePipe):
-    """FakePipe with 10-token prompts, 8 tokens of each served from the prefix cache."""
+    """FakePipe with 10-token prompts, 8 tokens of each served from the prefix cache, and 5
+    blocks in the cache as its ranks last reported."""
+    num_cached_blocks = 5
 
     def encode(self, prompt):
         return super().encode(prompt) * 10
@@ -400,7 +403,8 @@ class CachingFakePipe(FakePipe):
 def test_cached_prompt_tokens_reach_usage_and_the_prefix_cache_counters():
     """Response.num_cached_tokens -> usage.prompt_tokens_details.cached_tokens, streamed and not,
     on both endpoints; the counters add up the requests' figures (no engine in this process:
-    counted from the responses, as with the mp executor, and no cached-blocks gauge)."""
+    counted from the responses, as with the mp executor; the cached-blocks gauge from the
+    pipeline's figure)."""
     from lmdeploy_lite.serve.openai.api_server import create_app
     app = create_app(CachingFakePipe(), 'fake')
     include_usage = {'stream': True, 'stream_options': {'include_usage': True}}
@@ -424,7 +428,7 @@ def test_cached_prompt_tokens_reach_usage_and_the_prefix_cache_counters():
         assert usage['prompt_tokens_details'] == {'cached_tokens': 8}
     assert 'lmdeploy_lite_prefix_cache_queried_tokens_total 40.0' in metrics.splitlines()
     assert 'lmdeploy_lite_prefix_cache_hit_tokens_total 32.0' in metrics.splitlines()
-    assert 'lmdeploy_lite_prefix_cache_cached_blocks' not in metrics
+    assert 'lmdeploy_lite_prefix_cache_cached_blocks 5.0' in metrics.splitlines()
 
 
 # ---- 8. the engine dies: streams end with an error, the server exits non-zero ------------------

@@ -155,8 +155,9 @@ class _EngineCollector:
                                     value=bm.num_usable_blocks - bm.num_free_blocks)
             yield GaugeMetricFamily(PREFIX + 'kv_blocks_total', 'KV cache blocks usable by '
                                     'sequences', value=bm.num_usable_blocks)
-            yield GaugeMetricFamily(PREFIX + 'prefix_cache_cached_blocks', 'KV blocks in the '
-                                    'prefix cache', value=bm.num_cached_blocks)
+        yield GaugeMetricFamily(PREFIX + 'prefix_cache_cached_blocks', 'KV blocks in the prefix '
+                                'cache (ranks in other processes: as last reported)',
+                                value=m.pipe.num_cached_blocks)
         stats = m.spec_totals()
         yield CounterMetricFamily(PREFIX + 'spec_decode_num_drafts', 'Verify steps with drafts',
                                   value=stats.num_drafts)

@@ -164,6 +164,7 @@ def _rank_loop(rank: int, engine, inbox, outbox):
     seq_of: dict[int, object] = {}           # request id -> Sequence
     leader = engine.dist.tp_rank == 0
     route_by_prefix = engine.dist.config.dp > 1      # the front-end routes by cached prefixes
+    cached_blocks = 0                                # as last reported (a metrics gauge)
     while not engine.stopped:
         # wait on the inbox only when no rank of the plan group had work last step: an idle
         # rank inside a busy plan group (ep > 1: the world) must reach the next plan gather at
@@ -194,9 +195,11 @@ def _rank_loop(rank: int, engine, inbox, outbox):
                 del request_of[out.seq.seq_id], seq_of[rid]
         if leader and reports:
             outbox.put(('out', rank, reports))
-        events = engine.scheduler.bm.snapshots.take_events()
-        if leader and events and route_by_prefix:
-            outbox.put(('cache', rank, events))
+        bm = engine.scheduler.bm
+        events = bm.snapshots.take_events()
+        if leader and ((events and route_by_prefix) or bm.num_cached_blocks != cached_blocks):
+            cached_blocks = bm.num_cached_blocks
+            outbox.put(('cache', rank, (events if route_by_prefix else [], cached_blocks)))
 
 
 def _drain(inbox, wait: float | None) -> list:
@@ -273,6 +276,7 @@ class RemoteEngineLoop:
         # prefix-cache routing (dp > 1): each DP rank's snapshot keys, from its 'cache' reports;
         # (block_size, lookahead, caching) from the ranks' ready messages
         self._snapshot_keys: list[set[int]] = [set() for _ in range(self.dist_config.dp)]
+        self._cached_blocks = [0] * self.dist_config.dp
         self._prefix_naming = (0, False, False)
         self._max_batch_size = cfg.max_batch_size
         self._next_rid = 0
@@ -399,7 +403,12 @@ class RemoteEngineLoop:
                     self._fail(e)
                     return
 
-    def _note_snapshots(self, rank: int, events: list[tuple[int, bool]]):
+    def prefix_cache_blocks(self) -> int:
+        """KV blocks in the DP ranks' prefix caches, as last reported."""
+        return sum(self._cached_blocks)
+
+    def _note_snapshots(self, rank: int, report: tuple[list[tuple[int, bool]], int]):
+        events, self._cached_blocks[rank // self.dist_config.tp] = report
         held = self._snapshot_keys[rank // self.dist_config.tp]
         with self._lock:
             for key, kept in events:
