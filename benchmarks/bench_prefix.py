@@ -13,15 +13,18 @@ messages and the model's answers to them, and a new user message of 30..60 token
 ids, random from `--seed` (the same in both modes; the answers are each mode's own). Turns go in
 rounds: the chats' turn t are submitted together (chat c after c x `--stagger-ms`), and round
 t + 1 starts once every answer of round t is in. Greedy, ignore_eos, `--max-new-tokens` per
-answer. Each mode is one pipeline with `enable_prefix_caching` False or True and every other
-setting equal, warmed up on unrelated tokens first. Per mode: TTFT (submit to first streamed
-token) p50 / p99 over all requests; `wall_s` of the whole workload; `hit_rate` =
+answer. Each mode of `--modes` (default off,on) is one pipeline with `enable_prefix_caching`
+False or True and every other setting equal, warmed up first by 2 chats x 2 turns over another
+system prompt of the same length. Per mode: TTFT (submit to first streamed token) p50 / p99
+over all requests; `wall_s` of the whole workload; `hit_rate` =
 sum(Response.num_cached_tokens) / sum(prompt tokens); `decode_tok_s`: tokens streamed in each
 round once every request of the round has its first token (no prefill left: the decode speed
 that the cache should leave unchanged) over those windows; `stream_tok_s`: one stream's speed
 from its first token to its last, sum(tokens after the first) / sum(those times) over the
 requests (prefill chunks of other requests ride in its steps, so the cache raises it);
-`speedup`: TTFT p50 off / on; `identical`: every request's output is the same in both modes.
+`speedup`: TTFT p50 of the first mode / this one; `identical`: every request's output is the same
+as in the first mode (float32 on the CPU: it must be; bf16 on random weights flips near-tied
+argmaxes with the batch's make-up, so check `--modes off,off` before reading a False there).
 
 --pair (the CPU goal: >= 5x): request A (`--prefix-tokens` + 20 tokens) runs to its end, then B
 (the same prefix + 20 other tokens); B's TTFT with the cache off and on, `--repeats` times with a
@@ -53,8 +56,8 @@ from lmdeploy_lite.pytorch.config import ModelConfig
 
 USER_TOKENS = (30, 60)          # a user message's length range (inclusive)
 PAIR_SUFFIX_TOKENS = 20
+WARM_UP_SEED = 2**31            # the warm-up's tokens: no prefix of the measured prompts
 FIRST_ID = 3                    # random ids start here: clear of pad/eos ids of small vocabularies
-MODES = (('off', False), ('on', True))
 
 
 # ---- workload ----------------------------------------------------------------------------------
@@ -62,13 +65,14 @@ def random_ids(generator: torch.Generator, n: int, vocab: int) -> list[int]:
     return torch.randint(FIRST_ID, vocab, (n,), generator=generator).tolist()
 
 
-def chat_workload(args, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
-    """(system prompt ids, user[c][t]: chat c's message of turn t), all from --seed."""
-    generator = torch.Generator().manual_seed(args.seed)
-    system = random_ids(generator, args.system_tokens, vocab)
+def chat_workload(seed: int, conversations: int, turns: int, system_tokens: int, vocab: int
+                  ) -> tuple[list[int], list[list[list[int]]]]:
+    """(system prompt ids, user[c][t]: chat c's message of turn t), all from `seed`."""
+    generator = torch.Generator().manual_seed(seed)
+    system = random_ids(generator, system_tokens, vocab)
     users = [[random_ids(generator, int(torch.randint(USER_TOKENS[0], USER_TOKENS[1] + 1, (1,),
                                                       generator=generator)), vocab)
-              for _ in range(args.turns)] for _ in range(args.conversations)]
+              for _ in range(turns)] for _ in range(conversations)]
     return system, users
 
 
@@ -111,24 +115,17 @@ def make_pipeline(args, model_dir: str, load_format: str, prefix_caching: bool,
     return pipeline(model_dir, backend_config=cfg, speculative_config=spec, progress=False)
 
 
-def warm_up(pipe, vocab: int, length: int):
-    """Two prompts of random ids from a seed of their own: no workload prefix gets cached."""
-    generator = torch.Generator().manual_seed(2**31)
-    pipe([random_ids(generator, length, vocab) for _ in range(2)],
-         GenerationConfig(max_new_tokens=4, ignore_eos=True))
-
-
 # ---- the chat workload ---------------------------------------------------------------------------
-async def run_chats(pipe, args, system: list[int], users) -> tuple[list[dict], float]:
+async def run_chats(pipe, system: list[int], users, gen: GenerationConfig, stagger_ms: float
+                    ) -> tuple[list[dict], float]:
     """(one record per request in (turn, chat) order, wall seconds of the whole workload)."""
-    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     history = [list(system) for _ in users]
     records = []
     start = time.perf_counter()
-    for turn in range(args.turns):
+    for turn in range(len(users[0])):
         prompts = [history[c] + users[c][turn] for c in range(len(users))]
         done = await asyncio.gather(*(
-            timed_request(pipe, p, gen, c * args.stagger_ms / 1000) for c, p in enumerate(prompts)))
+            timed_request(pipe, p, gen, c * stagger_ms / 1000) for c, p in enumerate(prompts)))
         for c, record in enumerate(done):
             history[c] = prompts[c] + record['token_ids']
             records.append(dict(record, conversation=c, turn=turn))
@@ -144,7 +141,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-def summarize(mode: str, records: list[dict], wall_s: float) -> dict:
+def summarize(records: list[dict], wall_s: float) -> dict:
     ttft = [r['ttft_ms'] for r in records]
     decoded = sum(len(r['token_ids']) - 1 for r in records)
     pure_tokens, pure_s = 0, 0.0                  # per round: once every prompt is prefilled
@@ -153,7 +150,7 @@ def summarize(mode: str, records: list[dict], wall_s: float) -> dict:
         all_first = max(r['first'] for r in round_)
         pure_tokens += sum(n for r in round_ for t, n in r['chunks'] if t > all_first)
         pure_s += max(r['last'] for r in round_) - all_first
-    return {'mode': mode, 'requests': len(records), 'ttft_p50_ms': percentile(ttft, 50),
+    return {'requests': len(records), 'ttft_p50_ms': percentile(ttft, 50),
             'ttft_p99_ms': percentile(ttft, 99), 'ttft_mean_ms': statistics.fmean(ttft),
             'wall_s': wall_s,
             'hit_rate': (sum(r['num_cached_tokens'] for r in records)
@@ -164,36 +161,80 @@ def summarize(mode: str, records: list[dict], wall_s: float) -> dict:
                                                50) for t in sorted({r['turn'] for r in records})]}
 
 
-def chats_mode(args, model_dir: str, load_format: str, vocab: int) -> dict:
-    system, users = chat_workload(args, vocab)
-    longest = args.system_tokens + args.turns * (USER_TOKENS[1] + args.max_new_tokens)
-    session_len = longest + (args.max_new_tokens + 2) * (args.num_spec_tokens + 1) + 16
-    rows, requests = [], {}
-    for mode, prefix_caching in MODES:
+def parse_modes(text: str) -> list[tuple[str, bool]]:
+    """'off,on' -> [('off', False), ('on', True)]; a repeated mode is numbered ('off2')."""
+    modes = []
+    for name in text.split(','):
+        if name not in ('off', 'on'):
+            raise ValueError(f'--modes {text}: each mode is off or on')
+        count = sum(m.rstrip('0123456789') == name for m, _ in modes)
+        modes.append((f'{name}{count + 1}' if count else name, name == 'on'))
+    return modes
+
+
+def run_modes(args, model_dir: str, load_format: str, session_len: int, run
+              ) -> list[tuple[dict, list[dict]]]:
+    """(row, records) per --modes entry: `run(pipe, warm_up=False)` on a fresh pipeline of
+    each, after `run(pipe, warm_up=True)` (a small copy of the workload on other tokens: the
+    first long prefill, the first hit and the first mixed steps pay for kernel compiles and
+    allocations on a GPU)."""
+    results = []
+    for mode, prefix_caching in parse_modes(args.modes):
         pipe = make_pipeline(args, model_dir, load_format, prefix_caching, session_len)
         try:
-            warm_up(pipe, vocab, min(args.system_tokens, 512))
-            records, wall_s = asyncio.run(run_chats(pipe, args, system, users))
+            run(pipe, warm_up=True)
+            row, records = run(pipe, warm_up=False)
         finally:
             pipe.close()
         del pipe
         release_memory()
-        rows.append(summarize(mode, records, wall_s))
-        requests[mode] = records
-        print(f'{mode}: {wall_s:.1f} s', flush=True)
-    pairs = list(zip(requests['off'], requests['on']))
-    mismatched = [(a['conversation'], a['turn']) for a, b in pairs
-                  if a['token_ids'] != b['token_ids']]
-    off, on = rows
-    on['speedup'] = off['ttft_p50_ms'] / on['ttft_p50_ms']
-    for records in requests.values():                    # times from the mode's first submission
-        t0 = min(r['submit'] for r in records)
+        results.append((dict(mode=mode, **row), records))
+        print(f'{mode}: done', flush=True)
+    return results
+
+
+def outputs(record: dict) -> list:
+    return record['token_ids'] if 'token_ids' in record else [record['a']['token_ids'],
+                                                               record['b']['token_ids']]
+
+
+def compare(results: list[tuple[dict, list[dict]]], ratios: dict[str, str]) -> dict:
+    """Each row against the first: `identical` outputs (and which requests differ) and, for
+    each `ratios` entry (row key -> timing key), first row's timing / this row's."""
+    reference_row, reference = results[0]
+    for row, records in results:
+        row['mismatched'] = [(y['conversation'], y['turn']) if 'turn' in y else i
+                             for i, (x, y) in enumerate(zip(reference, records))
+                             if outputs(x) != outputs(y)]
+        row['identical'] = not row['mismatched']
+        if row is not reference_row:
+            for name, key in ratios.items():
+                row[name] = reference_row[key] / row[key]
+    return {'rows': [row for row, _ in results],
+            'requests': {row['mode']: records for row, records in results}}
+
+
+def chats_mode(args, model_dir: str, load_format: str, vocab: int) -> dict:
+    longest = args.system_tokens + args.turns * (USER_TOKENS[1] + args.max_new_tokens)
+    session_len = longest + (args.max_new_tokens + 2) * (args.num_spec_tokens + 1) + 16
+    gen = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+
+    def run(pipe, warm_up: bool):
+        if warm_up:                                  # 2 chats x 2 turns over another prompt
+            workload = chat_workload(WARM_UP_SEED, 2, min(args.turns, 2), args.system_tokens,
+                                     vocab)
+        else:
+            workload = chat_workload(args.seed, args.conversations, args.turns,
+                                     args.system_tokens, vocab)
+        records, wall_s = asyncio.run(run_chats(pipe, *workload, gen, args.stagger_ms))
+        t0 = min(r['submit'] for r in records)      # times from the mode's first submission
         for record in records:
             for key in ('submit', 'first', 'last'):
                 record[key] -= t0
             record['chunks'] = [(t - t0, n) for t, n in record['chunks']]
-    return {'rows': rows, 'identical': not mismatched, 'mismatched': mismatched,
-            'requests': requests}
+        return summarize(records, wall_s), records
+    results = run_modes(args, model_dir, load_format, session_len, run)
+    return compare(results, {'speedup': 'ttft_p50_ms'})
 
 
 # ---- --pair ------------------------------------------------------------------------------------
@@ -208,37 +249,25 @@ def pair_mode(args, model_dir: str, load_format: str, vocab: int) -> dict:
     length = args.prefix_tokens + PAIR_SUFFIX_TOKENS
     session_len = length + (args.max_new_tokens + 2) * (args.num_spec_tokens + 1) + 16
     gen = GenerationConfig(max_new_tokens=args.max_new_tokens, ignore_eos=True)
-    rows, requests = [], {}
-    for mode, prefix_caching in MODES:
-        pipe = make_pipeline(args, model_dir, load_format, prefix_caching, session_len)
-        generator = torch.Generator().manual_seed(args.seed)   # the same prompts in both modes
+
+    def run(pipe, warm_up: bool):
+        # the same prompts in each mode; warm-up: one pair of other tokens
+        generator = torch.Generator().manual_seed(WARM_UP_SEED if warm_up else args.seed)
         records = []
-        try:
-            warm_up(pipe, vocab, length)
-            for _ in range(args.repeats):
-                prefix = random_ids(generator, args.prefix_tokens, vocab)
-                suffix_a = random_ids(generator, PAIR_SUFFIX_TOKENS, vocab)
-                suffix_b = random_ids(generator, PAIR_SUFFIX_TOKENS, vocab)
-                a, b = asyncio.run(run_pair(pipe, prefix, suffix_a, suffix_b, gen))
-                records.append({'a': a, 'b': b})
-        finally:
-            pipe.close()
-        del pipe
-        release_memory()
+        for _ in range(1 if warm_up else args.repeats):
+            prefix = random_ids(generator, args.prefix_tokens, vocab)
+            suffix_a = random_ids(generator, PAIR_SUFFIX_TOKENS, vocab)
+            suffix_b = random_ids(generator, PAIR_SUFFIX_TOKENS, vocab)
+            a, b = asyncio.run(run_pair(pipe, prefix, suffix_a, suffix_b, gen))
+            records.append({'a': a, 'b': b})
         ttft_b = [r['b']['ttft_ms'] for r in records]
-        rows.append({'mode': mode, 'b_ttft_min_ms': min(ttft_b),
-                     'b_ttft_median_ms': statistics.median(ttft_b),
-                     'a_ttft_median_ms': statistics.median(r['a']['ttft_ms'] for r in records),
-                     'b_cached_tokens': statistics.median(r['b']['num_cached_tokens']
-                                                          for r in records)})
-        requests[mode] = records
-    off, on = rows
-    on['speedup_min'] = off['b_ttft_min_ms'] / on['b_ttft_min_ms']
-    on['speedup_median'] = off['b_ttft_median_ms'] / on['b_ttft_median_ms']
-    mismatched = [i for i, (x, y) in enumerate(zip(requests['off'], requests['on']))
-                  if any(x[k]['token_ids'] != y[k]['token_ids'] for k in 'ab')]
-    return {'rows': rows, 'identical': not mismatched, 'mismatched': mismatched,
-            'requests': requests}
+        return {'b_ttft_min_ms': min(ttft_b), 'b_ttft_median_ms': statistics.median(ttft_b),
+                'a_ttft_median_ms': statistics.median(r['a']['ttft_ms'] for r in records),
+                'b_cached_tokens': statistics.median(r['b']['num_cached_tokens']
+                                                     for r in records)}, records
+    results = run_modes(args, model_dir, load_format, session_len, run)
+    return compare(results, {'speedup_min': 'b_ttft_min_ms',
+                             'speedup_median': 'b_ttft_median_ms'})
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -275,8 +304,15 @@ def parse_args():
                         help='the two-request mode instead of the chat workload')
     parser.add_argument('--prefix-tokens', type=int, default=1500, help='--pair: shared prefix')
     parser.add_argument('--repeats', type=int, default=5, help='--pair: A/B pairs per mode')
+    parser.add_argument('--modes', default='off,on',
+                        help='prefix caching per run, compared with the first: e.g. off,off '
+                             'shows how far two runs of one setting differ')
     parser.add_argument('--out', default=None)
     args = parser.parse_args(expand_preset(sys.argv[1:]))
+    try:
+        parse_modes(args.modes)
+    except ValueError as e:
+        parser.error(str(e))
     if args.conversations is None:
         args.conversations = 8 if args.device == 'cpu' else 16
     return args
@@ -308,18 +344,17 @@ def main():
     if args.pair:
         print(f'model: {name} ({load_format} weights), {args.dtype} on {environment()["device"]}, '
               f'{args.threads} threads, {spec}; A then B over a {args.prefix_tokens}-token '
-              f'prefix (+{PAIR_SUFFIX_TOKENS} each), {args.repeats} repeats; outputs identical '
-              f'off/on: {result["identical"]}; {total_s:.0f} s in all')
+              f'prefix (+{PAIR_SUFFIX_TOKENS} each), {args.repeats} repeats; {total_s:.0f} s in all')
         print_table(result['rows'], ['mode', 'b_ttft_min_ms', 'b_ttft_median_ms',
                                      'a_ttft_median_ms', 'b_cached_tokens', 'speedup_min',
-                                     'speedup_median'])
+                                     'speedup_median', 'identical'])
     else:
         print(f'model: {name} ({load_format} weights), {args.dtype} on {environment()["device"]}, '
               f'{args.threads} threads, {spec}; {args.conversations} chats x {args.turns} turns '
               f'over {args.system_tokens} system tokens, {args.max_new_tokens} new tokens; '
-              f'outputs identical off/on: {result["identical"]}; {total_s:.0f} s in all')
+              f'{total_s:.0f} s in all')
         print_table(result['rows'], ['mode', 'ttft_p50_ms', 'ttft_p99_ms', 'wall_s', 'hit_rate',
-                                     'stream_tok_s', 'decode_tok_s', 'speedup'])
+                                     'decode_tok_s', 'stream_tok_s', 'speedup', 'identical'])
 
 
 if __name__ == '__main__':
