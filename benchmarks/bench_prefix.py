@@ -1,30 +1,28 @@
 """Prefix caching on vs off through `pipeline()` (issue 21): multi-turn chats over a shared
 system prompt, and a pair of requests sharing a long prefix.
 
-    python benchmarks/bench_prefix.py --conversations 16    # CPU, embedded model: the issue's
-                                                            # 16 x 4 over 2k (~7 min on 2 cores)
-    python benchmarks/bench_prefix.py                       # CPU default: 8 x 4 over 2k
-    python benchmarks/bench_prefix.py --preset 9b --device cuda --dtype bfloat16   # 16 x 4
-    python benchmarks/bench_prefix.py --pair [--prefix-tokens 1500] [--repeats 5]
+    python benchmarks/bench_prefix.py      # CPU, embedded model, 16 x 4 over 2k: ~4 min, 2 cores
+    python benchmarks/bench_prefix.py --preset 9b --device cuda --dtype bfloat16
+    python benchmarks/bench_prefix.py --pair [--prefix-tokens 1500] [--repeats 5]   # ~1 min
 
-Chat workload: `--conversations` chats (default 16; 8 on the CPU) of `--turns` turns over one
-`--system-tokens` system prompt. Turn t of a chat is the system prompt, the chat's earlier user
-messages and the model's answers to them, and a new user message of 30..60 tokens; all token
-ids, random from `--seed` (the same in both modes; the answers are each mode's own). Turns go in
-rounds: the chats' turn t are submitted together (chat c after c x `--stagger-ms`), and round
-t + 1 starts once every answer of round t is in. Greedy, ignore_eos, `--max-new-tokens` per
-answer. Each mode of `--modes` (default off,on) is one pipeline with `enable_prefix_caching`
-False or True and every other setting equal, warmed up first by 2 chats x 2 turns over another
-system prompt of the same length. Per mode: TTFT (submit to first streamed token) p50 / p99
-over all requests; `wall_s` of the whole workload; `hit_rate` =
-sum(Response.num_cached_tokens) / sum(prompt tokens); `decode_tok_s`: tokens streamed in each
-round once every request of the round has its first token (no prefill left: the decode speed
-that the cache should leave unchanged) over those windows; `stream_tok_s`: one stream's speed
-from its first token to its last, sum(tokens after the first) / sum(those times) over the
-requests (prefill chunks of other requests ride in its steps, so the cache raises it);
-`speedup`: TTFT p50 of the first mode / this one; `identical`: every request's output is the same
-as in the first mode (float32 on the CPU: it must be; bf16 on random weights flips near-tied
-argmaxes with the batch's make-up, so check `--modes off,off` before reading a False there).
+Chat workload: `--conversations` chats of `--turns` turns over one `--system-tokens` system prompt
+(on the CPU the cache-off run takes ~3 of the 4 minutes; `--conversations 8` halves it). Turn t of
+a chat is the system prompt, the chat's earlier user messages and the model's answers to them, and
+a new user message of 30..60 tokens; all token ids, random from `--seed` (the same in every mode;
+the answers are each mode's own). Turns go in rounds: the chats' turn t are submitted together
+(chat c after c x `--stagger-ms`), and round t + 1 starts once every answer of round t is in.
+Greedy, ignore_eos, `--max-new-tokens` per answer. Each mode of `--modes` (default off,on) is one
+pipeline with `enable_prefix_caching` False or True and every other setting equal, warmed up first
+by 2 chats x 2 turns over another system prompt of the same length. Per mode: TTFT (submit to first
+streamed token) p50 / p99 over all requests; `wall_s` of the whole workload; `hit_rate` =
+sum(Response.num_cached_tokens) / sum(prompt tokens); `decode_tok_s`: tokens streamed in each round
+once every request of the round has its first token (no prefill left: the decode speed that the
+cache should leave unchanged) over those windows; `stream_tok_s`: one stream's speed from its first
+token to its last, sum(tokens after the first) / sum(those times) over the requests (prefill chunks
+of other requests ride in its steps, so the cache raises it); `speedup`: TTFT p50 of the first mode
+/ this one; `identical`: every request's output is the same as in the first mode (float32 on the
+CPU: it must be; bf16 on random weights flips near-tied argmaxes with the batch's make-up, so check
+`--modes off,off` before reading a False there).
 
 --pair (the CPU goal: >= 5x): request A (`--prefix-tokens` + 20 tokens) runs to its end, then B
 (the same prefix + 20 other tokens); B's TTFT with the cache off and on, `--repeats` times with a
@@ -294,8 +292,7 @@ def parse_args():
                         help='default: the longest prompt plus the answer and speculative slack')
     parser.add_argument('--cache-max-entry-count', type=float, default=0.8)
     parser.add_argument('--max-new-tokens', type=int, default=32)
-    parser.add_argument('--conversations', type=int, default=None,
-                        help='default 16; 8 on the CPU (16 x 4 over 2k takes ~7 min there)')
+    parser.add_argument('--conversations', type=int, default=16)
     parser.add_argument('--turns', type=int, default=4)
     parser.add_argument('--system-tokens', type=int, default=2000)
     parser.add_argument('--stagger-ms', type=float, default=0.0,
@@ -313,8 +310,6 @@ def parse_args():
         parse_modes(args.modes)
     except ValueError as e:
         parser.error(str(e))
-    if args.conversations is None:
-        args.conversations = 8 if args.device == 'cpu' else 16
     return args
 
 
@@ -344,7 +339,8 @@ def main():
     if args.pair:
         print(f'model: {name} ({load_format} weights), {args.dtype} on {environment()["device"]}, '
               f'{args.threads} threads, {spec}; A then B over a {args.prefix_tokens}-token '
-              f'prefix (+{PAIR_SUFFIX_TOKENS} each), {args.repeats} repeats; {total_s:.0f} s in all')
+              f'prefix (+{PAIR_SUFFIX_TOKENS} each), {args.repeats} repeats; '
+              f'{total_s:.0f} s in all')
         print_table(result['rows'], ['mode', 'b_ttft_min_ms', 'b_ttft_median_ms',
                                      'a_ttft_median_ms', 'b_cached_tokens', 'speedup_min',
                                      'speedup_median', 'identical'])
