@@ -477,7 +477,9 @@ class Engine:
             try:
                 computed, emitted = self.strategy.emitted(seq, q_len, samples, row, num_accepted,
                                                           num_drafts)
-                outputs.append(StepOutput(seq, self.scheduler.update(seq, computed, emitted)))
+                emitted = self.scheduler.update(seq, computed, emitted)
+                if emitted or seq.is_finished:     # a non-final prefill chunk has no news
+                    outputs.append(StepOutput(seq, emitted))
             except Exception as e:
                 del seq.token_ids[num_tokens:]   # what it emitted before this step stands
                 self.fail_request(seq, e)

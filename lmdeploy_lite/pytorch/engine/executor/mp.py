@@ -193,13 +193,15 @@ def _rank_loop(rank: int, engine, inbox, outbox):
             reports.append(_report(rid, out))
             if out.finished:
                 del request_of[out.seq.seq_id], seq_of[rid]
-        if leader and reports:
-            outbox.put(('out', rank, reports))
+        # the cache's news first: a request the front-end submits once it sees a result may
+        # share the prefix this step kept
         bm = engine.scheduler.bm
         events = bm.snapshots.take_events()
         if leader and ((events and route_by_prefix) or bm.num_cached_blocks != cached_blocks):
             cached_blocks = bm.num_cached_blocks
             outbox.put(('cache', rank, (events if route_by_prefix else [], cached_blocks)))
+        if leader and reports:
+            outbox.put(('out', rank, reports))
 
 
 def _drain(inbox, wait: float | None) -> list:
