@@ -1,7 +1,8 @@
 """CUDA ops: Triton kernels checked against `backends/default` (tests/pytorch/backends/cuda).
 
-Prefill gated delta rule uses fla-core's chunk kernel where fla is installed (imported lazily;
-optional); everything else is ours. Decode-path ops keep the decode-step contract of
+Prefill gated delta rule uses fla-core's chunk kernel for chunks longer than
+`gated_delta_rule.SHORT_PREFILL_TOKENS` where fla is installed (imported lazily; optional);
+everything else is ours. Decode-path ops keep the decode-step contract of
 `backends/__init__.py`, so `graph_runner.py` can capture them. Ops without a kernel here are
 the default backend's.
 """

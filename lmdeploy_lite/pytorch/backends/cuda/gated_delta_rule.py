@@ -1,6 +1,6 @@
-"""Gated delta rule on CUDA: our Triton recurrent kernel for decode/verify, fla-core's chunk kernel
-for prefill (when fla is installed). Shapes, state-slot rules and the pure-torch reference:
-`backends/default/gated_delta_rule.py`.
+"""Gated delta rule on CUDA: our Triton recurrent kernels for decode/verify and for short prefills,
+fla-core's chunk kernel for longer prefills (when fla is installed). Shapes, state-slot rules and
+the pure-torch reference: `backends/default/gated_delta_rule.py`.
 """
 from __future__ import annotations
 
@@ -14,6 +14,38 @@ import triton.language as tl
 
 from ...model_inputs import ModelInputs
 from ..default import gated_delta_rule as reference
+
+
+# A prefill step of at most this many tokens per sequence runs `_recurrent_prefill_kernel`, not
+# fla's chunk function: fla costs ~1-2 ms of host time per layer call whatever the length, while
+# the kernel walks the tokens one after another, ~1.5 us each at 9B heads on an H100 (0.2 ms at
+# 128). Longer chunks go to fla, whose host time a long step's GEMMs hide (BENCHMARKS.md,
+# "Short prefills").
+SHORT_PREFILL_TOKENS = 128
+
+
+@triton.jit
+def _delta_rule_token(state, tok, q_row, k_row, v_row, g_row, beta_row, out_row,
+                      stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot,
+                      mask_k, mask_v, scale):
+    """Token `tok` (int64) of one value head on a [BK, BV] state tile (fp32 or fp64: the math's
+    dtype). The *_row pointers point at token 0 of the head (q/k [BK], v/out [BV], g/beta
+    scalars). Normalises q, k; stores o_t = S_t^T q_t; returns S_t."""
+    acc = state.dtype
+    q = tl.load(q_row + tok * stride_qt, mask=mask_k, other=0.).to(acc)
+    k = tl.load(k_row + tok * stride_kt, mask=mask_k, other=0.).to(acc)
+    v = tl.load(v_row + tok * stride_vt, mask=mask_v, other=0.).to(acc)
+    g = tl.load(g_row + tok * stride_gt).to(acc)
+    beta = tl.load(beta_row + tok * stride_bt).to(acc)
+    q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+
+    state = state * tl.exp(g)
+    delta = (v - tl.sum(state * k[:, None], 0)) * beta               # [BV]
+    state = state + k[:, None] * delta[None, :]
+    out = tl.sum(state * q[:, None], 0)
+    tl.store(out_row + tok * stride_ot, out.to(out_row.dtype.element_ty), mask=mask_v)
+    return state
 
 
 @triton.jit
@@ -48,27 +80,61 @@ def _recurrent_decode_kernel(
     state = tl.load(row + index * stride_s1 + tile, mask=mask_s & has_history, other=0.).to(acc)
 
     for t in range(NUM_TOKENS):
-        tok = (b * NUM_TOKENS + t).to(tl.int64)
-        q = tl.load(q_ptr + tok * stride_qt + kh * stride_qh + offs_k * stride_qd,
-                    mask=mask_k, other=0.).to(acc)
-        k = tl.load(k_ptr + tok * stride_kt + kh * stride_kh + offs_k * stride_kd,
-                    mask=mask_k, other=0.).to(acc)
-        v = tl.load(v_ptr + tok * stride_vt + h * stride_vh + offs_v * stride_vd,
-                    mask=mask_v, other=0.).to(acc)
-        g = tl.load(g_ptr + tok * stride_gt + h * stride_gh).to(acc)
-        beta = tl.load(beta_ptr + tok * stride_bt + h * stride_bh).to(acc)
-        q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
-        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-
-        state = state * tl.exp(g)
-        delta = (v - tl.sum(state * k[:, None], 0)) * beta               # [BV]
-        state = state + k[:, None] * delta[None, :]
-        out = tl.sum(state * q[:, None], 0)
-        tl.store(out_ptr + tok * stride_ot + h * stride_oh + offs_v * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=mask_v)
+        state = _delta_rule_token(
+            state, (b * NUM_TOKENS + t).to(tl.int64), q_ptr + kh * stride_qh + offs_k * stride_qd,
+            k_ptr + kh * stride_kh + offs_k * stride_kd, v_ptr + h * stride_vh + offs_v * stride_vd,
+            g_ptr + h * stride_gh, beta_ptr + h * stride_bh,
+            out_ptr + h * stride_oh + offs_v * stride_od,
+            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, mask_k, mask_v, scale)
         stored = state.to(state_ptr.dtype.element_ty)
         tl.store(row + t * stride_s1 + tile, stored, mask=mask_s)
         state = stored.to(acc)         # the next token starts from the state as stored (= AR)
+
+
+@triton.jit
+def _recurrent_prefill_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
+        state_slots_ptr, state_index_ptr, history_lens_ptr, q_start_loc_ptr, q_lens_ptr,
+        stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+        stride_vt, stride_vh, stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
+        stride_ot, stride_oh, stride_od,
+        stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
+        scale, ACC_FP64: tl.constexpr,
+        HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+        BK: tl.constexpr, BV: tl.constexpr):
+    """The decode kernel's program (sequence b, value head h, value columns [BV * pid_v, +BV))
+    over a varlen prefill: tokens q_start_loc[b] .. + q_lens[b] (a runtime loop: one compile for
+    every length), from state[slot, state_index[b], h] (zero if fresh). The state stays in the
+    math's dtype between tokens (as in the chunk form); only the final one is stored, to
+    state[slot, 0, h]. A sequence with no tokens (padding) leaves its row untouched."""
+    b, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    acc = tl.float64 if ACC_FP64 else tl.float32
+    kh = h // HEAD_RATIO
+    offs_k = tl.arange(0, BK)
+    offs_v = pid_v * BV + tl.arange(0, BV)
+    mask_k, mask_v = offs_k < DK, offs_v < DV
+    mask_s = mask_k[:, None] & mask_v[None, :]
+
+    num_tokens = tl.load(q_lens_ptr + b)
+    start = tl.load(q_start_loc_ptr + b).to(tl.int64)
+    slot = tl.load(state_slots_ptr + b).to(tl.int64)
+    index = tl.load(state_index_ptr + b).to(tl.int64)
+    has_history = tl.load(history_lens_ptr + b) > 0
+    row = state_ptr + slot * stride_s0 + h * stride_s2
+    tile = offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
+    state = tl.load(row + index * stride_s1 + tile, mask=mask_s & has_history & (num_tokens > 0),
+                    other=0.).to(acc)
+
+    tok = start
+    while tok < start + num_tokens:    # (Triton's interpreter takes no loaded bound in a range)
+        state = _delta_rule_token(
+            state, tok, q_ptr + kh * stride_qh + offs_k * stride_qd,
+            k_ptr + kh * stride_kh + offs_k * stride_kd, v_ptr + h * stride_vh + offs_v * stride_vd,
+            g_ptr + h * stride_gh, beta_ptr + h * stride_bh,
+            out_ptr + h * stride_oh + offs_v * stride_od,
+            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, mask_k, mask_v, scale)
+        tok += 1
+    tl.store(row + tile, state.to(state_ptr.dtype.element_ty), mask=mask_s & (num_tokens > 0))
 
 
 def decode_tiling(dv: int) -> tuple[int, int]:
@@ -83,6 +149,19 @@ def decode_tiling(dv: int) -> tuple[int, int]:
     return block_v, max(1, block_v // 16)
 
 
+def _head_args(q: torch.Tensor, v: torch.Tensor, state_cache: torch.Tensor) -> dict:
+    """The recurrent kernels' scale and compile-time sizes (the tiling of `decode_tiling`)."""
+    dk, (nv, dv) = q.shape[-1], v.shape[1:]
+    block_v, num_warps = decode_tiling(dv)
+    return dict(scale=dk ** -0.5, ACC_FP64=state_cache.dtype == torch.float64,
+                HEAD_RATIO=nv // q.shape[1], DK=dk, DV=dv, BK=triton.next_power_of_2(dk),
+                BV=block_v, num_warps=num_warps)
+
+
+def _strides(*tensors: torch.Tensor) -> list[int]:
+    return [stride for x in tensors for stride in x.stride()]
+
+
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, state_cache: torch.Tensor,
                             inputs: ModelInputs) -> torch.Tensor:
@@ -94,21 +173,33 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if inputs.uniform_q_len is None or (v.dtype == torch.float64) != (
             state_cache.dtype == torch.float64):         # fp64 math, narrower state: torch's
         return reference.gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs)
-    num_tokens, nv, dv = v.shape
-    dk = q.shape[-1]
-    out = torch.empty(num_tokens, nv, dv, dtype=v.dtype, device=v.device)
-    num_seqs = inputs.q_lens.numel()
-    block_v, num_warps = decode_tiling(dv)
-    grid = (num_seqs, nv, triton.cdiv(dv, block_v))
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    head_args = _head_args(q, v, state_cache)
+    grid = (inputs.q_lens.numel(), v.shape[1], triton.cdiv(v.shape[2], head_args['BV']))
     _recurrent_decode_kernel[grid](
         q, k, v, g, beta, out, state_cache,
         inputs.state_slots, inputs.state_index, inputs.history_lens,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *out.stride(),
-        *state_cache.stride(),
-        dk ** -0.5, NUM_TOKENS=inputs.uniform_q_len,
-        ACC_FP64=state_cache.dtype == torch.float64,
-        HEAD_RATIO=nv // q.shape[1], DK=dk, DV=dv,
-        BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps)
+        *_strides(q, k, v, g, beta, out, state_cache),
+        NUM_TOKENS=inputs.uniform_q_len, **head_args)
+    return out
+
+
+def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, state_cache: torch.Tensor,
+                      inputs: ModelInputs) -> torch.Tensor:
+    """`gated_delta_rule_prefill` by `_recurrent_prefill_kernel`: token by token, so for short
+    chunks only (`SHORT_PREFILL_TOKENS`). Shapes as in decode; any lengths (0 included); final
+    states to slot 0. No host sync (the lengths are read on the device)."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if v.shape[0] == 0:
+        return out
+    q_start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
+    head_args = _head_args(q, v, state_cache)
+    grid = (inputs.q_lens.numel(), v.shape[1], triton.cdiv(v.shape[2], head_args['BV']))
+    _recurrent_prefill_kernel[grid](
+        q, k, v, g, beta, out, state_cache,
+        inputs.state_slots, inputs.state_index, inputs.history_lens, q_start_loc, inputs.q_lens,
+        *_strides(q, k, v, g, beta, out, state_cache), **head_args)
     return out
 
 
@@ -126,13 +217,19 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              beta: torch.Tensor, state_cache: torch.Tensor,
                              inputs: ModelInputs) -> torch.Tensor:
     """Prefill (chunked continuation allowed); shapes as in decode. Writes each sequence's final
-    state to slot 0 of its row. fla's varlen chunk kernel on CUDA with an fp32 or bf16 state
-    (fla normalises q/k in the kernel and maps value head j to key head j // (nv / nk) itself;
-    it starts from an fp32 copy of the rows and returns fp32 final states, stored back in the
-    cache's dtype); otherwise the default op (CPU, fp64 models, fla missing)."""
+    state to slot 0 of its row. On CUDA with an fp32 or bf16 state: `recurrent_prefill` when no
+    sequence has more than `SHORT_PREFILL_TOKENS` new tokens (the host lengths are the step's,
+    read once per forward), else fla's varlen chunk kernel (fla normalises q/k in the kernel and
+    maps value head j to key head j // (nv / nk) itself; it starts from an fp32 copy of the rows
+    and returns fp32 final states, stored back in the cache's dtype); otherwise the default op
+    (CPU, fp64 models, long chunks without fla)."""
+    if not q.is_cuda or v.dtype == torch.float64 or state_cache.dtype not in (torch.float32,
+                                                                              torch.bfloat16):
+        return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
+    if inputs.max_q_len <= SHORT_PREFILL_TOKENS:
+        return recurrent_prefill(q, k, v, g, beta, state_cache, inputs)
     chunk = _fla_chunk_gated_delta_rule()
-    if (chunk is None or not q.is_cuda or v.dtype == torch.float64
-            or state_cache.dtype not in (torch.float32, torch.bfloat16)):
+    if chunk is None:
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
     slots = inputs.state_slots
     fresh = (inputs.history_lens == 0)[:, None, None, None]

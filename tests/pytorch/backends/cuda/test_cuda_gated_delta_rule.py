@@ -1,6 +1,7 @@
 """backends/cuda gated delta rule against backends/default: outputs and the WHOLE state cache
-(slots a step must not touch stay unchanged). Decode runs our Triton kernel (Triton's interpreter
-on CPU); prefill runs fla-core's chunk kernel on a GPU with fla installed."""
+(slots a step must not touch stay unchanged). Decode and short prefills run our Triton kernels
+(Triton's interpreter on CPU); longer prefills run fla-core's chunk kernel on a GPU with fla
+installed."""
 from __future__ import annotations
 
 import pytest
@@ -49,18 +50,22 @@ def assert_rel_close(actual, expected, tol):
 
 
 def check_step(op_name, q_lens, history_lens, slots, index, decoding, dims, dtype, device,
-               rel_tol=None):
-    """Run the cuda op and the default op on the same inputs and identical cache copies; compare
-    elementwise (fp32/fp64) or by relative norm error (bf16, or `rel_tol` if given)."""
+               rel_tol=None, op=None, cache_dtype=None):
+    """Run the cuda op (`op`, by default the one named `op_name`) and the default op on the same
+    inputs and identical cache copies (in `cache_dtype`, by default fp32, fp64 for fp64);
+    compare elementwise (fp32/fp64) or by relative norm error (bf16 activations or state, or
+    `rel_tol` if given)."""
     nk, nv, dk, dv, num_spec = dims
     inputs = step(q_lens, history_lens, slots, index, decoding, device)
     args = gdn_args(sum(q_lens), nk, nv, dk, dv, dtype, device, seed=sum(q_lens))
     cache = random_cache(num_spec, nv, dk, dv, dtype, device, seed=len(q_lens))
+    cache = cache.to(cache_dtype or cache.dtype)
     expected_cache = cache.clone()
-    out = getattr(cuda_gdr, op_name)(*args, cache, inputs)
+    out = (op or getattr(cuda_gdr, op_name))(*args, cache, inputs)
     expected = getattr(default, op_name)(*args, expected_cache, inputs)
     assert out.dtype == args[2].dtype and out.shape == expected.shape
-    tol = {torch.float64: 1e-10, torch.float32: 1e-5}.get(dtype)
+    tol = None if cache.dtype == torch.bfloat16 else {torch.float64: 1e-10,
+                                                      torch.float32: 1e-5}.get(dtype)
     if rel_tol is not None or tol is None:
         assert_rel_close(out, expected, rel_tol or 1e-2)
         assert_rel_close(cache, expected_cache, rel_tol or 1e-2)
@@ -149,6 +154,61 @@ def test_prefill_fla_matches_default(heads):
                False, dims, torch.bfloat16, 'cuda', rel_tol=2e-2)
     check_step('gated_delta_rule_prefill', [77, 130, 3], [150, 1, 64], [4, 0, 6], [1, 0, 2],
                False, dims, torch.float32, 'cuda', rel_tol=2e-3)  # fla: tf32 dots
+
+
+# A varlen prefill step: fresh sequences (one of a single token), then a continuation of
+# sequences with history reading slots 1, 0, 2, 3 (one fresh among them) and a padding row
+# (q_len 0, whose row must stay untouched). The cache holds random values everywhere.
+SHORT_STEPS = (([5, 1, 9], [0, 0, 0], [4, 0, 6], [0, 0, 0]),
+               ([7, 0, 3, 12, 2], [5, 8, 1, 0, 40], [4, 0, 6, 2, 5], [1, 0, 2, 3, 0]))
+
+
+def test_recurrent_prefill_matches_default(kernel_device):
+    """`recurrent_prefill` (our kernel for short chunks) against the default op (chunk form):
+    small uneven heads (masked tiles, GVA 2) in fp32 and fp64 under the interpreter, Qwen3.5
+    heads in fp32 and bf16 on a GPU (there a float64 model's prefill takes the default op, and
+    the kernel's fp32 `scale` argument, 128 ** -0.5 rounded, leaves fp64 ~1e-8 off)."""
+    cpu = kernel_device == 'cpu'
+    dims = (2, 4, 12, 20, 3) if cpu else (16, 32, 128, 128, 3)
+    for q_lens, history, slots, index in SHORT_STEPS:
+        for dtype in (torch.float32, torch.float64 if cpu else torch.bfloat16):
+            check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False, dims,
+                       dtype, kernel_device, op=cuda_gdr.recurrent_prefill)
+        if kernel_device == 'cuda':       # a bf16 state: fp32 math, the final state rounded
+            check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False, dims,
+                       torch.bfloat16, kernel_device, op=cuda_gdr.recurrent_prefill,
+                       cache_dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('cache_dtype', [torch.float32, torch.bfloat16])
+def test_short_prefill_matches_fla(cache_dtype, monkeypatch):
+    """The short-prefill kernel and fla's chunk kernel agree (fla's bf16 internals: 2e-2) on
+    the same step, outputs and the whole cache; a step of at most SHORT_PREFILL_TOKENS tokens
+    per sequence takes the kernel, a longer one fla."""
+    pytest.importorskip('fla.ops.gated_delta_rule')
+    nk, nv, d = 16, 32, 128
+    q_lens, history = [48, 17, 1, cuda_gdr.SHORT_PREFILL_TOKENS], [1472, 0, 9, 200]
+    slots, index = [4, 6, 2, 5], [1, 0, 2, 0]
+    args = gdn_args(sum(q_lens), nk, nv, d, d, torch.bfloat16, 'cuda', seed=3)
+    cache = random_cache(2, nv, d, d, torch.float32, 'cuda', seed=4).to(cache_dtype)
+    short_cache, fla_cache = cache.clone(), cache.clone()
+    kernel, calls = cuda_gdr.recurrent_prefill, []
+
+    def spy(*a):
+        calls.append(a)
+        return kernel(*a)
+    monkeypatch.setattr(cuda_gdr, 'recurrent_prefill', spy)
+    short = cuda_gdr.gated_delta_rule_prefill(
+        *args, short_cache, step(q_lens, history, slots, index, False, 'cuda'))
+    assert len(calls) == 1, 'a short step must take the recurrent kernel'
+    monkeypatch.setattr(cuda_gdr, 'SHORT_PREFILL_TOKENS', 0)
+    fla = cuda_gdr.gated_delta_rule_prefill(
+        *args, fla_cache, step(q_lens, history, slots, index, False, 'cuda'))
+    assert len(calls) == 1, 'a longer step must take fla'
+    assert_rel_close(short, fla, 2e-2)
+    assert_rel_close(short_cache, fla_cache, 2e-2)
+    assert torch.equal(short_cache[[0, 1, 3]], cache[[0, 1, 3]])    # rows of no sequence
 
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
