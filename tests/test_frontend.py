@@ -75,7 +75,7 @@ def test_mp_rank_loop_sends_one_message_per_step():
     thread.start()
     messages, finished = [], set()
     while len(finished) < 64:
-        kind, rank, reports = outbox.get(timeout=120)
+        kind, rank, (reports, _) = outbox.get(timeout=120)     # (reports, prefix-cache news)
         assert kind == 'out' and rank == 0
         messages.append(reports)
         finished |= {r[0] for r in reports if r[2]}

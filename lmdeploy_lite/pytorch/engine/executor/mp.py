@@ -193,15 +193,17 @@ def _rank_loop(rank: int, engine, inbox, outbox):
             reports.append(_report(rid, out))
             if out.finished:
                 del request_of[out.seq.seq_id], seq_of[rid]
-        # the cache's news first: a request the front-end submits once it sees a result may
-        # share the prefix this step kept
+        # with the results, the prefix cache's news (snapshots kept and dropped, for routing;
+        # its block count): the front-end notes it before it hands out the results, so that a
+        # request submitted on a result sees the prefix this step kept
         bm = engine.scheduler.bm
         events = bm.snapshots.take_events()
-        if leader and ((events and route_by_prefix) or bm.num_cached_blocks != cached_blocks):
+        news = None
+        if (events and route_by_prefix) or bm.num_cached_blocks != cached_blocks:
             cached_blocks = bm.num_cached_blocks
-            outbox.put(('cache', rank, (events if route_by_prefix else [], cached_blocks)))
-        if leader and reports:
-            outbox.put(('out', rank, reports))
+            news = (events if route_by_prefix else [], cached_blocks)
+        if leader and (reports or news):
+            outbox.put(('out', rank, (reports, news)))
 
 
 def _drain(inbox, wait: float | None) -> list:
@@ -393,10 +395,12 @@ class RemoteEngineLoop:
             if kind == 'error':
                 self._fail(RuntimeError(self._describe_failure(rank, *payload)))
                 return
-            if kind == 'cache':
-                self._note_snapshots(rank, payload)
-            elif kind is not None:
-                self._deliver(payload)
+            if kind is not None:
+                reports, news = payload
+                if news is not None:
+                    self._note_snapshots(rank, news)
+                if reports:
+                    self._deliver(reports)
             if time.monotonic() >= next_check and not self._closing:
                 next_check = time.monotonic() + LIVENESS_CHECK_S
                 try:
