@@ -1,0 +1,205 @@
+"""Qwen3.5's tool calls in generated text -> OpenAI `tool_calls`.
+
+The block is the one Qwen3.5's chat template teaches the model (and writes back for the calls in
+the history):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is the text between its tags less one newline at each end, read by the type
+the tool's JSON schema declares for it: `string` as it is; `integer`, `number`, `boolean`, `null`,
+`object` and `array` (and a schema without a type) as JSON, `True`/`False`/`None` too (the
+template writes non-JSON values with Python's spelling); text that does not read as the declared
+type stays a string, and so do parameters the schema does not declare (as vLLM's qwen3_coder
+parser). That is the template's inverse: it writes strings as they are and the rest as JSON.
+
+A block without exactly that shape (no function, text between the parameters, a parameter left
+open or given twice, a block left open when the output ends) stays in the text. Parsed blocks
+leave the text with the whitespace around them: the text before and after them is joined by the
+whitespace that preceded the first of them, and none is left at the start or the end (the
+template puts "\\n\\n" before the first call and "\\n" between calls). `ToolCallParser` works
+incrementally and hands out only what is final, so any split of the output into chunks gives the
+same content and calls as the whole output at once.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from dataclasses import dataclass
+
+OPEN, CLOSE = '<tool_call>', '</tool_call>'
+FUNCTION = re.compile(r'\s*<function=([^\s<>=]+)>(.*)</function>\s*', re.DOTALL)
+PARAMETER = re.compile(r'\s*<parameter=([^\s<>=]+)>(.*?)</parameter>', re.DOTALL)
+INTEGER = re.compile(r'-?\d+')
+# how Qwen3.5's template writes Python values that are not JSON (`value | string`)
+PYTHON_SPELLINGS = {'True': ('boolean', True), 'False': ('boolean', False), 'None': ('null', None)}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    index: int                 # the call's place among this output's calls, from 0
+    id: str
+    name: str
+    arguments: str             # a JSON object
+
+
+def new_call_id() -> str:
+    return f'call_{uuid.uuid4().hex[:24]}'
+
+
+def parameter_schemas(tools: list[dict] | None) -> dict[str, dict]:
+    """{function name: {parameter name: its JSON schema}} of OpenAI tool definitions."""
+    schemas = {}
+    for tool in tools or ():
+        function = tool.get('function') or {}
+        properties = (function.get('parameters') or {}).get('properties')
+        schemas[function.get('name')] = properties if isinstance(properties, dict) else {}
+    return schemas
+
+
+def read_value(text: str, schema: dict | None):
+    """A parameter's text as the value its schema declares (None: undeclared, kept as text)."""
+    if not isinstance(schema, dict):
+        return text
+    kinds = schema.get('type')
+    kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
+    if 'string' in kinds:
+        return text
+    spelled = PYTHON_SPELLINGS.get(text.strip())
+    if spelled is not None and spelled[0] in kinds:
+        return spelled[1]
+    try:
+        value = json.loads(text)
+        if not _is_finite(value):
+            return text
+    except (ValueError, RecursionError):
+        return text
+    if not kinds:
+        return value
+    for kind in kinds:
+        if (kind == 'null' and value is None or kind == 'boolean' and isinstance(value, bool)
+                or kind == 'integer' and INTEGER.fullmatch(text.strip())
+                or kind == 'number' and type(value) in (int, float)
+                or kind == 'object' and isinstance(value, dict)
+                or kind == 'array' and isinstance(value, list)):
+            return value
+    return text
+
+
+def _is_finite(value) -> bool:
+    """False for JSON holding what Python reads as inf or nan (1e999, NaN): json.dumps would
+    write them as invalid JSON."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(_is_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(_is_finite(v) for v in value)
+    return True
+
+
+def parse_block(inner: str, schemas: dict[str, dict]) -> tuple[str, dict] | None:
+    """(function name, arguments) of the text between <tool_call> and </tool_call>, or None
+    when it is not one well-formed function call."""
+    match = FUNCTION.fullmatch(inner)
+    if match is None or OPEN in inner:
+        return None
+    name, body = match.groups()
+    properties = schemas.get(name, {})
+    arguments, pos = {}, 0
+    while (parameter := PARAMETER.match(body, pos)) is not None:
+        key, text = parameter.groups()
+        if key in arguments or '<parameter=' in text:
+            return None
+        arguments[key] = read_value(text.removeprefix('\n').removesuffix('\n'),
+                                    properties.get(key))
+        pos = parameter.end()
+    if body[pos:].strip():
+        return None
+    return name, arguments
+
+
+class ToolCallParser:
+    """Feed a choice's text as it is generated; each call returns the text and the calls that
+    are final. Only a possible block start, an open block, or whitespace that may precede a
+    block is held back. `max_calls`: calls after that many are dropped (parallel_tool_calls
+    false, as vLLM)."""
+
+    def __init__(self, tools: list[dict] | None, max_calls: int | None = None):
+        self.schemas = parameter_schemas(tools)
+        self.max_calls = max_calls
+        self.num_calls = 0
+        self.text = ''                 # the output from the first character not handed out
+        self.search = 0                # where the next block start may be in self.text
+        self.after_call = False        # no text since the last parsed block
+        self.space = ''                # the whitespace before that run of blocks
+        self.emitted = False           # any text handed out
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
+        """`final`: the output ends here; whatever is held back comes out as text."""
+        self.text += text
+        out, calls, pos = [], [], 0
+        waiting = -1                   # the start of a block not closed yet
+        while (start := self.text.find(OPEN, self.search)) >= 0:
+            end = self.text.find(CLOSE, start + len(OPEN))
+            if end < 0:
+                if self.text.find(OPEN, start + 1) >= 0:   # it would hold another block start
+                    self.search = start + 1
+                    continue
+                waiting = start
+                break
+            parsed = parse_block(self.text[start + len(OPEN):end], self.schemas)
+            self.search = start + 1 if parsed is None else end + len(CLOSE)
+            if parsed is None:
+                continue
+            before = self.text[pos:start]
+            text = before.rstrip()
+            space = before[len(text):] if text or not self.after_call else self.space
+            out.append(self._plain(text))
+            pos, self.after_call, self.space = self.search, True, space
+            if self.max_calls is None or self.num_calls < self.max_calls:
+                name, arguments = parsed
+                calls.append(ToolCall(self.num_calls, new_call_id(), name,
+                                      json.dumps(arguments, ensure_ascii=False)))
+                self.num_calls += 1
+        if final:
+            ready = len(self.text)
+        else:              # stop before an open block, or before what may still become one
+            ready = waiting if waiting >= 0 else len(self.text) - _partial_open(self.text)
+            ready = pos + len(self.text[pos:ready].rstrip())
+        out.append(self._plain(self.text[pos:ready]))
+        self.text = self.text[ready:]
+        self.search = max(0, self.search - ready)
+        return ''.join(out), calls
+
+    def _plain(self, text: str) -> str:
+        """Text outside the blocks; after a block, without its leading whitespace and joined to
+        the text before the block by the whitespace that preceded it."""
+        if self.after_call:
+            text = text.lstrip()
+            if text:
+                text = (self.space if self.emitted else '') + text
+                self.after_call = False
+        self.emitted = self.emitted or bool(text)
+        return text
+
+
+def _partial_open(text: str) -> int:
+    """The length of the longest end of `text` that is a proper prefix of OPEN."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:n]):
+            return n
+    return 0
+
+
+def parse_tool_calls(text: str, tools: list[dict] | None, max_calls: int | None = None
+                     ) -> tuple[str, list[ToolCall]]:
+    """(the text outside the parsed blocks, the calls) of a whole output."""
+    return ToolCallParser(tools, max_calls).feed(text, final=True)
