@@ -226,9 +226,16 @@ class Pipeline:
         return self._loop.prefix_cache_blocks()
 
     # ---- prompts --------------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
-        """str: plain text; list of ints: token ids; list of {'role','content'}: chat template.
-        Anything else is a ValueError naming the prompt (or the message) and what is wrong."""
+    def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+        """str: plain text; list of ints: token ids; list of {'role','content'}: chat template
+        (an assistant message may carry 'tool_calls', a 'tool' message answers one). `tools`:
+        function schemas ({'type': 'function', 'function': {'name', 'description',
+        'parameters'}}) that the chat template shows the model; chat messages only, and only
+        with a template that renders them. Anything else is a ValueError naming the prompt (or
+        the message, or tools) and what is wrong."""
+        if tools and not (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
+            raise ValueError('tools: given with a prompt that is not chat messages; tools reach '
+                             'the model through the chat template')
         if isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
             return [int(t) for t in prompt]
         check_prompt(prompt)
@@ -237,38 +244,57 @@ class Pipeline:
                              f'tokenizer; pass token ids (a list of int)')
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
+        if tools is not None:
+            check_tools(tools)
+        self._check_template_renders(prompt, tools)
         from jinja2 import TemplateError
         try:
-            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+            return self.tokenizer.apply_chat_template(prompt, tools=tools or None,
+                                                      add_generation_prompt=True,
                                                       tokenize=True, return_dict=False)
         except TemplateError as e:          # the template's own checks (raise_exception)
             raise ValueError(f'prompt: the chat template rejects these messages: {e}') from None
 
+    def _check_template_renders(self, messages: list[dict], tools: list[dict] | None):
+        """A template that never looks at tools or tool_calls would drop them without a word."""
+        calls = any(m.get('tool_calls') for m in messages)
+        if not (tools or calls):
+            return
+        template = self.tokenizer.get_chat_template(None, tools or None)
+        if tools and 'tools' not in template:
+            raise ValueError(f'tools: the chat template of {self.model_path} does not render '
+                             f'tools, so the model would never see them')
+        if calls and 'tool_calls' not in template:
+            raise ValueError(f'prompt: the chat template of {self.model_path} does not render '
+                             f"an assistant message's tool_calls")
+
     # ---- batch and streaming --------------------------------------------------------------
-    def __call__(self, prompts: Prompt | Seq[Prompt], gen_config: GenerationConfig | None = None
-                 ) -> Response | list[Response]:
+    def __call__(self, prompts: Prompt | Seq[Prompt], gen_config: GenerationConfig | None = None,
+                 tools: list[dict] | None = None) -> Response | list[Response]:
         """A request that fails in the engine comes back with finish_reason 'error' and the
         reason in Response.error (the other prompts are unaffected); a stopped or closed engine
-        raises RuntimeError."""
+        raises RuntimeError. `tools`: for every prompt, see `encode`."""
         single, batch = _as_batch(prompts)
         final: dict[int, Response] = {}
-        for r in self._stream(batch, gen_config, cumulative=True):
+        for r in self._stream(batch, gen_config, cumulative=True, tools=tools):
             final[r.index] = r
         responses = [final[i] for i in range(len(batch))]
         return responses[0] if single else responses
 
     def stream_infer(self, prompts: Prompt | Seq[Prompt],
-                     gen_config: GenerationConfig | None = None) -> Iterator[Response]:
+                     gen_config: GenerationConfig | None = None,
+                     tools: list[dict] | None = None) -> Iterator[Response]:
         """Yields incremental responses (this chunk's text and token ids), each with its index;
         a failed request's last chunk has finish_reason 'error' (see __call__)."""
-        yield from self._stream(_as_batch(prompts)[1], gen_config, cumulative=False)
+        yield from self._stream(_as_batch(prompts)[1], gen_config, cumulative=False, tools=tools)
 
-    def _stream(self, prompts: list[Prompt], gen_config, cumulative: bool) -> Iterator[Response]:
+    def _stream(self, prompts: list[Prompt], gen_config, cumulative: bool,
+                tools: list[dict] | None = None) -> Iterator[Response]:
         """All requests share one Channel: one inbox message per engine step, whatever the
         batch; their text is decoded in bulk (while they run only when streamed)."""
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
-        token_lists = [self.encode(p) for p in prompts]
+        token_lists = [self.encode(p, tools) for p in prompts]
         for ids in token_lists:                       # validate all before any work starts
             self._loop.validate_request(ids, gen_config)
         inbox: queue.Queue = queue.Queue()
@@ -336,7 +362,8 @@ class Pipeline:
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
-                       stream_text: bool = True) -> AsyncIterator[Response]:
+                       stream_text: bool = True, tools: list[dict] | None = None
+                       ) -> AsyncIterator[Response]:
         """Async stream of one request; cancelling the consumer aborts the request. A request
         that fails in the engine ends with a Response whose finish_reason is 'error' (reason in
         Response.error); a stopped or closed engine raises RuntimeError. `stream_text=False`:
@@ -344,7 +371,7 @@ class Pipeline:
         the text at the end saves the incremental decoding)."""
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
-        ids = self.encode(prompt)
+        ids = self.encode(prompt, tools)
         loop = asyncio.get_running_loop()
         fanout = self._fanouts.get(loop)
         if fanout is None:
@@ -419,9 +446,21 @@ def check_prompt(prompt):
         if role not in MESSAGE_ROLES:
             raise ValueError(f'prompt[{i}].role={short_repr(role)}: must be one of '
                              f'{MESSAGE_ROLES}')
-        if not isinstance(content, str):
+        calls = message.get('tool_calls')
+        if calls is not None and (role != 'assistant' or not isinstance(calls, list)
+                                  or not all(isinstance(c, dict) for c in calls)):
+            raise ValueError(f'prompt[{i}].tool_calls={short_repr(calls)}: a list of dicts, '
+                             f'in assistant messages only')
+        if not isinstance(content, str) and not (content is None and calls):
             raise ValueError(f'prompt[{i}].content={short_repr(content)}: must be a str')
-        _check_text(f'prompt[{i}].content', content)
+        if content is not None:
+            _check_text(f'prompt[{i}].content', content)
+
+
+def check_tools(tools):
+    """ValueError naming what is wrong with a tools list (the template reads the rest)."""
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError(f'tools={short_repr(tools)}: must be a list of dicts (function schemas)')
 
 
 def _check_text(name: str, text: str):

@@ -60,6 +60,34 @@ def test_chat_messages_go_through_the_template(pipe):
     assert r.input_token_len == len(prompt)
 
 
+def test_tools_and_tool_calls_go_through_the_template_that_renders_them(pipe):
+    tools = [{'type': 'function', 'function': {'name': 'f', 'description': 'g'}}]
+    messages = [{'role': 'user', 'content': 'hi'}]
+    ids = pipe.encode(messages, tools=tools)
+    assert ids == pipe.tokenizer.apply_chat_template(messages, tools=tools, tokenize=True,
+                                                     add_generation_prompt=True, return_dict=False)
+    assert '<tools>\n{"type": "function", "function": {"name": "f", "description": "g"}}\n' \
+           '</tools>' in pipe.tokenizer.decode(ids)
+    assert pipe(messages, GEN, tools=tools).input_token_len == len(ids)
+    with pytest.raises(ValueError, match='^tools: given with a prompt that is not chat messages'):
+        pipe.encode('hi', tools=tools)
+    with pytest.raises(ValueError, match=r"^tools=\['f'\]: must be a list of dicts"):
+        pipe.encode(messages, tools=['f'])
+    called = messages + [{'role': 'assistant', 'content': None, 'tool_calls': [
+        {'type': 'function', 'function': {'name': 'f', 'arguments': {'x': 1}}}]}]
+    assert '<function=f>\n<parameter=x>\n1\n</parameter>' in pipe.tokenizer.decode(
+        pipe.encode(called))
+    template = pipe.tokenizer.chat_template
+    pipe.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:                                   # a template that would drop them without a word
+        with pytest.raises(ValueError, match='^tools: the chat template of .* does not render'):
+            pipe.encode(messages, tools=tools)
+        with pytest.raises(ValueError, match="^prompt: .* does not render an assistant message"):
+            pipe.encode(called)
+    finally:
+        pipe.tokenizer.chat_template = template
+
+
 def test_async_generate_and_cancel_frees_the_cache(pipe):
     async def run():
         chunks = [r async for r in pipe.generate('def f(', GEN)]

@@ -14,8 +14,43 @@ import sysconfig
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# `<|im_start|>role\ncontent<|im_end|>\n` per message; with tools, Qwen3.5's tool layout less its
+# instructions (prompts stay short): a system turn lists them as JSON lines in <tools> (the system
+# message follows), an assistant's calls are <tool_call><function=...><parameter=...> blocks, and
+# 'tool' messages are <tool_response>s in a user turn. (transformers sets trim_blocks: no newline
+# may follow a block tag.)
+CHAT_TEMPLATE = """
+{%- macro call_block(call) -%}
+    {{- '<tool_call>\n<function=' ~ call.name ~ '>\n' -}}
+    {%- for name, value in call.arguments.items() -%}
+        {{- '<parameter=' ~ name ~ '>\n' ~ (value if value is string else value | tojson)
+            ~ '\n</parameter>\n' -}}
+    {%- endfor -%}
+    {{- '</function>\n</tool_call>' -}}
+{%- endmacro -%}
+{%- if tools -%}
+    {{- '<|im_start|>system\n# Tools\n\n<tools>' -}}
+    {%- for tool in tools -%}{{- '\n' ~ (tool | tojson) -}}{%- endfor -%}
+    {{- '\n</tools>' -}}
+    {%- if messages[0].role == 'system' -%}{{- '\n\n' ~ messages[0].content -}}{%- endif -%}
+    {{- '<|im_end|>\n' -}}
+{%- endif -%}
+{%- for m in messages -%}
+    {%- if m.role == 'tool' -%}
+        {%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+        {{- '\n<tool_response>\n' ~ m.content ~ '\n</tool_response>' -}}
+        {%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+    {%- elif not (tools and loop.first and m.role == 'system') -%}
+        {{- '<|im_start|>' ~ m.role ~ '\n' ~ (m.content or '') -}}
+        {%- for call in m.tool_calls or [] -%}
+            {{- ('\n' if not loop.first else '\n\n' if m.content else '')
+                ~ call_block(call.function or call) -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
+"""
 SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
 
 

@@ -211,9 +211,12 @@ def test_a_large_prompt_does_not_stall_other_streams(server, reference):
 UNSUPPORTED = [    # (endpoint, extra fields, param, message)
     ('chat', {'logprobs': True}, 'logprobs', 'logprobs=true: not supported by this server'),
     ('chat', {'top_logprobs': 3}, 'top_logprobs', 'accepted only as null or 0'),
-    ('chat', {'tools': [{'type': 'function', 'function': {'name': 'f'}}]}, 'tools',
-     'accepted only as null or []'),
-    ('chat', {'tool_choice': 'required'}, 'tool_choice', 'accepted only as null or "none" or'),
+    ('chat', {'tools': [{'type': 'function', 'function': {'name': 'f', 'strict': True}}]},
+     'tools.0.function.strict', 'strict=true: not supported by this server (accepted only as '
+                                'null or false); this server has no guided decoding'),
+    ('chat', {'tool_choice': 'required'}, 'tool_choice',
+     'tool_choice="required": forcing a tool call is not supported'),
+    ('chat', {'functions': [{'name': 'f'}]}, 'functions', 'the legacy function-calling API'),
     ('chat', {'response_format': {'type': 'json_object'}}, 'response_format',
      'accepted only as null or {"type": "text"}'),
     ('chat', {'presence_penalty': 0.5}, 'presence_penalty', 'presence_penalty=0.5: not supp'),
@@ -223,9 +226,11 @@ UNSUPPORTED = [    # (endpoint, extra fields, param, message)
     ('chat', {'guided_json': {}}, 'guided_json', 'guided_json: unknown field'),
     ('chat', {'messages': [{'role': 'user', 'content': 'hi', 'name': 'bob'}]},
      'messages.0.name', 'messages.0.name: unknown field'),
-    ('chat', {'messages': [{'role': 'tool', 'content': 'hi'}]}, 'messages.0.role',
-     'messages.0.role="tool": input should be \'system\', \'user\', \'assistant\' or '
-     '\'developer\''),
+    ('chat', {'messages': [{'role': 'tool', 'content': 'hi'}]}, 'messages.0.tool_call_id',
+     "messages.0.tool_call_id=null: a 'tool' message needs tool_call_id"),
+    ('chat', {'messages': [{'role': 'ipython', 'content': 'hi'}]}, 'messages.0.role',
+     'messages.0.role="ipython": input should be \'system\', \'user\', \'assistant\', '
+     '\'developer\' or \'tool\''),
     ('chat', {'messages': chat('hi') + [{'role': 'robot', 'content': 'x'}]}, 'messages.1.role',
      'messages.1.role="robot"'),
     ('chat', {'messages': [{'role': 'user', 'content': [{'type': 'image_url',

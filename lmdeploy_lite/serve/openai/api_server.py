@@ -37,6 +37,7 @@ from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware
 from lmdeploy_lite.serve.openai.body import parse_request, read_body, render
 from lmdeploy_lite.serve.openai.errors import RequestError, install_error_handlers
 from lmdeploy_lite.serve.openai.metrics import RequestTracker, ServerMetrics
+from lmdeploy_lite.serve.openai.tool_parser import ToolCallParser
 
 try:                                   # what a chat template raises for messages it refuses
     from jinja2 import TemplateError
@@ -54,6 +55,12 @@ ENGINE_POLL_S = 0.5                    # how often the server checks that the en
 API_FIELD_NAMES = {'max_new_tokens': 'max_tokens', 'random_seed': 'seed', 'stop_words': 'stop'}
 GENERATION_FAILED = 'generation failed for this request; the server log has the details'
 ENGINE_STOPPED = 'the engine stopped after an error; the server is shutting down'
+
+
+def tool_calls_finish(finish_reason: str | None, num_calls: int) -> str | None:
+    """'tool_calls' for an output that made calls and stopped by itself (a cut one keeps
+    'length')."""
+    return 'tool_calls' if num_calls and finish_reason == 'stop' else finish_reason
 
 
 def engine_error(e: Exception | None = None) -> RequestError:
@@ -98,15 +105,16 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
 
     # ---- checking one request (off the event loop) --------------------------------------------
     def prepare(req: p.SamplingRequest, prompt, param: str, max_tokens_param: str,
-                max_tokens: int | None, default_max_tokens: int | None
-                ) -> tuple[list[int], GenerationConfig]:
+                max_tokens: int | None, default_max_tokens: int | None,
+                tools: list[dict] | None = None) -> tuple[list[int], GenerationConfig]:
         if req.model is not None and req.model != model_name:
             raise RequestError(f'model={render(req.model)}: unknown; this server serves '
                                f'{model_name!r} (see GET /v1/models)', 'model', 'model_not_found')
         try:
-            ids = pipe.encode(prompt)
+            ids = pipe.encode(prompt, tools=tools) if tools else pipe.encode(prompt)
         except ValueError as e:
-            raise RequestError(str(e), param) from None
+            raise RequestError(str(e), 'tools' if str(e).startswith('tools') else param
+                               ) from None
         except TemplateError as e:
             raise RequestError(f'{param}: the chat template refuses them ({e})', param) from None
         room = session_len - len(ids)
@@ -145,10 +153,11 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
 
     def check_chat(body: bytes) -> tuple[p.ChatCompletionRequest, list[int], GenerationConfig]:
         req = parse_request(body, p.ChatCompletionRequest)
-        messages = [{'role': m.template_role(), 'content': m.text()} for m in req.messages]
+        messages = [m.template_message() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
         name = 'max_completion_tokens' if req.max_completion_tokens else 'max_tokens'
         return (req, *prepare(req, messages, 'messages', name,
-                              req.max_completion_tokens or req.max_tokens, None))
+                              req.max_completion_tokens or req.max_tokens, None, tools))
 
     async def checked(request: Request, check):
         body = await read_body(request, max_request_bytes)
@@ -211,7 +220,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
         return text, last
 
     def stream(ids, gen_config, make_chunk, include_usage: bool) -> EventSourceResponse:
-        """make_chunk(text, finish_reason, usage) -> a pydantic chunk; None text: the opening.
+        """make_chunk(text, finish_reason, usage) -> a pydantic chunk, or None for nothing to send
+        yet; None text: the opening.
         On server shutdown the stream is aborted and ends with finish_reason 'abort' and [DONE];
         a failed generation ends with finish_reason 'error', an error event and [DONE]."""
         shutdown = anyio.Event()                 # set by sse-starlette when uvicorn shuts down
@@ -227,7 +237,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                     async for r in responses:
                         last = r
                         if r.text or r.finish_reason:
-                            yield make_chunk(r.text, r.finish_reason, None).model_dump_json()
+                            chunk = make_chunk(r.text, r.finish_reason, None)
+                            if chunk is not None:           # None: all its text held back
+                                yield chunk.model_dump_json()
                         if shutdown.is_set() and r.finish_reason is None:
                             break
                 if last is None or last.finish_reason is None:
@@ -285,21 +297,39 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
         req, ids, gen_config = await checked(request, check_chat)
         rid, include_usage = p.random_id('chatcmpl'), bool(req.stream_options
                                                            and req.stream_options.include_usage)
+        parser = (ToolCallParser([t.model_dump() for t in req.tools],
+                                 max_calls=None if req.parallel_tool_calls else 1)
+                  if req.parses_tool_calls else None)
         if req.stream:
             def chunk(text, finish_reason, use):
                 if use is not None:
                     return p.ChatCompletionChunk(id=rid, model=model_name, choices=[], usage=use)
-                delta = (p.DeltaMessage(role='assistant', content='') if text is None
-                         else p.DeltaMessage(content=text))
+                if text is None:
+                    delta = p.DeltaMessage(role='assistant', content='')
+                elif parser is None:
+                    delta = p.DeltaMessage(content=text)
+                else:
+                    text, calls = parser.feed(text, final=finish_reason is not None)
+                    if not text and not calls and finish_reason is None:
+                        return None
+                    finish_reason = tool_calls_finish(finish_reason, parser.num_calls)
+                    delta = p.DeltaMessage(content=text if text or not calls else None,
+                                           tool_calls=[p.DeltaToolCall.of(c) for c in calls]
+                                           or None)
                 return p.ChatCompletionChunk(
                     id=rid, model=model_name,
                     choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
             return stream(ids, gen_config, chunk, include_usage)
         text, last = await run_to_end(ids, gen_config, request)
+        finish_reason, calls = last and last.finish_reason, []
+        if parser is not None:
+            text, calls = parser.feed(text, final=True)
+            finish_reason = tool_calls_finish(finish_reason, len(calls))
+        message = p.ChatResponseMessage(content=text if text or not calls else None,
+                                        tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
         return p.ChatCompletionResponse(
             id=rid, model=model_name,
-            choices=[p.ChatChoice(message=p.ChatResponseMessage(content=text),
-                                  finish_reason=last and last.finish_reason)],
+            choices=[p.ChatChoice(message=message, finish_reason=finish_reason)],
             usage=usage(last, len(ids)))
 
     return app

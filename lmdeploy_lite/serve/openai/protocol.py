@@ -12,15 +12,18 @@ import uuid
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P   # the engine's ranges
 from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
 from lmdeploy_lite.messages import UINT64_MAX as MAX_SEED
+from lmdeploy_lite.serve.openai.tool_parser import ToolCall
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256              # stop words are matched against the text at every step
+NO_GUIDED_DECODING = 'this server has no guided decoding'
 
 
 def random_id(prefix: str) -> str:
@@ -52,15 +55,18 @@ def _json_equal(a, b) -> bool:
     return a == b
 
 
-def no_op(*values) -> Any:
+def no_op(*values, hint: str = '') -> Any:
     """The type of a field this server does not implement: only null and `values` (which ask
-    for nothing) are accepted, anything else is a 400 naming the field."""
+    for nothing) are accepted, anything else is a 400 naming the field (and `hint`: why, or
+    what to send instead)."""
     allowed = ' or '.join(json.dumps(v) for v in (None, *values))
+    hint = f'; {hint}' if hint else ''
 
     def check(value):
         if not any(_json_equal(value, v) for v in values):
             raise PydanticCustomError('unsupported', 'not supported by this server (accepted '
-                                      'only as {allowed})', {'allowed': allowed})
+                                      'only as {allowed}){hint}',
+                                      {'allowed': allowed, 'hint': hint})
         return value
     return Annotated[Any, AfterValidator(check),
                      Field(description=f'not supported: accepted only as {allowed} (no effect)')]
@@ -137,19 +143,91 @@ class TextPart(RequestModel):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r'^[A-Za-z0-9_.:-]{1,64}$',
+                                    description='letters, digits, _ . : - (1 to 64)')]
+
+
+class FunctionCall(RequestModel):
+    name: str = Field(min_length=1)
+    arguments: str = Field(description='a JSON object, as text')
+
+    @field_validator('arguments')
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            if isinstance(json.loads(value), dict):
+                return value
+        except (ValueError, RecursionError):
+            pass
+        raise PydanticCustomError('json_object', 'must be a JSON object written as a string '
+                                  '(as the tool call came back)')
+
+
+class ToolCallParam(RequestModel):
+    """A call an assistant message made, in the history."""
+    id: str
+    type: Literal['function']
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
-    role: Literal['system', 'user', 'assistant', 'developer'] = Field(
-        description="'developer' is a 'system' message")
+    role: Literal['system', 'user', 'assistant', 'developer', 'tool'] = Field(
+        description="'developer' is a 'system' message; 'tool' answers a tool call")
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, description='assistant messages only')
+    tool_call_id: str | None = Field(None, validate_default=True,
+                                     description="the call a 'tool' message answers (required "
+                                                 "there, and only there)")
+
+    @field_validator('tool_calls')
+    @classmethod
+    def _assistant_only(cls, value, info: ValidationInfo):
+        if value and info.data.get('role') != 'assistant':
+            raise PydanticCustomError('role', 'only assistant messages make tool calls')
+        return value
+
+    @field_validator('tool_call_id')
+    @classmethod
+    def _tool_only(cls, value, info: ValidationInfo):
+        role = info.data.get('role')
+        if (value is None) == (role == 'tool'):
+            raise PydanticCustomError('role', "a 'tool' message needs tool_call_id (the id of "
+                                      "the call it answers), and only a 'tool' message has one")
+        return value
 
     def template_role(self) -> str:
         return 'system' if self.role == 'developer' else self.role
+
+    def template_message(self) -> dict:
+        """As the chat template takes it: text content, tool call arguments as dicts."""
+        message = {'role': self.template_role(), 'content': self.text()}
+        if self.tool_calls:
+            message['tool_calls'] = [
+                {'id': call.id, 'type': 'function',
+                 'function': {'name': call.function.name,
+                              'arguments': json.loads(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message['tool_call_id'] = self.tool_call_id
+        return message
 
     def text(self) -> str:
         """Content as one string; a list of parts joins their text."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ''
         return ''.join(part.text for part in self.content)
+
+
+class FunctionDefinition(RequestModel):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description='a JSON schema')
+    strict: no_op(False, hint=f'{NO_GUIDED_DECODING} to hold arguments to the schema') = None
+
+
+class Tool(RequestModel):
+    type: Literal['function']
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -161,10 +239,33 @@ class ChatCompletionRequest(SamplingRequest):
                                               description='max_tokens by its newer name')
     logprobs: no_op(False) = None
     top_logprobs: no_op(0) = None
-    tools: no_op([]) = None
-    tool_choice: no_op('none', 'auto') = None
-    parallel_tool_calls: no_op(True, False) = None
-    response_format: no_op({'type': 'text'}) = None
+    tools: list[Tool] | None = Field(None, description='shown to the model by the chat template')
+    tool_choice: Literal['none', 'auto'] | None = Field(
+        None, description='"auto" (the default with tools): calls in the output come back as '
+                          'tool_calls; "none": the output is text. "required" and a named '
+                          f'function are refused: {NO_GUIDED_DECODING} to force a call')
+    parallel_tool_calls: bool = Field(True, description='false: calls after the first are '
+                                                        'dropped (as vLLM)')
+    response_format: no_op({'type': 'text'},
+                           hint=f'{NO_GUIDED_DECODING} for structured output') = None
+    functions: no_op(hint='the legacy function-calling API; send tools instead') = None
+    function_call: no_op(hint='the legacy function-calling API; send tool_choice instead') = None
+
+    @field_validator('tool_choice', mode='before')
+    @classmethod
+    def _no_forced_call(cls, value):
+        if value == 'required' or isinstance(value, dict):
+            raise PydanticCustomError(
+                'unsupported', 'forcing a tool call is not supported: {reason}, which forcing '
+                'one takes; send "auto" to let the model decide (with only that function in '
+                'tools, it has no other to call)', {'reason': NO_GUIDED_DECODING})
+        return value
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != 'none'
+
+
 # ---- responses ------------------------------------------------------------------------------
 class SpecDecodeUsage(BaseModel):
     """This request's speculative-decoding figures (an extension of `usage`)."""
@@ -216,9 +317,26 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal['function'] = 'function'
+    function: FunctionCallOut
+
+    @classmethod
+    def of(cls, call: ToolCall) -> 'ToolCallOut':
+        return cls(id=call.id, function=FunctionCallOut(name=call.name,
+                                                        arguments=call.arguments))
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal['assistant'] = 'assistant'
-    content: str
+    content: str | None = Field(description='null when the output is only tool calls')
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -237,9 +355,28 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A whole call in one delta: the call is parsed once its block is closed."""
+    index: int
+    id: str | None = None
+    type: Literal['function'] | None = None
+    function: DeltaFunctionCall
+
+    @classmethod
+    def of(cls, call: ToolCall) -> 'DeltaToolCall':
+        return cls(index=call.index, id=call.id, type='function',
+                   function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
+
+
 class DeltaMessage(BaseModel):
     role: Literal['assistant'] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
