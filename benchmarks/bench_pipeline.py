@@ -83,7 +83,8 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
                        args.prompt_len + (args.loop_steps + args.warmup_steps + 2
                                           + max(batch_sizes)) * (k + 1) + 16,   # + the stagger
                        *(n + 16 for n in ttft_lens)])
-    cfg = PytorchEngineConfig(dtype=args.dtype, device=args.device, tp=args.tp, dp=args.dp,
+    cfg = PytorchEngineConfig(enable_prefix_caching=args.enable_prefix_caching,
+                              dtype=args.dtype, device=args.device, tp=args.tp, dp=args.dp,
                               ep=args.ep, max_batch_size=max(batch_sizes), session_len=session_len,
                               max_prefill_token_num=args.max_prefill_tokens,
                               load_format=load_format, seed=args.seed,
@@ -171,6 +172,8 @@ def main():
     parser.add_argument('--max-mixed-tokens', type=int, default=None,
                         help="max_mixed_token_num (default: the engine's)")
     parser.add_argument('--eager-mode', action='store_true', help='no CUDA graphs')
+    parser.add_argument('--enable-prefix-caching', action=argparse.BooleanOptionalAction,
+                        default=True, help='PytorchEngineConfig.enable_prefix_caching')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)
