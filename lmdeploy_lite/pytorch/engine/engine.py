@@ -42,7 +42,7 @@ from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
                                                      check_speculative_config, spec_plan)
 from lmdeploy_lite.pytorch.spec_decode.policy import DraftCountPolicy
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
-from lmdeploy_lite.pytorch.strategies.base import dummy_table_width
+from lmdeploy_lite.pytorch.strategies.base import dummy_table_width, to_device
 
 logger = logging.getLogger('lmdeploy_lite')
 
@@ -430,9 +430,9 @@ class Engine:
         else:
             inputs = self.strategy.make_model_inputs(batch, self.device)
             if batch.restores:
-                inputs.state_restores = torch.tensor(batch.restores, device=self.device)
+                inputs.state_restores = to_device(torch.tensor(batch.restores), self.device)
             if batch.saves:
-                inputs.state_saves = torch.tensor(batch.saves, device=self.device)
+                inputs.state_saves = to_device(torch.tensor(batch.saves), self.device)
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
         inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
         inputs.num_spec = plan.num_spec                       # drafts verified and made
