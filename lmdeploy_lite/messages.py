@@ -22,6 +22,13 @@ UINT64_MAX = 2**64 - 1       # torch.Generator.manual_seed takes 0..2**64-1
 # 1 / vocab_size > 1e-8), which is exactly greedy; smaller values would round to 0 in float32.
 GREEDY_TEMPERATURE = 1e-5
 GREEDY_TOP_P = 1e-8
+# Penalty ranges. repetition_penalty p (HF/lmdeploy: a seen token's logit x becomes x * p if
+# x < 0, else x / p) lies in [0.01, 10]: 1 is off, 1.1..1.5 the usual choice, 10 already makes
+# any repeat all but impossible, and smaller p divide logits towards overflow. presence_penalty
+# and frequency_penalty lie in [-2, 2], as OpenAI's API allows.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 10.0
+MAX_OPENAI_PENALTY = 2.0
 _MAX_REPR = 40
 
 
@@ -77,7 +84,14 @@ def _set(obj, name: str, value):
 class GenerationConfig:
     """`stop_words`: one str or a list of them; `stop_token_ids`: one int or a list of them
     (stored as tuples). Greedy when do_sample is False, temperature < GREEDY_TEMPERATURE or
-    top_p < GREEDY_TOP_P. max_new_tokens past the session ends at session_len ('length')."""
+    top_p < GREEDY_TOP_P. max_new_tokens past the session ends at session_len ('length').
+
+    Penalties change the target's raw logits before temperature, top-k and top-p, for greedy
+    and sampled requests alike (and speculation does not change what they do):
+    `repetition_penalty` p (HF/lmdeploy): the logit x of a token found in the prompt or the
+    output so far becomes x * p if x < 0, else x / p (1.0: off); `presence_penalty` and
+    `frequency_penalty` (OpenAI, as vLLM): logit -= presence * (count > 0) + frequency * count,
+    count = the token's occurrences in the output so far (0.0: off)."""
     max_new_tokens: int = 512
     do_sample: bool = False
     temperature: float = 1.0
@@ -88,6 +102,9 @@ class GenerationConfig:
     ignore_eos: bool = False
     random_seed: int | None = None
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         self.validate()
@@ -105,6 +122,15 @@ class GenerationConfig:
         _set(self, 'top_k', _check_int('top_k', self.top_k, 0))
         if self.random_seed is not None:
             _set(self, 'random_seed', _check_int('random_seed', self.random_seed, 0, UINT64_MAX))
+        _set(self, 'repetition_penalty', _check_float(
+            'repetition_penalty', self.repetition_penalty, MIN_REPETITION_PENALTY,
+            MAX_REPETITION_PENALTY, f'a number in [{MIN_REPETITION_PENALTY}, '
+            f'{MAX_REPETITION_PENALTY:g}] (1.0: off; above 1 discourages repeats)'))
+        for name in ('presence_penalty', 'frequency_penalty'):
+            _set(self, name, _check_float(name, getattr(self, name), -MAX_OPENAI_PENALTY,
+                                          MAX_OPENAI_PENALTY,
+                                          f'a number in [-{MAX_OPENAI_PENALTY:g}, '
+                                          f'{MAX_OPENAI_PENALTY:g}] (0.0: off)'))
         words = self.stop_words
         if words is not None:
             words = (words,) if isinstance(words, str) else words    # one str is one stop word
@@ -128,6 +154,11 @@ class GenerationConfig:
         values below the floors (GREEDY_TEMPERATURE, GREEDY_TOP_P)."""
         return (not self.do_sample or self.temperature < GREEDY_TEMPERATURE
                 or self.top_p < GREEDY_TOP_P)
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 def is_unicode(text: str) -> bool:

@@ -4,6 +4,12 @@ Reproducibility: a request with a seed owns one `torch.Generator` for its whole 
 random draw for its row comes from that generator only, in a fixed amount per step (V exponentials
 per sampled token, plus k uniforms per verify step in the rejection sampler). So a seed gives the
 same output whatever else is in the batch.
+
+Penalties (repetition, presence, frequency; GenerationConfig says what each does) change the
+target's raw logits before anything else here, greedy rows included: `sample` applies them to
+[B, V] logits, the rejection sampler to a verify's [B, k + 1, V] (`apply_penalties` with the
+drafts, so that position j counts drafts 1..j as already emitted). A batch without a penalised
+row carries `penalties=None` and pays nothing.
 """
 from __future__ import annotations
 
@@ -26,12 +32,110 @@ def make_generator(seed: int | None, device: torch.device | str = 'cpu') -> torc
 
 
 @dataclass
+class Penalties:
+    """The penalties of a batch of B rows (tensors on the logits' device; a row without one has
+    repetition 1.0, presence and frequency 0.0 and no ids).
+
+    repetition, presence, frequency [B] float; prompt_ids [2, N] long: (row, token id) of every
+    prompt token of the rows with a repetition penalty; output_ids [2, M] long: (row, token id)
+    of every token the rows with a penalty generated so far (repeats included: they count).
+    The host builds them each step from the sequences' tokens, so a step with a penalised row
+    needs the tokens of the step before it (Engine._can_continue).
+    """
+    repetition: Tensor
+    presence: Tensor
+    frequency: Tensor
+    prompt_ids: Tensor
+    output_ids: Tensor
+    any_repetition: bool = True            # host-side: some row's repetition penalty is not 1
+    any_additive: bool = True              # host-side: some row's presence or frequency is not 0
+
+    @classmethod
+    def from_values(cls, repetition: Sequence[float], presence: Sequence[float],
+                    frequency: Sequence[float], prompt_ids: Sequence[Sequence[int]],
+                    output_ids: Sequence[Sequence[int]], device: torch.device | str = 'cpu'
+                    ) -> Penalties:
+        """Per-row values (as GenerationConfig validated them) and token ids (prompt_ids[b] is
+        only read where repetition[b] != 1)."""
+        if not (len(repetition) == len(presence) == len(frequency) == len(prompt_ids)
+                == len(output_ids)):
+            raise ValueError('Penalties.from_values: all per-row lists must have one entry '
+                             'per row')
+        batch = len(repetition)
+        prompt_ids = [ids if r != 1.0 else () for r, ids in zip(repetition, prompt_ids)]
+        rows = [b for b, ids in enumerate(prompt_ids) for _ in ids]
+        rows += [b for b, ids in enumerate(output_ids) for _ in ids]
+        ids = [t for row in prompt_ids for t in row] + [t for row in output_ids for t in row]
+        values = [float(v) for v in (*repetition, *presence, *frequency)]
+        # one host-to-device copy each for the ids and the values (pinned on a GPU)
+        packed_ids = _to_device(torch.tensor([rows, ids], dtype=torch.long).view(2, -1), device)
+        packed_values = _to_device(torch.tensor(values, dtype=torch.float64), device)
+        num_prompt = len(rows) - sum(len(o) for o in output_ids)
+        return cls(*packed_values.view(3, batch), prompt_ids=packed_ids[:, :num_prompt],
+                   output_ids=packed_ids[:, num_prompt:],
+                   any_repetition=any(r != 1.0 for r in repetition),
+                   any_additive=any(v != 0.0 for v in (*presence, *frequency)))
+
+
+def _to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """A fresh host tensor to `device`: pinned and not blocking the host on a GPU."""
+    if torch.device(device).type == 'cuda':
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def apply_penalties(logits: Tensor, penalties: Penalties, drafts: Tensor | None = None
+                    ) -> Tensor:
+    """Penalised logits (a new tensor; float64 stays float64, anything else becomes float32).
+
+    logits [B, V], or [B, P, V] over the P = k + 1 positions of a verify; drafts [B, k] long
+    (with [B, P, V]): position j counts drafts[:, :j] as generated tokens too (the tokens it
+    follows when it is reached), -1 placeholders count nothing. Repetition first (x * p where
+    x < 0, else x / p, for every token of the prompt or the output), then
+    x -= frequency * count + presence * (count > 0) over the output's counts, as vLLM does.
+    """
+    squeeze = logits.dim() == 2
+    logits = logits.to(probs_dtype(logits.dtype))
+    if squeeze:
+        logits = logits[:, None]
+    batch, num_positions, vocab_size = logits.shape
+    counts = logits.new_zeros(batch, vocab_size)                   # output tokens per row
+    rows, ids = penalties.output_ids
+    counts.index_put_((rows, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
+    counts = counts[:, None].repeat(1, num_positions, 1)           # [B, P, V]
+    if drafts is not None and drafts.shape[1] > 0:
+        k, device = drafts.shape[1], logits.device
+        position = torch.arange(num_positions, device=device)
+        # draft i is counted at every position j > i (sums of 0/1 weights: exact in any order)
+        weight = (position > torch.arange(k, device=device)[:, None]) & (drafts[..., None] >= 0)
+        index = (torch.arange(batch, device=device)[:, None, None].expand(-1, k, num_positions),
+                 position.expand(batch, k, -1),
+                 drafts.clamp(min=0)[..., None].expand(-1, -1, num_positions))
+        counts.index_put_(index, weight.to(counts.dtype), accumulate=True)
+    shape = (batch, 1, 1)
+    if penalties.any_repetition:
+        seen = torch.zeros(batch, vocab_size, dtype=torch.bool, device=logits.device)
+        seen[penalties.prompt_ids[0], penalties.prompt_ids[1]] = True
+        seen = seen[:, None] | (counts > 0)
+        repetition = penalties.repetition.to(logits.dtype).view(shape)
+        penalised = torch.where(logits < 0, logits * repetition, logits / repetition)
+        logits = torch.where(seen, penalised, logits)
+    if penalties.any_additive:
+        frequency = penalties.frequency.to(logits.dtype).view(shape)
+        presence = penalties.presence.to(logits.dtype).view(shape)
+        logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return logits[:, 0] if squeeze else logits
+
+
+@dataclass
 class SamplingInputs:
     """Per-row sampling parameters of a batch of B sequences (tensors on the logits' device).
 
     do_sample [B] bool, temperature [B] float, top_k [B] long (0 = off), top_p [B] float (1.0 = off),
     generators: B entries, None = default RNG. The bool flags are host-side summaries that let the
     sampler skip work without a device sync; None means "compute from the tensors".
+    `penalties`: None when no row has one (greedy fast paths, CUDA graphs that end in an argmax
+    and the cached greedy tables all need None).
     """
     do_sample: Tensor
     temperature: Tensor
@@ -40,6 +144,7 @@ class SamplingInputs:
     generators: list[torch.Generator | None]
     all_greedy: bool | None = None
     needs_filter: bool | None = None       # any sampled row with top-k or top-p on
+    penalties: Penalties | None = None
 
     def __post_init__(self):
         if self.all_greedy is None:
@@ -174,8 +279,10 @@ def draw_from_probs(probs: Tensor, generators: Sequence[torch.Generator | None])
 
 
 def sample(logits: Tensor, sampling: SamplingInputs) -> Tensor:
-    """logits [B, V] -> tokens [B] long. Greedy rows: torch.argmax; sampled rows: a draw from
-    probs_from_logits with the row's generator."""
+    """logits [B, V] -> tokens [B] long, after the penalties (if any). Greedy rows:
+    torch.argmax; sampled rows: a draw from probs_from_logits with the row's generator."""
+    if sampling.penalties is not None:
+        logits = apply_penalties(logits, sampling.penalties)
     greedy_tokens = logits.argmax(-1)
     if sampling.all_greedy:
         return greedy_tokens

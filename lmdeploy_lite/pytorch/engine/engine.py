@@ -37,7 +37,7 @@ from lmdeploy_lite.pytorch.model_inputs import ForwardSizes, ModelInputs
 from lmdeploy_lite.pytorch.models.loader import build_model
 from lmdeploy_lite.pytorch.nn.token_dispatcher import (allocate_buffers, prepare_dispatch,
                                                        uses_deep_ep)
-from lmdeploy_lite.pytorch.sampling import SamplingInputs
+from lmdeploy_lite.pytorch.sampling import Penalties, SamplingInputs
 from lmdeploy_lite.pytorch.spec_decode.build import (build_spec_decoding,
                                                      check_speculative_config, spec_plan)
 from lmdeploy_lite.pytorch.spec_decode.policy import DraftCountPolicy
@@ -376,11 +376,14 @@ class Engine:
     def _can_continue(self, pending: 'InFlight') -> bool:
         """Async scheduling: run the in-flight decode batch again without the host catching up,
         when nothing else could be scheduled (no waiting or chunked request, no finished or
-        aborted sequence, room for two more steps); otherwise the host applies first."""
+        aborted sequence, room for two more steps); otherwise the host applies first.
+        A batch with a penalised row is never continued (it runs synchronously): its penalties
+        count the tokens emitted so far, which the host sends each step (`_sampling_inputs`)
+        and would not know yet."""
         seqs = pending.batch.seqs
         if (not self.async_scheduling or not pending.batch.is_decoding or self.stop_requested
                 or self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
-                or any(s.is_finished for s in seqs)):
+                or any(s.is_finished or s.gen_config.has_penalties for s in seqs)):
             return False
         return self.scheduler.reserve_ahead(seqs, num_steps=2)
 
@@ -388,22 +391,35 @@ class Engine:
         """Rows of a prefill chunk that does not reach the sequence's end sample nothing, so
         they draw nothing from the request's generator: a seed's stream does not depend on how
         the prompt was chunked (which depends on the rest of the batch). No batch: a dummy
-        forward's one greedy row."""
+        forward's one greedy row. Penalised rows that sample this step add their penalties and
+        token ids (the host's: `_can_continue` keeps it up to date)."""
         if batch is None:
             return self._idle_sampling
         cfgs, mask = [s.gen_config for s in batch.seqs], batch.sample_mask
         if all(c.is_greedy for c in cfgs):      # no row samples: one cached table per size
-            greedy = self._greedy_sampling.get(len(cfgs))
-            if greedy is None:
-                greedy = self._greedy_sampling[len(cfgs)] = SamplingInputs.greedy(
+            sampling = self._greedy_sampling.get(len(cfgs))
+            if sampling is None:
+                sampling = self._greedy_sampling[len(cfgs)] = SamplingInputs.greedy(
                     len(cfgs), self.device)
-            return greedy
-        return SamplingInputs.from_values(
-            do_sample=[not c.is_greedy and m for c, m in zip(cfgs, mask)],
-            temperature=[c.temperature for c in cfgs], top_k=[c.top_k for c in cfgs],
-            top_p=[c.top_p for c in cfgs],
-            generators=[s.generator if m else None for s, m in zip(batch.seqs, mask)],
+        else:
+            sampling = SamplingInputs.from_values(
+                do_sample=[not c.is_greedy and m for c, m in zip(cfgs, mask)],
+                temperature=[c.temperature for c in cfgs], top_k=[c.top_k for c in cfgs],
+                top_p=[c.top_p for c in cfgs],
+                generators=[s.generator if m else None for s, m in zip(batch.seqs, mask)],
+                device=self.device)
+        penalised = [c.has_penalties and m for c, m in zip(cfgs, mask)]
+        if not any(penalised):
+            return sampling
+        seqs = batch.seqs
+        penalties = Penalties.from_values(
+            repetition=[c.repetition_penalty if p else 1.0 for c, p in zip(cfgs, penalised)],
+            presence=[c.presence_penalty if p else 0.0 for c, p in zip(cfgs, penalised)],
+            frequency=[c.frequency_penalty if p else 0.0 for c, p in zip(cfgs, penalised)],
+            prompt_ids=[s.token_ids[:s.num_prompt] if p else () for s, p in zip(seqs, penalised)],
+            output_ids=[s.token_ids[s.num_prompt:] if p else () for s, p in zip(seqs, penalised)],
             device=self.device)
+        return dataclasses.replace(sampling, penalties=penalties)   # never the cached table
 
     def _gather_plan(self, batch: ScheduledBatch | None, sampling: SamplingInputs) -> StepPlan:
         """The StepPlan of the ranks that share this step's collectives; it carries the stop

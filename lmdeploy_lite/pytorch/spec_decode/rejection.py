@@ -2,13 +2,19 @@
 
 Sampled rows follow Leviathan et al. (2023), "Fast Inference from Transformers via Speculative
 Decoding": every emitted token is distributed exactly as if sampled from the target alone.
+Penalties (sampling.py) apply to the target's logits first, position j counting drafts 1..j as
+emitted: the distribution a token is verified against is the one plain decoding would have
+sampled it from after the same tokens, so greedy output with penalties is plain greedy output
+with penalties, and sampled output keeps the penalised target distribution exactly (q is
+whatever the draft used).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from lmdeploy_lite.pytorch.sampling import SamplingInputs, draw_from_probs, probs_from_logits, random_like_rows
+from lmdeploy_lite.pytorch.sampling import (SamplingInputs, apply_penalties, draw_from_probs,
+                                            probs_from_logits, random_like_rows)
 
 
 def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: Tensor | None,
@@ -28,6 +34,8 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
     num_accepted_drafts[b] + 1 tokens.
     Randomness: each sampled row draws k uniforms and V exponentials from its own generator.
     """
+    if sampling.penalties is not None:     # position i counts drafts 0..i-1 as emitted
+        target_logits = apply_penalties(target_logits, sampling.penalties, draft_tokens)
     if sampling.all_greedy:
         return greedy_verify(target_logits, draft_tokens, num_drafts)
     batch_size, k = draft_tokens.shape

@@ -93,7 +93,9 @@ class SpecAgent:
         slots = inputs.state_slots
         if inputs.draft_tokens is None:           # device drafts: the id is on the device
             inputs.input_ids = self.last_token[slots]
-        runner = self.plain_graph if sampling.all_greedy else None
+        # the graph ends in a bare argmax: not for sampled or penalised rows
+        runner = (self.plain_graph if sampling.all_greedy and sampling.penalties is None
+                  else None)
         if runner is not None and runner.can_run(inputs):
             inputs.state_index = self.target.state_index[slots]
             tokens = runner(inputs)
