@@ -78,6 +78,13 @@ def _sampling_args(p: argparse.ArgumentParser):
     p.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
     p.add_argument('--top-p', type=float, default=1.0, help='nucleus sampling mass')
     p.add_argument('--top-k', type=int, default=0, help='0 = off')
+    p.add_argument('--repetition-penalty', type=float, default=1.0,
+                   help='a token of the prompt or output: logit / P if positive, else x P '
+                        '(1.0 = off)')
+    p.add_argument('--presence-penalty', type=float, default=0.0,
+                   help='logit -= P for each token the output holds (0.0 = off)')
+    p.add_argument('--frequency-penalty', type=float, default=0.0,
+                   help='logit -= P x the times the output holds the token (0.0 = off)')
     p.add_argument('--seed', type=int, default=None, help='random seed for sampling')
 
 
@@ -136,7 +143,10 @@ def _build(args):
                                         **executor_args(args))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                   do_sample=args.temperature > 0, temperature=args.temperature,
-                                  top_p=args.top_p, top_k=args.top_k, random_seed=args.seed)
+                                  top_p=args.top_p, top_k=args.top_k, random_seed=args.seed,
+                                  repetition_penalty=args.repetition_penalty,
+                                  presence_penalty=args.presence_penalty,
+                                  frequency_penalty=args.frequency_penalty)
     return pipeline(args.model, engine_config, speculative_config(args)), gen_config
 
 

@@ -93,30 +93,44 @@ def apply_penalties(logits: Tensor, penalties: Penalties, drafts: Tensor | None 
     follows when it is reached), -1 placeholders count nothing. Repetition first (x * p where
     x < 0, else x / p, for every token of the prompt or the output), then
     x -= frequency * count + presence * (count > 0) over the output's counts, as vLLM does.
+    Every position is penalised by the [B, V] counts of the tokens before the step; then the
+    entries of the drafted tokens (at most k per position) are recomputed from the raw logits
+    with the drafts before each position added, so no [B, P, V] count table is made.
     """
     squeeze = logits.dim() == 2
-    logits = logits.to(probs_dtype(logits.dtype))
+    raw = logits.to(probs_dtype(logits.dtype))
+    if not (penalties.any_repetition or penalties.any_additive):
+        return raw.clone()                   # every row neutral: still a new tensor
     if squeeze:
-        logits = logits[:, None]
-    batch, num_positions, vocab_size = logits.shape
-    counts = logits.new_zeros(batch, vocab_size)                   # output tokens per row
+        raw = raw[:, None]
+    batch, num_positions, vocab_size = raw.shape
+    counts = raw.new_zeros(batch, vocab_size)                      # output tokens per row
     rows, ids = penalties.output_ids
     counts.index_put_((rows, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
-    counts = counts[:, None].repeat(1, num_positions, 1)           # [B, P, V]
-    if drafts is not None and drafts.shape[1] > 0:
-        k, device = drafts.shape[1], logits.device
-        position = torch.arange(num_positions, device=device)
-        # draft i is counted at every position j > i (sums of 0/1 weights: exact in any order)
-        weight = (position > torch.arange(k, device=device)[:, None]) & (drafts[..., None] >= 0)
-        index = (torch.arange(batch, device=device)[:, None, None].expand(-1, k, num_positions),
-                 position.expand(batch, k, -1),
-                 drafts.clamp(min=0)[..., None].expand(-1, -1, num_positions))
-        counts.index_put_(index, weight.to(counts.dtype), accumulate=True)
-    shape = (batch, 1, 1)
+    seen = counts > 0                                              # prompt or output
+    seen[penalties.prompt_ids[0], penalties.prompt_ids[1]] = True
+    out = _penalise(raw, counts[:, None], seen[:, None], penalties)
+    if drafts is None or drafts.shape[1] == 0:
+        return out[:, 0] if squeeze else out
+    # token t = drafts[:, i] at position j: its count gains the drafts before j equal to t
+    # (every (j, i) pair is recomputed, so entries of one token written twice agree)
+    k, device = drafts.shape[1], raw.device
+    tokens = drafts.clamp(min=0)                                   # placeholders: token 0
+    same = (tokens[:, :, None] == tokens[:, None, :]) & (drafts[:, None, :] >= 0)   # [B, i, i']
+    before = torch.arange(k, device=device) < torch.arange(num_positions, device=device)[:, None]
+    extra = (same[:, None] & before[None, :, None, :]).sum(-1).to(raw.dtype)         # [B, P, k]
+    index = tokens[:, None].expand(-1, num_positions, -1)                            # [B, P, k]
+    draft_counts = counts.gather(-1, tokens)[:, None] + extra
+    draft_seen = seen.gather(-1, tokens)[:, None] | (draft_counts > 0)
+    values = _penalise(raw.gather(-1, index), draft_counts, draft_seen, penalties)
+    return out.scatter_(-1, index, values)
+
+
+def _penalise(logits: Tensor, counts: Tensor, seen: Tensor, penalties: Penalties) -> Tensor:
+    """The penalty rule elementwise: logits [B, P, N]; counts (float) and seen (bool)
+    broadcastable to it."""
+    shape = (logits.size(0), 1, 1)
     if penalties.any_repetition:
-        seen = torch.zeros(batch, vocab_size, dtype=torch.bool, device=logits.device)
-        seen[penalties.prompt_ids[0], penalties.prompt_ids[1]] = True
-        seen = seen[:, None] | (counts > 0)
         repetition = penalties.repetition.to(logits.dtype).view(shape)
         penalised = torch.where(logits < 0, logits * repetition, logits / repetition)
         logits = torch.where(seen, penalised, logits)
@@ -124,7 +138,7 @@ def apply_penalties(logits: Tensor, penalties: Penalties, drafts: Tensor | None 
         frequency = penalties.frequency.to(logits.dtype).view(shape)
         presence = penalties.presence.to(logits.dtype).view(shape)
         logits = logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
-    return logits[:, 0] if squeeze else logits
+    return logits
 
 
 @dataclass

@@ -114,6 +114,37 @@ def test_verify_position_counts_the_drafts_before_it():
     assert sample(logits[:, 0], sampling).tolist() == [0]
 
 
+def test_verify_penalties_equal_the_rule_written_out_per_position():
+    """Random verifies (k 1..4, placeholders, repeated drafts, every kind of penalty) against
+    the rule applied position by position over the tokens before it, bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+
+    def draw(low, high, size):
+        return torch.randint(low, high, size, generator=generator).tolist()
+    batch, vocab_size = 3, 7
+    for _ in range(60):
+        k = draw(1, 5, (1,))[0]
+        logits = 3 * torch.randn(batch, k + 1, vocab_size, generator=generator,
+                                 dtype=torch.float64)
+        drafts = torch.randint(-1, vocab_size, (batch, k), generator=generator)
+        repetition = (0.3 + 2 * torch.rand(batch, generator=generator)).tolist()
+        presence, frequency = (4 * torch.rand(2, batch, generator=generator) - 2).tolist()
+        prompts = [draw(0, vocab_size, (n,)) for n in draw(0, 4, (batch,))]
+        outputs = [draw(0, vocab_size, (n,)) for n in draw(0, 5, (batch,))]
+        penalties = Penalties.from_values(repetition, presence, frequency, prompts, outputs)
+        want = logits.clone()
+        for b in range(batch):
+            for j in range(k + 1):
+                before = outputs[b] + [d for d in drafts[b, :j].tolist() if d >= 0]
+                for token in range(vocab_size):
+                    x, count = want[b, j, token], before.count(token)
+                    if token in prompts[b] or count:
+                        x = x * repetition[b] if x < 0 else x / repetition[b]
+                    want[b, j, token] = x - frequency[b] * count - presence[b] * (count > 0)
+        assert torch.equal(apply_penalties(logits, penalties, drafts), want)
+        assert torch.equal(apply_penalties(logits[:, 0], penalties), want[:, 0])
+
+
 # ---- tiny random checkpoints against transformers ---------------------------------------------
 @pytest.fixture(scope='module')
 def tiny_rows():

@@ -151,6 +151,53 @@ def test_speculative_output_streamed_or_not_is_plain_greedy(spec_client, plain_g
     assert [counts(s) for s in stats] == want_counts + want_counts
 
 
+PENALTIES = [dict(repetition_penalty=1.3), dict(presence_penalty=0.8),
+             dict(frequency_penalty=0.6),
+             dict(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3)]
+
+
+@pytest.mark.timeout(120)
+def test_penalties_through_the_speculative_server_are_plain_greedy_with_them(spec_server,
+                                                                             spec_client):
+    """Completions of code prompts, each with one of the penalties (all at once; drafts
+    accepted, asserted first) give the single process's plain greedy output with the same
+    penalties; a chat takes them too; out of range is a 400 naming the field, and the next
+    request is served."""
+    from lmdeploy_lite import GenerationConfig
+    prompts = [list(p) for p in accepting.prompts()]
+    rows = list(zip(prompts, PENALTIES, strict=True))
+    max_tokens = accepting.GREEDY.max_new_tokens
+    with ThreadPoolExecutor(len(rows)) as pool:
+        done = [pool.submit(spec_client.completions.create, model='embedded', prompt=p,
+                            max_tokens=max_tokens, temperature=0,
+                            presence_penalty=c.get('presence_penalty'),
+                            frequency_penalty=c.get('frequency_penalty'),
+                            extra_body={'ignore_eos': True,
+                                        'repetition_penalty': c.get('repetition_penalty')})
+                for p, c in rows]
+        done = [f.result() for f in done]
+    stats = [_spec_stats(d.usage) for d in done]
+    assert all(s.num_accepted_tokens > 0 for s in stats), [counts(s) for s in stats]
+    configs = [GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True, **c) for _, c in rows]
+    want = accepting.reference(0, [p for p, _ in rows], configs).token_ids
+    tokenizer = accepting._tokenizer()
+    assert [d.choices[0].text for d in done] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in want]
+    assert all(a != b for a, b in zip(want, accepting.reference(0).token_ids))   # they act
+    reply = spec_client.chat.completions.create(
+        model='embedded', messages=chat('def f('), max_tokens=4, temperature=0.7, seed=3,
+        presence_penalty=-0.5, frequency_penalty=1.0, extra_body={'repetition_penalty': 0.9})
+    assert reply.usage.completion_tokens >= 1
+    for field, value, allowed in (('repetition_penalty', 20, '[0.01, 10.0]'),
+                                  ('presence_penalty', -2.5, '[-2.0, 2.0]')):
+        r = post(spec_server, '/v1/chat/completions',
+                 {'messages': chat('hi'), 'max_tokens': 2, field: value})
+        assert r.status_code == 400 and r.json()['error']['param'] == field, r.text
+        assert f'{field}={value}: must be in {allowed}' in r.json()['error']['message']
+        ok = post(spec_server, '/v1/chat/completions',
+                  {'messages': chat('hi'), 'max_tokens': 2, field: 1.0})
+        assert ok.status_code == 200 and ok.json()['usage']['completion_tokens'] >= 1
+
+
 @pytest.mark.timeout(120)
 def test_spec_metrics_grow_by_exactly_the_requests_figures(spec_server, spec_client):
     """Completions and chats, streamed and not, of different lengths, all at once, with drafts

@@ -130,7 +130,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                 do_sample=not greedy, temperature=0.0 if greedy else req.temperature,
                 top_p=req.top_p, top_k=0 if req.top_k >= vocab_size else max(req.top_k, 0),
                 stop_words=stop or None, ignore_eos=req.ignore_eos, random_seed=req.seed,
-                skip_special_tokens=req.skip_special_tokens)
+                skip_special_tokens=req.skip_special_tokens,
+                repetition_penalty=req.repetition_penalty,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
             pipe._loop.validate_request(ids, gen_config)
         except ValueError as e:              # 'field=value: reason' or 'prompt: reason'
             message = str(e)

@@ -17,6 +17,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P   # the engine's ranges
+from lmdeploy_lite.messages import (MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
+                                    MIN_REPETITION_PENALTY)
 from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
 from lmdeploy_lite.messages import UINT64_MAX as MAX_SEED
 from lmdeploy_lite.serve.openai.tool_parser import ToolCall
@@ -106,7 +108,8 @@ StopWord = Annotated[str, Field(min_length=1, max_length=MAX_STOP_WORD_CHARS)]
 
 class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions (top_k, ignore_eos,
-    skip_special_tokens, repetition_penalty: extensions, as in vLLM)."""
+    skip_special_tokens, repetition_penalty: extensions, as in vLLM). Penalties act on the raw
+    logits before temperature, top-k and top-p (GenerationConfig)."""
     model: str | None = None
     temperature: float = Field(1.0, ge=0,
                                description=f'below {GREEDY_TEMPERATURE} (0 included): greedy')
@@ -121,9 +124,15 @@ class SamplingRequest(RequestModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: no_op(1) = 1
-    presence_penalty: no_op(0) = None
-    frequency_penalty: no_op(0) = None
-    repetition_penalty: no_op(1) = None
+    presence_penalty: float = Field(0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY,
+                                    description='logit -= presence_penalty for every token the '
+                                                'output holds; 0: off')
+    frequency_penalty: float = Field(0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY,
+                                     description='logit -= frequency_penalty x the times the '
+                                                 'output holds the token; 0: off')
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
+                                      description='a token of the prompt or output: logit / p '
+                                                  'if positive, else logit x p; 1: off')
     logit_bias: no_op({}) = None
 
 
