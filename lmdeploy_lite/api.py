@@ -358,17 +358,19 @@ class Pipeline:
                         generate_token_len=out.num_generated, index=index,
                         finish_reason=out.finish_reason if out.finished else None,
                         spec_stats=out.spec_stats,
-                        error=out.error, num_cached_tokens=out.num_cached_tokens)
+                        error=out.error, num_cached_tokens=out.num_cached_tokens,
+                        hidden_states_path=out.hidden_states_path)
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
-                       stream_text: bool = True, tools: list[dict] | None = None
-                       ) -> AsyncIterator[Response]:
+                       stream_text: bool = True, tools: list[dict] | None = None,
+                       request_id: str | None = None) -> AsyncIterator[Response]:
         """Async stream of one request; cancelling the consumer aborts the request. A request
         that fails in the engine ends with a Response whose finish_reason is 'error' (reason in
         Response.error); a stopped or closed engine raises RuntimeError. `stream_text=False`:
         the chunks carry token ids only and the last one the whole text (a caller that joins
-        the text at the end saves the incremental decoding)."""
+        the text at the end saves the incremental decoding). `request_id`: names the request's
+        hidden-states file under extract_hidden_states (unique; None: a random one)."""
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
         ids = self.encode(prompt, tools)
@@ -379,7 +381,8 @@ class Pipeline:
                 self._fanouts = {lp: f for lp, f in self._fanouts.items() if not lp.is_closed()}
             fanout = self._fanouts[loop] = _AsyncFanout(loop, self._decode)
         request = _AsyncRequest(gen_config, stream_text)
-        handle = self._loop.submit(ids, gen_config, fanout.channel, tag=request)
+        handle = self._loop.submit(ids, gen_config, fanout.channel, tag=request,
+                                   request_id=request_id)
         finished = False
         try:
             while not finished:

@@ -10,7 +10,7 @@ from typing import Literal
 DTYPES = ('auto', 'float32', 'float64', 'bfloat16', 'float16')
 DEVICES = ('auto', 'cpu', 'cuda')
 EXECUTOR_BACKENDS = ('uni', 'mp', 'ray')
-SPEC_METHODS = ('qwen3_5_mtp', 'ngram')
+SPEC_METHODS = ('qwen3_5_mtp', 'ngram', 'extract_hidden_states')
 LOAD_FORMATS = ('auto', 'dummy')     # 'dummy': random weights from config.json alone (benchmarks)
 SSM_STATE_DTYPES = ('auto', 'float32', 'bfloat16')
 
@@ -192,7 +192,15 @@ class SpeculativeConfig:
     `draft_token_map`: a file of the token ids the MTP draft may propose (a JSON list, or a
     safetensors file with an int64 tensor `token_map`), most frequent first; the draft's LM head
     then scores only those ids. Verification is unchanged: output is still exactly the
-    target's. The file itself is checked at start-up (`check_speculative_config`)."""
+    target's. The file itself is checked at start-up (`check_speculative_config`).
+
+    method='extract_hidden_states' drafts nothing (decoding is plain; num_speculative_tokens
+    is unused): each finished request's hidden states at `aux_hidden_state_layer_ids` go to
+    `hidden_states_dir/<request id>.safetensors` (README "Extracting hidden states"). Layer id
+    i is transformers' `output_hidden_states[i]`: 0 the embedding output, 1..L-1 the residual
+    stream entering decoder layer i, L (num_hidden_layers) the final-normed hidden state. The
+    upper bound and the directory (created, written) are checked at start-up
+    (`check_speculative_config`)."""
     method: str = 'qwen3_5_mtp'
     num_speculative_tokens: int = 3
     model: str | None = None
@@ -202,9 +210,12 @@ class SpeculativeConfig:
     ep: int | None = None
     dynamic: bool = True
     draft_token_map: str | None = None
+    aux_hidden_state_layer_ids: tuple[int, ...] | list[int] | None = None
+    hidden_states_dir: str | None = None
 
     def __post_init__(self):
         _check(self.method in SPEC_METHODS, 'method', self.method, f'one of {SPEC_METHODS}')
+        self._check_extraction()
         _check_int('num_speculative_tokens', self.num_speculative_tokens, 1, 8)
         _check(self.model is None or isinstance(self.model, str), 'model', self.model,
                'None (the target checkpoint) or a path')
@@ -225,6 +236,31 @@ class SpeculativeConfig:
                    f"None with method={self.method!r} (only the MTP draft has an LM head to "
                    f"restrict)")
             _set(self, 'draft_token_map', os.fspath(self.draft_token_map))
+
+    def _check_extraction(self):
+        """The layer ids (a non-empty list of distinct ints >= 0, stored as a tuple; the upper
+        bound needs the model) and the directory, given with method='extract_hidden_states'
+        only."""
+        extract = self.method == 'extract_hidden_states'
+        for name in ('aux_hidden_state_layer_ids', 'hidden_states_dir'):
+            value = getattr(self, name)
+            _check(extract == (value is not None), name, value,
+                   'given with method=\'extract_hidden_states\'' if extract else
+                   f'None with method={self.method!r} (only extract_hidden_states writes hidden '
+                   f'states)')
+        if not extract:
+            return
+        ids = self.aux_hidden_state_layer_ids
+        _check(isinstance(ids, (list, tuple)) and len(ids) > 0
+               and all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids)
+               and len(set(ids)) == len(ids), 'aux_hidden_state_layer_ids', ids,
+               'a non-empty list of distinct layer ids in 0..num_hidden_layers (0: the '
+               'embedding output, num_hidden_layers: the final-normed hidden state)')
+        _set(self, 'aux_hidden_state_layer_ids', tuple(int(i) for i in ids))
+        directory = self.hidden_states_dir
+        _check(isinstance(directory, (str, os.PathLike)) and os.fspath(directory) != '',
+               'hidden_states_dir', directory, 'the path of a directory (created if missing)')
+        _set(self, 'hidden_states_dir', os.fspath(directory))
 
 
 @dataclass(frozen=True)
@@ -366,3 +402,6 @@ class Response:
     spec_stats: SpecDecodeStats | None = None
     error: str | None = None           # why the request failed, with finish_reason 'error'
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    # extract_hidden_states: the file this request's hidden states were written to (set on the
+    # finished response)
+    hidden_states_path: str | None = None

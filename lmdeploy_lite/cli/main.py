@@ -23,9 +23,12 @@ def _engine_args(p: argparse.ArgumentParser):
                    help='max tokens per sequence, prompt included (default: the model maximum)')
     p.add_argument('--cache-max-entry-count', type=float, default=0.8,
                    help='fraction of free memory for the KV cache')
-    p.add_argument('--speculative-algorithm', default=None, choices=['qwen3_5_mtp', 'ngram'],
+    p.add_argument('--speculative-algorithm', default=None,
+                   choices=['qwen3_5_mtp', 'ngram', 'extract_hidden_states'],
                    help='speculative decoding method (default qwen3_5_mtp when a draft count '
-                        'is given)')
+                        'is given); extract_hidden_states decodes plainly and writes each '
+                        "request's hidden states at --speculative-aux-hidden-state-layer-ids to "
+                        '--hidden-states-dir')
     p.add_argument('--speculative-num-draft-tokens', type=int, default=None,
                    help='drafts per step, 1..8 (enables speculative decoding)')
     p.add_argument('--speculative-draft-model', default=None,
@@ -40,6 +43,13 @@ def _engine_args(p: argparse.ArgumentParser):
                    help="token ids the MTP draft may propose: a JSON list or a safetensors file "
                         "with an int64 tensor 'token_map', most frequent first (build one with "
                         "tools/build_token_map.py); output is unchanged, drafting is cheaper")
+    p.add_argument('--speculative-aux-hidden-state-layer-ids', default=None, metavar='IDS',
+                   help='extract_hidden_states: comma-separated layer ids, e.g. 2,18,34 (id i is '
+                        "transformers' output_hidden_states[i]: 0 the embedding output, "
+                        'num_hidden_layers the final-normed hidden state)')
+    p.add_argument('--hidden-states-dir', default=None, metavar='DIR',
+                   help='extract_hidden_states: where each finished request\'s '
+                        '<request id>.safetensors goes (created if missing)')
     p.add_argument('--speculative-dynamic', action=argparse.BooleanOptionalAction, default=True,
                    help='pick each step\'s draft count (0 .. --speculative-num-draft-tokens) '
                         'from the batch size and the measured acceptance; '
@@ -90,6 +100,15 @@ def _sampling_args(p: argparse.ArgumentParser):
 
 def speculative_config(args):
     from lmdeploy_lite import SpeculativeConfig
+    if args.speculative_algorithm == 'extract_hidden_states':
+        return SpeculativeConfig(method='extract_hidden_states',
+                                 aux_hidden_state_layer_ids=_layer_ids(
+                                     args.speculative_aux_hidden_state_layer_ids),
+                                 hidden_states_dir=args.hidden_states_dir)
+    for flag in ('speculative_aux_hidden_state_layer_ids', 'hidden_states_dir'):
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: needs "
+                             '--speculative-algorithm extract_hidden_states')
     if args.speculative_algorithm is None and args.speculative_num_draft_tokens is None:
         for flag in ('speculative_tp', 'speculative_ep', 'speculative_draft_model',
                      'speculative_token_map'):
@@ -103,6 +122,17 @@ def speculative_config(args):
                              model=args.speculative_draft_model, tp=args.speculative_tp,
                              ep=args.speculative_ep, dynamic=args.speculative_dynamic,
                              draft_token_map=args.speculative_token_map)
+
+
+def _layer_ids(text: str | None) -> tuple[int, ...] | None:
+    """'2,18,34' -> (2, 18, 34); the ranges are SpeculativeConfig's to check."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(','))
+    except ValueError:
+        raise ValueError(f'--speculative-aux-hidden-state-layer-ids={text!r}: must be '
+                         'comma-separated layer ids, e.g. 2,18,34') from None
 
 
 def executor_args(args) -> dict:
@@ -163,6 +193,8 @@ def cmd_generate(args) -> int:
         print()
         print(f'[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s, '
               f'finish_reason={last.finish_reason}]', file=sys.stderr)
+        if last.hidden_states_path is not None:
+            print(f'[hidden states: {last.hidden_states_path}]', file=sys.stderr)
         stats = last.spec_stats
         if stats is not None:
             per_position = ', '.join(f'{r:.2f}' for r in stats.acceptance_by_position)
@@ -285,6 +317,7 @@ def _load_and_serve(args) -> int:
     from lmdeploy_lite.api import resolve_model_path
     from lmdeploy_lite.serve.openai.api_server import default_model_name, serve
     from lmdeploy_lite.serve.openai.auth import load_api_keys
+    from lmdeploy_lite.pytorch.spec_decode.build import num_draft_tokens
     logging.basicConfig(level=args.log_level.upper())
     if args.max_request_bytes < 1:
         raise ValueError(f'max_request_bytes={args.max_request_bytes}: must be >= 1')
@@ -310,7 +343,7 @@ def _load_and_serve(args) -> int:
                     engine_process=engine_process)
     return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
                  args.server_port, api_keys, args.log_level,
-                 num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+                 num_spec_tokens=num_draft_tokens(spec),
                  max_request_bytes=args.max_request_bytes)
 
 

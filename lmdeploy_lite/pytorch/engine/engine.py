@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager
 from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.engine.cache_plan import available_memory, plan_cache
+from lmdeploy_lite.pytorch.engine.hidden_states import HiddenStatesWriter, check_request_id
 from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
 from lmdeploy_lite.pytorch.engine.sequence import Sequence, request_error
@@ -46,6 +48,7 @@ from lmdeploy_lite.pytorch.strategies.base import dummy_table_width, to_device
 
 logger = logging.getLogger('lmdeploy_lite')
 
+WRITE_POLL_S = 0.01      # an idle engine waits this long for a hidden-states file per step
 _DTYPES = {'float32': torch.float32, 'float64': torch.float64, 'bfloat16': torch.bfloat16,
            'float16': torch.float16}
 
@@ -58,7 +61,7 @@ class StepOutput:
     `stats_snapshot`, made into a SpecDecodeStats only when read; the mp/ray ranks send it
     home as it is)."""
     __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated', 'error',
-                 'stats_snapshot', 'num_cached_tokens')
+                 'stats_snapshot', 'num_cached_tokens', 'hidden_states_path')
 
     def __init__(self, seq: Sequence, new_token_ids: list[int]):
         self.seq = seq                          # identity only: its fields move on
@@ -68,6 +71,7 @@ class StepOutput:
         self.num_generated = seq.num_generated
         self.error = seq.error if seq.finish_reason == 'error' else None   # why, with 'error'
         self.num_cached_tokens = seq.num_cached_tokens      # prompt tokens from the prefix cache
+        self.hidden_states_path = None          # extract_hidden_states: set once written
         stats = seq.spec_stats
         self.stats_snapshot = (None if not stats.num_drafts else
                                (stats.num_drafts, stats.num_draft_tokens,
@@ -98,19 +102,21 @@ class InFlight:
     host_tokens: torch.Tensor
     host_accepted: torch.Tensor | None
     copied: torch.cuda.Event | None
+    host_hidden: torch.Tensor | None = None     # extract_hidden_states: [T, ids, H] rows
 
     @classmethod
     def launch(cls, batch, inputs, result: StepResult) -> 'InFlight':
-        """Start the non-blocking device-to-host copies of the emitted tokens and counts."""
+        """Start the non-blocking device-to-host copies of the emitted tokens and counts (and
+        of the extracted hidden states: a fresh tensor each step, not cloned on the CPU)."""
         tensors = [result.output_tokens, result.num_accepted_drafts]
         if result.output_tokens.device.type != 'cuda':
             host = [t.clone() if t is not None else None for t in tensors]
-            return cls(batch, inputs, result, host[0], host[1], None)
+            return cls(batch, inputs, result, host[0], host[1], None, result.hidden_states)
         host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                .copy_(t, non_blocking=True) for t in tensors]
+                .copy_(t, non_blocking=True) for t in tensors + [result.hidden_states]]
         copied = torch.cuda.Event()
         copied.record()
-        return cls(batch, inputs, result, host[0], host[1], copied)
+        return cls(batch, inputs, result, host[0], host[1], copied, host[2])
 
     def host_result(self, dist: DistContext | None = None) -> StepResult:
         """The results on the host. A CUDA copy is awaited by polling its event for at most the
@@ -131,7 +137,7 @@ class InFlight:
                         f'{where}: waiting for the step\'s results on the device (the copy '
                         f'after its collectives) timed out after {timeout:g} s ({ENV_TIMEOUT})')
                 time.sleep(0 if waited < 0.1 else 0.001)    # spin as synchronize() would, then nap
-        return StepResult(self.host_tokens, self.host_accepted)
+        return StepResult(self.host_tokens, self.host_accepted, self.host_hidden)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -182,7 +188,6 @@ class Engine:
                  speculative_config: SpeculativeConfig | None = None, tokenizer=None,
                  progress: bool = True, dist_ctx: DistContext | None = None):
         cfg = engine_config or PytorchEngineConfig()
-        self.engine_config = cfg
         self.dist = dist_ctx or DistContext.single()
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.device = resolve_device(cfg.device)
@@ -193,6 +198,11 @@ class Engine:
                                      cfg.load_format)
         self.spec_plan = spec = spec_plan(speculative_config, self.model_config, self.dtype,
                                      self.dist.config)
+        extract = spec.aux_hidden_state_layer_ids
+        if extract and cfg.enable_prefix_caching:   # a cached prefix is never fed: no rows
+            logger.info('extract_hidden_states: prefix caching off (every prompt token is fed)')
+            cfg = dataclasses.replace(cfg, enable_prefix_caching=False)
+        self.engine_config = cfg
         self.num_spec_tokens = num_spec = spec.num_spec_tokens
         max_positions = self.session_len + num_spec + spec.num_draft_extra
         model = build_model(model_path, self.dtype, self.device, progress=progress,
@@ -214,6 +224,11 @@ class Engine:
                              ssm_state_dtype=cfg.ssm_state_dtype)
         num_slots = self.cache_config.num_state_slots
         self.agent = ModelAgent(model, caches, num_slots, self.device)
+        # extract_hidden_states: TP rank 0 of each DP group keeps the rows and writes the files
+        self.hidden_states = None
+        if extract and self.dist.tp_rank == 0:
+            self.agent.hidden_state_layer_ids = extract
+            self.hidden_states = HiddenStatesWriter(spec.hidden_states_dir)
         self.strategy = ARStrategy()
         # each rank's proposal of a step's draft count; the StepPlan agrees on one
         self.draft_policy = (DraftCountPolicy.from_config(num_spec, spec.dynamic)
@@ -264,6 +279,9 @@ class Engine:
         if self.dtype == torch.float64:     # float64 runs the plain-PyTorch ops, not capturable
             logger.info('CUDA graphs off: float64 runs decode steps eagerly')
             return
+        if self.spec_plan.aux_hidden_state_layer_ids:    # on every rank alike
+            logger.info('CUDA graphs off: extract_hidden_states runs decode steps eagerly')
+            return
         deep_ep = layout.ep > 1 and uses_deep_ep(self.dist)
         if layout.tp > 1 or (layout.ep > 1 and not deep_ep):
             logger.info('CUDA graphs off: tp=%d ep=%d (%s) run decode steps eagerly', layout.tp,
@@ -283,32 +301,39 @@ class Engine:
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
         validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
 
-    def add_request(self, token_ids: list[int], gen_config: GenerationConfig) -> Sequence:
-        """Raises ValueError for an invalid request; the engine is then unchanged."""
+    def add_request(self, token_ids: list[int], gen_config: GenerationConfig,
+                    request_id: str | None = None) -> Sequence:
+        """Raises ValueError for an invalid request; the engine is then unchanged.
+        `request_id`: the front-end's name for it (extract_hidden_states names its file so;
+        None: a random one)."""
         self.validate_request(token_ids, gen_config)
+        request_id = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
         seed = gen_config.random_seed
         if seed is None:            # derived per request; manual_seed takes 0..2**64-1
             seed = (self.engine_config.seed * 1_000_003 + self._next_seq_id) % 2**64
         generator = torch.Generator(self.device).manual_seed(seed)
         seq = Sequence(seq_id=self._next_seq_id, token_ids=list(token_ids),
                        num_prompt=len(token_ids), gen_config=gen_config, arrival=0,
-                       generator=generator)
+                       generator=generator, request_id=request_id)
         self._next_seq_id += 1
         self.scheduler.add(seq)
         return seq
 
     def abort(self, seq: Sequence):
         self.scheduler.abort(seq)
+        if self.hidden_states is not None:
+            self.hidden_states.drop(seq)
 
     def fail_request(self, seq: Sequence, error: BaseException):
         """End one request with finish_reason 'error' and the reason (its cache freed)."""
         logger.warning('request %d failed: %s', seq.seq_id, error)
-        self.scheduler.abort(seq)
+        self.abort(seq)
         seq.finish_reason, seq.error = 'error', request_error(error)
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self.in_flight is not None
+        return (self.scheduler.has_work or self.in_flight is not None
+                or (self.hidden_states is not None and self.hidden_states.pending > 0))
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -318,6 +343,7 @@ class Engine:
         start = time.perf_counter()
         self.dist.begin_step(self.num_steps)
         outputs, batch, continued = self._schedule()
+        outputs += self._written(idle=batch is None)
         sampling = self._sampling_inputs(batch)
         plan = self._gather_plan(batch, sampling)
         if not plan.any_work or plan.shutdown:
@@ -474,11 +500,21 @@ class Engine:
             return []
         return self._update(launched.batch, launched.host_result(self.dist))
 
+    def _written(self, idle: bool) -> list[StepOutput]:
+        """extract_hidden_states: the last outputs of requests whose file is now written (an
+        `idle` step waits a little for one instead of spinning)."""
+        if self.hidden_states is None or not self.hidden_states.pending:
+            return []
+        return self.hidden_states.take_done(WRITE_POLL_S if idle else 0.0)
+
     def _update(self, batch: ScheduledBatch, result: StepResult) -> list[StepOutput]:
         """The host learns the step's tokens here (one device-to-host copy). What each row adds
         to its sequence is the strategy's (it keeps the speculative counters). A failure in one
-        sequence's host work (stop checks, detokenizing) ends that request alone ('error')."""
+        sequence's host work (stop checks, detokenizing) ends that request alone ('error').
+        extract_hidden_states: each row's hidden states are kept by position, and a finished
+        request's last output waits for its file (`_written`)."""
         tokens = result.output_tokens.tolist()
+        hidden, start = result.hidden_states, 0
         verified = result.num_accepted_drafts is not None
         accepted = result.num_accepted_drafts.tolist() if verified else [None] * len(tokens)
         row_drafts = batch.row_drafts or [None] * len(tokens)
@@ -487,14 +523,19 @@ class Engine:
         outputs = []
         for seq, q_len, samples, row, num_accepted, num_drafts in zip(
                 batch.seqs, batch.q_lens, batch.sample_mask, tokens, accepted, row_drafts):
+            start += q_len
             if seq.is_finished:                  # (async) finished while this step ran
                 continue
             num_tokens = len(seq.token_ids)
             try:
+                if hidden is not None:
+                    self.hidden_states.add(seq, seq.num_computed, hidden[start - q_len:start])
                 computed, emitted = self.strategy.emitted(seq, q_len, samples, row, num_accepted,
                                                           num_drafts)
                 emitted = self.scheduler.update(seq, computed, emitted)
-                if emitted or seq.is_finished:     # a non-final prefill chunk has no news
+                if hidden is not None and seq.is_finished:
+                    self.hidden_states.finish(seq, StepOutput(seq, emitted))
+                elif emitted or seq.is_finished:     # a non-final prefill chunk has no news
                     outputs.append(StepOutput(seq, emitted))
             except Exception as e:
                 del seq.token_ids[num_tokens:]   # what it emitted before this step stands

@@ -15,6 +15,7 @@ from typing import Callable
 
 from lmdeploy_lite.messages import GenerationConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine, StepOutput
+from lmdeploy_lite.pytorch.engine.hidden_states import check_request_id
 from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence, request_error
 
 logger = logging.getLogger('lmdeploy_lite')
@@ -41,6 +42,7 @@ class RequestHandle:
     gen_config: GenerationConfig
     sink: Sink                         # a Channel, or a callable that receives every item
     tag: object = None                 # names the request in its Channel's posts
+    request_id: str | None = None      # names its hidden-states file (None: the engine's choice)
     seq: Sequence | None = None
     aborted: bool = field(default=False)
 
@@ -92,12 +94,15 @@ class EngineLoop:
         self.engine.validate_request(token_ids, gen_config)
 
     def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
-               tag: object = None) -> RequestHandle:
+               tag: object = None, request_id: str | None = None) -> RequestHandle:
         """Validates in the caller's thread (a bad request raises here and touches nothing).
-        Raises RuntimeError once the engine has stopped or is closing."""
+        Raises RuntimeError once the engine has stopped or is closing. `request_id`: names the
+        request's hidden-states file (extract_hidden_states; None: a random one)."""
         self._check_running()
         self.engine.validate_request(token_ids, gen_config)
-        handle = RequestHandle(list(token_ids), gen_config, sink, tag)
+        if request_id is not None:
+            check_request_id(request_id)
+        handle = RequestHandle(list(token_ids), gen_config, sink, tag, request_id)
         with self._lock:
             self._check_running()
             self._inbox.put(('add', handle))
@@ -172,7 +177,8 @@ class EngineLoop:
 
     def _add(self, handle: RequestHandle):
         try:
-            handle.seq = self.engine.add_request(handle.token_ids, handle.gen_config)
+            handle.seq = self.engine.add_request(handle.token_ids, handle.gen_config,
+                                                 handle.request_id)
         except Exception as e:              # this request's own failure: it alone ends
             logger.warning('request failed on admission: %s', request_error(e))
             handle.seq = Sequence(seq_id=-1, token_ids=list(handle.token_ids),

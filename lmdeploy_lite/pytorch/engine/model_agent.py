@@ -16,9 +16,12 @@ from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
 @dataclass
 class StepResult:
     """output_tokens [B, n] long: tokens each sequence emits, -1 padded (n = 1 without
-    speculation); num_accepted_drafts [B] long or None (no speculation this step)."""
+    speculation); num_accepted_drafts [B] long or None (no speculation this step);
+    hidden_states [T, len(ids), H] or None: the hidden states of every fed token at the
+    extracted layers (`ModelAgent.hidden_state_layer_ids`; engine/hidden_states.py)."""
     output_tokens: torch.Tensor
     num_accepted_drafts: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
 
 
 class ModelAgent:
@@ -33,6 +36,9 @@ class ModelAgent:
         # width k + 1 a speculative step may run
         self.graphs = {}
         self.graph_pool = None
+        # extract_hidden_states: transformers' output_hidden_states ids every forward keeps
+        # (the engine sets them; forwards then run eagerly, outside any CUDA graph)
+        self.hidden_state_layer_ids: tuple[int, ...] = ()
 
     @property
     def graph(self):
@@ -60,19 +66,28 @@ class ModelAgent:
         """[T, H] post-final-norm hidden states; linear attention reads the current state slots
         (after restoring prefix-cache snapshots into them; snapshots of the new states are kept
         after the forward)."""
+        return self._forward(inputs)[0]
+
+    def _forward(self, inputs: ModelInputs, layer_ids: tuple[int, ...] = ()
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(`forward`'s hidden states, [T, len(layer_ids), H] at those layers or None)."""
         if inputs.state_restores is not None:
             rows, slots = inputs.state_restores.unbind(1)
             self.caches.restore(rows, slots)
             self.state_index[slots] = 0
         inputs.state_index = self.state_index[inputs.state_slots]
-        runner = self.graphs.get(inputs.uniform_q_len) if inputs.is_decoding else None
+        runner = (self.graphs.get(inputs.uniform_q_len) if inputs.is_decoding and not layer_ids
+                  else None)
         if runner is not None and runner.can_run(inputs):
-            return runner(inputs)
-        hidden = self.model(inputs, self.caches)
+            return runner(inputs), None
+        if layer_ids:
+            hidden, aux = self.model.forward_with_hidden_states(inputs, self.caches, layer_ids)
+        else:
+            hidden, aux = self.model(inputs, self.caches), None
         if inputs.state_saves is not None:
             slots, rows = inputs.state_saves.unbind(1)
             self.caches.save(slots, rows)
-        return hidden
+        return hidden, aux
 
     def set_state_index(self, state_slots: torch.Tensor, index: torch.Tensor | int):
         """After a step: slot `index` holds the state after the last accepted token."""
@@ -87,7 +102,7 @@ class ModelAgent:
 
     @torch.inference_mode()
     def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
-        hidden = self.forward(inputs)
+        hidden, aux = self._forward(inputs, self.hidden_state_layer_ids)
         self.set_state_index(inputs.state_slots, 0)    # prefill and 1-token decode write slot 0
         tokens = sample(self.last_logits(inputs, hidden), sampling)
-        return StepResult(tokens[:, None])
+        return StepResult(tokens[:, None], hidden_states=aux)

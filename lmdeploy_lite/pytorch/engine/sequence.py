@@ -42,6 +42,7 @@ class Sequence:
     pending_save: tuple[int, int] | None = None
     num_cached_tokens: int = 0            # prompt tokens its first admission took from the
                                           # prefix cache (Response.num_cached_tokens)
+    request_id: str | None = None         # the front-end's name for it (hidden-states files)
 
     @property
     def num_generated(self) -> int:

@@ -101,13 +101,25 @@ class Qwen3_5Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, device)
 
-    def forward(self, inputs: ModelInputs, caches) -> torch.Tensor:
+    def forward(self, inputs: ModelInputs, caches, aux_layer_ids: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[T, H] post-final-norm hidden states; with `aux_layer_ids`, also [T, len(ids), H]:
+        transformers' `output_hidden_states[i]` for each id i (0: the embedding output; i < L:
+        the residual stream entering layer i, the sum of the (hidden, residual) pair there; L:
+        the final-normed output)."""
         hidden = self.embed_tokens(inputs.input_ids)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         residual = None
+        captured = {}
         for idx, layer in enumerate(self.layers):
+            if idx in aux_layer_ids:        # a copy: a fused norm may overwrite its inputs
+                captured[idx] = hidden.clone() if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, rope, caches[idx], inputs)
-        return self.norm(hidden, residual)[0]
+        out = self.norm(hidden, residual)[0]
+        if not aux_layer_ids:
+            return out
+        captured[len(self.layers)] = out
+        return out, torch.stack([captured[i] for i in aux_layer_ids], dim=1)
 
 
 class Qwen3_5ForCausalLM(nn.Module):
@@ -136,6 +148,12 @@ class Qwen3_5ForCausalLM(nn.Module):
     def forward(self, inputs: ModelInputs, caches) -> torch.Tensor:
         """caches: `caches[layer_idx]` -> that layer's cache tuple (see engine/cache_engine.py)."""
         return self.model(inputs, caches)
+
+    def forward_with_hidden_states(self, inputs: ModelInputs, caches,
+                                   layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` plus [T, len(layer_ids), H]: transformers' output_hidden_states at those
+        ids (`Qwen3_5Model.forward`)."""
+        return self.model(inputs, caches, layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model); the full

@@ -16,10 +16,14 @@ know the methods. Where each of its sizes comes from:
     ~25 MB at M = 32k); none for host proposers, whose drafts are deterministic;
   * needs_host_tokens: a host proposer drafts from the accepted tokens, so every step waits for
     the last one's tokens on the host (no async scheduling).
+method='extract_hidden_states' drafts nothing: its plan has k = 0 (the engine's plain path, no
+draft model, no proposer) and names the layers whose hidden states each request's file holds
+(`aux_hidden_state_layer_ids`, `hidden_states_dir`; engine/hidden_states.py).
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +57,8 @@ def check_speculative_config(spec: SpeculativeConfig, model_path: str,
                              target: DistConfig | None = None, load_format: str = 'auto'):
     """Errors a user can act on, raised at startup before any rank starts. `target`: the
     target's layout (default one rank)."""
+    if spec.method == 'extract_hidden_states':
+        check_extraction(spec, ModelConfig.from_pretrained(model_path).num_layers)
     if spec.method != 'qwen3_5_mtp':
         return
     target = target or DistConfig()
@@ -74,6 +80,26 @@ def check_speculative_config(spec: SpeculativeConfig, model_path: str,
                          f"use a Qwen3.5 checkpoint that ships its MTP head, or method='ngram'")
     if spec.draft_token_map is not None:     # the draft shares the target's LM head and vocab
         load_token_map(spec.draft_token_map, ModelConfig.from_pretrained(model_path).vocab_size)
+
+
+def check_extraction(spec: SpeculativeConfig, num_layers: int):
+    """extract_hidden_states: every layer id in 0..num_layers, and a directory that exists (made
+    here if missing) and takes a file (a probe, written and removed)."""
+    ids = spec.aux_hidden_state_layer_ids
+    bad = [i for i in ids if i > num_layers]
+    if bad:
+        raise ValueError(f'aux_hidden_state_layer_ids={list(ids)}: {bad} outside '
+                         f'0..{num_layers} (0: the embedding output, 1..{num_layers - 1}: the '
+                         f'input of that decoder layer, {num_layers}: the final-normed hidden '
+                         f'state)')
+    directory = spec.hidden_states_dir
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix='.probe-'):
+            pass
+    except OSError as e:
+        raise ValueError(f'hidden_states_dir={directory!r}: must be a directory this process can '
+                         f'create and write files in ({e.strerror or e})') from None
 
 
 @dataclass(frozen=True)
@@ -116,10 +142,22 @@ class SpecPlan:
     needs_host_tokens: bool = False        # proposals read accepted tokens on the host
     proposer: str = ''                     # the method's name, for messages only
     dynamic: bool = False                  # each step's draft count chosen in 0..k (policy.py)
+    # hidden-state extraction (k = 0): transformers' output_hidden_states ids kept per token,
+    # and where each finished request's file goes
+    aux_hidden_state_layer_ids: tuple[int, ...] = ()
+    hidden_states_dir: str | None = None
 
     @property
     def enabled(self) -> bool:
         return self.num_spec_tokens > 0
+
+
+def num_draft_tokens(spec: SpeculativeConfig | None) -> int:
+    """The most drafts a step verifies: 0 without speculation or when extracting hidden
+    states."""
+    if spec is None or spec.method == 'extract_hidden_states':
+        return 0
+    return spec.num_speculative_tokens
 
 
 def uses_draft_model(spec: SpeculativeConfig | None) -> bool:
@@ -133,6 +171,10 @@ def spec_plan(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: 
     `target`."""
     if spec is None:
         return SpecPlan(draft=DraftFootprint(0, target.tp, 0))
+    if spec.method == 'extract_hidden_states':      # plain decoding: no draft, no proposer
+        return SpecPlan(draft=DraftFootprint(0, target.tp, 0), proposer=spec.method,
+                        aux_hidden_state_layer_ids=spec.aux_hidden_state_layer_ids,
+                        hidden_states_dir=spec.hidden_states_dir)
     k = spec.num_speculative_tokens
     draft = draft_footprint(spec, model_config, dtype, target)
     if not uses_draft_model(spec):

@@ -167,8 +167,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
 
     # ---- running one request ------------------------------------------------------------------
     async def generate(ids: list[int], gen_config: GenerationConfig, tracker: RequestTracker,
-                       request: Request | None = None, stream_text: bool = True
-                       ) -> AsyncIterator[Response]:
+                       request: Request | None = None, stream_text: bool = True,
+                       request_id: str | None = None) -> AsyncIterator[Response]:
         """`pipe.generate` with bookkeeping; with `request`, stops when the client has gone
         (looked at most every DISCONNECT_CHECK_S). Closing or cancelling this generator aborts
         the request (aclosing makes that immediate). An engine failure raises RequestError
@@ -176,7 +176,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
         outcome = 'abort'
         next_check = 0.0
         try:
-            async with aclosing(pipe.generate(ids, gen_config, stream_text)) as responses:
+            async with aclosing(pipe.generate(ids, gen_config, stream_text,
+                                              request_id=request_id)) as responses:
                 async for r in responses:
                     tracker.observe(r)
                     if r.finish_reason is not None:
@@ -209,11 +210,12 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
         return p.Usage(prompt_tokens=num_prompt, completion_tokens=n, total_tokens=num_prompt + n,
                        prompt_tokens_details=cached, spec_decode=spec)
 
-    async def run_to_end(ids, gen_config, request) -> tuple[str, Response | None]:
+    async def run_to_end(ids, gen_config, request, request_id: str
+                         ) -> tuple[str, Response | None]:
         tracker = metrics.track(len(ids))
         text, last = '', None
-        async with aclosing(generate(ids, gen_config, tracker, request,
-                                     stream_text=False)) as responses:
+        async with aclosing(generate(ids, gen_config, tracker, request, stream_text=False,
+                                     request_id=request_id)) as responses:
             async for r in responses:
                 text += r.text
                 last = r
@@ -221,9 +223,11 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
             raise engine_error()
         return text, last
 
-    def stream(ids, gen_config, make_chunk, include_usage: bool) -> EventSourceResponse:
+    def stream(ids, gen_config, make_chunk, include_usage: bool, request_id: str
+               ) -> EventSourceResponse:
         """make_chunk(text, finish_reason, usage) -> a pydantic chunk, or None for nothing to send
-        yet; None text: the opening.
+        yet; None text: the opening. The last chunk's choice carries the hidden-states file's
+        path (extract_hidden_states; `request_id` names it).
         On server shutdown the stream is aborted and ends with finish_reason 'abort' and [DONE];
         a failed generation ends with finish_reason 'error', an error event and [DONE]."""
         shutdown = anyio.Event()                 # set by sse-starlette when uvicorn shuts down
@@ -235,11 +239,14 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                 opening = make_chunk(None, None, None)
                 if opening is not None:
                     yield opening.model_dump_json()
-                async with aclosing(generate(ids, gen_config, tracker)) as responses:
+                async with aclosing(generate(ids, gen_config, tracker,
+                                             request_id=request_id)) as responses:
                     async for r in responses:
                         last = r
                         if r.text or r.finish_reason:
                             chunk = make_chunk(r.text, r.finish_reason, None)
+                            if chunk is not None and chunk.choices and r.hidden_states_path:
+                                chunk.choices[0].hidden_states_path = r.hidden_states_path
                             if chunk is not None:           # None: all its text held back
                                 yield chunk.model_dump_json()
                         if shutdown.is_set() and r.finish_reason is None:
@@ -287,11 +294,12 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                 choices = [] if use else [p.CompletionChoice(text=text,
                                                              finish_reason=finish_reason)]
                 return p.CompletionResponse(id=rid, model=model_name, choices=choices, usage=use)
-            return stream(ids, gen_config, chunk, include_usage)
-        text, last = await run_to_end(ids, gen_config, request)
+            return stream(ids, gen_config, chunk, include_usage, rid)
+        text, last = await run_to_end(ids, gen_config, request, rid)
         return p.CompletionResponse(
             id=rid, model=model_name,
-            choices=[p.CompletionChoice(text=text, finish_reason=last and last.finish_reason)],
+            choices=[p.CompletionChoice(text=text, finish_reason=last and last.finish_reason,
+                                        hidden_states_path=last and last.hidden_states_path)],
             usage=usage(last, len(ids)))
 
     @app.post('/v1/chat/completions', openapi_extra=_json_body(p.ChatCompletionRequest))
@@ -321,8 +329,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                 return p.ChatCompletionChunk(
                     id=rid, model=model_name,
                     choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
-            return stream(ids, gen_config, chunk, include_usage)
-        text, last = await run_to_end(ids, gen_config, request)
+            return stream(ids, gen_config, chunk, include_usage, rid)
+        text, last = await run_to_end(ids, gen_config, request, rid)
         finish_reason, calls = last and last.finish_reason, []
         if parser is not None:
             text, calls = parser.feed(text, final=True)
@@ -331,7 +339,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                                         tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
         return p.ChatCompletionResponse(
             id=rid, model=model_name,
-            choices=[p.ChatChoice(message=message, finish_reason=finish_reason)],
+            choices=[p.ChatChoice(message=message, finish_reason=finish_reason,
+                                  hidden_states_path=last and last.hidden_states_path)],
             usage=usage(last, len(ids)))
 
     return app

@@ -315,6 +315,9 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
+    hidden_states_path: str | None = Field(
+        default=None, description='extension (extract_hidden_states): the file holding this '
+        "choice's hidden states, on its last response")
 
 
 class CompletionResponse(BaseModel):
@@ -353,6 +356,9 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: None = None
     finish_reason: str | None = None
+    hidden_states_path: str | None = Field(
+        default=None, description='extension (extract_hidden_states): the file holding this '
+        "choice's hidden states, on its last response")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -393,6 +399,9 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
+    hidden_states_path: str | None = Field(
+        default=None, description='extension (extract_hidden_states): the file holding this '
+        "choice's hidden states, on its last response")
 
 
 class ChatCompletionChunk(BaseModel):

@@ -45,6 +45,7 @@ import socket
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -54,6 +55,7 @@ from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, Specul
 from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.engine.engine import StepOutput, spec_stats_of
+from lmdeploy_lite.pytorch.engine.hidden_states import check_request_id
 from lmdeploy_lite.pytorch.engine.engine_loop import Sink, hand_out
 from lmdeploy_lite.pytorch.engine.prefix_cache import block_keys, longest_cached
 from lmdeploy_lite.pytorch.engine.sequence import request_error
@@ -124,13 +126,14 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
     from lmdeploy_lite.pytorch.distributed import DistContext
     from lmdeploy_lite.pytorch.engine.engine import Engine
     from lmdeploy_lite.pytorch.nn.token_dispatcher import dispatch_capacity
+    from lmdeploy_lite.pytorch.spec_decode.build import num_draft_tokens
     torch.set_num_threads(int(env[NUM_THREADS_ENV]))      # the front-end's worker_num_threads
     dist_ctx = None
     try:
         device = rank_device(engine_config.device, local_rank)
         dist_ctx = DistContext.init(dist_config, rank, init_method, device)
         dist_ctx.max_tokens_per_rank = dispatch_capacity(
-            engine_config.max_batch_size, spec_config.num_speculative_tokens if spec_config else 0,
+            engine_config.max_batch_size, num_draft_tokens(spec_config),
             dist_config.tp)
         from lmdeploy_lite.tokenizer import load_tokenizer     # stop words need it
         tokenizer = load_tokenizer(model_path)
@@ -174,11 +177,11 @@ def _rank_loop(rank: int, engine, inbox, outbox):
         reports = []                         # one message to the front-end per step
         for kind, payload in engine.dist.broadcast_object(events, 'tp'):
             if kind == 'add':
-                rid, token_ids, gen_config = payload
+                rid, token_ids, gen_config, request_id = payload
                 try:                 # the same on every TP rank: all of them refuse it alike
-                    seq = engine.add_request(token_ids, gen_config)
+                    seq = engine.add_request(token_ids, gen_config, request_id)
                 except Exception as e:               # this request alone ends, with the reason
-                    reports.append((rid, [], True, 'error', 0, None, request_error(e), 0))
+                    reports.append((rid, [], True, 'error', 0, None, request_error(e), 0, None))
                     continue
                 request_of[seq.seq_id], seq_of[rid] = rid, seq
             elif kind == 'abort' and payload in seq_of:
@@ -220,7 +223,7 @@ def _drain(inbox, wait: float | None) -> list:
 def _report(rid: int, out: StepOutput) -> tuple:
     """A StepOutput as plain data for the front-end (its snapshot, pickled once per step)."""
     return (rid, out.new_token_ids, out.finished, out.finish_reason, out.num_generated,
-            out.stats_snapshot, out.error, out.num_cached_tokens)
+            out.stats_snapshot, out.error, out.num_cached_tokens, out.hidden_states_path)
 
 
 # ---- the front-end side ---------------------------------------------------------------------
@@ -246,6 +249,7 @@ class RemoteOutput:
     spec_stats: SpecDecodeStats | None
     error: str | None = None
     num_cached_tokens: int = 0
+    hidden_states_path: str | None = None
 
 
 @dataclass(eq=False)
@@ -345,10 +349,13 @@ class RemoteEngineLoop:
         validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
 
     def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
-               tag: object = None) -> RemoteHandle:
+               tag: object = None, request_id: str | None = None) -> RemoteHandle:
+        """`request_id`: names the request's hidden-states file (extract_hidden_states); None:
+        a random one, made here, unique across DP ranks."""
         if self.error is not None:
             raise RuntimeError(f'the engine stopped after an error: {self.error}')
         self.validate_request(token_ids, gen_config)
+        request_id = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
         cached = self._cached_tokens(token_ids)
         with self._lock:
             # the rank that holds the longest cached prefix, unless it is a whole batch busier
@@ -361,7 +368,7 @@ class RemoteEngineLoop:
             handle = RemoteHandle(RemoteSeq(rid, dp_rank), sink, tag)
             self._live[rid] = handle
         self._inboxes[dp_rank * self.dist_config.tp].put(('add', (rid, list(token_ids),
-                                                                  gen_config)))
+                                                                  gen_config, request_id)))
         return handle
 
     def _cached_tokens(self, token_ids: list[int]) -> list[int]:
@@ -427,7 +434,8 @@ class RemoteEngineLoop:
         """One step's reports of one rank to their requests' sinks (one post per Channel)."""
         pairs = []
         with self._lock:
-            for rid, new_ids, finished, reason, num_generated, stats, error, cached in reports:
+            for (rid, new_ids, finished, reason, num_generated, stats, error, cached,
+                 hidden_states_path) in reports:
                 handle = self._live.get(rid)
                 if handle is None:
                     continue
@@ -438,7 +446,8 @@ class RemoteEngineLoop:
                 seq.is_finished, seq.finish_reason = finished, reason
                 seq.num_generated, seq.error = num_generated, error
                 pairs.append((handle, RemoteOutput(seq, new_ids, finished, reason, num_generated,
-                                                   spec_stats_of(stats), error, cached)))
+                                                   spec_stats_of(stats), error, cached,
+                                                   hidden_states_path)))
         for handle in hand_out(pairs):
             if not handle.seq.is_finished:
                 self.abort(handle)

@@ -1,0 +1,139 @@
+"""extract_hidden_states: each finished request's hidden states at chosen layers, in a file.
+
+The model keeps transformers' `output_hidden_states[i]` for the chosen ids at every fed token
+(`ModelAgent.hidden_state_layer_ids`; the forward adds no collective: under TP the residual
+stream is whole after each all-reduce, and only TP rank 0 of a DP group keeps rows). The rows
+reach the host with the step's tokens (`InFlight`: one more non-blocking copy on CUDA) and are
+filed here by position, so a sequence preempted and recomputed overwrites its rows instead of
+repeating them. A finished request's file is `DIR/<request id>.safetensors`:
+    hidden_states [T, len(ids), hidden_size]  the model's dtype
+    token_ids     [T] int64                   the prompt, then the generated tokens but the last
+(T: every token fed to the model). A background thread writes it (a temporary file in DIR, then
+os.replace), off the step loop; the request's last output waits for it and then carries the
+path, or finish_reason 'error' and why when the write failed (the engine goes on).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import tempfile
+import threading
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger('lmdeploy_lite')
+
+REQUEST_ID = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}')
+
+
+def check_request_id(request_id: str) -> str:
+    """A request id names a file: letters, digits, '.', '_' and '-', at most 128 characters,
+    not starting with '.'."""
+    if not isinstance(request_id, str) or not REQUEST_ID.fullmatch(request_id):
+        raise ValueError(f'request_id={request_id!r}: must be 1..128 letters, digits, ".", "_" '
+                         f'or "-", not starting with "." (it names the hidden-states file)')
+    return request_id
+
+
+def write_hidden_states(path: str, hidden_states: torch.Tensor, token_ids: list[int]):
+    """The file at `path`, atomically: written next to it under a temporary name, then renamed
+    (a reader never sees half a file; a failed write leaves none)."""
+    directory, name = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f'.{name}.', suffix='.tmp')
+    os.close(fd)
+    try:
+        save_file({'hidden_states': hidden_states.contiguous(),
+                   'token_ids': torch.tensor(token_ids, dtype=torch.int64)}, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+class HiddenStatesWriter:
+    """Rows per sequence (host tensors [n, len(ids), H] by position) and the thread that writes
+    finished sequences' files. Every method but the thread's runs in the engine's thread."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._rows: dict[object, list[torch.Tensor]] = {}      # Sequence -> chunks in order
+        self._count: dict[object, int] = {}                     # Sequence -> rows held
+        self._jobs: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()
+        self.pending = 0                    # finished sequences whose file is being written
+        self._thread = threading.Thread(target=self._run, name='lmdeploy_lite-hidden-states',
+                                        daemon=True)
+        self._thread.start()
+
+    def path(self, seq) -> str:
+        return os.path.join(self.directory, f'{seq.request_id}.safetensors')
+
+    def add(self, seq, start: int, rows: torch.Tensor):
+        """`rows` [n, len(ids), H]: the hidden states of `seq`'s positions start..start+n-1. A
+        start before the rows held (recomputed after preemption) replaces the rows from there."""
+        if not rows.shape[0]:
+            return
+        chunks = self._rows.setdefault(seq, [])
+        held = self._count.get(seq, 0)
+        if start > held:
+            raise RuntimeError(f'hidden states of request {seq.request_id}: rows from position '
+                               f'{start} arrived with only {held} held')
+        if start < held:
+            kept, total = [], 0
+            for chunk in chunks:
+                if total >= start:
+                    break
+                kept.append(chunk[:start - total])
+                total += kept[-1].shape[0]
+            chunks[:] = kept
+        chunks.append(rows)
+        self._count[seq] = start + rows.shape[0]
+
+    def drop(self, seq):
+        """Forget an aborted or failed sequence's rows."""
+        self._rows.pop(seq, None)
+        self._count.pop(seq, None)
+
+    def finish(self, seq, output):
+        """Queue `seq`'s file; `output` (its last StepOutput) comes back from `take_done` once
+        written, with `hidden_states_path` set, or ending in 'error'."""
+        chunks = self._rows.pop(seq, [])
+        count = self._count.pop(seq, 0)
+        self.pending += 1
+        self._jobs.put((seq, output, self.path(seq), chunks, seq.token_ids[:count]))
+
+    def take_done(self, wait_s: float = 0.0) -> list:
+        """The outputs of the files written since the last call; `wait_s`: wait that long for a
+        first one when none is ready (the engine has nothing else to do)."""
+        done = []
+        try:
+            done.append(self._done.get(timeout=wait_s) if wait_s and self.pending
+                        else self._done.get_nowait())
+            while True:
+                done.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        outputs = []
+        for seq, output, error in done:
+            self.pending -= 1
+            if error is not None:
+                logger.warning('request %s failed: %s', seq.request_id, error)
+                seq.finish_reason, seq.error = 'error', error
+                output.finish_reason, output.error = 'error', error
+            outputs.append(output)
+        return outputs
+
+    def _run(self):
+        while True:
+            seq, output, path, chunks, token_ids = self._jobs.get()
+            error = None
+            try:
+                write_hidden_states(path, torch.cat(chunks), token_ids)
+                output.hidden_states_path = path
+            except Exception as e:
+                error = f'hidden_states_dir: writing {path} failed: {type(e).__name__}: {e}'
+            self._done.put((seq, output, error))
