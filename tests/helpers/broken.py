@@ -86,3 +86,17 @@ def run_requests(loop, prompts: list[list[int]], gen_config, timeout_s: float = 
             done[i].finish_reason = item.seq.finish_reason
             remaining -= 1
     return done
+
+
+def second_metadata_gather(engine):
+    """A rank with work posts a second DP metadata gather at the end of its step's forward, of
+    another shape than the StepPlan's ([8] int64, where the plan's row is [7]), as
+    vllm-ascend #9689's proposer did (its idle rank's dummy run posted none)."""
+    real = engine.agent.step
+
+    def step(inputs, sampling):
+        result = real(inputs, sampling)
+        if not inputs.is_dummy:
+            engine.dist.all_gather(torch.zeros(8, dtype=torch.int64), engine.dist.plan_group)
+        return result
+    engine.agent.step = step

@@ -228,7 +228,7 @@ class Engine:
         self.hidden_states = None
         if extract and self.dist.tp_rank == 0:
             self.agent.hidden_state_layer_ids = extract
-            self.hidden_states = HiddenStatesWriter(spec.hidden_states_dir)
+            self.hidden_states = HiddenStatesWriter(spec.hidden_states_dir, extract)
         self.strategy = ARStrategy()
         # each rank's proposal of a step's draft count; the StepPlan agrees on one
         self.draft_policy = (DraftCountPolicy.from_config(num_spec, spec.dynamic)

@@ -177,8 +177,8 @@ class EngineLoop:
 
     def _add(self, handle: RequestHandle):
         try:
-            handle.seq = self.engine.add_request(handle.token_ids, handle.gen_config,
-                                                 handle.request_id)
+            named = {} if handle.request_id is None else {'request_id': handle.request_id}
+            handle.seq = self.engine.add_request(handle.token_ids, handle.gen_config, **named)
         except Exception as e:              # this request's own failure: it alone ends
             logger.warning('request failed on admission: %s', request_error(e))
             handle.seq = Sequence(seq_id=-1, token_ids=list(handle.token_ids),

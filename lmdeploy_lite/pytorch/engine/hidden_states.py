@@ -8,9 +8,10 @@ filed here by position, so a sequence preempted and recomputed overwrites its ro
 repeating them. A finished request's file is `DIR/<request id>.safetensors`:
     hidden_states [T, len(ids), hidden_size]  the model's dtype
     token_ids     [T] int64                   the prompt, then the generated tokens but the last
-(T: every token fed to the model). A background thread writes it (a temporary file in DIR, then
-os.replace), off the step loop; the request's last output waits for it and then carries the
-path, or finish_reason 'error' and why when the write failed (the engine goes on).
+(T: every token fed to the model), with the ids in its metadata (`aux_hidden_state_layer_ids`,
+e.g. '2,18,34': the columns' order). A background thread writes it (a temporary file in DIR,
+then os.replace), off the step loop; the request's last output waits for it and then carries
+the path, or finish_reason 'error' and why when the write failed (the engine goes on).
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def check_request_id(request_id: str) -> str:
     return request_id
 
 
-def write_hidden_states(path: str, hidden_states: torch.Tensor, token_ids: list[int]):
+def write_hidden_states(path: str, hidden_states: torch.Tensor, token_ids: list[int],
+                        layer_ids: tuple[int, ...]):
     """The file at `path`, atomically: written next to it under a temporary name, then renamed
     (a reader never sees half a file; a failed write leaves none)."""
     directory, name = os.path.split(path)
@@ -46,7 +48,9 @@ def write_hidden_states(path: str, hidden_states: torch.Tensor, token_ids: list[
     os.close(fd)
     try:
         save_file({'hidden_states': hidden_states.contiguous(),
-                   'token_ids': torch.tensor(token_ids, dtype=torch.int64)}, tmp)
+                   'token_ids': torch.tensor(token_ids, dtype=torch.int64)}, tmp,
+                  metadata={'format': 'pt',
+                            'aux_hidden_state_layer_ids': ','.join(map(str, layer_ids))})
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -58,8 +62,9 @@ class HiddenStatesWriter:
     """Rows per sequence (host tensors [n, len(ids), H] by position) and the thread that writes
     finished sequences' files. Every method but the thread's runs in the engine's thread."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, layer_ids: tuple[int, ...]):
         self.directory = directory
+        self.layer_ids = layer_ids
         self._rows: dict[object, list[torch.Tensor]] = {}      # Sequence -> chunks in order
         self._count: dict[object, int] = {}                     # Sequence -> rows held
         self._jobs: queue.Queue = queue.Queue()
@@ -132,7 +137,7 @@ class HiddenStatesWriter:
             seq, output, path, chunks, token_ids = self._jobs.get()
             error = None
             try:
-                write_hidden_states(path, torch.cat(chunks), token_ids)
+                write_hidden_states(path, torch.cat(chunks), token_ids, self.layer_ids)
                 output.hidden_states_path = path
             except Exception as e:
                 error = f'hidden_states_dir: writing {path} failed: {type(e).__name__}: {e}'
