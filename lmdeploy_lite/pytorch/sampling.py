@@ -8,8 +8,8 @@ same output whatever else is in the batch.
 Penalties (repetition, presence, frequency; GenerationConfig says what each does) change the
 target's raw logits before anything else here, greedy rows included: `sample` applies them to
 [B, V] logits, the rejection sampler to a verify's [B, k + 1, V] (`apply_penalties` with the
-drafts, so that position j counts drafts 1..j as already emitted). A batch without a penalised
-row carries `penalties=None` and pays nothing.
+drafts: position j, 0-based, counts the j drafts before it as emitted). A batch without a
+penalised row carries `penalties=None` and pays nothing.
 """
 from __future__ import annotations
 
