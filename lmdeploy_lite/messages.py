@@ -16,6 +16,7 @@ SSM_STATE_DTYPES = ('auto', 'float32', 'bfloat16')
 
 INT32_MAX = 2**31 - 1        # the engine's int tensors (top_k, token ids, lengths, positions)
 UINT64_MAX = 2**64 - 1       # torch.Generator.manual_seed takes 0..2**64-1
+MAX_N = 16                   # GenerationConfig.n: choices per prompt
 # Sampling floors. temperature below GREEDY_TEMPERATURE is greedy (vLLM's _SAMPLING_EPS): the
 # logits / temperature of a smaller one overflow float32, and the softmax's answer is the argmax
 # anyway. top_p below GREEDY_TOP_P keeps only the most likely token (its probability is at least
@@ -91,7 +92,13 @@ class GenerationConfig:
     `repetition_penalty` p (HF/lmdeploy): the logit x of a token found in the prompt or the
     output so far becomes x * p if x < 0, else x / p (1.0: off); `presence_penalty` and
     `frequency_penalty` (OpenAI, as vLLM): logit -= presence * (count > 0) + frequency * count,
-    count = the token's occurrences in the output so far (0.0: off)."""
+    count = the token's occurrences in the output so far (0.0: off).
+
+    `n`: choices per prompt (1..MAX_N), sampled independently from one shared prefill of the
+    prompt; `pipeline()` then returns every prompt's n responses, flattened, Response.index =
+    prompt_index * n + i. With `random_seed`, choice i draws from seed (random_seed + i) mod
+    2**64 (choice 0 from random_seed itself, as with n=1), so a repeated call gives the same n
+    choices and choice i equals the request run alone with that seed."""
     max_new_tokens: int = 512
     do_sample: bool = False
     temperature: float = 1.0
@@ -105,6 +112,7 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    n: int = 1
 
     def __post_init__(self):
         self.validate()
@@ -120,6 +128,7 @@ class GenerationConfig:
         _set(self, 'top_p', _check_float('top_p', self.top_p, 0, 1, 'a number in (0, 1]',
                                          low_open=True))
         _set(self, 'top_k', _check_int('top_k', self.top_k, 0))
+        _set(self, 'n', _check_int('n', self.n, 1, MAX_N))
         if self.random_seed is not None:
             _set(self, 'random_seed', _check_int('random_seed', self.random_seed, 0, UINT64_MAX))
         _set(self, 'repetition_penalty', _check_float(

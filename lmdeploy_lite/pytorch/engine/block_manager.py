@@ -101,6 +101,31 @@ class BlockManager:
             self.snapshots.give_back(seq.pending_save[1])
             seq.pending_save = None
         seq.restore_row = None
+        seq.fork_copy = None                    # a fork whose step never ran: nothing to copy
+
+    # ---- forking (n choices of one prompt) -------------------------------------------------
+    def can_fork(self, parent: Sequence, num_tokens: int) -> bool:
+        """Whether a sequence forked from `parent` (`fork`) can cover `num_tokens` positions."""
+        shared = parent.num_computed // self.block_size
+        need = blocks_needed(num_tokens, self.block_size) - shared
+        return need <= self.num_free_blocks and bool(self.free_slots)
+
+    def fork(self, seq: Sequence, parent: Sequence) -> tuple[int, int] | None:
+        """Give `seq` (no blocks, no slot) `parent`'s cache as it stands: its full blocks
+        shared (one more holder each), a state slot, and a new block for the partial block past
+        them if there is one. Returns (parent's partial block, its copy) for the caller to
+        copy on the device, or None."""
+        shared = parent.num_computed // self.block_size
+        for block in parent.blocks[:shared]:
+            self.ref[block] += 1
+            seq.blocks.append(block)
+        seq.state_slot = self.free_slots.pop()
+        if parent.num_computed % self.block_size == 0:
+            return None
+        block = self._allocate()
+        self.ref[block] = 1
+        seq.blocks.append(block)
+        return parent.blocks[shared], block
 
     # ---- the prefix cache -----------------------------------------------------------------
     def keys(self, seq: Sequence) -> list[int]:

@@ -15,6 +15,9 @@ Prefix cache: `num_snapshots` rows per linear-attention layer of what a prefill 
 row (recurrent slot 0 and conv columns 0..K-2): conv [num_snapshots, conv_dim / tp, K - 1],
 recurrent [num_snapshots, nv / tp, dk, dv]; `save` and `restore` copy between them and the state
 slots (engine/prefix_cache.py).
+
+Forking (n choices of one prompt, engine/scheduler.py): `copy_blocks` copies whole KV blocks in
+every full-attention layer, `copy_states` a state slot's prefill state into another slot.
 """
 from __future__ import annotations
 
@@ -129,6 +132,26 @@ class CacheEngine:
             conv, rec = self.caches[i]
             conv[slots, :, :conv_rows.shape[-1]] = conv_rows[rows]
             rec[slots, 0] = rec_rows[rows]
+
+    def copy_blocks(self, copies: torch.Tensor):
+        """copies [C, 2] long (block, its copy): the second block of each pair = the first, in
+        every full-attention layer (K and V)."""
+        src, dst = copies.unbind(1)
+        for layer_type, (k, v) in zip(self.layer_types, self.caches):
+            if layer_type == 'full_attention':
+                k[dst] = k[src]
+                v[dst] = v[src]
+
+    def copy_states(self, copies: torch.Tensor):
+        """copies [S, 2] long (state slot, its copy): what a prefill left in the first slot of
+        each pair (recurrent slot 0, conv columns 0..K-2) into the second, in every
+        linear-attention layer (the caller sets the copies' current index to 0)."""
+        src, dst = copies.unbind(1)
+        width = self.model_config.linear_conv_kernel_dim - 1
+        for layer_type, (conv, rec) in zip(self.layer_types, self.caches):
+            if layer_type == 'linear_attention':
+                conv[dst, :, :width] = conv[src, :, :width]
+                rec[dst, 0] = rec[src, 0]
 
     def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.caches[layer_idx]

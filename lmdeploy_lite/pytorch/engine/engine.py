@@ -251,6 +251,7 @@ class Engine:
                                    max_mixed_token_num=cfg.max_mixed_token_num)
         self._next_seq_id = 0
         self.num_steps = 0
+        self.num_prefill_tokens = 0        # tokens fed in prefill rows (prompts, recomputes)
         self.stop_requested = False        # set by a driver; travels to every rank in the plan
         self.stopped = False
         self.plan_busy = False             # some rank of the plan group worked last step
@@ -303,21 +304,48 @@ class Engine:
 
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig,
                     request_id: str | None = None) -> Sequence:
-        """Raises ValueError for an invalid request; the engine is then unchanged.
-        `request_id`: the front-end's name for it (extract_hidden_states names its file so;
-        None: a random one)."""
+        """One sequence (gen_config.n == 1; `add_group` for more). Raises ValueError for an
+        invalid request; the engine is then unchanged. `request_id`: the front-end's name for
+        it (extract_hidden_states names its file so; None: a random one)."""
+        if isinstance(gen_config, GenerationConfig) and gen_config.n != 1:
+            raise ValueError(f'n={gen_config.n}: add_request adds one sequence; add_group adds '
+                             f'the n choices of a prompt')
+        return self.add_group(token_ids, gen_config, [request_id])[0]
+
+    def add_group(self, token_ids: list[int], gen_config: GenerationConfig,
+                  request_ids: list[str | None] | None = None) -> list[Sequence]:
+        """The gen_config.n choices of one prompt, choice i first: they share one prefill of
+        the prompt (the scheduler forks choices 1.. from choice 0's, engine/scheduler.py).
+        Choice i's generator is seeded with (random_seed + i) mod 2**64, or without a seed
+        derived from the engine's seed and its sequence id. `request_ids`: each choice's name
+        (see add_request; None: random ones). Raises ValueError for an invalid request; the
+        engine is then unchanged."""
         self.validate_request(token_ids, gen_config)
-        request_id = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
-        seed = gen_config.random_seed
-        if seed is None:            # derived per request; manual_seed takes 0..2**64-1
-            seed = (self.engine_config.seed * 1_000_003 + self._next_seq_id) % 2**64
-        generator = torch.Generator(self.device).manual_seed(seed)
-        seq = Sequence(seq_id=self._next_seq_id, token_ids=list(token_ids),
-                       num_prompt=len(token_ids), gen_config=gen_config, arrival=0,
-                       generator=generator, request_id=request_id)
-        self._next_seq_id += 1
-        self.scheduler.add(seq)
-        return seq
+        request_ids = [None] * gen_config.n if request_ids is None else request_ids
+        if len(request_ids) != gen_config.n:
+            raise ValueError(f'n={gen_config.n}: {len(request_ids)} request ids given, one per '
+                             f'choice needed')
+        request_ids = [uuid.uuid4().hex if r is None else check_request_id(r)
+                       for r in request_ids]
+        seqs = []
+        for i in range(gen_config.n):
+            if gen_config.random_seed is not None:
+                seed = gen_config.random_seed + i
+            else:                       # derived per sequence
+                seed = self.engine_config.seed * 1_000_003 + self._next_seq_id
+            generator = torch.Generator(self.device).manual_seed(seed % 2**64)   # 0..2**64-1
+            seqs.append(Sequence(seq_id=self._next_seq_id, token_ids=list(token_ids),
+                                 num_prompt=len(token_ids), gen_config=gen_config, arrival=0,
+                                 generator=generator, request_id=request_ids[i]))
+            self._next_seq_id += 1
+        leader = seqs[0]
+        if len(token_ids) > 1:              # one token: nothing to share
+            leader.forks = seqs[1:]
+            for member in leader.forks:
+                member.fork_from = leader
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs
 
     def abort(self, seq: Sequence):
         self.scheduler.abort(seq)
@@ -349,6 +377,9 @@ class Engine:
         if not plan.any_work or plan.shutdown:
             return outputs + self._finish(continued)
         self.num_steps += 1
+        if batch is not None and not batch.is_decoding:
+            self.num_prefill_tokens += sum(n for seq, n in zip(batch.seqs, batch.q_lens)
+                                           if not seq.prefilled)
         batch = self._with_draft_count(batch, plan.num_spec)
         inputs = self._make_inputs(batch, continued, plan)
         result = self.agent.step(inputs, sampling)
@@ -378,7 +409,7 @@ class Engine:
         for seq in seqs:
             seq.drafts_ready = k
         return ScheduledBatch(seqs, q_lens, batch.is_decoding, k, row_drafts, batch.restores,
-                              batch.saves)
+                              batch.saves, batch.block_copies, batch.state_copies)
 
     def _time_step(self, batch: ScheduledBatch | None, k: int, seconds: float):
         """The draft-count policy learns decode steps' wall times (module policy.py)."""
@@ -475,6 +506,10 @@ class Engine:
                 inputs.state_restores = to_device(torch.tensor(batch.restores), self.device)
             if batch.saves:
                 inputs.state_saves = to_device(torch.tensor(batch.saves), self.device)
+            if batch.block_copies:
+                inputs.block_copies = to_device(torch.tensor(batch.block_copies), self.device)
+            if batch.state_copies:
+                inputs.state_copies = to_device(torch.tensor(batch.state_copies), self.device)
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
         inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
         inputs.num_spec = plan.num_spec                       # drafts verified and made
@@ -555,8 +590,9 @@ class Engine:
 
     # ---- convenience ----------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], gen_config: GenerationConfig) -> list[Sequence]:
-        """Run prompts to completion in this thread (tests, benchmarks)."""
-        seqs = [self.add_request(p, gen_config) for p in prompts]
+        """Run prompts to completion in this thread (tests, benchmarks); with gen_config.n > 1
+        each prompt's n choices, flattened (prompt_index * n + i)."""
+        seqs = [seq for p in prompts for seq in self.add_group(p, gen_config)]
         while self.has_work:
             self.step()
         return seqs

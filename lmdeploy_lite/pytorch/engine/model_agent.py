@@ -64,8 +64,8 @@ class ModelAgent:
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """[T, H] post-final-norm hidden states; linear attention reads the current state slots
-        (after restoring prefix-cache snapshots into them; snapshots of the new states are kept
-        after the forward)."""
+        (after restoring prefix-cache snapshots into them and copying forked sequences' caches;
+        snapshots of the new states are kept after the forward)."""
         return self._forward(inputs)[0]
 
     def _forward(self, inputs: ModelInputs, layer_ids: tuple[int, ...] = ()
@@ -75,6 +75,11 @@ class ModelAgent:
             rows, slots = inputs.state_restores.unbind(1)
             self.caches.restore(rows, slots)
             self.state_index[slots] = 0
+        if inputs.block_copies is not None:          # forks (n choices): the leader's cache
+            self.caches.copy_blocks(inputs.block_copies)
+        if inputs.state_copies is not None:
+            self.caches.copy_states(inputs.state_copies)
+            self.state_index[inputs.state_copies[:, 1]] = 0
         inputs.state_index = self.state_index[inputs.state_slots]
         runner = (self.graphs.get(inputs.uniform_q_len) if inputs.is_decoding and not layer_ids
                   else None)

@@ -26,6 +26,20 @@ into its state slot before its first chunk) and prefills only the rest. Its pref
 a chunk at each of its `snapshot_points` (where its cached blocks ran out: a branch point; where
 its last full prompt block ends) and keeps a snapshot there, as at any other block-aligned chunk
 end; the blocks before a snapshot are named in the cache once the step has computed them.
+
+Forking (n choices of one prompt of P tokens, `Engine.add_group`): the leader (choice 0)
+prefills the prompt but its last token (its chunks stop at P - 1) while its members wait; waiting
+members are passed over by admission, so requests behind them are not held up. The step that
+schedules the leader's last prompt token forks the members that fit (a state slot and the blocks
+for P positions, max_batch_size; not the token budget: at most n - 1 one-token rows more): each
+shares the leader's full blocks, gets a copy of the partial block past them and of the leader's
+linear-attention state after P - 1 tokens (copied on the device before the step's forward,
+`ScheduledBatch.block_copies` / `state_copies`, for the target's layers and the draft's), and
+feeds the last prompt token in the same step as an ordinary final prefill chunk, sampling its
+first token from its own generator. The group's prefill costs (P - 1) + n tokens instead of
+n * P. Members that do not fit then, or whose leader went away (aborted), prefill on their own as
+ordinary requests (the prefix cache may still serve them). A forked member is an ordinary
+sequence from then on: preempted, it prefills on its own again.
 """
 from __future__ import annotations
 
@@ -49,6 +63,11 @@ class ScheduledBatch:
     # forward, (state slot, snapshot row) saved after it
     restores: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
+    # forking, copies on the device before the forward (after the restores): (block, its copy)
+    # in every full-attention layer of the target and the draft; (state slot, its copy) of the
+    # linear-attention state a prefill leaves (recurrent slot 0, conv columns 0..K-2)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_decode_rows(self) -> int:
@@ -114,7 +133,7 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        return self._with_state_copies(self._schedule())
+        return self._with_fork_copies(self._with_state_copies(self._schedule()))
 
     def _schedule(self) -> ScheduledBatch | None:
         num_decoding = sum(s.prefilled for s in self.running)
@@ -166,9 +185,12 @@ class Scheduler:
             seqs.append(seq)
             q_lens.append(n)
             budget -= n
+            self._fork(seq, seqs, q_lens)
         # then new sequences, first come first served: stop at the first that does not fit
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
-            seq = self.waiting[0]
+        # (members waiting for their leader's prefill are passed over)
+        for seq in [s for s in self.waiting if s.fork_from is None]:
+            if budget <= 0 or len(self.running) >= self.max_batch_size:
+                break
             hit = self._take_cached_prefix(seq)
             n = self._chunk(seq, budget)
             need = seq.num_computed + n + self.num_draft_extra
@@ -182,12 +204,13 @@ class Scheduler:
                 break
             self._count_lookup(seq, hit)
             self.bm.grow(seq, need)
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             q_lens.append(n)
             budget -= n
+            self._fork(seq, seqs, q_lens)
         scheduled = [(s, n) for s, n in zip(seqs, q_lens) if s.status == SeqStatus.RUNNING]
         if not scheduled:
             return None
@@ -272,12 +295,60 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq`'s next prefill chunk: the budget's share, ending at its next
-        snapshot point."""
+        snapshot point (and, for a leader with members waiting, at its last prompt token)."""
         n = min(seq.num_uncomputed, budget)
-        for point in seq.snapshot_points:
+        points = seq.snapshot_points + ([seq.num_prompt - 1] if seq.forks else [])
+        for point in sorted(points):
             if point > seq.num_computed:
                 return min(n, point - seq.num_computed)
         return n
+
+    # ---- forking ----------------------------------------------------------------------------
+    def _fork(self, leader: Sequence, seqs: list[Sequence], q_lens: list[int]):
+        """`leader` was just scheduled: if this is its last prompt token, its waiting members
+        that fit start from its cache now, each with that token as its chunk (module doc)."""
+        if not leader.forks or leader.num_computed != leader.num_prompt - 1:
+            return
+        members, leader.forks = leader.forks, []
+        whole = min(leader.num_prompt + self.num_draft_extra,
+                    self.max_positions(self.session_len))
+        for seq in members:
+            seq.fork_from = None
+            if (len(self.running) >= self.max_batch_size
+                    or not self.bm.can_fork(leader, whole)):
+                continue                          # it prefills on its own
+            block_copy = self.bm.fork(seq, leader)
+            self.bm.grow(seq, whole)
+            seq.fork_copy = (leader.state_slot, block_copy)
+            seq.num_computed = leader.num_computed
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            q_lens.append(1)
+
+    def _with_fork_copies(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
+        """The copies of this step's forks (members still in the batch)."""
+        if batch is None:
+            return batch
+        for seq in batch.seqs:
+            if seq.fork_copy is None:
+                continue
+            slot, block_copy = seq.fork_copy
+            seq.fork_copy = None
+            batch.state_copies.append((slot, seq.state_slot))
+            if block_copy is not None:
+                batch.block_copies.append(block_copy)
+        return batch
+
+    def _release_forks(self, seq: Sequence):
+        """`seq` is gone: it no longer waits on a leader, and its own members prefill alone."""
+        if seq.fork_from is not None:
+            seq.fork_from.forks.remove(seq)
+            seq.fork_from = None
+        for member in seq.forks:
+            member.fork_from = None
+        seq.forks = []
 
     def _with_state_copies(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
         """The batch's state copies: restores of newly admitted cached prefixes, and a snapshot
@@ -338,6 +409,7 @@ class Scheduler:
         return emitted
 
     def _finish(self, seq: Sequence, reason: str):
+        self._release_forks(seq)
         self.bm.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

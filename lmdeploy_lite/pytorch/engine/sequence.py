@@ -43,6 +43,13 @@ class Sequence:
     num_cached_tokens: int = 0            # prompt tokens its first admission took from the
                                           # prefix cache (Response.num_cached_tokens)
     request_id: str | None = None         # the front-end's name for it (hidden-states files)
+    # n choices of one prompt (engine/scheduler.py "Forking"): a member waiting to start from
+    # its leader's prefill (`fork_from`); a leader's members still waiting (`forks`); a member
+    # forked in the step being scheduled: (leader's state slot, (leader's partial block, its
+    # copy) or None), the copies made before that step's forward
+    fork_from: Sequence | None = None
+    forks: list[Sequence] = field(default_factory=list)
+    fork_copy: tuple[int, tuple[int, int] | None] | None = None
 
     @property
     def num_generated(self) -> int:

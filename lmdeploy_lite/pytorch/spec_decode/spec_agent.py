@@ -111,6 +111,8 @@ class SpecAgent:
         return StepResult(tokens[:, None])
 
     def _prefill_and_draft(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
+        if inputs.block_copies is not None and self.proposer is not None:
+            self.proposer.caches.copy_blocks(inputs.block_copies)   # forks: the draft's KV too
         hidden = self.target.forward(inputs)
         self.target.set_state_index(inputs.state_slots, 0)
         tokens = sample(self.target.last_logits(inputs, hidden), sampling)
