@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import numbers
 import os
@@ -148,7 +149,7 @@ class _AsyncFanout:
         updates, requests = [], []
         for request, item in items:
             if isinstance(item, BaseException):
-                request.inbox.put_nowait(item)
+                request.put(item)
             else:
                 updates.append((request.text, item.new_token_ids, item.finished))
                 requests.append((request, item))
@@ -156,10 +157,10 @@ class _AsyncFanout:
             deltas = detokenize(self.decode, updates)
         except Exception as e:                     # their text is lost: these requests end
             for request, _ in requests:
-                request.inbox.put_nowait(e)
+                request.put(e)
             return
         for (request, item), delta in zip(requests, deltas):
-            request.inbox.put_nowait((item, delta))
+            request.put((item, delta))
 
 
 def _coalesce(inbox: asyncio.Queue, first: tuple) -> tuple:
@@ -181,11 +182,20 @@ def _coalesce(inbox: asyncio.Queue, first: tuple) -> tuple:
 
 
 class _AsyncRequest:
-    __slots__ = ('inbox', 'text')
+    """One choice of a `generate_ids` call: its inbox and text; `news` (shared by the call's
+    choices) learns the index of each choice whose inbox got an item."""
+    __slots__ = ('inbox', 'text', 'index', 'news')
 
-    def __init__(self, gen_config: GenerationConfig, stream_text: bool):
+    def __init__(self, gen_config: GenerationConfig, stream_text: bool, index: int,
+                 news: asyncio.Queue):
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.text = TextStream(gen_config, stream_text)
+        self.index = index
+        self.news = news
+
+    def put(self, item):
+        self.inbox.put_nowait(item)
+        self.news.put_nowait(self.index)
 
 
 class Pipeline:
@@ -216,6 +226,15 @@ class Pipeline:
             self._loop = EngineLoop(self.engine)
         self._closed = False
         self._fanouts: dict[asyncio.AbstractEventLoop, _AsyncFanout] = {}
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Tokens the engine has fed in prefill rows (prompts, minus what the prefix cache and
+        forked choices share; recomputes after preemption): `Engine.num_prefill_tokens`, with
+        ranks in other processes as they last reported."""
+        if self.engine is not None:
+            return self.engine.num_prefill_tokens
+        return self._loop.prefill_tokens()
 
     @property
     def num_cached_blocks(self) -> int:
@@ -273,19 +292,23 @@ class Pipeline:
                  tools: list[dict] | None = None) -> Response | list[Response]:
         """A request that fails in the engine comes back with finish_reason 'error' and the
         reason in Response.error (the other prompts are unaffected); a stopped or closed engine
-        raises RuntimeError. `tools`: for every prompt, see `encode`."""
+        raises RuntimeError. `tools`: for every prompt, see `encode`. With gen_config.n > 1:
+        every prompt's n choices, flattened (Response.index = prompt_index * n + i), a list
+        even for a single prompt."""
         single, batch = _as_batch(prompts)
         final: dict[int, Response] = {}
         for r in self._stream(batch, gen_config, cumulative=True, tools=tools):
             final[r.index] = r
-        responses = [final[i] for i in range(len(batch))]
-        return responses[0] if single else responses
+        n = 1 if gen_config is None else gen_config.n
+        responses = [final[i] for i in range(len(batch) * n)]
+        return responses[0] if single and n == 1 else responses
 
     def stream_infer(self, prompts: Prompt | Seq[Prompt],
                      gen_config: GenerationConfig | None = None,
                      tools: list[dict] | None = None) -> Iterator[Response]:
-        """Yields incremental responses (this chunk's text and token ids), each with its index;
-        a failed request's last chunk has finish_reason 'error' (see __call__)."""
+        """Yields incremental responses (this chunk's text and token ids), each with its index
+        (with gen_config.n > 1: prompt_index * n + i); a failed request's last chunk has
+        finish_reason 'error' (see __call__)."""
         yield from self._stream(_as_batch(prompts)[1], gen_config, cumulative=False, tools=tools)
 
     def _stream(self, prompts: list[Prompt], gen_config, cumulative: bool,
@@ -299,10 +322,11 @@ class Pipeline:
             self._loop.validate_request(ids, gen_config)
         inbox: queue.Queue = queue.Queue()
         channel = Channel(inbox.put)
-        handles = [self._loop.submit(ids, gen_config, channel, tag=i)
-                   for i, ids in enumerate(token_lists)]
-        streams = [TextStream(gen_config, stream=not cumulative) for _ in prompts]
-        remaining = len(prompts)
+        n = gen_config.n
+        handles = [h for i, ids in enumerate(token_lists) for h in self._loop.submit_group(
+            ids, gen_config, channel, tags=list(range(i * n, (i + 1) * n)))]
+        streams = [TextStream(gen_config, stream=not cumulative) for _ in handles]
+        remaining = len(handles)
         try:
             while remaining:
                 items = self._next(inbox)
@@ -319,7 +343,7 @@ class Pipeline:
                 for (i, item), delta in zip(items, deltas):
                     remaining -= item.finished
                     s = streams[i]
-                    yield self._response(i, item, token_lists[i],
+                    yield self._response(i, item, token_lists[i // n],
                                          s.text[:s.sent] if cumulative else delta,
                                          s.token_ids if cumulative else item.new_token_ids)
         finally:
@@ -370,33 +394,61 @@ class Pipeline:
         Response.error); a stopped or closed engine raises RuntimeError. `stream_text=False`:
         the chunks carry token ids only and the last one the whole text (a caller that joins
         the text at the end saves the incremental decoding). `request_id`: names the request's
-        hidden-states file under extract_hidden_states (unique; None: a random one)."""
+        hidden-states file under extract_hidden_states (unique; None: a random one). With
+        gen_config.n > 1 the n choices' responses interleave, each with its Response.index i
+        (and its file named `request_id-i`)."""
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
         ids = self.encode(prompt, tools)
+        async with contextlib.aclosing(self.generate_ids([ids], gen_config, stream_text,
+                                                         request_id)) as responses:
+            async for r in responses:           # closing this generator closes that one now
+                yield r
+
+    async def generate_ids(self, prompts: list[list[int]], gen_config: GenerationConfig,
+                           stream_text: bool = True, request_id: str | None = None
+                           ) -> AsyncIterator[Response]:
+        """`generate` over prompts given as token ids, each with gen_config.n choices: the
+        responses of all of them as they come, Response.index = prompt_index * n + i (the
+        server's several prompts and choices of one request). Cancelling the consumer aborts
+        every choice that has not finished. `request_id`: names the hidden-states file of a
+        single choice; of several, choice `index`'s is `request_id-index`."""
+        self._check_open()
         loop = asyncio.get_running_loop()
         fanout = self._fanouts.get(loop)
         if fanout is None:
             if len(self._fanouts) > 8:                # loops that ended (tests, asyncio.run)
                 self._fanouts = {lp: f for lp, f in self._fanouts.items() if not lp.is_closed()}
             fanout = self._fanouts[loop] = _AsyncFanout(loop, self._decode)
-        request = _AsyncRequest(gen_config, stream_text)
-        handle = self._loop.submit(ids, gen_config, fanout.channel, tag=request,
-                                   request_id=request_id)
-        finished = False
+        n, news = gen_config.n, asyncio.Queue()       # news: indexes of requests with items
+        requests = [_AsyncRequest(gen_config, stream_text, i, news)
+                    for i in range(len(prompts) * n)]
+        if request_id is None or len(requests) == 1:
+            names = [request_id] * len(requests)
+        else:
+            names = [f'{request_id}-{i}' for i in range(len(requests))]
+        handles = [h for p, ids in enumerate(prompts) for h in self._loop.submit_group(
+            ids, gen_config, fanout.channel, tags=requests[p * n:(p + 1) * n],
+            request_ids=names[p * n:(p + 1) * n])]
+        unfinished = set(range(len(requests)))
         try:
-            while not finished:
-                item = await self._next_async(request.inbox)
+            while unfinished:
+                request = requests[await self._next_async(news)]
+                if request.inbox.empty():             # sent with an earlier response
+                    continue
+                item = request.inbox.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
                 item, delta, token_ids, error = _coalesce(request.inbox, item)
-                finished = item.finished
-                yield self._response(0, item, ids, delta, token_ids)
+                if item.finished:
+                    unfinished.discard(request.index)
+                yield self._response(request.index, item, prompts[request.index // n], delta,
+                                     token_ids)
                 if error is not None:
                     raise error
         finally:
-            if not finished:
-                self._loop.abort(handle)
+            for i in unfinished:
+                self._loop.abort(handles[i])
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self):

@@ -264,7 +264,7 @@ def _inject(pipe, ids: list[int], gen_config: GenerationConfig) -> list:
     """Hand a request to the engine thread directly, as if the caller's checks had passed."""
     from lmdeploy_lite.pytorch.engine.engine_loop import RequestHandle
     got = []
-    pipe._loop._inbox.put(('add', RequestHandle(ids, gen_config, got.append)))
+    pipe._loop._inbox.put(('add', [RequestHandle(ids, gen_config, got.append)]))
     return got
 
 

@@ -71,6 +71,18 @@ def hand_out(pairs: list[tuple[object, Item]]) -> list:
     return failed
 
 
+def check_group(gen_config: GenerationConfig, tags: list,
+                request_ids: list[str | None] | None = None) -> list[str | None]:
+    """The caller names each of the n choices (tags; request ids, default None each)."""
+    n = getattr(gen_config, 'n', 1)
+    request_ids = [None] * len(tags) if request_ids is None else request_ids
+    if len(tags) != n or len(request_ids) != n:
+        raise ValueError(f'n={n}: {len(tags)} request tags and {len(request_ids)} request ids '
+                         f'given, one of each per choice needed (submit takes one choice, '
+                         f'submit_group the n of a prompt)')
+    return request_ids
+
+
 class EngineLoop:
     """Failures: one request's own failure in the engine thread (its admission: the checks
     again, its generator) ends that request alone with finish_reason 'error' and
@@ -95,18 +107,30 @@ class EngineLoop:
 
     def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
                tag: object = None, request_id: str | None = None) -> RequestHandle:
-        """Validates in the caller's thread (a bad request raises here and touches nothing).
-        Raises RuntimeError once the engine has stopped or is closing. `request_id`: names the
-        request's hidden-states file (extract_hidden_states; None: a random one)."""
+        """One request (gen_config.n == 1). Validates in the caller's thread (a bad request
+        raises here and touches nothing). Raises RuntimeError once the engine has stopped or is
+        closing. `request_id`: names the request's hidden-states file (extract_hidden_states;
+        None: a random one)."""
+        return self.submit_group(token_ids, gen_config, sink, [tag], [request_id])[0]
+
+    def submit_group(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
+                     tags: list, request_ids: list[str | None] | None = None
+                     ) -> list[RequestHandle]:
+        """The gen_config.n choices of one prompt (`Engine.add_group`), one handle each (choice
+        i tagged `tags[i]`, named `request_ids[i]`; each one can be aborted alone). As `submit`
+        otherwise."""
         self._check_running()
+        request_ids = check_group(gen_config, tags, request_ids)
         self.engine.validate_request(token_ids, gen_config)
-        if request_id is not None:
-            check_request_id(request_id)
-        handle = RequestHandle(list(token_ids), gen_config, sink, tag, request_id)
+        for request_id in request_ids:
+            if request_id is not None:
+                check_request_id(request_id)
+        handles = [RequestHandle(list(token_ids), gen_config, sink, tag, request_id)
+                   for tag, request_id in zip(tags, request_ids)]
         with self._lock:
             self._check_running()
-            self._inbox.put(('add', handle))
-        return handle
+            self._inbox.put(('add', handles))
+        return handles
 
     def _check_running(self):
         if self.error is not None:
@@ -156,8 +180,8 @@ class EngineLoop:
                 kind, handle = self._inbox.get_nowait()
             except queue.Empty:
                 return handles
-            if kind == 'add' and not handle.aborted:
-                handles.append(handle)
+            if kind == 'add':
+                handles += [h for h in handle if not h.aborted]
 
     def _drain_inbox(self, block: bool):
         try:
@@ -166,7 +190,7 @@ class EngineLoop:
             return
         while True:
             kind, handle = item
-            if kind == 'add' and not handle.aborted:
+            if kind == 'add' and not all(h.aborted for h in handle):
                 self._add(handle)
             elif kind == 'abort':
                 self._abort(handle)
@@ -175,19 +199,32 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _add(self, handle: RequestHandle):
+    def _add(self, handles: list[RequestHandle]):
+        """One prompt's choices (aborted before admission: admitted and aborted at once)."""
+        first = handles[0]
         try:
-            named = {} if handle.request_id is None else {'request_id': handle.request_id}
-            handle.seq = self.engine.add_request(handle.token_ids, handle.gen_config, **named)
+            if len(handles) == 1:
+                named = {} if first.request_id is None else {'request_id': first.request_id}
+                seqs = [self.engine.add_request(first.token_ids, first.gen_config, **named)]
+            else:
+                seqs = self.engine.add_group(first.token_ids, first.gen_config,
+                                             [h.request_id for h in handles])
         except Exception as e:              # this request's own failure: it alone ends
             logger.warning('request failed on admission: %s', request_error(e))
-            handle.seq = Sequence(seq_id=-1, token_ids=list(handle.token_ids),
-                                  num_prompt=len(handle.token_ids), gen_config=handle.gen_config,
-                                  arrival=-1, status=SeqStatus.FINISHED, finish_reason='error',
-                                  error=request_error(e))
-            hand_out([(handle, StepOutput(handle.seq, []))])
+            for handle in handles:
+                handle.seq = Sequence(seq_id=-1, token_ids=list(handle.token_ids),
+                                      num_prompt=len(handle.token_ids),
+                                      gen_config=handle.gen_config, arrival=-1,
+                                      status=SeqStatus.FINISHED, finish_reason='error',
+                                      error=request_error(e))
+            hand_out([(handle, StepOutput(handle.seq, [])) for handle in handles])
             return
-        self._live[handle.seq.seq_id] = handle
+        for handle, seq in zip(handles, seqs):
+            handle.seq = seq
+            self._live[seq.seq_id] = handle
+        for handle in handles:
+            if handle.aborted:
+                self._abort(handle)
 
     def _abort(self, handle: RequestHandle):
         handle.aborted = True

@@ -56,7 +56,7 @@ from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.engine.engine import StepOutput, spec_stats_of
 from lmdeploy_lite.pytorch.engine.hidden_states import check_request_id
-from lmdeploy_lite.pytorch.engine.engine_loop import Sink, hand_out
+from lmdeploy_lite.pytorch.engine.engine_loop import Sink, check_group, hand_out
 from lmdeploy_lite.pytorch.engine.prefix_cache import block_keys, longest_cached
 from lmdeploy_lite.pytorch.engine.sequence import request_error
 from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent, make_lifeline
@@ -168,6 +168,7 @@ def _rank_loop(rank: int, engine, inbox, outbox):
     leader = engine.dist.tp_rank == 0
     route_by_prefix = engine.dist.config.dp > 1      # the front-end routes by cached prefixes
     cached_blocks = 0                                # as last reported (a metrics gauge)
+    prefill_tokens = 0                               # as last reported (a counter)
     while not engine.stopped:
         # wait on the inbox only when no rank of the plan group had work last step: an idle
         # rank inside a busy plan group (ep > 1: the world) must reach the next plan gather at
@@ -176,14 +177,16 @@ def _rank_loop(rank: int, engine, inbox, outbox):
         events = _drain(inbox, wait) if leader else None
         reports = []                         # one message to the front-end per step
         for kind, payload in engine.dist.broadcast_object(events, 'tp'):
-            if kind == 'add':
-                rid, token_ids, gen_config, request_id = payload
+            if kind == 'add':                # one prompt's choices (rids: one per choice)
+                rids, token_ids, gen_config, request_ids = payload
                 try:                 # the same on every TP rank: all of them refuse it alike
-                    seq = engine.add_request(token_ids, gen_config, request_id)
+                    seqs = engine.add_group(token_ids, gen_config, request_ids)
                 except Exception as e:               # this request alone ends, with the reason
-                    reports.append((rid, [], True, 'error', 0, None, request_error(e), 0, None))
+                    reports += [(rid, [], True, 'error', 0, None, request_error(e), 0, None)
+                                for rid in rids]
                     continue
-                request_of[seq.seq_id], seq_of[rid] = rid, seq
+                for rid, seq in zip(rids, seqs):
+                    request_of[seq.seq_id], seq_of[rid] = rid, seq
             elif kind == 'abort' and payload in seq_of:
                 seq = seq_of[payload]
                 if not seq.is_finished:
@@ -197,14 +200,15 @@ def _rank_loop(rank: int, engine, inbox, outbox):
             if out.finished:
                 del request_of[out.seq.seq_id], seq_of[rid]
         # with the results, the prefix cache's news (snapshots kept and dropped, for routing;
-        # its block count): the front-end notes it before it hands out the results, so that a
+        # its block count) and the rank's prefill token count: the front-end notes it before it hands out the results, so that a
         # request submitted on a result sees the prefix this step kept
         bm = engine.scheduler.bm
         events = bm.snapshots.take_events()
         news = None
-        if (events and route_by_prefix) or bm.num_cached_blocks != cached_blocks:
-            cached_blocks = bm.num_cached_blocks
-            news = (events if route_by_prefix else [], cached_blocks)
+        if ((events and route_by_prefix) or bm.num_cached_blocks != cached_blocks
+                or engine.num_prefill_tokens != prefill_tokens):
+            cached_blocks, prefill_tokens = bm.num_cached_blocks, engine.num_prefill_tokens
+            news = (events if route_by_prefix else [], cached_blocks, prefill_tokens)
         if leader and (reports or news):
             outbox.put(('out', rank, (reports, news)))
 
@@ -285,6 +289,7 @@ class RemoteEngineLoop:
         # (block_size, lookahead, caching) from the ranks' ready messages
         self._snapshot_keys: list[set[int]] = [set() for _ in range(self.dist_config.dp)]
         self._cached_blocks = [0] * self.dist_config.dp
+        self._prefill_tokens = [0] * self.dist_config.dp
         self._prefix_naming = (0, False, False)
         self._max_batch_size = cfg.max_batch_size
         self._next_rid = 0
@@ -352,10 +357,19 @@ class RemoteEngineLoop:
                tag: object = None, request_id: str | None = None) -> RemoteHandle:
         """`request_id`: names the request's hidden-states file (extract_hidden_states); None:
         a random one, made here, unique across DP ranks."""
+        return self.submit_group(token_ids, gen_config, sink, [tag], [request_id])[0]
+
+    def submit_group(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
+                     tags: list, request_ids: list[str | None] | None = None
+                     ) -> list[RemoteHandle]:
+        """The n choices of one prompt go to one DP rank (they share its prefill there);
+        `request_ids`: each one's (see submit)."""
         if self.error is not None:
             raise RuntimeError(f'the engine stopped after an error: {self.error}')
+        request_ids = check_group(gen_config, tags, request_ids)
         self.validate_request(token_ids, gen_config)
-        request_id = uuid.uuid4().hex if request_id is None else check_request_id(request_id)
+        request_ids = [uuid.uuid4().hex if r is None else check_request_id(r)
+                       for r in request_ids]
         cached = self._cached_tokens(token_ids)
         with self._lock:
             # the rank that holds the longest cached prefix, unless it is a whole batch busier
@@ -363,13 +377,15 @@ class RemoteEngineLoop:
             least = min(self._load)
             dp_rank = min(range(len(self._load)), key=lambda r: (
                 -cached[r] if self._load[r] - least < self._max_batch_size else 0, self._load[r]))
-            self._load[dp_rank] += 1
-            rid, self._next_rid = self._next_rid, self._next_rid + 1
-            handle = RemoteHandle(RemoteSeq(rid, dp_rank), sink, tag)
-            self._live[rid] = handle
-        self._inboxes[dp_rank * self.dist_config.tp].put(('add', (rid, list(token_ids),
-                                                                  gen_config, request_id)))
-        return handle
+            self._load[dp_rank] += len(tags)
+            rids = list(range(self._next_rid, self._next_rid + len(tags)))
+            self._next_rid += len(tags)
+            handles = [RemoteHandle(RemoteSeq(rid, dp_rank), sink, tag)
+                       for rid, tag in zip(rids, tags)]
+            self._live.update(zip(rids, handles))
+        self._inboxes[dp_rank * self.dist_config.tp].put(('add', (rids, list(token_ids),
+                                                                  gen_config, request_ids)))
+        return handles
 
     def _cached_tokens(self, token_ids: list[int]) -> list[int]:
         """Per DP rank, the prompt tokens its prefix cache holds as far as its reports say."""
@@ -420,9 +436,15 @@ class RemoteEngineLoop:
         """KV blocks in the DP ranks' prefix caches, as last reported."""
         return sum(self._cached_blocks)
 
-    def _note_snapshots(self, rank: int, report: tuple[list[tuple[int, bool]], int]):
-        events, self._cached_blocks[rank // self.dist_config.tp] = report
-        held = self._snapshot_keys[rank // self.dist_config.tp]
+    def prefill_tokens(self) -> int:
+        """Tokens the DP ranks fed in prefill rows (Engine.num_prefill_tokens), as last
+        reported."""
+        return sum(self._prefill_tokens)
+
+    def _note_snapshots(self, rank: int, report: tuple[list[tuple[int, bool]], int, int]):
+        dp_rank = rank // self.dist_config.tp
+        events, self._cached_blocks[dp_rank], self._prefill_tokens[dp_rank] = report
+        held = self._snapshot_keys[dp_rank]
         with self._lock:
             for key, kept in events:
                 if kept:
