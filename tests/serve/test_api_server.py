@@ -274,8 +274,8 @@ BAD_REQUESTS = {
                   'top_p=1.5: must be in (0, 1]'),
     'prompt too long': (dict(payload={'messages': chat('x ' * 300)}), 'messages',
                         f'session_len={SESSION_LEN}'),
-    'n > 1': (dict(payload={'messages': chat('hi'), 'n': 2}), 'n',
-              'n=2: not supported by this server (accepted only as null or 1)'),
+    'n > 16': (dict(payload={'messages': chat('hi'), 'n': 17}), 'n',
+               'n=17: must be in [1, 16]'),
     'empty messages': (dict(payload={'messages': []}), 'messages', 'at least 1 item'),
     'body not an object': (dict(payload=[1, 2]), None, 'must be a JSON object'),
 }

@@ -247,7 +247,7 @@ UNSUPPORTED = [    # (endpoint, extra fields, param, message)
     ('completions', {'echo': True}, 'echo', 'echo=true: not supported'),
     ('completions', {'best_of': 2}, 'best_of', 'best_of=2: not supported'),
     ('completions', {'suffix': 'x'}, 'suffix', 'suffix="x": not supported'),
-    ('completions', {'n': 3}, 'n', 'n=3: not supported'),
+    ('completions', {'n': 17}, 'n', 'n=17: must be in [1, 16]'),
 ]
 
 
@@ -315,7 +315,7 @@ class FakePipe:
     """'fail': the engine ends the request with finish_reason 'error'; 'raise': generation raises
     mid-way; 'crash': tokenization raises; anything else: 'hello' then 'length'."""
     engine = None
-    num_cached_blocks = 0
+    num_cached_blocks = num_prefill_tokens = 0
     SECRET = '/srv/secret/lmdeploy_lite/model.py'
 
     def __init__(self):
@@ -329,6 +329,10 @@ class FakePipe:
         ids = [len(self.prompts) + 1]
         self.prompts[ids[0]] = prompt
         return ids
+
+    async def generate_ids(self, prompts, gen_config, stream_text=True):
+        async for r in self.generate(prompts[0], gen_config, stream_text):
+            yield r
 
     async def generate(self, ids, gen_config, stream_text=True):
         from lmdeploy_lite.messages import Response

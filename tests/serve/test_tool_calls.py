@@ -48,7 +48,7 @@ class ScriptedPipe:
     """Renders prompts with the real Pipeline.encode, answers with OUTPUTS in 5-character
     chunks; `prompts` keeps each rendered prompt as text."""
     engine = None
-    num_cached_blocks = 0
+    num_cached_blocks = num_prefill_tokens = 0
     encode = Pipeline.encode
     _check_template_renders = Pipeline._check_template_renders
 
@@ -58,6 +58,13 @@ class ScriptedPipe:
             vocab_size=512), error=None, validate_request=lambda ids, config: None,
             close=lambda: None)
         self.prompts = []
+
+    async def generate_ids(self, prompts, gen_config, stream_text=True):
+        """Every choice of every prompt the same script, in turn."""
+        for i in range(len(prompts) * gen_config.n):
+            async for r in self.generate(prompts[i // gen_config.n], gen_config, stream_text):
+                r.index = i
+                yield r
 
     async def generate(self, ids, gen_config, stream_text=True):
         prompt = self.tokenizer.decode(ids)

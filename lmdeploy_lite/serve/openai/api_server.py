@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 from sse_starlette.sse import EventSourceResponse
 
-from lmdeploy_lite.messages import GenerationConfig, Response
+from lmdeploy_lite.messages import GenerationConfig, Response, SpecDecodeStats
 from lmdeploy_lite.serve.openai import protocol as p
 from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware
 from lmdeploy_lite.serve.openai.body import parse_request, read_body, render
@@ -132,7 +132,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                 stop_words=stop or None, ignore_eos=req.ignore_eos, random_seed=req.seed,
                 skip_special_tokens=req.skip_special_tokens,
                 repetition_penalty=req.repetition_penalty,
-                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty)
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                n=req.n)
             pipe._loop.validate_request(ids, gen_config)
         except ValueError as e:              # 'field=value: reason' or 'prompt: reason'
             message = str(e)
@@ -143,45 +144,58 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
             raise RequestError(message, param if field == 'prompt' else field or None) from None
         return ids, gen_config
 
-    def check_completion(body: bytes) -> tuple[p.CompletionRequest, list[int], GenerationConfig]:
+    def check_completion(body: bytes
+                         ) -> tuple[p.CompletionRequest, list[list[int]], GenerationConfig]:
+        """The request, its prompts' token ids (one or several) and their GenerationConfig
+        (the default max_tokens: 16, or what the longest prompt leaves)."""
         req = parse_request(body, p.CompletionRequest)
-        prompt = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise RequestError(f'prompt: {len(prompt)} prompts given; send one prompt per '
-                                   f'request', 'prompt')
-            prompt = prompt[0]
-        return (req, *prepare(req, prompt, 'prompt', 'max_tokens', req.max_tokens, 16))
+        prompts = req.prompt
+        if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
+            prompts = [prompts]
+        prepared = [prepare(req, prompt, 'prompt', 'max_tokens', req.max_tokens, 16)
+                    for prompt in prompts]
+        gen_config = min((g for _, g in prepared), key=lambda g: g.max_new_tokens)
+        return req, [ids for ids, _ in prepared], gen_config
 
-    def check_chat(body: bytes) -> tuple[p.ChatCompletionRequest, list[int], GenerationConfig]:
+    def check_chat(body: bytes
+                   ) -> tuple[p.ChatCompletionRequest, list[list[int]], GenerationConfig]:
         req = parse_request(body, p.ChatCompletionRequest)
         messages = [m.template_message() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
         name = 'max_completion_tokens' if req.max_completion_tokens else 'max_tokens'
-        return (req, *prepare(req, messages, 'messages', name,
-                              req.max_completion_tokens or req.max_tokens, None, tools))
+        ids, gen_config = prepare(req, messages, 'messages', name,
+                                  req.max_completion_tokens or req.max_tokens, None, tools)
+        return req, [ids], gen_config
 
     async def checked(request: Request, check):
         body = await read_body(request, max_request_bytes)
         return await asyncio.to_thread(check, body)
 
     # ---- running one request ------------------------------------------------------------------
-    async def generate(ids: list[int], gen_config: GenerationConfig, tracker: RequestTracker,
-                       request: Request | None = None, stream_text: bool = True,
-                       request_id: str | None = None) -> AsyncIterator[Response]:
-        """`pipe.generate` with bookkeeping; with `request`, stops when the client has gone
+    # A request runs n choices of each of its prompts (chat: one prompt); choice `index` =
+    # prompt_index * n + i, as OpenAI numbers them. Each choice has its own RequestTracker (the
+    # prompt counted once, with its choice 0).
+    def track(prompts: list[list[int]], n: int) -> list[RequestTracker]:
+        return [metrics.track(len(prompts[i // n]) if i % n == 0 else 0)
+                for i in range(len(prompts) * n)]
+
+    async def generate(prompts: list[list[int]], gen_config: GenerationConfig,
+                       trackers: list[RequestTracker], request: Request | None = None,
+                       stream_text: bool = True, request_id: str | None = None
+                       ) -> AsyncIterator[Response]:
+        """`pipe.generate_ids` with bookkeeping; with `request`, stops when the client has gone
         (looked at most every DISCONNECT_CHECK_S). Closing or cancelling this generator aborts
-        the request (aclosing makes that immediate). An engine failure raises RequestError
-        (500, or 503 once the engine is dead)."""
-        outcome = 'abort'
+        every unfinished choice (aclosing makes that immediate). An engine failure raises
+        RequestError (500, or 503 once the engine is dead)."""
+        outcomes = ['abort'] * len(trackers)
         next_check = 0.0
         try:
-            async with aclosing(pipe.generate(ids, gen_config, stream_text,
-                                              request_id=request_id)) as responses:
+            async with aclosing(pipe.generate_ids(prompts, gen_config, stream_text,
+                                                  request_id)) as responses:
                 async for r in responses:
-                    tracker.observe(r)
+                    trackers[r.index].observe(r)
                     if r.finish_reason is not None:
-                        outcome = r.finish_reason
+                        outcomes[r.index] = r.finish_reason
                     elif request is not None and time.monotonic() >= next_check:
                         next_check = time.monotonic() + DISCONNECT_CHECK_S
                         if await request.is_disconnected():
@@ -189,80 +203,100 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                             return
                     yield r
         except Exception as e:
-            outcome = 'error'
+            outcomes = ['error' if o == 'abort' else o for o in outcomes]
             if pipe._loop.error is not None:
                 raise RequestError(ENGINE_STOPPED, status=503, type='internal_error',
                                    code='engine_stopped') from e
             raise engine_error(e) from e
         finally:
-            tracker.finish(outcome)
+            for tracker, outcome in zip(trackers, outcomes):
+                tracker.finish(outcome)
 
-    def usage(last: Response | None, num_prompt: int) -> p.Usage:
-        n = last.generate_token_len if last else 0
+    def usage(lasts: list[Response | None], prompts: list[list[int]]) -> p.Usage:
+        """Each prompt counted once (its cached tokens: its choice 0's), every choice's
+        completion tokens and speculative counters added up."""
+        n = len(lasts) // len(prompts)
+        num_prompt = sum(len(ids) for ids in prompts)
+        completion = sum(r.generate_token_len for r in lasts if r is not None)
+        stats = [r.spec_stats for r in lasts if r is not None and r.spec_stats is not None]
         spec = None
-        if last is not None and last.spec_stats is not None:
-            s = last.spec_stats
+        if stats:
+            s = SpecDecodeStats()
+            for one in stats:
+                s.merge(one)
             spec = p.SpecDecodeUsage(num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
                                      num_accepted_tokens=s.num_accepted_tokens,
                                      accepted_per_position=list(s.accepted_per_position),
                                      mean_accepted_length=s.mean_accepted_length)
-        cached = p.PromptTokensDetails(cached_tokens=last.num_cached_tokens if last else 0)
-        return p.Usage(prompt_tokens=num_prompt, completion_tokens=n, total_tokens=num_prompt + n,
-                       prompt_tokens_details=cached, spec_decode=spec)
+        cached = sum(r.num_cached_tokens for r in lasts[::n] if r is not None)
+        return p.Usage(prompt_tokens=num_prompt, completion_tokens=completion,
+                       total_tokens=num_prompt + completion,
+                       prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
+                       spec_decode=spec)
 
-    async def run_to_end(ids, gen_config, request, request_id: str
-                         ) -> tuple[str, Response | None]:
-        tracker = metrics.track(len(ids))
-        text, last = '', None
-        async with aclosing(generate(ids, gen_config, tracker, request, stream_text=False,
+    async def run_to_end(prompts, gen_config, request, request_id: str
+                         ) -> tuple[list[str], list[Response | None]]:
+        """Every choice's text and last response."""
+        num_choices = len(prompts) * gen_config.n
+        texts, lasts = [''] * num_choices, [None] * num_choices
+        async with aclosing(generate(prompts, gen_config, track(prompts, gen_config.n),
+                                     request, stream_text=False,
                                      request_id=request_id)) as responses:
             async for r in responses:
-                text += r.text
-                last = r
-        if last is not None and last.finish_reason == 'error':
+                texts[r.index] += r.text
+                lasts[r.index] = r
+        if any(last is not None and last.finish_reason == 'error' for last in lasts):
             raise engine_error()
-        return text, last
+        return texts, lasts
 
-    def stream(ids, gen_config, make_chunk, include_usage: bool, request_id: str
+    def stream(prompts, gen_config, make_chunk, include_usage: bool, request_id: str
                ) -> EventSourceResponse:
-        """make_chunk(text, finish_reason, usage) -> a pydantic chunk, or None for nothing to send
-        yet; None text: the opening. The last chunk's choice carries the hidden-states file's
-        path (extract_hidden_states; `request_id` names it).
-        On server shutdown the stream is aborted and ends with finish_reason 'abort' and [DONE];
-        a failed generation ends with finish_reason 'error', an error event and [DONE]."""
+        """make_chunk(index, text, finish_reason, usage) -> a pydantic chunk of choice `index`,
+        or None for nothing to send yet; None text: the opening; usage: the last chunk (no
+        choice). A choice's last chunk carries its hidden-states file's path
+        (extract_hidden_states; `request_id` names it, see Pipeline.generate_ids).
+        On server shutdown the stream is aborted and each unfinished choice ends with
+        finish_reason 'abort', then [DONE]; a failed generation ends with finish_reason 'error',
+        an error event and [DONE]."""
         shutdown = anyio.Event()                 # set by sse-starlette when uvicorn shuts down
+        num_choices = len(prompts) * gen_config.n
 
         async def events():
-            last = None
-            tracker = metrics.track(len(ids))
+            lasts: list[Response | None] = [None] * num_choices
+            trackers = track(prompts, gen_config.n)
             try:
-                opening = make_chunk(None, None, None)
-                if opening is not None:
-                    yield opening.model_dump_json()
-                async with aclosing(generate(ids, gen_config, tracker,
+                for index in range(num_choices):
+                    opening = make_chunk(index, None, None, None)
+                    if opening is not None:
+                        yield opening.model_dump_json()
+                async with aclosing(generate(prompts, gen_config, trackers,
                                              request_id=request_id)) as responses:
                     async for r in responses:
-                        last = r
+                        lasts[r.index] = r
                         if r.text or r.finish_reason:
-                            chunk = make_chunk(r.text, r.finish_reason, None)
+                            chunk = make_chunk(r.index, r.text, r.finish_reason, None)
                             if chunk is not None and chunk.choices and r.hidden_states_path:
                                 chunk.choices[0].hidden_states_path = r.hidden_states_path
                             if chunk is not None:           # None: all its text held back
                                 yield chunk.model_dump_json()
                         if shutdown.is_set() and r.finish_reason is None:
                             break
-                if last is None or last.finish_reason is None:
-                    yield make_chunk('', 'abort', None).model_dump_json()
-                elif last.finish_reason == 'error':
+                for index, last in enumerate(lasts):
+                    if last is None or last.finish_reason is None:
+                        yield make_chunk(index, '', 'abort', None).model_dump_json()
+                if any(last is not None and last.finish_reason == 'error' for last in lasts):
                     yield json.dumps(engine_error().body())
                 if include_usage:
-                    yield make_chunk('', None, usage(last, len(ids))).model_dump_json()
+                    yield make_chunk(None, '', None, usage(lasts, prompts)).model_dump_json()
             except Exception as e:
                 error = e if isinstance(e, RequestError) else engine_error(e)
-                yield make_chunk('', 'error', None).model_dump_json()
+                for index, last in enumerate(lasts):
+                    if last is None or last.finish_reason is None:
+                        yield make_chunk(index, '', 'error', None).model_dump_json()
                 yield json.dumps(error.body())
             finally:
-                tracker.finish('abort')          # a no-op unless it ended before generating
+                for tracker in trackers:         # a no-op for those that ended
+                    tracker.finish('abort')
             yield '[DONE]'
         return EventSourceResponse(events(), sep='\n', shutdown_event=shutdown,
                                    shutdown_grace_period=STREAM_SHUTDOWN_GRACE_S)
@@ -284,36 +318,39 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
 
     @app.post('/v1/completions', openapi_extra=_json_body(p.CompletionRequest))
     async def completions(request: Request):
-        req, ids, gen_config = await checked(request, check_completion)
+        req, prompts, gen_config = await checked(request, check_completion)
         rid, include_usage = p.random_id('cmpl'), bool(req.stream_options
                                                        and req.stream_options.include_usage)
         if req.stream:
-            def chunk(text, finish_reason, use):
+            def chunk(index, text, finish_reason, use):
                 if text is None:
                     return None
-                choices = [] if use else [p.CompletionChoice(text=text,
+                choices = [] if use else [p.CompletionChoice(index=index, text=text,
                                                              finish_reason=finish_reason)]
                 return p.CompletionResponse(id=rid, model=model_name, choices=choices, usage=use)
-            return stream(ids, gen_config, chunk, include_usage, rid)
-        text, last = await run_to_end(ids, gen_config, request, rid)
+            return stream(prompts, gen_config, chunk, include_usage, rid)
+        texts, lasts = await run_to_end(prompts, gen_config, request, rid)
         return p.CompletionResponse(
             id=rid, model=model_name,
-            choices=[p.CompletionChoice(text=text, finish_reason=last and last.finish_reason,
-                                        hidden_states_path=last and last.hidden_states_path)],
-            usage=usage(last, len(ids)))
+            choices=[p.CompletionChoice(index=i, text=text,
+                                        finish_reason=last and last.finish_reason,
+                                        hidden_states_path=last and last.hidden_states_path)
+                     for i, (text, last) in enumerate(zip(texts, lasts))],
+            usage=usage(lasts, prompts))
 
     @app.post('/v1/chat/completions', openapi_extra=_json_body(p.ChatCompletionRequest))
     async def chat_completions(request: Request):
-        req, ids, gen_config = await checked(request, check_chat)
+        req, prompts, gen_config = await checked(request, check_chat)
         rid, include_usage = p.random_id('chatcmpl'), bool(req.stream_options
                                                            and req.stream_options.include_usage)
-        parser = (ToolCallParser([t.model_dump() for t in req.tools],
-                                 max_calls=None if req.parallel_tool_calls else 1)
-                  if req.parses_tool_calls else None)
+        parsers = [ToolCallParser([t.model_dump() for t in req.tools],
+                                  max_calls=None if req.parallel_tool_calls else 1)
+                   if req.parses_tool_calls else None for _ in range(gen_config.n)]
         if req.stream:
-            def chunk(text, finish_reason, use):
+            def chunk(index, text, finish_reason, use):
                 if use is not None:
                     return p.ChatCompletionChunk(id=rid, model=model_name, choices=[], usage=use)
+                parser = parsers[index]
                 if text is None:
                     delta = p.DeltaMessage(role='assistant', content='')
                 elif parser is None:
@@ -328,20 +365,24 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                                            or None)
                 return p.ChatCompletionChunk(
                     id=rid, model=model_name,
-                    choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
-            return stream(ids, gen_config, chunk, include_usage, rid)
-        text, last = await run_to_end(ids, gen_config, request, rid)
-        finish_reason, calls = last and last.finish_reason, []
-        if parser is not None:
-            text, calls = parser.feed(text, final=True)
-            finish_reason = tool_calls_finish(finish_reason, len(calls))
-        message = p.ChatResponseMessage(content=text if text or not calls else None,
-                                        tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
-        return p.ChatCompletionResponse(
-            id=rid, model=model_name,
-            choices=[p.ChatChoice(message=message, finish_reason=finish_reason,
-                                  hidden_states_path=last and last.hidden_states_path)],
-            usage=usage(last, len(ids)))
+                    choices=[p.ChatChunkChoice(index=index, delta=delta,
+                                               finish_reason=finish_reason)])
+            return stream(prompts, gen_config, chunk, include_usage, rid)
+        texts, lasts = await run_to_end(prompts, gen_config, request, rid)
+        choices = []
+        for index, (text, last, parser) in enumerate(zip(texts, lasts, parsers)):
+            finish_reason, calls = last and last.finish_reason, []
+            if parser is not None:
+                text, calls = parser.feed(text, final=True)
+                finish_reason = tool_calls_finish(finish_reason, len(calls))
+            message = p.ChatResponseMessage(content=text if text or not calls else None,
+                                            tool_calls=[p.ToolCallOut.of(c) for c in calls]
+                                            or None)
+            choices.append(p.ChatChoice(index=index, message=message,
+                                        finish_reason=finish_reason,
+                                        hidden_states_path=last and last.hidden_states_path))
+        return p.ChatCompletionResponse(id=rid, model=model_name, choices=choices,
+                                        usage=usage(lasts, prompts))
 
     return app
 

@@ -158,6 +158,10 @@ class _EngineCollector:
         yield GaugeMetricFamily(PREFIX + 'prefix_cache_cached_blocks', 'KV blocks in the prefix '
                                 'cache (ranks in other processes: as last reported)',
                                 value=m.pipe.num_cached_blocks)
+        yield CounterMetricFamily(PREFIX + 'prefill_tokens', 'Tokens the engine fed in prefill '
+                                  'rows (prompts less what the prefix cache and forked choices '
+                                  'share; recomputes after preemption)',
+                                  value=m.pipe.num_prefill_tokens)
         stats = m.spec_totals()
         yield CounterMetricFamily(PREFIX + 'spec_decode_num_drafts', 'Verify steps with drafts',
                                   value=stats.num_drafts)

@@ -20,6 +20,7 @@ from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P   # the engi
 from lmdeploy_lite.messages import (MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
                                     MIN_REPETITION_PENALTY)
 from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
+from lmdeploy_lite.messages import MAX_N
 from lmdeploy_lite.messages import UINT64_MAX as MAX_SEED
 from lmdeploy_lite.serve.openai.tool_parser import ToolCall
 
@@ -123,7 +124,8 @@ class SamplingRequest(RequestModel):
     user: str | None = Field(None, description='accepted and not used')
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: no_op(1) = 1
+    n: int = Field(1, ge=1, le=MAX_N, description='choices per prompt, sampled from one '
+                   'shared prefill; with a seed, choice i uses seed + i (mod 2**64)')
     presence_penalty: float = Field(0.0, ge=-MAX_OPENAI_PENALTY, le=MAX_OPENAI_PENALTY,
                                     description='logit -= presence_penalty for every token the '
                                                 'output holds; 0: off')
