@@ -60,11 +60,17 @@ class ScriptedPipe:
         self.prompts = []
 
     async def generate_ids(self, prompts, gen_config, stream_text=True):
-        """Every choice of every prompt the same script, in turn."""
+        """Every choice of every prompt the same script, their chunks interleaved."""
+        scripts = []
         for i in range(len(prompts) * gen_config.n):
-            async for r in self.generate(prompts[i // gen_config.n], gen_config, stream_text):
+            scripts.append([r async for r in self.generate(prompts[i // gen_config.n],
+                                                           gen_config, stream_text)])
+            for r in scripts[-1]:
                 r.index = i
-                yield r
+        for step in range(max(map(len, scripts))):
+            for script in scripts:
+                if step < len(script):
+                    yield script[step]
 
     async def generate(self, ids, gen_config, stream_text=True):
         prompt = self.tokenizer.decode(ids)
@@ -229,3 +235,18 @@ def test_still_unsupported_parameters_get_400_naming_them(client):
         assert e.value.body['param'] == param and 'not supported' in e.value.message
         assert client.completions.create(model=MODEL, prompt='def',
                                          max_tokens=1).usage.completion_tokens == 1
+
+
+def test_each_of_n_choices_parses_its_own_tool_calls(scripted):
+    """n=2 (issue 22, part 2): each choice has its own parser, its chunks interleaved with the
+    other's."""
+    whole, chunks, _ = scripted(messages=chat('two calls'), tools=[WEATHER], n=2)
+    assert [c.index for c in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        assert (choice.message.content, choice.finish_reason) == ('Let me look.', 'tool_calls')
+        assert calls_of(choice.message)[1][2:] == ('get_weather', '{"city": "Rome", "days": 1}')
+    for index in (0, 1):
+        content, calls, finish = joined([c for c in chunks
+                                         if c.choices and c.choices[0].index == index])
+        assert (content, finish) == ('Let me look.', 'tool_calls')
+        assert [c[2:] for c in calls] == [c[2:] for c in calls_of(whole.choices[index].message)]

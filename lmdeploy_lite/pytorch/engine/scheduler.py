@@ -187,8 +187,9 @@ class Scheduler:
             budget -= n
             self._fork(seq, seqs, q_lens)
         # then new sequences, first come first served: stop at the first that does not fit
-        # (members waiting for their leader's prefill are passed over)
-        for seq in [s for s in self.waiting if s.fork_from is None]:
+        # (members waiting for their leader's prefill are passed over, and so is a member forked
+        # above and then preempted by a later chunk's growth: it has a row in this step)
+        for seq in [s for s in self.waiting if s.fork_from is None and s not in seqs]:
             if budget <= 0 or len(self.running) >= self.max_batch_size:
                 break
             hit = self._take_cached_prefix(seq)
