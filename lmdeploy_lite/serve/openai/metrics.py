@@ -75,6 +75,8 @@ class ServerMetrics:
         r.register(_EngineCollector(self))
 
     def track(self, num_prompt_tokens: int) -> 'RequestTracker':
+        """One request, or one choice of a request with n choices: its prompt is counted with
+        its choice 0 only (the others are tracked with num_prompt_tokens 0)."""
         return RequestTracker(self, num_prompt_tokens)
 
     def spec_totals(self) -> SpecDecodeStats:
@@ -96,6 +98,7 @@ class RequestTracker:
         self.num_generated = 0
         self.spec_seen = SpecDecodeStats()
         self.done = False
+        self.counts_prompt = num_prompt_tokens > 0
         metrics.prompt_tokens.inc(num_prompt_tokens)
         with metrics._lock:
             metrics.in_flight += 1
@@ -107,8 +110,9 @@ class RequestTracker:
             if self.first_token_time is None:    # prefilled: its cache hit is final
                 self.first_token_time = now
                 self.metrics.ttft.observe(now - self.arrival)
-                self.metrics.prefix_queried_tokens.inc(r.input_token_len)
-                self.metrics.prefix_hit_tokens.inc(r.num_cached_tokens)
+                if self.counts_prompt:
+                    self.metrics.prefix_queried_tokens.inc(r.input_token_len)
+                    self.metrics.prefix_hit_tokens.inc(r.num_cached_tokens)
             self.last_token_time = now
             self.num_generated = r.generate_token_len
             self.metrics.generation_tokens.inc(new_tokens)
