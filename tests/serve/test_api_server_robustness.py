@@ -330,7 +330,7 @@ class FakePipe:
         self.prompts[ids[0]] = prompt
         return ids
 
-    async def generate_ids(self, prompts, gen_config, stream_text=True):
+    async def generate_ids(self, prompts, gen_config, stream_text=True, request_id=None):
         async for r in self.generate(prompts[0], gen_config, stream_text):
             yield r
 

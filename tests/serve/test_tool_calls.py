@@ -59,7 +59,7 @@ class ScriptedPipe:
             close=lambda: None)
         self.prompts = []
 
-    async def generate_ids(self, prompts, gen_config, stream_text=True):
+    async def generate_ids(self, prompts, gen_config, stream_text=True, request_id=None):
         """Every choice of every prompt the same script, their chunks interleaved."""
         scripts = []
         for i in range(len(prompts) * gen_config.n):

@@ -203,6 +203,9 @@ class Engine:
             logger.info('extract_hidden_states: prefix caching off (every prompt token is fed)')
             cfg = dataclasses.replace(cfg, enable_prefix_caching=False)
         self.engine_config = cfg
+        # n choices share their prompt's prefill (forking) unless every choice must be fed its
+        # prompt (extract_hidden_states: a forked choice's file would lack the prompt's rows)
+        self.share_prefill = not extract
         self.num_spec_tokens = num_spec = spec.num_spec_tokens
         max_positions = self.session_len + num_spec + spec.num_draft_extra
         model = build_model(model_path, self.dtype, self.device, progress=progress,
@@ -339,7 +342,7 @@ class Engine:
                                  generator=generator, request_id=request_ids[i]))
             self._next_seq_id += 1
         leader = seqs[0]
-        if len(token_ids) > 1:              # one token: nothing to share
+        if len(token_ids) > 1 and self.share_prefill:     # one token: nothing to share
             leader.forks = seqs[1:]
             for member in leader.forks:
                 member.fork_from = leader
