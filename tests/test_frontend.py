@@ -70,7 +70,7 @@ def test_mp_rank_loop_sends_one_message_per_step():
     inbox, outbox = queue.Queue(), queue.Queue()
     gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     for rid, p in enumerate(many_prompts(64)):
-        inbox.put(('add', ([rid], list(p), gen)))
+        inbox.put(('add', ([rid], list(p), gen, [None])))
     thread = threading.Thread(target=_rank_loop, args=(0, engine, inbox, outbox), daemon=True)
     thread.start()
     messages, finished = [], set()

@@ -12,6 +12,7 @@ import queue
 import random
 
 import pytest
+import torch
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline
 from lmdeploy_lite.pytorch.engine.engine import Engine
@@ -196,3 +197,25 @@ def test_dp2_puts_a_group_on_one_rank(dense, alone):
     assert [r.index for r in responses] == list(range(6))
     assert [r.token_ids for r in responses] == [alone(p, choice_gen(gen, i))
                                                 for p in prompts for i in range(3)]
+
+
+def test_extracting_hidden_states_feeds_every_choice_its_prompt(dense, tmp_path):
+    """extract_hidden_states files every fed token's rows, so its choices do not fork: each
+    choice's file holds the whole prompt (the same rows in each, to rounding: two rows of one
+    batch) and its own tokens."""
+    from safetensors.torch import load_file
+
+    from lmdeploy_lite import SpeculativeConfig
+    config = SpeculativeConfig(method='extract_hidden_states', aux_hidden_state_layer_ids=(0, 2),
+                               hidden_states_dir=str(tmp_path))
+    prompt = fresh(7)
+    gen = GenerationConfig(max_new_tokens=3, n=2, random_seed=6, **SAMPLED)
+    with pipeline(dense, PytorchEngineConfig(**BASE), config, progress=False) as pipe:
+        responses = pipe(prompt, gen)
+        assert pipe.num_prefill_tokens == 2 * len(prompt)
+    files = [load_file(r.hidden_states_path) for r in responses]
+    assert len({r.hidden_states_path for r in responses}) == 2
+    for f, r in zip(files, responses):
+        assert f['token_ids'].tolist() == prompt + r.token_ids[:-1]
+    torch.testing.assert_close(files[0]['hidden_states'][:7], files[1]['hidden_states'][:7],
+                               rtol=1e-12, atol=0)
