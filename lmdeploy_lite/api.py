@@ -420,6 +420,8 @@ class Pipeline:
             if len(self._fanouts) > 8:                # loops that ended (tests, asyncio.run)
                 self._fanouts = {lp: f for lp, f in self._fanouts.items() if not lp.is_closed()}
             fanout = self._fanouts[loop] = _AsyncFanout(loop, self._decode)
+        for ids in prompts:                           # validate all before any work starts
+            self._loop.validate_request(ids, gen_config)
         n, news = gen_config.n, asyncio.Queue()       # news: indexes of requests with items
         requests = [_AsyncRequest(gen_config, stream_text, i, news)
                     for i in range(len(prompts) * n)]
