@@ -10,7 +10,7 @@ import queue
 from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Response,
-                                    SpeculativeConfig, short_repr)
+                                    SpeculativeConfig, TokenLogprobs, short_repr)
 from lmdeploy_lite.pytorch.engine.engine import Engine, StepOutput
 from lmdeploy_lite.pytorch.engine.engine_loop import Channel, EngineLoop
 from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
@@ -163,22 +163,29 @@ class _AsyncFanout:
             request.put((item, delta))
 
 
+def token_logprobs(token_ids: list[int], logprobs: list[tuple] | None) -> list[TokenLogprobs]:
+    """StepOutput.logprobs (one (logprob, top ids, top logprobs) per token) as TokenLogprobs."""
+    return [TokenLogprobs(t, chosen, dict(zip(ids, values)))
+            for t, (chosen, ids, values) in zip(token_ids, logprobs or ())]
+
+
 def _coalesce(inbox: asyncio.Queue, first: tuple) -> tuple:
     """`first` and every result already waiting behind it as one: (last StepOutput, joined
-    text, joined token ids, an error that came after them or None). A consumer that keeps up
-    gets one response per engine step; one that fell behind (a server streaming to many
-    clients: each chunk costs the event loop ~0.1 ms) gets the steps it missed in one
-    response instead of a backlog that grows every step."""
+    text, joined token ids, joined logprobs (StepOutput's), an error that came after them or
+    None). A consumer that keeps up gets one response per engine step; one that fell behind (a
+    server streaming to many clients: each chunk costs the event loop ~0.1 ms) gets the steps
+    it missed in one response instead of a backlog that grows every step."""
     item, delta = first
-    token_ids = item.new_token_ids
+    token_ids, logprobs = item.new_token_ids, item.logprobs or []
     while not item.finished and not inbox.empty():
         more = inbox.get_nowait()
         if isinstance(more, BaseException):
-            return item, delta, token_ids, more
+            return item, delta, token_ids, logprobs, more
         item, more_text = more
         token_ids = token_ids + item.new_token_ids
+        logprobs = logprobs + (item.logprobs or [])
         delta += more_text
-    return item, delta, token_ids, None
+    return item, delta, token_ids, logprobs, None
 
 
 class _AsyncRequest:
@@ -327,6 +334,8 @@ class Pipeline:
             ids, gen_config, channel, tags=list(range(i * n, (i + 1) * n)))]
         streams = [TextStream(gen_config, stream=not cumulative) for _ in handles]
         remaining = len(handles)
+        asked = gen_config.logprobs is not None
+        entries: list[list[TokenLogprobs]] = [[] for _ in handles]    # cumulative: so far
         try:
             while remaining:
                 items = self._next(inbox)
@@ -336,6 +345,8 @@ class Pipeline:
                 if cumulative:
                     for i, item in items:
                         streams[i].token_ids += item.new_token_ids
+                        if asked:
+                            entries[i] += token_logprobs(item.new_token_ids, item.logprobs)
                     items = [(i, item) for i, item in items if item.finished]
                 deltas = detokenize(self._decode, [
                     (streams[i], [] if cumulative else item.new_token_ids, item.finished)
@@ -343,9 +354,14 @@ class Pipeline:
                 for (i, item), delta in zip(items, deltas):
                     remaining -= item.finished
                     s = streams[i]
+                    logprobs = None
+                    if asked:
+                        logprobs = (list(entries[i]) if cumulative else
+                                    token_logprobs(item.new_token_ids, item.logprobs))
                     yield self._response(i, item, token_lists[i // n],
                                          s.text[:s.sent] if cumulative else delta,
-                                         s.token_ids if cumulative else item.new_token_ids)
+                                         s.token_ids if cumulative else item.new_token_ids,
+                                         logprobs)
         finally:
             for h in handles:
                 if h.seq is None or not h.seq.is_finished:
@@ -377,13 +393,14 @@ class Pipeline:
 
     @staticmethod
     def _response(index: int, out: StepOutput, prompt_ids: list[int], text: str,
-                  token_ids: list[int]) -> Response:
+                  token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
+                  ) -> Response:
         return Response(text=text, token_ids=list(token_ids), input_token_len=len(prompt_ids),
                         generate_token_len=out.num_generated, index=index,
                         finish_reason=out.finish_reason if out.finished else None,
                         spec_stats=out.spec_stats,
                         error=out.error, num_cached_tokens=out.num_cached_tokens,
-                        hidden_states_path=out.hidden_states_path)
+                        hidden_states_path=out.hidden_states_path, logprobs=logprobs)
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
@@ -441,11 +458,12 @@ class Pipeline:
                 item = request.inbox.get_nowait()
                 if isinstance(item, BaseException):
                     raise item
-                item, delta, token_ids, error = _coalesce(request.inbox, item)
+                item, delta, token_ids, logprobs, error = _coalesce(request.inbox, item)
                 if item.finished:
                     unfinished.discard(request.index)
                 yield self._response(request.index, item, prompts[request.index // n], delta,
-                                     token_ids)
+                                     token_ids, None if gen_config.logprobs is None else
+                                     token_logprobs(token_ids, logprobs))
                 if error is not None:
                     raise error
         finally:

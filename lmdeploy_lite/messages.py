@@ -30,6 +30,7 @@ GREEDY_TOP_P = 1e-8
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_OPENAI_PENALTY = 2.0
+MAX_LOGPROBS = 20            # top logprobs per token a request may ask for (as OpenAI's chat)
 _MAX_REPR = 40
 
 
@@ -98,7 +99,11 @@ class GenerationConfig:
     prompt; `pipeline()` then returns every prompt's n responses, flattened, Response.index =
     prompt_index * n + i. With `random_seed`, choice i draws from seed (random_seed + i) mod
     2**64 (choice 0 from random_seed itself, as with n=1), so a repeated call gives the same n
-    choices and choice i equals the request run alone with that seed."""
+    choices and choice i equals the request run alone with that seed.
+
+    `logprobs`: None (off), or N in 0..MAX_LOGPROBS: each generated token comes back with its
+    log-probability and the N most likely tokens' (Response.logprobs), from the target's raw
+    logits (before penalties, temperature, top-k and top-p, as vLLM's default)."""
     max_new_tokens: int = 512
     do_sample: bool = False
     temperature: float = 1.0
@@ -113,6 +118,7 @@ class GenerationConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -140,6 +146,11 @@ class GenerationConfig:
                                           MAX_OPENAI_PENALTY,
                                           f'a number in [-{MAX_OPENAI_PENALTY:g}, '
                                           f'{MAX_OPENAI_PENALTY:g}] (0.0: off)'))
+        if self.logprobs is not None:
+            _check(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, 'logprobs',
+                   self.logprobs, f'None (off) or an integer in 0..{MAX_LOGPROBS} (the top '
+                   f'tokens returned with each generated token)')
+            _set(self, 'logprobs', int(self.logprobs))
         words = self.stop_words
         if words is not None:
             words = (words,) if isinstance(words, str) else words    # one str is one stop word
@@ -400,6 +411,23 @@ class SpecDecodeStats:
         self.drafted_per_position = [x + y for x, y in zip(a, b)]
 
 
+class TokenLogprobs(dict):
+    """One generated token's log-probabilities: a dict {token_id: logprob} of the top-N tokens
+    and the chosen one (the shape lmdeploy and vLLM return). `token_id`, `logprob`: the chosen
+    token and its logprob; `top_logprobs`: {token_id: logprob} of the top-N alone, most likely
+    first."""
+    __slots__ = ('token_id', 'logprob', 'top_logprobs')
+
+    def __init__(self, token_id: int, logprob: float, top_logprobs: dict[int, float]):
+        super().__init__(top_logprobs)
+        self[token_id] = logprob
+        self.token_id, self.logprob, self.top_logprobs = token_id, logprob, top_logprobs
+
+    def __repr__(self) -> str:
+        return (f'TokenLogprobs(token_id={self.token_id}, logprob={self.logprob!r}, '
+                f'top_logprobs={self.top_logprobs!r})')
+
+
 @dataclass
 class Response:
     text: str
@@ -414,3 +442,5 @@ class Response:
     # extract_hidden_states: the file this request's hidden states were written to (set on the
     # finished response)
     hidden_states_path: str | None = None
+    # GenerationConfig(logprobs=N): one TokenLogprobs per token of token_ids; else None
+    logprobs: list[TokenLogprobs] | None = None

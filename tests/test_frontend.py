@@ -188,22 +188,24 @@ def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
     from lmdeploy_lite.api import _coalesce
 
     def out(ids, finished=False):
-        return SimpleNamespace(new_token_ids=ids, finished=finished)
+        return SimpleNamespace(new_token_ids=ids, finished=finished,
+                               logprobs=[(-t, [t], [-t]) for t in ids])
 
     async def run():
         inbox = asyncio.Queue()
         for item in [(out([3, 4]), 'b'), (out([5], True), 'c'), (out([9]), 'x')]:
             inbox.put_nowait(item)
-        last, text, ids, error = _coalesce(inbox, (out([1, 2]), 'a'))
+        last, text, ids, logprobs, error = _coalesce(inbox, (out([1, 2]), 'a'))
         assert (text, ids, last.finished, error) == ('abc', [1, 2, 3, 4, 5], True, None)
+        assert logprobs == out([1, 2, 3, 4, 5]).logprobs
         assert inbox.qsize() == 1                 # nothing past the finished item is taken
         inbox.get_nowait()
         failure = RuntimeError('engine stopped')
         inbox.put_nowait((out([2]), 'b'))
         inbox.put_nowait(failure)
-        last, text, ids, error = _coalesce(inbox, (out([1]), 'a'))
+        last, text, ids, _, error = _coalesce(inbox, (out([1]), 'a'))
         assert (text, ids, last.finished, error) == ('ab', [1, 2], False, failure)
-        last, text, ids, error = _coalesce(inbox, (out([7]), 'z'))      # nothing waiting
+        last, text, ids, _, error = _coalesce(inbox, (out([7]), 'z'))      # nothing waiting
         assert (text, ids, error) == ('z', [7], None)
     asyncio.run(run())
 

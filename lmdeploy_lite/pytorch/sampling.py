@@ -150,6 +150,8 @@ class SamplingInputs:
     sampler skip work without a device sync; None means "compute from the tensors".
     `penalties`: None when no row has one (greedy fast paths, CUDA graphs that end in an argmax
     and the cached greedy tables all need None).
+    `logprobs`: the top-N logprobs the step computes for its emitted tokens (the batch's
+    largest request's N; None: no row asks, nothing is computed).
     """
     do_sample: Tensor
     temperature: Tensor
@@ -159,6 +161,7 @@ class SamplingInputs:
     all_greedy: bool | None = None
     needs_filter: bool | None = None       # any sampled row with top-k or top-p on
     penalties: Penalties | None = None
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.all_greedy is None:

@@ -73,7 +73,8 @@ class NeverDone:
 def test_the_wait_for_a_steps_device_results_is_bounded(monkeypatch):
     monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '0.3')
     dist = DistContext(DistConfig(dp=2), rank=1, step=7)
-    stuck = InFlight(None, None, None, torch.zeros(1, 1, dtype=torch.long), None, NeverDone())
+    stuck = InFlight(None, None, None, StepResult(torch.zeros(1, 1, dtype=torch.long)),
+                     NeverDone())
     start = time.monotonic()
     with pytest.raises(CollectiveTimeout, match=r'^rank 1, step 7: waiting for the step\'s '
                        r'results on the device .* timed out after 0.3 s'):

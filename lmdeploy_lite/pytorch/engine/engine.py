@@ -59,13 +59,16 @@ class StepOutput:
     of a batch nearly free), so nothing a consumer reads may come from the live Sequence: the
     fields are copied when the output is made (the speculative counters as a tuple,
     `stats_snapshot`, made into a SpecDecodeStats only when read; the mp/ray ranks send it
-    home as it is)."""
+    home as it is). `logprobs` (a request that asked for them, GenerationConfig.logprobs = N):
+    one (logprob, top N ids, their logprobs) per new token, plain lists; else None."""
     __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated', 'error',
-                 'stats_snapshot', 'num_cached_tokens', 'hidden_states_path')
+                 'stats_snapshot', 'num_cached_tokens', 'hidden_states_path', 'logprobs')
 
-    def __init__(self, seq: Sequence, new_token_ids: list[int]):
+    def __init__(self, seq: Sequence, new_token_ids: list[int],
+                 logprobs: list[tuple[float, list[int], list[float]]] | None = None):
         self.seq = seq                          # identity only: its fields move on
         self.new_token_ids = new_token_ids      # tokens emitted this step (none: a non-final chunk)
+        self.logprobs = logprobs
         self.finished = seq.is_finished
         self.finish_reason = seq.finish_reason
         self.num_generated = seq.num_generated
@@ -95,28 +98,29 @@ def spec_stats_of(snapshot: tuple | None) -> SpecDecodeStats | None:
 @dataclass
 class InFlight:
     """A launched step: its batch, inputs and device results (the next decode step's inputs
-    derive from them), and the results' copies on their way to the host."""
+    derive from them), and the results' copies on their way to the host (`host`: every tensor
+    of the StepResult)."""
     batch: ScheduledBatch
     inputs: ModelInputs
     result: StepResult
-    host_tokens: torch.Tensor
-    host_accepted: torch.Tensor | None
+    host: StepResult
     copied: torch.cuda.Event | None
-    host_hidden: torch.Tensor | None = None     # extract_hidden_states: [T, ids, H] rows
 
     @classmethod
     def launch(cls, batch, inputs, result: StepResult) -> 'InFlight':
-        """Start the non-blocking device-to-host copies of the emitted tokens and counts (and
-        of the extracted hidden states: a fresh tensor each step, not cloned on the CPU)."""
-        tensors = [result.output_tokens, result.num_accepted_drafts]
+        """Start the non-blocking device-to-host copies of the emitted tokens, counts and
+        logprobs (and of the extracted hidden states: a fresh tensor each step, not cloned on
+        the CPU)."""
+        tensors = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         if result.output_tokens.device.type != 'cuda':
-            host = [t.clone() if t is not None else None for t in tensors]
-            return cls(batch, inputs, result, host[0], host[1], None, result.hidden_states)
-        host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                .copy_(t, non_blocking=True) for t in tensors + [result.hidden_states]]
+            host = {k: t.clone() if t is not None and k != 'hidden_states' else t
+                    for k, t in tensors.items()}
+            return cls(batch, inputs, result, StepResult(**host), None)
+        host = {k: None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                .copy_(t, non_blocking=True) for k, t in tensors.items()}
         copied = torch.cuda.Event()
         copied.record()
-        return cls(batch, inputs, result, host[0], host[1], copied, host[2])
+        return cls(batch, inputs, result, StepResult(**host), copied)
 
     def host_result(self, dist: DistContext | None = None) -> StepResult:
         """The results on the host. A CUDA copy is awaited by polling its event for at most the
@@ -137,7 +141,26 @@ class InFlight:
                         f'{where}: waiting for the step\'s results on the device (the copy '
                         f'after its collectives) timed out after {timeout:g} s ({ENV_TIMEOUT})')
                 time.sleep(0 if waited < 0.1 else 0.001)    # spin as synchronize() would, then nap
-        return StepResult(self.host_tokens, self.host_accepted, self.host_hidden)
+        return self.host
+
+
+def _host_logprobs(result: StepResult) -> tuple[list, list, list] | None:
+    """A host StepResult's logprobs as lists [B][n], top ids and top logprobs [B][n][N]; None
+    when the step computed none."""
+    if result.logprobs is None:
+        return None
+    return result.logprobs.tolist(), result.top_ids.tolist(), result.top_logprobs.tolist()
+
+
+def _row_logprobs(logprobs: tuple[list, list, list] | None, row: int, num_emitted: int,
+                  num_top: int | None) -> list[tuple[float, list[int], list[float]]] | None:
+    """Row `row`'s first `num_emitted` tokens' (logprob, top ids, top logprobs), the top lists
+    cut to the request's `num_top` (None: it asked for none)."""
+    if logprobs is None or num_top is None:
+        return None
+    chosen, top_ids, top_logprobs = (part[row] for part in logprobs)
+    return [(chosen[j], top_ids[j][:num_top], top_logprobs[j][:num_top])
+            for j in range(num_emitted)]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -448,6 +471,14 @@ class Engine:
         return self.scheduler.reserve_ahead(seqs, num_steps=2)
 
     def _sampling_inputs(self, batch: ScheduledBatch | None) -> SamplingInputs:
+        """`_sampling_table`, with the logprobs the step computes when some row asks for them:
+        the largest request's top-N, once for the whole batch."""
+        sampling = self._sampling_table(batch)
+        asked = [s.gen_config.logprobs for s in batch.seqs] if batch is not None else []
+        asked = [n for n in asked if n is not None]
+        return dataclasses.replace(sampling, logprobs=max(asked)) if asked else sampling
+
+    def _sampling_table(self, batch: ScheduledBatch | None) -> SamplingInputs:
         """Rows of a prefill chunk that does not reach the sequence's end sample nothing, so
         they draw nothing from the request's generator: a seed's stream does not depend on how
         the prompt was chunked (which depends on the rest of the batch). No batch: a dummy
@@ -553,14 +584,15 @@ class Engine:
         request's last output waits for its file (`_written`)."""
         tokens = result.output_tokens.tolist()
         hidden, start = result.hidden_states, 0
+        logprobs = _host_logprobs(result)
         verified = result.num_accepted_drafts is not None
         accepted = result.num_accepted_drafts.tolist() if verified else [None] * len(tokens)
         row_drafts = batch.row_drafts or [None] * len(tokens)
         if verified and self.draft_policy is not None and batch.row_drafts is not None:
             self.draft_policy.observe_acceptance(row_drafts, accepted)
         outputs = []
-        for seq, q_len, samples, row, num_accepted, num_drafts in zip(
-                batch.seqs, batch.q_lens, batch.sample_mask, tokens, accepted, row_drafts):
+        for i, (seq, q_len, samples, row, num_accepted, num_drafts) in enumerate(zip(
+                batch.seqs, batch.q_lens, batch.sample_mask, tokens, accepted, row_drafts)):
             start += q_len
             if seq.is_finished:                  # (async) finished while this step ran
                 continue
@@ -571,10 +603,11 @@ class Engine:
                 computed, emitted = self.strategy.emitted(seq, q_len, samples, row, num_accepted,
                                                           num_drafts)
                 emitted = self.scheduler.update(seq, computed, emitted)
+                row_logprobs = _row_logprobs(logprobs, i, len(emitted), seq.gen_config.logprobs)
                 if hidden is not None and seq.is_finished:
-                    self.hidden_states.finish(seq, StepOutput(seq, emitted))
+                    self.hidden_states.finish(seq, StepOutput(seq, emitted, row_logprobs))
                 elif emitted or seq.is_finished:     # a non-final prefill chunk has no news
-                    outputs.append(StepOutput(seq, emitted))
+                    outputs.append(StepOutput(seq, emitted, row_logprobs))
             except Exception as e:
                 del seq.token_ids[num_tokens:]   # what it emitted before this step stands
                 self.fail_request(seq, e)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmdeploy_lite.pytorch.logprobs import token_logprobs
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
 
@@ -18,10 +19,23 @@ class StepResult:
     """output_tokens [B, n] long: tokens each sequence emits, -1 padded (n = 1 without
     speculation); num_accepted_drafts [B] long or None (no speculation this step);
     hidden_states [T, len(ids), H] or None: the hidden states of every fed token at the
-    extracted layers (`ModelAgent.hidden_state_layer_ids`; engine/hidden_states.py)."""
+    extracted layers (`ModelAgent.hidden_state_layer_ids`; engine/hidden_states.py); when some
+    row asked for logprobs (`SamplingInputs.logprobs` = N), logprobs [B, n] of the output tokens
+    and top_ids [B, n, N] long / top_logprobs [B, n, N] (module logprobs.py), else None."""
     output_tokens: torch.Tensor
     num_accepted_drafts: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    def with_logprobs(self, logits: torch.Tensor, sampling: SamplingInputs) -> 'StepResult':
+        """Fill in the logprobs from the raw logits [B, n, V] that chose output_tokens, when
+        `sampling` asks for them."""
+        if sampling.logprobs is not None:
+            self.logprobs, self.top_ids, self.top_logprobs = token_logprobs(
+                logits, self.output_tokens, sampling.logprobs)
+        return self
 
 
 class ModelAgent:
@@ -109,5 +123,7 @@ class ModelAgent:
     def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
         hidden, aux = self._forward(inputs, self.hidden_state_layer_ids)
         self.set_state_index(inputs.state_slots, 0)    # prefill and 1-token decode write slot 0
-        tokens = sample(self.last_logits(inputs, hidden), sampling)
-        return StepResult(tokens[:, None], hidden_states=aux)
+        logits = self.last_logits(inputs, hidden)
+        tokens = sample(logits, sampling)
+        return StepResult(tokens[:, None], hidden_states=aux).with_logprobs(logits[:, None],
+                                                                            sampling)

@@ -93,29 +93,34 @@ class SpecAgent:
         slots = inputs.state_slots
         if inputs.draft_tokens is None:           # device drafts: the id is on the device
             inputs.input_ids = self.last_token[slots]
-        # the graph ends in a bare argmax: not for sampled or penalised rows
+        # the graph ends in a bare argmax and returns tokens only: not for sampled or penalised
+        # rows, nor for a step that needs logprobs
         runner = (self.plain_graph if sampling.all_greedy and sampling.penalties is None
-                  else None)
+                  and sampling.logprobs is None else None)
+        logits = None
         if runner is not None and runner.can_run(inputs):
             inputs.state_index = self.target.state_index[slots]
             tokens = runner(inputs)
         else:
             hidden = self.target.forward(inputs)
-            tokens = sample(self.target.last_logits(inputs, hidden), sampling)
+            logits = self.target.last_logits(inputs, hidden)
+            tokens = sample(logits, sampling)
             if self.proposer is not None:
                 self.proposer.propose(inputs, hidden, tokens, slots, sampling, 0)
         self.target.set_state_index(slots, 0)
         self.last_token[slots] = tokens
         if self.proposer is not None:
             self.num_drafted.index_fill_(0, slots, 0)
-        return StepResult(tokens[:, None])
+        result = StepResult(tokens[:, None])
+        return result if logits is None else result.with_logprobs(logits[:, None], sampling)
 
     def _prefill_and_draft(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
         if inputs.block_copies is not None and self.proposer is not None:
             self.proposer.caches.copy_blocks(inputs.block_copies)   # forks: the draft's KV too
         hidden = self.target.forward(inputs)
         self.target.set_state_index(inputs.state_slots, 0)
-        tokens = sample(self.target.last_logits(inputs, hidden), sampling)
+        logits = self.target.last_logits(inputs, hidden)
+        tokens = sample(logits, sampling)
         last_rows = inputs.q_start_loc + inputs.q_lens - 1
         # the token after each prompt position: the next prompt token, and after the final
         # chunk the token just sampled (a non-final chunk's drafts are discarded)
@@ -123,7 +128,7 @@ class SpecAgent:
         next_ids[last_rows] = torch.where(inputs.next_token_ids >= 0, inputs.next_token_ids, tokens)
         self._save_drafts(inputs, hidden, next_ids, last_rows, sampling, inputs.num_spec)
         self.last_token[inputs.state_slots] = tokens
-        return StepResult(tokens[:, None])
+        return StepResult(tokens[:, None]).with_logprobs(logits[:, None], sampling)
 
     def _verify_and_draft(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
         slots, k = inputs.state_slots, inputs.num_spec
@@ -152,7 +157,8 @@ class SpecAgent:
         #    -1 placeholders, clamped to a valid id before the embedding lookup
         next_ids = output_tokens.clamp(min=0).flatten()
         self._save_drafts(inputs, hidden, next_ids, inputs.q_start_loc + num_accepted, sampling, k)
-        return StepResult(output_tokens, num_accepted)
+        # logprobs: the verify logits at each emitted position (accepted drafts, then bonus)
+        return StepResult(output_tokens, num_accepted).with_logprobs(logits, sampling)
 
     def _save_drafts(self, inputs, hidden, next_ids, rows, sampling, k: int):
         if self.proposer is None:

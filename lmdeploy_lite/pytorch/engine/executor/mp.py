@@ -182,8 +182,8 @@ def _rank_loop(rank: int, engine, inbox, outbox):
                 try:                 # the same on every TP rank: all of them refuse it alike
                     seqs = engine.add_group(token_ids, gen_config, request_ids)
                 except Exception as e:               # this request alone ends, with the reason
-                    reports += [(rid, [], True, 'error', 0, None, request_error(e), 0, None)
-                                for rid in rids]
+                    reports += [(rid, [], True, 'error', 0, None, request_error(e), 0, None,
+                                 None) for rid in rids]
                     continue
                 for rid, seq in zip(rids, seqs):
                     request_of[seq.seq_id], seq_of[rid] = rid, seq
@@ -227,7 +227,8 @@ def _drain(inbox, wait: float | None) -> list:
 def _report(rid: int, out: StepOutput) -> tuple:
     """A StepOutput as plain data for the front-end (its snapshot, pickled once per step)."""
     return (rid, out.new_token_ids, out.finished, out.finish_reason, out.num_generated,
-            out.stats_snapshot, out.error, out.num_cached_tokens, out.hidden_states_path)
+            out.stats_snapshot, out.error, out.num_cached_tokens, out.hidden_states_path,
+            out.logprobs)
 
 
 # ---- the front-end side ---------------------------------------------------------------------
@@ -254,6 +255,7 @@ class RemoteOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     hidden_states_path: str | None = None
+    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 @dataclass(eq=False)
@@ -457,7 +459,7 @@ class RemoteEngineLoop:
         pairs = []
         with self._lock:
             for (rid, new_ids, finished, reason, num_generated, stats, error, cached,
-                 hidden_states_path) in reports:
+                 hidden_states_path, logprobs) in reports:
                 handle = self._live.get(rid)
                 if handle is None:
                     continue
@@ -469,7 +471,7 @@ class RemoteEngineLoop:
                 seq.num_generated, seq.error = num_generated, error
                 pairs.append((handle, RemoteOutput(seq, new_ids, finished, reason, num_generated,
                                                    spec_stats_of(stats), error, cached,
-                                                   hidden_states_path)))
+                                                   hidden_states_path, logprobs)))
         for handle in hand_out(pairs):
             if not handle.seq.is_finished:
                 self.abort(handle)
