@@ -217,8 +217,9 @@ def test_a_large_prompt_does_not_stall_other_streams(server, reference):
 
 # ---- 5. unsupported and unknown fields, roles --------------------------------------------------
 UNSUPPORTED = [    # (endpoint, extra fields, param, message)
-    ('chat', {'logprobs': True}, 'logprobs', 'logprobs=true: not supported by this server'),
-    ('chat', {'top_logprobs': 3}, 'top_logprobs', 'accepted only as null or 0'),
+    ('chat', {'logprobs': True, 'top_logprobs': 21}, 'top_logprobs',
+     'top_logprobs=21: must be in [0, 20]'),
+    ('chat', {'top_logprobs': 3}, 'top_logprobs', 'top_logprobs=3: needs "logprobs": true'),
     ('chat', {'tools': [{'type': 'function', 'function': {'name': 'f', 'strict': True}}]},
      'tools.0.function.strict', 'strict=true: not supported by this server (accepted only as '
                                 'null or false); this server has no guided decoding'),
@@ -243,7 +244,7 @@ UNSUPPORTED = [    # (endpoint, extra fields, param, message)
      'messages.0.content.0.type', 'input should be \'text\''),
     ('chat', {'stream_options': {'include_usage': True, 'continuous': True}},
      'stream_options.continuous', 'unknown field'),
-    ('completions', {'logprobs': 0}, 'logprobs', 'logprobs=0: not supported by this server'),
+    ('completions', {'logprobs': 6}, 'logprobs', 'logprobs=6: must be in [0, 5]'),
     ('completions', {'echo': True}, 'echo', 'echo=true: not supported'),
     ('completions', {'best_of': 2}, 'best_of', 'best_of=2: not supported'),
     ('completions', {'suffix': 'x'}, 'suffix', 'suffix="x": not supported'),
@@ -294,8 +295,9 @@ def test_the_openai_clients_usual_fields_at_their_defaults_change_nothing(server
     assert completion.choices[0].text == post(server, '/v1/completions',
                                               REFERENCE).json()['choices'][0]['text']
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, logprobs=True)
-    assert e.value.status_code == 400 and 'logprobs=true' in e.value.message
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                       top_logprobs=2)
+    assert e.value.status_code == 400 and 'needs "logprobs": true' in e.value.message
 
 
 # ---- 7. a failed generation; an unexpected exception (a stand-in pipeline, in process) ----------

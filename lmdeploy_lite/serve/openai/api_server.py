@@ -36,6 +36,7 @@ from lmdeploy_lite.serve.openai import protocol as p
 from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware
 from lmdeploy_lite.serve.openai.body import parse_request, read_body, render
 from lmdeploy_lite.serve.openai.errors import RequestError, install_error_handlers
+from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings, chat_logprobs
 from lmdeploy_lite.serve.openai.metrics import RequestTracker, ServerMetrics
 from lmdeploy_lite.serve.openai.tool_parser import ToolCallParser
 
@@ -97,6 +98,7 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     metrics = ServerMetrics(pipe, num_spec_tokens)
     engine_like = pipe.engine or pipe._loop
     session_len, vocab_size = engine_like.session_len, engine_like.model_config.vocab_size
+    token_strings = TokenStrings(pipe.tokenizer)          # logprobs' token strings
     app.state.pipe, app.state.metrics, app.state.engine_failed = pipe, metrics, False
     install_error_handlers(app, metrics.requests.labels('invalid').inc)
     if api_keys:
@@ -133,7 +135,7 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                 skip_special_tokens=req.skip_special_tokens,
                 repetition_penalty=req.repetition_penalty,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                n=req.n)
+                n=req.n, logprobs=req.num_logprobs)
             pipe._loop.validate_request(ids, gen_config)
         except ValueError as e:              # 'field=value: reason' or 'prompt: reason'
             message = str(e)
@@ -235,26 +237,31 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                        spec_decode=spec)
 
     async def run_to_end(prompts, gen_config, request, request_id: str
-                         ) -> tuple[list[str], list[Response | None]]:
-        """Every choice's text and last response."""
+                         ) -> tuple[list[str], list[Response | None], list[list]]:
+        """Every choice's text, last response and logprobs (TokenLogprobs of every token: empty
+        unless asked)."""
         num_choices = len(prompts) * gen_config.n
         texts, lasts = [''] * num_choices, [None] * num_choices
+        logprobs = [[] for _ in range(num_choices)]
         async with aclosing(generate(prompts, gen_config, track(prompts, gen_config.n),
                                      request, stream_text=False,
                                      request_id=request_id)) as responses:
             async for r in responses:
                 texts[r.index] += r.text
+                logprobs[r.index] += r.logprobs or ()
                 lasts[r.index] = r
         if any(last is not None and last.finish_reason == 'error' for last in lasts):
             raise engine_error()
-        return texts, lasts
+        return texts, lasts, logprobs
 
     def stream(prompts, gen_config, make_chunk, include_usage: bool, request_id: str
                ) -> EventSourceResponse:
-        """make_chunk(index, text, finish_reason, usage) -> a pydantic chunk of choice `index`,
-        or None for nothing to send yet; None text: the opening; usage: the last chunk (no
-        choice). A choice's last chunk carries its hidden-states file's path
-        (extract_hidden_states; `request_id` names it, see Pipeline.generate_ids).
+        """make_chunk(index, text, finish_reason, usage, logprobs) -> a pydantic chunk of choice
+        `index`, or None for nothing to send yet; None text: the opening; usage: the last chunk
+        (no choice). `logprobs` (a request that asked for them): the TokenLogprobs of the
+        choice's tokens since its last chunk sent (tokens whose text is held back go with the
+        chunk that carries it), else None. A choice's last chunk carries its hidden-states
+        file's path (extract_hidden_states; `request_id` names it, see Pipeline.generate_ids).
         On server shutdown the stream is aborted and each unfinished choice ends with
         finish_reason 'abort', then [DONE]; a failed generation ends with finish_reason 'error',
         an error event and [DONE]."""
@@ -264,35 +271,42 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
         async def events():
             lasts: list[Response | None] = [None] * num_choices
             trackers = track(prompts, gen_config.n)
+            asked = gen_config.logprobs is not None
+            unsent = [[] if asked else None for _ in range(num_choices)]     # logprobs
             try:
                 for index in range(num_choices):
-                    opening = make_chunk(index, None, None, None)
+                    opening = make_chunk(index, None, None, None, None)
                     if opening is not None:
                         yield opening.model_dump_json()
                 async with aclosing(generate(prompts, gen_config, trackers,
                                              request_id=request_id)) as responses:
                     async for r in responses:
                         lasts[r.index] = r
+                        if asked:
+                            unsent[r.index] += r.logprobs or ()
                         if r.text or r.finish_reason:
-                            chunk = make_chunk(r.index, r.text, r.finish_reason, None)
+                            chunk = make_chunk(r.index, r.text, r.finish_reason, None,
+                                               unsent[r.index])
                             if chunk is not None and chunk.choices and r.hidden_states_path:
                                 chunk.choices[0].hidden_states_path = r.hidden_states_path
                             if chunk is not None:           # None: all its text held back
                                 yield chunk.model_dump_json()
+                                unsent[r.index] = [] if asked else None
                         if shutdown.is_set() and r.finish_reason is None:
                             break
                 for index, last in enumerate(lasts):
                     if last is None or last.finish_reason is None:
-                        yield make_chunk(index, '', 'abort', None).model_dump_json()
+                        yield make_chunk(index, '', 'abort', None, None).model_dump_json()
                 if any(last is not None and last.finish_reason == 'error' for last in lasts):
                     yield json.dumps(engine_error().body())
                 if include_usage:
-                    yield make_chunk(None, '', None, usage(lasts, prompts)).model_dump_json()
+                    yield make_chunk(None, '', None, usage(lasts, prompts),
+                                     None).model_dump_json()
             except Exception as e:
                 error = e if isinstance(e, RequestError) else engine_error(e)
                 for index, last in enumerate(lasts):
                     if last is None or last.finish_reason is None:
-                        yield make_chunk(index, '', 'error', None).model_dump_json()
+                        yield make_chunk(index, '', 'error', None, None).model_dump_json()
                 yield json.dumps(error.body())
             finally:
                 for tracker in trackers:         # a no-op for those that ended
@@ -321,19 +335,24 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
         req, prompts, gen_config = await checked(request, check_completion)
         rid, include_usage = p.random_id('cmpl'), bool(req.stream_options
                                                        and req.stream_options.include_usage)
+        legacy = [CompletionLogprobs(token_strings, gen_config.skip_special_tokens)
+                  if gen_config.logprobs is not None else None
+                  for _ in range(len(prompts) * gen_config.n)]       # each choice's
         if req.stream:
-            def chunk(index, text, finish_reason, use):
+            def chunk(index, text, finish_reason, use, logprobs):
                 if text is None:
                     return None
-                choices = [] if use else [p.CompletionChoice(index=index, text=text,
-                                                             finish_reason=finish_reason)]
+                choices = [] if use else [p.CompletionChoice(
+                    index=index, text=text, finish_reason=finish_reason,
+                    logprobs=legacy[index].add(logprobs) if logprobs is not None else None)]
                 return p.CompletionResponse(id=rid, model=model_name, choices=choices, usage=use)
             return stream(prompts, gen_config, chunk, include_usage, rid)
-        texts, lasts = await run_to_end(prompts, gen_config, request, rid)
+        texts, lasts, logprobs = await run_to_end(prompts, gen_config, request, rid)
         return p.CompletionResponse(
             id=rid, model=model_name,
             choices=[p.CompletionChoice(index=i, text=text,
                                         finish_reason=last and last.finish_reason,
+                                        logprobs=legacy[i] and legacy[i].add(logprobs[i]),
                                         hidden_states_path=last and last.hidden_states_path)
                      for i, (text, last) in enumerate(zip(texts, lasts))],
             usage=usage(lasts, prompts))
@@ -347,7 +366,7 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                                   max_calls=None if req.parallel_tool_calls else 1)
                    if req.parses_tool_calls else None for _ in range(gen_config.n)]
         if req.stream:
-            def chunk(index, text, finish_reason, use):
+            def chunk(index, text, finish_reason, use, logprobs):
                 if use is not None:
                     return p.ChatCompletionChunk(id=rid, model=model_name, choices=[], usage=use)
                 parser = parsers[index]
@@ -365,10 +384,12 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                                            or None)
                 return p.ChatCompletionChunk(
                     id=rid, model=model_name,
-                    choices=[p.ChatChunkChoice(index=index, delta=delta,
-                                               finish_reason=finish_reason)])
+                    choices=[p.ChatChunkChoice(
+                        index=index, delta=delta, finish_reason=finish_reason,
+                        logprobs=None if logprobs is None else
+                        chat_logprobs(token_strings, logprobs))])
             return stream(prompts, gen_config, chunk, include_usage, rid)
-        texts, lasts = await run_to_end(prompts, gen_config, request, rid)
+        texts, lasts, logprobs = await run_to_end(prompts, gen_config, request, rid)
         choices = []
         for index, (text, last, parser) in enumerate(zip(texts, lasts, parsers)):
             finish_reason, calls = last and last.finish_reason, []
@@ -380,6 +401,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                                             or None)
             choices.append(p.ChatChoice(index=index, message=message,
                                         finish_reason=finish_reason,
+                                        logprobs=chat_logprobs(token_strings, logprobs[index])
+                                        if req.logprobs else None,
                                         hidden_states_path=last and last.hidden_states_path))
         return p.ChatCompletionResponse(id=rid, model=model_name, choices=choices,
                                         usage=usage(lasts, prompts))

@@ -17,7 +17,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P   # the engine's ranges
-from lmdeploy_lite.messages import (MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
+from lmdeploy_lite.messages import (MAX_LOGPROBS, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
                                     MIN_REPETITION_PENALTY)
 from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
 from lmdeploy_lite.messages import MAX_N
@@ -26,6 +26,7 @@ from lmdeploy_lite.serve.openai.tool_parser import ToolCall
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256              # stop words are matched against the text at every step
+MAX_COMPLETION_LOGPROBS = 5            # the legacy completions API's limit
 NO_GUIDED_DECODING = 'this server has no guided decoding'
 
 
@@ -143,10 +144,17 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32,
                                    description='default 16; prompt + max_tokens must fit in '
                                                'session_len')
-    logprobs: no_op() = None                # any integer asks for logprobs, 0 included
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
+                                 description='the most likely tokens returned with each output '
+                                             'token (and the chosen one); 0: the chosen only')
     echo: no_op(False) = None
     best_of: no_op(1) = None
     suffix: no_op('') = None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """GenerationConfig.logprobs: the top-N to return, None for no logprobs."""
+        return self.logprobs
 
 
 class TextPart(RequestModel):
@@ -248,8 +256,10 @@ class ChatCompletionRequest(SamplingRequest):
                                                'prompt; more than that is rejected')
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32,
                                               description='max_tokens by its newer name')
-    logprobs: no_op(False) = None
-    top_logprobs: no_op(0) = None
+    logprobs: bool = Field(False, description="each output token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description='the most likely tokens returned with each '
+                                                 'output token (needs logprobs: true)')
     tools: list[Tool] | None = Field(None, description='shown to the model by the chat template')
     tool_choice: Literal['none', 'auto'] | None = Field(
         None, description='"auto" (the default with tools): calls in the output come back as '
@@ -261,6 +271,19 @@ class ChatCompletionRequest(SamplingRequest):
                            hint=f'{NO_GUIDED_DECODING} for structured output') = None
     functions: no_op(hint='the legacy function-calling API; send tools instead') = None
     function_call: no_op(hint='the legacy function-calling API; send tool_choice instead') = None
+
+    @field_validator('top_logprobs')
+    @classmethod
+    def _needs_logprobs(cls, value, info: ValidationInfo):
+        if not info.data.get('logprobs'):
+            raise PydanticCustomError('logprobs', 'needs "logprobs": true (top_logprobs asks '
+                                      'for the top tokens of the logprobs it turns on)')
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """GenerationConfig.logprobs: the top-N to return, None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator('tool_choice', mode='before')
     @classmethod
@@ -312,10 +335,19 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy format: per output token its string, logprob, the top ones as {token:
+    logprob} (the chosen token included) and its character offset in the completion's text."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     hidden_states_path: str | None = Field(
         default=None, description='extension (extract_hidden_states): the file holding this '
@@ -353,10 +385,25 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's bytes")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description='the most likely tokens, most likely '
+                                                       'first')
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatResponseMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     hidden_states_path: str | None = Field(
         default=None, description='extension (extract_hidden_states): the file holding this '
@@ -399,7 +446,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     hidden_states_path: str | None = Field(
         default=None, description='extension (extract_hidden_states): the file holding this '

@@ -1,0 +1,99 @@
+"""Response.logprobs (TokenLogprobs per generated token) in the OpenAI wire formats: chat's
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}` and the completions'
+legacy `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
+
+A token's string is the tokenizer's decoding of that token alone (special tokens spelled out; a
+piece of a multi-byte character decodes to U+FFFD); its `bytes` are the token's own bytes where
+the tokenizer is byte-level BPE (Qwen's: a piece of a character included), else the string's
+UTF-8 bytes. Without a tokenizer (a model served on token ids) a token's string is
+`token_id:<id>`.
+"""
+from __future__ import annotations
+
+import codecs
+
+from lmdeploy_lite.messages import TokenLogprobs
+from lmdeploy_lite.serve.openai import protocol as p
+
+
+class TokenStrings:
+    """The string and bytes of single tokens of one tokenizer (cached per token id)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.special_ids = frozenset(getattr(tokenizer, 'all_special_ids', ()) or ())
+        self._strings: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+        backend = getattr(tokenizer, 'backend_tokenizer', None)
+        self._byte_of = None                # byte-level BPE: the alphabet's char -> byte
+        if backend is not None and type(backend.decoder).__name__ == 'ByteLevel':
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+            self._byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+            self._added = frozenset(getattr(tokenizer, 'added_tokens_decoder', {}) or {})
+
+    def text(self, token_id: int) -> str:
+        text = self._strings.get(token_id)
+        if text is None:
+            text = self._strings[token_id] = (
+                f'token_id:{token_id}' if self.tokenizer is None else
+                self.tokenizer.decode([token_id], skip_special_tokens=False))
+        return text
+
+    def bytes(self, token_id: int) -> bytes:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = None
+            if self._byte_of is not None and token_id not in self._added:
+                piece = self.tokenizer.convert_ids_to_tokens(token_id)
+                if piece and all(c in self._byte_of for c in piece):
+                    raw = bytes(self._byte_of[c] for c in piece)
+            if raw is None:
+                raw = self.text(token_id).encode('utf-8')
+            self._bytes[token_id] = raw
+        return raw
+
+    def top_logprob(self, token_id: int, logprob: float) -> p.TopLogprob:
+        return p.TopLogprob(token=self.text(token_id), logprob=logprob,
+                            bytes=list(self.bytes(token_id)))
+
+
+def chat_logprobs(strings: TokenStrings, entries: list[TokenLogprobs]) -> p.ChoiceLogprobs:
+    """Chat's logprobs of `entries` (one per generated token): each token with its top-N."""
+    content = []
+    for entry in entries:
+        chosen = strings.top_logprob(entry.token_id, entry.logprob)
+        top = [strings.top_logprob(t, lp) for t, lp in entry.top_logprobs.items()]
+        content.append(p.ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
+    return p.ChoiceLogprobs(content=content)
+
+
+class CompletionLogprobs:
+    """The legacy completions format for one request, chunk after chunk: `text_offset` counts
+    characters from the start of the completion, so it carries on across a stream's chunks:
+    each token's bytes go through one incremental UTF-8 decoder (a token that ends inside a
+    character adds nothing until the character is complete; a special token adds nothing when
+    the request skips them)."""
+
+    def __init__(self, strings: TokenStrings, skip_special_tokens: bool):
+        self.strings = strings
+        self.skip_special_tokens = skip_special_tokens
+        self.decoder = codecs.getincrementaldecoder('utf-8')('replace')
+        self.offset = 0
+
+    def add(self, entries: list[TokenLogprobs]) -> p.CompletionLogprobs:
+        """These entries (the next tokens of the completion) in the legacy format; the top
+        dicts hold the top-N and the chosen token, most likely first."""
+        strings, tokens, offsets = self.strings, [], []
+        for entry in entries:
+            tokens.append(strings.text(entry.token_id))
+            offsets.append(self.offset)
+            if not (self.skip_special_tokens and entry.token_id in strings.special_ids):
+                self.offset += len(self.decoder.decode(strings.bytes(entry.token_id)))
+        top = []
+        for entry in entries:           # two ids may share a string: the likelier one's
+            tops: dict[str, float] = {}
+            for token_id, logprob in sorted(entry.items(), key=lambda item: -item[1]):
+                tops.setdefault(strings.text(token_id), logprob)
+            top.append(tops)
+        return p.CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries],
+                                    top_logprobs=top, text_offset=offsets)

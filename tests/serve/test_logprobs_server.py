@@ -1,0 +1,135 @@
+"""Logprobs through the official `openai` client against the real server (the shared speculative
+server of tests/serve/conftest.py: the embedded model, MTP k=3, float64): chat's `logprobs` +
+`top_logprobs` and the completions' legacy `logprobs` are well-formed, streamed chunks carry
+what the whole response does, drafts really get accepted and the logprobs equal plain decoding's
+(in this process, float32: within 1e-4), and out-of-range values are 400s naming the field."""
+import pytest
+
+for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
+    pytest.importorskip(_module, reason="needs the 'serve' extra")
+openai = pytest.importorskip('openai')
+
+from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig,  # noqa: E402
+                                    SpecDecodeStats)
+from tests.helpers import accepting  # noqa: E402
+from tests.helpers.accepting import assert_real_acceptance  # noqa: E402
+from tests.serve.live_server import SESSION_LEN, SPEC_K, chat  # noqa: E402
+
+MAX_TOKENS = 20
+GREEDY = dict(model='embedded', temperature=0, max_tokens=MAX_TOKENS,
+              extra_body={'ignore_eos': True})
+
+
+@pytest.fixture(scope='module')
+def plain_logprobs() -> list:
+    """Plain decoding (no speculation) of accepting.TEXTS with logprobs=5, in this process,
+    float32: Responses."""
+    from lmdeploy_lite import pipeline
+    config = PytorchEngineConfig(**{**accepting.BASE, 'dtype': 'float32',
+                                    'session_len': SESSION_LEN})
+    with pipeline(None, config, progress=False) as pipe:
+        return pipe(list(accepting.TEXTS),
+                    GenerationConfig(max_new_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5))
+
+
+def spec_stats(usage) -> SpecDecodeStats:
+    spec = usage.spec_decode                                 # the server's `usage` extension
+    return SpecDecodeStats(spec['num_drafts'], spec['num_draft_tokens'],
+                           spec['num_accepted_tokens'], spec['accepted_per_position'])
+
+
+def assert_sorted(values):
+    assert all(a >= b for a, b in zip(values, values[1:])), values
+
+
+def chat_entries(response) -> list:
+    return response.choices[0].logprobs.content
+
+
+@pytest.mark.timeout(120)
+def test_chat_and_completion_logprobs_are_well_formed_streamed_or_not(spec_client):
+    text = accepting.TEXTS[0]
+    done = spec_client.chat.completions.create(messages=chat(text), logprobs=True,
+                                               top_logprobs=5, **GREEDY)
+    entries = chat_entries(done)
+    assert len(entries) == done.usage.completion_tokens == MAX_TOKENS
+    for entry in entries:
+        top = entry.top_logprobs
+        assert len(top) == 5
+        assert_sorted([t.logprob for t in top])
+        # greedy: the chosen token is the most likely one
+        assert (entry.token, entry.logprob) == (top[0].token, top[0].logprob)
+        assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+    assert ''.join(e.token for e in entries) == done.choices[0].message.content
+    streamed = list(spec_client.chat.completions.create(
+        messages=chat(text), logprobs=True, top_logprobs=5, stream=True, **GREEDY))
+    joined = [e for c in streamed if c.choices and c.choices[0].logprobs
+              for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in joined] == [e.model_dump() for e in entries]
+    plain = spec_client.chat.completions.create(messages=chat(text), logprobs=True, **GREEDY)
+    assert [(e.token, e.logprob, e.top_logprobs) for e in chat_entries(plain)] == \
+        [(e.token, e.logprob, []) for e in entries]           # top_logprobs 0: none
+    assert spec_client.chat.completions.create(messages=chat(text),
+                                               **GREEDY).choices[0].logprobs is None
+
+    completion = spec_client.completions.create(prompt=text, logprobs=3, **GREEDY)
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    n = completion.usage.completion_tokens
+    assert n == MAX_TOKENS
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) \
+        == len(logprobs.text_offset) == n
+    assert ''.join(logprobs.tokens) == choice.text                # ASCII code: one char each
+    assert logprobs.text_offset == [len(''.join(logprobs.tokens[:i])) for i in range(n)]
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs,
+                                   logprobs.top_logprobs):
+        assert 3 <= len(top) <= 4                                  # top 3 and the chosen
+        assert_sorted(list(top.values()))
+        assert next(iter(top.items())) == (token, logprob)
+    chunks = list(spec_client.completions.create(prompt=text, logprobs=3, stream=True, **GREEDY))
+    parts = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for part in parts for t in part.tokens] == logprobs.tokens
+    assert [t for part in parts for t in part.token_logprobs] == logprobs.token_logprobs
+    assert [t for part in parts for t in part.top_logprobs] == logprobs.top_logprobs
+    assert [t for part in parts for t in part.text_offset] == logprobs.text_offset
+
+
+@pytest.mark.timeout(120)
+def test_speculative_logprobs_equal_plain_decodings(spec_client, plain_logprobs):
+    """MTP k=3 on the server (drafts accepted: asserted first) against plain decoding in this
+    process: the same tokens, and logprobs (chosen and top 5) within 1e-4."""
+    done = [spec_client.completions.create(prompt=text, logprobs=5, **GREEDY)
+            for text in accepting.TEXTS]
+    assert_real_acceptance([spec_stats(d.usage) for d in done], SPEC_K)
+    for d, want in zip(done, plain_logprobs):
+        logprobs = d.choices[0].logprobs
+        assert d.choices[0].text == want.text
+        assert len(logprobs.token_logprobs) == len(want.logprobs) == MAX_TOKENS
+        assert logprobs.token_logprobs == pytest.approx([e.logprob for e in want.logprobs],
+                                                        abs=1e-4)
+        for top, entry in zip(logprobs.top_logprobs, want.logprobs):
+            want_top = list(entry.top_logprobs.values())
+            assert list(top.values())[:5] == pytest.approx(want_top, abs=1e-4)
+
+
+@pytest.mark.timeout(60)
+def test_out_of_range_logprobs_get_400_naming_the_field(spec_client):
+    cases = [('chat', dict(logprobs=True, top_logprobs=21), 'top_logprobs',
+              'top_logprobs=21: must be in [0, 20]'),
+             ('chat', dict(top_logprobs=2), 'top_logprobs', 'needs "logprobs": true'),
+             ('chat', dict(logprobs=False, top_logprobs=2), 'top_logprobs', 'needs "logprobs"'),
+             ('chat', dict(logprobs=1), 'logprobs', 'logprobs=1: must be true or false'),
+             ('completions', dict(logprobs=6), 'logprobs', 'logprobs=6: must be in [0, 5]'),
+             ('completions', dict(logprobs=-1), 'logprobs', 'logprobs=-1: must be in [0, 5]'),
+             ('completions', dict(logprobs=True), 'logprobs', 'must be an integer')]
+    for endpoint, fields, param, message in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            if endpoint == 'chat':
+                spec_client.chat.completions.create(messages=chat('hi'), **GREEDY, **fields)
+            else:
+                spec_client.completions.create(prompt='hi', **GREEDY, **fields)
+        assert e.value.status_code == 400
+        assert e.value.body['param'] == param and message in e.value.body['message'], \
+            (fields, e.value.body)
+    ok = spec_client.completions.create(prompt='hi', logprobs=0, **{**GREEDY, 'max_tokens': 2})
+    assert len(ok.choices[0].logprobs.top_logprobs[0]) == 1          # the chosen token only
