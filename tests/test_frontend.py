@@ -213,14 +213,20 @@ def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
 def test_an_engine_in_its_own_process_streams_what_the_thread_engine_does(spec_pipe):
     """`engine_process=True` (the server's default on CUDA): a one-rank engine in the mp
     executor's rank process gives the same text, ids, finish reasons and accepted counts as the
-    engine in a thread, through the async path the server uses."""
+    engine in a thread, through the async path the server uses; logprobs travel home too."""
     batch = [list(p) for p in prompts()]
     want = asyncio.run(_generate_all(spec_pipe, batch, GEN, stream_text=True))
+    with_logprobs = GenerationConfig(max_new_tokens=24, ignore_eos=True, logprobs=3)
     with pipeline(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**BASE, max_batch_size=64), spec(K),
                   progress=False, engine_process=True) as pipe:
         assert pipe.engine is None                     # no engine in this process
         got = asyncio.run(_generate_all(pipe, batch, GEN, stream_text=True))
         finals = pipe(batch, GEN)
+        remote = pipe(batch, with_logprobs)
     assert_real_acceptance([f.spec_stats for f in finals], K)
     assert got == want
     assert [(r.text, r.token_ids, r.finish_reason) for r in finals] == want
+    local = spec_pipe(batch, with_logprobs)
+    assert [len(r.logprobs) for r in remote] == [len(r.token_ids) for r in remote] == [24] * 4
+    assert [(r.token_ids, r.logprobs) for r in remote] == \
+        [(r.token_ids, r.logprobs) for r in local]

@@ -1,4 +1,5 @@
 """transformers as the reference implementation in tests."""
+import contextlib
 import functools
 
 import torch
@@ -47,14 +48,30 @@ def hf_hidden_states(moe: bool, token_ids: list[int], layer_ids: tuple[int, ...]
     float64 throughout. transformers computes some parts in float32 whatever the model's dtype
     (rotary angles, norms, the gated delta rule, softmax): here its modules see a `torch`
     whose float32 is float64, and `Tensor.float()` keeps float64."""
+    with _float64_transformers(moe) as model:
+        states = model(torch.tensor([list(token_ids)]), output_hidden_states=True).hidden_states
+    return torch.stack([states[i][0] for i in layer_ids], dim=1)
+
+
+def hf_log_softmax(moe: bool, token_ids: list[int]) -> torch.Tensor:
+    """torch.log_softmax of transformers' logits [T, V] of the tiny model of that kind for one
+    sequence, computed in float64 throughout (as `hf_hidden_states`)."""
+    with _float64_transformers(moe) as model:
+        logits = model(torch.tensor([list(token_ids)])).logits[0]
+    assert logits.dtype == torch.float64
+    return torch.log_softmax(logits, -1)
+
+
+@contextlib.contextmanager
+def _float64_transformers(moe: bool):
+    """`_float64_model(moe)`, its modeling module seeing a `torch` whose float32 is float64
+    (`_Float64Torch`) and `Tensor.float()` keeping float64; no grad."""
     from unittest import mock
 
     from transformers.models.qwen3_5 import modeling_qwen3_5
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
-    model = _float64_model(moe)
     module = modeling_qwen3_5_moe if moe else modeling_qwen3_5
     with mock.patch.object(module, 'torch', _Float64Torch()), \
             mock.patch.object(torch.Tensor, 'float', lambda self, *a, **k: self.double()), \
             torch.no_grad():
-        states = model(torch.tensor([list(token_ids)]), output_hidden_states=True).hidden_states
-    return torch.stack([states[i][0] for i in layer_ids], dim=1)
+        yield _float64_model(moe)
