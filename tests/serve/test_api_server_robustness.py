@@ -317,6 +317,7 @@ class FakePipe:
     """'fail': the engine ends the request with finish_reason 'error'; 'raise': generation raises
     mid-way; 'crash': tokenization raises; anything else: 'hello' then 'length'."""
     engine = None
+    tokenizer = None
     num_cached_blocks = num_prefill_tokens = 0
     SECRET = '/srv/secret/lmdeploy_lite/model.py'
 
