@@ -313,11 +313,15 @@ def test_remote_outputs_are_snapshots_for_a_lagging_consumer():
     front._lock, front._load = threading.Lock(), [1]
     received = []
     front._live = {0: RemoteHandle(RemoteSeq(0, 0), received.append)}
-    front._deliver([(0, [5], False, None, 1, None, None, 16, None)])   # one message per rank step
-    front._deliver([(0, [6, 7], False, None, 3, (1, 3, 1, (1, 0, 0), (1, 1, 1)), None, 16, None)])
-    front._deliver([(0, [8], True, 'length', 4, (2, 6, 1, (1, 0, 0), (2, 2, 2)), None, 16, None)])
+    front._deliver([(0, [5], False, None, 1, None, None, 16, None, None)])   # one per step
+    front._deliver([(0, [6, 7], False, None, 3, (1, 3, 1, (1, 0, 0), (1, 1, 1)), None, 16, None,
+                     [(-0.5, [6], [-0.5]), (-1.5, [2], [-0.25])])])
+    front._deliver([(0, [8], True, 'length', 4, (2, 6, 1, (1, 0, 0), (2, 2, 2)), None, 16, None,
+                     None)])
     assert [(o.new_token_ids, o.finished, o.finish_reason, o.num_generated) for o in received] \
         == [([5], False, None, 1), ([6, 7], False, None, 3), ([8], True, 'length', 4)]
     assert [o.num_cached_tokens for o in received] == [16, 16, 16]
+    assert [o.logprobs for o in received] == [None, [(-0.5, [6], [-0.5]), (-1.5, [2], [-0.25])],
+                                              None]
     assert received[0].spec_stats is None and received[1].spec_stats.num_drafts == 1
     assert front._live == {} and front._load == [0]
