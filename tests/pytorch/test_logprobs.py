@@ -60,17 +60,24 @@ def assert_close(got: list[TokenLogprobs], want: list[TokenLogprobs], tol: float
 
 
 def test_float64_logprobs_are_transformers_log_softmax(tiny_ckpt):
-    """Greedy and sampled (temperature 0.7, top-k 3, top-p 0.9: the logprobs stay the raw
-    logits'), streamed and not."""
+    """Greedy, sampled (temperature 0.7, top-k 3, top-p 0.9: the logprobs stay the raw
+    logits') and n=3 sampled choices (forked from one prefill: each its own), streamed and
+    not."""
     greedy = GenerationConfig(max_new_tokens=8, ignore_eos=True, logprobs=5)
     sampled = GenerationConfig(max_new_tokens=8, ignore_eos=True, logprobs=5, do_sample=True,
                                temperature=0.7, top_k=3, top_p=0.9, random_seed=1)
+    choices = GenerationConfig(max_new_tokens=8, ignore_eos=True, logprobs=5, do_sample=True,
+                               temperature=1.5, random_seed=2, n=3)
     with pipeline(tiny_ckpt(False), PytorchEngineConfig(**TINY), progress=False) as pipe:
-        for gen in (greedy, sampled):
-            for prompt, r in zip(PROMPTS, pipe(PROMPTS, gen)):
+        for gen in (greedy, sampled, choices):
+            responses = pipe(PROMPTS, gen)
+            assert len(responses) == len(PROMPTS) * gen.n
+            for r in responses:
+                prompt = PROMPTS[r.index // gen.n]
                 assert len(r.logprobs) == len(r.token_ids) == 8
                 assert_match(r.logprobs, r.token_ids, hf_reference(prompt, r.token_ids), 5,
                              1e-9)
+        assert len({tuple(r.token_ids) for r in responses}) > len(PROMPTS)   # choices differ
         streamed = [[] for _ in PROMPTS]
         for chunk in pipe.stream_infer(PROMPTS, greedy):
             assert len(chunk.logprobs) == len(chunk.token_ids)
