@@ -133,3 +133,42 @@ def test_out_of_range_logprobs_get_400_naming_the_field(spec_client):
             (fields, e.value.body)
     ok = spec_client.completions.create(prompt='hi', logprobs=0, **{**GREEDY, 'max_tokens': 2})
     assert len(ok.choices[0].logprobs.top_logprobs[0]) == 1          # the chosen token only
+
+
+@pytest.mark.timeout(60)
+def test_n_choices_each_carry_their_logprobs(spec_client):
+    done = spec_client.chat.completions.create(messages=chat(accepting.TEXTS[1]), n=2,
+                                               logprobs=True, top_logprobs=1, **GREEDY)
+    assert len(done.choices) == 2
+    entries = [[(e.token, e.logprob) for e in c.logprobs.content] for c in done.choices]
+    assert [len(e) for e in entries] == [MAX_TOKENS] * 2
+    assert done.usage.completion_tokens == 2 * MAX_TOKENS
+    # greedy: the same choice twice (float64: rows of different steps agree to rounding)
+    assert [t for t, _ in entries[0]] == [t for t, _ in entries[1]]
+    assert [v for _, v in entries[0]] == pytest.approx([v for _, v in entries[1]], abs=1e-9)
+
+
+def test_token_strings_bytes_and_text_offsets_of_split_characters():
+    """Byte-level BPE splits 'é' and '世界' over tokens: each token's bytes are its own piece
+    (joined: the text's UTF-8), its string the tokenizer's decoding of it alone, and a
+    character's offset is counted once it is complete."""
+    from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
+    from lmdeploy_lite.messages import TokenLogprobs
+    from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings
+    from lmdeploy_lite.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
+    strings = TokenStrings(tokenizer)
+    text = 'héllo 世界 def'
+    ids = tokenizer.encode(text)
+    assert b''.join(strings.bytes(t) for t in ids) == text.encode()
+    assert any(strings.text(t) == '\ufffd' for t in ids)          # a piece of a character
+    assert [strings.text(t) for t in ids] == [tokenizer.decode([t]) for t in ids]
+    entries = [TokenLogprobs(t, -1.0, {}) for t in ids]
+    legacy = CompletionLogprobs(strings, skip_special_tokens=True)
+    first, rest = legacy.add(entries[:3]), legacy.add(entries[3:])   # two stream chunks
+    offsets = first.text_offset + rest.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text)
+    assert offsets[-1] == len(text) - len(strings.text(ids[-1]))
+    special = tokenizer.convert_tokens_to_ids('<|im_end|>')
+    assert strings.text(special) == '<|im_end|>'
+    assert strings.bytes(special) == b'<|im_end|>'
