@@ -283,3 +283,33 @@ def test_generate_cli_flags(tmp_path, capsys):
     assert main(['generate', '--prompt', 'x', *flags,
                  '--speculative-aux-hidden-state-layer-ids', '0,9']) == 2
     assert '[9] outside 0..8' in capsys.readouterr().err
+
+
+def test_train_mtp_head_from_the_files_alone(tiny_ckpt, tmp_path):
+    """tools/train_mtp_head.py DIR --model MODEL --out OUT on a tiny MoE checkpoint's files:
+    OUT is MODEL with new mtp.* tensors (the same names and shapes) that the engine drafts with
+    (and speculation never changes the answer)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', '..', 'tools'))
+    from train_mtp_head import main
+    model = tiny_ckpt(True)
+    with pipeline(model, PytorchEngineConfig(**BASE), extract(tmp_path / 'files', (NUM_LAYERS,)),
+                  progress=False) as pipe:
+        pipe(PROMPTS, GEN)
+    out = tmp_path / 'out'
+    main([str(tmp_path / 'files'), '--model', model, '--out', str(out), '--steps', '2',
+          '--batch-size', '2', '--seq-len', '16', '--val-fraction', '0.25', '--threads', '1'])
+    new, old = load_file(str(out / 'model.safetensors')), load_file(
+        os.path.join(model, 'model.safetensors'))
+    assert {n: t.shape for n, t in new.items()} == {n: t.shape for n, t in old.items()}
+    assert not new['mtp.fc.weight'].equal(old['mtp.fc.weight'])
+    assert all(new[n].equal(t) for n, t in old.items() if not n.startswith('mtp.'))
+    with pipeline(str(out), PytorchEngineConfig(**BASE), SpeculativeConfig(
+            num_speculative_tokens=2), progress=False) as pipe:
+        drafted = pipe(PROMPTS, GEN)
+    assert [r.token_ids for r in drafted] == plain_tokens(model)
+
+
+def plain_tokens(model: str) -> list[list[int]]:
+    with pipeline(model, PytorchEngineConfig(**BASE), progress=False) as pipe:
+        return [r.token_ids for r in pipe(PROMPTS, GEN)]

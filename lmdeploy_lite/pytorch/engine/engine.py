@@ -397,7 +397,7 @@ class Engine:
         start = time.perf_counter()
         self.dist.begin_step(self.num_steps)
         outputs, batch, continued = self._schedule()
-        outputs += self._written(idle=batch is None)
+        outputs += self._written(idle=batch is None and not self.plan_busy)
         sampling = self._sampling_inputs(batch)
         plan = self._gather_plan(batch, sampling)
         if not plan.any_work or plan.shutdown:
@@ -571,7 +571,8 @@ class Engine:
 
     def _written(self, idle: bool) -> list[StepOutput]:
         """extract_hidden_states: the last outputs of requests whose file is now written (an
-        `idle` step waits a little for one instead of spinning)."""
+        `idle` step, whose plan group did nothing last step either, waits a little for one
+        instead of spinning)."""
         if self.hidden_states is None or not self.hidden_states.pending:
             return []
         return self.hidden_states.take_done(WRITE_POLL_S if idle else 0.0)

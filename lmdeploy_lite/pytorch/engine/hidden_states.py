@@ -82,6 +82,9 @@ class HiddenStatesWriter:
         start before the rows held (recomputed after preemption) replaces the rows from there."""
         if not rows.shape[0]:
             return
+        if rows.untyped_storage().nbytes() > rows.nbytes:   # a view of the step's rows: a copy,
+            rows = rows.clone()              # or every step's buffer lives until all its rows'
+                                             # sequences finish
         chunks = self._rows.setdefault(seq, [])
         held = self._count.get(seq, 0)
         if start > held:
