@@ -3,7 +3,10 @@ held-out standard-library modules (tools/train_tiny_model.py HELD_OUT, read from
 stdlib). Prints a table of mean accepted length (tokens per verify step, bonus included) and
 per-position acceptance for k = 1..4, and checks every speculative output against plain greedy.
 
-    python benchmarks/eval_embedded_acceptance.py [--model DIR] [--json out.json]
+    python benchmarks/eval_embedded_acceptance.py [--model DIR] [--fixed-k] [--json out.json]
+
+`--fixed-k`: every decode step drafts exactly k (dynamic=False); by default the engine picks
+each step's count in 0..k (a head that is rarely accepted then mostly drafts one token).
 """
 from __future__ import annotations
 
@@ -38,8 +41,10 @@ def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int) -> list[li
     return prompts
 
 
-def run(model: str, prompts: list[list[int]], new_tokens: int, k: int, dtype: str):
-    spec = SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k) if k else None
+def run(model: str, prompts: list[list[int]], new_tokens: int, k: int, dtype: str,
+        dynamic: bool = True):
+    spec = (SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k, dynamic=dynamic)
+            if k else None)
     engine = Engine(model, PytorchEngineConfig(dtype=dtype, device='cpu'), spec, progress=False)
     start = time.perf_counter()
     seqs = engine.generate(prompts, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True))
@@ -56,6 +61,8 @@ def main():
     parser.add_argument('--prompt-tokens', type=int, default=64)
     parser.add_argument('--new-tokens', type=int, default=64)
     parser.add_argument('--dtype', default='float32')
+    parser.add_argument('--fixed-k', action='store_true',
+                        help='draft exactly k every decode step (default: dynamic k)')
     parser.add_argument('--json', default=None, help='write the results here')
     args = parser.parse_args()
 
@@ -64,14 +71,16 @@ def main():
     plain, _, plain_tps = run(args.model, prompts, args.new_tokens, 0, args.dtype)
     rows = []
     for k in args.ks:
-        outputs, stats, tps = run(args.model, prompts, args.new_tokens, k, args.dtype)
+        outputs, stats, tps = run(args.model, prompts, args.new_tokens, k, args.dtype,
+                                  dynamic=not args.fixed_k)
         per_position = [a / stats.num_drafts for a in stats.accepted_per_position]
         rows.append(dict(k=k, mean_accepted_length=stats.mean_accepted_length,
                          acceptance_rate=stats.acceptance_rate, per_position=per_position,
                          verify_steps=stats.num_drafts, tokens_per_s=tps,
                          equals_plain=sum(o == p for o, p in zip(outputs, plain))))
     print(f'{args.model}: {len(prompts)} held-out prompts x {args.prompt_tokens} tokens, '
-          f'{args.new_tokens} new tokens each, greedy, {args.dtype} on CPU '
+          f'{args.new_tokens} new tokens each, greedy, {args.dtype} on CPU, '
+          f'{"fixed" if args.fixed_k else "dynamic"} k '
           f'(plain: {plain_tps:.0f} tok/s)')
     print('| k | mean accepted length | draft acceptance | per position | outputs = plain |')
     print('|---|---|---|---|---|')
@@ -83,7 +92,8 @@ def main():
         with open(args.json, 'w') as f:
             json.dump(dict(model=args.model, prompts=len(prompts),
                            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                           dtype=args.dtype, plain_tokens_per_s=plain_tps, rows=rows), f, indent=1)
+                           dtype=args.dtype, fixed_k=args.fixed_k, plain_tokens_per_s=plain_tps,
+                           rows=rows), f, indent=1)
 
 
 if __name__ == '__main__':
