@@ -20,6 +20,7 @@ MODEL = 'embedded'
 RNG = random.Random(2222)
 SAMPLED = dict(temperature=0.9, extra_body={'ignore_eos': True})
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
+GREEDY_BODY = {'temperature': 0, 'ignore_eos': True}
 PREFILL = 'lmdeploy_lite_prefill_tokens_total'
 
 
@@ -118,3 +119,26 @@ def test_n_out_of_range_is_a_400_naming_n(spec_server, endpoint, n):
     assert f'n={n}: must be in [1, 16]' in r.json()['error']['message']
     ok = post(spec_server, f'/v1/{endpoint}', {**body, 'n': 2, 'max_tokens': 2}, key=None)
     assert ok.status_code == 200 and [c['index'] for c in ok.json()['choices']] == [0, 1]
+
+
+@pytest.mark.timeout(60)
+def test_a_client_that_leaves_aborts_every_choice(spec_server):
+    """A streamed n=3 request whose client goes away after its first chunks: its three choices
+    end as aborted (none runs to its length) and none keeps running in the engine."""
+    import time
+    abort, length = ('lmdeploy_lite_requests_total{outcome="%s"}' % o for o in ('abort', 'length'))
+    before = scrape(spec_server.url, key=None)
+    payload = {'prompt': fresh(8), 'max_tokens': 110, 'n': 3, 'stream': True, **GREEDY_BODY}
+    with httpx.stream('POST', spec_server.url + '/v1/completions', json=payload,
+                      timeout=60) as r:
+        for seen, line in enumerate(line for line in r.iter_lines() if line.startswith('data')):
+            if seen == 4:
+                break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        after = scrape(spec_server.url, key=None)
+        if after[abort] - before[abort] == 3 and not after['lmdeploy_lite_num_requests_running']:
+            break
+        time.sleep(0.05)
+    assert (after[abort] - before[abort], after[length] - before[length]) == (3, 0)
+    assert after['lmdeploy_lite_num_requests_running'] == 0

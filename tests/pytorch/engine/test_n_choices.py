@@ -10,6 +10,7 @@ fresh prompt of P tokens; dp=2 (mp) puts a group on one rank.
 """
 import queue
 import random
+import time
 
 import pytest
 import torch
@@ -101,6 +102,42 @@ def test_waiting_members_hold_up_no_other_request(dense, alone):
     assert [s.generated_ids for s in group] == [alone(prompt, choice_gen(gen, i))
                                                 for i in range(3)]
     assert later.generated_ids == alone(other, choice_gen(gen, 0))
+
+
+def test_members_past_the_batch_limit_prefill_on_their_own(dense, alone):
+    """max_batch_size=2: the leader forks one member; the other two prefill as ordinary
+    requests once there is room (cache off: their whole prompt), and every choice is still
+    the request alone."""
+    engine = Engine(dense, PytorchEngineConfig(**BASE, max_batch_size=2,
+                                               enable_prefix_caching=False), progress=False)
+    gen = GenerationConfig(max_new_tokens=4, n=4, random_seed=8, **SAMPLED)
+    prompt = fresh(10)
+    outputs = finish(engine, engine.add_group(prompt, gen))
+    assert engine.num_prefill_tokens == (10 - 1 + 2) + 2 * 10
+    assert outputs == [alone(prompt, choice_gen(gen, i)) for i in range(4)]
+
+
+def test_closing_the_stream_aborts_every_choice(dense):
+    """`Pipeline.generate` (the server's path) closed after its first responses: every choice
+    ends 'abort' in the engine, none runs to its length, and no block leaks."""
+    import asyncio
+    import contextlib
+
+    async def first_responses(pipe):
+        gen = GenerationConfig(max_new_tokens=200, n=3, ignore_eos=True)
+        async with contextlib.aclosing(pipe.generate(fresh(6), gen)) as responses:
+            async for _ in responses:
+                return list(pipe.engine.scheduler.running)
+    with pipeline(dense, PytorchEngineConfig(**dict(BASE, session_len=256)),
+                  progress=False) as pipe:
+        seqs = asyncio.run(first_responses(pipe))
+        for _ in range(200):
+            if all(s.is_finished for s in seqs):
+                break
+            time.sleep(0.02)
+        assert len(seqs) == 3 and [s.finish_reason for s in seqs] == ['abort'] * 3
+        assert all(s.num_generated < 200 for s in seqs)
+        pipe.engine.scheduler.bm.check()
 
 
 def test_preempted_aborted_and_early_stopping_members(dense, alone, monkeypatch):
