@@ -200,8 +200,9 @@ def _rank_loop(rank: int, engine, inbox, outbox):
             if out.finished:
                 del request_of[out.seq.seq_id], seq_of[rid]
         # with the results, the prefix cache's news (snapshots kept and dropped, for routing;
-        # its block count) and the rank's prefill token count: the front-end notes it before it hands out the results, so that a
-        # request submitted on a result sees the prefix this step kept
+        # its block count) and the rank's prefill token count: the front-end notes it before
+        # it hands out the results, so that a request submitted on a result sees the prefix
+        # this step kept
         bm = engine.scheduler.bm
         events = bm.snapshots.take_events()
         news = None
