@@ -318,6 +318,10 @@ class PytorchEngineConfig:
     # reuse the KV blocks and linear-attention states of earlier requests' prompt prefixes
     # (README "Prefix caching"); a hit never changes a token
     enable_prefix_caching: bool = True
+    # sequence parallelism inside each TP group (README "Sequence parallelism"): between the TP
+    # linear layers each TP rank keeps 1 / tp of the step's tokens (reduce-scatter after the
+    # row-parallel layers, all-gather before the column-parallel ones); needs tp > 1
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, 'dtype', self.dtype, f'one of {DTYPES}')
@@ -354,6 +358,12 @@ class PytorchEngineConfig:
                f'one of {SSM_STATE_DTYPES}')
         _check(isinstance(self.enable_prefix_caching, bool), 'enable_prefix_caching',
                self.enable_prefix_caching, 'True or False')
+        _check(isinstance(self.sequence_parallel, bool), 'sequence_parallel',
+               self.sequence_parallel, 'True or False')
+        _check(not self.sequence_parallel or self.tp > 1, 'sequence_parallel',
+               self.sequence_parallel,
+               f'False with tp={self.tp}: sequence parallelism splits tokens over the TP ranks, '
+               'so it needs tp > 1')
 
 
 FinishReason = Literal['stop', 'length', 'abort', 'error']

@@ -75,6 +75,10 @@ def _engine_args(p: argparse.ArgumentParser):
                    help="reuse the KV blocks and linear-attention states of earlier requests' "
                         'prompt prefixes (a hit never changes a token); '
                         '--no-enable-prefix-caching: prefill every prompt whole')
+    p.add_argument('--sequence-parallel', action='store_true',
+                   help='sequence parallelism inside each TP group: between the TP linear '
+                        'layers each rank keeps 1/tp of the tokens (norms, residual adds and '
+                        'the MoE dispatch on that share); needs --tp > 1')
     p.add_argument('--max-prefill-token-num', type=int, default=4096,
                    help='tokens one prefill step carries at most while nothing decodes')
     p.add_argument('--max-mixed-token-num', type=int, default=4096,
@@ -170,6 +174,7 @@ def _build(args):
                                         max_prefill_token_num=args.max_prefill_token_num,
                                         max_mixed_token_num=args.max_mixed_token_num,
                                         enable_prefix_caching=args.enable_prefix_caching,
+                                        sequence_parallel=args.sequence_parallel,
                                         **executor_args(args))
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                   do_sample=args.temperature > 0, temperature=args.temperature,
@@ -330,6 +335,7 @@ def _load_and_serve(args) -> int:
                                         max_prefill_token_num=args.max_prefill_token_num,
                                         max_mixed_token_num=args.max_mixed_token_num,
                                         enable_prefix_caching=args.enable_prefix_caching,
+                                        sequence_parallel=args.sequence_parallel,
                                         tp=args.tp, dp=args.dp, ep=args.ep,
                                         **executor_args(args))
     spec = speculative_config(args)

@@ -142,10 +142,13 @@ class CacheConfig:
 @dataclass(frozen=True)
 class DistConfig:
     """lmdeploy's layout: world = dp x tp; attention is TP inside a DP group; with ep > 1 the
-    experts are sharded over the whole world (ep == world)."""
+    experts are sharded over the whole world (ep == world). `sequence_parallel`: between the
+    TP linear layers each TP rank keeps 1 / tp of the step's tokens (nn/sequence_parallel.py);
+    needs tp > 1."""
     tp: int = 1
     dp: int = 1
     ep: int = 1
+    sequence_parallel: bool = False
 
     @property
     def world_size(self) -> int:
@@ -158,6 +161,9 @@ class DistConfig:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f'{name}={value!r}: must be an integer >= 1')
         tp = self.tp
+        if self.sequence_parallel and tp == 1:
+            raise ValueError(f'sequence_parallel=True: needs tp > 1 (tp={tp}); sequence '
+                             'parallelism splits tokens over the TP ranks')
         for what, count in (('num_attention_heads', model.num_attention_heads),
                             ('num_key_value_heads', model.num_key_value_heads),
                             ('linear_num_key_heads', model.linear_num_key_heads),

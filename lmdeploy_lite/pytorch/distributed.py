@@ -204,6 +204,42 @@ class DistContext:
         self.traced('all_gather', group, tensor, lambda g: dist.all_gather(parts, tensor, group=g))
         return torch.stack(parts)
 
+    def gather_rows(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
+        """Sequence parallelism: [N, ...] on each rank -> [size * N, ...], the ranks' rows
+        concatenated in group order (traced as 'all_gather_rows' with the local shape)."""
+        g = self.group(group)
+        if g is None:
+            return tensor
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((self.group_size(group) * tensor.shape[0],) + tensor.shape[1:])
+        self.traced('all_gather_rows', group, tensor,
+                    lambda g: _all_gather_single(out, tensor, group=g))
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
+        """Sequence parallelism: [N, ...] partial sums on each rank -> [N / size, ...], this
+        rank's share of the rows (rank r: rows [r * N / size, (r + 1) * N / size)) of the sum
+        over the group. N must be a multiple of the group size (the StepPlan pads token counts
+        to a multiple of tp): otherwise raises ValueError at once, naming rank, step and op."""
+        g = self.group(group)
+        if g is None:
+            return tensor
+        size = self.group_size(group)
+        if tensor.shape[0] % size:
+            raise ValueError(f'rank {self.rank}, step {self.step}: reduce_scatter on the {group} '
+                             f'group of shape {list(tensor.shape)}: the first dimension must be '
+                             f'a multiple of the group size {size} (token counts come padded '
+                             f'from the StepPlan)')
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((tensor.shape[0] // size,) + tensor.shape[1:])
+        self.traced('reduce_scatter', group, tensor,
+                    lambda g: _reduce_scatter_single(out, tensor, group=g))
+        return out
+
+    def group_size(self, group: str) -> int:
+        g = self.group(group)
+        return 1 if g is None else dist.get_world_size(g)
+
     def broadcast(self, tensor: torch.Tensor, src_local: int, group: str) -> torch.Tensor:
         g = self.group(group)
         if g is None:
@@ -321,6 +357,12 @@ class DistContext:
                                          f'differ at collective #{i}: {detail}')
 
 
+# torch >= 2.11 names them *_single; earlier releases *_tensor (same arguments)
+_all_gather_single = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
+_reduce_scatter_single = (getattr(dist, 'reduce_scatter_single', None)
+                          or dist.reduce_scatter_tensor)
+
+
 def _plan_rank_sets(config: DistConfig) -> list[list[int]]:
     """Every plan group's ranks (DistContext.plan_group), in creation order: the world with
     ep > 1, else one set per TP group."""
@@ -391,6 +433,18 @@ class DraftDistContext:
     def all_gather(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
         real = self._real(group)
         return tensor[None] if real is None else self.parent.all_gather(tensor, real)
+
+    def gather_rows(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
+        real = self._real(group)
+        return tensor if real is None else self.parent.gather_rows(tensor, real)
+
+    def reduce_scatter(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
+        real = self._real(group)
+        return tensor if real is None else self.parent.reduce_scatter(tensor, real)
+
+    def group_size(self, group: str) -> int:
+        real = self._real(group)
+        return 1 if real is None else self.parent.group_size(real)
 
     def broadcast(self, tensor: torch.Tensor, src_local: int, group: str) -> torch.Tensor:
         real = self._real(group)

@@ -33,9 +33,10 @@ from tests.helpers.tiny_models import make_tiny_checkpoint
 # enough heads for tp=4 (the default tiny model has 2 KV heads and 2 linear key heads)
 WIDE = dict(num_key_value_heads=4, linear_num_key_heads=4, linear_num_value_heads=8)
 BLOCK_SIZE, NUM_SPEC = 4, 2
-# two sequences per DP rank, equal lengths on every DP rank (the same collective shapes)
-PROMPTS = {0: [[5, 6, 7, 8, 9, 10, 11], [300, 2, 450, 17, 3]],
-           1: [[20, 21, 22, 23, 24, 25, 26], [100, 101, 102, 103, 104]]}
+# two sequences per DP rank, equal lengths on every DP rank (the same collective shapes); an
+# odd prefill (13 tokens: sequence parallelism pads it to the plan's multiple of tp)
+PROMPTS = {0: [[5, 6, 7, 8, 9, 10, 11], [300, 2, 450, 17, 3, 9]],
+           1: [[20, 21, 22, 23, 24, 25, 26], [100, 101, 102, 103, 104, 105]]}
 DECODES = [[40, 41], [42, 43]]              # 1-token decode steps (fixed, not sampled)
 VERIFY, ACCEPTED = [[50, 51, 52], [53, 54, 55]], [2, 3]
 LAST = [60, 61]
@@ -82,6 +83,7 @@ def run_steps(ctx: DistContext | None, path: str, prompts: list[list[int]]) -> d
             mtp_hidden = mtp(next_ids, hidden, inputs, mtp_caches)
             out['mtp'].append(mtp.compute_logits(mtp_hidden))
             if ctx:
+                out.setdefault('ops', set()).update(op for op, *_ in ctx.trace)
                 ctx.end_step()
     return out
 
@@ -201,6 +203,14 @@ LAYOUTS = [
                  id='moe-tied-vocab510-tp4-ep4'),     # 2-token decodes: 2 TP ranks dispatch 0 rows
     pytest.param(True, dict(per_expert=True, **WIDE), DistConfig(tp=2, dp=2, ep=4),
                  id='moe-tp2-dp2-ep4'),
+    # sequence parallelism (nn/sequence_parallel.py): the target and the MTP head
+    pytest.param(False, {}, DistConfig(tp=2, sequence_parallel=True), id='dense-tp2-sp'),
+    pytest.param(True, {}, DistConfig(tp=2, sequence_parallel=True), id='moe-tp2-sp'),
+    pytest.param(True, dict(tie=True, vocab_size=510, **WIDE),
+                 DistConfig(tp=4, ep=4, sequence_parallel=True),
+                 id='moe-tied-vocab510-tp4-ep4-sp'),     # 2-token decodes: 2 of 4 rows padding
+    pytest.param(True, dict(per_expert=True, **WIDE),
+                 DistConfig(tp=2, dp=2, ep=4, sequence_parallel=True), id='moe-tp2-dp2-ep4-sp'),
 ]
 
 
@@ -213,6 +223,9 @@ def test_tp_ranks_give_single_process_logits(moe, ckpt, config, tmp_path, rank_p
     want = {dp: run_steps(None, path, PROMPTS[dp]) for dp in range(config.dp)}
     for rank, got in enumerate(results):
         assert_same_logits(got, want[rank // config.tp], f'rank {rank} of {config}')
+        # sequence parallelism: reduce-scatters and row gathers replace the all-reduces
+        sp_ops = {'reduce_scatter', 'all_gather_rows'}
+        assert (sp_ops <= got['ops']) == config.sequence_parallel, got['ops']
     for dp in range(config.dp):                                    # TP peers agree exactly
         first = results[dp * config.tp]
         for rank in range(dp * config.tp + 1, (dp + 1) * config.tp):

@@ -10,7 +10,10 @@ keeps them.
 
 With a `dist_ctx` every layer holds this rank's TP shard (nn/linear.py, nn/sharding.py) and
 its MoE its EP experts; the embedding and LM head are vocab-parallel, and `compute_logits` returns
-full-vocab logits on every TP rank.
+full-vocab logits on every TP rank. Sequence-parallel (`DistConfig.sequence_parallel`,
+nn/sequence_parallel.py): the (hidden, residual) pair between layers is this TP rank's share of
+the plan's padded rows, [Tp / tp, H]; each layer all-gathers after its norms, its row-parallel
+layers reduce-scatter, and the model returns the final-normed rows gathered whole, [T, H].
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from ..nn.moe import SparseMoeBlock
 from ..nn.norm import RMSNorm
 from ..nn.token_dispatcher import make_dispatcher
 from ..nn.rotary import RotaryEmbedding
+from ..nn.sequence_parallel import gather, is_sequence_parallel, padded_tokens
 
 
 def build_mlp(config: ModelConfig, dtype: torch.dtype, device, dist_ctx=None) -> nn.Module:
@@ -68,6 +72,8 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 device)
+        self.dist_ctx = dist_ctx
+        self.sequence_parallel = is_sequence_parallel(dist_ctx)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor], cache, inputs: ModelInputs
@@ -75,16 +81,21 @@ class Qwen3_5DecoderLayer(nn.Module):
         """hidden, residual [T, H] (the previous layer's output is their sum; residual None for
         the first layer: hidden is the input) -> (mlp output, residual) whose sum is this layer's
         output. cache: (k_cache, v_cache) or (conv_state, recurrent_state). `residual` is
-        consumed (a fused norm may overwrite it)."""
+        consumed (a fused norm may overwrite it). Sequence-parallel: hidden and residual are
+        this rank's rows [Tp / tp, H], gathered to [Tp, H] after each norm."""
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm(hidden, residual)
+        if self.sequence_parallel:      # whole rows for the column-parallel projections
+            normed = gather(normed, self.dist_ctx)
         if self.layer_type == 'linear_attention':
             mixed = self.linear_attn(normed, cache, inputs)
         else:
             mixed = self.self_attn(normed, rope, cache, inputs)
         normed, residual = self.post_attention_layernorm(mixed, residual)
+        if self.sequence_parallel:
+            normed = gather(normed, self.dist_ctx)
         if self.mlp_takes_sizes:
             return self.mlp(normed, inputs.sizes), residual
         return self.mlp(normed), residual
@@ -100,14 +111,23 @@ class Qwen3_5Model(nn.Module):
             for t in config.layer_types)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope_theta, device)
+        self.dist_ctx = dist_ctx
+        self.sequence_parallel = is_sequence_parallel(dist_ctx)
 
     def forward(self, inputs: ModelInputs, caches, aux_layer_ids: tuple[int, ...] = ()
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[T, H] post-final-norm hidden states; with `aux_layer_ids`, also [T, len(ids), H]:
         transformers' `output_hidden_states[i]` for each id i (0: the embedding output; i < L:
         the residual stream entering layer i, the sum of the (hidden, residual) pair there; L:
-        the final-normed output)."""
-        hidden = self.embed_tokens(inputs.input_ids)
+        the final-normed output). Sequence-parallel: the layers run on this rank's share of the
+        plan's padded rows (`inputs.sizes.tokens`); the output is gathered whole."""
+        if self.sequence_parallel:
+            if aux_layer_ids:
+                raise ValueError('extract_hidden_states with sequence_parallel=True: not '
+                                 'supported (the captured rows must be whole)')
+            hidden = self.embed_tokens(inputs.input_ids, scatter_rows=padded_tokens(inputs))
+        else:
+            hidden = self.embed_tokens(inputs.input_ids)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         residual = None
         captured = {}
@@ -116,6 +136,8 @@ class Qwen3_5Model(nn.Module):
                 captured[idx] = hidden.clone() if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, rope, caches[idx], inputs)
         out = self.norm(hidden, residual)[0]
+        if self.sequence_parallel:      # whole rows for the LM head and the draft
+            out = gather(out, self.dist_ctx)[:inputs.num_tokens]
         if not aux_layer_ids:
             return out
         captured[len(self.layers)] = out

@@ -15,6 +15,10 @@ ep; `DistContext.draft_context`), not the target's: the decoder layer's attentio
 ep > 1, or all of them (each 1 / draft-tp of I) with ep=1; its KV cache holds
 num_key_value_heads / draft-tp heads. fc and the norms are replicated. The shared vocab-parallel
 embedding and LM head keep the target's TP (their collectives run on the target's TP group).
+Sequence-parallel (the draft's DistConfig: the target's flag with a draft tp > 1): the head's
+inputs are cut to this rank's share of the plan's padded rows (`inputs.sizes.tokens`) before
+the norms and fc, the layer runs as the target's do, and the output is gathered whole; a draft
+of tp 1 runs on the whole rows the target returns.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from ..model_inputs import ModelInputs
 from ..nn.linear import ReplicatedLinear
 from ..nn.norm import RMSNorm
 from ..nn.rotary import RotaryEmbedding
+from ..nn.sequence_parallel import gather, is_sequence_parallel, padded_tokens, shard
 from .qwen3_5 import Qwen3_5DecoderLayer
 
 
@@ -47,6 +52,8 @@ class Qwen3_5MTP(nn.Module):
             for _ in range(num_layers))
         self.norm = RMSNorm(hidden, eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(model_config.rotary_dim, model_config.rope_theta, device)
+        self.dist_ctx = dist_ctx
+        self.sequence_parallel = is_sequence_parallel(dist_ctx)
         # shared with the target, deliberately not registered: not part of this module's weights
         self._shared = {'embed_tokens': embed_tokens, 'lm_head': lm_head}
 
@@ -64,14 +71,25 @@ class Qwen3_5MTP(nn.Module):
         post-norm hidden (or this head's previous output when drafting recursively); positions,
         lengths and block tables from `inputs`; `caches[layer_idx]` = this head's (k, v) cache.
         Returns the post-`norm` hidden [T, H]."""
-        hidden = self._layer_input(input_ids, target_hidden)
+        num_rows = padded_tokens(inputs) if self.sequence_parallel else None
+        hidden = self._layer_input(input_ids, target_hidden, num_rows)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         layer_idx %= len(self.layers)
         hidden, residual = self.layers[layer_idx](hidden, None, rope, caches[layer_idx], inputs)
-        return self.norm(hidden, residual)[0]
+        out = self.norm(hidden, residual)[0]
+        if self.sequence_parallel:      # whole rows for the LM head and the next draft step
+            out = gather(out, self.dist_ctx)[:inputs.num_tokens]
+        return out
 
-    def _layer_input(self, input_ids: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
-        embeds = self.pre_fc_norm_embedding(self.embed_tokens(input_ids))
+    def _layer_input(self, input_ids: torch.Tensor, target_hidden: torch.Tensor,
+                     num_rows: int | None = None) -> torch.Tensor:
+        """fc's output [T, H]; sequence-parallel (`num_rows`: the plan's Tp), this rank's share
+        [Tp / tp, H] of it, computed from that share of the inputs only."""
+        embeds = self.embed_tokens(input_ids)
+        if num_rows is not None:
+            embeds = shard(embeds, num_rows, self.dist_ctx)
+            target_hidden = shard(target_hidden, num_rows, self.dist_ctx)
+        embeds = self.pre_fc_norm_embedding(embeds)
         hidden = self.pre_fc_norm_hidden(target_hidden.to(embeds.dtype))
         return self.fc(torch.cat([embeds, hidden], dim=-1))
 

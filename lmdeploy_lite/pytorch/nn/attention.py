@@ -6,7 +6,9 @@ then partial RoPE; paged causal GQA attention (scale head_dim^-0.5); the result 
 
 Tensor parallel: each rank keeps num_heads / tp query heads (q_proj rows cut on whole per-head
 `[q_h | gate_h]` blocks, which are contiguous) and num_kv_heads / tp KV heads (its KV cache holds
-only those); o_proj is row-parallel and all-reduces.
+only those); o_proj is row-parallel and all-reduces. Sequence-parallel (nn/sequence_parallel.py):
+`forward` takes the gathered rows [Tp, H], attends over the first T and returns o_proj's
+reduce-scattered [Tp / tp, H].
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rotary import apply_rotary
+from .sequence_parallel import real_rows, restore_rows
 from .sharding import tp_layout
 
 
@@ -51,8 +54,10 @@ class GatedAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs) -> torch.Tensor:
-        """hidden [T, H]; rope (cos, sin) [T, rotary_dim]; kv_cache (k_cache, v_cache) with this
-        rank's KV heads."""
+        """hidden [T, H] ([Tp, H] sequence-parallel: T real rows, then padding); rope (cos, sin)
+        [T, rotary_dim]; kv_cache (k_cache, v_cache) with this rank's KV heads."""
+        num_rows = hidden.shape[0]
+        hidden = real_rows(hidden, inputs)
         num_tokens = hidden.shape[0]
         if self.qkv_proj is not None:
             q_gate, k, v = self.qkv_proj(hidden)
@@ -67,7 +72,7 @@ class GatedAttention(nn.Module):
         k = apply_rotary(self.k_norm(k), cos, sin)
         out = self.backend.paged_attention(q, k, v, kv_cache[0], kv_cache[1], inputs, self.scale)
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
-        return self.o_proj(out)
+        return self.o_proj(restore_rows(out, num_rows))
 
     def store_kv(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs):

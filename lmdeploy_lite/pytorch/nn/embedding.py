@@ -2,7 +2,7 @@
 
 Each TP rank holds rows `[rank * Vp, (rank + 1) * Vp)` of the `[V, H]` table, Vp = ceil(V / tp)
 (the last rank's missing rows are zeros). The embedding looks up the ids it owns, zeroes the
-others and all-reduces; the LM head scores its rows and all-gathers, so every rank gets the
+others and all-reduces (sequence-parallel: reduce-scatters, `scatter_rows`); the LM head scores its rows and all-gathers, so every rank gets the
 full `[N, V]` logits.
 """
 from __future__ import annotations
@@ -23,14 +23,19 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = sharded_parameter((vocab_size, hidden_size), 0, dist_ctx, dtype, device)
         self.vocab_start = rank * self.weight.shape[0]
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] long -> [T, H]."""
+    def forward(self, input_ids: torch.Tensor, scatter_rows: int | None = None) -> torch.Tensor:
+        """input_ids [T] long -> [T, H]. `scatter_rows` (sequence parallelism, tp > 1): the
+        plan's padded token count Tp; returns this TP rank's share [Tp / tp, H] of the rows
+        (zero rows past T) by a reduce-scatter instead of the all-reduce."""
         if self.tp == 1:
             return F.embedding(input_ids, self.weight)
         local_ids = input_ids - self.vocab_start
         owned = (local_ids >= 0) & (local_ids < self.weight.shape[0])
         out = F.embedding(local_ids.masked_fill(~owned, 0), self.weight)
         out = out.masked_fill(~owned[:, None], 0)
+        if scatter_rows is not None:
+            out = F.pad(out, (0, 0, 0, scatter_rows - out.shape[0]))
+            return self.dist_ctx.reduce_scatter(out, 'tp')
         return self.dist_ctx.all_reduce(out, 'tp')        # exactly one rank contributes each row
 
     def extra_repr(self) -> str:

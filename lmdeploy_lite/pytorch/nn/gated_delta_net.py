@@ -10,7 +10,9 @@ Tensor parallel (qwen3_5.md section 2): in_proj_qkv and conv1d are split by thei
 sections separately (each rank keeps `[q_r | k_r | v_r]`, nk/tp key and nv/tp value heads, so value
 head j still uses key head j // (nv/nk)); z, b, a, A_log and dt_bias by value heads; the gated
 norm's weight is per channel of a head and replicated; out_proj is row-parallel. The state caches
-hold only this rank's channels / heads (conv_dim and nv above are per rank).
+hold only this rank's channels / heads (conv_dim and nv above are per rank). Sequence-parallel
+(nn/sequence_parallel.py): `forward` takes the gathered rows [Tp, H], runs on the first T and
+returns out_proj's reduce-scattered [Tp / tp, H].
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch import nn
 from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import GatedRMSNorm
+from .sequence_parallel import real_rows, restore_rows
 from .sharding import sharded_parameter, tp_layout
 
 
@@ -70,7 +73,10 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, state_cache: tuple[torch.Tensor, torch.Tensor],
                 inputs: ModelInputs) -> torch.Tensor:
-        """hidden [T, H] -> [T, H]; reads/writes `state_cache` as described in model_inputs.py."""
+        """hidden [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H]); reads/writes
+        `state_cache` as described in model_inputs.py."""
+        num_rows = hidden.shape[0]
+        hidden = real_rows(hidden, inputs)
         num_tokens = hidden.shape[0]
         conv_cache, recurrent_cache = state_cache
         if self.in_proj is not None:
@@ -94,4 +100,4 @@ class GatedDeltaNet(nn.Module):
         else:
             out = self.backend.gated_delta_rule_prefill(q, k, v, g, beta, recurrent_cache, inputs)
         out = self.norm(out, z).reshape(num_tokens, -1)
-        return self.out_proj(out)
+        return self.out_proj(restore_rows(out, num_rows))

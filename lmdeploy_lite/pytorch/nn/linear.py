@@ -2,7 +2,8 @@
 
 `ColumnParallelLinear` splits the output features over the TP group (no communication);
 `RowParallelLinear` splits the input features and all-reduces the partial sums in `forward`
-(through `dist_ctx.all_reduce(out, 'tp')`, the traced collective). With `dist_ctx=None` or tp=1
+(through `dist_ctx.all_reduce(out, 'tp')`, the traced collective), or, sequence-parallel,
+reduce-scatters them over the rows (`dist_ctx.reduce_scatter`, nn/sequence_parallel.py). With `dist_ctx=None` or tp=1
 both hold the full weight and skip the collective. Weights are `[out_features, in_features]`, as
 in HF checkpoints; sharded ones carry `weight.shard` (nn/sharding.py) for the loader.
 """
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .sequence_parallel import is_sequence_parallel
 from .sharding import sharded_parameter, tp_layout
 
 
@@ -69,7 +71,9 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """Input features split over the TP group; partial outputs are all-reduced here, unless
-    `reduce_output=False` (the caller adds more partial sums first and reduces once)."""
+    `reduce_output=False` (the caller adds more partial sums first and reduces once).
+    Sequence-parallel: x [N, in / tp] (N a multiple of tp) -> this rank's rows [N / tp, out]
+    of the sum, by a reduce-scatter."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
                  device: torch.device | str, bias: bool = False, dist_ctx=None,
@@ -78,6 +82,7 @@ class RowParallelLinear(nn.Module):
         self.tp, self.tp_rank = tp_layout(dist_ctx)
         _check_divisible('in_features', (in_features,), self.tp)
         self.dist_ctx, self.reduce_output = dist_ctx, reduce_output
+        self.sequence_parallel = self.tp > 1 and is_sequence_parallel(dist_ctx)
         self.in_features, self.out_features = in_features // self.tp, out_features
         self.weight = sharded_parameter((out_features, in_features), 1, dist_ctx, dtype, device)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
@@ -86,7 +91,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight)
         if self.tp > 1 and self.reduce_output:
-            self.dist_ctx.all_reduce(out, 'tp')
+            if self.sequence_parallel:
+                out = self.dist_ctx.reduce_scatter(out, 'tp')
+            else:
+                self.dist_ctx.all_reduce(out, 'tp')
         if self.bias is not None and (self.reduce_output or self.tp_rank == 0):
             out = out + self.bias           # counted once in the (possibly later) sum
         return out

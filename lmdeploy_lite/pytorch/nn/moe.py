@@ -10,7 +10,9 @@ TP-sharded (column gate/up, row down). Routed experts: with ep == 1 and tp > 1 e
 intermediate dim is split over TP like a SwiGLU MLP; with ep > 1 (== world) whole experts are
 sharded over EP and, under tp > 1, each TP rank dispatches only its 1/tp of the (identical)
 tokens. Either way every TP rank ends with a partial sum of routed + shared, and the block
-all-reduces that sum exactly once over TP.
+all-reduces that sum exactly once over TP. Sequence-parallel (nn/sequence_parallel.py): x is the
+gathered [Tp, H] (Tp = `sizes.tokens`), the one reduction is a reduce-scatter to this rank's
+[Tp / tp, H], and with EP the rows TP rank r dispatches are exactly its own token shard.
 
 Sizes of an EP forward: all from the step's StepPlan, carried by `ModelInputs.sizes`
 (`ForwardSizes`, model_inputs.py), never from module state: the local rows are padded to the
@@ -30,6 +32,7 @@ from ..model_inputs import ForwardSizes
 from .linear import FusedColumnLinear, ReplicatedLinear
 from .mlp import SwiGLUMLP
 from .norm import compute_dtype
+from .sequence_parallel import is_sequence_parallel
 from .sharding import sharded_parameter, tp_layout
 from .token_dispatcher import GroupedRows, TopKRows
 
@@ -109,6 +112,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.dist_ctx = dist_ctx
         self.tp, self.tp_rank = tp_layout(dist_ctx)
+        self.sequence_parallel = self.tp > 1 and is_sequence_parallel(dist_ctx)
         self.gate = TopKRouter(hidden_size, num_experts, top_k, dtype, device)
         self.dispatcher = dispatcher            # None: all experts local (no EP)
         first, local = ((dispatcher.first_expert, dispatcher.experts_per_rank) if dispatcher
@@ -134,7 +138,8 @@ class SparseMoeBlock(nn.Module):
         mlp.fused_by_parent = True
 
     def forward(self, x: torch.Tensor, sizes: ForwardSizes | None = None) -> torch.Tensor:
-        """x [T, H] -> [T, H]; `sizes`: the step's (ModelInputs.sizes), required with EP."""
+        """x [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H]); `sizes`: the
+        step's (ModelInputs.sizes), required with EP."""
         if self.in_proj is not None:
             logits, shared_gate, shared_gate_up = self.in_proj(x)
             weights, ids = self.gate.route(logits)
@@ -147,6 +152,8 @@ class SparseMoeBlock(nn.Module):
         else:
             routed = self._routed_by_ep(x, weights, ids, sizes)
         out = routed + torch.sigmoid(shared_gate) * shared
+        if self.sequence_parallel:      # the one reduction, to this rank's token shard
+            return self.dist_ctx.reduce_scatter(out, 'tp')
         if self.tp > 1:     # the one reduction: routed and shared partial sums together
             self.dist_ctx.all_reduce(out, 'tp')
         return out

@@ -48,20 +48,27 @@ def draft_model_dir(spec: SpeculativeConfig, model_path: str) -> str:
 
 def draft_dist_config(spec: SpeculativeConfig, target: DistConfig) -> DistConfig:
     """The draft's own layout: SpeculativeConfig.tp / .ep where given, else the target's; dp is
-    always the target's."""
-    return DistConfig(tp=target.tp if spec.tp is None else spec.tp, dp=target.dp,
-                      ep=target.ep if spec.ep is None else spec.ep)
+    always the target's; sequence parallelism the target's where the draft's tp > 1 (a draft
+    of tp 1 runs on whole rows)."""
+    tp = target.tp if spec.tp is None else spec.tp
+    return DistConfig(tp=tp, dp=target.dp, ep=target.ep if spec.ep is None else spec.ep,
+                      sequence_parallel=target.sequence_parallel and tp > 1)
 
 
 def check_speculative_config(spec: SpeculativeConfig, model_path: str,
                              target: DistConfig | None = None, load_format: str = 'auto'):
     """Errors a user can act on, raised at startup before any rank starts. `target`: the
     target's layout (default one rank)."""
+    target = target or DistConfig()
     if spec.method == 'extract_hidden_states':
+        if target.sequence_parallel:
+            raise ValueError("SpeculativeConfig(method='extract_hidden_states') with "
+                             'PytorchEngineConfig(sequence_parallel=True): not supported (the '
+                             'captured rows are whole, sequence parallelism splits them over '
+                             'the TP ranks); set sequence_parallel=False to extract')
         check_extraction(spec, ModelConfig.from_pretrained(model_path).num_layers)
     if spec.method != 'qwen3_5_mtp':
         return
-    target = target or DistConfig()
     if spec.tp is not None and target.tp % spec.tp:
         divisors = [d for d in range(1, target.tp + 1) if target.tp % d == 0]
         raise ValueError(f"SpeculativeConfig.tp={spec.tp}: must divide the target's "

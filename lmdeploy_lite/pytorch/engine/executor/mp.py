@@ -277,7 +277,7 @@ class RemoteEngineLoop:
                  speculative_config: SpeculativeConfig | None = None, env: dict | None = None,
                  worker_hook: Callable | None = None):
         cfg = engine_config
-        self.dist_config = DistConfig(cfg.tp, cfg.dp, cfg.ep)
+        self.dist_config = DistConfig(cfg.tp, cfg.dp, cfg.ep, cfg.sequence_parallel)
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.dist_config.validate(self.model_config, num_devices=None)
         if speculative_config is not None:
