@@ -88,6 +88,20 @@ def run_steps(ctx: DistContext | None, path: str, prompts: list[list[int]]) -> d
     return out
 
 
+def feed_unaligned(ctx: DistContext, path: str, prompts) -> dict:
+    """A reduce-scatter of 3 rows on the TP group (not a multiple of tp): the check must raise
+    before any collective runs (so no rank waits)."""
+    ctx.begin_step(7)
+    try:
+        ctx.reduce_scatter(torch.zeros(3, 4), 'tp')
+    except ValueError as e:
+        return {'error': str(e), 'trace': list(ctx.trace)}
+    return {'error': None}
+
+
+TASKS = {'run_steps': run_steps, 'feed_unaligned': feed_unaligned}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
@@ -100,11 +114,11 @@ def _pool_worker(inbox, outbox):
     os.environ['LMDEPLOY_LITE_CHECK_COLLECTIVES'] = '1'
     os.environ['LMDEPLOY_LITE_DIST_TIMEOUT'] = '30'
     torch.set_num_threads(1)
-    for rank, config, port, path, out_dir in iter(inbox.get, None):
+    for rank, config, port, path, out_dir, task in iter(inbox.get, None):
         ctx, error = None, None
         try:
             ctx = DistContext.init(config, rank, f'tcp://127.0.0.1:{port}')
-            result = run_steps(ctx, path, PROMPTS[ctx.dp_rank])
+            result = TASKS[task](ctx, path, PROMPTS[ctx.dp_rank])
             torch.save(result, os.path.join(out_dir, f'rank{rank}.pt'))
         except BaseException:
             error = traceback.format_exc()
@@ -134,14 +148,15 @@ class RankPool:
             self.procs.append(proc)
             self.inboxes.append(inbox)
 
-    def run(self, config: DistConfig, path: str, out_dir: str, timeout: float = 240) -> list:
-        """Every rank's run_steps result for this layout (or an AssertionError naming the ranks
-        that failed, with their tracebacks, or that did not finish within `timeout` s)."""
+    def run(self, config: DistConfig, path: str, out_dir: str, timeout: float = 240,
+            task: str = 'run_steps') -> list:
+        """Every rank's `TASKS[task]` result for this layout (or an AssertionError naming the
+        ranks that failed, with their tracebacks, or that did not finish within `timeout` s)."""
         world = config.world_size
         self._grow(world)
         port = _free_port()
         for rank in range(world):
-            self.inboxes[rank].put((rank, config, port, path, out_dir))
+            self.inboxes[rank].put((rank, config, port, path, out_dir, task))
         errors, finished, deadline = {}, set(), time.monotonic() + timeout
         while len(finished) < world:
             try:
@@ -232,6 +247,21 @@ def test_tp_ranks_give_single_process_logits(moe, ckpt, config, tmp_path, rank_p
             for key in ('target', 'mtp'):
                 assert all(torch.equal(a, b) for a, b in zip(results[rank][key], first[key])), \
                     f'TP ranks {dp * config.tp} and {rank} disagree on the {key} logits'
+
+
+@pytest.mark.timeout(120)
+def test_an_unaligned_reduce_scatter_raises_at_once_naming_rank_step_and_op(tmp_path,
+                                                                            rank_pool):
+    start = time.monotonic()
+    results = rank_pool.run(DistConfig(tp=2, sequence_parallel=True), '', str(tmp_path),
+                            timeout=60, task='feed_unaligned')
+    assert time.monotonic() - start < 60
+    for rank, result in enumerate(results):
+        assert result['error'] == (
+            f'rank {rank}, step 7: reduce_scatter on the tp group of shape [3, 4]: the first '
+            'dimension must be a multiple of the group size 2 (token counts come padded from '
+            'the StepPlan)'), result
+        assert result['trace'] == []                     # raised before any collective ran
 
 
 # ---- single-process checks of the sharding itself (no process group is needed to build) ----
