@@ -10,7 +10,8 @@ of the draft's tp ranks, for 1 < draft tp < tp) or none (draft tp=1), and whose 
 EP group or none (draft ep=1). On CUDA (`init(..., device=cuda:i)`)
 every multi-rank group also gets an NCCL twin with the same ranks, and `traced` runs a
 collective of a CUDA tensor on the twin, of a CPU tensor on the gloo group: the StepPlan gather,
-the inbox broadcast and the trace check stay on gloo, TP all-reduces and EP all-to-alls of
+the inbox broadcast and the trace check stay on gloo, TP all-reduces (sequence-parallel:
+reduce-scatters and row all-gathers, `reduce_scatter` / `gather_rows`) and EP all-to-alls of
 activations go over NCCL. Each collective is recorded per step as (op, group, shape, dtype) —
 variable first dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
 (DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest
