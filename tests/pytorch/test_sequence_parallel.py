@@ -115,7 +115,7 @@ def test_bad_configs_fail_before_any_process_starts(tiny_ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"extract_hidden_states.*sequence_parallel=True"):
         pipeline(tiny_ckpt(False), PytorchEngineConfig(tp=2, sequence_parallel=True, **TINY),
                  extract, progress=False)
-    assert threading.active_count() == before
+    assert threading.active_count() <= before        # (earlier tests' threads may end now)
     assert multiprocessing.active_children() == []
 
 
