@@ -85,7 +85,8 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
                        *(n + 16 for n in ttft_lens)])
     cfg = PytorchEngineConfig(enable_prefix_caching=args.enable_prefix_caching,
                               dtype=args.dtype, device=args.device, tp=args.tp, dp=args.dp,
-                              ep=args.ep, max_batch_size=max(batch_sizes), session_len=session_len,
+                              ep=args.ep, sequence_parallel=args.sequence_parallel,
+                              max_batch_size=max(batch_sizes), session_len=session_len,
                               max_prefill_token_num=args.max_prefill_tokens,
                               load_format=load_format, seed=args.seed,
                               eager_mode=args.eager_mode, async_scheduling=args.async_scheduling,
@@ -152,6 +153,8 @@ def main():
     parser.add_argument('--tp', type=int, default=1)
     parser.add_argument('--dp', type=int, default=1)
     parser.add_argument('--ep', type=int, default=1)
+    parser.add_argument('--sequence-parallel', action='store_true',
+                        help='sequence parallelism inside the TP groups (needs --tp > 1)')
     parser.add_argument('--spec-ks', default='0', help='MTP draft tokens per run (0: plain AR)')
     parser.add_argument('--synthetic-acceptance', default=None,
                         help='draft i accepted with these conditional rates (random weights '
