@@ -40,7 +40,9 @@ class ForwardSizes:
     divides it, e.g. the draft's).
 
     tokens:      this rank's tokens rounded up to a multiple of tp; an EP MoE pads its rows to it,
-                 so each of its TP ranks dispatches exactly tokens / tp rows;
+                 so each of its TP ranks dispatches exactly tokens / tp rows; sequence
+                 parallelism splits exactly this many rows over the TP ranks
+                 (nn/sequence_parallel.py);
     max_tokens:  the largest `tokens` of any rank in this forward (an idle rank's dummy
                  included): the EP dispatch capacity is max_tokens / tp tokens per rank;
     seqs, max_seqs: the same two for a forward of one token per sequence (the MTP draft steps
@@ -84,7 +86,7 @@ class ModelInputs:
                                    # that DeepEP runs in normal mode: the graphs hold its
                                    # low-latency kernels)
     sizes: ForwardSizes | None = None   # from the StepPlan (the engine sets it); required by
-                                        # an EP forward, unused otherwise
+                                        # an EP or sequence-parallel forward, unused otherwise
     # speculative decoding (strategies/ar_spec) only:
     draft_tokens: torch.Tensor | None = None    # [B, k] long, drafts proposed on the host (ngram);
                                                 # None: the drafts are on the device already
