@@ -15,8 +15,9 @@ reduce-scatters and row all-gathers, `reduce_scatter` / `gather_rows`) and EP al
 activations go over NCCL. Each collective is recorded per step as (op, group, shape, dtype) —
 variable first dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
 (DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest
-comparison on a separate check group, and a mismatch raises CollectiveMismatch naming the first
-collective that differs. Which ranks advance together is `plan_group` (the StepPlan's group, for
+comparison on a separate check group, and so does every collective across DP ranks before it
+runs (gloo aborts the process on a size mismatch, so afterwards is too late); a mismatch raises
+CollectiveMismatch naming the first collective that differs. Which ranks advance together is `plan_group` (the StepPlan's group, for
 the engine and the executors alike): the world with ep > 1, whose MoE all-to-alls join every
 rank; each TP group with ep = 1, whose DP ranks share no collective inside a step and so run as
 independent engines; the check group spans the same ranks. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
@@ -279,6 +280,10 @@ class DistContext:
         shape = (-1,) + tuple(tensor.shape[1:]) if variable else tuple(tensor.shape)
         entry = (op, group, shape, str(tensor.dtype).replace('torch.', ''))
         self.trace.append(entry)
+        if self.check and not variable and group not in TP_LOCAL_GROUPS:
+            # a collective across DP ranks whose shapes must agree: compared before it runs,
+            # since gloo aborts the process on a size mismatch (vllm-ascend #9689's "8 vs 4")
+            self.compare_traces(before=True)
         process_group = self.group(group)
         if tensor.is_cuda and self.device_groups.get(group) is not None:
             process_group = self.device_groups[group]
@@ -316,27 +321,32 @@ class DistContext:
         if self.check and len(self.plan_ranks) > 1:
             self.compare_traces()
 
-    def compare_traces(self, failed: tuple | None = None):
+    def compare_traces(self, failed: tuple | None = None, before: bool = False):
         """Compare this step's collective sequences across the plan group (the ranks that share
         collectives: the world with ep > 1, else this TP group) on the check group; raise
         CollectiveMismatch on the first difference. Collectives on groups that span DP ranks
-        must agree on every rank in (op, group, dtype) and every dimension but the token count
-        (DP ranks legitimately carry different numbers of tokens); TP peers (same DP rank) must
+        must agree on every rank in (op, group, shape, dtype) (a first dimension that DP ranks
+        may differ in is recorded as -1: all-to-all payloads); TP peers (same DP rank) must
         agree exactly on everything, their own TP-group collectives included. `failed`: this
-        rank's collective that just failed (marks its trace)."""
+        rank's collective that just failed (marks its trace). `before`: the comparison that
+        precedes a cross-DP collective (its entry is the trace's last), so that a rank about to
+        post another collective, or one of another shape, is named before the backend sees it;
+        a rank at another point of its step (its end, another collective) is a difference too,
+        since every comparison exchanges the same [3] tensor: (where, cross-DP, full digests)."""
         ranks = self.plan_ranks
         if len(ranks) == 1:
             return
         record = list(self.trace) + ([('<timed out here>',)] if failed else [])
-        mine = torch.tensor([_digest(_cross_dp(record)), _digest(record)], dtype=torch.int64)
+        mine = torch.tensor([int(before), _digest(_cross_dp(record)), _digest(record)],
+                            dtype=torch.int64)
         check = self.group('check')
         digests = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(digests, mine, group=check)
 
         def tp_leader(i: int) -> int:       # position of ranks[i]'s TP rank 0 (ranks are a range)
             return i - ranks[i] % self.config.tp
-        same_coarse = all(int(d[0]) == int(digests[0][0]) for d in digests)
-        same_fine = all(int(d[1]) == int(digests[tp_leader(i)][1]) for i, d in enumerate(digests))
+        same_coarse = all(d[:2].tolist() == digests[0][:2].tolist() for d in digests)
+        same_fine = all(int(d[2]) == int(digests[tp_leader(i)][2]) for i, d in enumerate(digests))
         if same_coarse and same_fine:
             return
         traces = [None] * len(ranks)
@@ -377,17 +387,10 @@ TP_LOCAL_GROUPS = ('tp', 'draft_tp')     # groups inside one DP rank's TP group
 
 
 def _cross_dp(record: list) -> list:
-    """What every rank must agree on: the collectives of groups that span DP ranks, without
-    their token dimension."""
-    return [_coarse(e) for e in record if len(e) < 4 or e[1] not in TP_LOCAL_GROUPS]
-
-
-def _coarse(entry: tuple) -> tuple:
-    """The entry without its token dimension (the first), which DP ranks may differ in."""
-    if len(entry) < 4:
-        return entry
-    op, group, shape, dtype = entry
-    return (op, group, tuple(shape[1:]), dtype)
+    """What every rank must agree on: the collectives of groups that span DP ranks, shapes
+    included (a collective whose first dimension may differ between ranks, an all-to-all's
+    payload, is recorded with -1 there: `traced`'s `variable`)."""
+    return [e for e in record if len(e) < 4 or e[1] not in TP_LOCAL_GROUPS]
 
 
 def _digest(record: list) -> int:

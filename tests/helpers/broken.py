@@ -100,3 +100,18 @@ def second_metadata_gather(engine):
             engine.dist.all_gather(torch.zeros(8, dtype=torch.int64), engine.dist.plan_group)
         return result
     engine.agent.step = step
+
+
+def metadata_gather_per_rank_shape(engine):
+    """Every rank posts a second DP metadata gather after its step's forward, of a shape that
+    depends on its work: [8] int64 on a rank with work, [4] on an idle rank's dummy step -- the
+    exact failure of vllm-ascend #9689 (gloo: "8 vs 4"), which gloo answers by aborting the
+    process once the gather runs."""
+    real = engine.agent.step
+
+    def step(inputs, sampling):
+        result = real(inputs, sampling)
+        size = 4 if inputs.is_dummy else 8
+        engine.dist.all_gather(torch.zeros(size, dtype=torch.int64), engine.dist.plan_group)
+        return result
+    engine.agent.step = step
