@@ -19,6 +19,7 @@ context only, not a GPU figure.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import tempfile
@@ -53,8 +54,8 @@ def decode_inputs(batch: int, tp: int) -> ModelInputs:
     ids = torch.arange(batch) % 1000 + 10
     tokens, seqs = round_up(batch, tp), round_up(batch, tp)
     return ModelInputs(
-        input_ids=ids, positions=torch.full((batch,), HISTORY), q_lens=torch.ones(batch, dtype=torch.long),
-        history_lens=torch.full((batch,), HISTORY),
+        input_ids=ids, positions=torch.full((batch,), HISTORY),
+        q_lens=torch.ones(batch, dtype=torch.long), history_lens=torch.full((batch,), HISTORY),
         block_tables=torch.arange(batch * 2).view(batch, 2), state_slots=torch.arange(batch),
         state_index=torch.zeros(batch, dtype=torch.long), is_decoding=True, uniform_q_len=1,
         sizes=ForwardSizes(tokens, tokens, seqs, seqs))
@@ -125,7 +126,6 @@ def main():
             config['num_experts'] = args.experts
         shrunk.append(note)
         with tempfile.TemporaryDirectory() as path:
-            import json
             with open(os.path.join(path, 'config.json'), 'w') as f:
                 json.dump(config, f)
             results = spawn.Queue()

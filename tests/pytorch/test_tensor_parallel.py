@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from lmdeploy_lite.messages import SpeculativeConfig
 from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
@@ -27,6 +28,7 @@ from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.models.loader import build_model, load_mtp_weights, load_weights
 from lmdeploy_lite.pytorch.models.qwen3_5 import Qwen3_5ForCausalLM
 from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
+from lmdeploy_lite.pytorch.spec_decode.build import draft_dist_config
 from tests.helpers.step_inputs import make_inputs, shuffled_block_tables
 from tests.helpers.tiny_models import make_tiny_checkpoint
 
@@ -42,21 +44,26 @@ VERIFY, ACCEPTED = [[50, 51, 52], [53, 54, 55]], [2, 3]
 LAST = [60, 61]
 
 
-def run_steps(ctx: DistContext | None, path: str, prompts: list[list[int]]) -> dict:
-    """Target + MTP over prefill, decodes, a verify (partially accepted) and a decode.
+def run_steps(ctx: DistContext | None, path: str, prompts: list[list[int]],
+              draft_tp: int | None = None) -> dict:
+    """Target + MTP over prefill, decodes, a verify (partially accepted) and a decode; the MTP
+    head at `draft_tp` (default: the target's tp; spec_decode/build.draft_dist_config).
     Returns {'target': [logits [T, V] per step], 'mtp': [...]} (float64, full vocab)."""
     tp = ctx.config.tp if ctx else 1
     model = build_model(path, torch.float64, 'cpu', progress=False, dist_ctx=ctx)
     config = model.config
+    mtp_ctx = ctx
+    if ctx and draft_tp:
+        mtp_ctx = ctx.draft_context(draft_dist_config(SpeculativeConfig(tp=draft_tp), ctx.config))
     mtp = Qwen3_5MTP(config, torch.float64, 'cpu', model.embed_tokens, model.lm_head,
-                     dist_ctx=ctx)
+                     dist_ctx=mtp_ctx)
     load_mtp_weights(mtp, path, progress=False)
     mtp.eval()
     cache_config = CacheConfig(block_size=BLOCK_SIZE, num_blocks=24, num_state_slots=3,
                                num_spec_tokens=NUM_SPEC)
     caches = CacheEngine(config, cache_config, torch.float64, 'cpu', tp=tp)
     mtp_caches = CacheEngine(config, cache_config, torch.float64, 'cpu',
-                             layer_types=('full_attention',), tp=tp)
+                             layer_types=('full_attention',), tp=mtp_ctx.config.tp if ctx else 1)
     tables = shuffled_block_tables(len(prompts), 5, seed=3)
     slots = [1, 2]
     steps = [(prompts, [0, 0], [0, 0], False)]
@@ -84,6 +91,7 @@ def run_steps(ctx: DistContext | None, path: str, prompts: list[list[int]]) -> d
             out['mtp'].append(mtp.compute_logits(mtp_hidden))
             if ctx:
                 out.setdefault('ops', set()).update(op for op, *_ in ctx.trace)
+                out.setdefault('op_groups', set()).update(e[:2] for e in ctx.trace)
                 ctx.end_step()
     return out
 
@@ -99,7 +107,12 @@ def feed_unaligned(ctx: DistContext, path: str, prompts) -> dict:
     return {'error': None}
 
 
-TASKS = {'run_steps': run_steps, 'feed_unaligned': feed_unaligned}
+def run_steps_draft_tp2(ctx: DistContext, path: str, prompts) -> dict:
+    return run_steps(ctx, path, prompts, draft_tp=2)
+
+
+TASKS = {'run_steps': run_steps, 'feed_unaligned': feed_unaligned,
+         'run_steps_draft_tp2': run_steps_draft_tp2}
 
 
 def _free_port() -> int:
@@ -247,6 +260,20 @@ def test_tp_ranks_give_single_process_logits(moe, ckpt, config, tmp_path, rank_p
             for key in ('target', 'mtp'):
                 assert all(torch.equal(a, b) for a, b in zip(results[rank][key], first[key])), \
                     f'TP ranks {dp * config.tp} and {rank} disagree on the {key} logits'
+
+
+@pytest.mark.timeout(400)
+def test_sp_target_tp4_with_a_draft_of_tp2_gives_single_process_logits(tmp_path, rank_pool):
+    """Sequence parallelism in a draft of 1 < tp < the target's: the MTP head runs on its
+    'draft_tp' sub-group's share of the plan's rows (a multiple of the target's tp=4, so of 2)."""
+    path = make_tiny_checkpoint(str(tmp_path), moe=True, **WIDE)
+    config = DistConfig(tp=4, sequence_parallel=True)
+    results = rank_pool.run(config, path, str(tmp_path), task='run_steps_draft_tp2')
+    want = run_steps(None, path, PROMPTS[0])
+    for rank, got in enumerate(results):
+        assert_same_logits(got, want, f'rank {rank} of {config}, draft tp=2')
+        assert {('reduce_scatter', 'draft_tp'), ('all_gather_rows', 'draft_tp'),
+                ('reduce_scatter', 'tp')} <= got['op_groups'], got['op_groups']
 
 
 @pytest.mark.timeout(120)
