@@ -22,7 +22,9 @@ On a CPU device nothing is captured and a call runs `fn` eagerly on the padded s
 """
 from __future__ import annotations
 
+import gc
 import logging
+
 import torch
 
 from ...model_inputs import ForwardSizes, ModelInputs
@@ -101,8 +103,17 @@ class GraphRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             start = len(self.recorder.trace) if self.recorder is not None else 0
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[batch] = self._run_static(batch)
+            # no garbage collection inside the capture: it may free another engine's graphs,
+            # and destroying a graph while a stream captures invalidates the capture
+            # (torch.cuda.graph collects once before it starts)
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[batch] = self._run_static(batch)
+            finally:
+                if collecting:
+                    gc.enable()
             if self.recorder is not None:
                 self.traces[batch] = list(self.recorder.trace[start:])
             if self.pool is None:
