@@ -11,7 +11,8 @@ from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Response,
                                     SpeculativeConfig, TokenLogprobs, short_repr)
-from lmdeploy_lite.pytorch.engine.engine import Engine, StepOutput
+from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.step_output import StepOutput
 from lmdeploy_lite.pytorch.engine.engine_loop import Channel, EngineLoop
 from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
 from lmdeploy_lite.tokenizer import load_tokenizer

@@ -13,7 +13,7 @@ import torch
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig
 from lmdeploy_lite.pytorch.config import DistConfig
 from lmdeploy_lite.pytorch.distributed import CollectiveTimeout, DistContext
-from lmdeploy_lite.pytorch.engine.engine import InFlight
+from lmdeploy_lite.pytorch.engine.step_output import InFlight
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
 from lmdeploy_lite.pytorch.engine.step_plan import FIELDS
 from lmdeploy_lite.pytorch.engine.model_agent import StepResult

@@ -18,7 +18,6 @@ import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass
 
 import torch
 
@@ -33,6 +32,8 @@ from lmdeploy_lite.pytorch.engine.hidden_states import HiddenStatesWriter, check
 from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
 from lmdeploy_lite.pytorch.engine.sequence import Sequence, request_error
+from lmdeploy_lite.pytorch.engine.step_output import (InFlight, StepOutput, host_logprobs,
+                                                     row_logprobs)
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes, ModelInputs
@@ -51,116 +52,6 @@ logger = logging.getLogger('lmdeploy_lite')
 WRITE_POLL_S = 0.01      # an idle engine waits this long for a hidden-states file per step
 _DTYPES = {'float32': torch.float32, 'float64': torch.float64, 'bfloat16': torch.bfloat16,
            'float16': torch.float16}
-
-
-class StepOutput:
-    """One sequence's result of one step, as it stood at the end of that step. The thread that
-    consumes it may run a step or more behind the engine (async scheduling makes the last step
-    of a batch nearly free), so nothing a consumer reads may come from the live Sequence: the
-    fields are copied when the output is made (the speculative counters as a tuple,
-    `stats_snapshot`, made into a SpecDecodeStats only when read; the mp/ray ranks send it
-    home as it is). `logprobs` (a request that asked for them, GenerationConfig.logprobs = N):
-    one (logprob, top N ids, their logprobs) per new token, plain lists; else None."""
-    __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated', 'error',
-                 'stats_snapshot', 'num_cached_tokens', 'hidden_states_path', 'logprobs')
-
-    def __init__(self, seq: Sequence, new_token_ids: list[int],
-                 logprobs: list[tuple[float, list[int], list[float]]] | None = None):
-        self.seq = seq                          # identity only: its fields move on
-        self.new_token_ids = new_token_ids      # tokens emitted this step (none: a non-final chunk)
-        self.logprobs = logprobs
-        self.finished = seq.is_finished
-        self.finish_reason = seq.finish_reason
-        self.num_generated = seq.num_generated
-        self.error = seq.error if seq.finish_reason == 'error' else None   # why, with 'error'
-        self.num_cached_tokens = seq.num_cached_tokens      # prompt tokens from the prefix cache
-        self.hidden_states_path = None          # extract_hidden_states: set once written
-        stats = seq.spec_stats
-        self.stats_snapshot = (None if not stats.num_drafts else
-                               (stats.num_drafts, stats.num_draft_tokens,
-                                stats.num_accepted_tokens, tuple(stats.accepted_per_position),
-                                tuple(stats.drafted_per_position)))
-
-    @property
-    def spec_stats(self) -> SpecDecodeStats | None:
-        """The request's speculative counters so far; None until its first draft."""
-        return spec_stats_of(self.stats_snapshot)
-
-
-def spec_stats_of(snapshot: tuple | None) -> SpecDecodeStats | None:
-    """`StepOutput.stats_snapshot` (None before the first draft) as a SpecDecodeStats."""
-    if snapshot is None:
-        return None
-    drafts, draft_tokens, accepted, per_position, drafted = snapshot
-    return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position), list(drafted))
-
-
-@dataclass
-class InFlight:
-    """A launched step: its batch, inputs and device results (the next decode step's inputs
-    derive from them), and the results' copies on their way to the host (`host`: every tensor
-    of the StepResult)."""
-    batch: ScheduledBatch
-    inputs: ModelInputs
-    result: StepResult
-    host: StepResult
-    copied: torch.cuda.Event | None
-
-    @classmethod
-    def launch(cls, batch, inputs, result: StepResult) -> 'InFlight':
-        """Start the non-blocking device-to-host copies of the emitted tokens, counts and
-        logprobs (and of the extracted hidden states: a fresh tensor each step, not cloned on
-        the CPU)."""
-        tensors = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
-        if result.output_tokens.device.type != 'cuda':
-            host = {k: t.clone() if t is not None and k != 'hidden_states' else t
-                    for k, t in tensors.items()}
-            return cls(batch, inputs, result, StepResult(**host), None)
-        host = {k: None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                .copy_(t, non_blocking=True) for k, t in tensors.items()}
-        copied = torch.cuda.Event()
-        copied.record()
-        return cls(batch, inputs, result, StepResult(**host), copied)
-
-    def host_result(self, dist: DistContext | None = None) -> StepResult:
-        """The results on the host. A CUDA copy is awaited by polling its event for at most the
-        collective timeout (LMDEPLOY_LITE_DIST_TIMEOUT): a peer that never joins one of the
-        step's device collectives (NCCL, DeepEP) stalls the stream, and the wait then ends in
-        CollectiveTimeout naming rank (`dist`'s), step and operation instead of hanging."""
-        if self.copied is not None and not self.copied.query():
-            import time
-
-            from lmdeploy_lite.pytorch.distributed import (ENV_TIMEOUT, CollectiveTimeout,
-                                                           dist_timeout_s)
-            timeout, start = dist_timeout_s(), time.monotonic()
-            while not self.copied.query():
-                waited = time.monotonic() - start
-                if waited > timeout:
-                    where = f'rank {dist.rank}, step {dist.step}' if dist else 'this rank'
-                    raise CollectiveTimeout(
-                        f'{where}: waiting for the step\'s results on the device (the copy '
-                        f'after its collectives) timed out after {timeout:g} s ({ENV_TIMEOUT})')
-                time.sleep(0 if waited < 0.1 else 0.001)    # spin as synchronize() would, then nap
-        return self.host
-
-
-def _host_logprobs(result: StepResult) -> tuple[list, list, list] | None:
-    """A host StepResult's logprobs as lists [B][n], top ids and top logprobs [B][n][N]; None
-    when the step computed none."""
-    if result.logprobs is None:
-        return None
-    return result.logprobs.tolist(), result.top_ids.tolist(), result.top_logprobs.tolist()
-
-
-def _row_logprobs(logprobs: tuple[list, list, list] | None, row: int, num_emitted: int,
-                  num_top: int | None) -> list[tuple[float, list[int], list[float]]] | None:
-    """Row `row`'s first `num_emitted` tokens' (logprob, top ids, top logprobs), the top lists
-    cut to the request's `num_top` (None: it asked for none)."""
-    if logprobs is None or num_top is None:
-        return None
-    chosen, top_ids, top_logprobs = (part[row] for part in logprobs)
-    return [(chosen[j], top_ids[j][:num_top], top_logprobs[j][:num_top])
-            for j in range(num_emitted)]
 
 
 def resolve_device(device: str) -> torch.device:
@@ -585,7 +476,7 @@ class Engine:
         request's last output waits for its file (`_written`)."""
         tokens = result.output_tokens.tolist()
         hidden, start = result.hidden_states, 0
-        logprobs = _host_logprobs(result)
+        logprobs = host_logprobs(result)
         verified = result.num_accepted_drafts is not None
         accepted = result.num_accepted_drafts.tolist() if verified else [None] * len(tokens)
         row_drafts = batch.row_drafts or [None] * len(tokens)
@@ -604,11 +495,11 @@ class Engine:
                 computed, emitted = self.strategy.emitted(seq, q_len, samples, row, num_accepted,
                                                           num_drafts)
                 emitted = self.scheduler.update(seq, computed, emitted)
-                row_logprobs = _row_logprobs(logprobs, i, len(emitted), seq.gen_config.logprobs)
+                entries = row_logprobs(logprobs, i, len(emitted), seq.gen_config.logprobs)
                 if hidden is not None and seq.is_finished:
-                    self.hidden_states.finish(seq, StepOutput(seq, emitted, row_logprobs))
+                    self.hidden_states.finish(seq, StepOutput(seq, emitted, entries))
                 elif emitted or seq.is_finished:     # a non-final prefill chunk has no news
-                    outputs.append(StepOutput(seq, emitted, row_logprobs))
+                    outputs.append(StepOutput(seq, emitted, entries))
             except Exception as e:
                 del seq.token_ids[num_tokens:]   # what it emitted before this step stands
                 self.fail_request(seq, e)

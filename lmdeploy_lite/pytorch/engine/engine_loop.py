@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from lmdeploy_lite.messages import GenerationConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine, StepOutput
+from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.step_output import StepOutput
 from lmdeploy_lite.pytorch.engine.hidden_states import check_request_id
 from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence, request_error
 

@@ -54,7 +54,7 @@ import torch.multiprocessing as mp
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
-from lmdeploy_lite.pytorch.engine.engine import StepOutput, spec_stats_of
+from lmdeploy_lite.pytorch.engine.step_output import StepOutput, spec_stats_of
 from lmdeploy_lite.pytorch.engine.hidden_states import check_request_id
 from lmdeploy_lite.pytorch.engine.engine_loop import Sink, check_group, hand_out
 from lmdeploy_lite.pytorch.engine.prefix_cache import block_keys, longest_cached

@@ -1,0 +1,126 @@
+"""What a step hands back: the device results on their way to the host (`InFlight`), and each
+sequence's result as the consumers see it (`StepOutput`), copied off the live Sequence so that
+a consumer a step or more behind the engine (async scheduling, the mp/ray reports) reads the
+step as it stood.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lmdeploy_lite.messages import SpecDecodeStats
+from lmdeploy_lite.pytorch.distributed import (ENV_TIMEOUT, CollectiveTimeout, DistContext,
+                                               dist_timeout_s)
+from lmdeploy_lite.pytorch.engine.model_agent import StepResult
+from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch
+from lmdeploy_lite.pytorch.engine.sequence import Sequence
+from lmdeploy_lite.pytorch.model_inputs import ModelInputs
+
+
+class StepOutput:
+    """One sequence's result of one step, as it stood at the end of that step. The thread that
+    consumes it may run a step or more behind the engine (async scheduling makes the last step
+    of a batch nearly free), so nothing a consumer reads may come from the live Sequence: the
+    fields are copied when the output is made (the speculative counters as a tuple,
+    `stats_snapshot`, made into a SpecDecodeStats only when read; the mp/ray ranks send it
+    home as it is). `logprobs` (a request that asked for them, GenerationConfig.logprobs = N):
+    one (logprob, top N ids, their logprobs) per new token, plain lists; else None."""
+    __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated', 'error',
+                 'stats_snapshot', 'num_cached_tokens', 'hidden_states_path', 'logprobs')
+
+    def __init__(self, seq: Sequence, new_token_ids: list[int],
+                 logprobs: list[tuple[float, list[int], list[float]]] | None = None):
+        self.seq = seq                          # identity only: its fields move on
+        self.new_token_ids = new_token_ids      # tokens emitted this step (none: a non-final chunk)
+        self.logprobs = logprobs
+        self.finished = seq.is_finished
+        self.finish_reason = seq.finish_reason
+        self.num_generated = seq.num_generated
+        self.error = seq.error if seq.finish_reason == 'error' else None   # why, with 'error'
+        self.num_cached_tokens = seq.num_cached_tokens      # prompt tokens from the prefix cache
+        self.hidden_states_path = None          # extract_hidden_states: set once written
+        stats = seq.spec_stats
+        self.stats_snapshot = (None if not stats.num_drafts else
+                               (stats.num_drafts, stats.num_draft_tokens,
+                                stats.num_accepted_tokens, tuple(stats.accepted_per_position),
+                                tuple(stats.drafted_per_position)))
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """The request's speculative counters so far; None until its first draft."""
+        return spec_stats_of(self.stats_snapshot)
+
+
+def spec_stats_of(snapshot: tuple | None) -> SpecDecodeStats | None:
+    """`StepOutput.stats_snapshot` (None before the first draft) as a SpecDecodeStats."""
+    if snapshot is None:
+        return None
+    drafts, draft_tokens, accepted, per_position, drafted = snapshot
+    return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position), list(drafted))
+
+
+@dataclass
+class InFlight:
+    """A launched step: its batch, inputs and device results (the next decode step's inputs
+    derive from them), and the results' copies on their way to the host (`host`: every tensor
+    of the StepResult)."""
+    batch: ScheduledBatch
+    inputs: ModelInputs
+    result: StepResult
+    host: StepResult
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def launch(cls, batch, inputs, result: StepResult) -> 'InFlight':
+        """Start the non-blocking device-to-host copies of the emitted tokens, counts and
+        logprobs (and of the extracted hidden states: a fresh tensor each step, not cloned on
+        the CPU)."""
+        tensors = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
+        if result.output_tokens.device.type != 'cuda':
+            host = {k: t.clone() if t is not None and k != 'hidden_states' else t
+                    for k, t in tensors.items()}
+            return cls(batch, inputs, result, StepResult(**host), None)
+        host = {k: None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                .copy_(t, non_blocking=True) for k, t in tensors.items()}
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(batch, inputs, result, StepResult(**host), copied)
+
+    def host_result(self, dist: DistContext | None = None) -> StepResult:
+        """The results on the host. A CUDA copy is awaited by polling its event for at most the
+        collective timeout (LMDEPLOY_LITE_DIST_TIMEOUT): a peer that never joins one of the
+        step's device collectives (NCCL, DeepEP) stalls the stream, and the wait then ends in
+        CollectiveTimeout naming rank (`dist`'s), step and operation instead of hanging."""
+        if self.copied is not None and not self.copied.query():
+            timeout, start = dist_timeout_s(), time.monotonic()
+            while not self.copied.query():
+                waited = time.monotonic() - start
+                if waited > timeout:
+                    where = f'rank {dist.rank}, step {dist.step}' if dist else 'this rank'
+                    raise CollectiveTimeout(
+                        f'{where}: waiting for the step\'s results on the device (the copy '
+                        f'after its collectives) timed out after {timeout:g} s ({ENV_TIMEOUT})')
+                time.sleep(0 if waited < 0.1 else 0.001)    # spin as synchronize() would, then nap
+        return self.host
+
+
+def host_logprobs(result: StepResult) -> tuple[list, list, list] | None:
+    """A host StepResult's logprobs as lists [B][n], top ids and top logprobs [B][n][N]; None
+    when the step computed none."""
+    if result.logprobs is None:
+        return None
+    return result.logprobs.tolist(), result.top_ids.tolist(), result.top_logprobs.tolist()
+
+
+def row_logprobs(logprobs: tuple[list, list, list] | None, row: int, num_emitted: int,
+                  num_top: int | None) -> list[tuple[float, list[int], list[float]]] | None:
+    """Row `row`'s first `num_emitted` tokens' (logprob, top ids, top logprobs), the top lists
+    cut to the request's `num_top` (None: it asked for none)."""
+    if logprobs is None or num_top is None:
+        return None
+    chosen, top_ids, top_logprobs = (part[row] for part in logprobs)
+    return [(chosen[j], top_ids[j][:num_top], top_logprobs[j][:num_top])
+            for j in range(num_emitted)]
