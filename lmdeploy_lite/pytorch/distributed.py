@@ -12,7 +12,8 @@ every multi-rank group also gets an NCCL twin with the same ranks, and `traced` 
 collective of a CUDA tensor on the twin, of a CPU tensor on the gloo group: the StepPlan gather,
 the inbox broadcast and the trace check stay on gloo, TP all-reduces (sequence-parallel:
 reduce-scatters and row all-gathers, `reduce_scatter` / `gather_rows`) and EP all-to-alls of
-activations go over NCCL. Each collective is recorded per step as (op, group, shape, dtype) —
+activations go over NCCL (small TP sums of a decode step on the one-shot peer-memory
+all-reduce instead, where it can be set up: backends/cuda/peer_all_reduce.py). Each collective is recorded per step as (op, group, shape, dtype) —
 variable first dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
 (DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest
 comparison on a separate check group, and so does every collective across DP ranks before it
@@ -75,6 +76,9 @@ class DistContext:
     max_tokens_per_rank: int | None = None
     nccl_device: torch.device | None = None     # CUDA ranks: where the NCCL twins live
     nccl_twins: dict = field(default_factory=dict)   # tuple(ranks) -> NCCL group
+    # group name -> PeerAllReduce (backends/cuda/peer_all_reduce.py): the one-shot all-reduce
+    # of small CUDA tensors over NVLink peer memory ('tp' on CUDA ranks, where it can be set up)
+    peer_reduce: dict = field(default_factory=dict)
     check: bool = False
     step: int = 0
     trace: list = field(default_factory=list)
@@ -145,6 +149,11 @@ class DistContext:
             ctx.add_group('dp', [d * tp + t for d in range(dp)])
         if config.ep > 1:
             ctx.add_group('ep', world, dist.group.WORLD)
+        if ctx.nccl_device is not None and tp > 1:        # every rank of each TP group at once
+            from lmdeploy_lite.pytorch.backends.cuda.peer_all_reduce import PeerAllReduce
+            peer = PeerAllReduce.create(ctx.device_groups['tp'], tp, ctx.nccl_device)
+            if peer is not None:
+                ctx.peer_reduce['tp'] = peer
         return ctx
 
     def add_group(self, name: str, ranks: list[int], group=None):
@@ -189,10 +198,18 @@ class DistContext:
 
     # ---- traced collectives ---------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, group: str, op: str = 'sum') -> torch.Tensor:
+        """The group's reduction of `tensor`: `tensor` itself, reduced in place (gloo, NCCL),
+        or a new tensor (a small CUDA sum on the one-shot peer-memory all-reduce): use the
+        returned one."""
         reduce_op = {'sum': dist.ReduceOp.SUM, 'min': dist.ReduceOp.MIN,
                      'max': dist.ReduceOp.MAX}[op]
         if self.group(group) is None:
             return tensor
+        peer = self.peer_reduce.get(group)
+        if peer is not None and op == 'sum' and tensor.is_cuda and peer.can_reduce(tensor):
+            out = []
+            self.traced('all_reduce', group, tensor, lambda g: out.append(peer.all_reduce(tensor)))
+            return out[0]
         self.traced('all_reduce', group, tensor,
                   lambda g: dist.all_reduce(tensor, op=reduce_op, group=g))
         return tensor

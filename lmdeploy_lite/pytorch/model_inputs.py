@@ -57,11 +57,13 @@ class ForwardSizes:
     low_latency: bool = False
 
     @classmethod
-    def captured(cls, num_tokens: int, num_seqs: int) -> 'ForwardSizes':
-        """A CUDA-graph bucket's forward: graphs hold decode steps with tp = 1, whose EP runs
-        DeepEP's low-latency kernels on its start-up capacity (checked per step against the
-        plan: nn/token_dispatcher.prepare_dispatch)."""
-        return cls(num_tokens, num_tokens, num_seqs, num_seqs, low_latency=True)
+    def captured(cls, num_tokens: int, num_seqs: int, tp: int = 1) -> 'ForwardSizes':
+        """A CUDA-graph bucket's forward (every rank of the plan replays the same bucket):
+        its counts rounded up to a multiple of tp as the plan rounds them; EP runs DeepEP's
+        low-latency kernels on its start-up capacity (checked per step against the plan:
+        nn/token_dispatcher.prepare_dispatch)."""
+        tokens, seqs = -(-num_tokens // tp) * tp, -(-num_seqs // tp) * tp
+        return cls(tokens, tokens, seqs, seqs, low_latency=True)
 
     def one_token_per_seq(self) -> 'ForwardSizes':
         return replace(self, tokens=self.seqs, max_tokens=self.max_seqs)

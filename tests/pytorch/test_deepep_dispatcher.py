@@ -53,6 +53,23 @@ def test_factory_falls_back_to_all_to_all_on_cpu(monkeypatch):
     assert not uses_deep_ep(ctx)
 
 
+def test_the_drafts_meta_footprint_chooses_no_transport(monkeypatch):
+    """The draft's footprint is measured on a meta-device build with the draft's own layout
+    (spec_decode/build.draft_footprint): with DeepEP forced that build must not ask for DeepEP
+    (it raised 'the device is meta' at every dp2 ep2 engine start on the GPUs)."""
+    from lmdeploy_lite.messages import SpeculativeConfig
+    from lmdeploy_lite.pytorch.config import ModelConfig
+    from lmdeploy_lite.pytorch.spec_decode.build import draft_footprint
+    from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
+    monkeypatch.setenv(ENV_DISPATCHER, 'deepep')
+    assert isinstance(make_dispatcher(ep_context(), 4, 64, 2, 16, 'meta', torch.bfloat16),
+                      AllToAllDispatcher)
+    config = ModelConfig.from_pretrained(EMBEDDED_MODEL_DIR)
+    footprint = draft_footprint(SpeculativeConfig(num_speculative_tokens=3), config,
+                                torch.bfloat16, DistConfig(dp=2, ep=2))
+    assert footprint.num_kv_layers == 1 and footprint.weight_bytes > 0
+
+
 def test_dispatch_capacity_default_and_override(monkeypatch):
     monkeypatch.delenv(ENV_CAPACITY, raising=False)
     assert dispatch_capacity(64, 3) == 256

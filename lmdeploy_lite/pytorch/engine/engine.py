@@ -189,10 +189,11 @@ class Engine:
                     self.cache_config.block_size)
 
     def _enable_graphs(self, max_positions: int):
-        """CUDA graphs for decode steps when every collective inside a forward can be captured:
-        none (tp = ep = 1), or EP through DeepEP's low-latency kernels, which the graphs hold
-        (decode steps in which every rank decodes; others run eagerly in normal mode). TP
-        all-reduces and the all-to-all dispatcher (host-side counts) run eagerly."""
+        """CUDA graphs for decode steps, their device collectives captured with them: TP
+        all-reduces (and sequence parallelism's reduce-scatters and row gathers) on NCCL or the
+        one-shot peer-memory all-reduce (distributed.py), and EP through DeepEP's low-latency
+        kernels (decode steps in which every rank decodes; others run eagerly in normal mode).
+        The all-to-all dispatcher (host-side counts) runs eagerly."""
         layout = self.dist.config
         if self.dtype == torch.float64:     # float64 runs the plain-PyTorch ops, not capturable
             logger.info('CUDA graphs off: float64 runs decode steps eagerly')
@@ -201,9 +202,9 @@ class Engine:
             logger.info('CUDA graphs off: extract_hidden_states runs decode steps eagerly')
             return
         deep_ep = layout.ep > 1 and uses_deep_ep(self.dist)
-        if layout.tp > 1 or (layout.ep > 1 and not deep_ep):
-            logger.info('CUDA graphs off: tp=%d ep=%d (%s) run decode steps eagerly', layout.tp,
-                        layout.ep, 'DeepEP' if deep_ep else 'all-to-all dispatch')
+        if layout.ep > 1 and not deep_ep:
+            logger.info('CUDA graphs off: ep=%d dispatches by all-to-all (host-side counts); '
+                        'decode steps run eagerly', layout.ep)
             return
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
         block_size = self.cache_config.block_size
@@ -211,7 +212,7 @@ class Engine:
                          dummy_table_width(1 + self.num_spec_tokens))
         if deep_ep:             # every rank captures the same buckets in the same order
             most = self.engine_config.max_batch_size * (1 + self.num_spec_tokens)
-            prepare_dispatch(self.dist, ForwardSizes.captured(most, most))
+            prepare_dispatch(self.dist, ForwardSizes.captured(most, most, layout.tp))
         self.agent.enable_graphs(batch_buckets(self.engine_config.max_batch_size), max_blocks,
                                  recorder=self.dist)
 

@@ -94,7 +94,7 @@ class RowParallelLinear(nn.Module):
             if self.sequence_parallel:
                 out = self.dist_ctx.reduce_scatter(out, 'tp')
             else:
-                self.dist_ctx.all_reduce(out, 'tp')
+                out = self.dist_ctx.all_reduce(out, 'tp')
         if self.bias is not None and (self.reduce_output or self.tp_rank == 0):
             out = out + self.bias           # counted once in the (possibly later) sum
         return out

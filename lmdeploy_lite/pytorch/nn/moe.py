@@ -155,7 +155,7 @@ class SparseMoeBlock(nn.Module):
         if self.sequence_parallel:      # the one reduction, to this rank's token shard
             return self.dist_ctx.reduce_scatter(out, 'tp')
         if self.tp > 1:     # the one reduction: routed and shared partial sums together
-            self.dist_ctx.all_reduce(out, 'tp')
+            out = self.dist_ctx.all_reduce(out, 'tp')
         return out
 
     def _routed_by_ep(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -82,6 +82,10 @@ def make_dispatcher(dist_ctx, num_experts: int, hidden_size: int, top_k: int,
     choice = os.environ.get(ENV_DISPATCHER, 'auto')
     if choice not in DISPATCHERS:
         raise ValueError(f'{ENV_DISPATCHER}={choice!r}: must be one of {DISPATCHERS}')
+    if torch.device(device).type == 'meta':
+        # a model built on the meta device only measures its weights (the draft's footprint,
+        # spec_decode/build.py): nothing is ever dispatched, so no transport is chosen or checked
+        return AllToAllDispatcher(dist_ctx, num_experts)
     reason = None
     if choice == 'alltoall':
         reason = f'{ENV_DISPATCHER}=alltoall'

@@ -13,7 +13,11 @@ captured with it; since replay runs no Python, the runner keeps the collective-t
 capture recorded (`recorder`: the DistContext) and appends them on each replay, so the per-step
 trace check sees the same sequence whether a step replays or runs eagerly. Every rank replays in
 the same steps: the bucket is a function of the plan, and `inputs.graphable` (False when EP runs
-DeepEP's normal mode this step) is the same on every rank. Padding sequences are shaped like the dummy inputs of an idle rank: history 0, every
+DeepEP's normal mode this step) is the same on every rank. Under TP the captured token counts
+are rounded up to a multiple of tp as the plan rounds them (`ForwardSizes.captured`), and the
+TP collectives (NCCL, or the one-shot peer-memory all-reduce) replay inside the graph. A capture
+only forbids unsafe CUDA calls on its own thread (`capture_error_mode='thread_local'`): NCCL's
+watchdog thread keeps polling its events meanwhile. Padding sequences are shaped like the dummy inputs of an idle rank: history 0, every
 block-table entry the reserved block 0, the reserved state row 0 — their writes land where no
 real sequence reads, and attention/recurrence are per sequence, so real rows are unaffected.
 
@@ -49,7 +53,10 @@ class GraphRunner:
                  extras: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
                  pool=None, recorder=None):
         self.fn, self.name, self.q_len = fn, name, q_len
-        self.recorder = recorder           # has `.trace`: a list of collective-trace entries
+        # the DistContext (or None): `.trace`, the collective-trace entries replays extend,
+        # and `.config.tp`, the multiple the captured token counts are rounded up to
+        self.recorder = recorder
+        self.tp = recorder.config.tp if recorder is not None else 1
         self.traces: dict[int, list] = {}  # bucket -> the entries its capture recorded
         self.buckets = sorted(buckets)
         self.max_blocks = max_blocks
@@ -81,7 +88,7 @@ class GraphRunner:
             q_lens=self.q_lens[:batch], history_lens=self.history_lens[:batch],
             block_tables=self.block_tables[:batch], state_slots=self.state_slots[:batch],
             state_index=self.state_index[:batch], is_decoding=True, uniform_q_len=self.q_len,
-            sizes=ForwardSizes.captured(tokens, batch))
+            sizes=ForwardSizes.captured(tokens, batch, self.tp))
 
     def _run_static(self, batch: int) -> torch.Tensor:
         # graphs: inputs built once (their cached derived values are functions of shapes only);
@@ -109,7 +116,7 @@ class GraphRunner:
             collecting = gc.isenabled()
             gc.disable()
             try:
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode='thread_local'):
                     self.outputs[batch] = self._run_static(batch)
             finally:
                 if collecting:
