@@ -21,10 +21,12 @@ full-attention layer; the gated-delta chunks are not counted) / TTFT / `--peak-t
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 import torch
-from bench_spec import synthetic_rejection_sampler
+from bench_spec import first_ids_map, synthetic_rejection_sampler
 from common import (add_model_args, environment, output_path, print_table, release_memory,
                     resolve_model, save_json, timed_decode)
 
@@ -35,6 +37,37 @@ DECODE_COLUMNS = ['layout', 'spec_k', 'batch', 'pipeline_tok_s', 'pipeline_all_t
                   'loop_tok_s', 'overhead_pct',
                   'loop_step_ms', 'mean_accepted_len']
 TTFT_COLUMNS = ['spec_k', 'prompt_len', 'ttft_ms', 'prefill_tok_s', 'tflops', 'mfu_pct']
+
+
+SYNTHETIC_ENV = 'LMDEPLOY_LITE_BENCH_SYNTHETIC_ACCEPTANCE'    # LMDEPLOY_LITE_*: reaches ranks
+
+
+def install_synthetic_acceptance(engine):
+    """mp worker hook (top-level: pickled by reference): this rank verifies with the synthetic
+    acceptance rates of $LMDEPLOY_LITE_BENCH_SYNTHETIC_ACCEPTANCE (TP peers draw alike, and
+    take TP rank 0's result anyway)."""
+    rates = [float(r) for r in os.environ[SYNTHETIC_ENV].split(',')]
+    engine.agent.rejection_sampler = synthetic_rejection_sampler(rates)
+
+
+@contextlib.contextmanager
+def synthetic_acceptance_on_ranks(rates: list[float] | None):
+    """While a multi-rank pipeline starts: its mp ranks run `install_synthetic_acceptance`."""
+    if not rates:
+        yield
+        return
+    from lmdeploy_lite.pytorch.engine.executor import mp as mp_executor
+    real = mp_executor.MPEngineLoop
+
+    class SyntheticLoop(real):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, worker_hook=install_synthetic_acceptance, **kwargs)
+    os.environ[SYNTHETIC_ENV] = ','.join(map(str, rates))
+    mp_executor.MPEngineLoop = SyntheticLoop
+    try:
+        yield
+    finally:
+        mp_executor.MPEngineLoop = real
 
 
 def prompts_of(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -93,12 +126,12 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
                               ssm_state_dtype=args.ssm_state_dtype,
                               **({} if args.max_mixed_tokens is None
                                  else {'max_mixed_token_num': args.max_mixed_tokens}))
-    spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    pipe = pipeline(model_dir, backend_config=cfg, speculative_config=spec, progress=False)
+    spec = (SpeculativeConfig(num_speculative_tokens=k, dynamic=args.dynamic_k,
+                              draft_token_map=args.token_map) if k else None)
+    with synthetic_acceptance_on_ranks(rates if k else None):
+        pipe = pipeline(model_dir, backend_config=cfg, speculative_config=spec, progress=False)
     engine = pipe.engine                           # None with the mp/ray executors
-    if k and rates:
-        if engine is None:
-            raise ValueError('--synthetic-acceptance needs one rank (tp = dp = 1)')
+    if k and rates and engine is not None:
         engine.agent.rejection_sampler = synthetic_rejection_sampler(rates)
     config = ModelConfig.from_pretrained(model_dir)
     vocab = config.vocab_size
@@ -159,6 +192,10 @@ def main():
     parser.add_argument('--synthetic-acceptance', default=None,
                         help='draft i accepted with these conditional rates (random weights '
                              'accept nothing), e.g. 0.8,0.6,0.5')
+    parser.add_argument('--dynamic-k', action=argparse.BooleanOptionalAction, default=True,
+                        help='SpeculativeConfig.dynamic (--no-dynamic-k: a fixed k)')
+    parser.add_argument('--token-map-size', type=int, default=None, metavar='N',
+                        help='MTP drafts over the first N ids (dummy weights; bench_spec.py)')
     parser.add_argument('--batch-sizes', default='1,16,64')
     parser.add_argument('--prompt-len', type=int, default=128)
     parser.add_argument('--new-tokens', type=int, default=256)
@@ -180,6 +217,9 @@ def main():
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)
+    args.token_map = None
+    if args.token_map_size is not None:
+        args.token_map = first_ids_map(parser, args, model_dir, load_format)
     rates = ([float(r) for r in args.synthetic_acceptance.split(',')]
              if args.synthetic_acceptance else None)
     rows, ttft_rows = [], []

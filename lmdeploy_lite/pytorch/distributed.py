@@ -12,8 +12,8 @@ every multi-rank group also gets an NCCL twin with the same ranks, and `traced` 
 collective of a CUDA tensor on the twin, of a CPU tensor on the gloo group: the StepPlan gather,
 the inbox broadcast and the trace check stay on gloo, TP all-reduces (sequence-parallel:
 reduce-scatters and row all-gathers, `reduce_scatter` / `gather_rows`) and EP all-to-alls of
-activations go over NCCL (small TP sums of a decode step on the one-shot peer-memory
-all-reduce instead, where it can be set up: backends/cuda/peer_all_reduce.py). Each collective is recorded per step as (op, group, shape, dtype) —
+activations go over NCCL (small TP sums on a one-shot peer-memory all-reduce instead with
+LMDEPLOY_LITE_TP_ALLREDUCE=oneshot: backends/cuda/peer_all_reduce.py). Each collective is recorded per step as (op, group, shape, dtype) —
 variable first dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
 (DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest
 comparison on a separate check group, and so does every collective across DP ranks before it
@@ -77,7 +77,7 @@ class DistContext:
     nccl_device: torch.device | None = None     # CUDA ranks: where the NCCL twins live
     nccl_twins: dict = field(default_factory=dict)   # tuple(ranks) -> NCCL group
     # group name -> PeerAllReduce (backends/cuda/peer_all_reduce.py): the one-shot all-reduce
-    # of small CUDA tensors over NVLink peer memory ('tp' on CUDA ranks, where it can be set up)
+    # of small CUDA tensors over NVLink peer memory ('tp' on CUDA ranks, when chosen)
     peer_reduce: dict = field(default_factory=dict)
     check: bool = False
     step: int = 0

@@ -1,20 +1,22 @@
 """A one-shot all-reduce over NVLink peer memory for the small messages of decode steps.
 
 Each rank copies its tensor into a buffer that every rank of the group can read (torch's
-symmetric memory: CUDA IPC over NVLink, no multicast), the ranks meet at a barrier in that
-memory, and each one reads every peer's copy and adds them up: one kernel, no NCCL proxy and
-no host work, so it replays inside a CUDA graph. NCCL's ring spends its latency on protocol
-steps that a few KB do not need; lmdeploy, vLLM and SGLang use such a kernel for small
-messages for the same reason. Larger messages (prefill) go to NCCL, which is faster there.
+symmetric memory, `torch.ops.symm_mem.one_shot_all_reduce_copy`: CUDA IPC over NVLink, no
+multicast), the ranks meet at a barrier in that memory, and each one reads every peer's copy
+and adds them up: one kernel and no host work, so it replays inside a CUDA graph. lmdeploy,
+vLLM and SGLang use such kernels for small messages; here NCCL, captured in the same graphs,
+measured faster (below). Larger messages (prefill) always go to NCCL.
 
-`LMDEPLOY_LITE_TP_ALLREDUCE` picks: `auto` (default: one-shot up to `MAX_BYTES_ENV` bytes,
-default 1 MiB, NCCL above), `oneshot` (the same; start-up fails if it cannot be set up) or
-`nccl` (never one-shot). The sum adds the ranks' values in rank order in float32 (bf16 inputs)
-or float32 itself, so two ranks give exactly NCCL's bits (one addition, commutative); with
-more ranks the order may differ from NCCL's ring.
+`LMDEPLOY_LITE_TP_ALLREDUCE` picks: `nccl` (default: NCCL for every size) or `oneshot`
+(one-shot up to `MAX_BYTES_ENV` bytes, default 1 MiB, NCCL above; start-up fails if it cannot
+be set up). Measured inside the decode graphs on two H100s (NV18, 0.8B shape, bf16; BENCHMARKS.md
+"Tensor parallelism with CUDA graphs"): torch's one-shot kernel took 1.88 / 3.01 ms per step at
+batch 1 / 64 against NCCL's 1.81 / 2.69, so NCCL is the default and the one-shot stays as an
+option to measure on other machines. With two ranks a sum is one addition whichever kernel
+adds, so the bits are NCCL's; with more ranks the order of the additions may differ.
 
-Supported: bfloat16 and float32 tensors of a CUDA group of 2, 4 or 8 ranks; anything else
-returns None from `PeerAllReduce.create` / falls back per call (`can_reduce`).
+Supported: bfloat16 and float32 tensors of a CUDA group of 2, 4 or 8 ranks; other tensors go
+to NCCL per call (`can_reduce`).
 """
 from __future__ import annotations
 
@@ -27,12 +29,12 @@ logger = logging.getLogger('lmdeploy_lite')
 
 MODE_ENV = 'LMDEPLOY_LITE_TP_ALLREDUCE'
 MAX_BYTES_ENV = 'LMDEPLOY_LITE_ONESHOT_MAX_BYTES'
-MODES = ('auto', 'oneshot', 'nccl')
+MODES = ('nccl', 'oneshot')
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
 def mode() -> str:
-    value = os.environ.get(MODE_ENV, 'auto')
+    value = os.environ.get(MODE_ENV, 'nccl')
     if value not in MODES:
         raise ValueError(f'{MODE_ENV}={value!r}: must be one of {MODES}')
     return value
@@ -55,27 +57,20 @@ class PeerAllReduce:
 
     @classmethod
     def create(cls, group, size: int, device: torch.device) -> 'PeerAllReduce | None':
-        """Set up on every rank of `group` at once (the rendezvous is a collective); None when
-        the mode is `nccl` or the group or machine cannot (the reason is logged; `oneshot`
-        raises instead)."""
-        chosen = mode()
-        if chosen == 'nccl':
+        """Set up on every rank of `group` at once (the rendezvous is a collective); None in
+        the `nccl` mode. Raises RuntimeError naming the reason when it cannot be set up."""
+        if mode() == 'nccl':
             return None
         try:
             if size not in (2, 4, 8):
                 raise RuntimeError(f'group of {size} ranks (the kernel takes 2, 4 or 8)')
             import torch.distributed._symmetric_memory as symm_mem
             limit = max_bytes()
-            if hasattr(symm_mem, 'enable_symm_mem_for_group'):   # needed before torch 2.9
-                symm_mem.enable_symm_mem_for_group(group.group_name)
             buffer = symm_mem.empty(limit, dtype=torch.uint8, device=device)
             symm_mem.rendezvous(buffer, group.group_name)
-        except Exception as e:          # noqa: BLE001 - any failure means: NCCL does it
-            if chosen == 'oneshot':
-                raise RuntimeError(f'{MODE_ENV}=oneshot: the peer-memory all-reduce cannot be '
-                                   f'set up: {e}') from e
-            logger.info('TP all-reduce on NCCL only: one-shot peer memory unavailable (%s)', e)
-            return None
+        except Exception as e:          # noqa: BLE001 - whatever failed, name it
+            raise RuntimeError(f'{MODE_ENV}=oneshot: the peer-memory all-reduce cannot be set '
+                               f'up: {e}') from e
         logger.info('TP all-reduce: one-shot over peer memory up to %d bytes, NCCL above', limit)
         return cls(group, buffer, limit)
 
