@@ -116,10 +116,12 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
                        args.prompt_len + (args.loop_steps + args.warmup_steps + 2
                                           + max(batch_sizes)) * (k + 1) + 16,   # + the stagger
                        *(n + 16 for n in ttft_lens)])
+    # a batch is spread over the DP ranks (the front-end routes to the least loaded one)
+    per_rank_batch = -(-max(batch_sizes) // args.dp)
     cfg = PytorchEngineConfig(enable_prefix_caching=args.enable_prefix_caching,
                               dtype=args.dtype, device=args.device, tp=args.tp, dp=args.dp,
                               ep=args.ep, sequence_parallel=args.sequence_parallel,
-                              max_batch_size=max(batch_sizes), session_len=session_len,
+                              max_batch_size=per_rank_batch, session_len=session_len,
                               max_prefill_token_num=args.max_prefill_tokens,
                               load_format=load_format, seed=args.seed,
                               eager_mode=args.eager_mode, async_scheduling=args.async_scheduling,
