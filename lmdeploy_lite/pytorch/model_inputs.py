@@ -49,19 +49,25 @@ class ForwardSizes:
                  after the first: `one_token_per_seq()`);
     low_latency: DeepEP's mode for the step: low-latency (fixed capacity, CUDA graphs) when
                  every rank with work decodes, else normal.
+    sequence_parallel: this forward splits its rows over the TP ranks (nn/sequence_parallel.py):
+                 layers built for sequence parallelism run it only where this says so. The
+                 engine sets it for prefill and mixed steps (`Engine._make_inputs`); decode steps
+                 (and so their CUDA graphs) run plain TP, where an all-reduce per sub-layer is
+                 cheaper than a reduce-scatter and an all-gather (BENCHMARKS.md).
     """
     tokens: int
     max_tokens: int
     seqs: int
     max_seqs: int
     low_latency: bool = False
+    sequence_parallel: bool = False
 
     @classmethod
     def captured(cls, num_tokens: int, num_seqs: int, tp: int = 1) -> 'ForwardSizes':
         """A CUDA-graph bucket's forward (every rank of the plan replays the same bucket):
         its counts rounded up to a multiple of tp as the plan rounds them; EP runs DeepEP's
         low-latency kernels on its start-up capacity (checked per step against the plan:
-        nn/token_dispatcher.prepare_dispatch)."""
+        nn/token_dispatcher.prepare_dispatch); no sequence parallelism (a decode step)."""
         tokens, seqs = -(-num_tokens // tp) * tp, -(-num_seqs // tp) * tp
         return cls(tokens, tokens, seqs, seqs, low_latency=True)
 

@@ -80,7 +80,9 @@ def run_steps(ctx: DistContext | None, path: str, prompts: list[list[int]],
         for i, (chunks, history_lens, state_index, decoding) in enumerate(steps):
             inputs = make_inputs(chunks, history_lens, tables, slots, state_index, decoding)
             tokens, seqs = -(-inputs.num_tokens // tp) * tp, -(-inputs.batch_size // tp) * tp
-            inputs.sizes = ForwardSizes(tokens, tokens, seqs, seqs)   # DP ranks: equal counts
+            # DP ranks: equal counts; every step (decodes too) sequence-parallel where configured
+            split = ctx is not None and ctx.config.sequence_parallel
+            inputs.sizes = ForwardSizes(tokens, tokens, seqs, seqs, sequence_parallel=split)
             # the token after each position: the next input, and a fixed id at each chunk's end
             next_ids = torch.cat([torch.tensor(c[1:] + [7 + b]) for b, c in enumerate(chunks)])
             if ctx:

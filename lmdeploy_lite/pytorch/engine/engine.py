@@ -439,7 +439,10 @@ class Engine:
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
         inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
         inputs.num_spec = plan.num_spec                       # drafts verified and made
-        inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size)  # EP, DeepEP mode
+        # sequence parallelism (if configured) for prefill and mixed steps only: decode steps
+        # run plain TP, whose one all-reduce per sub-layer costs less (ForwardSizes)
+        split = self.dist.config.sequence_parallel and not inputs.is_decoding
+        inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size, split)
         prepare_dispatch(self.dist, inputs.sizes)       # DeepEP: capacity check, clean
         return inputs
 

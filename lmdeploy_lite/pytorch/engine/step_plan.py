@@ -118,17 +118,20 @@ class StepPlan:
         """The largest per-rank batch: every rank's CUDA-graph decode step pads to its bucket."""
         return max(self._columns[_BATCH])
 
-    def forward_sizes(self, num_tokens: int, num_seqs: int) -> ForwardSizes:
+    def forward_sizes(self, num_tokens: int, num_seqs: int, sequence_parallel: bool = False
+                      ) -> ForwardSizes:
         """Sizes of this rank's forward of `num_tokens` tokens in `num_seqs` sequences (its batch,
         or its dummy inputs when idle), tp-aligned; the maxima cover an idle rank's dummy (one
-        sequence of `dummy_tokens_per_seq` tokens)."""
+        sequence of `dummy_tokens_per_seq` tokens). `sequence_parallel`: this forward splits its
+        rows over the TP ranks (the same for every TP peer: they run the same batch)."""
         max_tokens, max_seqs = self.max_tokens, self.max_batch_size
         if not all(self._columns[_WORK]):
             max_tokens = max(max_tokens, self.dummy_tokens_per_seq)
             max_seqs = max(max_seqs, 1)
         tp = self.tp
         return ForwardSizes(round_up(num_tokens, tp), round_up(max_tokens, tp),
-                            round_up(num_seqs, tp), round_up(max_seqs, tp), self.all_decoding)
+                            round_up(num_seqs, tp), round_up(max_seqs, tp), self.all_decoding,
+                            sequence_parallel)
 
     @property
     def dummy_tokens_per_seq(self) -> int:

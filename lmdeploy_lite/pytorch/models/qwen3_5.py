@@ -31,7 +31,7 @@ from ..nn.moe import SparseMoeBlock
 from ..nn.norm import RMSNorm
 from ..nn.token_dispatcher import make_dispatcher
 from ..nn.rotary import RotaryEmbedding
-from ..nn.sequence_parallel import gather, is_sequence_parallel, padded_tokens
+from ..nn.sequence_parallel import gather, is_sequence_parallel, padded_tokens, splits_rows
 
 
 def build_mlp(config: ModelConfig, dtype: torch.dtype, device, dist_ctx=None) -> nn.Module:
@@ -83,22 +83,23 @@ class Qwen3_5DecoderLayer(nn.Module):
         output. cache: (k_cache, v_cache) or (conv_state, recurrent_state). `residual` is
         consumed (a fused norm may overwrite it). Sequence-parallel: hidden and residual are
         this rank's rows [Tp / tp, H], gathered to [Tp, H] after each norm."""
+        split = self.sequence_parallel and splits_rows(inputs)
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
             normed, residual = self.input_layernorm(hidden, residual)
-        if self.sequence_parallel:      # whole rows for the column-parallel projections
+        if split:                       # whole rows for the column-parallel projections
             normed = gather(normed, self.dist_ctx)
         if self.layer_type == 'linear_attention':
             mixed = self.linear_attn(normed, cache, inputs)
         else:
             mixed = self.self_attn(normed, rope, cache, inputs)
         normed, residual = self.post_attention_layernorm(mixed, residual)
-        if self.sequence_parallel:
+        if split:
             normed = gather(normed, self.dist_ctx)
         if self.mlp_takes_sizes:
             return self.mlp(normed, inputs.sizes), residual
-        return self.mlp(normed), residual
+        return self.mlp(normed, split), residual
 
 
 class Qwen3_5Model(nn.Module):
@@ -121,7 +122,8 @@ class Qwen3_5Model(nn.Module):
         the residual stream entering layer i, the sum of the (hidden, residual) pair there; L:
         the final-normed output). Sequence-parallel: the layers run on this rank's share of the
         plan's padded rows (`inputs.sizes.tokens`); the output is gathered whole."""
-        if self.sequence_parallel:
+        split = self.sequence_parallel and splits_rows(inputs)
+        if split:
             if aux_layer_ids:
                 raise ValueError('extract_hidden_states with sequence_parallel=True: not '
                                  'supported (the captured rows must be whole)')
@@ -136,7 +138,7 @@ class Qwen3_5Model(nn.Module):
                 captured[idx] = hidden.clone() if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, rope, caches[idx], inputs)
         out = self.norm(hidden, residual)[0]
-        if self.sequence_parallel:      # whole rows for the LM head and the draft
+        if split:                       # whole rows for the LM head and the draft
             out = gather(out, self.dist_ctx)[:inputs.num_tokens]
         if not aux_layer_ids:
             return out

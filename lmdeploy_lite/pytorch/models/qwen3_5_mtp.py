@@ -31,7 +31,8 @@ from ..model_inputs import ModelInputs
 from ..nn.linear import ReplicatedLinear
 from ..nn.norm import RMSNorm
 from ..nn.rotary import RotaryEmbedding
-from ..nn.sequence_parallel import gather, is_sequence_parallel, padded_tokens, shard
+from ..nn.sequence_parallel import (gather, is_sequence_parallel, padded_tokens, shard,
+                                   splits_rows)
 from .qwen3_5 import Qwen3_5DecoderLayer
 
 
@@ -71,13 +72,14 @@ class Qwen3_5MTP(nn.Module):
         post-norm hidden (or this head's previous output when drafting recursively); positions,
         lengths and block tables from `inputs`; `caches[layer_idx]` = this head's (k, v) cache.
         Returns the post-`norm` hidden [T, H]."""
-        num_rows = padded_tokens(inputs) if self.sequence_parallel else None
+        split = self.sequence_parallel and splits_rows(inputs)
+        num_rows = padded_tokens(inputs) if split else None
         hidden = self._layer_input(input_ids, target_hidden, num_rows)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         layer_idx %= len(self.layers)
         hidden, residual = self.layers[layer_idx](hidden, None, rope, caches[layer_idx], inputs)
         out = self.norm(hidden, residual)[0]
-        if self.sequence_parallel:      # whole rows for the LM head and the next draft step
+        if split:                       # whole rows for the LM head and the next draft step
             out = gather(out, self.dist_ctx)[:inputs.num_tokens]
         return out
 

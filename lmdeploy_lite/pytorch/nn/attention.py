@@ -19,7 +19,7 @@ from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rotary import apply_rotary
-from .sequence_parallel import real_rows, restore_rows
+from .sequence_parallel import real_rows, restore_rows, splits_rows
 from .sharding import tp_layout
 
 
@@ -72,7 +72,7 @@ class GatedAttention(nn.Module):
         k = apply_rotary(self.k_norm(k), cos, sin)
         out = self.backend.paged_attention(q, k, v, kv_cache[0], kv_cache[1], inputs, self.scale)
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
-        return self.o_proj(restore_rows(out, num_rows))
+        return self.o_proj(restore_rows(out, num_rows), splits_rows(inputs))
 
     def store_kv(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs):

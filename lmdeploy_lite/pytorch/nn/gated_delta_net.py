@@ -22,7 +22,7 @@ from torch import nn
 from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import GatedRMSNorm
-from .sequence_parallel import real_rows, restore_rows
+from .sequence_parallel import real_rows, restore_rows, splits_rows
 from .sharding import sharded_parameter, tp_layout
 
 
@@ -100,4 +100,4 @@ class GatedDeltaNet(nn.Module):
         else:
             out = self.backend.gated_delta_rule_prefill(q, k, v, g, beta, recurrent_cache, inputs)
         out = self.norm(out, z).reshape(num_tokens, -1)
-        return self.out_proj(restore_rows(out, num_rows))
+        return self.out_proj(restore_rows(out, num_rows), splits_rows(inputs))

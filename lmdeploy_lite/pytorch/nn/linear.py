@@ -88,10 +88,12 @@ class RowParallelLinear(nn.Module):
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
                                   requires_grad=False) if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        """`sequence_parallel`: this forward splits its rows (nn/sequence_parallel.splits_rows);
+        a layer built for it then reduce-scatters instead of all-reducing."""
         out = F.linear(x, self.weight)
         if self.tp > 1 and self.reduce_output:
-            if self.sequence_parallel:
+            if self.sequence_parallel and sequence_parallel:
                 out = self.dist_ctx.reduce_scatter(out, 'tp')
             else:
                 out = self.dist_ctx.all_reduce(out, 'tp')

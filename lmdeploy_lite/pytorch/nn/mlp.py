@@ -31,11 +31,13 @@ class SwiGLUMLP(nn.Module):
         if not keep_parts:
             del self.gate_proj, self.up_proj
 
-    def forward_fused(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_fused(self, gate_up: torch.Tensor, sequence_parallel: bool = False
+                      ) -> torch.Tensor:
         """The MLP from its `[gate | up]` projection (computed by the caller's GEMM)."""
-        return self.down_proj(self.backend.silu_mul(gate_up))
+        return self.down_proj(self.backend.silu_mul(gate_up), sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        """`sequence_parallel`: this forward splits its rows (RowParallelLinear.forward)."""
         if self.gate_up_proj is not None:       # [gate | up] from one GEMM, one fused kernel
-            return self.forward_fused(F.linear(x, self.gate_up_proj.weight))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.forward_fused(F.linear(x, self.gate_up_proj.weight), sequence_parallel)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), sequence_parallel)

@@ -139,7 +139,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, sizes: ForwardSizes | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H]); `sizes`: the
-        step's (ModelInputs.sizes), required with EP."""
+        step's (ModelInputs.sizes), required with EP; says whether this forward splits its rows
+        (`ForwardSizes.sequence_parallel`)."""
         if self.in_proj is not None:
             logits, shared_gate, shared_gate_up = self.in_proj(x)
             weights, ids = self.gate.route(logits)
@@ -152,7 +153,8 @@ class SparseMoeBlock(nn.Module):
         else:
             routed = self._routed_by_ep(x, weights, ids, sizes)
         out = routed + torch.sigmoid(shared_gate) * shared
-        if self.sequence_parallel:      # the one reduction, to this rank's token shard
+        if self.sequence_parallel and sizes is not None and sizes.sequence_parallel:
+            # the one reduction, to this rank's token shard
             return self.dist_ctx.reduce_scatter(out, 'tp')
         if self.tp > 1:     # the one reduction: routed and shared partial sums together
             out = self.dist_ctx.all_reduce(out, 'tp')

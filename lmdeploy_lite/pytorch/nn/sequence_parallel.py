@@ -13,6 +13,10 @@ and never read back. Where the communication happens:
     reduce-scatter their partial sums to `[Tp / tp, H]` instead of all-reducing them;
   * RMSNorms and residual adds run on the shard; the final norm too, then the rows are gathered
     whole for the LM head and the MTP draft.
+Which forwards: layers built for it (the config's `sequence_parallel`) split the rows of a forward
+whose ForwardSizes say so (`splits_rows`): the engine's prefill and mixed steps. Decode steps run
+plain TP: at a few rows per sequence two collectives per sub-layer cost more than one
+all-reduce, and the element-wise work saved is small (BENCHMARKS.md, 9B at tp=2).
 Per step the bytes on the wire equal plain TP's (an all-reduce is a reduce-scatter plus an
 all-gather); the element-wise work and, with EP, the MoE dispatch are 1 / tp of it. Mixers see
 `[Tp, H]` and run their kernels on the first T rows (`real_rows` / `restore_rows`). Nothing
@@ -25,8 +29,15 @@ import torch.nn.functional as F
 
 
 def is_sequence_parallel(dist_ctx) -> bool:
-    """The layers built with `dist_ctx` run sequence-parallel (its config says so; tp > 1)."""
+    """The layers built with `dist_ctx` are built for sequence parallelism (its config says so;
+    tp > 1); each forward runs it where `splits_rows` says so."""
     return dist_ctx is not None and getattr(dist_ctx.config, 'sequence_parallel', False)
+
+
+def splits_rows(inputs) -> bool:
+    """This forward runs sequence-parallel: the step's plan says so (`ForwardSizes.
+    sequence_parallel`: prefill and mixed steps); layers built for it run plain TP otherwise."""
+    return inputs.sizes is not None and inputs.sizes.sequence_parallel
 
 
 def padded_tokens(inputs) -> int:
