@@ -89,8 +89,9 @@ def log_replays(engine):             # worker hook (top-level: pickled by refere
 
 def run_layout(prompts, config: PytorchEngineConfig, spec: SpeculativeConfig, tmp_path,
                tag: str) -> tuple[list[list[int]], list[int]]:
-    """(tokens of prompt 0 alone then of all prompts, graph replays per rank)."""
-    os.environ[REPLAY_LOG] = str(tmp_path / f'{tag}.replays')
+    """(tokens of prompt 0 alone then of all prompts, graph replays per rank); the ranks log
+    their replays where $REPLAY_LOG says (set by the `short_timeouts` fixture's test)."""
+    os.environ[REPLAY_LOG] = str(tmp_path / f'{tag}.replays')     # restored by the fixture
     loop = MPEngineLoop(EMBEDDED_MODEL_DIR, config, spec, worker_hook=log_replays)
     try:
         first = run_requests(loop, prompts[:1], GEN, timeout_s=300)
@@ -118,6 +119,7 @@ def report_against_one_gpu(tag: str, got: list[list[int]], want: list[list[int]]
 def short_timeouts(monkeypatch):
     monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '1')
     monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '60')
+    monkeypatch.setenv(REPLAY_LOG, '')          # run_layout sets it; undone after the test
 
 
 VARIANTS = {
