@@ -236,6 +236,24 @@ class Pipeline:
         self._fanouts: dict[asyncio.AbstractEventLoop, _AsyncFanout] = {}
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the engine stopped for good, or None while it runs."""
+        return self._loop.error
+
+    @property
+    def session_len(self) -> int:
+        """The most tokens a sequence holds (prompt and output)."""
+        return (self.engine or self._loop).session_len
+
+    @property
+    def vocab_size(self) -> int:
+        return (self.engine or self._loop).model_config.vocab_size
+
+    def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
+        """Raise ValueError naming the field when the engine would refuse this request."""
+        self._loop.validate_request(token_ids, gen_config)
+
+    @property
     def num_prefill_tokens(self) -> int:
         """Tokens the engine has fed in prefill rows (prompts, minus what the prefix cache and
         forked choices share; recomputes after preemption): `Engine.num_prefill_tokens`, with

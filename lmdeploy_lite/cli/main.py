@@ -235,7 +235,7 @@ def cmd_chat(args) -> int:
     loses its oldest turns, said so; a message too long on its own is refused and the session
     goes on."""
     pipe, gen_config = _build(args)
-    session_len = (pipe.engine or pipe._loop).session_len
+    session_len = pipe.session_len
     room = min(gen_config.max_new_tokens, max(1, session_len // 4))  # tokens kept to answer in
     messages = []
     with pipe:

@@ -19,6 +19,7 @@ for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
 openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
 
+from lmdeploy_lite.api import Pipeline  # noqa: E402
 from tests.serve.live_server import (MODEL, SESSION_LEN, Server, chat, headers,  # noqa: E402
                                      is_alive, post, scrape, sse_events)
 
@@ -319,6 +320,9 @@ class FakePipe:
     engine = None
     tokenizer = None
     num_cached_blocks = num_prefill_tokens = 0
+    # the server reads a pipeline through these (over `_loop`, as Pipeline's own do)
+    error, session_len, vocab_size = Pipeline.error, Pipeline.session_len, Pipeline.vocab_size
+    validate_request = Pipeline.validate_request
     SECRET = '/srv/secret/lmdeploy_lite/model.py'
 
     def __init__(self):

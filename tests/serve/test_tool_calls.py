@@ -51,6 +51,9 @@ class ScriptedPipe:
     num_cached_blocks = num_prefill_tokens = 0
     encode = Pipeline.encode
     _check_template_renders = Pipeline._check_template_renders
+    # the server reads a pipeline through these (over `_loop`, as Pipeline's own do)
+    error, session_len, vocab_size = Pipeline.error, Pipeline.session_len, Pipeline.vocab_size
+    validate_request = Pipeline.validate_request
 
     def __init__(self, model_dir: str):
         self.model_path, self.tokenizer = model_dir, load_tokenizer(model_dir)

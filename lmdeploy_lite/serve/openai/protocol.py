@@ -17,6 +17,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationIn
 from pydantic_core import PydanticCustomError
 
 from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P   # the engine's ranges
+from lmdeploy_lite.messages import GenerationConfig
 from lmdeploy_lite.messages import (MAX_LOGPROBS, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
                                     MIN_REPETITION_PENALTY)
 from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
@@ -137,6 +138,22 @@ class SamplingRequest(RequestModel):
                                       description='a token of the prompt or output: logit / p '
                                                   'if positive, else logit x p; 1: off')
     logit_bias: no_op({}) = None
+
+    def generation_config(self, max_new_tokens: int, vocab_size: int) -> GenerationConfig:
+        """The engine's GenerationConfig for this request: temperature or top_p under the
+        greedy thresholds mean greedy, a top_k of the vocabulary size or more means off; the
+        logprobs asked for are `num_logprobs` (each endpoint's spelling). Raises ValueError
+        ('field=value: reason', the engine's names) as GenerationConfig does."""
+        greedy = self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=not greedy,
+            temperature=0.0 if greedy else self.temperature, top_p=self.top_p,
+            top_k=0 if self.top_k >= vocab_size else max(self.top_k, 0),
+            stop_words=stop or None, ignore_eos=self.ignore_eos, random_seed=self.seed,
+            skip_special_tokens=self.skip_special_tokens,
+            repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, n=self.n, logprobs=self.num_logprobs)
 
 
 class CompletionRequest(SamplingRequest):

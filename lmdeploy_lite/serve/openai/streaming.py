@@ -1,0 +1,190 @@
+"""Running one checked request: its choices through the pipeline with their metrics, to the end
+(`run_to_end`) or as server-sent events (`stream`), and the usage they add up to.
+
+A request runs n choices of each of its prompts (chat: one prompt); choice `index` =
+prompt_index * n + i, as OpenAI numbers them. Each choice has its own RequestTracker (the prompt
+counted once, with its choice 0). A client that goes away ends its generator, which aborts every
+unfinished choice and frees its cache (`Pipeline.generate_ids`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from contextlib import aclosing
+from typing import AsyncIterator, Callable
+
+import anyio
+from fastapi import Request
+from sse_starlette.sse import EventSourceResponse
+
+from lmdeploy_lite.messages import GenerationConfig, Response, SpecDecodeStats
+from lmdeploy_lite.serve.openai import protocol as p
+from lmdeploy_lite.serve.openai.checks import ServerContext
+from lmdeploy_lite.serve.openai.errors import RequestError
+from lmdeploy_lite.serve.openai.metrics import RequestTracker
+
+logger = logging.getLogger('lmdeploy_lite.serve')
+
+STREAM_SHUTDOWN_GRACE_S = 5.0          # a stream's time to end itself once shutdown begins
+DISCONNECT_CHECK_S = 0.25             # how often a non-streamed request asks whether its client left
+GENERATION_FAILED = 'generation failed for this request; the server log has the details'
+ENGINE_STOPPED = 'the engine stopped after an error; the server is shutting down'
+
+# make_chunk(index, text, finish_reason, usage, logprobs) -> a pydantic chunk or None (`stream`)
+MakeChunk = Callable[[int | None, str | None, str | None, p.Usage | None, list | None], object]
+
+
+def engine_error(e: Exception | None = None) -> RequestError:
+    """What a client is told when its generation failed (the details go to the log only)."""
+    if e is not None:
+        logger.error('generation failed: %s', e)
+    return RequestError(GENERATION_FAILED, status=500, type='internal_error',
+                        code='generation_failed')
+
+
+def track(ctx: ServerContext, prompts: list[list[int]], n: int) -> list[RequestTracker]:
+    return [ctx.metrics.track(len(prompts[i // n]) if i % n == 0 else 0)
+            for i in range(len(prompts) * n)]
+
+
+async def generate(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
+                   trackers: list[RequestTracker], request: Request | None = None,
+                   stream_text: bool = True, request_id: str | None = None
+                   ) -> AsyncIterator[Response]:
+    """`pipe.generate_ids` with bookkeeping; with `request`, stops when the client has gone
+    (looked at most every DISCONNECT_CHECK_S). Closing or cancelling this generator aborts
+    every unfinished choice (aclosing makes that immediate). An engine failure raises
+    RequestError (500, or 503 once the engine is dead)."""
+    outcomes = ['abort'] * len(trackers)
+    next_check = 0.0
+    try:
+        async with aclosing(ctx.pipe.generate_ids(prompts, gen_config, stream_text,
+                                                  request_id)) as responses:
+            async for r in responses:
+                trackers[r.index].observe(r)
+                if r.finish_reason is not None:
+                    outcomes[r.index] = r.finish_reason
+                elif request is not None and time.monotonic() >= next_check:
+                    next_check = time.monotonic() + DISCONNECT_CHECK_S
+                    if await request.is_disconnected():
+                        logger.info('client disconnected; aborting its request')
+                        return
+                yield r
+    except Exception as e:
+        outcomes = ['error' if o == 'abort' else o for o in outcomes]
+        if ctx.pipe.error is not None:
+            raise RequestError(ENGINE_STOPPED, status=503, type='internal_error',
+                               code='engine_stopped') from e
+        raise engine_error(e) from e
+    finally:
+        for tracker, outcome in zip(trackers, outcomes):
+            tracker.finish(outcome)
+
+
+def usage(lasts: list[Response | None], prompts: list[list[int]]) -> p.Usage:
+    """Each prompt counted once (its cached tokens: its choice 0's), every choice's completion
+    tokens and speculative counters added up."""
+    n = len(lasts) // len(prompts)
+    num_prompt = sum(len(ids) for ids in prompts)
+    completion = sum(r.generate_token_len for r in lasts if r is not None)
+    stats = [r.spec_stats for r in lasts if r is not None and r.spec_stats is not None]
+    spec = None
+    if stats:
+        s = SpecDecodeStats()
+        for one in stats:
+            s.merge(one)
+        spec = p.SpecDecodeUsage(num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
+                                 num_accepted_tokens=s.num_accepted_tokens,
+                                 accepted_per_position=list(s.accepted_per_position),
+                                 mean_accepted_length=s.mean_accepted_length)
+    cached = sum(r.num_cached_tokens for r in lasts[::n] if r is not None)
+    return p.Usage(prompt_tokens=num_prompt, completion_tokens=completion,
+                   total_tokens=num_prompt + completion,
+                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
+                   spec_decode=spec)
+
+
+async def run_to_end(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
+                     request: Request, request_id: str
+                     ) -> tuple[list[str], list[Response | None], list[list]]:
+    """Every choice's text, last response and logprobs (TokenLogprobs of every token: empty
+    unless asked)."""
+    num_choices = len(prompts) * gen_config.n
+    texts, lasts = [''] * num_choices, [None] * num_choices
+    logprobs = [[] for _ in range(num_choices)]
+    async with aclosing(generate(ctx, prompts, gen_config, track(ctx, prompts, gen_config.n),
+                                 request, stream_text=False,
+                                 request_id=request_id)) as responses:
+        async for r in responses:
+            texts[r.index] += r.text
+            logprobs[r.index] += r.logprobs or ()
+            lasts[r.index] = r
+    if any(last is not None and last.finish_reason == 'error' for last in lasts):
+        raise engine_error()
+    return texts, lasts, logprobs
+
+
+def stream(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
+           make_chunk: MakeChunk, include_usage: bool, request_id: str) -> EventSourceResponse:
+    """make_chunk(index, text, finish_reason, usage, logprobs) -> a pydantic chunk of choice
+    `index`, or None for nothing to send yet; None text: the opening; usage: the last chunk
+    (no choice). `logprobs` (a request that asked for them): the TokenLogprobs of the choice's
+    tokens since its last chunk sent (tokens whose text is held back go with the chunk that
+    carries it), else None. A choice's last chunk carries its hidden-states file's path
+    (extract_hidden_states; `request_id` names it, see Pipeline.generate_ids). On server
+    shutdown the stream is aborted and each unfinished choice ends with finish_reason 'abort',
+    then [DONE]; a failed generation ends with finish_reason 'error', an error event and
+    [DONE]."""
+    shutdown = anyio.Event()                 # set by sse-starlette when uvicorn shuts down
+    events = _events(ctx, prompts, gen_config, make_chunk, include_usage, request_id, shutdown)
+    return EventSourceResponse(events, sep='\n', shutdown_event=shutdown,
+                               shutdown_grace_period=STREAM_SHUTDOWN_GRACE_S)
+
+
+async def _events(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
+                  make_chunk: MakeChunk, include_usage: bool, request_id: str,
+                  shutdown: anyio.Event) -> AsyncIterator[str]:
+    """The events of `stream`, as JSON texts."""
+    num_choices = len(prompts) * gen_config.n
+    lasts: list[Response | None] = [None] * num_choices
+    trackers = track(ctx, prompts, gen_config.n)
+    asked = gen_config.logprobs is not None
+    unsent = [[] if asked else None for _ in range(num_choices)]     # logprobs
+    try:
+        for index in range(num_choices):
+            opening = make_chunk(index, None, None, None, None)
+            if opening is not None:
+                yield opening.model_dump_json()
+        async with aclosing(generate(ctx, prompts, gen_config, trackers,
+                                     request_id=request_id)) as responses:
+            async for r in responses:
+                lasts[r.index] = r
+                if asked:
+                    unsent[r.index] += r.logprobs or ()
+                if r.text or r.finish_reason:
+                    chunk = make_chunk(r.index, r.text, r.finish_reason, None, unsent[r.index])
+                    if chunk is not None and chunk.choices and r.hidden_states_path:
+                        chunk.choices[0].hidden_states_path = r.hidden_states_path
+                    if chunk is not None:           # None: all its text held back
+                        yield chunk.model_dump_json()
+                        unsent[r.index] = [] if asked else None
+                if shutdown.is_set() and r.finish_reason is None:
+                    break
+        for index, last in enumerate(lasts):
+            if last is None or last.finish_reason is None:
+                yield make_chunk(index, '', 'abort', None, None).model_dump_json()
+        if any(last is not None and last.finish_reason == 'error' for last in lasts):
+            yield json.dumps(engine_error().body())
+        if include_usage:
+            yield make_chunk(None, '', None, usage(lasts, prompts), None).model_dump_json()
+    except Exception as e:
+        error = e if isinstance(e, RequestError) else engine_error(e)
+        for index, last in enumerate(lasts):
+            if last is None or last.finish_reason is None:
+                yield make_chunk(index, '', 'error', None, None).model_dump_json()
+        yield json.dumps(error.body())
+    finally:
+        for tracker in trackers:         # a no-op for those that ended
+            tracker.finish('abort')
+    yield '[DONE]'
