@@ -24,10 +24,12 @@ def strict_collectives(monkeypatch):
 
 @pytest.mark.timeout(600)
 # tp2 dp2 ep4 at a fixed k is not a variant of its own: the dynamic run cycles through every
-# k, and tests/pytorch/test_sequence_parallel.py runs the layout at k = 3 (sequence-parallel)
+# k, sequence-parallel in its prefill and mixed steps (the draft sharded like the target), and
+# tests/pytorch/test_sequence_parallel.py runs the layout at k = 3 with the draft at tp=1
 @pytest.mark.parametrize('layout, dynamic', [(dict(dp=4, ep=4), False),
-                                             (dict(tp=2, dp=2, ep=4), True)],
-                         ids=['dp4_ep4', 'tp2_dp2_ep4_dynamic'])
+                                             (dict(tp=2, dp=2, ep=4, sequence_parallel=True),
+                                              True)],
+                         ids=['dp4_ep4', 'tp2_dp2_ep4_sp_dynamic'])
 def test_four_ranks_one_request_then_64(layout, dynamic, monkeypatch):
     """`dynamic`: k per step from the cycle on each rank, the plan's smallest proposal run."""
     if dynamic:

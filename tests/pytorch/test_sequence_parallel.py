@@ -66,11 +66,12 @@ def test_tp2_mtp_k3_draft_tp1_chunked_prefill():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize('draft_tp', [None, 1], ids=['draft_sp', 'draft_tp1'])
-def test_tp2_dp2_ep4_one_request_with_idle_ranks_then_64(draft_tp):
-    """tp=2 dp=2 ep=4, the MTP draft sharded like the target (sequence-parallel too), or at
-    tp=1 on the rows the target gathers: one request (the other DP rank idle, its dummy target
-    and draft forwards padded by the plan), then 64 concurrent requests of 3..18 tokens."""
+def test_tp2_dp2_ep4_one_request_with_idle_ranks_then_64():
+    """tp=2 dp=2 ep=4, the MTP draft at tp=1 on the rows the target gathers: one request (the
+    other DP rank idle, its dummy target and draft forwards padded by the plan), then 64
+    concurrent requests of 3..18 tokens. (The draft sharded like the target, sequence-parallel
+    too: tests/pytorch/test_four_ranks.py's tp2 dp2 ep4 run, with dynamic k.)"""
+    draft_tp = 1
     gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     prompts = accepting.many_prompts(64)
     one = accepting.prompts()[1:2]
