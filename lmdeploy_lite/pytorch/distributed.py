@@ -13,8 +13,8 @@ collective of a CUDA tensor on the twin, of a CPU tensor on the gloo group: the 
 the inbox broadcast and the trace check stay on gloo, TP all-reduces (sequence-parallel:
 reduce-scatters and row all-gathers, `reduce_scatter` / `gather_rows`) and EP all-to-alls of
 activations go over NCCL (small TP sums on a one-shot peer-memory all-reduce instead with
-LMDEPLOY_LITE_TP_ALLREDUCE=oneshot: backends/cuda/peer_all_reduce.py). Each collective is recorded per step as (op, group, shape, dtype) —
-variable first dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
+LMDEPLOY_LITE_TP_ALLREDUCE=oneshot: backends/cuda/peer_all_reduce.py). Each collective is
+recorded per step as (op, group, shape, dtype) — variable first dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
 (DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest
 comparison on a separate check group, and so does every collective across DP ranks before it
 runs (gloo aborts the process on a size mismatch, so afterwards is too late); a mismatch raises

@@ -191,8 +191,9 @@ class Engine:
     def _enable_graphs(self, max_positions: int):
         """CUDA graphs for decode steps, their device collectives captured with them: TP
         all-reduces (and sequence parallelism's reduce-scatters and row gathers) on NCCL, or on
-        the one-shot peer-memory all-reduce when chosen (distributed.py), and EP through DeepEP's low-latency
-        kernels (decode steps in which every rank decodes; others run eagerly in normal mode).
+        the one-shot peer-memory all-reduce when chosen (distributed.py), and EP through
+        DeepEP's low-latency kernels (decode steps in which every rank decodes; others run
+        eagerly in normal mode).
         The all-to-all dispatcher (host-side counts) runs eagerly."""
         layout = self.dist.config
         if self.dtype == torch.float64:     # float64 runs the plain-PyTorch ops, not capturable

@@ -17,8 +17,8 @@ DeepEP's normal mode this step) is the same on every rank. Under TP the captured
 are rounded up to a multiple of tp as the plan rounds them (`ForwardSizes.captured`), and the
 TP collectives (NCCL, or the one-shot peer-memory all-reduce) replay inside the graph. A capture
 only forbids unsafe CUDA calls on its own thread (`capture_error_mode='thread_local'`): NCCL's
-watchdog thread keeps polling its events meanwhile. Padding sequences are shaped like the dummy inputs of an idle rank: history 0, every
-block-table entry the reserved block 0, the reserved state row 0 — their writes land where no
+watchdog thread keeps polling its events meanwhile. Padding sequences are shaped like the dummy
+inputs of an idle rank: history 0, every block-table entry the reserved block 0, the reserved state row 0 — their writes land where no
 real sequence reads, and attention/recurrence are per sequence, so real rows are unaffected.
 
 On a CPU device nothing is captured and a call runs `fn` eagerly on the padded static buffers

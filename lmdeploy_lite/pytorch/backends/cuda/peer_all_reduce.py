@@ -9,8 +9,8 @@ measured faster (below). Larger messages (prefill) always go to NCCL.
 
 `LMDEPLOY_LITE_TP_ALLREDUCE` picks: `nccl` (default: NCCL for every size) or `oneshot`
 (one-shot up to `MAX_BYTES_ENV` bytes, default 1 MiB, NCCL above; start-up fails if it cannot
-be set up). Measured inside the decode graphs on two H100s (NV18, 0.8B shape, bf16; BENCHMARKS.md
-"Tensor parallelism with CUDA graphs"): torch's one-shot kernel took 1.88 / 3.01 ms per step at
+be set up). Measured inside the decode graphs on two H100s (NV18, 0.8B shape, bf16;
+BENCHMARKS.md "More GPUs, more speed"): torch's one-shot kernel took 1.88 / 3.01 ms per step at
 batch 1 / 64 against NCCL's 1.81 / 2.69, so NCCL is the default and the one-shot stays as an
 option to measure on other machines. With two ranks a sum is one addition whichever kernel
 adds, so the bits are NCCL's; with more ranks the order of the additions may differ.
