@@ -236,6 +236,12 @@ class Pipeline:
         self._fanouts: dict[asyncio.AbstractEventLoop, _AsyncFanout] = {}
 
     @property
+    def model_name(self) -> str:
+        """The model directory's name: what messages call the model (a server's clients must
+        not learn its paths)."""
+        return os.path.basename(os.path.normpath(self.model_path))
+
+    @property
     def error(self) -> BaseException | None:
         """Why the engine stopped for good, or None while it runs."""
         return self._loop.error
@@ -285,7 +291,7 @@ class Pipeline:
             return [int(t) for t in prompt]
         check_prompt(prompt)
         if self.tokenizer is None:
-            raise ValueError(f'prompt: {type(prompt).__name__} given, but {self.model_path} has no '
+            raise ValueError(f'prompt: {type(prompt).__name__} given, but {self.model_name} has no '
                              f'tokenizer; pass token ids (a list of int)')
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -307,10 +313,10 @@ class Pipeline:
             return
         template = self.tokenizer.get_chat_template(None, tools or None)
         if tools and 'tools' not in template:
-            raise ValueError(f'tools: the chat template of {self.model_path} does not render '
+            raise ValueError(f'tools: the chat template of {self.model_name} does not render '
                              f'tools, so the model would never see them')
         if calls and 'tool_calls' not in template:
-            raise ValueError(f'prompt: the chat template of {self.model_path} does not render '
+            raise ValueError(f'prompt: the chat template of {self.model_name} does not render '
                              f"an assistant message's tool_calls")
 
     # ---- batch and streaming --------------------------------------------------------------

@@ -291,6 +291,13 @@ def _serve_args(p: argparse.ArgumentParser):
                    help='a file with one API key per line (blank and # lines skipped)')
     p.add_argument('--max-request-bytes', type=int, default=4 * 2**20, metavar='N',
                    help='largest request body accepted (default 4 MiB); larger ones get HTTP 413')
+    p.add_argument('--allowed-hosts', nargs='+', default=None, metavar='HOST',
+                   help='with a loopback --server-name, Host header names accepted besides '
+                        'localhost, 127.0.0.1 and ::1 (others get HTTP 421: a guard against DNS '
+                        'rebinding)')
+    p.add_argument('--max-sequences-per-request', type=int, default=256, metavar='N',
+                   help='most sequences (prompts x n) one request may run (default 256); more '
+                        'get HTTP 400 before any prompt is tokenized')
     p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None,
                    help='run a one-rank engine in a process of its own, so that streaming to '
                         'many clients does not hold the GIL the engine needs (default: on with '
@@ -326,6 +333,9 @@ def _load_and_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper())
     if args.max_request_bytes < 1:
         raise ValueError(f'max_request_bytes={args.max_request_bytes}: must be >= 1')
+    if args.max_sequences_per_request < 1:
+        raise ValueError(f'max_sequences_per_request={args.max_sequences_per_request}: must be '
+                         f'>= 1')
     api_keys = load_api_keys(args.api_keys, args.api_keys_file)
     engine_config = PytorchEngineConfig(dtype=args.dtype, device=args.device,
                                         max_batch_size=args.max_batch_size,
@@ -350,7 +360,9 @@ def _load_and_serve(args) -> int:
     return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
                  args.server_port, api_keys, args.log_level,
                  num_spec_tokens=num_draft_tokens(spec),
-                 max_request_bytes=args.max_request_bytes)
+                 max_request_bytes=args.max_request_bytes,
+                 max_sequences=args.max_sequences_per_request,
+                 allowed_hosts=tuple(args.allowed_hosts or ()))
 
 
 def build_parser() -> argparse.ArgumentParser:

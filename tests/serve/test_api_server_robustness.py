@@ -364,6 +364,46 @@ def _call_app(requests: list[tuple[str, dict]]) -> list[httpx.Response]:
     return asyncio.run(run())
 
 
+def test_closed_doors_non_json_bodies_head_probes_and_too_many_sequences():
+    """A browser's cross-site form post (text/plain, form-urlencoded) gets 415 and is never
+    read; HEAD answers wherever GET does; 20,000 prompts x n=16 (320,000 sequences) is a 400
+    naming both numbers before any prompt is tokenized; a JSON body with a charset passes.
+    Bound to 127.0.0.1, a request for another Host is 421 (DNS rebinding), unless allowed."""
+    from lmdeploy_lite.serve.openai.api_server import create_app
+    pipe = FakePipe()
+    app = create_app(pipe, 'fake', bound_host='127.0.0.1', allowed_hosts=('models.internal',))
+
+    async def run():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url='http://127.0.0.1:23333',
+                                     timeout=30) as http:
+            rebound = [await http.get('/v1/models', headers={'host': host}) for host in
+                       ('evil.example', 'evil.example:23333', 'localhost:23333', '[::1]:80',
+                        'models.internal')]
+            form = await http.post('/v1/completions', content=b'prompt=hi', headers={
+                'content-type': 'application/x-www-form-urlencoded'})
+            text = await http.post('/v1/chat/completions', headers={'content-type': 'text/plain'},
+                                   content=json.dumps({'messages': chat('x')}))
+            heads = [await http.head(path) for path in ('/health', '/metrics', '/v1/models')]
+            many = await http.post('/v1/completions', json={'prompt': ['a'] * 20_000, 'n': 16})
+            fine = await http.post('/v1/completions', content=json.dumps({'prompt': 'fine'}),
+                                   headers={'content-type': 'application/json; charset=utf-8'})
+            return rebound, form, text, heads, many, fine
+    rebound, form, text, heads, many, fine = asyncio.run(run())
+    assert [r.status_code for r in rebound] == [421, 421, 200, 200, 200]
+    assert "Host: 'evil.example'" in rebound[0].json()['error']['message']
+    for r in (form, text):
+        assert r.status_code == 415, r.text
+        assert r.json()['error']['code'] == 'unsupported_media_type'
+        assert 'application/json' in r.json()['error']['message']
+    assert [r.status_code for r in heads] == [200, 200, 200]
+    assert many.status_code == 400
+    message = many.json()['error']['message']
+    assert '20000 prompt(s) x n=16 = 320000 sequences' in message and '256' in message
+    assert pipe.prompts == {1: 'fine'}, 'only the accepted request was tokenized'
+    assert fine.status_code == 200 and answer(fine) == ('hello', 2, 'length')
+
+
 def test_a_failed_generation_ends_that_request_with_an_error_and_others_go_on():
     ok, failed, ok_again, failed_stream, chat_failed_stream = _call_app([
         ('/v1/completions', {'prompt': 'fine'}),

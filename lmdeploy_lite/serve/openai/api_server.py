@@ -28,9 +28,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 
 from lmdeploy_lite.serve.openai import protocol as p
-from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware
-from lmdeploy_lite.serve.openai.checks import (ServerContext, check_chat, check_completion,
-                                               read_checked)
+from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware, HostGuardMiddleware, is_loopback
+from lmdeploy_lite.serve.openai.checks import (DEFAULT_MAX_SEQUENCES, ServerContext,
+                                               check_chat, check_completion, read_checked)
 from lmdeploy_lite.serve.openai.errors import install_error_handlers
 from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings, chat_logprobs
 from lmdeploy_lite.serve.openai.metrics import ServerMetrics
@@ -52,9 +52,14 @@ def tool_calls_finish(finish_reason: str | None, num_calls: int) -> str | None:
 
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                num_spec_tokens: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               on_engine_failure: Callable[[], None] | None = None) -> FastAPI:
+               on_engine_failure: Callable[[], None] | None = None,
+               max_sequences: int = DEFAULT_MAX_SEQUENCES, bound_host: str | None = None,
+               allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
     """The app of one pipeline: its routes are the functions below over one ServerContext.
-    `on_engine_failure()` is called once the engine has died for good (serve: shut down)."""
+    `on_engine_failure()` is called once the engine has died for good (serve: shut down);
+    `max_sequences`: prompts x n one request may run (more: 400); `bound_host`: the address
+    the server listens on: a loopback one turns the Host guard on (auth.py), which lets
+    `allowed_hosts` through besides loopback hosts."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -68,15 +73,18 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     app = FastAPI(title='lmdeploy_lite', version='0.1.0', lifespan=lifespan)
     metrics = ServerMetrics(pipe, num_spec_tokens)
     ctx = ServerContext(pipe, model_name, metrics, TokenStrings(pipe.tokenizer),
-                        max_request_bytes)
+                        max_request_bytes, max_sequences)
     app.state.pipe, app.state.metrics, app.state.engine_failed = pipe, metrics, False
     install_error_handlers(app, metrics.requests.labels('invalid').inc)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
+    if bound_host is not None and is_loopback(bound_host):
+        app.add_middleware(HostGuardMiddleware, allowed_hosts=tuple(allowed_hosts))
     _document_request_bodies(app, p.CompletionRequest, p.ChatCompletionRequest)
-    app.get('/health')(_bound(health, ctx))
-    app.get('/metrics')(_bound(prometheus, ctx))
-    app.get('/v1/models', response_model=p.ModelList)(_bound(models, ctx))
+    get = ['GET', 'HEAD']                   # HEAD wherever GET is (uptime probes send it)
+    app.api_route('/health', methods=get)(_bound(health, ctx))
+    app.api_route('/metrics', methods=get)(_bound(prometheus, ctx))
+    app.api_route('/v1/models', methods=get, response_model=p.ModelList)(_bound(models, ctx))
     app.post('/v1/completions', openapi_extra=_json_body(p.CompletionRequest))(
         _bound(completions, ctx))
     app.post('/v1/chat/completions', openapi_extra=_json_body(p.ChatCompletionRequest))(
@@ -247,7 +255,8 @@ def default_model_name(model_path: str) -> str:
 def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
           num_spec_tokens: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          graceful_timeout_s: float = 10.0) -> int:
+          graceful_timeout_s: float = 10.0, max_sequences: int = DEFAULT_MAX_SEQUENCES,
+          allowed_hosts: tuple[str, ...] = ()) -> int:
     """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
 
     Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
@@ -259,7 +268,8 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
 
     def stop():
         server.should_exit = True
-    app = create_app(pipe, model_name, api_keys, num_spec_tokens, max_request_bytes, stop)
+    app = create_app(pipe, model_name, api_keys, num_spec_tokens, max_request_bytes, stop,
+                     max_sequences, bound_host=host, allowed_hosts=allowed_hosts)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=graceful_timeout_s))
     try:

@@ -1,8 +1,12 @@
-"""API keys: where they come from (--api-keys, --api-keys-file, the LMDEPLOY_LITE_API_KEYS
-environment variable) and the ASGI middleware that asks for one on every path but /health —
-/metrics, /docs and /openapi.json included — before anything reads the request body."""
+"""Who may talk to the server. API keys: where they come from (--api-keys, --api-keys-file, the
+LMDEPLOY_LITE_API_KEYS environment variable) and the ASGI middleware that asks for one on every
+path but /health — /metrics, /docs and /openapi.json included — before anything reads the
+request body. The Host guard: a server bound to a loopback address answers only requests whose
+Host header names a loopback host (or one of --allowed-hosts), so that a web page cannot reach it
+through a DNS name that resolves to 127.0.0.1 (DNS rebinding)."""
 from __future__ import annotations
 
+import ipaddress
 import os
 import secrets
 
@@ -57,3 +61,47 @@ class APIKeyMiddleware:
         key_bytes = key.strip().encode('latin-1')             # header values are latin-1
         return scheme.lower() == 'bearer' and any(secrets.compare_digest(key_bytes, k)
                                                   for k in self.keys)
+
+
+LOOPBACK_NAMES = ('localhost',)
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback address or name ('127.0.0.1', '::1', 'localhost', '[::1]')."""
+    host = host.strip('[]').lower()
+    if host in LOOPBACK_NAMES or host.endswith('.localhost'):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header, without its port ('[::1]:80' -> '::1')."""
+    header = header.strip().lower()
+    if header.startswith('['):
+        return header[1:header.find(']')] if ']' in header else header
+    return header.rsplit(':', 1)[0] if header.count(':') == 1 else header
+
+
+class HostGuardMiddleware:
+    """421 for a request whose Host is neither a loopback host nor one of `allowed_hosts`: for
+    a server bound to a loopback address (`create_app`'s `bound_host`)."""
+
+    def __init__(self, app, allowed_hosts: tuple[str, ...] = ()):
+        self.app = app
+        self.allowed = {h.strip().lower() for h in allowed_hosts if h.strip()}
+
+    async def __call__(self, scope, receive, send):
+        if scope['type'] == 'http':
+            host = host_name(Headers(scope=scope).get('host', ''))
+            if not (is_loopback(host) or host in self.allowed):
+                error = RequestError(
+                    f'Host: {host!r}: this server listens on a loopback address and answers only '
+                    f'requests for a loopback host (localhost, 127.0.0.1, ::1); start it with '
+                    f'--allowed-hosts {host or "NAME"} to accept this one',
+                    code='misdirected_request', status=421)
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

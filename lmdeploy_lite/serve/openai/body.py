@@ -32,8 +32,15 @@ def too_large(limit: int) -> RequestError:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body; 413 as soon as it is known to exceed `limit` bytes: from Content-Length
-    before reading anything, else counted as the chunks of a chunked upload arrive."""
+    """The whole body; 415 for a Content-Type that is not JSON (a browser's cross-site form
+    post sends text/plain, application/x-www-form-urlencoded or multipart/form-data; none is
+    read); 413 as soon as it is known to exceed `limit` bytes: from Content-Length before
+    reading anything, else counted as the chunks of a chunked upload arrive."""
+    media = request.headers.get('content-type')
+    if media is not None and not is_json_media(media):
+        raise RequestError(f'Content-Type: {render(media)}: the request body must be JSON; send '
+                           f'"Content-Type: application/json"', status=415,
+                           type='invalid_request_error', code='unsupported_media_type')
     length = request.headers.get('content-length', '')
     if length.isdigit() and (len(length) > 18 or int(length) > limit):
         raise too_large(limit)
@@ -47,6 +54,13 @@ async def read_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect:
         raise RequestError('the client disconnected before sending the whole body') from None
     return b''.join(chunks)
+
+
+def is_json_media(content_type: str) -> bool:
+    """application/json or a +json type, any parameters (charset=...) allowed."""
+    media = content_type.split(';', 1)[0].strip().lower()
+    return media == 'application/json' or (media.startswith('application/')
+                                           and media.endswith('+json'))
 
 
 def parse_request(body: bytes, model: type[Model]) -> Model:

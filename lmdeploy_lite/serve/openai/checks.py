@@ -25,6 +25,7 @@ except ImportError:
 # GenerationConfig's field names as the OpenAI API spells them (for error messages)
 API_FIELD_NAMES = {'max_new_tokens': 'max_tokens', 'random_seed': 'seed', 'stop_words': 'stop'}
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
+DEFAULT_MAX_SEQUENCES = 256            # prompts x n of one request (--max-sequences-per-request)
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ServerContext:
     metrics: ServerMetrics
     token_strings: TokenStrings        # logprobs' token strings
     max_request_bytes: int
+    max_sequences: int = DEFAULT_MAX_SEQUENCES     # prompts x n one request may run
 
     @property
     def session_len(self) -> int:
@@ -55,6 +57,7 @@ def check_completion(ctx: ServerContext, body: bytes
     prompts = req.prompt
     if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
         prompts = [prompts]
+    check_sequences(ctx, len(prompts), req.n)      # before any prompt is tokenized
     prepared = [prepare(ctx, req, prompt, 'prompt', 'max_tokens', req.max_tokens,
                         COMPLETION_DEFAULT_MAX_TOKENS) for prompt in prompts]
     gen_config = min((g for _, g in prepared), key=lambda g: g.max_new_tokens)
@@ -64,12 +67,23 @@ def check_completion(ctx: ServerContext, body: bytes
 def check_chat(ctx: ServerContext, body: bytes
                ) -> tuple[p.ChatCompletionRequest, list[list[int]], GenerationConfig]:
     req = parse_request(body, p.ChatCompletionRequest)
+    check_sequences(ctx, 1, req.n)
     messages = [m.template_message() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
     name = 'max_completion_tokens' if req.max_completion_tokens else 'max_tokens'
     ids, gen_config = prepare(ctx, req, messages, 'messages', name,
                               req.max_completion_tokens or req.max_tokens, None, tools)
     return req, [ids], gen_config
+
+
+def check_sequences(ctx: ServerContext, num_prompts: int, n: int):
+    """400 naming both numbers when a request asks for more sequences (prompts x n) than the
+    server runs for one request: each is a sequence in the engine's queue."""
+    if num_prompts * n > ctx.max_sequences:
+        raise RequestError(f'prompt: {num_prompts} prompt(s) x n={n} = {num_prompts * n} '
+                           f'sequences; this server runs at most {ctx.max_sequences} per request '
+                           f'(--max-sequences-per-request): send fewer prompts or a smaller n',
+                           'prompt' if num_prompts > 1 else 'n')
 
 
 def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,
