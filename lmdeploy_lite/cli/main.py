@@ -295,6 +295,9 @@ def _serve_args(p: argparse.ArgumentParser):
                    help='with a loopback --server-name, Host header names accepted besides '
                         'localhost, 127.0.0.1 and ::1 (others get HTTP 421: a guard against DNS '
                         'rebinding)')
+    p.add_argument('--max-concurrent-requests', type=int, default=None, metavar='N',
+                   help='generation requests held at once, queued or running (default: no '
+                        'limit); more get HTTP 429 with Retry-After')
     p.add_argument('--max-sequences-per-request', type=int, default=256, metavar='N',
                    help='most sequences (prompts x n) one request may run (default 256); more '
                         'get HTTP 400 before any prompt is tokenized')
@@ -333,6 +336,9 @@ def _load_and_serve(args) -> int:
     logging.basicConfig(level=args.log_level.upper())
     if args.max_request_bytes < 1:
         raise ValueError(f'max_request_bytes={args.max_request_bytes}: must be >= 1')
+    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
+        raise ValueError(f'max_concurrent_requests={args.max_concurrent_requests}: must be '
+                         f'>= 1')
     if args.max_sequences_per_request < 1:
         raise ValueError(f'max_sequences_per_request={args.max_sequences_per_request}: must be '
                          f'>= 1')
@@ -362,7 +368,8 @@ def _load_and_serve(args) -> int:
                  num_spec_tokens=num_draft_tokens(spec),
                  max_request_bytes=args.max_request_bytes,
                  max_sequences=args.max_sequences_per_request,
-                 allowed_hosts=tuple(args.allowed_hosts or ()))
+                 allowed_hosts=tuple(args.allowed_hosts or ()),
+                 max_concurrent=args.max_concurrent_requests)
 
 
 def build_parser() -> argparse.ArgumentParser:

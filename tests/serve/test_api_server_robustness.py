@@ -404,6 +404,49 @@ def test_closed_doors_non_json_bodies_head_probes_and_too_many_sequences():
     assert fine.status_code == 200 and answer(fine) == ('hello', 2, 'length')
 
 
+class GatedPipe(FakePipe):
+    """FakePipe whose generations wait for `gate` before their last token."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def generate(self, ids, gen_config, stream_text=True):
+        from lmdeploy_lite.messages import Response
+        yield Response(text='hel', token_ids=[1], input_token_len=1, generate_token_len=1)
+        await self.gate.wait()
+        yield Response(text='lo', token_ids=[2], input_token_len=1, generate_token_len=2,
+                       finish_reason='length')
+
+
+def test_past_max_concurrent_requests_a_request_gets_429_and_the_others_finish():
+    """Limit 2: two requests held (one streamed, one not), the third gets 429 with Retry-After
+    at once; once they finish the count is back and the next request passes."""
+    from lmdeploy_lite.serve.openai.api_server import create_app
+    pipe = GatedPipe()
+    app = create_app(pipe, 'fake', max_concurrent=2)
+
+    async def run():
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url='http://test',
+                                     timeout=30) as http:
+            held = [asyncio.create_task(http.post('/v1/completions', json=body))
+                    for body in ({'prompt': 'a'}, {'prompt': 'b', 'stream': True})]
+            while len(pipe.prompts) < 2:              # both admitted and generating
+                await asyncio.sleep(0.01)
+            refused = await http.post('/v1/completions', json={'prompt': 'c'})
+            pipe.gate.set()
+            done = await asyncio.gather(*held)
+            after = await http.post('/v1/completions', json={'prompt': 'd'})
+            return refused, done, after
+    refused, (plain, streamed), after = asyncio.run(run())
+    assert refused.status_code == 429 and refused.headers['retry-after'] == '1'
+    assert '--max-concurrent-requests 2' in refused.json()['error']['message']
+    assert answer(plain) == ('hello', 2, 'length')
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith('[DONE]')
+    assert answer(after) == ('hello', 2, 'length')
+
+
 def test_a_failed_generation_ends_that_request_with_an_error_and_others_go_on():
     ok, failed, ok_again, failed_stream, chat_failed_stream = _call_app([
         ('/v1/completions', {'prompt': 'fine'}),

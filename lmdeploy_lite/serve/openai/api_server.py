@@ -28,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic.json_schema import models_json_schema
 
 from lmdeploy_lite.serve.openai import protocol as p
+from lmdeploy_lite.serve.openai.admission import ConcurrencyLimitMiddleware
 from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware, HostGuardMiddleware, is_loopback
 from lmdeploy_lite.serve.openai.checks import (DEFAULT_MAX_SEQUENCES, ServerContext,
                                                check_chat, check_completion, read_checked)
@@ -54,12 +55,14 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                num_spec_tokens: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                on_engine_failure: Callable[[], None] | None = None,
                max_sequences: int = DEFAULT_MAX_SEQUENCES, bound_host: str | None = None,
-               allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+               allowed_hosts: tuple[str, ...] = (), max_concurrent: int | None = None
+               ) -> FastAPI:
     """The app of one pipeline: its routes are the functions below over one ServerContext.
     `on_engine_failure()` is called once the engine has died for good (serve: shut down);
     `max_sequences`: prompts x n one request may run (more: 400); `bound_host`: the address
     the server listens on: a loopback one turns the Host guard on (auth.py), which lets
-    `allowed_hosts` through besides loopback hosts."""
+    `allowed_hosts` through besides loopback hosts; `max_concurrent`: generation requests held
+    at once (more: 429, admission.py; None: no limit)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,6 +79,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                         max_request_bytes, max_sequences)
     app.state.pipe, app.state.metrics, app.state.engine_failed = pipe, metrics, False
     install_error_handlers(app, metrics.requests.labels('invalid').inc)
+    if max_concurrent is not None:          # innermost: only authorized requests count
+        app.add_middleware(ConcurrencyLimitMiddleware, limit=max_concurrent)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     if bound_host is not None and is_loopback(bound_host):
@@ -256,7 +261,7 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
           num_spec_tokens: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
           graceful_timeout_s: float = 10.0, max_sequences: int = DEFAULT_MAX_SEQUENCES,
-          allowed_hosts: tuple[str, ...] = ()) -> int:
+          allowed_hosts: tuple[str, ...] = (), max_concurrent: int | None = None) -> int:
     """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
 
     Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
@@ -269,7 +274,8 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
     def stop():
         server.should_exit = True
     app = create_app(pipe, model_name, api_keys, num_spec_tokens, max_request_bytes, stop,
-                     max_sequences, bound_host=host, allowed_hosts=allowed_hosts)
+                     max_sequences, bound_host=host, allowed_hosts=allowed_hosts,
+                     max_concurrent=max_concurrent)
     server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                                     timeout_graceful_shutdown=graceful_timeout_s))
     try:
