@@ -148,14 +148,17 @@ async def completions(ctx: ServerContext, request: Request):
             return p.CompletionResponse(id=rid, model=ctx.model_name, choices=choices, usage=use)
         return stream(ctx, prompts, gen_config, chunk, include_usage, rid)
     texts, lasts, logprobs = await run_to_end(ctx, prompts, gen_config, request, rid)
-    return p.CompletionResponse(
-        id=rid, model=ctx.model_name,
-        choices=[p.CompletionChoice(index=i, text=text,
-                                    finish_reason=last and last.finish_reason,
-                                    logprobs=legacy[i] and legacy[i].add(logprobs[i]),
-                                    hidden_states_path=last and last.hidden_states_path)
-                 for i, (text, last) in enumerate(zip(texts, lasts))],
-        usage=usage(lasts, prompts))
+
+    def build() -> bytes:
+        return p.CompletionResponse(
+            id=rid, model=ctx.model_name,
+            choices=[p.CompletionChoice(index=i, text=text,
+                                        finish_reason=last and last.finish_reason,
+                                        logprobs=legacy[i] and legacy[i].add(logprobs[i]),
+                                        hidden_states_path=last and last.hidden_states_path)
+                     for i, (text, last) in enumerate(zip(texts, lasts))],
+            usage=usage(lasts, prompts)).model_dump_json().encode()
+    return await off_the_loop(build)
 
 
 async def chat_completions(ctx: ServerContext, request: Request):
@@ -169,6 +172,21 @@ async def chat_completions(ctx: ServerContext, request: Request):
         return stream(ctx, prompts, gen_config, ChatChunks(ctx, rid, parsers), include_usage,
                       rid)
     texts, lasts, logprobs = await run_to_end(ctx, prompts, gen_config, request, rid)
+    return await off_the_loop(lambda: chat_response(ctx, rid, req, parsers, texts, lasts,
+                                                    logprobs, prompts))
+
+
+async def off_the_loop(build) -> HTTPResponse:
+    """A whole JSON response, built and serialized (pydantic, at C speed) in a worker thread:
+    a response of many choices and logprobs takes time in proportion to its size, which must
+    not hold up the event loop (every other stream, /health)."""
+    return HTTPResponse(await asyncio.to_thread(build), media_type='application/json')
+
+
+def chat_response(ctx: ServerContext, rid: str, req: p.ChatCompletionRequest,
+                  parsers: list[ToolCallParser | None], texts: list[str], lasts: list,
+                  logprobs: list[list], prompts: list[list[int]]) -> bytes:
+    """A non-streamed chat completion's JSON: each choice's text, tool calls parsed out."""
     choices = []
     for index, (text, last, parser) in enumerate(zip(texts, lasts, parsers)):
         finish_reason, calls = last and last.finish_reason, []
@@ -182,7 +200,7 @@ async def chat_completions(ctx: ServerContext, request: Request):
                                     if req.logprobs else None,
                                     hidden_states_path=last and last.hidden_states_path))
     return p.ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices,
-                                    usage=usage(lasts, prompts))
+                                    usage=usage(lasts, prompts)).model_dump_json().encode()
 
 
 class ChatChunks:
