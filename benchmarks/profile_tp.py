@@ -21,6 +21,7 @@ import json
 import os
 import pstats
 import time
+from functools import partial
 
 import torch
 import torch.multiprocessing as mp
@@ -46,6 +47,12 @@ def split_device_time(prof, steps: int) -> tuple[float, float]:
         else:
             compute += us
     return compute / 1000 / steps, collective / 1000 / steps
+
+
+def rank_loop_step(engine):
+    """One step as `_rank_loop` runs it: the inbox broadcast over 'tp', then `Engine.step`."""
+    engine.dist.broadcast_object([], 'tp')
+    engine.step()
 
 
 def worker(rank: int, args, model_dir: str, load_format: str, init_method: str, queue):
@@ -84,10 +91,7 @@ def worker(rank: int, args, model_dir: str, load_format: str, init_method: str, 
                 # every DP rank gets the batch (ep > 1: the per-GPU batch); TP peers the same
                 seqs = [engine.add_request(list(range(10 + b, 10 + b + args.prompt_len)), gen)
                         for b in range(batch)]
-
-                def step():
-                    dist_ctx.broadcast_object([], 'tp')      # the rank loop's inbox broadcast
-                    engine.step()
+                step = partial(rank_loop_step, engine)
                 while not all(s.prefilled for s in seqs):
                     step()
                 for _ in range(8):

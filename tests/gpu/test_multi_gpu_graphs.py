@@ -60,8 +60,9 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope='module')
 def one_gpu(prompts):
-    """The single-GPU tokens (graphs on) of the first prompt alone, then of all of them."""
-    if not torch.cuda.is_available():
+    """The single-GPU tokens (graphs on) of the first prompt alone, then of all of them (None
+    where every test of this file skips: fewer than two GPUs)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         return None
     engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**BASE), SPEC, progress=False)
     one = engine.generate(prompts[:1], GEN)[0].generated_ids
