@@ -301,6 +301,18 @@ def _serve_args(p: argparse.ArgumentParser):
     p.add_argument('--max-sequences-per-request', type=int, default=256, metavar='N',
                    help='most sequences (prompts x n) one request may run (default 256); more '
                         'get HTTP 400 before any prompt is tokenized')
+    p.add_argument('--header-timeout', type=float, default=10.0, metavar='S',
+                   help="seconds a request's headers may take to arrive from its first byte "
+                        '(default 10); slower ones get HTTP 408 and the connection closes')
+    p.add_argument('--body-timeout', type=float, default=30.0, metavar='S',
+                   help="seconds a request's body may take to arrive after its headers "
+                        '(default 30); then the connection closes')
+    p.add_argument('--idle-timeout', type=float, default=15.0, metavar='S',
+                   help='seconds a connection may stay open without a request, new or kept '
+                        'alive (default 15)')
+    p.add_argument('--max-connections', type=int, default=None, metavar='N',
+                   help='open connections held at once (default: what the file-descriptor '
+                        'limit allows, at most 1024); a new one past them is closed at once')
     p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None,
                    help='run a one-rank engine in a process of its own, so that streaming to '
                         'many clients does not hold the GIL the engine needs (default: on with '
@@ -332,6 +344,7 @@ def _load_and_serve(args) -> int:
     from lmdeploy_lite.api import resolve_model_path
     from lmdeploy_lite.serve.openai.api_server import default_model_name, serve
     from lmdeploy_lite.serve.openai.auth import load_api_keys
+    from lmdeploy_lite.serve.openai.connections import HttpLimits
     from lmdeploy_lite.pytorch.spec_decode.build import num_draft_tokens
     logging.basicConfig(level=args.log_level.upper())
     if args.max_request_bytes < 1:
@@ -342,6 +355,9 @@ def _load_and_serve(args) -> int:
     if args.max_sequences_per_request < 1:
         raise ValueError(f'max_sequences_per_request={args.max_sequences_per_request}: must be '
                          f'>= 1')
+    http_limits = HttpLimits(args.header_timeout, args.body_timeout, args.idle_timeout,
+                             **({} if args.max_connections is None
+                                else {'max_connections': args.max_connections}))
     api_keys = load_api_keys(args.api_keys, args.api_keys_file)
     engine_config = PytorchEngineConfig(dtype=args.dtype, device=args.device,
                                         max_batch_size=args.max_batch_size,
@@ -369,7 +385,7 @@ def _load_and_serve(args) -> int:
                  max_request_bytes=args.max_request_bytes,
                  max_sequences=args.max_sequences_per_request,
                  allowed_hosts=tuple(args.allowed_hosts or ()),
-                 max_concurrent=args.max_concurrent_requests)
+                 max_concurrent=args.max_concurrent_requests, http_limits=http_limits)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,7 @@ from lmdeploy_lite.serve.openai.admission import ConcurrencyLimitMiddleware
 from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware, HostGuardMiddleware, is_loopback
 from lmdeploy_lite.serve.openai.checks import (DEFAULT_MAX_SEQUENCES, ServerContext,
                                                check_chat, check_completion, read_checked)
+from lmdeploy_lite.serve.openai.connections import HttpLimits
 from lmdeploy_lite.serve.openai.errors import install_error_handlers
 from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings, chat_logprobs
 from lmdeploy_lite.serve.openai.metrics import ServerMetrics
@@ -271,6 +272,15 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def server_config(app, host: str, port: int, log_level: str, graceful_timeout_s: float,
+                  limits: HttpLimits) -> uvicorn.Config:
+    """uvicorn's settings: h11 with the connection limits; the keep-alive timeout is the idle
+    one."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
+                          timeout_graceful_shutdown=graceful_timeout_s, http=limits.protocol(),
+                          timeout_keep_alive=limits.idle_timeout_s)
+
+
 def default_model_name(model_path: str) -> str:
     return os.path.basename(os.path.normpath(model_path))
 
@@ -279,8 +289,10 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
           num_spec_tokens: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
           graceful_timeout_s: float = 10.0, max_sequences: int = DEFAULT_MAX_SEQUENCES,
-          allowed_hosts: tuple[str, ...] = (), max_concurrent: int | None = None) -> int:
+          allowed_hosts: tuple[str, ...] = (), max_concurrent: int | None = None,
+          http_limits: HttpLimits | None = None) -> int:
     """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
+    `http_limits`: what one connection may hold (connections.py; None: the defaults).
 
     Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
     finish_reason 'abort' (their requests aborted), and whatever is left after
@@ -294,8 +306,8 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
     app = create_app(pipe, model_name, api_keys, num_spec_tokens, max_request_bytes, stop,
                      max_sequences, bound_host=host, allowed_hosts=allowed_hosts,
                      max_concurrent=max_concurrent)
-    server = _Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
-                                    timeout_graceful_shutdown=graceful_timeout_s))
+    server = _Server(server_config(app, host, port, log_level, graceful_timeout_s,
+                                   http_limits or HttpLimits()))
     try:
         print(f'lmdeploy_lite: serving {model_name!r} on http://{host}:{port}', flush=True)
         server.run()

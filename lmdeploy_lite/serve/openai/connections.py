@@ -1,0 +1,123 @@
+"""What one TCP connection may hold of the server (`HttpLimits`): uvicorn's h11 protocol with
+deadlines, so that no client can keep a connection, a file descriptor or a request open by being
+slow or silent (slowloris), and a cap on open connections.
+
+- A new connection, and one between requests (keep-alive), is closed after `idle_timeout_s`
+  without a byte.
+- A request's headers must arrive in full within `header_timeout_s` of its first byte (408,
+  then closed): a deadline, not an inactivity timer, so a byte every second does not extend it.
+- Its body must arrive in full within `body_timeout_s` of its headers; past that the connection
+  closes and the request ends as a client that went away.
+- Past `max_connections` open connections, a new one is closed at once; the deadlines above
+  close the idle and slow ones within seconds, so a flood cannot lock the others out for long.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import resource
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger('lmdeploy_lite.serve')
+
+REQUEST_TIMEOUT = (b'HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n'
+                   b'connection: close\r\ncontent-length: %d\r\n\r\n%s')
+RESERVED_FDS = 128            # file descriptors kept for the engine, the model files, the logs
+
+
+def default_max_connections() -> int:
+    """Open connections the process can hold besides what it needs itself (its soft limit on
+    file descriptors, less a reserve), at most 1024."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(16, min(1024, soft - RESERVED_FDS))
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    idle_timeout_s: float = 15.0
+    max_connections: int = dataclasses.field(default_factory=default_max_connections)
+
+    def __post_init__(self):
+        for name in ('header_timeout_s', 'body_timeout_s', 'idle_timeout_s'):
+            if not getattr(self, name) > 0:
+                raise ValueError(f'{name}={getattr(self, name)}: must be > 0')
+        if self.max_connections < 1:
+            raise ValueError(f'max_connections={self.max_connections}: must be >= 1')
+
+    def protocol(self) -> type:
+        """uvicorn's `http` protocol class with these limits (uvicorn builds one per
+        connection)."""
+        return type('LimitedH11Protocol', (LimitedH11Protocol,), {'limits': self})
+
+
+class LimitedH11Protocol(H11Protocol):
+    """H11Protocol with the deadlines of `limits`; uvicorn's keep-alive timer is the idle
+    timeout between requests (`timeout_keep_alive`, set from the same limits)."""
+    limits: HttpLimits
+    _deadline = None                   # the TimerHandle of the phase below, if any
+    _phase = None                      # 'idle', 'headers' or 'body'
+
+    def connection_made(self, transport):
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            logger.warning('%d connections open (--max-connections %d): closing a new one',
+                           len(self.connections) - 1, self.limits.max_connections)
+            transport.close()
+            return
+        self._arm('idle', self.limits.idle_timeout_s)
+
+    def connection_lost(self, exc):
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes):
+        super().data_received(data)
+        self._follow_request()
+
+    def on_response_complete(self):
+        self._disarm()                 # uvicorn's keep-alive timer takes over
+        super().on_response_complete()
+
+    def _follow_request(self):
+        """Arm the deadline of the phase the request is in, once per phase."""
+        if self.transport.is_closing():
+            return
+        state = self.conn.their_state
+        if state is h11.IDLE:          # a request has begun (bytes buffered), headers pending
+            if self._phase != 'headers':
+                self._arm('headers', self.limits.header_timeout_s)
+        elif state is h11.SEND_BODY:
+            if self._phase != 'body':
+                self._arm('body', self.limits.body_timeout_s)
+        elif self._phase is not None:  # the request is in; the response is the app's
+            self._disarm()
+
+    def _arm(self, phase: str, seconds: float):
+        self._disarm()
+        self._phase = phase
+        self._deadline = self.loop.call_later(seconds, self._expire, phase)
+
+    def _disarm(self):
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline = self._phase = None
+
+    def _expire(self, phase: str):
+        self._deadline = self._phase = None
+        if self.transport.is_closing():
+            return
+        if phase == 'headers':
+            body = (b'{"error":{"message":"the request headers did not arrive within %gs",'
+                    b'"type":"invalid_request_error","code":"request_timeout"}}'
+                    % self.limits.header_timeout_s)
+            self.transport.write(REQUEST_TIMEOUT % (len(body), body))
+        elif phase == 'body':
+            logger.warning('%s: the request body did not arrive within %g s; closing',
+                           self.client, self.limits.body_timeout_s)
+        self.transport.close()
