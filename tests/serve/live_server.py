@@ -91,6 +91,37 @@ def _cmdline(pid: int) -> bytes:
         return b''
 
 
+def listening(pids: list[int]) -> list[tuple[str, int]]:
+    """The TCP addresses (hex address as /proc/net/tcp* writes it, port) the processes listen
+    on."""
+    inodes = set()
+    for pid in pids:
+        fd_dir = f'/proc/{pid}/fd'
+        for fd in os.listdir(fd_dir):
+            try:
+                target = os.readlink(os.path.join(fd_dir, fd))
+            except OSError:
+                continue
+            if target.startswith('socket:['):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ('/proc/net/tcp', '/proc/net/tcp6'):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            address, port = fields[1].split(':')
+            if fields[3] == '0A' and fields[9] in inodes:          # LISTEN
+                found.append((address, int(port, 16)))
+    return found
+
+
+def is_loopback_hex(address: str) -> bool:
+    """127.0.0.0/8, ::1 or ::ffff:127.x.x.x, as /proc/net/tcp* writes them."""
+    if len(address) == 8:
+        return address.endswith('7F')
+    return (address == '00000000000000000000000001000000'
+            or (address.startswith('0000000000000000FFFF0000') and address.endswith('7F')))
+
+
 def is_alive(pid: int) -> bool:
     try:
         with open(f'/proc/{pid}/stat') as f:

@@ -22,7 +22,8 @@ from lmdeploy_lite.messages import PytorchEngineConfig, SpecDecodeStats  # noqa:
 from tests.helpers import accepting  # noqa: E402
 from tests.helpers.accepting import assert_real_acceptance, counts  # noqa: E402
 from tests.serve.live_server import (K, KEY, MODEL, ROOT, SESSION_LEN, SPEC_K,  # noqa: E402
-                                     Server, chat, headers, is_alive, post, scrape)
+                                     Server, chat, headers, is_alive, is_loopback_hex,
+                                     listening, post, scrape)
 
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 
@@ -412,6 +413,10 @@ def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path)
     try:
         workers = srv.children()
         assert len(workers) >= 2
+        # the ranks meet through a file and loopback links: nothing listens on the network
+        sockets = listening([srv.proc.pid, *workers])
+        assert any(port == srv.port for _, port in sockets)
+        assert all(is_loopback_hex(a) for a, _ in sockets), sockets
         r = post(srv, '/v1/completions', {'prompt': 'def main(', 'max_tokens': 6,
                                           'temperature': 0, 'ignore_eos': True}).json()
         spec = r['usage']['spec_decode']

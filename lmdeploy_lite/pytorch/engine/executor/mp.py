@@ -60,6 +60,7 @@ from lmdeploy_lite.pytorch.engine.engine_loop import Sink, check_group, hand_out
 from lmdeploy_lite.pytorch.engine.prefix_cache import block_keys, longest_cached
 from lmdeploy_lite.pytorch.engine.sequence import request_error
 from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent, make_lifeline
+from lmdeploy_lite.pytorch.engine.executor.rendezvous import FileRendezvous, loopback_env
 
 logger = logging.getLogger('lmdeploy_lite')
 
@@ -533,6 +534,7 @@ class MPEngineLoop(RemoteEngineLoop):
     this process's life through a lifeline (lifeline.py)."""
     _procs: tuple | list = ()                 # set by _start; empty until then
     _lifeline_writer = None                   # the pipe end whose closing tells workers to end
+    _rendezvous = None                        # the ranks' FileRendezvous, until released
 
     def _start(self, model_path: str, cfg: PytorchEngineConfig,
                spec_config: SpeculativeConfig | None, env: dict):
@@ -541,7 +543,9 @@ class MPEngineLoop(RemoteEngineLoop):
         if uses_cuda(cfg.device):           # rank r on cuda:r of this machine
             self.dist_config.validate(self.model_config, num_devices=torch.cuda.device_count())
         ctx = mp.get_context('spawn')
-        init_method = f'tcp://127.0.0.1:{free_port()}'
+        self._rendezvous = FileRendezvous()        # no network listener on one host
+        init_method = self._rendezvous.init_method
+        env = {**loopback_env(), **env}
         self._inboxes = [ctx.Queue() for _ in range(world)]
         self._outbox = ctx.Queue()
         lifeline, self._lifeline_writer = make_lifeline(ctx)
@@ -584,6 +588,9 @@ class MPEngineLoop(RemoteEngineLoop):
         if self._lifeline_writer is not None:
             self._lifeline_writer.close()
             self._lifeline_writer = None
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
 
 
 def describe_exit(exitcode: int | None) -> str:
