@@ -234,6 +234,8 @@ class Pipeline:
             self._loop = EngineLoop(self.engine)
         self._closed = False
         self._fanouts: dict[asyncio.AbstractEventLoop, _AsyncFanout] = {}
+        # sequences the engine runs at once (each DP rank's batch: the KV cache is sized for it)
+        self.capacity = backend_config.dp * backend_config.max_batch_size
 
     @property
     def model_name(self) -> str:
@@ -245,6 +247,12 @@ class Pipeline:
     def error(self) -> BaseException | None:
         """Why the engine stopped for good, or None while it runs."""
         return self._loop.error
+
+    def stalled(self, limit_s: float) -> str | None:
+        """One line naming the rank (or the engine thread) that has shown no progress for
+        over `limit_s` seconds while requests are pending, else None (engine/heartbeat.py; the
+        ray executor keeps no heartbeat: always None)."""
+        return self._loop.stalled(limit_s)
 
     @property
     def session_len(self) -> int:

@@ -296,11 +296,18 @@ def _serve_args(p: argparse.ArgumentParser):
                         'localhost, 127.0.0.1 and ::1 (others get HTTP 421: a guard against DNS '
                         'rebinding)')
     p.add_argument('--max-concurrent-requests', type=int, default=None, metavar='N',
-                   help='generation requests held at once, queued or running (default: no '
-                        'limit); more get HTTP 429 with Retry-After')
+                   help='generation requests held at once, queued or running (default: four '
+                        'times the sequences the engine runs at once, dp x max-batch-size, at '
+                        'least 16); more get HTTP 429 with Retry-After')
     p.add_argument('--max-sequences-per-request', type=int, default=256, metavar='N',
                    help='most sequences (prompts x n) one request may run (default 256); more '
                         'get HTTP 400 before any prompt is tokenized')
+    p.add_argument('--max-tokens-per-request', type=int, default=2**20, metavar='N',
+                   help='most tokens (max_tokens x n x prompts) one request may ask for '
+                        '(default 1048576); more get HTTP 400 before any prompt is tokenized')
+    p.add_argument('--health-stall-timeout', type=float, default=30.0, metavar='S',
+                   help='/health answers 503 naming the rank when the engine has made no '
+                        'progress for S seconds while requests are pending (default 30)')
     p.add_argument('--header-timeout', type=float, default=10.0, metavar='S',
                    help="seconds a request's headers may take to arrive from its first byte "
                         '(default 10); slower ones get HTTP 408 and the connection closes')
@@ -344,17 +351,13 @@ def _load_and_serve(args) -> int:
     from lmdeploy_lite.api import resolve_model_path
     from lmdeploy_lite.serve.openai.api_server import default_model_name, serve
     from lmdeploy_lite.serve.openai.auth import load_api_keys
+    from lmdeploy_lite.serve.openai.checks import ServerLimits
     from lmdeploy_lite.serve.openai.connections import HttpLimits
     from lmdeploy_lite.pytorch.spec_decode.build import num_draft_tokens
     logging.basicConfig(level=args.log_level.upper())
-    if args.max_request_bytes < 1:
-        raise ValueError(f'max_request_bytes={args.max_request_bytes}: must be >= 1')
-    if args.max_concurrent_requests is not None and args.max_concurrent_requests < 1:
-        raise ValueError(f'max_concurrent_requests={args.max_concurrent_requests}: must be '
-                         f'>= 1')
-    if args.max_sequences_per_request < 1:
-        raise ValueError(f'max_sequences_per_request={args.max_sequences_per_request}: must be '
-                         f'>= 1')
+    limits = ServerLimits(args.max_request_bytes, args.max_sequences_per_request,
+                          args.max_tokens_per_request, args.max_concurrent_requests,
+                          args.health_stall_timeout)
     http_limits = HttpLimits(args.header_timeout, args.body_timeout, args.idle_timeout,
                              **({} if args.max_connections is None
                                 else {'max_connections': args.max_connections}))
@@ -381,11 +384,8 @@ def _load_and_serve(args) -> int:
                     engine_process=engine_process)
     return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
                  args.server_port, api_keys, args.log_level,
-                 num_spec_tokens=num_draft_tokens(spec),
-                 max_request_bytes=args.max_request_bytes,
-                 max_sequences=args.max_sequences_per_request,
-                 allowed_hosts=tuple(args.allowed_hosts or ()),
-                 max_concurrent=args.max_concurrent_requests, http_limits=http_limits)
+                 num_spec_tokens=num_draft_tokens(spec), limits=limits,
+                 allowed_hosts=tuple(args.allowed_hosts or ()), http_limits=http_limits)
 
 
 def build_parser() -> argparse.ArgumentParser:

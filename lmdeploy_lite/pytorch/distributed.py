@@ -82,6 +82,7 @@ class DistContext:
     check: bool = False
     step: int = 0
     trace: list = field(default_factory=list)
+    heartbeat: object = None      # heartbeat(inside) around each collective: engine/heartbeat.py
 
     # ---- layout ---------------------------------------------------------------------------
     @property
@@ -297,6 +298,8 @@ class DistContext:
         shape = (-1,) + tuple(tensor.shape[1:]) if variable else tuple(tensor.shape)
         entry = (op, group, shape, str(tensor.dtype).replace('torch.', ''))
         self.trace.append(entry)
+        if self.heartbeat is not None:
+            self.heartbeat(True)
         if self.check and not variable and group not in TP_LOCAL_GROUPS:
             # a collective across DP ranks whose shapes must agree: compared before it runs,
             # since gloo aborts the process on a size mismatch (vllm-ascend #9689's "8 vs 4")
@@ -309,6 +312,9 @@ class DistContext:
             fn(process_group)
         except RuntimeError as e:
             raise self._failure(entry, time.monotonic() - start, e) from e
+        finally:
+            if self.heartbeat is not None:
+                self.heartbeat(False)
 
     def _failure(self, entry: tuple, elapsed_s: float, error: RuntimeError) -> RuntimeError:
         """The error for a collective that raised after `elapsed_s`: CollectiveTimeout naming

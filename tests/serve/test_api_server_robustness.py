@@ -310,6 +310,9 @@ class FakeLoop:
     def validate_request(self, ids, gen_config):
         pass
 
+    def stalled(self, limit_s):
+        return None
+
     def close(self):
         pass
 
@@ -322,7 +325,8 @@ class FakePipe:
     num_cached_blocks = num_prefill_tokens = 0
     # the server reads a pipeline through these (over `_loop`, as Pipeline's own do)
     error, session_len, vocab_size = Pipeline.error, Pipeline.session_len, Pipeline.vocab_size
-    validate_request = Pipeline.validate_request
+    validate_request, stalled = Pipeline.validate_request, Pipeline.stalled
+    capacity = 64
     SECRET = '/srv/secret/lmdeploy_lite/model.py'
 
     def __init__(self):
@@ -420,31 +424,44 @@ class GatedPipe(FakePipe):
 
 
 def test_past_max_concurrent_requests_a_request_gets_429_and_the_others_finish():
-    """Limit 2: two requests held (one streamed, one not), the third gets 429 with Retry-After
-    at once; once they finish the count is back and the next request passes."""
+    """Limit 8: eight requests held (half streamed), the ninth gets 429 with Retry-After at
+    once; the eight finish correctly, and then the count is back and the next request passes.
+    A request asking for more tokens than --max-tokens-per-request is a 400 before its prompt
+    is tokenized."""
     from lmdeploy_lite.serve.openai.api_server import create_app
+    from lmdeploy_lite.serve.openai.checks import ServerLimits
     pipe = GatedPipe()
-    app = create_app(pipe, 'fake', max_concurrent=2)
+    app = create_app(pipe, 'fake', limits=ServerLimits(max_concurrent=8, max_tokens=1000))
 
     async def run():
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url='http://test',
                                      timeout=30) as http:
-            held = [asyncio.create_task(http.post('/v1/completions', json=body))
-                    for body in ({'prompt': 'a'}, {'prompt': 'b', 'stream': True})]
-            while len(pipe.prompts) < 2:              # both admitted and generating
+            held = [asyncio.create_task(http.post('/v1/completions', json={
+                'prompt': f'p{i}', 'stream': i % 2 == 1})) for i in range(8)]
+            while len(pipe.prompts) < 8:              # all admitted and generating
                 await asyncio.sleep(0.01)
-            refused = await http.post('/v1/completions', json={'prompt': 'c'})
+            refused = await http.post('/v1/completions', json={'prompt': 'ninth'})
             pipe.gate.set()
             done = await asyncio.gather(*held)
-            after = await http.post('/v1/completions', json={'prompt': 'd'})
-            return refused, done, after
-    refused, (plain, streamed), after = asyncio.run(run())
+            after = await http.post('/v1/completions', json={'prompt': 'after'})
+            greedy = await http.post('/v1/completions', json={'prompt': ['a', 'b'], 'n': 16,
+                                                              'max_tokens': 60})
+            return refused, done, after, greedy
+    refused, done, after, greedy = asyncio.run(run())
     assert refused.status_code == 429 and refused.headers['retry-after'] == '1'
-    assert '--max-concurrent-requests 2' in refused.json()['error']['message']
-    assert answer(plain) == ('hello', 2, 'length')
-    assert streamed.status_code == 200 and streamed.text.rstrip().endswith('[DONE]')
+    assert '--max-concurrent-requests 8' in refused.json()['error']['message']
+    for i, r in enumerate(done):
+        if i % 2:
+            assert r.status_code == 200 and r.text.rstrip().endswith('[DONE]')
+            assert ''.join(json.loads(e)['choices'][0]['text'] for e in
+                           sse_events(r.text.splitlines())[:-1]) == 'hello'
+        else:
+            assert answer(r) == ('hello', 2, 'length')
     assert answer(after) == ('hello', 2, 'length')
+    assert_error(greedy, 400, 'max_tokens', '32 sequence(s) x max_tokens=60 = 1920 tokens',
+                 'at most 1000', '--max-tokens-per-request')
+    assert 'ninth' not in pipe.prompts.values() and 'a' not in pipe.prompts.values()
 
 
 def test_a_failed_generation_ends_that_request_with_an_error_and_others_go_on():
@@ -539,7 +556,10 @@ def test_cached_prompt_tokens_reach_usage_and_the_prefix_cache_counters():
 @pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_a_dead_rank_ends_every_stream_with_an_error_and_the_server_exits_1(model_dir, tmp_path):
-    srv = Server(model_dir, str(tmp_path / 'server_dp2_ep2.log'), '--dp', '2', '--ep', '2')
+    """Rank 1 is stopped (SIGSTOP) while four streams run: /health turns 503 within seconds
+    naming it; then it is killed: every stream ends with an error and the server exits 1."""
+    srv = Server(model_dir, str(tmp_path / 'server_dp2_ep2.log'), '--dp', '2', '--ep', '2',
+                 '--health-stall-timeout', '1.5')
     try:
         workers = srv.rank_workers()
         assert len(workers) == 2, srv.children()
@@ -561,6 +581,19 @@ def test_a_dead_rank_ends_every_stream_with_an_error_and_the_server_exits_1(mode
         for t in readers:
             t.start()
         started.wait()                                  # every stream has text
+        assert httpx.get(srv.url + '/health', timeout=5).status_code == 200
+        os.kill(workers[1], signal.SIGSTOP)
+        stopped, health = time.monotonic(), None
+        while time.monotonic() - stopped < 20:
+            health = httpx.get(srv.url + '/health', timeout=5)
+            if health.status_code != 200:
+                break
+            time.sleep(0.1)
+        assert health.status_code == 503, 'a stopped rank left /health at 200 for 20 s'
+        assert time.monotonic() - stopped < 1.5 + 3
+        assert health.json()['status'] == 'stalled'
+        assert health.json()['error'].startswith(f'rank 1 (pid {workers[1]}, stopped by a signal) '
+                                                 f'has made no progress for'), health.json()
         os.kill(workers[1], signal.SIGKILL)
         killed = time.monotonic()
         rc = srv.proc.wait(60)

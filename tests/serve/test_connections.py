@@ -97,6 +97,10 @@ def test_slowloris_headers_a_stalled_body_and_idle_connections_are_closed(serve)
     assert sent < len(request), 'the deadline must cut the headers short'
     assert closed_within(stalled, BODY_S + 1.0) is not None, 'a stalled body is still open'
     assert healthy(url)
+    # the request whose body never came counts as a client that left, not as an invalid one
+    metrics = httpx.get(url + '/metrics', timeout=5).text
+    assert 'lmdeploy_lite_requests_total{outcome="abort"} 1.0' in metrics, metrics
+    assert 'lmdeploy_lite_requests_total{outcome="invalid"} 0.0' in metrics
     for s in idle:
         assert closed_within(s, IDLE_S + 2.0 - (time.monotonic() - start)) is not None, \
             'an idle connection outlived the idle timeout'

@@ -172,3 +172,67 @@ def test_token_strings_bytes_and_text_offsets_of_split_characters():
     special = tokenizer.convert_tokens_to_ids('<|im_end|>')
     assert strings.text(special) == '<|im_end|>'
     assert strings.bytes(special) == b'<|im_end|>'
+    # a whole response's logprobs are written as JSON text: the same document as the objects'
+    import json
+    from lmdeploy_lite.serve.openai.logprobs import chat_logprobs, chat_logprobs_json
+    entries = [TokenLogprobs(t, -0.5 * i, {u: -1e-7 * i for u in (special, *ids[:i])})
+               for i, t in enumerate(ids)] + [TokenLogprobs(ids[0], float('-inf'), {})]
+    assert json.loads(chat_logprobs_json(strings, entries)) == \
+        json.loads(chat_logprobs(strings, entries).model_dump_json())
+
+
+@pytest.mark.timeout(120)
+def test_a_huge_logprobs_response_stalls_no_stream_and_no_health_check(server):
+    """The hold-out probe's 23 MB response (n=16, top_logprobs=20, 1,000 tokens: a 21 s stall
+    of the event loop), scaled by tokens to 100 (~2 MB, ~2 s of stall before responses were
+    built and serialized off the loop): meanwhile another client's streams keep every
+    inter-chunk gap under 250 ms, and /health, asked every 20 ms, answers within 100 ms. (The
+    tiny model's server: its steps take milliseconds, so a gap is the server's, not a step's.)"""
+    import threading
+    import time
+
+    import httpx
+
+    from tests.serve.live_server import headers
+    url, auth = server.url, headers()
+    done, out, gaps, health = threading.Event(), {}, [], []
+
+    def big():
+        out['big'] = httpx.post(url + '/v1/chat/completions', timeout=100, headers=auth, json={
+            'messages': chat('tell me everything'), 'n': 16, 'logprobs': True,
+            'top_logprobs': 20, 'max_tokens': 100, 'temperature': 1.0, 'ignore_eos': True})
+        done.set()
+
+    def streams():
+        while not done.is_set():
+            last = None
+            with httpx.stream('POST', url + '/v1/completions', timeout=60, headers=auth, json={
+                    'prompt': 'def main(', 'max_tokens': 40, 'temperature': 0, 'stream': True,
+                    'ignore_eos': True}) as r:
+                for line in r.iter_lines():
+                    now = time.perf_counter()
+                    if line.startswith('data: ') and line != 'data: [DONE]':
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+
+    def probe():
+        with httpx.Client(base_url=url, timeout=10) as http:
+            while not done.is_set():
+                start = time.perf_counter()
+                assert http.get('/health').status_code == 200
+                health.append(time.perf_counter() - start)
+                time.sleep(0.02)
+    threads = [threading.Thread(target=f, daemon=True) for f in (streams, probe, big)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(100)
+    assert out['big'].status_code == 200, out['big'].text[:300]
+    size = len(out['big'].content)
+    choices = out['big'].json()['choices']
+    assert len(choices) == 16 and all(len(c['logprobs']['content']) == 100 for c in choices)
+    assert size > 1_500_000, f'{size} bytes: not the response the test is about'
+    assert gaps and health
+    assert max(gaps) < 0.25, f'a stream stalled {max(gaps):.3f} s beside a {size}-byte response'
+    assert max(health) < 0.1, f'/health took {max(health):.3f} s beside a {size}-byte response'

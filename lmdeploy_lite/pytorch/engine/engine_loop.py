@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 from lmdeploy_lite.messages import GenerationConfig
 from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.heartbeat import Heartbeats
 from lmdeploy_lite.pytorch.engine.step_output import StepOutput
 from lmdeploy_lite.pytorch.engine.hidden_states import check_request_id
 from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence, request_error
@@ -100,6 +102,8 @@ class EngineLoop:
         self._lock = threading.Lock()      # submit vs. the thread's last look at the inbox
         self._ended = False                # the thread takes no more requests
         self.error: BaseException | None = None
+        self._heartbeats = Heartbeats(1)       # the thread's progress (heartbeat.py)
+        self._busy_since = 0.0
         self._thread = threading.Thread(target=self._run, name='lmdeploy_lite-engine', daemon=True)
         self._thread.start()
 
@@ -130,6 +134,8 @@ class EngineLoop:
                    for tag, request_id in zip(tags, request_ids)]
         with self._lock:
             self._check_running()
+            if not self._live and self._inbox.empty():
+                self._busy_since = time.monotonic()
             self._inbox.put(('add', handles))
         return handles
 
@@ -141,6 +147,14 @@ class EngineLoop:
 
     def abort(self, handle: RequestHandle):
         self._inbox.put(('abort', handle))
+
+    def stalled(self, limit_s: float) -> str | None:
+        """One line when the engine thread has shown no progress for over `limit_s` while
+        requests are pending, else None."""
+        if not self._live and self._inbox.empty():
+            return None
+        return self._heartbeats.stalled(limit_s, self._busy_since,
+                                        describe=lambda _: 'the engine thread')
 
     def close(self, timeout_s: float = 30.0):
         """Ends the thread; requests still running get RuntimeError. Idempotent."""
@@ -155,6 +169,7 @@ class EngineLoop:
         ended: BaseException = RuntimeError('the engine was closed')
         try:
             while not self._stopping.is_set():
+                self._heartbeats.beat(0)
                 self._drain_inbox(block=not self.engine.has_work)
                 if self.engine.has_work:
                     self._deliver(self.engine.step())

@@ -30,11 +30,12 @@ from pydantic.json_schema import models_json_schema
 from lmdeploy_lite.serve.openai import protocol as p
 from lmdeploy_lite.serve.openai.admission import ConcurrencyLimitMiddleware
 from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware, HostGuardMiddleware, is_loopback
-from lmdeploy_lite.serve.openai.checks import (DEFAULT_MAX_SEQUENCES, ServerContext,
-                                               check_chat, check_completion, read_checked)
+from lmdeploy_lite.serve.openai.checks import (ServerContext, ServerLimits, check_chat,
+                                               check_completion, read_checked)
 from lmdeploy_lite.serve.openai.connections import HttpLimits
 from lmdeploy_lite.serve.openai.errors import install_error_handlers
-from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings, chat_logprobs
+from lmdeploy_lite.serve.openai.logprobs import (CompletionLogprobs, TokenStrings, chat_logprobs,
+                                                 chat_logprobs_json, splice_json)
 from lmdeploy_lite.serve.openai.metrics import ServerMetrics
 from lmdeploy_lite.serve.openai.streaming import (ENGINE_STOPPED, run_to_end, stream,
                                                   usage)
@@ -42,7 +43,6 @@ from lmdeploy_lite.serve.openai.tool_parser import ToolCallParser
 
 logger = logging.getLogger('lmdeploy_lite.serve')
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 ENGINE_POLL_S = 0.5                    # how often the server checks that the engine is alive
 
 
@@ -53,17 +53,14 @@ def tool_calls_finish(finish_reason: str | None, num_calls: int) -> str | None:
 
 
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
-               num_spec_tokens: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-               on_engine_failure: Callable[[], None] | None = None,
-               max_sequences: int = DEFAULT_MAX_SEQUENCES, bound_host: str | None = None,
-               allowed_hosts: tuple[str, ...] = (), max_concurrent: int | None = None
-               ) -> FastAPI:
+               num_spec_tokens: int = 0, on_engine_failure: Callable[[], None] | None = None,
+               limits: ServerLimits = ServerLimits(), bound_host: str | None = None,
+               allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
     """The app of one pipeline: its routes are the functions below over one ServerContext.
     `on_engine_failure()` is called once the engine has died for good (serve: shut down);
-    `max_sequences`: prompts x n one request may run (more: 400); `bound_host`: the address
-    the server listens on: a loopback one turns the Host guard on (auth.py), which lets
-    `allowed_hosts` through besides loopback hosts; `max_concurrent`: generation requests held
-    at once (more: 429, admission.py; None: no limit)."""
+    `limits`: what requests may ask (checks.py; max_concurrent None: no limit, admission.py);
+    `bound_host`: the address the server listens on: a loopback one turns the Host guard on
+    (auth.py), which lets `allowed_hosts` through besides loopback hosts."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,12 +73,11 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
 
     app = FastAPI(title='lmdeploy_lite', version='0.1.0', lifespan=lifespan)
     metrics = ServerMetrics(pipe, num_spec_tokens)
-    ctx = ServerContext(pipe, model_name, metrics, TokenStrings(pipe.tokenizer),
-                        max_request_bytes, max_sequences)
+    ctx = ServerContext(pipe, model_name, metrics, TokenStrings(pipe.tokenizer), limits)
     app.state.pipe, app.state.metrics, app.state.engine_failed = pipe, metrics, False
-    install_error_handlers(app, metrics.requests.labels('invalid').inc)
-    if max_concurrent is not None:          # innermost: only authorized requests count
-        app.add_middleware(ConcurrencyLimitMiddleware, limit=max_concurrent)
+    install_error_handlers(app, lambda outcome: metrics.requests.labels(outcome).inc())
+    if limits.max_concurrent is not None:   # innermost: only authorized requests count
+        app.add_middleware(ConcurrencyLimitMiddleware, limit=limits.max_concurrent)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     if bound_host is not None and is_loopback(bound_host):
@@ -119,8 +115,13 @@ async def watch_engine(app: FastAPI, on_engine_failure: Callable[[], None] | Non
 
 # ---- endpoints: each a function of the server's context and the request ----------------------
 async def health(ctx: ServerContext, request: Request):
+    """200, or 503 when the engine has stopped, or has made no progress for longer than
+    `--health-stall-timeout` while requests are pending (naming the rank the others wait for)."""
     if ctx.pipe.error is not None:
         return JSONResponse({'status': 'error', 'error': ENGINE_STOPPED}, status_code=503)
+    stalled = ctx.pipe.stalled(ctx.limits.stall_s)
+    if stalled is not None:
+        return JSONResponse({'status': 'stalled', 'error': stalled}, status_code=503)
     return {'status': 'ok'}
 
 
@@ -197,11 +198,14 @@ def chat_response(ctx: ServerContext, rid: str, req: p.ChatCompletionRequest,
         message = p.ChatResponseMessage(content=text if text or not calls else None,
                                         tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
         choices.append(p.ChatChoice(index=index, message=message, finish_reason=finish_reason,
-                                    logprobs=chat_logprobs(ctx.token_strings, logprobs[index])
-                                    if req.logprobs else None,
                                     hidden_states_path=last and last.hidden_states_path))
-    return p.ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices,
-                                    usage=usage(lasts, prompts)).model_dump_json().encode()
+    document = p.ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices,
+                                        usage=usage(lasts, prompts)).model_dump_json().encode()
+    if not req.logprobs:
+        return document
+    # written as JSON text, not as objects: see chat_logprobs_json
+    return splice_json(document, b'logprobs', [chat_logprobs_json(ctx.token_strings, entries)
+                                               for entries in logprobs])
 
 
 class ChatChunks:
@@ -287,12 +291,13 @@ def default_model_name(model_path: str) -> str:
 
 def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
-          num_spec_tokens: int = 0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          graceful_timeout_s: float = 10.0, max_sequences: int = DEFAULT_MAX_SEQUENCES,
-          allowed_hosts: tuple[str, ...] = (), max_concurrent: int | None = None,
+          num_spec_tokens: int = 0, graceful_timeout_s: float = 10.0,
+          limits: ServerLimits = ServerLimits(), allowed_hosts: tuple[str, ...] = (),
           http_limits: HttpLimits | None = None) -> int:
     """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
-    `http_limits`: what one connection may hold (connections.py; None: the defaults).
+    `limits`: what requests may ask (checks.py; a concurrency limit not given is sized from
+    the engine's capacity); `http_limits`: what one connection may hold (connections.py; None:
+    the defaults).
 
     Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
     finish_reason 'abort' (their requests aborted), and whatever is left after
@@ -303,9 +308,9 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
 
     def stop():
         server.should_exit = True
-    app = create_app(pipe, model_name, api_keys, num_spec_tokens, max_request_bytes, stop,
-                     max_sequences, bound_host=host, allowed_hosts=allowed_hosts,
-                     max_concurrent=max_concurrent)
+    app = create_app(pipe, model_name, api_keys, num_spec_tokens, stop,
+                     limits.sized_for(pipe.capacity), bound_host=host,
+                     allowed_hosts=allowed_hosts)
     server = _Server(server_config(app, host, port, log_level, graceful_timeout_s,
                                    http_limits or HttpLimits()))
     try:

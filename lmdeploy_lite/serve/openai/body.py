@@ -14,7 +14,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from lmdeploy_lite.messages import is_unicode
-from lmdeploy_lite.serve.openai.errors import RequestError
+from lmdeploy_lite.serve.openai.errors import CLIENT_DISCONNECTED, RequestError
 from lmdeploy_lite.serve.openai.protocol import allowed_range
 
 Model = TypeVar('Model', bound=BaseModel)
@@ -52,7 +52,8 @@ async def read_body(request: Request, limit: int) -> bytes:
                 raise too_large(limit)
             chunks.append(chunk)
     except ClientDisconnect:
-        raise RequestError('the client disconnected before sending the whole body') from None
+        raise RequestError('the client disconnected before sending the whole body',
+                           code=CLIENT_DISCONNECTED, status=499) from None
     return b''.join(chunks)
 
 

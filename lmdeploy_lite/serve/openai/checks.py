@@ -4,6 +4,7 @@ the API's spelling. What passes is (request, prompts' token ids, GenerationConfi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -25,7 +26,36 @@ except ImportError:
 # GenerationConfig's field names as the OpenAI API spells them (for error messages)
 API_FIELD_NAMES = {'max_new_tokens': 'max_tokens', 'random_seed': 'seed', 'stop_words': 'stop'}
 COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
-DEFAULT_MAX_SEQUENCES = 256            # prompts x n of one request (--max-sequences-per-request)
+QUEUE_FACTOR = 4                       # default requests in flight: batches of the engine's
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request, and all of them together, may ask of the server; each is a flag of
+    `serve api_server` (the name in the error it gives)."""
+    max_request_bytes: int = 4 * 2**20      # a body (413)
+    max_sequences: int = 256                # prompts x n of one request (400)
+    max_tokens: int = 2**20                 # max_tokens x n x prompts of one request (400)
+    max_concurrent: int | None = None       # generation requests in flight (429); None: none
+    stall_s: float = 30.0                   # /health: 503 past this silence with work pending
+
+    def __post_init__(self):
+        for name, flag in (('max_request_bytes', 'max-request-bytes'),
+                           ('max_sequences', 'max-sequences-per-request'),
+                           ('max_tokens', 'max-tokens-per-request')):
+            if getattr(self, name) < 1:
+                raise ValueError(f'--{flag}={getattr(self, name)}: must be >= 1')
+        if self.max_concurrent is not None and self.max_concurrent < 1:
+            raise ValueError(f'--max-concurrent-requests={self.max_concurrent}: must be >= 1')
+        if not self.stall_s > 0:
+            raise ValueError(f'--health-stall-timeout={self.stall_s}: must be > 0')
+
+    def sized_for(self, capacity: int) -> 'ServerLimits':
+        """These limits, the concurrency one (when not set) sized from the sequences the engine
+        runs at once (`Pipeline.capacity`): QUEUE_FACTOR batches, queued or running."""
+        if self.max_concurrent is not None:
+            return self
+        return dataclasses.replace(self, max_concurrent=max(16, QUEUE_FACTOR * capacity))
 
 
 @dataclass(frozen=True)
@@ -35,8 +65,7 @@ class ServerContext:
     model_name: str
     metrics: ServerMetrics
     token_strings: TokenStrings        # logprobs' token strings
-    max_request_bytes: int
-    max_sequences: int = DEFAULT_MAX_SEQUENCES     # prompts x n one request may run
+    limits: ServerLimits = ServerLimits()
 
     @property
     def session_len(self) -> int:
@@ -45,7 +74,7 @@ class ServerContext:
 
 async def read_checked(ctx: ServerContext, request: Request, check):
     """The body read against the size limit (413), then `check(ctx, body)` in a worker thread."""
-    body = await read_body(request, ctx.max_request_bytes)
+    body = await read_body(request, ctx.limits.max_request_bytes)
     return await asyncio.to_thread(check, ctx, body)
 
 
@@ -57,7 +86,8 @@ def check_completion(ctx: ServerContext, body: bytes
     prompts = req.prompt
     if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
         prompts = [prompts]
-    check_sequences(ctx, len(prompts), req.n)      # before any prompt is tokenized
+    max_tokens = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
+    check_sequences(ctx, len(prompts), req.n, max_tokens)     # before any prompt is tokenized
     prepared = [prepare(ctx, req, prompt, 'prompt', 'max_tokens', req.max_tokens,
                         COMPLETION_DEFAULT_MAX_TOKENS) for prompt in prompts]
     gen_config = min((g for _, g in prepared), key=lambda g: g.max_new_tokens)
@@ -67,23 +97,35 @@ def check_completion(ctx: ServerContext, body: bytes
 def check_chat(ctx: ServerContext, body: bytes
                ) -> tuple[p.ChatCompletionRequest, list[list[int]], GenerationConfig]:
     req = parse_request(body, p.ChatCompletionRequest)
-    check_sequences(ctx, 1, req.n)
+    name = 'max_completion_tokens' if req.max_completion_tokens else 'max_tokens'
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    check_sequences(ctx, 1, req.n, max_tokens, name)
     messages = [m.template_message() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
-    name = 'max_completion_tokens' if req.max_completion_tokens else 'max_tokens'
-    ids, gen_config = prepare(ctx, req, messages, 'messages', name,
-                              req.max_completion_tokens or req.max_tokens, None, tools)
+    ids, gen_config = prepare(ctx, req, messages, 'messages', name, max_tokens, None, tools)
+    if max_tokens is None:             # what the session leaves, now that the prompt is known
+        check_sequences(ctx, 1, req.n, gen_config.max_new_tokens, name)
     return req, [ids], gen_config
 
 
-def check_sequences(ctx: ServerContext, num_prompts: int, n: int):
-    """400 naming both numbers when a request asks for more sequences (prompts x n) than the
-    server runs for one request: each is a sequence in the engine's queue."""
-    if num_prompts * n > ctx.max_sequences:
-        raise RequestError(f'prompt: {num_prompts} prompt(s) x n={n} = {num_prompts * n} '
-                           f'sequences; this server runs at most {ctx.max_sequences} per request '
-                           f'(--max-sequences-per-request): send fewer prompts or a smaller n',
-                           'prompt' if num_prompts > 1 else 'n')
+def check_sequences(ctx: ServerContext, num_prompts: int, n: int, max_tokens: int | None,
+                    max_tokens_param: str = 'max_tokens'):
+    """400 naming the numbers when a request asks for more sequences (prompts x n) or more
+    generated tokens (that times max_tokens; None: not known yet) than the server runs for one
+    request: each sequence waits in the engine's queue, each token is a step's work."""
+    limits, sequences = ctx.limits, num_prompts * n
+    if sequences > limits.max_sequences:
+        raise RequestError(f'prompt: {num_prompts} prompt(s) x n={n} = {sequences} '
+                           f'sequences; this server runs at most {limits.max_sequences} per '
+                           f'request (--max-sequences-per-request): send fewer prompts or a '
+                           f'smaller n', 'prompt' if num_prompts > 1 else 'n')
+    # a sequence generates at most what its session holds: past that, the length check speaks
+    tokens = None if max_tokens is None else sequences * min(max_tokens, ctx.session_len)
+    if tokens is not None and tokens > limits.max_tokens:
+        raise RequestError(f'{max_tokens_param}: {sequences} sequence(s) x {max_tokens_param}='
+                           f'{max_tokens} = {tokens} tokens; this server '
+                           f'generates at most {limits.max_tokens} per request '
+                           f'(--max-tokens-per-request): ask for fewer', max_tokens_param)
 
 
 def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,

@@ -16,6 +16,9 @@ from lmdeploy_lite.serve.openai import protocol as p
 logger = logging.getLogger('lmdeploy_lite.serve')
 
 
+CLIENT_DISCONNECTED = 'client_disconnected'     # the body's upload did not finish (499)
+
+
 class RequestError(Exception):
     def __init__(self, message: str, param: str | None = None, code: str | None = None,
                  status: int = 400, type: str = 'invalid_request_error'):
@@ -44,13 +47,17 @@ def error_response(e: RequestError) -> ErrorJSONResponse:
     return ErrorJSONResponse(e.body(), status_code=e.status)
 
 
-def install_error_handlers(app: FastAPI, count_invalid: Callable[[], None]):
-    """`count_invalid()` is called for every request rejected as invalid (400, 413)."""
+def install_error_handlers(app: FastAPI, count: Callable[[str], None]):
+    """`count(outcome)` is called for every request rejected as invalid (400, 413: 'invalid')
+    and for one whose client left before its body was in ('abort', as a client that leaves
+    later)."""
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError):
-        if e.status in (400, 413):
-            count_invalid()
+        if e.code == CLIENT_DISCONNECTED:
+            count('abort')
+        elif e.status in (400, 413):
+            count('invalid')
         return error_response(e)
 
     @app.exception_handler(StarletteHTTPException)

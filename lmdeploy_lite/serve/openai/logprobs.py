@@ -11,6 +11,8 @@ UTF-8 bytes. Without a tokenizer (a model served on token ids) a token's string 
 from __future__ import annotations
 
 import codecs
+import json
+import math
 
 from lmdeploy_lite.messages import TokenLogprobs
 from lmdeploy_lite.serve.openai import protocol as p
@@ -24,6 +26,7 @@ class TokenStrings:
         self.special_ids = frozenset(getattr(tokenizer, 'all_special_ids', ()) or ())
         self._strings: dict[int, str] = {}
         self._bytes: dict[int, bytes] = {}
+        self._heads: dict[int, str] = {}
         backend = getattr(tokenizer, 'backend_tokenizer', None)
         self._byte_of = None                # byte-level BPE: the alphabet's char -> byte
         if backend is not None and type(backend.decoder).__name__ == 'ByteLevel':
@@ -52,6 +55,15 @@ class TokenStrings:
             self._bytes[token_id] = raw
         return raw
 
+    def json_head(self, token_id: int) -> str:
+        """`{"token":...,"bytes":[...],"logprob":` of this token, as JSON text (cached)."""
+        head = self._heads.get(token_id)
+        if head is None:
+            head = self._heads[token_id] = (
+                f'{{"token":{json.dumps(self.text(token_id), ensure_ascii=False)},'
+                f'"bytes":{json.dumps(list(self.bytes(token_id)))},"logprob":')
+        return head
+
     def top_logprob(self, token_id: int, logprob: float) -> p.TopLogprob:
         return p.TopLogprob(token=self.text(token_id), logprob=logprob,
                             bytes=list(self.bytes(token_id)))
@@ -65,6 +77,36 @@ def chat_logprobs(strings: TokenStrings, entries: list[TokenLogprobs]) -> p.Choi
         top = [strings.top_logprob(t, lp) for t, lp in entry.top_logprobs.items()]
         content.append(p.ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
     return p.ChoiceLogprobs(content=content)
+
+
+def chat_logprobs_json(strings: TokenStrings, entries: list[TokenLogprobs]) -> str:
+    """`chat_logprobs(strings, entries)` as JSON text, written directly: a whole response's
+    logprobs (n choices x tokens x top-N entries) would be that many pydantic objects, built
+    in Python while the engine thread and the event loop wait for the GIL; this is a string
+    join over cached per-token text."""
+    head = strings.json_head
+    content = [f'{head(e.token_id)}{_number(e.logprob)},"top_logprobs":['
+               + ','.join(f'{head(t)}{_number(lp)}}}' for t, lp in e.top_logprobs.items())
+               + ']}' for e in entries]
+    return '{"content":[' + ','.join(content) + ']}'
+
+
+def _number(x: float) -> str:
+    return repr(x) if math.isfinite(x) else 'null'      # as pydantic writes -inf: null
+
+
+def splice_json(document: bytes, key: bytes, values: list[str]) -> bytes:
+    """`document` with the i-th `"key":null` replaced by `values[i]` (JSON text). Only keys
+    match: inside a JSON string a quote is escaped."""
+    pattern = b'"' + key + b'":null'
+    pieces = document.split(pattern)
+    if len(pieces) != len(values) + 1:
+        raise ValueError(f'{len(pieces) - 1} "{key.decode()}":null in the document, '
+                         f'{len(values)} values')
+    out = [pieces[0]]
+    for value, piece in zip(values, pieces[1:]):
+        out += [b'"' + key + b'":', value.encode(), piece]
+    return b''.join(out)
 
 
 class CompletionLogprobs:

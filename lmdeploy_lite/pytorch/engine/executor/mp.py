@@ -61,6 +61,7 @@ from lmdeploy_lite.pytorch.engine.prefix_cache import block_keys, longest_cached
 from lmdeploy_lite.pytorch.engine.sequence import request_error
 from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent, make_lifeline
 from lmdeploy_lite.pytorch.engine.executor.rendezvous import FileRendezvous, loopback_env
+from lmdeploy_lite.pytorch.engine.heartbeat import Heartbeats
 
 logger = logging.getLogger('lmdeploy_lite')
 
@@ -115,9 +116,11 @@ def rank_device(device: str, local_rank: int):
 def worker_main(rank: int, dist_config: DistConfig, model_path: str,
                 engine_config: PytorchEngineConfig, spec_config: SpeculativeConfig | None,
                 init_method: str, inbox, outbox, env: dict, local_rank: int,
-                lifeline: Lifeline | None = None, worker_hook: Callable | None = None):
+                lifeline: Lifeline | None = None, worker_hook: Callable | None = None,
+                heartbeats: Heartbeats | None = None):
     """One rank; `local_rank`: its GPU among the ones this process sees (CUDA only);
-    `lifeline`: the parent to die with (None: the launcher sees to it, e.g. ray)."""
+    `lifeline`: the parent to die with (None: the launcher sees to it, e.g. ray);
+    `heartbeats`: where this rank shows progress (shared memory; None: nowhere)."""
     if lifeline is not None:
         follow_parent(lifeline)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -133,6 +136,9 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
     try:
         device = rank_device(engine_config.device, local_rank)
         dist_ctx = DistContext.init(dist_config, rank, init_method, device)
+        beat = heartbeats.beater(rank) if heartbeats is not None else (lambda: None)
+        if heartbeats is not None:
+            dist_ctx.heartbeat = beat
         dist_ctx.max_tokens_per_rank = dispatch_capacity(
             engine_config.max_batch_size, num_draft_tokens(spec_config),
             dist_config.tp)
@@ -144,7 +150,7 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
             worker_hook(engine)
         bm = engine.scheduler.bm          # how the front-end names this rank's cached prefixes
         outbox.put(('ready', rank, (bm.block_size, bm.lookahead, bm.caching)))
-        _rank_loop(rank, engine, inbox, outbox)
+        _rank_loop(rank, engine, inbox, outbox, beat)
     except BaseException as e:
         outbox.put(('error', rank, (summarize(rank, e), traceback.format_exc())))
     finally:
@@ -161,7 +167,7 @@ def summarize(rank: int, error: BaseException) -> str:
     return f'rank {rank} failed: {type(error).__name__}' + (f': {line}' if line else '')
 
 
-def _rank_loop(rank: int, engine, inbox, outbox):
+def _rank_loop(rank: int, engine, inbox, outbox, beat: Callable[[], None]):
     """TP rank 0 of a DP group reads the inbox and shares what it read with its TP peers, so
     every TP rank's scheduler makes the same decisions; only TP rank 0 reports results."""
     request_of: dict[int, int] = {}          # seq_id -> front-end request id
@@ -171,6 +177,7 @@ def _rank_loop(rank: int, engine, inbox, outbox):
     cached_blocks = 0                                # as last reported (a metrics gauge)
     prefill_tokens = 0                               # as last reported (a counter)
     while not engine.stopped:
+        beat()
         # wait on the inbox only when no rank of the plan group had work last step: an idle
         # rank inside a busy plan group (ep > 1: the world) must reach the next plan gather at
         # once, or every busy step waits for it
@@ -288,6 +295,8 @@ class RemoteEngineLoop:
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
         self.error: BaseException | None = None
         self._live: dict[int, RemoteHandle] = {}
+        self._busy_since = 0.0                   # when _live last became non-empty
+        self._heartbeats: Heartbeats | None = None       # the ranks' (_start sets it)
         self._load = [0] * self.dist_config.dp
         # prefix-cache routing (dp > 1): each DP rank's snapshot keys, from its 'cache' reports;
         # (block_size, lookahead, caching) from the ranks' ready messages
@@ -386,10 +395,24 @@ class RemoteEngineLoop:
             self._next_rid += len(tags)
             handles = [RemoteHandle(RemoteSeq(rid, dp_rank), sink, tag)
                        for rid, tag in zip(rids, tags)]
+            if not self._live:
+                self._busy_since = time.monotonic()
             self._live.update(zip(rids, handles))
         self._inboxes[dp_rank * self.dist_config.tp].put(('add', (rids, list(token_ids),
                                                                   gen_config, request_ids)))
         return handles
+
+    def stalled(self, limit_s: float) -> str | None:
+        """One line naming the rank that has shown no progress for over `limit_s` while
+        requests are pending (heartbeat.py), else None (also where no heartbeat is kept)."""
+        if not self._live or self._heartbeats is None:
+            return None
+        return self._heartbeats.stalled(limit_s, since=self._busy_since,
+                                        describe=self._describe_rank)
+
+    def _describe_rank(self, rank: int) -> str:
+        """'rank R', with its process's pid and state where this host can see it."""
+        return f'rank {rank}'
 
     def _cached_tokens(self, token_ids: list[int]) -> list[int]:
         """Per DP rank, the prompt tokens its prefix cache holds as far as its reports say."""
@@ -549,16 +572,27 @@ class MPEngineLoop(RemoteEngineLoop):
         self._inboxes = [ctx.Queue() for _ in range(world)]
         self._outbox = ctx.Queue()
         lifeline, self._lifeline_writer = make_lifeline(ctx)
+        self._heartbeats = Heartbeats(world, ctx)
         self._procs = [ctx.Process(target=worker_main, daemon=True, name=f'lmdeploy_lite-rank{r}',
                                    args=(r, self.dist_config, model_path, cfg, spec_config,
                                          init_method, self._inboxes[r], self._outbox, env, r,
-                                         lifeline, self._worker_hook))
+                                         lifeline, self._worker_hook, self._heartbeats))
                        for r in range(world)]
         try:
             for p in self._procs:
                 p.start()
         finally:
             lifeline.reader.close()             # the workers hold their own copies
+
+    def _describe_rank(self, rank: int) -> str:
+        pid = self._procs[rank].pid
+        try:
+            with open(f'/proc/{pid}/stat') as f:
+                state = f.read().rsplit(')', 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = None
+        return f'rank {rank} (pid {pid}' + (', stopped by a signal)' if state in ('T', 't')
+                                             else ')')
 
     def _dead_ranks(self) -> dict[int, str]:
         return {r: f'rank {r} (pid {p.pid}) {describe_exit(p.exitcode)}'
