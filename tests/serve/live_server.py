@@ -29,6 +29,7 @@ class Server:
         """model_dir None: the embedded model. `args` come last (a repeated option wins)."""
         self.port = free_port()
         self.url = f'http://127.0.0.1:{self.port}'
+        self.model_dir = model_dir
         self.key = key                       # for the health wait: /health needs none
         self.log = open(log_path, 'w+')
         cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'serve', 'api_server',
@@ -62,15 +63,26 @@ class Server:
         return self.log.read()
 
     def children(self) -> list[int]:
-        pids = []
-        for task in os.listdir(f'/proc/{self.proc.pid}/task'):
-            with open(f'/proc/{self.proc.pid}/task/{task}/children') as f:
-                pids += [int(p) for p in f.read().split()]
+        """Every process below the server: its children (the fork server that starts ranks,
+        multiprocessing's resource tracker) and theirs (the ranks)."""
+        pids, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            for task in _listdir(f'/proc/{pid}/task'):
+                try:
+                    with open(f'/proc/{pid}/task/{task}/children') as f:
+                        found = [int(p) for p in f.read().split()]
+                except OSError:
+                    continue
+                pids += found
+                todo += found
         return pids
 
     def rank_workers(self) -> list[int]:
-        """The children that run engine ranks (not multiprocessing's resource tracker)."""
-        return [pid for pid in self.children() if b'spawn_main' in _cmdline(pid)]
+        """The processes that run engine ranks: those the fork server forked."""
+        servers = [pid for pid in self.children() if b'forkserver' in _cmdline(pid)
+                   and _parent(pid) == self.proc.pid]
+        return [pid for pid in self.children() if _parent(pid) in servers]
 
     def stop(self):
         if self.proc.poll() is None:
@@ -81,6 +93,21 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(10)
         self.log.close()
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return int(f.read().rsplit(')', 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _cmdline(pid: int) -> bytes:
@@ -122,6 +149,16 @@ def is_loopback_hex(address: str) -> bool:
             or (address.startswith('0000000000000000FFFF0000') and address.endswith('7F')))
 
 
+def left_alive(pids: list[int], within_s: float = 5.0) -> list[int]:
+    """Those of `pids` still running after `within_s` seconds (asked every 0.1 s)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = [pid for pid in pids if is_alive(pid)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
 def is_alive(pid: int) -> bool:
     try:
         with open(f'/proc/{pid}/stat') as f:
@@ -143,9 +180,12 @@ def scrape(url: str, key: str | None = KEY) -> dict[str, float]:
 
 def post(server, path: str, payload=None, content: str | bytes | None = None,
          key: str | None = KEY, timeout: float = 60) -> httpx.Response:
-    return httpx.post(server.url + path, json=payload, content=content,
-                      headers={**headers(key), 'Content-Type': 'application/json'},
-                      timeout=timeout)
+    r = httpx.post(server.url + path, json=payload, content=content,
+                   headers={**headers(key), 'Content-Type': 'application/json'}, timeout=timeout)
+    # no answer, error or not, tells a client where the server keeps its model
+    model_dir = getattr(server, 'model_dir', None)
+    assert not model_dir or os.path.dirname(os.path.normpath(model_dir)) not in r.text, r.text
+    return r
 
 
 def chat(text: str) -> list[dict]:

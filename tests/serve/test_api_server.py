@@ -22,8 +22,8 @@ from lmdeploy_lite.messages import PytorchEngineConfig, SpecDecodeStats  # noqa:
 from tests.helpers import accepting  # noqa: E402
 from tests.helpers.accepting import assert_real_acceptance, counts  # noqa: E402
 from tests.serve.live_server import (K, KEY, MODEL, ROOT, SESSION_LEN, SPEC_K,  # noqa: E402
-                                     Server, chat, headers, is_alive, is_loopback_hex,
-                                     listening, post, scrape)
+                                     Server, chat, headers, is_loopback_hex,
+                                     left_alive, listening, post, scrape)
 
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 
@@ -454,8 +454,7 @@ def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path)
         assert lines[-1] == '[DONE]'                     # the stream ended cleanly ...
         finish = [json.loads(x)['choices'][0]['finish_reason'] for x in lines[:-1]]
         assert finish[-1] == 'abort'                     # ... as an aborted request
-        time.sleep(0.5)
-        alive = [pid for pid in workers if is_alive(pid)]
+        alive = left_alive(workers)          # the fork server follows within a second
         assert not alive, f'orphaned worker processes {alive}'
     finally:
         srv.stop()

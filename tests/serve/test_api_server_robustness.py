@@ -21,7 +21,7 @@ httpx = pytest.importorskip('httpx')
 
 from lmdeploy_lite.api import Pipeline  # noqa: E402
 from tests.serve.live_server import (MODEL, SESSION_LEN, Server, chat, headers,  # noqa: E402
-                                     is_alive, post, scrape, sse_events)
+                                     left_alive, post, scrape, sse_events)
 
 LIMIT = 4 * 2**20                     # the default --max-request-bytes
 REFERENCE = {'prompt': 'def main(', 'max_tokens': 6, 'temperature': 0, 'ignore_eos': True}
@@ -606,8 +606,7 @@ def test_a_dead_rank_ends_every_stream_with_an_error_and_the_server_exits_1(mode
             assert json.loads(lines[-3])['choices'][0]['finish_reason'] == 'error', lines
             error = json.loads(lines[-2])['error']
             assert error['code'] == 'engine_stopped' and 'Traceback' not in lines[-2], error
-        time.sleep(0.5)
-        assert not [pid for pid in workers if is_alive(pid)], 'orphaned worker processes'
+        assert not left_alive(workers), 'orphaned worker processes'
         assert 'the engine stopped after an error' in srv.output()
     finally:
         srv.stop()

@@ -1,4 +1,5 @@
-"""The `mp` executor: one process per rank (torch.multiprocessing, spawn), gloo on CPU.
+"""The `mp` executor: one process per rank (torch.multiprocessing, forked by a fork server that
+has imported torch; spawn where there is none), gloo on CPU.
 
 On CUDA (device='cuda', or 'auto' on a machine with CUDA) rank r uses cuda:r (`rank_device`,
 made current before anything is built; the front-end first checks that there are dp x tp GPUs)
@@ -92,6 +93,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# modules every rank imports, imported once in multiprocessing's fork server, whose forked
+# children start with them (a spawned rank would import them again: seconds of CPU per rank)
+FORKSERVER_PRELOAD = ['torch', 'transformers']
+START_METHOD_ENV = 'LMDEPLOY_LITE_MP_START_METHOD'      # 'spawn': no fork server
+
+
+def rank_context():
+    """The multiprocessing context ranks start in: a fork server that has imported torch and
+    transformers (a fresh process, never one with CUDA state: it is spawned, and forks from its
+    main thread), where the platform has one; else spawn."""
+    method = os.environ.get(START_METHOD_ENV, 'forkserver')
+    if method not in ('forkserver', 'spawn'):
+        raise ValueError(f'{START_METHOD_ENV}={method!r}: must be forkserver or spawn')
+    if method == 'spawn' or 'forkserver' not in mp.get_all_start_methods():
+        return mp.get_context('spawn')
+    ctx = mp.get_context('forkserver')
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
 # ---- the worker side ------------------------------------------------------------------------
 def uses_cuda(device: str) -> bool:
     import torch
@@ -117,13 +138,17 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
                 engine_config: PytorchEngineConfig, spec_config: SpeculativeConfig | None,
                 init_method: str, inbox, outbox, env: dict, local_rank: int,
                 lifeline: Lifeline | None = None, worker_hook: Callable | None = None,
-                heartbeats: Heartbeats | None = None):
+                heartbeats: Heartbeats | None = None, whole_environ: bool = False):
     """One rank; `local_rank`: its GPU among the ones this process sees (CUDA only);
     `lifeline`: the parent to die with (None: the launcher sees to it, e.g. ray);
-    `heartbeats`: where this rank shows progress (shared memory; None: nowhere)."""
+    `heartbeats`: where this rank shows progress (shared memory; None: nowhere); `env`: added
+    to this process's environment, or, `whole_environ`, its whole environment (a fork server's
+    child has the server's, from when it started)."""
     if lifeline is not None:
         follow_parent(lifeline)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if whole_environ:
+        os.environ.clear()
     os.environ.update(env)
     import torch
 
@@ -136,7 +161,7 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
     try:
         device = rank_device(engine_config.device, local_rank)
         dist_ctx = DistContext.init(dist_config, rank, init_method, device)
-        beat = heartbeats.beater(rank) if heartbeats is not None else (lambda: None)
+        beat = heartbeats.beater(rank) if heartbeats is not None else _no_beat
         if heartbeats is not None:
             dist_ctx.heartbeat = beat
         dist_ctx.max_tokens_per_rank = dispatch_capacity(
@@ -167,7 +192,11 @@ def summarize(rank: int, error: BaseException) -> str:
     return f'rank {rank} failed: {type(error).__name__}' + (f': {line}' if line else '')
 
 
-def _rank_loop(rank: int, engine, inbox, outbox, beat: Callable[[], None]):
+def _no_beat(waiting: bool = False):
+    pass
+
+
+def _rank_loop(rank: int, engine, inbox, outbox, beat: Callable[..., None] = _no_beat):
     """TP rank 0 of a DP group reads the inbox and shares what it read with its TP peers, so
     every TP rank's scheduler makes the same decisions; only TP rank 0 reports results."""
     request_of: dict[int, int] = {}          # seq_id -> front-end request id
@@ -553,8 +582,8 @@ class RemoteEngineLoop:
 
 
 class MPEngineLoop(RemoteEngineLoop):
-    """One process per rank on this machine (torch.multiprocessing, spawn), each following
-    this process's life through a lifeline (lifeline.py)."""
+    """One process per rank on this machine (rank_context: forked by a fork server), each
+    following this process's life through a lifeline (lifeline.py)."""
     _procs: tuple | list = ()                 # set by _start; empty until then
     _lifeline_writer = None                   # the pipe end whose closing tells workers to end
     _rendezvous = None                        # the ranks' FileRendezvous, until released
@@ -565,10 +594,10 @@ class MPEngineLoop(RemoteEngineLoop):
         world = self.dist_config.world_size
         if uses_cuda(cfg.device):           # rank r on cuda:r of this machine
             self.dist_config.validate(self.model_config, num_devices=torch.cuda.device_count())
-        ctx = mp.get_context('spawn')
+        ctx = rank_context()
         self._rendezvous = FileRendezvous()        # no network listener on one host
         init_method = self._rendezvous.init_method
-        env = {**loopback_env(), **env}
+        env = {**os.environ, **loopback_env(), **env}       # this process's, as spawn passes
         self._inboxes = [ctx.Queue() for _ in range(world)]
         self._outbox = ctx.Queue()
         lifeline, self._lifeline_writer = make_lifeline(ctx)
@@ -576,7 +605,8 @@ class MPEngineLoop(RemoteEngineLoop):
         self._procs = [ctx.Process(target=worker_main, daemon=True, name=f'lmdeploy_lite-rank{r}',
                                    args=(r, self.dist_config, model_path, cfg, spec_config,
                                          init_method, self._inboxes[r], self._outbox, env, r,
-                                         lifeline, self._worker_hook, self._heartbeats))
+                                         lifeline, self._worker_hook, self._heartbeats,
+                                         True))
                        for r in range(world)]
         try:
             for p in self._procs:
