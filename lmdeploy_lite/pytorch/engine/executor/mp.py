@@ -103,10 +103,10 @@ def rank_context():
     """The multiprocessing context ranks start in: a fork server that has imported torch and
     transformers (a fresh process, never one with CUDA state: it is spawned, and forks from its
     main thread), where the platform has one; else spawn."""
-    method = os.environ.get(START_METHOD_ENV, 'forkserver')
-    if method not in ('forkserver', 'spawn'):
-        raise ValueError(f'{START_METHOD_ENV}={method!r}: must be forkserver or spawn')
-    if method == 'spawn' or 'forkserver' not in mp.get_all_start_methods():
+    how = os.environ.get(START_METHOD_ENV, 'forkserver')
+    if how not in ('forkserver', 'spawn'):
+        raise ValueError(f'{START_METHOD_ENV}={how!r}: must be forkserver or spawn')
+    if how == 'spawn' or 'forkserver' not in mp.get_all_start_methods():
         return mp.get_context('spawn')
     ctx = mp.get_context('forkserver')
     ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
