@@ -431,9 +431,7 @@ class Pipeline:
         return Response(text=text, token_ids=list(token_ids), input_token_len=len(prompt_ids),
                         generate_token_len=out.num_generated, index=index,
                         finish_reason=out.finish_reason if out.finished else None,
-                        spec_stats=out.spec_stats,
-                        error=out.error, num_cached_tokens=out.num_cached_tokens,
-                        hidden_states_path=out.hidden_states_path, logprobs=logprobs)
+                        spec_stats=out.spec_stats, logprobs=logprobs, **out.response_fields())
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,

@@ -449,6 +449,7 @@ class Response:
     spec_stats: SpecDecodeStats | None = None
     error: str | None = None           # why the request failed, with finish_reason 'error'
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    num_preemptions: int = 0           # times the scheduler preempted it (then recomputed)
     # extract_hidden_states: the file this request's hidden states were written to (set on the
     # finished response)
     hidden_states_path: str | None = None

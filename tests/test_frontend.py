@@ -62,7 +62,8 @@ def test_one_message_per_step_for_a_batch_of_64(spec_pipe, monkeypatch):
 
 def test_mp_rank_loop_sends_one_message_per_step():
     """The mp/ray ranks' loop (here in a thread over a one-rank engine): one outbox message per
-    step carrying every request's report of that step."""
+    step carrying every request's report of that step: (request id, StepOutput), the one output
+    type, which pickles without its Sequence."""
     from lmdeploy_lite.pytorch.engine.engine import Engine
     from lmdeploy_lite.pytorch.engine.executor.mp import _rank_loop
     engine = Engine(model_dir(), PytorchEngineConfig(**BASE, max_batch_size=64), spec(K),
@@ -78,13 +79,19 @@ def test_mp_rank_loop_sends_one_message_per_step():
         kind, rank, (reports, _) = outbox.get(timeout=120)     # (reports, prefix-cache news)
         assert kind == 'out' and rank == 0
         messages.append(reports)
-        finished |= {r[0] for r in reports if r[2]}
+        finished |= {rid for rid, out in reports if out.finished}
     inbox.put(('stop', None))
     thread.join(60)
     assert not thread.is_alive(), 'the rank loop did not stop'
     assert len(messages) == engine.num_steps <= 1 + 8
-    assert sum(len(r[1]) for m in messages for r in m) == 64 * 8
+    assert sum(len(out.new_token_ids) for m in messages for _, out in m) == 64 * 8
     assert max(len(m) for m in messages) == 64
+    import pickle
+    rid, out = messages[-1][-1]
+    back = pickle.loads(pickle.dumps(out))
+    assert out.seq is not None and back.seq is None
+    assert [getattr(back, f) for f in out.__slots__[1:]] == [getattr(out, f) for f in
+                                                             out.__slots__[1:]]
 
 
 def _joined(chunks, n: int) -> tuple[list[str], list[list[int]], list]:

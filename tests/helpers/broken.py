@@ -72,8 +72,8 @@ def run_requests(loop, prompts: list[list[int]], gen_config, timeout_s: float = 
     """Submit every prompt to an engine loop and wait for all to finish (at most `timeout_s`);
     raises the first error a request's sink receives."""
     results: queue.Queue = queue.Queue()
-    for i, prompt in enumerate(prompts):
-        loop.submit(prompt, gen_config, lambda item, i=i: results.put((i, item)))
+    handles = [loop.submit(prompt, gen_config, lambda item, i=i: results.put((i, item)))
+               for i, prompt in enumerate(prompts)]
     done = [Finished([], None) for _ in prompts]
     remaining, deadline = len(prompts), time.monotonic() + timeout_s
     while remaining:
@@ -81,9 +81,9 @@ def run_requests(loop, prompts: list[list[int]], gen_config, timeout_s: float = 
         if isinstance(item, BaseException):
             raise item
         done[i].token_ids += item.new_token_ids
-        done[i].spec_stats, done[i].dp_rank = item.spec_stats, item.seq.dp_rank
+        done[i].spec_stats, done[i].dp_rank = item.spec_stats, handles[i].seq.dp_rank
         if item.finished:
-            done[i].finish_reason = item.seq.finish_reason
+            done[i].finish_reason = item.finish_reason
             remaining -= 1
     return done
 

@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
 from lmdeploy_lite.pytorch.engine import hidden_states as hidden_states_module
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
-from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
 from lmdeploy_lite.pytorch.spec_decode.build import spec_plan
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from tests.helpers.broken import second_metadata_gather
@@ -63,20 +62,15 @@ def test_a_chunked_mixed_batch_and_preemption_give_transformers_hidden_states(
     """Four prompts of 3..29 tokens in chunks of at most 5 (decode rows ride with the chunks),
     in a block budget that preempts the later arrivals (recomputed: their rows replaced, not
     repeated); the ids in any order, 0 and L included."""
-    preempted = []
-    original = Scheduler._preempt
-
-    def counting(self, seq):
-        preempted.append(seq.seq_id)
-        original(self, seq)
-    monkeypatch.setattr(Scheduler, '_preempt', counting)
     ids = (0, 2, NUM_LAYERS) if not moe else (NUM_LAYERS, 1, 0)
     gen = GenerationConfig(max_new_tokens=16, ignore_eos=True)
     with pipeline(tiny_ckpt(moe), PytorchEngineConfig(**BASE, max_prefill_token_num=5,
                                                       max_mixed_token_num=5, num_gpu_blocks=17),
                   extract(tmp_path, ids), progress=False) as pipe:
         responses = pipe(PROMPTS, gen)
-    assert preempted, 'the block budget forced no preemption'
+        preemptions = pipe.engine.scheduler.num_preemptions
+    assert preemptions, 'the block budget forced no preemption'
+    assert sum(r.num_preemptions for r in responses) == preemptions     # Response carries them
     assert len({r.hidden_states_path for r in responses}) == len(PROMPTS)
     for prompt, r in zip(PROMPTS, responses):
         assert r.finish_reason == "length" and len(r.token_ids) == 16
@@ -178,8 +172,8 @@ def run(loop, prompts: list[list[int]], gen: GenerationConfig, timeout_s: float 
     """Submit every prompt to an engine loop, wait for all (at most `timeout_s`); raises the
     first error a request's sink receives."""
     results: queue.Queue = queue.Queue()
-    for i, prompt in enumerate(prompts):
-        loop.submit(prompt, gen, lambda item, i=i: results.put((i, item)))
+    handles = [loop.submit(prompt, gen, lambda item, i=i: results.put((i, item)))
+               for i, prompt in enumerate(prompts)]
     done = [Done() for _ in prompts]
     remaining, deadline = len(prompts), time.monotonic() + timeout_s
     while remaining:
@@ -187,7 +181,7 @@ def run(loop, prompts: list[list[int]], gen: GenerationConfig, timeout_s: float 
         if isinstance(item, BaseException):
             raise item
         done[i].token_ids += item.new_token_ids
-        done[i].dp_rank = item.seq.dp_rank
+        done[i].dp_rank = handles[i].seq.dp_rank
         if item.finished:
             done[i].finish_reason = item.finish_reason
             done[i].hidden_states_path = item.hidden_states_path

@@ -420,6 +420,7 @@ def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path)
         r = post(srv, '/v1/completions', {'prompt': 'def main(', 'max_tokens': 6,
                                           'temperature': 0, 'ignore_eos': True}).json()
         spec = r['usage']['spec_decode']
+        assert r['usage']['num_preemptions'] == 0             # the extension, through the ranks
         m = scrape(srv.url)
         assert m['lmdeploy_lite_spec_decode_num_drafts_total'] == spec['num_drafts'] > 0
         assert m['lmdeploy_lite_spec_decode_num_draft_tokens_total'] == spec['num_draft_tokens']

@@ -100,6 +100,7 @@ class Scheduler:
         self.stop_checker = stop_checker or StopChecker(())
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0          # every preemption so far (each sequence counts its own)
         self._arrivals = 0
         need = blocks_needed(self.max_positions(session_len), block_manager.block_size)
         if need > block_manager.num_usable_blocks:
@@ -256,6 +257,8 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence):
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.bm.free(seq)
         seq.num_computed = 0

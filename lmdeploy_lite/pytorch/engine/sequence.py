@@ -42,6 +42,7 @@ class Sequence:
     pending_save: tuple[int, int] | None = None
     num_cached_tokens: int = 0            # prompt tokens its first admission took from the
                                           # prefix cache (Response.num_cached_tokens)
+    num_preemptions: int = 0              # times the scheduler preempted it (recomputed)
     request_id: str | None = None         # the front-end's name for it (hidden-states files)
     # n choices of one prompt (engine/scheduler.py "Forking"): a member waiting to start from
     # its leader's prefill (`fork_from`); a leader's members still waiting (`forks`); a member

@@ -21,17 +21,21 @@ from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 
 
 class StepOutput:
-    """One sequence's result of one step, as it stood at the end of that step. The thread that
-    consumes it may run a step or more behind the engine (async scheduling makes the last step
-    of a batch nearly free), so nothing a consumer reads may come from the live Sequence: the
-    fields are copied when the output is made (the speculative counters as a tuple,
-    `stats_snapshot`, made into a SpecDecodeStats only when read; the mp/ray ranks send it
-    home as it is). `logprobs` (a request that asked for them, GenerationConfig.logprobs = N):
-    one (logprob, top N ids, their logprobs) per new token, plain lists; else None."""
-    __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated', 'error',
-                 'stats_snapshot', 'num_cached_tokens', 'hidden_states_path', 'logprobs')
+    """One sequence's result of one step, as it stood at the end of that step: the one output
+    type of every consumer, in this process or across a process boundary (the mp/ray ranks
+    pickle it as it is; `seq`, the live Sequence, stays behind: None on the other side). The
+    thread that consumes it may run a step or more behind the engine (async scheduling makes
+    the last step of a batch nearly free), so nothing a consumer reads may come from the live
+    Sequence: the fields are copied when the output is made (the speculative counters as a
+    tuple, `stats_snapshot`, made into a SpecDecodeStats only when read). `logprobs` (a request
+    that asked for them, GenerationConfig.logprobs = N): one (logprob, top N ids, their
+    logprobs) per new token, plain lists; else None."""
+    # what a request's Response carries as it is (pipeline(): Response's fields of these names)
+    RESPONSE_FIELDS = ('error', 'num_cached_tokens', 'num_preemptions', 'hidden_states_path')
+    __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated',
+                 'stats_snapshot', 'logprobs', *RESPONSE_FIELDS)
 
-    def __init__(self, seq: Sequence, new_token_ids: list[int],
+    def __init__(self, seq: Sequence | None, new_token_ids: list[int],
                  logprobs: list[tuple[float, list[int], list[float]]] | None = None):
         self.seq = seq                          # identity only: its fields move on
         self.new_token_ids = new_token_ids      # tokens emitted this step (none: a non-final chunk)
@@ -41,12 +45,36 @@ class StepOutput:
         self.num_generated = seq.num_generated
         self.error = seq.error if seq.finish_reason == 'error' else None   # why, with 'error'
         self.num_cached_tokens = seq.num_cached_tokens      # prompt tokens from the prefix cache
+        self.num_preemptions = seq.num_preemptions
         self.hidden_states_path = None          # extract_hidden_states: set once written
         stats = seq.spec_stats
         self.stats_snapshot = (None if not stats.num_drafts else
                                (stats.num_drafts, stats.num_draft_tokens,
                                 stats.num_accepted_tokens, tuple(stats.accepted_per_position),
                                 tuple(stats.drafted_per_position)))
+
+    @classmethod
+    def refused(cls, error: str) -> 'StepOutput':
+        """The only output of a request the engine refused (it never became a Sequence)."""
+        out = cls.__new__(cls)
+        out.__setstate__(dict(seq=None, new_token_ids=[], finished=True, finish_reason='error',
+                              num_generated=0, error=error, stats_snapshot=None,
+                              num_cached_tokens=0, num_preemptions=0, hidden_states_path=None,
+                              logprobs=None))
+        return out
+
+    def __getstate__(self) -> dict:
+        """Pickled without the live Sequence."""
+        return {name: getattr(self, name) for name in self.__slots__ if name != 'seq'}
+
+    def __setstate__(self, state: dict):
+        self.seq = state.pop('seq', None)
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def response_fields(self) -> dict:
+        """RESPONSE_FIELDS by name, for the request's Response."""
+        return {name: getattr(self, name) for name in self.RESPONSE_FIELDS}
 
     @property
     def spec_stats(self) -> SpecDecodeStats | None:

@@ -337,6 +337,8 @@ class Usage(BaseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
     spec_decode: SpecDecodeUsage | None = None
+    num_preemptions: int = Field(0, description="times the engine preempted this request's "
+                                                'sequences to free cache (an extension)')
 
 
 class ModelCard(BaseModel):

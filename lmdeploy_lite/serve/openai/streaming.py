@@ -102,7 +102,8 @@ def usage(lasts: list[Response | None], prompts: list[list[int]]) -> p.Usage:
     return p.Usage(prompt_tokens=num_prompt, completion_tokens=completion,
                    total_tokens=num_prompt + completion,
                    prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
-                   spec_decode=spec)
+                   spec_decode=spec,
+                   num_preemptions=sum(r.num_preemptions for r in lasts if r is not None))
 
 
 async def run_to_end(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,

@@ -59,23 +59,15 @@ def _run_async(k: int, gen: GenerationConfig = GREEDY, **cfg):
 def test_async_changes_no_token_and_no_count(scenario, k, monkeypatch):
     cfg = dict(dtype='float64') if scenario == 'float64' else CHUNKED_PREEMPTED
     sync = _reference(k, **cfg)                  # the synchronous engine, same config
-    preemptions = []
-    if scenario != 'float64':
-        from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
-        original = Scheduler._preempt
-
-        def counting(self, seq):
-            preemptions.append(seq.seq_id)
-            original(self, seq)
-        monkeypatch.setattr(Scheduler, '_preempt', counting)
-    tokens, stats, _ = _run_async(k, **cfg)
+    tokens, stats, engine = _run_async(k, **cfg)
     if k:
         assert_real_acceptance(stats, k)
     assert tokens == sync.token_ids == _reference(0, dtype=cfg['dtype']).token_ids
     assert all(len(t) == GREEDY.max_new_tokens for t in tokens)           # whole sequences
     assert [counts(s) for s in stats] == sync.counts
     if scenario != 'float64':
-        assert preemptions, 'the cache was meant to be too small for every sequence'
+        assert engine.scheduler.num_preemptions, 'the cache was meant to be too small for ' \
+            'every sequence'
 
 
 @pytest.mark.parametrize('k', [1, 3])
@@ -313,11 +305,19 @@ def test_remote_outputs_are_snapshots_for_a_lagging_consumer():
     front._lock, front._load = threading.Lock(), [1]
     received = []
     front._live = {0: RemoteHandle(RemoteSeq(0, 0), received.append)}
-    front._deliver([(0, [5], False, None, 1, None, None, 16, None, None)])   # one per step
-    front._deliver([(0, [6, 7], False, None, 3, (1, 3, 1, (1, 0, 0), (1, 1, 1)), None, 16, None,
-                     [(-0.5, [6], [-0.5]), (-1.5, [2], [-0.25])])])
-    front._deliver([(0, [8], True, 'length', 4, (2, 6, 1, (1, 0, 0), (2, 2, 2)), None, 16, None,
-                     None)])
+    from lmdeploy_lite.pytorch.engine.step_output import StepOutput
+
+    def report(new_ids, finished, reason, num_generated, stats, logprobs):
+        """A StepOutput as a rank's pickle brings it (no Sequence)."""
+        out = StepOutput.__new__(StepOutput)
+        out.__setstate__(dict(new_token_ids=new_ids, finished=finished, finish_reason=reason,
+                              num_generated=num_generated, error=None, stats_snapshot=stats,
+                              num_cached_tokens=16, hidden_states_path=None, logprobs=logprobs))
+        return out
+    front._deliver([(0, report([5], False, None, 1, None, None))])        # one per step
+    front._deliver([(0, report([6, 7], False, None, 3, (1, 3, 1, (1, 0, 0), (1, 1, 1)),
+                               [(-0.5, [6], [-0.5]), (-1.5, [2], [-0.25])]))])
+    front._deliver([(0, report([8], True, 'length', 4, (2, 6, 1, (1, 0, 0), (2, 2, 2)), None))])
     assert [(o.new_token_ids, o.finished, o.finish_reason, o.num_generated) for o in received] \
         == [([5], False, None, 1), ([6, 7], False, None, 3), ([8], True, 'length', 4)]
     assert [o.num_cached_tokens for o in received] == [16, 16, 16]

@@ -17,7 +17,6 @@ import torch
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline
 from lmdeploy_lite.pytorch.engine.engine import Engine
-from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
 from tests.helpers import accepting
 
 BASE = dict(dtype='float64', device='cpu', block_size=4, session_len=64)
@@ -145,20 +144,13 @@ def test_preempted_aborted_and_early_stopping_members(dense, alone, monkeypatch)
     aborted member, a member aborted before its fork and a leader aborted before it (its members
     then prefill alone) leave the others exactly right; a member that stops early frees only
     its own blocks. BlockManager.check() holds throughout."""
-    preempted = []
-    original = Scheduler._preempt
-
-    def counting(self, seq):
-        preempted.append(seq.seq_id)
-        original(self, seq)
-    monkeypatch.setattr(Scheduler, '_preempt', counting)
     engine = Engine(dense, PytorchEngineConfig(**dict(BASE, session_len=32), num_gpu_blocks=17),
                     progress=False)
     gen = GenerationConfig(max_new_tokens=14, n=4, random_seed=3, **SAMPLED)
     prompt = fresh(10)
     group = engine.add_group(prompt, gen)
     outputs = finish(engine, group)
-    assert set(preempted) & {s.seq_id for s in group[1:]}, 'no forked member was preempted'
+    assert any(s.num_preemptions for s in group[1:]), 'no forked member was preempted'
     assert outputs == [alone(prompt, choice_gen(gen, i)) for i in range(4)]
 
     # aborts: member 1 after its fork, member 2 before it; then a leader before its fork

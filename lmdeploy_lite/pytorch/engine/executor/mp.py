@@ -53,9 +53,8 @@ from typing import Callable
 import torch.multiprocessing as mp
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
-from lmdeploy_lite.pytorch.engine.step_output import StepOutput, spec_stats_of
+from lmdeploy_lite.pytorch.engine.step_output import StepOutput
 from lmdeploy_lite.pytorch.engine.hidden_states import check_request_id
 from lmdeploy_lite.pytorch.engine.engine_loop import Sink, check_group, hand_out
 from lmdeploy_lite.pytorch.engine.prefix_cache import block_keys, longest_cached
@@ -219,8 +218,7 @@ def _rank_loop(rank: int, engine, inbox, outbox, beat: Callable[..., None] = _no
                 try:                 # the same on every TP rank: all of them refuse it alike
                     seqs = engine.add_group(token_ids, gen_config, request_ids)
                 except Exception as e:               # this request alone ends, with the reason
-                    reports += [(rid, [], True, 'error', 0, None, request_error(e), 0, None,
-                                 None) for rid in rids]
+                    reports += [(rid, StepOutput.refused(request_error(e))) for rid in rids]
                     continue
                 for rid, seq in zip(rids, seqs):
                     request_of[seq.seq_id], seq_of[rid] = rid, seq
@@ -228,12 +226,12 @@ def _rank_loop(rank: int, engine, inbox, outbox, beat: Callable[..., None] = _no
                 seq = seq_of[payload]
                 if not seq.is_finished:
                     engine.abort(seq)
-                    reports.append(_report(payload, StepOutput(seq, [])))
+                    reports.append((payload, StepOutput(seq, [])))
             elif kind == 'stop':
                 engine.stop_requested = True
         for out in engine.step():
             rid = request_of[out.seq.seq_id]
-            reports.append(_report(rid, out))
+            reports.append((rid, out))       # pickled without its Sequence
             if out.finished:
                 del request_of[out.seq.seq_id], seq_of[rid]
         # with the results, the prefix cache's news (snapshots kept and dropped, for routing;
@@ -262,13 +260,6 @@ def _drain(inbox, wait: float | None) -> list:
     return items
 
 
-def _report(rid: int, out: StepOutput) -> tuple:
-    """A StepOutput as plain data for the front-end (its snapshot, pickled once per step)."""
-    return (rid, out.new_token_ids, out.finished, out.finish_reason, out.num_generated,
-            out.stats_snapshot, out.error, out.num_cached_tokens, out.hidden_states_path,
-            out.logprobs)
-
-
 # ---- the front-end side ---------------------------------------------------------------------
 @dataclass(eq=False)
 class RemoteSeq:
@@ -279,21 +270,6 @@ class RemoteSeq:
     finish_reason: str | None = None
     num_generated: int = 0
     error: str | None = None
-
-
-@dataclass
-class RemoteOutput:
-    """StepOutput's fields, as one report carried them (the RemoteSeq moves on with the next)."""
-    seq: RemoteSeq
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_generated: int
-    spec_stats: SpecDecodeStats | None
-    error: str | None = None
-    num_cached_tokens: int = 0
-    hidden_states_path: str | None = None
-    logprobs: list[tuple[float, list[int], list[float]]] | None = None
 
 
 @dataclass(eq=False)
@@ -508,24 +484,22 @@ class RemoteEngineLoop:
                 else:
                     held.discard(key)
 
-    def _deliver(self, reports: list[tuple]):
-        """One step's reports of one rank to their requests' sinks (one post per Channel)."""
+    def _deliver(self, reports: list[tuple[int, StepOutput]]):
+        """One step's reports of one rank (request id, StepOutput) to their requests' sinks
+        (one post per Channel)."""
         pairs = []
         with self._lock:
-            for (rid, new_ids, finished, reason, num_generated, stats, error, cached,
-                 hidden_states_path, logprobs) in reports:
+            for rid, out in reports:
                 handle = self._live.get(rid)
                 if handle is None:
                     continue
-                if finished:
+                if out.finished:
                     del self._live[rid]
                     self._load[handle.seq.dp_rank] -= 1
                 seq = handle.seq
-                seq.is_finished, seq.finish_reason = finished, reason
-                seq.num_generated, seq.error = num_generated, error
-                pairs.append((handle, RemoteOutput(seq, new_ids, finished, reason, num_generated,
-                                                   spec_stats_of(stats), error, cached,
-                                                   hidden_states_path, logprobs)))
+                seq.is_finished, seq.finish_reason = out.finished, out.finish_reason
+                seq.num_generated, seq.error = out.num_generated, out.error
+                pairs.append((handle, out))
         for handle in hand_out(pairs):
             if not handle.seq.is_finished:
                 self.abort(handle)
