@@ -10,7 +10,8 @@ import queue
 from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Response,
-                                    SpeculativeConfig, TokenLogprobs, short_repr)
+                                    SpecDecodeStats, SpeculativeConfig, TokenLogprobs,
+                                    short_repr)
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.engine.step_output import StepOutput
 from lmdeploy_lite.pytorch.engine.engine_loop import Channel, EngineLoop
@@ -275,6 +276,23 @@ class Pipeline:
         if self.engine is not None:
             return self.engine.num_prefill_tokens
         return self._loop.prefill_tokens()
+
+    def engine_gauges(self) -> dict[str, int] | None:
+        """The in-process engine's sizes: sequences running and waiting, KV blocks used and
+        usable. None when the engine runs in other processes (the front-end does not see them)."""
+        if self.engine is None:
+            return None
+        scheduler, bm = self.engine.scheduler, self.engine.scheduler.bm
+        return {'num_requests_running': len(scheduler.running),
+                'num_requests_waiting': len(scheduler.waiting),
+                'kv_blocks_used': bm.num_usable_blocks - bm.num_free_blocks,
+                'kv_blocks_total': bm.num_usable_blocks}
+
+    @property
+    def engine_spec_stats(self) -> SpecDecodeStats | None:
+        """The in-process engine's speculative counters over every request; None when the
+        engine runs in other processes (then only the requests' own counters are seen)."""
+        return None if self.engine is None else self.engine.spec_stats
 
     @property
     def num_cached_blocks(self) -> int:

@@ -325,6 +325,7 @@ class FakePipe:
     num_cached_blocks = num_prefill_tokens = 0
     # the server reads a pipeline through these (over `_loop`, as Pipeline's own do)
     error, session_len, vocab_size = Pipeline.error, Pipeline.session_len, Pipeline.vocab_size
+    engine_gauges, engine_spec_stats = Pipeline.engine_gauges, Pipeline.engine_spec_stats
     validate_request, stalled = Pipeline.validate_request, Pipeline.stalled
     capacity = 64
     SECRET = '/srv/secret/lmdeploy_lite/model.py'

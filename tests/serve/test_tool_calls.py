@@ -53,6 +53,7 @@ class ScriptedPipe:
     _check_template_renders = Pipeline._check_template_renders
     # the server reads a pipeline through these (over `_loop`, as Pipeline's own do)
     error, session_len, vocab_size = Pipeline.error, Pipeline.session_len, Pipeline.vocab_size
+    engine_gauges, engine_spec_stats = Pipeline.engine_gauges, Pipeline.engine_spec_stats
     validate_request = Pipeline.validate_request
 
     def __init__(self, model_dir: str):

@@ -80,9 +80,9 @@ class ServerMetrics:
         return RequestTracker(self, num_prompt_tokens)
 
     def spec_totals(self) -> SpecDecodeStats:
-        engine = self.pipe.engine
+        engine_stats = self.pipe.engine_spec_stats
         with self._lock:
-            stats = _snapshot(engine.spec_stats if engine is not None else self.frontend_spec)
+            stats = _snapshot(engine_stats if engine_stats is not None else self.frontend_spec)
         k = max(self.num_spec_tokens, len(stats.accepted_per_position))
         stats.accepted_per_position += [0] * (k - len(stats.accepted_per_position))
         return stats
@@ -118,7 +118,7 @@ class RequestTracker:
             self.metrics.generation_tokens.inc(new_tokens)
         if r.spec_stats is not None:
             stats = _snapshot(r.spec_stats)
-            if self.metrics.pipe.engine is None:
+            if self.metrics.pipe.engine_spec_stats is None:     # ranks elsewhere: sum ours
                 with self.metrics._lock:
                     self.metrics.frontend_spec.merge(_stats_delta(stats, self.spec_seen))
             self.spec_seen = stats
@@ -138,6 +138,12 @@ class RequestTracker:
                                / (self.num_generated - 1))
 
 
+ENGINE_GAUGES = {'num_requests_running': 'Sequences holding KV blocks',
+                 'num_requests_waiting': 'Sequences queued for prefill',
+                 'kv_blocks_used': 'KV cache blocks allocated',
+                 'kv_blocks_total': 'KV cache blocks usable by sequences'}
+
+
 class _EngineCollector:
     """Gauges and counters read from the engine (or the front-end's sums) at scrape time."""
 
@@ -148,17 +154,9 @@ class _EngineCollector:
         m = self.metrics
         yield GaugeMetricFamily(PREFIX + 'num_requests_in_flight',
                                 'Requests admitted and not finished', value=m.in_flight)
-        engine = m.pipe.engine
-        if engine is not None:
-            scheduler, bm = engine.scheduler, engine.scheduler.bm
-            yield GaugeMetricFamily(PREFIX + 'num_requests_running',
-                                    'Sequences holding KV blocks', value=len(scheduler.running))
-            yield GaugeMetricFamily(PREFIX + 'num_requests_waiting',
-                                    'Sequences queued for prefill', value=len(scheduler.waiting))
-            yield GaugeMetricFamily(PREFIX + 'kv_blocks_used', 'KV cache blocks allocated',
-                                    value=bm.num_usable_blocks - bm.num_free_blocks)
-            yield GaugeMetricFamily(PREFIX + 'kv_blocks_total', 'KV cache blocks usable by '
-                                    'sequences', value=bm.num_usable_blocks)
+        gauges = m.pipe.engine_gauges()                  # None: the engine is elsewhere
+        for name, value in (gauges or {}).items():
+            yield GaugeMetricFamily(PREFIX + name, ENGINE_GAUGES[name], value=value)
         yield GaugeMetricFamily(PREFIX + 'prefix_cache_cached_blocks', 'KV blocks in the prefix '
                                 'cache (ranks in other processes: as last reported)',
                                 value=m.pipe.num_cached_blocks)
