@@ -65,7 +65,7 @@ def test_mp_rank_loop_sends_one_message_per_step():
     step carrying every request's report of that step: (request id, StepOutput), the one output
     type, which pickles without its Sequence."""
     from lmdeploy_lite.pytorch.engine.engine import Engine
-    from lmdeploy_lite.pytorch.engine.executor.mp import _rank_loop
+    from lmdeploy_lite.pytorch.engine.executor.rank_worker import _rank_loop
     engine = Engine(model_dir(), PytorchEngineConfig(**BASE, max_batch_size=64), spec(K),
                     progress=False)
     inbox, outbox = queue.Queue(), queue.Queue()

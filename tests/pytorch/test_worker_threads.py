@@ -6,7 +6,8 @@ import torch
 
 from lmdeploy_lite import PytorchEngineConfig
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
-from lmdeploy_lite.pytorch.engine.executor.mp import NUM_THREADS_ENV, RemoteEngineLoop, worker_num_threads
+from lmdeploy_lite.pytorch.engine.executor.mp import RemoteEngineLoop, worker_num_threads
+from lmdeploy_lite.pytorch.engine.executor.rank_worker import NUM_THREADS_ENV
 
 
 @pytest.fixture

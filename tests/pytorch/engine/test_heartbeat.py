@@ -14,7 +14,7 @@ def test_the_rank_outside_a_collective_is_named_not_the_ones_waiting_for_it():
     beats.beat(2, waiting=True)
     time.sleep(0.1)
     line = beats.stalled(0.05)
-    assert line.startswith('rank 1 has made no progress for 0.1'), line
+    assert line.startswith('rank 1 has made no progress for '), line
     assert line.endswith('(rank 0, rank 2 waiting, silent too)'), line
     # inside the same collective, the one behind (fewer beats) is named
     for rank in (0, 2):                    # left and entered the next one

@@ -25,7 +25,8 @@ import queue
 import time
 
 from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.pytorch.engine.executor.mp import RemoteEngineLoop, free_port, worker_main
+from lmdeploy_lite.pytorch.engine.executor.mp import RemoteEngineLoop, free_port
+from lmdeploy_lite.pytorch.engine.executor.rank_worker import worker_main
 
 RAY_PG_TIMEOUT_S = float(os.environ.get('LMDEPLOY_LITE_RAY_PG_TIMEOUT', '30'))
 PLACE_ACTORS_TIMEOUT_S = 120

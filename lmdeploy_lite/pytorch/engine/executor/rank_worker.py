@@ -1,0 +1,169 @@
+"""The rank side of the mp and ray executors: one process per rank runs `worker_main`, which
+joins the world, builds the rank's Engine and runs `_rank_loop`: read the inbox (TP rank 0 of a
+DP group, shared with its TP peers), step, send one report per step home (mp.py's module
+docstring tells how the ranks advance and fail).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import traceback
+from typing import Callable
+
+from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.config import DistConfig
+from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent
+from lmdeploy_lite.pytorch.engine.heartbeat import Heartbeats
+from lmdeploy_lite.pytorch.engine.sequence import request_error
+from lmdeploy_lite.pytorch.engine.step_output import StepOutput
+
+IDLE_WAIT_S = 0.02
+NUM_THREADS_ENV = 'LMDEPLOY_LITE_NUM_THREADS'
+
+
+def uses_cuda(device: str) -> bool:
+    import torch
+    return device == 'cuda' or (device == 'auto' and torch.cuda.is_available())
+
+
+def rank_device(device: str, local_rank: int):
+    """This rank's CUDA device, `cuda:{local_rank}`, made current (so that every later 'cuda'
+    tensor, the KV cache and the NCCL communicators land on it); None on CPU."""
+    import torch
+    if not uses_cuda(device):
+        return None
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f'device={device!r}: this rank needs cuda:{local_rank}, but the process '
+                         f'sees {count} GPU(s) (CUDA_VISIBLE_DEVICES='
+                         f'{os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")})')
+    torch.cuda.set_device(local_rank)
+    return torch.device('cuda', local_rank)
+
+
+def worker_main(rank: int, dist_config: DistConfig, model_path: str,
+                engine_config: PytorchEngineConfig, spec_config: SpeculativeConfig | None,
+                init_method: str, inbox, outbox, env: dict, local_rank: int,
+                lifeline: Lifeline | None = None, worker_hook: Callable | None = None,
+                heartbeats: Heartbeats | None = None, whole_environ: bool = False):
+    """One rank; `local_rank`: its GPU among the ones this process sees (CUDA only);
+    `lifeline`: the parent to die with (None: the launcher sees to it, e.g. ray);
+    `heartbeats`: where this rank shows progress (shared memory; None: nowhere); `env`: added
+    to this process's environment, or, `whole_environ`, its whole environment (a fork server's
+    child has the server's, from when it started)."""
+    if lifeline is not None:
+        follow_parent(lifeline)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if whole_environ:
+        os.environ.clear()
+    os.environ.update(env)
+    import torch
+
+    from lmdeploy_lite.pytorch.distributed import DistContext
+    from lmdeploy_lite.pytorch.engine.engine import Engine
+    from lmdeploy_lite.pytorch.nn.token_dispatcher import dispatch_capacity
+    from lmdeploy_lite.pytorch.spec_decode.build import num_draft_tokens
+    torch.set_num_threads(int(env[NUM_THREADS_ENV]))      # the front-end's worker_num_threads
+    dist_ctx = None
+    try:
+        device = rank_device(engine_config.device, local_rank)
+        dist_ctx = DistContext.init(dist_config, rank, init_method, device)
+        beat = heartbeats.beater(rank) if heartbeats is not None else _no_beat
+        if heartbeats is not None:
+            dist_ctx.heartbeat = beat
+        dist_ctx.max_tokens_per_rank = dispatch_capacity(
+            engine_config.max_batch_size, num_draft_tokens(spec_config),
+            dist_config.tp)
+        from lmdeploy_lite.tokenizer import load_tokenizer     # stop words need it
+        tokenizer = load_tokenizer(model_path)
+        engine = Engine(model_path, engine_config, spec_config, tokenizer=tokenizer,
+                        progress=False, dist_ctx=dist_ctx)
+        if worker_hook is not None:
+            worker_hook(engine)
+        bm = engine.scheduler.bm          # how the front-end names this rank's cached prefixes
+        outbox.put(('ready', rank, (bm.block_size, bm.lookahead, bm.caching)))
+        _rank_loop(rank, engine, inbox, outbox, beat)
+    except BaseException as e:
+        outbox.put(('error', rank, (summarize(rank, e), traceback.format_exc())))
+    finally:
+        if dist_ctx is not None:
+            dist_ctx.destroy()
+
+
+def summarize(rank: int, error: BaseException) -> str:
+    """One line for users: the exception's first line, with the rank named."""
+    lines = str(error).strip().splitlines()
+    line = lines[0][:500] if lines else ''
+    if line.startswith(f'rank {rank},'):            # distributed.py's errors name it already
+        return f'{type(error).__name__}: {line}'
+    return f'rank {rank} failed: {type(error).__name__}' + (f': {line}' if line else '')
+
+
+def _no_beat(waiting: bool = False):
+    pass
+
+
+def _rank_loop(rank: int, engine, inbox, outbox, beat: Callable[..., None] = _no_beat):
+    """TP rank 0 of a DP group reads the inbox and shares what it read with its TP peers, so
+    every TP rank's scheduler makes the same decisions; only TP rank 0 reports results."""
+    request_of: dict[int, int] = {}          # seq_id -> front-end request id
+    seq_of: dict[int, object] = {}           # request id -> Sequence
+    leader = engine.dist.tp_rank == 0
+    route_by_prefix = engine.dist.config.dp > 1      # the front-end routes by cached prefixes
+    cached_blocks = 0                                # as last reported (a metrics gauge)
+    prefill_tokens = 0                               # as last reported (a counter)
+    while not engine.stopped:
+        beat()
+        # wait on the inbox only when no rank of the plan group had work last step: an idle
+        # rank inside a busy plan group (ep > 1: the world) must reach the next plan gather at
+        # once, or every busy step waits for it
+        wait = None if engine.has_work or engine.plan_busy else IDLE_WAIT_S
+        events = _drain(inbox, wait) if leader else None
+        reports = []                         # one message to the front-end per step
+        for kind, payload in engine.dist.broadcast_object(events, 'tp'):
+            if kind == 'add':                # one prompt's choices (rids: one per choice)
+                rids, token_ids, gen_config, request_ids = payload
+                try:                 # the same on every TP rank: all of them refuse it alike
+                    seqs = engine.add_group(token_ids, gen_config, request_ids)
+                except Exception as e:               # this request alone ends, with the reason
+                    reports += [(rid, StepOutput.refused(request_error(e))) for rid in rids]
+                    continue
+                for rid, seq in zip(rids, seqs):
+                    request_of[seq.seq_id], seq_of[rid] = rid, seq
+            elif kind == 'abort' and payload in seq_of:
+                seq = seq_of[payload]
+                if not seq.is_finished:
+                    engine.abort(seq)
+                    reports.append((payload, StepOutput(seq, [])))
+            elif kind == 'stop':
+                engine.stop_requested = True
+        for out in engine.step():
+            rid = request_of[out.seq.seq_id]
+            reports.append((rid, out))       # pickled without its Sequence
+            if out.finished:
+                del request_of[out.seq.seq_id], seq_of[rid]
+        # with the results, the prefix cache's news (snapshots kept and dropped, for routing;
+        # its block count) and the rank's prefill token count: the front-end notes it before
+        # it hands out the results, so that a request submitted on a result sees the prefix
+        # this step kept
+        bm = engine.scheduler.bm
+        events = bm.snapshots.take_events()
+        news = None
+        if ((events and route_by_prefix) or bm.num_cached_blocks != cached_blocks
+                or engine.num_prefill_tokens != prefill_tokens):
+            cached_blocks, prefill_tokens = bm.num_cached_blocks, engine.num_prefill_tokens
+            news = (events if route_by_prefix else [], cached_blocks, prefill_tokens)
+        if leader and (reports or news):
+            outbox.put(('out', rank, (reports, news)))
+
+
+def _drain(inbox, wait: float | None) -> list:
+    items = []
+    try:
+        items.append(inbox.get(timeout=wait) if wait else inbox.get_nowait())
+        while True:
+            items.append(inbox.get_nowait())
+    except queue.Empty:
+        pass
+    return items
