@@ -10,11 +10,10 @@ import queue
 from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Response,
-                                    SpecDecodeStats, SpeculativeConfig, TokenLogprobs,
-                                    short_repr)
-from lmdeploy_lite.pytorch.engine.engine import Engine
+                                    SpeculativeConfig, TokenLogprobs, short_repr)
+from lmdeploy_lite.pytorch.engine.executor import connect
+from lmdeploy_lite.pytorch.engine.executor.client import Channel, EngineStats
 from lmdeploy_lite.pytorch.engine.step_output import StepOutput
-from lmdeploy_lite.pytorch.engine.engine_loop import Channel, EngineLoop
 from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
 from lmdeploy_lite.tokenizer import load_tokenizer
 
@@ -221,18 +220,8 @@ class Pipeline:
         self.tokenizer = load_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
         self._decode = batch_decoder(self.tokenizer) if self.tokenizer is not None else None
         backend_config = backend_config or PytorchEngineConfig()
-        if backend_config.distributed_executor_backend == 'ray':       # one actor per rank
-            from lmdeploy_lite.pytorch.engine.executor.ray import RayEngineLoop
-            self.engine = None
-            self._loop = RayEngineLoop(self.model_path, backend_config, speculative_config)
-        elif backend_config.tp * backend_config.dp > 1 or engine_process:   # a process per rank
-            from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
-            self.engine = None
-            self._loop = MPEngineLoop(self.model_path, backend_config, speculative_config)
-        else:
-            self.engine = Engine(self.model_path, backend_config, speculative_config,
-                                 tokenizer=self.tokenizer, progress=progress)
-            self._loop = EngineLoop(self.engine)
+        self._client = connect(self.model_path, backend_config, speculative_config,
+                               self.tokenizer, progress, engine_process)
         self._closed = False
         self._fanouts: dict[asyncio.AbstractEventLoop, _AsyncFanout] = {}
         # sequences the engine runs at once (each DP rank's batch: the KV cache is sized for it)
@@ -245,62 +234,39 @@ class Pipeline:
         return os.path.basename(os.path.normpath(self.model_path))
 
     @property
+    def engine(self):
+        """The engine when it runs in a thread of this process (tests and benchmarks look
+        inside it), else None."""
+        return getattr(self._client, 'engine', None)
+
+    @property
     def error(self) -> BaseException | None:
         """Why the engine stopped for good, or None while it runs."""
-        return self._loop.error
+        return self._client.error
 
     def stalled(self, limit_s: float) -> str | None:
         """One line naming the rank (or the engine thread) that has shown no progress for
         over `limit_s` seconds while requests are pending, else None (engine/heartbeat.py; the
         ray executor keeps no heartbeat: always None)."""
-        return self._loop.stalled(limit_s)
+        return self._client.stalled(limit_s)
 
     @property
     def session_len(self) -> int:
         """The most tokens a sequence holds (prompt and output)."""
-        return (self.engine or self._loop).session_len
+        return self._client.session_len
 
     @property
     def vocab_size(self) -> int:
-        return (self.engine or self._loop).model_config.vocab_size
+        return self._client.model_config.vocab_size
 
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
         """Raise ValueError naming the field when the engine would refuse this request."""
-        self._loop.validate_request(token_ids, gen_config)
+        self._client.validate_request(token_ids, gen_config)
 
-    @property
-    def num_prefill_tokens(self) -> int:
-        """Tokens the engine has fed in prefill rows (prompts, minus what the prefix cache and
-        forked choices share; recomputes after preemption): `Engine.num_prefill_tokens`, with
-        ranks in other processes as they last reported."""
-        if self.engine is not None:
-            return self.engine.num_prefill_tokens
-        return self._loop.prefill_tokens()
-
-    def engine_gauges(self) -> dict[str, int] | None:
-        """The in-process engine's sizes: sequences running and waiting, KV blocks used and
-        usable. None when the engine runs in other processes (the front-end does not see them)."""
-        if self.engine is None:
-            return None
-        scheduler, bm = self.engine.scheduler, self.engine.scheduler.bm
-        return {'num_requests_running': len(scheduler.running),
-                'num_requests_waiting': len(scheduler.waiting),
-                'kv_blocks_used': bm.num_usable_blocks - bm.num_free_blocks,
-                'kv_blocks_total': bm.num_usable_blocks}
-
-    @property
-    def engine_spec_stats(self) -> SpecDecodeStats | None:
-        """The in-process engine's speculative counters over every request; None when the
-        engine runs in other processes (then only the requests' own counters are seen)."""
-        return None if self.engine is None else self.engine.spec_stats
-
-    @property
-    def num_cached_blocks(self) -> int:
-        """KV blocks held by the prefix cache (with ranks in other processes: as they last
-        reported)."""
-        if self.engine is not None:
-            return self.engine.scheduler.bm.num_cached_blocks
-        return self._loop.prefix_cache_blocks()
+    def stats(self) -> EngineStats:
+        """Engine-wide figures (tokens prefilled, prefix-cache blocks, sequences running and
+        waiting, KV blocks, speculative counters), over every DP rank as last reported."""
+        return self._client.stats()
 
     # ---- prompts --------------------------------------------------------------------------
     def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
@@ -377,11 +343,11 @@ class Pipeline:
         gen_config = GenerationConfig() if gen_config is None else gen_config
         token_lists = [self.encode(p, tools) for p in prompts]
         for ids in token_lists:                       # validate all before any work starts
-            self._loop.validate_request(ids, gen_config)
+            self._client.validate_request(ids, gen_config)
         inbox: queue.Queue = queue.Queue()
         channel = Channel(inbox.put)
         n = gen_config.n
-        handles = [h for i, ids in enumerate(token_lists) for h in self._loop.submit_group(
+        handles = [h for i, ids in enumerate(token_lists) for h in self._client.submit_group(
             ids, gen_config, channel, tags=list(range(i * n, (i + 1) * n)))]
         streams = [TextStream(gen_config, stream=not cumulative) for _ in handles]
         remaining = len(handles)
@@ -415,8 +381,8 @@ class Pipeline:
                                          logprobs)
         finally:
             for h in handles:
-                if h.seq is None or not h.seq.is_finished:
-                    self._loop.abort(h)
+                if not h.finished:
+                    self._client.abort(h)
 
     def _next(self, inbox: queue.Queue):
         """The next result; never waits forever on an engine that has stopped."""
@@ -435,8 +401,8 @@ class Pipeline:
                 self._check_engine()
 
     def _check_engine(self):
-        if self._loop.error is not None:
-            raise RuntimeError(f'the engine stopped: {self._loop.error}') from None
+        if self._client.error is not None:
+            raise RuntimeError(f'the engine stopped: {self._client.error}') from None
 
     def _check_open(self):
         if self._closed:
@@ -487,7 +453,7 @@ class Pipeline:
                 self._fanouts = {lp: f for lp, f in self._fanouts.items() if not lp.is_closed()}
             fanout = self._fanouts[loop] = _AsyncFanout(loop, self._decode)
         for ids in prompts:                           # validate all before any work starts
-            self._loop.validate_request(ids, gen_config)
+            self._client.validate_request(ids, gen_config)
         n, news = gen_config.n, asyncio.Queue()       # news: indexes of requests with items
         requests = [_AsyncRequest(gen_config, stream_text, i, news)
                     for i in range(len(prompts) * n)]
@@ -495,7 +461,7 @@ class Pipeline:
             names = [request_id] * len(requests)
         else:
             names = [f'{request_id}-{i}' for i in range(len(requests))]
-        handles = [h for p, ids in enumerate(prompts) for h in self._loop.submit_group(
+        handles = [h for p, ids in enumerate(prompts) for h in self._client.submit_group(
             ids, gen_config, fanout.channel, tags=requests[p * n:(p + 1) * n],
             request_ids=names[p * n:(p + 1) * n])]
         unfinished = set(range(len(requests)))
@@ -517,7 +483,7 @@ class Pipeline:
                     raise error
         finally:
             for i in unfinished:
-                self._loop.abort(handles[i])
+                self._client.abort(handles[i])
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self):
@@ -525,7 +491,7 @@ class Pipeline:
         RuntimeError('the pipeline is closed'). Idempotent."""
         if not self._closed:
             self._closed = True
-            self._loop.close()
+            self._client.close()
 
     def __enter__(self) -> 'Pipeline':
         return self

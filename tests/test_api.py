@@ -260,11 +260,12 @@ def test_a_bare_stop_word_is_one_word(pipe):
     assert as_str.finish_reason == 'stop' and r.text.startswith(as_str.text + word)
 
 
-def _inject(pipe, ids: list[int], gen_config: GenerationConfig) -> list:
-    """Hand a request to the engine thread directly, as if the caller's checks had passed."""
-    from lmdeploy_lite.pytorch.engine.engine_loop import RequestHandle
+def _inject(pipe, ids: list[int], gen_config: GenerationConfig, monkeypatch) -> list:
+    """Hand a request to the engine thread, as if the caller's checks had passed."""
     got = []
-    pipe._loop._inbox.put(('add', [RequestHandle(ids, gen_config, got.append)]))
+    with monkeypatch.context() as m:
+        m.setattr(pipe._client, 'validate_request', lambda *args: None)
+        pipe._client.submit_group(ids, gen_config, got.append, tags=[None])
     return got
 
 
@@ -272,7 +273,7 @@ def test_a_request_failing_in_the_engine_thread_ends_alone(pipe, monkeypatch):
     alone = pipe(['def main(', 'import os'], GEN)
     bad = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     object.__setattr__(bad, 'top_k', 10**309)       # 'int too large to convert to float'
-    got = _inject(pipe, pipe.encode('x = 1'), bad)
+    got = _inject(pipe, pipe.encode('x = 1'), bad, monkeypatch)
     both = pipe(['def main(', 'import os'], GEN)
     assert [r.token_ids for r in both] == [r.token_ids for r in alone]
     for _ in range(100):
@@ -281,16 +282,16 @@ def test_a_request_failing_in_the_engine_thread_ends_alone(pipe, monkeypatch):
         import time
         time.sleep(0.05)
     assert len(got) == 1 and got[0].finished and got[0].finish_reason == 'error'
-    assert got[0].seq.error.startswith('top_k=')
+    assert got[0].error.startswith('top_k=')
 
-    real_add = pipe.engine.add_request               # any failure of one request's set-up
+    real_add = pipe.engine.add_group                 # any failure of one request's set-up
     poison = pipe.encode('import os')
 
-    def add_request(token_ids, gen_config):
+    def add_group(token_ids, gen_config, request_ids=None):
         if token_ids == poison:
             raise RuntimeError('boom')
-        return real_add(token_ids, gen_config)
-    monkeypatch.setattr(pipe.engine, 'add_request', add_request)
+        return real_add(token_ids, gen_config, request_ids)
+    monkeypatch.setattr(pipe.engine, 'add_group', add_group)
     good, failed = pipe(['def main(', 'import os'], GEN)
     assert good.token_ids == alone[0].token_ids and good.finish_reason == 'length'
     assert failed.finish_reason == 'error' and failed.error == 'RuntimeError: boom'
@@ -337,7 +338,7 @@ def test_a_failed_step_stops_the_engine_and_every_waiter_is_told(plain_pipe, mon
         return await asyncio.wait_for(asyncio.gather(first, queued, return_exceptions=True), 10)
     results = asyncio.run(run())
     assert all(isinstance(r, RuntimeError) for r in results), results
-    assert 'forward failed' in str(p._loop.error)
+    assert 'forward failed' in str(p.error)
     with pytest.raises(RuntimeError, match='forward failed'):
         p([5, 6, 7], GEN)
     with pytest.raises(RuntimeError, match='forward failed'):
@@ -361,7 +362,7 @@ def test_a_closed_pipeline_raises_at_once(plain_pipe):
     with pytest.raises(RuntimeError, match='the pipeline is closed'):
         asyncio.run(asyncio.wait_for(_collect(p.generate([5, 6, 7], GEN)), 10))
     with pytest.raises(RuntimeError, match='the engine is closed'):
-        p._loop.submit([5, 6, 7], GEN, lambda item: None)
+        p._client.submit_group([5, 6, 7], GEN, lambda item: None, tags=[None])
 
 
 def test_a_request_failing_in_a_step_ends_alone(plain_pipe, monkeypatch):

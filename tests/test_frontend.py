@@ -61,18 +61,18 @@ def test_one_message_per_step_for_a_batch_of_64(spec_pipe, monkeypatch):
 
 
 def test_mp_rank_loop_sends_one_message_per_step():
-    """The mp/ray ranks' loop (here in a thread over a one-rank engine): one outbox message per
+    """Every rank's loop (here in a thread over a one-rank engine): one outbox message per
     step carrying every request's report of that step: (request id, StepOutput), the one output
     type, which pickles without its Sequence."""
     from lmdeploy_lite.pytorch.engine.engine import Engine
-    from lmdeploy_lite.pytorch.engine.executor.rank_worker import _rank_loop
+    from lmdeploy_lite.pytorch.engine.executor.rank_worker import rank_loop
     engine = Engine(model_dir(), PytorchEngineConfig(**BASE, max_batch_size=64), spec(K),
                     progress=False)
     inbox, outbox = queue.Queue(), queue.Queue()
     gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
     for rid, p in enumerate(many_prompts(64)):
         inbox.put(('add', ([rid], list(p), gen, [None])))
-    thread = threading.Thread(target=_rank_loop, args=(0, engine, inbox, outbox), daemon=True)
+    thread = threading.Thread(target=rank_loop, args=(0, engine, inbox, outbox.put), daemon=True)
     thread.start()
     messages, finished = [], set()
     while len(finished) < 64:

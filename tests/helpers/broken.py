@@ -81,7 +81,7 @@ def run_requests(loop, prompts: list[list[int]], gen_config, timeout_s: float = 
         if isinstance(item, BaseException):
             raise item
         done[i].token_ids += item.new_token_ids
-        done[i].spec_stats, done[i].dp_rank = item.spec_stats, handles[i].seq.dp_rank
+        done[i].spec_stats, done[i].dp_rank = item.spec_stats, handles[i].dp_rank
         if item.finished:
             done[i].finish_reason = item.finish_reason
             remaining -= 1
@@ -97,7 +97,7 @@ def second_metadata_gather(engine):
     def step(inputs, sampling):
         result = real(inputs, sampling)
         if not inputs.is_dummy:
-            engine.dist.all_gather(torch.zeros(8, dtype=torch.int64), engine.dist.plan_group)
+            engine.dist.plan.all_gather(torch.zeros(8, dtype=torch.int64))
         return result
     engine.agent.step = step
 
@@ -112,6 +112,6 @@ def metadata_gather_per_rank_shape(engine):
     def step(inputs, sampling):
         result = real(inputs, sampling)
         size = 4 if inputs.is_dummy else 8
-        engine.dist.all_gather(torch.zeros(size, dtype=torch.int64), engine.dist.plan_group)
+        engine.dist.plan.all_gather(torch.zeros(size, dtype=torch.int64))
         return result
     engine.agent.step = step

@@ -181,7 +181,7 @@ def run(loop, prompts: list[list[int]], gen: GenerationConfig, timeout_s: float 
         if isinstance(item, BaseException):
             raise item
         done[i].token_ids += item.new_token_ids
-        done[i].dp_rank = handles[i].seq.dp_rank
+        done[i].dp_rank = handles[i].dp_rank
         if item.finished:
             done[i].finish_reason = item.finish_reason
             done[i].hidden_states_path = item.hidden_states_path

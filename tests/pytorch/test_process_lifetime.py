@@ -28,7 +28,7 @@ if sys.argv[2] == 'thread':       # built in a thread that then ends (the server
     t.join()
 else:
     start()
-print(*[p.pid for p in pipe._loop._procs], flush=True)
+print(*[p.pid for p in pipe._client._procs], flush=True)
 time.sleep(600)
 '''
 

@@ -67,7 +67,7 @@ def test_dp2_ep2_one_rank_per_node_gives_single_process_tokens(cluster):
     start = time.monotonic()
     config = PytorchEngineConfig(dp=2, ep=2, distributed_executor_backend='ray', **accepting.BASE)
     with pipeline(accepting.model_dir(), config, accepting.spec(k), progress=False) as pipe:
-        loop = pipe._loop
+        loop = pipe._client
         assert len(set(loop.node_ids)) == 2                       # one rank per node
         assert set(loop.node_ids) == {n['NodeID'] for n in ray.nodes() if n['Alive']}
         actors, groups = leftovers()
@@ -102,12 +102,12 @@ def test_a_killed_worker_actor_is_named_and_nothing_is_left(cluster, tiny_ckpt):
     start = time.monotonic()
     try:
         assert pipe(PROMPTS[0], GEN).generate_token_len == GEN.max_new_tokens
-        ray.kill(pipe._loop._actors[1])
+        ray.kill(pipe._client._actors[1])
         with pytest.raises(RuntimeError, match=r'rank 1 \(ray actor on node \w+\) died'):
             for _ in range(50):
                 pipe(PROMPTS[1], GEN)
                 time.sleep(0.2)
-        assert pipe._loop.error is not None
+        assert pipe._client.error is not None
     finally:
         pipe.close()
     wait_no_leftovers()

@@ -22,7 +22,7 @@ import uuid
 import torch
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, SpecDecodeStats,
-                                    SpeculativeConfig, short_repr)
+                                    SpeculativeConfig)
 from lmdeploy_lite.pytorch.config import ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager
@@ -31,7 +31,7 @@ from lmdeploy_lite.pytorch.engine.cache_plan import available_memory, plan_cache
 from lmdeploy_lite.pytorch.engine.hidden_states import HiddenStatesWriter, check_request_id
 from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch, Scheduler
-from lmdeploy_lite.pytorch.engine.sequence import Sequence, request_error
+from lmdeploy_lite.pytorch.engine.sequence import Sequence, request_error, validate_request
 from lmdeploy_lite.pytorch.engine.step_output import (InFlight, StepOutput, host_logprobs,
                                                      row_logprobs)
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
@@ -72,30 +72,6 @@ def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -
     return _DTYPES.get(name, torch.bfloat16)
 
 
-def validate_request(token_ids: list[int], gen_config: GenerationConfig, vocab_size: int,
-                     session_len: int):
-    """Raise ValueError naming the problem; called before the request touches any engine (in
-    the caller's thread) and again on admission (in the engine's), so that the engine thread only
-    sees values it can handle: the config is checked again too (a frozen dataclass can still be
-    changed through object.__setattr__)."""
-    if not isinstance(gen_config, GenerationConfig):
-        raise ValueError(f'gen_config={type(gen_config).__name__}: must be a GenerationConfig')
-    gen_config.validate()
-    if not isinstance(token_ids, (list, tuple)):
-        raise ValueError(f'prompt: {type(token_ids).__name__} given; token ids are a list of int')
-    if len(token_ids) == 0:
-        raise ValueError('prompt: empty; give at least one token')
-    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
-           or not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f'prompt: token ids {short_repr(bad[:5])} are outside '
-                         f'0..{vocab_size - 1}')
-    if len(token_ids) >= session_len:
-        raise ValueError(f'prompt: {len(token_ids)} tokens, but session_len={session_len} leaves '
-                         f'no room to generate; shorten the prompt to at most {session_len - 1} '
-                         f'tokens or raise session_len')
-
-
 class Engine:
 
     def __init__(self, model_path: str, engine_config: PytorchEngineConfig | None = None,
@@ -132,9 +108,8 @@ class Engine:
                                   spec.draft.tp, spec.draft.weight_bytes,
                                   spec.draft_probs_bytes_per_slot)
         # block tables and prefix-cache decisions must agree
-        num_blocks, num_snapshots = self.dist.all_reduce(
-            torch.tensor([cache_config.num_blocks, cache_config.num_snapshots]), 'world',
-            op='min').tolist()
+        num_blocks, num_snapshots = self.dist.world.all_reduce(
+            torch.tensor([cache_config.num_blocks, cache_config.num_snapshots]), op='min').tolist()
         self.cache_config = dataclasses.replace(cache_config, num_blocks=num_blocks,
                                                 num_snapshots=num_snapshots)
         caches = CacheEngine(self.model_config, self.cache_config, self.dtype, self.device, tp=tp,

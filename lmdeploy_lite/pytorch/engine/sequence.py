@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lmdeploy_lite.messages import GenerationConfig, SpecDecodeStats
+from lmdeploy_lite.messages import GenerationConfig, SpecDecodeStats, short_repr
 
 
 class SeqStatus(enum.Enum):
@@ -83,3 +83,27 @@ def request_error(error: BaseException) -> str:
     if isinstance(error, ValueError):
         return line
     return f'{type(error).__name__}: {line}' if line else type(error).__name__
+
+
+def validate_request(token_ids: list[int], gen_config: GenerationConfig, vocab_size: int,
+                     session_len: int):
+    """Raise ValueError naming the problem; called before the request touches any engine (in
+    the caller's thread) and again on admission (in the engine's), so that the engine thread only
+    sees values it can handle: the config is checked again too (a frozen dataclass can still be
+    changed through object.__setattr__)."""
+    if not isinstance(gen_config, GenerationConfig):
+        raise ValueError(f'gen_config={type(gen_config).__name__}: must be a GenerationConfig')
+    gen_config.validate()
+    if not isinstance(token_ids, (list, tuple)):
+        raise ValueError(f'prompt: {type(token_ids).__name__} given; token ids are a list of int')
+    if len(token_ids) == 0:
+        raise ValueError('prompt: empty; give at least one token')
+    bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
+           or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f'prompt: token ids {short_repr(bad[:5])} are outside '
+                         f'0..{vocab_size - 1}')
+    if len(token_ids) >= session_len:
+        raise ValueError(f'prompt: {len(token_ids)} tokens, but session_len={session_len} leaves '
+                         f'no room to generate; shorten the prompt to at most {session_len - 1} '
+                         f'tokens or raise session_len')

@@ -266,13 +266,14 @@ def test_step_outputs_are_snapshots_for_a_lagging_consumer(async_scheduling, k):
     consumer can lag) sees each one as it was: one final output, running totals that grow by
     the emitted tokens (several per step: accepted drafts), and the tokens adding up to the
     sequence."""
-    from lmdeploy_lite.pytorch.engine.engine_loop import EngineLoop
+    from lmdeploy_lite.pytorch.engine.executor.thread import EngineLoop
     engine = _engine(k, async_scheduling)
     loop = EngineLoop(engine)
     prompts = _prompts()
     received = {i: [] for i in range(len(prompts))}
     try:
-        handles = [loop.submit(p, GREEDY, received[i].append) for i, p in enumerate(prompts)]
+        for i, p in enumerate(prompts):
+            loop.submit_group(p, GREEDY, received[i].append, tags=[i])
         deadline = time.monotonic() + 120
         while not all(r and not isinstance(r[-1], BaseException) and r[-1].finished
                       for r in received.values()):
@@ -281,12 +282,13 @@ def test_step_outputs_are_snapshots_for_a_lagging_consumer(async_scheduling, k):
             time.sleep(0.05)
     finally:
         loop.close()
-    assert_real_acceptance([h.seq.spec_stats for h in handles], k)
+    seqs = [received[i][-1].seq for i in range(len(prompts))]    # in this process: the live one
+    assert_real_acceptance([seq.spec_stats for seq in seqs], k)
     for i, outs in received.items():
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         totals = list(itertools.accumulate(len(o.new_token_ids) for o in outs))
         assert [o.num_generated for o in outs] == totals
-        assert sum((o.new_token_ids for o in outs), []) == handles[i].seq.generated_ids \
+        assert sum((o.new_token_ids for o in outs), []) == seqs[i].generated_ids \
             == _reference(0).token_ids[i]
         assert max(len(o.new_token_ids) for o in outs) > 1
         assert outs[-1].finish_reason == 'length' and outs[0].finish_reason is None
@@ -296,15 +298,15 @@ def test_step_outputs_are_snapshots_for_a_lagging_consumer(async_scheduling, k):
 
 
 def test_remote_outputs_are_snapshots_for_a_lagging_consumer():
-    """The mp/ray front-end's collector thread mutates one RemoteSeq per request; what it hands
-    the consumer must not change when the next report arrives."""
+    """The front-end's collector thread keeps one RequestHandle per request; what it hands the
+    consumer must not change when the next report arrives."""
     import threading
 
-    from lmdeploy_lite.pytorch.engine.executor.mp import RemoteEngineLoop, RemoteHandle, RemoteSeq
-    front = object.__new__(RemoteEngineLoop)         # just the collector's bookkeeping
+    from lmdeploy_lite.pytorch.engine.executor.client import RankClient, RequestHandle
+    front = object.__new__(RankClient)               # just the collector's bookkeeping
     front._lock, front._load = threading.Lock(), [1]
     received = []
-    front._live = {0: RemoteHandle(RemoteSeq(0, 0), received.append)}
+    front._live = {0: RequestHandle(0, 0, received.append)}
     from lmdeploy_lite.pytorch.engine.step_output import StepOutput
 
     def report(new_ids, finished, reason, num_generated, stats, logprobs):

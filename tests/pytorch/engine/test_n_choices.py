@@ -215,13 +215,13 @@ def test_dp2_puts_a_group_on_one_rank(dense, alone):
     config = PytorchEngineConfig(**BASE, dp=2, enable_prefix_caching=False)
     with pipeline(dense, config, progress=False) as pipe:
         finished = queue.Queue()
-        groups = [pipe._loop.submit_group(p, gen, lambda out: out.finished and finished.put(1),
-                                          [None] * 3) for p in prompts]
-        assert sorted(group[0].seq.dp_rank for group in groups) == [0, 1]
-        assert all(len({h.seq.dp_rank for h in group}) == 1 for group in groups)
+        groups = [pipe._client.submit_group(p, gen, lambda out: out.finished and finished.put(1),
+                                            [None] * 3) for p in prompts]
+        assert sorted(group[0].dp_rank for group in groups) == [0, 1]
+        assert all(len({h.dp_rank for h in group}) == 1 for group in groups)
         for _ in range(6):
             finished.get(timeout=120)
-        assert pipe.num_prefill_tokens == sum(len(p) - 1 + 3 for p in prompts)
+        assert pipe.stats().num_prefill_tokens == sum(len(p) - 1 + 3 for p in prompts)
         responses = pipe(prompts, gen)
     assert [r.index for r in responses] == list(range(6))
     assert [r.token_ids for r in responses] == [alone(p, choice_gen(gen, i))
@@ -241,7 +241,7 @@ def test_extracting_hidden_states_feeds_every_choice_its_prompt(dense, tmp_path)
     gen = GenerationConfig(max_new_tokens=3, n=2, random_seed=6, **SAMPLED)
     with pipeline(dense, PytorchEngineConfig(**BASE), config, progress=False) as pipe:
         responses = pipe(prompt, gen)
-        assert pipe.num_prefill_tokens == 2 * len(prompt)
+        assert pipe.stats().num_prefill_tokens == 2 * len(prompt)
     files = [load_file(r.hidden_states_path) for r in responses]
     assert len({r.hidden_states_path for r in responses}) == 2
     for f, r in zip(files, responses):

@@ -1,5 +1,5 @@
 """The rank side of the mp and ray executors: one process per rank runs `worker_main`, which
-joins the world, builds the rank's Engine and runs `_rank_loop`: read the inbox (TP rank 0 of a
+joins the world, builds the rank's Engine and runs `rank_loop`: read the inbox (TP rank 0 of a
 DP group, shared with its TP peers), step, send one report per step home (mp.py's module
 docstring tells how the ranks advance and fail).
 """
@@ -13,6 +13,7 @@ from typing import Callable
 
 from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.pytorch.config import DistConfig
+from lmdeploy_lite.pytorch.engine.executor.client import EngineStats
 from lmdeploy_lite.pytorch.engine.executor.lifeline import Lifeline, follow_parent
 from lmdeploy_lite.pytorch.engine.heartbeat import Heartbeats
 from lmdeploy_lite.pytorch.engine.sequence import request_error
@@ -83,7 +84,7 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
             worker_hook(engine)
         bm = engine.scheduler.bm          # how the front-end names this rank's cached prefixes
         outbox.put(('ready', rank, (bm.block_size, bm.lookahead, bm.caching)))
-        _rank_loop(rank, engine, inbox, outbox, beat)
+        rank_loop(rank, engine, inbox, outbox.put, beat)
     except BaseException as e:
         outbox.put(('error', rank, (summarize(rank, e), traceback.format_exc())))
     finally:
@@ -104,15 +105,17 @@ def _no_beat(waiting: bool = False):
     pass
 
 
-def _rank_loop(rank: int, engine, inbox, outbox, beat: Callable[..., None] = _no_beat):
-    """TP rank 0 of a DP group reads the inbox and shares what it read with its TP peers, so
-    every TP rank's scheduler makes the same decisions; only TP rank 0 reports results."""
+def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
+              beat: Callable[..., None] = _no_beat):
+    """Every rank's loop, in its own process or in a thread of the front-end's: read the inbox,
+    step, `send` one report per step. TP rank 0 of a DP group reads the inbox and shares what
+    it read with its TP peers, so every TP rank's scheduler makes the same decisions; only TP
+    rank 0 reports."""
     request_of: dict[int, int] = {}          # seq_id -> front-end request id
     seq_of: dict[int, object] = {}           # request id -> Sequence
     leader = engine.dist.tp_rank == 0
     route_by_prefix = engine.dist.config.dp > 1      # the front-end routes by cached prefixes
-    cached_blocks = 0                                # as last reported (a metrics gauge)
-    prefill_tokens = 0                               # as last reported (a counter)
+    last_stats = None                                # the figures as last reported
     while not engine.stopped:
         beat()
         # wait on the inbox only when no rank of the plan group had work last step: an idle
@@ -121,41 +124,46 @@ def _rank_loop(rank: int, engine, inbox, outbox, beat: Callable[..., None] = _no
         wait = None if engine.has_work or engine.plan_busy else IDLE_WAIT_S
         events = _drain(inbox, wait) if leader else None
         reports = []                         # one message to the front-end per step
-        for kind, payload in engine.dist.broadcast_object(events, 'tp'):
-            if kind == 'add':                # one prompt's choices (rids: one per choice)
-                rids, token_ids, gen_config, request_ids = payload
-                try:                 # the same on every TP rank: all of them refuse it alike
-                    seqs = engine.add_group(token_ids, gen_config, request_ids)
-                except Exception as e:               # this request alone ends, with the reason
-                    reports += [(rid, StepOutput.refused(request_error(e))) for rid in rids]
-                    continue
-                for rid, seq in zip(rids, seqs):
-                    request_of[seq.seq_id], seq_of[rid] = rid, seq
-            elif kind == 'abort' and payload in seq_of:
-                seq = seq_of[payload]
-                if not seq.is_finished:
-                    engine.abort(seq)
-                    reports.append((payload, StepOutput(seq, [])))
-            elif kind == 'stop':
-                engine.stop_requested = True
+        for kind, payload in engine.dist.tp.broadcast_object(events):
+            reports += _admit(engine, kind, payload, request_of, seq_of)
         for out in engine.step():
             rid = request_of[out.seq.seq_id]
             reports.append((rid, out))       # pickled without its Sequence
             if out.finished:
                 del request_of[out.seq.seq_id], seq_of[rid]
-        # with the results, the prefix cache's news (snapshots kept and dropped, for routing;
-        # its block count) and the rank's prefill token count: the front-end notes it before
-        # it hands out the results, so that a request submitted on a result sees the prefix
-        # this step kept
-        bm = engine.scheduler.bm
-        events = bm.snapshots.take_events()
+        # with the results, the prefix cache's news (snapshots kept and dropped, for routing)
+        # and the rank's figures when they changed: the front-end notes them before it hands
+        # out the results, so that a request submitted on a result sees the prefix this step
+        # kept
+        events = engine.scheduler.bm.snapshots.take_events()
+        if not leader:
+            continue
+        stats = EngineStats.of(engine)
         news = None
-        if ((events and route_by_prefix) or bm.num_cached_blocks != cached_blocks
-                or engine.num_prefill_tokens != prefill_tokens):
-            cached_blocks, prefill_tokens = bm.num_cached_blocks, engine.num_prefill_tokens
-            news = (events if route_by_prefix else [], cached_blocks, prefill_tokens)
-        if leader and (reports or news):
-            outbox.put(('out', rank, (reports, news)))
+        if (events and route_by_prefix) or stats != last_stats:
+            news, last_stats = (events if route_by_prefix else [], stats), stats
+        if reports or news:
+            send(('out', rank, (reports, news)))
+
+
+def _admit(engine, kind: str, payload, request_of: dict, seq_of: dict) -> list:
+    """One inbox event, on every TP rank alike; the reports it makes at once."""
+    if kind == 'add':                # one prompt's choices (rids: one per choice)
+        rids, token_ids, gen_config, request_ids = payload
+        try:                 # the same on every TP rank: all of them refuse it alike
+            seqs = engine.add_group(token_ids, gen_config, request_ids)
+        except Exception as e:               # this request alone ends, with the reason
+            return [(rid, StepOutput.refused(request_error(e))) for rid in rids]
+        for rid, seq in zip(rids, seqs):
+            request_of[seq.seq_id], seq_of[rid] = rid, seq
+    elif kind == 'abort' and payload in seq_of:
+        seq = seq_of[payload]
+        if not seq.is_finished:
+            engine.abort(seq)
+            return [(payload, StepOutput(seq, []))]
+    elif kind == 'stop':
+        engine.stop_requested = True
+    return []
 
 
 def _drain(inbox, wait: float | None) -> list:

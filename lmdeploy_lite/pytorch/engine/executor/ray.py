@@ -3,7 +3,7 @@
 Each actor runs the same `worker_main` as the `mp` executor; inboxes and the outbox are
 `ray.util.queue.Queue`s behind a wrapper with the mp queue's interface (empty gets raise
 `queue.Empty`), so the worker code is shared unchanged, and so is how ranks advance: in
-lockstep within `DistContext.plan_group` (the world with ep > 1, else each DP rank's TP group,
+lockstep within `DistContext.plan` (the world with ep > 1, else each DP rank's TP group,
 whose DP ranks run as independent engines; mp.py says why), stops through every rank's inbox,
 dead ranks found by the front-end's periodic liveness check however busy the others are. Bundles are {'GPU': 1} per rank on
 CUDA, {'CPU': 1} on CPU; strategy STRICT_SPREAD when the cluster has exactly one node per rank
@@ -25,7 +25,8 @@ import queue
 import time
 
 from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.pytorch.engine.executor.mp import RemoteEngineLoop, free_port
+from lmdeploy_lite.pytorch.engine.executor.client import RankClient
+from lmdeploy_lite.pytorch.engine.executor.mp import free_port, rank_env
 from lmdeploy_lite.pytorch.engine.executor.rank_worker import worker_main
 
 RAY_PG_TIMEOUT_S = float(os.environ.get('LMDEPLOY_LITE_RAY_PG_TIMEOUT', '30'))
@@ -92,7 +93,7 @@ class RankActor:
         worker_main(*args)
 
 
-class RayEngineLoop(RemoteEngineLoop):
+class RayEngineLoop(RankClient):
     """One Ray actor per rank; `node_ids[r]` is the node rank r runs on."""
     _actors: list = []
     _runs: list = []
@@ -140,7 +141,8 @@ class RayEngineLoop(RemoteEngineLoop):
         # no lifeline: ray ends the actors with this driver
         self._runs = [a.run.remote(r, self.dist_config, model_path, cfg, spec_config,
                                    init_method, _RankQueue(self._queues[r]),
-                                   _RankQueue(self._queues[world]), env, 0, None,
+                                   _RankQueue(self._queues[world]), rank_env(env, world), 0,
+                                   None,
                                    self._worker_hook)
                       for r, a in enumerate(self._actors)]
 

@@ -1,0 +1,424 @@
+"""The one seam between the engine and everything that drives it (pipeline, server, CLI,
+metrics): `EngineClient`. Its implementations differ only in where the ranks run: a thread of
+this process (thread.py), one process per rank (mp.py), one ray actor per rank (ray.py). Each
+rank runs the same loop (rank_worker.py) and sends one report per step; `RankClient` here is
+everything the front-end does with them: validation, request ids, routing to a DP rank,
+delivery to sinks, liveness, failure, stats.
+
+Results reach a front-end once per engine step, not once per token per request: requests
+submitted with the same `Channel` get one `post` per step carrying all of their outputs of that
+step (a batch of 64 streams is one queue put, one thread wake-up). A plain callable sink gets
+one call per output (tests, simple callers).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpecDecodeStats
+from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
+from lmdeploy_lite.pytorch.engine.heartbeat import Heartbeats
+from lmdeploy_lite.pytorch.engine.hidden_states import check_request_id
+from lmdeploy_lite.pytorch.engine.prefix_cache import block_keys, longest_cached
+from lmdeploy_lite.pytorch.engine.sequence import validate_request
+from lmdeploy_lite.pytorch.engine.step_output import StepOutput
+
+logger = logging.getLogger('lmdeploy_lite')
+
+LIVENESS_CHECK_S = 0.5           # the front-end looks for dead ranks this often
+STARTUP_TIMEOUT_S = float(os.environ.get('LMDEPLOY_LITE_STARTUP_TIMEOUT', '600'))
+Item = StepOutput | BaseException      # a request's output, or the exception that ended it
+
+
+class Channel:
+    """A front-end's inbox for many requests. `post(items)` is called once per step with
+    `[(tag, item), ...]` for every request of this channel that has news (in the engine's
+    order; `tag` as given to `submit_group`). It must not block for long; raising aborts those
+    requests (the engine goes on)."""
+
+    def __init__(self, post: Callable[[list[tuple[object, Item]]], None]):
+        self.post = post
+
+
+Sink = Callable[[Item], None] | Channel
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """One submitted choice: its id on its DP rank, its sink, whether it has ended."""
+    rid: int
+    dp_rank: int
+    sink: Sink
+    tag: object = None
+    finished: bool = False
+
+
+@dataclass
+class EngineStats:
+    """Engine-wide figures, summed over DP ranks as their leaders last reported them."""
+    num_prefill_tokens: int = 0      # fed in prefill rows (prompts, recomputes)
+    num_cached_blocks: int = 0       # KV blocks held by the prefix cache
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    spec: SpecDecodeStats = dataclasses.field(default_factory=SpecDecodeStats)
+
+    @classmethod
+    def of(cls, engine) -> 'EngineStats':
+        """A rank's figures now (copies: the engine's counters move on)."""
+        scheduler, bm = engine.scheduler, engine.scheduler.bm
+        return cls(engine.num_prefill_tokens, bm.num_cached_blocks, len(scheduler.running),
+                   len(scheduler.waiting), bm.num_usable_blocks - bm.num_free_blocks,
+                   bm.num_usable_blocks, dataclasses.replace(
+                       engine.spec_stats,
+                       accepted_per_position=list(engine.spec_stats.accepted_per_position),
+                       drafted_per_position=list(engine.spec_stats.drafted_per_position)))
+
+    @classmethod
+    def total(cls, parts: list['EngineStats']) -> 'EngineStats':
+        out = cls()
+        for part in parts:
+            for f in dataclasses.fields(cls):
+                if f.name != 'spec':
+                    setattr(out, f.name, getattr(out, f.name) + getattr(part, f.name))
+            out.spec.merge(part.spec)
+        return out
+
+
+class EngineClient(Protocol):
+    """What every driver may use of an engine, wherever its ranks run."""
+    session_len: int                 # the most tokens a sequence holds
+    model_config: ModelConfig        # vocab_size, eos ids
+    error: BaseException | None      # why the engine stopped for good, else None
+
+    def validate_request(self, token_ids: list[int], gen_config: GenerationConfig): ...
+
+    def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
+               tag: object = None, request_id: str | None = None) -> RequestHandle:
+        """One request (gen_config.n == 1): `submit_group` of one choice."""
+        return self.submit_group(token_ids, gen_config, sink, [tag], [request_id])[0]
+
+    def submit_group(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
+                     tags: list, request_ids: list[str | None] | None = None
+                     ) -> list[RequestHandle]: ...
+
+    def abort(self, handle: RequestHandle): ...
+
+    def stats(self) -> EngineStats: ...
+
+    def stalled(self, limit_s: float) -> str | None: ...
+
+    def close(self, timeout_s: float = 30.0): ...
+
+
+def hand_out(pairs: list[tuple[RequestHandle, Item]]) -> list[RequestHandle]:
+    """Give each (handle, item) to its request's sink: one `post` per Channel with all of its
+    items (in order), one call per item for a callable sink. A sink that raises is logged and
+    its handles are returned (the caller aborts them); the others are unaffected."""
+    failed, posts = [], {}
+    for handle, item in pairs:
+        sink = handle.sink
+        if isinstance(sink, Channel):
+            posts.setdefault(id(sink), (sink, []))[1].append((handle, item))
+            continue
+        try:
+            sink(item)
+        except Exception:
+            logger.exception('a request sink failed; aborting that request only')
+            failed.append(handle)
+    for channel, entries in posts.values():
+        try:
+            channel.post([(h.tag, item) for h, item in entries])
+        except Exception:
+            logger.exception('a front-end channel failed; aborting its requests of this step')
+            failed += [h for h, _ in entries]
+    return failed
+
+
+class RankClient:
+    """`EngineClient` over ranks that each run `rank_worker.rank_loop`. Subclasses start the
+    ranks (`_start`: sets `_inboxes`, one per rank, and `_outbox`; passes `_worker_hook` on),
+    name the dead ones (`_dead_ranks`), wait for them (`_join`), end them (`_kill`) and let go
+    of them (`_release`). Reports arrive through `_outbox` (read by a collector thread that
+    also checks liveness) or, for ranks in this process, straight through `_on_report`."""
+    _heartbeats: Heartbeats | None = None      # the ranks' (_start sets it)
+    _outbox = None
+
+    def __init__(self, model_path: str, engine_config: PytorchEngineConfig,
+                 speculative_config=None, env: dict | None = None,
+                 worker_hook: Callable | None = None):
+        cfg = engine_config
+        self.dist_config = DistConfig(cfg.tp, cfg.dp, cfg.ep, cfg.sequence_parallel)
+        self._configure(model_path, cfg, speculative_config)
+        self.error: BaseException | None = None
+        dp = self.dist_config.dp
+        self._live: dict[int, RequestHandle] = {}
+        self._busy_since = 0.0                   # when _live last became non-empty
+        self._load = [0] * dp
+        # prefix-cache routing (dp > 1): each DP rank's snapshot keys, from its reports;
+        # (block_size, lookahead, caching) from the ranks' ready messages
+        self._snapshot_keys: list[set[int]] = [set() for _ in range(dp)]
+        self._stats = [EngineStats() for _ in range(dp)]
+        self._prefix_naming = (0, False, False)
+        self._max_batch_size = cfg.max_batch_size
+        self._next_rid = 0
+        self._lock = threading.Lock()
+        self._closing = False
+        self._worker_hook = worker_hook
+        try:
+            self._start(model_path, cfg, speculative_config, env)
+            self._wait_ready()
+        except BaseException:
+            self._kill()
+            self._release()
+            raise
+        self._collector = None
+        if self._outbox is not None:
+            self._collector = threading.Thread(target=self._collect, daemon=True,
+                                               name='lmdeploy_lite-collector')
+            self._collector.start()
+
+    def _configure(self, model_path: str, cfg: PytorchEngineConfig, spec_config):
+        """The model's config and session_len; the layout and speculation checked before any
+        rank starts."""
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        self.dist_config.validate(self.model_config, num_devices=None)
+        if spec_config is not None:
+            from lmdeploy_lite.pytorch.spec_decode.build import check_speculative_config
+            check_speculative_config(spec_config, model_path, self.dist_config, cfg.load_format)
+        self.session_len = cfg.session_len or self.model_config.max_position_embeddings
+
+    def _start(self, model_path: str, cfg: PytorchEngineConfig, spec_config, env: dict | None):
+        raise NotImplementedError
+
+    def _dead_ranks(self) -> dict[int, str]:
+        """rank -> how it ended, for every rank that is no longer running (in rank order)."""
+        raise NotImplementedError
+
+    def _join(self, timeout_s: float):
+        raise NotImplementedError
+
+    def _kill(self):
+        raise NotImplementedError
+
+    def _release(self):
+        """Let go of what ties the workers to this process (after they are gone)."""
+
+    def _wait_ready(self):
+        world = self.dist_config.world_size
+        ready, deadline = set(), time.monotonic() + STARTUP_TIMEOUT_S
+        while len(ready) < world:
+            try:
+                kind, rank, payload = self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f'ranks {sorted(set(range(world)) - ready)} '
+                                       f'did not start within {STARTUP_TIMEOUT_S:.0f} s')
+                continue
+            if kind == 'error':
+                summary, trace = payload
+                logger.error('rank %d failed to start:\n%s', rank, trace)
+                raise RuntimeError(f'failed to start: {summary}')
+            ready.add(rank)
+            self._prefix_naming = payload
+
+    def _check_alive(self):
+        for description in self._dead_ranks().values():
+            raise RuntimeError(description)
+
+    # ---- requests -------------------------------------------------------------------------
+    def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
+        """Raise ValueError naming the field when the engine would refuse this request."""
+        validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
+
+    def submit_group(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
+                     tags: list, request_ids: list[str | None] | None = None
+                     ) -> list[RequestHandle]:
+        """The gen_config.n choices of one prompt, one handle each (choice i tagged `tags[i]`,
+        its hidden-states file named `request_ids[i]`, None: a random name). Validates here (a
+        bad request raises ValueError and touches nothing); raises RuntimeError once the engine
+        has stopped or is closing. The choices go to one DP rank (they share its prefill)."""
+        if self.error is not None:
+            raise RuntimeError(f'the engine stopped after an error: {self.error}')
+        if self._closing:
+            raise RuntimeError('the engine is closed')
+        n = getattr(gen_config, 'n', 1)
+        request_ids = [None] * len(tags) if request_ids is None else request_ids
+        if len(tags) != n or len(request_ids) != n:
+            raise ValueError(f'n={n}: {len(tags)} request tags and {len(request_ids)} request '
+                             f'ids given, one of each per choice needed')
+        self.validate_request(token_ids, gen_config)
+        request_ids = [uuid.uuid4().hex if r is None else check_request_id(r)
+                       for r in request_ids]
+        cached = self._cached_tokens(token_ids)
+        with self._lock:
+            # the rank that holds the longest cached prefix, unless it is a whole batch busier
+            # than the least loaded; ties: the least loaded
+            least = min(self._load)
+            dp_rank = min(range(len(self._load)), key=lambda r: (
+                -cached[r] if self._load[r] - least < self._max_batch_size else 0, self._load[r]))
+            self._load[dp_rank] += len(tags)
+            rids = list(range(self._next_rid, self._next_rid + len(tags)))
+            self._next_rid += len(tags)
+            handles = [RequestHandle(rid, dp_rank, sink, tag) for rid, tag in zip(rids, tags)]
+            if not self._live:
+                self._busy_since = time.monotonic()
+            self._live.update(zip(rids, handles))
+        self._inboxes[dp_rank * self.dist_config.tp].put(('add', (rids, list(token_ids),
+                                                                  gen_config, request_ids)))
+        return handles
+
+    def abort(self, handle: RequestHandle):
+        self._inboxes[handle.dp_rank * self.dist_config.tp].put(('abort', handle.rid))
+
+    def stalled(self, limit_s: float) -> str | None:
+        """One line naming the rank that has shown no progress for over `limit_s` while
+        requests are pending (heartbeat.py), else None (also where no heartbeat is kept)."""
+        if not self._live or self._heartbeats is None:
+            return None
+        return self._heartbeats.stalled(limit_s, since=self._busy_since,
+                                        describe=self._describe_rank)
+
+    def _describe_rank(self, rank: int) -> str:
+        """'rank R', with its process's pid and state where this host can see it."""
+        return f'rank {rank}'
+
+    def stats(self) -> EngineStats:
+        return EngineStats.total(self._stats)
+
+    def _cached_tokens(self, token_ids: list[int]) -> list[int]:
+        """Per DP rank, the prompt tokens its prefix cache holds as far as its reports say."""
+        block_size, lookahead, caching = self._prefix_naming
+        dp = self.dist_config.dp
+        if dp == 1 or not caching:
+            return [0] * dp
+        keys = block_keys(list(token_ids), block_size, lookahead)
+        with self._lock:
+            return [longest_cached(keys, held, len(token_ids), block_size)
+                    for held in self._snapshot_keys]
+
+    # ---- results --------------------------------------------------------------------------
+    def _collect(self):
+        """Hand the ranks' reports on, and check every LIVENESS_CHECK_S, busy or not, that
+        every rank is alive: DP ranks that share no collective (ep = 1) run on without a dead
+        peer, so their reports must not hide it."""
+        next_check = time.monotonic() + LIVENESS_CHECK_S
+        while True:
+            try:
+                report = self._outbox.get(timeout=max(0.01, next_check - time.monotonic()))
+            except queue.Empty:
+                if self._closing:
+                    return
+                report = None
+            if report is not None and not self._on_report(*report):
+                return
+            if time.monotonic() >= next_check and not self._closing:
+                next_check = time.monotonic() + LIVENESS_CHECK_S
+                try:
+                    self._check_alive()
+                except RuntimeError as e:
+                    self._fail(e)
+                    return
+
+    def _on_report(self, kind: str, rank: int, payload) -> bool:
+        """A rank's report: ('out', rank, (outputs, news)) or ('error', rank, (summary,
+        trace)). False once the engine has failed."""
+        if kind == 'error':
+            self._fail(RuntimeError(self._describe_failure(rank, *payload)))
+            return False
+        reports, news = payload
+        if news is not None:
+            self._note(rank, *news)
+        if reports:
+            self._deliver(reports)
+        return True
+
+    def _note(self, rank: int, events: list[tuple[int, bool]], stats: EngineStats | None):
+        """A DP rank leader's prefix-cache news (snapshots kept and dropped) and figures."""
+        dp_rank = rank // self.dist_config.tp
+        if stats is not None:
+            self._stats[dp_rank] = stats
+        held = self._snapshot_keys[dp_rank]
+        with self._lock:
+            for key, kept in events:
+                if kept:
+                    held.add(key)
+                else:
+                    held.discard(key)
+
+    def _deliver(self, reports: list[tuple[int, StepOutput]]):
+        """One step's reports of one rank (request id, StepOutput) to their requests' sinks
+        (one post per Channel)."""
+        pairs = []
+        with self._lock:
+            for rid, out in reports:
+                handle = self._live.get(rid)
+                if handle is None:
+                    continue
+                if out.finished:
+                    del self._live[rid]
+                    self._load[handle.dp_rank] -= 1
+                    handle.finished = True
+                pairs.append((handle, out))
+        for handle in hand_out(pairs):
+            if not handle.finished:
+                self.abort(handle)
+
+    def _describe_failure(self, rank: int, summary: str, trace: str) -> str:
+        """A rank's collective fails when a peer dies: then the dead peer is the news, not the
+        survivor's error (logged with its traceback). A rank that reported an error of its own
+        and then ended (its report is in the outbox before its exit is seen) is no such peer."""
+        logger.error('rank %d failed:\n%s', rank, trace)
+        reported = {rank}
+        deadline = time.monotonic() + 1.0
+        while True:
+            dead = self._dead_ranks()              # before the drain: their reports are in it
+            while True:
+                try:
+                    kind, other, payload = self._outbox.get(timeout=0)
+                except queue.Empty:
+                    break
+                if kind == 'error' and other not in reported:
+                    reported.add(other)
+                    logger.error('rank %d failed:\n%s', other, payload[1])
+            unexplained = [d for r, d in dead.items() if r not in reported]
+            if unexplained:
+                return '; '.join(unexplained)
+            if time.monotonic() > deadline:
+                return summary
+            time.sleep(0.05)
+
+    def _fail(self, error: BaseException):
+        logger.error('engine stopped: %s', error)
+        self.error = error
+        with self._lock:
+            handles, self._live = list(self._live.values()), {}
+        hand_out([(handle, error) for handle in handles])
+        self._kill()
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def close(self, timeout_s: float = 30.0):
+        """Ends the ranks; requests still running get RuntimeError. Idempotent."""
+        self._closing = True
+        for inbox in self._inboxes:
+            inbox.put(('stop', None))
+        self._join(timeout_s)
+        if self._collector is not None and threading.current_thread() is not self._collector:
+            self._collector.join(5)         # a failing collector may be in _kill: one at a time
+        self._kill()
+        with self._lock:
+            handles, self._live = list(self._live.values()), {}
+        closed = RuntimeError('the engine was closed')
+        hand_out([(handle, closed) for handle in handles])
+        self._release()
+
+

@@ -1,0 +1,70 @@
+"""The in-thread executor: one rank, an Engine built in this process, run by the ranks' own
+loop (`rank_loop`) in a background thread whose reports go straight to the front-end's sinks
+(no queue between them: one thread wake-up per step, as with the ranks' messages).
+
+Failures: one request's own failure (its admission, its generator) ends that request alone with
+finish_reason 'error'; the engine goes on. A failure of a step itself cannot be put on one
+request (the engine's state is then unknown): `error` is that exception, every live request
+and every later submit gets it, and the thread ends."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from lmdeploy_lite.pytorch.engine.executor.client import RankClient
+from lmdeploy_lite.pytorch.engine.executor.rank_worker import rank_loop
+from lmdeploy_lite.pytorch.engine.heartbeat import Heartbeats
+
+logger = logging.getLogger('lmdeploy_lite')
+
+
+class EngineLoop(RankClient):
+    """`EngineClient` over an Engine in a thread of this process (`engine`: for tests and
+    benchmarks that look inside; nothing else touches it)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        model = engine.model_config
+        self._engine_args = (model, engine.session_len, engine.engine_config)
+        super().__init__(None, engine.engine_config)
+
+    def _configure(self, model_path, engine_config, speculative_config):
+        self.model_config, self.session_len, _ = self._engine_args
+
+    def _start(self, model_path, cfg, spec_config, env):
+        self._inboxes = [queue.Queue()]
+        self._heartbeats = Heartbeats(1)
+        self._thread = threading.Thread(target=self._run, name='lmdeploy_lite-engine',
+                                        daemon=True)
+        self._thread.start()
+
+    def _wait_ready(self):
+        bm = self.engine.scheduler.bm
+        self._prefix_naming = (bm.block_size, bm.lookahead, bm.caching)
+
+    def _run(self):
+        try:
+            rank_loop(0, self.engine, self._inboxes[0], lambda report: self._on_report(*report),
+                      self._heartbeats.beater(0))
+        except BaseException as e:          # the engine is unusable: tell every waiter
+            logger.exception('engine step failed; the engine stops')
+            self._fail(e)
+
+    def _describe_rank(self, rank: int) -> str:
+        return 'the engine thread'
+
+    def _dead_ranks(self) -> dict[int, str]:
+        return {}
+
+    def _join(self, timeout_s: float):
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.error('engine thread did not stop within %.0f s', timeout_s)
+
+    def _kill(self):
+        """Free the caches of requests still running (the thread has ended)."""
+        if self._thread.is_alive():
+            return
+        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
+            self.engine.abort(seq)
