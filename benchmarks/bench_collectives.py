@@ -36,7 +36,7 @@ def worker(rank, world, port, args, results):
                      ('a2a_dispatch_combine', a2a)):
         for _ in range(10):
             fn()
-        ctx.all_gather(torch.zeros(1), 'world')                       # line up
+        ctx.world.all_gather(torch.zeros(1))                          # line up
         start = time.perf_counter()
         for _ in range(args.iters):
             fn()

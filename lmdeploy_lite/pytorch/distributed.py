@@ -1,43 +1,44 @@
-"""Process groups and the one wrapper every collective goes through.
+"""Process groups as typed handles, and the one wrapper every collective goes through.
 
-DistContext holds the world, TP, DP and EP groups on gloo.
+`DistContext` holds this rank's groups as `Group` handles whose methods are the collectives
+(`dist.tp.all_reduce(x)`). `Topology` says which ranks form which group (a pure function of the
+DistConfig): `world` = dp x tp ranks; `tp` = the tp consecutive ranks of one DP rank; `dp` = the
+dp ranks of one TP rank; `ep` = the world with ep > 1, else this rank alone; `plan` = the
+StepPlan's group (the ranks that advance together, for the engine and the executors alike): the
+world with ep > 1, whose MoE all-to-alls join every rank, else each TP group (DP ranks share no
+collective inside a step and run as independent engines); the check group spans the same ranks.
+The MTP draft has its own layout (SpeculativeConfig tp / ep, dp the target's): `draft_context`
+gives its layers a `DraftDistContext` whose `tp` is the TP group, a 'draft_tp' sub-group of it
+(consecutive runs of the draft's tp ranks, for 1 < draft tp < tp) or a group of one (draft tp=1),
+and whose `ep` is the EP group or a group of one (draft ep=1).
 
-Group sizes: world = dp x tp ranks; 'tp' = the tp consecutive ranks of one DP rank; 'dp' = the
-dp ranks of one TP rank; 'ep' = the world (ep is 1 or dp x tp). The MTP draft has its own
-layout (SpeculativeConfig tp / ep, dp the target's): `draft_context` gives its layers a
-`DraftDistContext` whose 'tp' is the TP group, a 'draft_tp' sub-group of it (consecutive runs
-of the draft's tp ranks, for 1 < draft tp < tp) or none (draft tp=1), and whose 'ep' is the
-EP group or none (draft ep=1). On CUDA (`init(..., device=cuda:i)`)
-every multi-rank group also gets an NCCL twin with the same ranks, and `traced` runs a
-collective of a CUDA tensor on the twin, of a CPU tensor on the gloo group: the StepPlan gather,
-the inbox broadcast and the trace check stay on gloo, TP all-reduces (sequence-parallel:
-reduce-scatters and row all-gathers, `reduce_scatter` / `gather_rows`) and EP all-to-alls of
-activations go over NCCL (small TP sums on a one-shot peer-memory all-reduce instead with
+On CUDA (`init(..., device=cuda:i)`) every multi-rank group also gets an NCCL twin with the same
+ranks, and `traced` runs a collective of a CUDA tensor on the twin, of a CPU tensor on the gloo
+group: the StepPlan gather, the inbox broadcast and the trace check stay on gloo, TP all-reduces
+(sequence-parallel: `reduce_scatter` / `gather_rows`) and EP all-to-alls of activations go over
+NCCL (small TP sums on a one-shot peer-memory all-reduce instead with
 LMDEPLOY_LITE_TP_ALLREDUCE=oneshot: backends/cuda/peer_all_reduce.py). Each collective is
-recorded per step as (op, group, shape, dtype) — variable first dimensions (all-to-all payloads) as -1 — so that ranks can compare what they did
-(DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest
-comparison on a separate check group, and so does every collective across DP ranks before it
-runs (gloo aborts the process on a size mismatch, so afterwards is too late); a mismatch raises
-CollectiveMismatch naming the first collective that differs. Which ranks advance together is `plan_group` (the StepPlan's group, for
-the engine and the executors alike): the world with ep > 1, whose MoE all-to-alls join every
-rank; each TP group with ep = 1, whose DP ranks share no collective inside a step and so run as
-independent engines; the check group spans the same ranks. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
-default 180); expiry raises CollectiveTimeout naming rank, step and operation (invariant 3).
-A timeout also triggers the trace comparison, so a rank that skipped a collective is named
-instead of leaving its peers to hang (the comparison waits up to 3x the timeout for peers still
-stuck in a collective of their own, so with the check on, a rank that stopped participating
-altogether is reported after about 4x the timeout; with it off, after 1x).
+recorded per step as (op, group, shape, dtype), variable first dimensions (all-to-all payloads)
+as -1, so that ranks can compare what they did (DESIGN.md invariant 2): with
+LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest comparison on the check group,
+and so does every collective across DP ranks before it runs (gloo aborts the process on a size
+mismatch, so afterwards is too late); a mismatch raises CollectiveMismatch naming the first
+collective that differs. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
+default 180); expiry raises CollectiveTimeout naming rank, step and operation (invariant 3). A
+timeout also triggers the trace comparison, so a rank that skipped a collective is named instead
+of leaving its peers to hang (the comparison waits up to 3x the timeout for peers still stuck in
+a collective of their own, so with the check on, a rank that stopped participating altogether is
+reported after about 4x the timeout; with it off, after 1x).
 
-NCCL collectives are asynchronous: the call returns once the kernel is queued, so `traced` only
-sees errors raised at launch. A peer that never joins makes the kernel wait on the GPU; the NCCL
-groups get the same timeout, after which torch's NCCL watchdog aborts the communicator, logs the
-timed-out collective (the group is named `lmdeploy_lite_<name>`) and ends the process
-(TORCH_NCCL_ASYNC_ERROR_HANDLING), which the executor reports by rank. With the trace check on,
-the check at the end of the step (gloo, on the CPU) still names a rank that skipped a collective
-while the GPUs wait.
+NCCL collectives are asynchronous: `traced` only sees errors raised at launch. A peer that never
+joins makes the kernel wait on the GPU until the same timeout, when torch's NCCL watchdog aborts
+the communicator (named `lmdeploy_lite_<name>`), logs the collective and ends the process
+(TORCH_NCCL_ASYNC_ERROR_HANDLING), which the executor reports by rank; the trace check at the
+end of the step (gloo, on the CPU) still names a rank that skipped a collective.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import os
@@ -58,64 +59,184 @@ def dist_timeout_s() -> float:
 
 
 class CollectiveTimeout(RuntimeError):
-    pass
+    """A collective failed or timed out; the message names rank, step and operation."""
 
 
 class CollectiveMismatch(RuntimeError):
-    pass
+    """Ranks' collective sequences differ; the message names the first difference."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which global ranks form which group: a pure function of the DistConfig, the same on every
+    rank (`rank_sets(name)`: every group of that name, in creation order)."""
+    config: DistConfig
+
+    def runs(self, size: int) -> list[tuple[int, ...]]:
+        """The world cut into consecutive runs of `size` ranks."""
+        return [tuple(range(s, s + size)) for s in range(0, self.config.world_size, size)]
+
+    def rank_sets(self, name: str) -> list[tuple[int, ...]]:
+        world, tp, ep = self.config.world_size, self.config.tp, self.config.ep
+        if name == 'dp':
+            return [tuple(range(t, world, tp)) for t in range(tp)]
+        plan = world if ep > 1 else tp                      # DistContext.plan
+        return self.runs({'world': world, 'tp': tp, 'ep': world if ep > 1 else 1,
+                          'plan': plan}[name])
+
+    def ranks(self, name: str, rank: int) -> tuple[int, ...]:
+        return next(ranks for ranks in self.rank_sets(name) if rank in ranks)
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    """This rank's handle on one group: its global `ranks` (group order) and the collectives on
+    it, each recorded in `ctx`'s per-step trace under `name` (`DistContext.traced`). Without a
+    process group (one rank; a context that never joined any; a draft group that maps to none)
+    every collective is the identity of a group of one."""
+    ctx: 'DistContext' = field(repr=False)
+    name: str
+    ranks: tuple[int, ...]
+    gloo: object = None         # the gloo ProcessGroup (None: no collective runs)
+    nccl: object = None         # its NCCL twin (CUDA ranks): runs collectives of CUDA tensors
+    peer: object = None         # PeerAllReduce (backends/cuda/peer_all_reduce.py), opt-in
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.index(self.ctx.rank)
+
+    def traced(self, op: str, tensor: torch.Tensor, fn, variable: bool = False):
+        """`DistContext.traced` on this group (also for collectives outside torch.distributed,
+        DeepEP's, which ignore the process group `fn` gets)."""
+        if self.gloo is None:
+            raise RuntimeError(f'rank {self.ctx.rank}: {op} on the one-rank {self.name} group')
+        self.ctx.traced(op, self, tensor, fn, variable)
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = 'sum') -> torch.Tensor:
+        """The group's reduction of `tensor`: `tensor` itself, reduced in place (gloo, NCCL),
+        or a new tensor (a small CUDA sum on the one-shot peer-memory all-reduce): use the
+        returned one."""
+        reduce_op = {'sum': dist.ReduceOp.SUM, 'min': dist.ReduceOp.MIN,
+                     'max': dist.ReduceOp.MAX}[op]
+        if self.gloo is None:
+            return tensor
+        peer, out = self.peer, [tensor]
+        if peer is not None and op == 'sum' and tensor.is_cuda and peer.can_reduce(tensor):
+            self.traced('all_reduce', tensor, lambda g: out.append(peer.all_reduce(tensor)))
+        else:
+            self.traced('all_reduce', tensor,
+                        lambda g: dist.all_reduce(tensor, op=reduce_op, group=g))
+        return out[-1]
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[size, *tensor.shape]: every rank's tensor, in rank order of the group."""
+        if self.gloo is None:
+            return tensor[None]
+        parts = [torch.empty_like(tensor) for _ in self.ranks]
+        self.traced('all_gather', tensor, lambda g: dist.all_gather(parts, tensor, group=g))
+        return torch.stack(parts)
+
+    def gather_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sequence parallelism: [N, ...] on each rank -> [size * N, ...], the ranks' rows
+        concatenated in group order (traced as 'all_gather_rows' with the local shape)."""
+        if self.gloo is None:
+            return tensor
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((self.size * tensor.shape[0],) + tensor.shape[1:])
+        self.traced('all_gather_rows', tensor, lambda g: _all_gather_single(out, tensor, group=g))
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sequence parallelism: [N, ...] partial sums on each rank -> [N / size, ...], this
+        rank's share of the rows (rank r: rows [r * N / size, (r + 1) * N / size)) of the sum
+        over the group. N must be a multiple of the group size (the StepPlan pads token counts
+        to a multiple of tp): otherwise raises ValueError at once, naming rank, step and op."""
+        if self.gloo is None:
+            return tensor
+        if tensor.shape[0] % self.size:
+            raise ValueError(f'rank {self.ctx.rank}, step {self.ctx.step}: reduce_scatter on the '
+                             f'{self.name} group of shape {list(tensor.shape)}: the first '
+                             f'dimension must be a multiple of the group size {self.size} '
+                             f'(token counts come padded from the StepPlan)')
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((tensor.shape[0] // self.size,) + tensor.shape[1:])
+        self.traced('reduce_scatter', tensor,
+                    lambda g: _reduce_scatter_single(out, tensor, group=g))
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`tensor` of the group's rank `src` on every rank (in place)."""
+        if self.gloo is not None:
+            self.traced('broadcast', tensor,
+                        lambda g: dist.broadcast(tensor, self.ranks[src], group=g))
+        return tensor
+
+    def broadcast_object(self, obj):
+        """A picklable object from the group's first rank to the others (e.g. TP rank 0's
+        inbox events, so that every TP rank's scheduler sees the same requests)."""
+        if self.gloo is None:
+            return obj
+        box = [obj]
+        self.traced('broadcast_object', torch.empty(0, dtype=torch.uint8),
+                    lambda g: dist.broadcast_object_list(box, self.ranks[0], group=g))
+        return box[0]
+
+    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
+                   recv_counts: list[int]) -> torch.Tensor:
+        """Variable-size exchange along dim 0 (the counts were exchanged first by the caller)."""
+        if self.gloo is None:
+            return tensor
+        out = tensor.new_empty((sum(recv_counts),) + tuple(tensor.shape[1:]))
+        self.traced('all_to_all', tensor,
+                    lambda g: dist.all_to_all_single(out, tensor.contiguous(), recv_counts,
+                                                     send_counts, group=g),
+                    variable=True)
+        return out
 
 
 @dataclass
 class DistContext:
+    """This rank's groups (`world`, `tp`, `dp`, `ep`, `plan`: `Group` handles) and the per-step
+    collective trace every handle records into."""
     config: DistConfig
     rank: int
-    groups: dict = field(default_factory=dict)      # name -> ProcessGroup (None: single rank)
-    device_groups: dict = field(default_factory=dict)   # name -> NCCL twin (CUDA ranks only)
+    groups: dict = field(default_factory=dict)      # name -> Group this rank belongs to
+    check_group: object = None      # gloo group over the plan group's ranks (trace comparison)
     # tokens per rank a DeepEP low-latency dispatch holds (the executor sets it from the engine
     # config: nn/token_dispatcher.dispatch_capacity); None: unknown, DeepEP is not used
     max_tokens_per_rank: int | None = None
     nccl_device: torch.device | None = None     # CUDA ranks: where the NCCL twins live
     nccl_twins: dict = field(default_factory=dict)   # tuple(ranks) -> NCCL group
-    # group name -> PeerAllReduce (backends/cuda/peer_all_reduce.py): the one-shot all-reduce
-    # of small CUDA tensors over NVLink peer memory ('tp' on CUDA ranks, when chosen)
-    peer_reduce: dict = field(default_factory=dict)
     check: bool = False
     step: int = 0
     trace: list = field(default_factory=list)
     heartbeat: object = None      # heartbeat(inside) around each collective: engine/heartbeat.py
 
     # ---- layout ---------------------------------------------------------------------------
-    @property
-    def world_size(self) -> int:
-        return self.config.world_size
+    topology = property(lambda self: Topology(self.config))
+    world_size = property(lambda self: self.config.world_size)
+    tp_rank = property(lambda self: self.rank % self.config.tp)
+    dp_rank = property(lambda self: self.rank // self.config.tp)
+    ep_rank = property(lambda self: self.rank if self.config.ep > 1 else 0)
 
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.config.tp
+    def group(self, name: str) -> Group:
+        """This rank's group `name`; on a context that never joined it (`single()`, tests) a
+        handle with the topology's ranks whose collectives are identities."""
+        if name not in self.groups:
+            self.groups[name] = Group(self, name, self.topology.ranks(name, self.rank))
+        return self.groups[name]
 
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.config.tp
+    world = property(lambda self: self.group('world'))
+    tp = property(lambda self: self.group('tp'))
+    dp = property(lambda self: self.group('dp'))
+    ep = property(lambda self: self.group('ep'))      # ep = 1: this rank alone
 
-    @property
-    def ep_rank(self) -> int:
-        return self.rank if self.config.ep > 1 else 0
-
-    @property
-    def plan_group(self) -> str:
-        """The group the StepPlan spans: the ranks that share collectives inside a step. With
-        ep > 1 the MoE all-to-alls join every rank, so the world advances in lockstep (an idle
-        DP rank runs dummy forwards); with ep = 1 DP ranks share nothing inside the forward and
-        each DP group (its TP group) runs on its own."""
-        return 'world' if self.config.ep > 1 else 'tp'
-
-    @property
-    def plan_ranks(self) -> list[int]:
-        """The global ranks of `plan_group`, in group order."""
-        return next(ranks for ranks in _plan_rank_sets(self.config) if self.rank in ranks)
-
-    def group(self, name: str):
-        return self.groups.get(name)
+    # the StepPlan's group, the ranks that share collectives inside a step (module docstring)
+    plan = property(lambda self: self.world if self.config.ep > 1 else self.tp)
 
     @classmethod
     def single(cls) -> 'DistContext':
@@ -134,51 +255,46 @@ class DistContext:
         ctx = cls(config, rank, check=os.environ.get(ENV_CHECK, '0') == '1')
         if device is not None and torch.device(device).type == 'cuda':
             ctx.nccl_device = torch.device(device)
-        tp, dp = config.tp, config.dp
-        world = list(range(config.world_size))
-        ctx.add_group('world', world, dist.group.WORLD)
-        # the check group spans the plan group's ranks (those that share collectives) and waits
-        # longer than any data collective, so that a rank stuck in one can still reach the
-        # comparison after its own timeout
-        for ranks in _plan_rank_sets(config):
-            check = dist.new_group(ranks, backend='gloo', timeout=3 * timeout)
-            if rank in ranks:
-                ctx.groups['check'] = check if len(ranks) > 1 else None
-        for d in range(dp):
-            ctx.add_group('tp', [d * tp + t for t in range(tp)])
-        for t in range(tp):
-            ctx.add_group('dp', [d * tp + t for d in range(dp)])
+        topology = ctx.topology
+        ctx.add_group('world', topology.rank_sets('world')[0], dist.group.WORLD)
+        # the check group (the plan group's ranks) waits longer than any data collective, so
+        # that a rank stuck in one can still reach the comparison after its own timeout
+        for ranks in topology.rank_sets('plan'):
+            check = dist.new_group(list(ranks), backend='gloo', timeout=3 * timeout)
+            if rank in ranks and len(ranks) > 1:
+                ctx.check_group = check
+        for name in ('tp', 'dp'):
+            for ranks in topology.rank_sets(name):
+                ctx.add_group(name, ranks)
         if config.ep > 1:
-            ctx.add_group('ep', world, dist.group.WORLD)
-        if ctx.nccl_device is not None and tp > 1:        # every rank of each TP group at once
+            ctx.add_group('ep', topology.rank_sets('ep')[0], dist.group.WORLD)
+        if ctx.nccl_device is not None and config.tp > 1:    # every rank of each TP group at once
             from lmdeploy_lite.pytorch.backends.cuda.peer_all_reduce import PeerAllReduce
-            peer = PeerAllReduce.create(ctx.device_groups['tp'], tp, ctx.nccl_device)
-            if peer is not None:
-                ctx.peer_reduce['tp'] = peer
+            peer = PeerAllReduce.create(ctx.tp.nccl, config.tp, ctx.nccl_device)
+            ctx.groups['tp'] = dataclasses.replace(ctx.tp, peer=peer)
         return ctx
 
-    def add_group(self, name: str, ranks: list[int], group=None):
+    def add_group(self, name: str, ranks: tuple[int, ...], gloo=None):
         """Create group `name` over `ranks` (gloo, plus its NCCL twin on CUDA; one communicator
         per set of ranks); this rank keeps it if it is a member. Every rank creates every group,
         in the same order (torch.distributed's rule)."""
         timeout = datetime.timedelta(seconds=dist_timeout_s())
-        member = self.rank in ranks
-        if group is None:
-            group = dist.new_group(ranks, backend='gloo', timeout=timeout)
+        ranks, member = tuple(ranks), self.rank in ranks
+        if gloo is None:
+            gloo = dist.new_group(list(ranks), backend='gloo', timeout=timeout)
         twins = self.nccl_twins
-        if self.nccl_device is not None and len(ranks) > 1 and tuple(ranks) not in twins:
-            twins[tuple(ranks)] = dist.new_group(
-                ranks, backend='nccl', timeout=timeout, group_desc=f'lmdeploy_lite_{name}',
+        if self.nccl_device is not None and len(ranks) > 1 and ranks not in twins:
+            twins[ranks] = dist.new_group(
+                list(ranks), backend='nccl', timeout=timeout, group_desc=f'lmdeploy_lite_{name}',
                 device_id=self.nccl_device if member else None)
         if member:
-            self.groups[name] = group if len(ranks) > 1 else None
-            self.device_groups[name] = twins.get(tuple(ranks))
+            self.groups[name] = (Group(self, name, ranks, gloo, twins.get(ranks))
+                                 if len(ranks) > 1 else Group(self, name, ranks))
 
     def draft_context(self, draft: DistConfig) -> 'DistContext | DraftDistContext':
         """The DistContext the MTP draft's layers are built with (DESIGN.md invariant 6): this
-        one when the draft's layout is the target's, else a `DraftDistContext` with the draft's
-        tp and ep. A draft tp strictly between 1 and the target's needs the 'draft_tp' groups:
-        each TP group cut into consecutive runs of `draft.tp` ranks, created here, so every rank
+        one when the draft's layout is the target's, else a `DraftDistContext`. A draft tp
+        strictly between 1 and the target's creates the 'draft_tp' groups here, so every rank
         must call this once, at the same point of start-up."""
         if draft == self.config:
             return self
@@ -187,126 +303,32 @@ class DistContext:
             raise ValueError(f'draft layout {draft}: needs dp={self.config.dp}, a tp dividing '
                              f'{tp} and ep 1 or {self.config.ep}')
         if 1 < draft.tp < tp and self.world_size > 1:
-            for start in range(0, self.world_size, draft.tp):
-                self.add_group('draft_tp', list(range(start, start + draft.tp)))
-        names = {'tp': 'tp' if draft.tp == tp else 'draft_tp' if draft.tp > 1 else None,
-                 'ep': 'ep' if draft.ep > 1 else None}
-        return DraftDistContext(self, draft, names)
+            for ranks in self.topology.runs(draft.tp):
+                self.add_group('draft_tp', ranks)
+        draft_tp = (self.tp if draft.tp == tp else self.groups['draft_tp'] if draft.tp > 1
+                    else Group(self, 'tp', (self.rank,)))
+        draft_ep = self.ep if draft.ep > 1 else Group(self, 'ep', (self.rank,))
+        return DraftDistContext(self, draft, draft_tp, draft_ep)
 
     def destroy(self):
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    # ---- traced collectives ---------------------------------------------------------------
-    def all_reduce(self, tensor: torch.Tensor, group: str, op: str = 'sum') -> torch.Tensor:
-        """The group's reduction of `tensor`: `tensor` itself, reduced in place (gloo, NCCL),
-        or a new tensor (a small CUDA sum on the one-shot peer-memory all-reduce): use the
-        returned one."""
-        reduce_op = {'sum': dist.ReduceOp.SUM, 'min': dist.ReduceOp.MIN,
-                     'max': dist.ReduceOp.MAX}[op]
-        if self.group(group) is None:
-            return tensor
-        peer = self.peer_reduce.get(group)
-        if peer is not None and op == 'sum' and tensor.is_cuda and peer.can_reduce(tensor):
-            out = []
-            self.traced('all_reduce', group, tensor, lambda g: out.append(peer.all_reduce(tensor)))
-            return out[0]
-        self.traced('all_reduce', group, tensor,
-                  lambda g: dist.all_reduce(tensor, op=reduce_op, group=g))
-        return tensor
-
-    def all_gather(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
-        """[size, *tensor.shape]: every rank's tensor, in rank order of the group."""
-        g = self.group(group)
-        if g is None:
-            return tensor[None]
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(g))]
-        self.traced('all_gather', group, tensor, lambda g: dist.all_gather(parts, tensor, group=g))
-        return torch.stack(parts)
-
-    def gather_rows(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
-        """Sequence parallelism: [N, ...] on each rank -> [size * N, ...], the ranks' rows
-        concatenated in group order (traced as 'all_gather_rows' with the local shape)."""
-        g = self.group(group)
-        if g is None:
-            return tensor
-        tensor = tensor.contiguous()
-        out = tensor.new_empty((self.group_size(group) * tensor.shape[0],) + tensor.shape[1:])
-        self.traced('all_gather_rows', group, tensor,
-                    lambda g: _all_gather_single(out, tensor, group=g))
-        return out
-
-    def reduce_scatter(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
-        """Sequence parallelism: [N, ...] partial sums on each rank -> [N / size, ...], this
-        rank's share of the rows (rank r: rows [r * N / size, (r + 1) * N / size)) of the sum
-        over the group. N must be a multiple of the group size (the StepPlan pads token counts
-        to a multiple of tp): otherwise raises ValueError at once, naming rank, step and op."""
-        g = self.group(group)
-        if g is None:
-            return tensor
-        size = self.group_size(group)
-        if tensor.shape[0] % size:
-            raise ValueError(f'rank {self.rank}, step {self.step}: reduce_scatter on the {group} '
-                             f'group of shape {list(tensor.shape)}: the first dimension must be '
-                             f'a multiple of the group size {size} (token counts come padded '
-                             f'from the StepPlan)')
-        tensor = tensor.contiguous()
-        out = tensor.new_empty((tensor.shape[0] // size,) + tensor.shape[1:])
-        self.traced('reduce_scatter', group, tensor,
-                    lambda g: _reduce_scatter_single(out, tensor, group=g))
-        return out
-
-    def group_size(self, group: str) -> int:
-        g = self.group(group)
-        return 1 if g is None else dist.get_world_size(g)
-
-    def broadcast(self, tensor: torch.Tensor, src_local: int, group: str) -> torch.Tensor:
-        g = self.group(group)
-        if g is None:
-            return tensor
-        src = dist.get_global_rank(g, src_local)
-        self.traced('broadcast', group, tensor, lambda g: dist.broadcast(tensor, src, group=g))
-        return tensor
-
-    def broadcast_object(self, obj, group: str):
-        """A picklable object from the group's first rank to the others (e.g. TP rank 0's
-        inbox events, so that every TP rank's scheduler sees the same requests)."""
-        g = self.group(group)
-        if g is None:
-            return obj
-        box = [obj]
-        marker = torch.empty(0, dtype=torch.uint8)
-        self.traced('broadcast_object', group, marker,
-                  lambda g: dist.broadcast_object_list(box, dist.get_global_rank(g, 0), group=g))
-        return box[0]
-
-    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                   group: str) -> torch.Tensor:
-        """Variable-size exchange along dim 0 (the counts were exchanged first by the caller)."""
-        out = tensor.new_empty((sum(recv_counts),) + tuple(tensor.shape[1:]))
-        self.traced('all_to_all', group, tensor,
-                  lambda g: dist.all_to_all_single(out, tensor.contiguous(), recv_counts,
-                                                   send_counts, group=g),
-                  variable=True)
-        return out
-
-    def traced(self, op: str, group: str, tensor: torch.Tensor, fn, variable: bool = False):
-        """Record (op, group, shape of `tensor`, dtype) and run `fn(process_group)`: the NCCL
-        twin of `group` for a CUDA tensor (when this rank has one), else the gloo group. Errors
-        raised by `fn` become CollectiveTimeout naming rank, step and operation. Also used for
-        collectives outside torch.distributed (DeepEP), which ignore the group argument."""
+    # ---- the trace ------------------------------------------------------------------------
+    def traced(self, op: str, group: Group, tensor: torch.Tensor, fn, variable: bool = False):
+        """Record (op, group name, shape of `tensor`, dtype) and run `fn(process_group)`: the
+        group's NCCL twin for a CUDA tensor, else its gloo group. Errors raised by `fn` become
+        CollectiveTimeout naming rank, step and operation."""
         shape = (-1,) + tuple(tensor.shape[1:]) if variable else tuple(tensor.shape)
-        entry = (op, group, shape, str(tensor.dtype).replace('torch.', ''))
+        entry = (op, group.name, shape, str(tensor.dtype).replace('torch.', ''))
         self.trace.append(entry)
         if self.heartbeat is not None:
             self.heartbeat(True)
-        if self.check and not variable and group not in TP_LOCAL_GROUPS:
+        if self.check and not variable and group.name not in TP_LOCAL_GROUPS:
             # a collective across DP ranks whose shapes must agree: compared before it runs,
             # since gloo aborts the process on a size mismatch (vllm-ascend #9689's "8 vs 4")
             self.compare_traces(before=True)
-        process_group = self.group(group)
-        if tensor.is_cuda and self.device_groups.get(group) is not None:
-            process_group = self.device_groups[group]
+        process_group = group.nccl if tensor.is_cuda and group.nccl is not None else group.gloo
         start = time.monotonic()
         try:
             fn(process_group)
@@ -341,28 +363,27 @@ class DistContext:
         self.trace = []
 
     def end_step(self):
-        if self.check and len(self.plan_ranks) > 1:
+        if self.check and len(self.plan.ranks) > 1:
             self.compare_traces()
 
     def compare_traces(self, failed: tuple | None = None, before: bool = False):
-        """Compare this step's collective sequences across the plan group (the ranks that share
-        collectives: the world with ep > 1, else this TP group) on the check group; raise
+        """Compare this step's collective sequences across the plan group on the check group; raise
         CollectiveMismatch on the first difference. Collectives on groups that span DP ranks
         must agree on every rank in (op, group, shape, dtype) (a first dimension that DP ranks
         may differ in is recorded as -1: all-to-all payloads); TP peers (same DP rank) must
         agree exactly on everything, their own TP-group collectives included. `failed`: this
         rank's collective that just failed (marks its trace). `before`: the comparison that
         precedes a cross-DP collective (its entry is the trace's last), so that a rank about to
-        post another collective, or one of another shape, is named before the backend sees it;
-        a rank at another point of its step (its end, another collective) is a difference too,
+        post another collective, or one of another shape, is named before the backend sees it; a
+        rank at another point of its step (its end, another collective) is a difference too,
         since every comparison exchanges the same [3] tensor: (where, cross-DP, full digests)."""
-        ranks = self.plan_ranks
+        ranks = self.plan.ranks
         if len(ranks) == 1:
             return
         record = list(self.trace) + ([('<timed out here>',)] if failed else [])
         mine = torch.tensor([int(before), _digest(_cross_dp(record)), _digest(record)],
                             dtype=torch.int64)
-        check = self.group('check')
+        check = self.check_group
         digests = [torch.empty_like(mine) for _ in ranks]
         dist.all_gather(digests, mine, group=check)
 
@@ -382,7 +403,7 @@ class DistContext:
     def _raise_first_difference(self, traces: list, reference, what: str):
         """`traces[i]`: the sequence of the plan group's i-th rank; `reference(i)`: the position
         whose sequence it must equal."""
-        ranks = self.plan_ranks
+        ranks = self.plan.ranks
         for i in range(max(map(len, traces))):
             entries = [t[i] if i < len(t) else ('<end of step>',) for t in traces]
             if any(e != entries[reference(p)] for p, e in enumerate(entries)):
@@ -395,15 +416,6 @@ class DistContext:
 _all_gather_single = getattr(dist, 'all_gather_single', None) or dist.all_gather_into_tensor
 _reduce_scatter_single = (getattr(dist, 'reduce_scatter_single', None)
                           or dist.reduce_scatter_tensor)
-
-
-def _plan_rank_sets(config: DistConfig) -> list[list[int]]:
-    """Every plan group's ranks (DistContext.plan_group), in creation order: the world with
-    ep > 1, else one set per TP group."""
-    if config.ep > 1:
-        return [list(range(config.world_size))]
-    tp = config.tp
-    return [[d * tp + t for t in range(tp)] for d in range(config.dp)]
 
 
 TP_LOCAL_GROUPS = ('tp', 'draft_tp')     # groups inside one DP rank's TP group
@@ -422,70 +434,17 @@ def _digest(record: list) -> int:
 
 
 class DraftDistContext:
-    """The MTP draft's view of its rank's DistContext: the same process, groups and trace, with
-    the draft's own DistConfig (`config`: its tp and ep; dp the target's). Layers built with it
-    ask for 'tp' and 'ep' as usual and get the draft's: 'tp' is the target's TP group when the
-    tps agree, this rank's 'draft_tp' sub-group for a smaller draft tp > 1, none for tp=1; 'ep'
-    is the target's EP group, or none with ep=1 (experts replicated). Collectives are recorded
-    in the parent's trace under the real group's name. Anything else (rank, step,
-    max_tokens_per_rank, ...) is the parent's."""
+    """The MTP draft's view of its rank's DistContext: the draft's own DistConfig (its tp and
+    ep; dp the target's) and `tp` / `ep` handles (module docstring), recording into the parent's
+    trace under the real group's name; anything else (rank, step, ...) is the parent's."""
 
-    def __init__(self, parent: DistContext, config: DistConfig, names: dict[str, str | None]):
-        self.parent, self.config, self.names = parent, config, names
+    def __init__(self, parent: DistContext, config: DistConfig, tp: Group, ep: Group):
+        self.parent, self.config, self.tp, self.ep = parent, config, tp, ep
 
     def __getattr__(self, name: str):
         if name == 'parent':                 # not set yet (copy / unpickle): no recursion
             raise AttributeError(name)
         return getattr(self.parent, name)
 
-    def _real(self, group: str) -> str | None:
-        return self.names.get(group, group)
-
-    @property
-    def tp_rank(self) -> int:
-        return self.parent.tp_rank % self.config.tp
-
-    @property
-    def ep_rank(self) -> int:
-        return self.parent.rank if self.config.ep > 1 else 0
-
-    def group(self, name: str):
-        real = self._real(name)
-        return None if real is None else self.parent.group(real)
-
-    def all_reduce(self, tensor: torch.Tensor, group: str, op: str = 'sum') -> torch.Tensor:
-        real = self._real(group)
-        return tensor if real is None else self.parent.all_reduce(tensor, real, op)
-
-    def all_gather(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
-        real = self._real(group)
-        return tensor[None] if real is None else self.parent.all_gather(tensor, real)
-
-    def gather_rows(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
-        real = self._real(group)
-        return tensor if real is None else self.parent.gather_rows(tensor, real)
-
-    def reduce_scatter(self, tensor: torch.Tensor, group: str) -> torch.Tensor:
-        real = self._real(group)
-        return tensor if real is None else self.parent.reduce_scatter(tensor, real)
-
-    def group_size(self, group: str) -> int:
-        real = self._real(group)
-        return 1 if real is None else self.parent.group_size(real)
-
-    def broadcast(self, tensor: torch.Tensor, src_local: int, group: str) -> torch.Tensor:
-        real = self._real(group)
-        return tensor if real is None else self.parent.broadcast(tensor, src_local, real)
-
-    def all_to_all(self, tensor: torch.Tensor, send_counts: list[int], recv_counts: list[int],
-                   group: str) -> torch.Tensor:
-        return self.parent.all_to_all(tensor, send_counts, recv_counts, self._checked(group))
-
-    def traced(self, op: str, group: str, tensor: torch.Tensor, fn, variable: bool = False):
-        self.parent.traced(op, self._checked(group), tensor, fn, variable)
-
-    def _checked(self, group: str) -> str:
-        real = self._real(group)
-        if real is None:
-            raise RuntimeError(f'the draft ({self.config}) has no {group!r} group')
-        return real
+    tp_rank = property(lambda self: self.parent.tp_rank % self.config.tp)
+    ep_rank = property(lambda self: self.parent.rank if self.config.ep > 1 else 0)

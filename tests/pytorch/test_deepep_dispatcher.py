@@ -16,7 +16,7 @@ import torch
 
 from lmdeploy_lite.pytorch.backends.cuda import token_dispatcher as deepep
 from lmdeploy_lite.pytorch.config import DistConfig
-from lmdeploy_lite.pytorch.distributed import DistContext
+from lmdeploy_lite.pytorch.distributed import DistContext, Group
 from lmdeploy_lite.pytorch.nn.moe import FusedExperts
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.nn.token_dispatcher import (ENV_CAPACITY, ENV_DISPATCHER,
@@ -29,7 +29,7 @@ from lmdeploy_lite.pytorch.nn.token_dispatcher import (ENV_CAPACITY, ENV_DISPATC
 def ep_context(ep: int = 2, rank: int = 0) -> DistContext:
     """A DistContext that was never initialised (no collective runs); its own EP group key."""
     ctx = DistContext(DistConfig(dp=ep, ep=ep), rank)
-    ctx.groups['ep'] = object()
+    ctx.groups['ep'] = Group(ctx, 'ep', tuple(range(ep)), gloo=object())
     ctx.max_tokens_per_rank = 16
     return ctx
 

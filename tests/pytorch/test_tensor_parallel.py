@@ -103,7 +103,7 @@ def feed_unaligned(ctx: DistContext, path: str, prompts) -> dict:
     before any collective runs (so no rank waits)."""
     ctx.begin_step(7)
     try:
-        ctx.reduce_scatter(torch.zeros(3, 4), 'tp')
+        ctx.tp.reduce_scatter(torch.zeros(3, 4))
     except ValueError as e:
         return {'error': str(e), 'trace': list(ctx.trace)}
     return {'error': None}

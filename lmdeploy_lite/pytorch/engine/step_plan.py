@@ -1,7 +1,7 @@
 """The StepPlan: everything a step needs to know about the other ranks (DESIGN.md invariant 1).
 
 Built from ONE fixed-shape all-gather of an int64 row per rank on the CPU group
-`DistContext.plan_group`. Every padded size of the step is a pure function of it; nothing else
+`DistContext.plan`. Every padded size of the step is a pure function of it; nothing else
 decides a size.
 
 Which ranks the plan spans: the ranks that share a collective inside the step, no more. With
@@ -44,7 +44,7 @@ def round_up(value: int, multiple: int) -> int:
 
 @dataclass(frozen=True)
 class StepPlan:
-    rows: torch.Tensor          # [len(dist_ctx.plan_ranks), len(FIELDS)] int64
+    rows: torch.Tensor          # [dist_ctx.plan.size, len(FIELDS)] int64
     tp: int = 1
 
     @staticmethod
@@ -64,7 +64,7 @@ class StepPlan:
     def gather(cls, batch, dist_ctx, shutdown: bool = False, sampled: bool = False,
                num_spec: int = 0) -> 'StepPlan':
         row = cls.local_row(batch, dist_ctx.config.tp, shutdown, sampled, num_spec)
-        return cls(dist_ctx.all_gather(row, dist_ctx.plan_group), dist_ctx.config.tp)
+        return cls(dist_ctx.plan.all_gather(row), dist_ctx.config.tp)
 
     @cached_property
     def _columns(self) -> list[tuple[int, ...]]:

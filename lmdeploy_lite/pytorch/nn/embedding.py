@@ -35,8 +35,8 @@ class VocabParallelEmbedding(nn.Module):
         out = out.masked_fill(~owned[:, None], 0)
         if scatter_rows is not None:
             out = F.pad(out, (0, 0, 0, scatter_rows - out.shape[0]))
-            return self.dist_ctx.reduce_scatter(out, 'tp')
-        return self.dist_ctx.all_reduce(out, 'tp')        # exactly one rank contributes each row
+            return self.dist_ctx.tp.reduce_scatter(out)
+        return self.dist_ctx.tp.all_reduce(out)        # exactly one rank contributes each row
 
     def extra_repr(self) -> str:
         return f'vocab={self.vocab_size}, local rows={self.weight.shape[0]}, tp={self.tp}'
@@ -57,7 +57,7 @@ class ParallelLMHead(nn.Module):
         logits = F.linear(hidden, self.weight)
         if self.tp == 1:
             return logits
-        parts = self.dist_ctx.all_gather(logits.contiguous(), 'tp')      # [tp, N, Vp]
+        parts = self.dist_ctx.tp.all_gather(logits.contiguous())      # [tp, N, Vp]
         return parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, :self.vocab_size]
 
     def extra_repr(self) -> str:

@@ -2,10 +2,10 @@
 
 `ColumnParallelLinear` splits the output features over the TP group (no communication);
 `RowParallelLinear` splits the input features and all-reduces the partial sums in `forward`
-(through `dist_ctx.all_reduce(out, 'tp')`, the traced collective), or, sequence-parallel,
-reduce-scatters them over the rows (`dist_ctx.reduce_scatter`, nn/sequence_parallel.py). With `dist_ctx=None` or tp=1
-both hold the full weight and skip the collective. Weights are `[out_features, in_features]`, as
-in HF checkpoints; sharded ones carry `weight.shard` (nn/sharding.py) for the loader.
+(`dist_ctx.tp.all_reduce(out)`, the traced collective) or, sequence-parallel, reduce-scatters
+them over the rows (`dist_ctx.tp.reduce_scatter`, nn/sequence_parallel.py). With `dist_ctx=None`
+or tp=1 both hold the full weight and skip the collective. Weights are `[out_features,
+in_features]`, as in HF checkpoints; sharded ones carry `weight.shard` (nn/sharding.py).
 """
 from __future__ import annotations
 
@@ -94,9 +94,9 @@ class RowParallelLinear(nn.Module):
         out = F.linear(x, self.weight)
         if self.tp > 1 and self.reduce_output:
             if self.sequence_parallel and sequence_parallel:
-                out = self.dist_ctx.reduce_scatter(out, 'tp')
+                out = self.dist_ctx.tp.reduce_scatter(out)
             else:
-                out = self.dist_ctx.all_reduce(out, 'tp')
+                out = self.dist_ctx.tp.all_reduce(out)
         if self.bias is not None and (self.reduce_output or self.tp_rank == 0):
             out = out + self.bias           # counted once in the (possibly later) sum
         return out

@@ -155,9 +155,9 @@ class SparseMoeBlock(nn.Module):
         out = routed + torch.sigmoid(shared_gate) * shared
         if self.sequence_parallel and sizes is not None and sizes.sequence_parallel:
             # the one reduction, to this rank's token shard
-            return self.dist_ctx.reduce_scatter(out, 'tp')
+            return self.dist_ctx.tp.reduce_scatter(out)
         if self.tp > 1:     # the one reduction: routed and shared partial sums together
-            out = self.dist_ctx.all_reduce(out, 'tp')
+            out = self.dist_ctx.tp.all_reduce(out)
         return out
 
     def _routed_by_ep(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

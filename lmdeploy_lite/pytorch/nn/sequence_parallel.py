@@ -59,8 +59,8 @@ def shard(x: torch.Tensor, num_rows: int, dist_ctx) -> torch.Tensor:
 
 
 def gather(x: torch.Tensor, dist_ctx) -> torch.Tensor:
-    """This rank's rows [Tp / tp, ...] -> every rank's [Tp, ...] (all-gather over 'tp')."""
-    return dist_ctx.gather_rows(x, 'tp')
+    """This rank's rows [Tp / tp, ...] -> every rank's [Tp, ...] (all-gather over `tp`)."""
+    return dist_ctx.tp.gather_rows(x)
 
 
 def real_rows(hidden: torch.Tensor, inputs) -> torch.Tensor:

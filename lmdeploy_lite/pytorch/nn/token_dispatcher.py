@@ -137,7 +137,7 @@ def uses_deep_ep(dist_ctx) -> bool:
 
 
 def _deep_ep_buffer(dist_ctx):
-    return deep_ep_dispatcher.registered_buffer(dist_ctx.group('ep'))
+    return deep_ep_dispatcher.registered_buffer(dist_ctx.ep.gloo)
 
 
 @dataclass
@@ -151,9 +151,8 @@ class AllToAllDispatcher:
     """torch.distributed all_to_all_single (gloo or NCCL) of fixed, equal blocks: every rank
     sends every rank `capacity * pairs_per_token` rows (see the module docstring)."""
 
-    def __init__(self, dist_ctx, num_experts: int, group: str = 'ep'):
-        self.dist = dist_ctx
-        self.group = group
+    def __init__(self, dist_ctx, num_experts: int):
+        self.dist, self.group = dist_ctx, dist_ctx.ep
         self.ep_size = dist_ctx.config.ep
         self.experts_per_rank = num_experts // self.ep_size
         self.first_expert = dist_ctx.ep_rank * self.experts_per_rank
@@ -183,8 +182,8 @@ class AllToAllDispatcher:
         ids = flat_ids.new_full((self.ep_size * block + 1,), -1)
         ids[slot] = flat_ids[order]
         splits = [block] * self.ep_size
-        expert_x = self.dist.all_to_all(rows[:-1], splits, splits, self.group)
-        expert_ids = self.dist.all_to_all(ids[:-1], splits, splits, self.group)
+        expert_x = self.group.all_to_all(rows[:-1], splits, splits)
+        expert_ids = self.group.all_to_all(ids[:-1], splits, splits)
         local_ids = torch.where(expert_ids >= 0, expert_ids - self.first_expert, -1)
         return expert_x, local_ids, DispatchHandle(order, slot, topk_weights)
 
@@ -201,7 +200,7 @@ class AllToAllDispatcher:
         """expert_out [ep * block, H] -> [T, H] = sum over each token's k experts of weight *
         output (in top-k order; a padding pair adds weight * 0)."""
         splits = [expert_out.shape[0] // self.ep_size] * self.ep_size
-        back = self.dist.all_to_all(expert_out, splits, splits, self.group)
+        back = self.group.all_to_all(expert_out, splits, splits)
         back = torch.cat([back, back.new_zeros(1, back.shape[1])])      # the row of -1 pairs
         pairs = torch.empty((handle.slot.numel(), back.shape[1]), dtype=back.dtype,
                             device=back.device)

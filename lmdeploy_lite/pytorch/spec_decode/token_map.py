@@ -91,7 +91,7 @@ class ReducedLMHead:
     `lm_head.weight` is). TP rank r holds the contiguous vocab shard [r * Vp, (r + 1) * Vp);
     it copies the rows of its shard that the map names, in map order, padded with its row 0 to
     R = rows_per_rank (the same on every rank): `weight` [R, H], no rank holds more. A forward
-    scores them, all-gathers [tp, N, R] over 'tp' (as ParallelLMHead does) and reorders the
+    scores them, all-gathers [tp, N, R] over `tp` (as ParallelLMHead does) and reorders the
     flattened [N, tp * R] to map order with the fixed index `order` [M] (map entry j, held by
     rank s at local position p, sits at column s * R + p; the pad columns are dropped). At
     tp = 1 the rows are already in map order."""
@@ -118,6 +118,6 @@ class ReducedLMHead:
         """hidden [N, H] -> logits [N, M] in `out_dtype`."""
         logits = F.linear(hidden, self.weight)
         if self.tp > 1:
-            parts = self.dist_ctx.all_gather(logits.contiguous(), 'tp')   # [tp, N, R]
+            parts = self.dist_ctx.tp.all_gather(logits.contiguous())   # [tp, N, R]
             logits = parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, self.order]
         return logits.to(self.out_dtype)

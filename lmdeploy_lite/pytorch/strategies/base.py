@@ -97,7 +97,7 @@ class Strategy:
         """Make TP rank 0's sampled tokens every TP peer's, so that all TP ranks agree exactly
         even when sampling; a no-op without TP. `plan`: the step's StepPlan."""
         if dist_ctx.config.tp > 1:
-            dist_ctx.broadcast(result.output_tokens, 0, 'tp')
+            dist_ctx.tp.broadcast(result.output_tokens)
         return result
 
     def emitted(self, seq, q_len: int, samples: bool, row: list[int],

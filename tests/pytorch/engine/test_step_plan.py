@@ -52,8 +52,8 @@ def test_the_plan_spans_the_ranks_that_share_collectives():
     so pure-DP ranks plan and run independently."""
     def ctx(rank, **layout):
         return DistContext(DistConfig(**layout), rank)
-    assert (ctx(1, dp=2, ep=2).plan_group, ctx(1, dp=2, ep=2).plan_ranks) == ('world', [0, 1])
-    assert (ctx(1, dp=2).plan_group, ctx(1, dp=2).plan_ranks) == ('tp', [1])
-    assert ctx(3, tp=2, dp=2).plan_ranks == [2, 3]
-    assert ctx(3, tp=2, dp=2, ep=4).plan_ranks == [0, 1, 2, 3]
-    assert ctx(1, tp=2).plan_ranks == [0, 1]
+    assert (ctx(1, dp=2, ep=2).plan.name, ctx(1, dp=2, ep=2).plan.ranks) == ('world', (0, 1))
+    assert (ctx(1, dp=2).plan.name, ctx(1, dp=2).plan.ranks) == ('tp', (1,))
+    assert ctx(3, tp=2, dp=2).plan.ranks == (2, 3)
+    assert ctx(3, tp=2, dp=2, ep=4).plan.ranks == (0, 1, 2, 3)
+    assert ctx(1, tp=2).plan.ranks == (0, 1)

@@ -155,7 +155,8 @@ def test_draft_layout_resolves_from_the_target():
     assert ctx.draft_context(draft_dist_config(SpeculativeConfig(ep=2), ctx.config)) is ctx
     view = ctx.draft_context(draft_dist_config(SpeculativeConfig(ep=1), ctx.config))
     assert isinstance(view, DraftDistContext)
-    assert (view.config.ep, view.ep_rank, view.group('ep'), view.rank) == (1, 0, None, 1)
+    assert (view.config.ep, view.ep_rank, view.ep.size, view.rank) == (1, 0, 1, 1)
+    assert view.ep.gloo is None                         # a group of one: no collective runs
 
 
 def test_plan_cache_charges_the_drafts_kv_heads_and_weights_per_rank():

@@ -216,7 +216,7 @@ class SharedBuffer:
     def clean_low_latency(self, dist_ctx=None):
         """Clean the low-latency region if normal kernels dirtied it (every rank at the same
         point: they run the same dispatches). A collective (allocates the buffer if needed),
-        run through `dist_ctx.traced` like every other one (recorded; a launch error names
+        run through `dist_ctx.ep.traced` like every other one (recorded; a launch error names
         rank, step and op); its GPU-side wait is bounded where the host next waits for the step
         (Engine's InFlight.host_result deadline). Not inside a graph capture."""
         buffer = self.get()
@@ -231,7 +231,7 @@ class SharedBuffer:
         if dist_ctx is None:
             clean(None)
         else:
-            dist_ctx.traced('deepep_clean', 'ep', torch.empty(0, dtype=torch.uint8), clean)
+            dist_ctx.ep.traced('deepep_clean', torch.empty(0, dtype=torch.uint8), clean)
         self.ll_dirty = False
 
 
@@ -294,8 +294,8 @@ class DeepEPDispatcher:
         return None
 
     def __init__(self, dist_ctx, num_experts: int, hidden_size: int, top_k: int,
-                 dtype: torch.dtype, capacity: int, group: str = 'ep'):
-        self.dist, self.group = dist_ctx, group
+                 dtype: torch.dtype, capacity: int):
+        self.dist, self.group = dist_ctx, dist_ctx.ep
         self.ep_size = dist_ctx.config.ep
         self.num_experts, self.hidden, self.top_k = num_experts, hidden_size, top_k
         self.experts_per_rank = num_experts // self.ep_size
@@ -308,7 +308,7 @@ class DeepEPDispatcher:
         normal_bytes = hidden_size * dtype.itemsize
         if self.exact:
             normal_bytes = max(normal_bytes, 2 * top_k * self.parts * hidden_size)
-        self.shared = shared_buffer(dist_ctx.group(group), num_experts, capacity)
+        self.shared = shared_buffer(self.group.gloo, num_experts, capacity)
         self.shared.require(normal_bytes, ll_columns)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -353,7 +353,7 @@ class DeepEPDispatcher:
                 send, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
                 topk_weights=topk_weights.float(), **fixed)
-        self.dist.traced('deepep_dispatch', self.group, send, run, variable=True)
+        self.group.traced('deepep_dispatch', send, run, variable=True)
         recv_x, recv_idx, recv_weights, _, deep_ep_handle, _ = out['recv']
         if worst:
             return self._fixed_rows(recv_x, recv_idx, recv_weights, deep_ep_handle, x.dtype,
@@ -396,10 +396,10 @@ class DeepEPDispatcher:
                                    expert_out[rows].float() * handle.weight[rows, None])
             send = partial.to(torch.bfloat16)
         out = {}
-        self.dist.traced('deepep_combine', self.group, send,
-                         lambda _: out.setdefault('x', buffer.combine(send,
-                                                                      handle.deep_ep_handle)),
-                         variable=True)
+        self.group.traced('deepep_combine', send,
+                          lambda _: out.setdefault('x', buffer.combine(send,
+                                                                       handle.deep_ep_handle)),
+                          variable=True)
         combined = out['x'][0]
         if not self.exact:
             return combined.to(expert_out.dtype)
@@ -417,11 +417,11 @@ class DeepEPDispatcher:
             payload = x.to(torch.bfloat16)
         send = F.pad(payload, (0, width - payload.shape[1]))
         out = {}
-        self.dist.traced('deepep_ll_dispatch', self.group, send,
-                         lambda _: out.setdefault('recv', buffer.low_latency_dispatch(
-                             send, topk_idx, self.shared.ll_capacity, self.num_experts,
-                             use_fp8=False)),
-                         variable=True)
+        self.group.traced('deepep_ll_dispatch', send,
+                          lambda _: out.setdefault('recv', buffer.low_latency_dispatch(
+                              send, topk_idx, self.shared.ll_capacity, self.num_experts,
+                              use_fp8=False)),
+                          variable=True)
         recv_x, recv_count, deep_ep_handle, _, _ = out['recv']
         if not self.exact:    # bf16: the experts read and write [E, C, *] as DeepEP keeps it
             send = torch.empty_like(recv_x)                          # [E, C, W]
@@ -453,10 +453,10 @@ class DeepEPDispatcher:
             if expert_out.data_ptr() != send.data_ptr():
                 send[..., :self.hidden].copy_(expert_out)
         out = {}
-        self.dist.traced('deepep_ll_combine', self.group, send,
-                         lambda _: out.setdefault('x', buffer.low_latency_combine(
-                             send, handle.topk_ids, weights, handle.deep_ep_handle)),
-                         variable=True)
+        self.group.traced('deepep_ll_combine', send,
+                          lambda _: out.setdefault('x', buffer.low_latency_combine(
+                              send, handle.topk_ids, weights, handle.deep_ep_handle)),
+                          variable=True)
         combined = out['x'][0]
         if not self.exact:
             return combined[:, :self.hidden].to(expert_out.dtype)

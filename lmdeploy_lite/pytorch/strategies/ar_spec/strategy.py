@@ -72,16 +72,15 @@ class ARSpecStrategy(Strategy):
         if dist_ctx.config.tp == 1:
             return result
         slots = inputs.state_slots
-        dist_ctx.broadcast(result.output_tokens, 0, 'tp')
-        drafts = dist_ctx.broadcast(agent.drafts[slots].contiguous(), 0, 'tp')
-        agent.drafts[slots] = drafts
+        tp = dist_ctx.tp
+        tp.broadcast(result.output_tokens)
+        agent.drafts[slots] = tp.broadcast(agent.drafts[slots].contiguous())
         if agent.draft_probs is not None and plan.any_sampled:
-            agent.draft_probs[slots] = dist_ctx.broadcast(agent.draft_probs[slots].contiguous(),
-                                                          0, 'tp')
+            agent.draft_probs[slots] = tp.broadcast(agent.draft_probs[slots].contiguous())
         if result.num_accepted_drafts is None:           # prefill: the sampled token
             agent.last_token[slots] = result.output_tokens[:, 0]
             return result
-        accepted = dist_ctx.broadcast(result.num_accepted_drafts, 0, 'tp')
+        accepted = tp.broadcast(result.num_accepted_drafts)
         agent.target.set_state_index(slots, accepted)
         rows = torch.arange(slots.numel(), device=slots.device)
         agent.last_token[slots] = result.output_tokens[rows, accepted]
