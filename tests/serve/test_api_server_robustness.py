@@ -20,6 +20,7 @@ openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
 
 from lmdeploy_lite.api import Pipeline  # noqa: E402
+from lmdeploy_lite.pytorch.engine.executor.client import EngineStats  # noqa: E402
 from tests.serve.live_server import (MODEL, SESSION_LEN, Server, chat, headers,  # noqa: E402
                                      left_alive, post, scrape, sse_events)
 
@@ -302,7 +303,7 @@ def test_the_openai_clients_usual_fields_at_their_defaults_change_nothing(server
 
 
 # ---- 7. a failed generation; an unexpected exception (a stand-in pipeline, in process) ----------
-class FakeLoop:
+class FakeClient:
     session_len = 64
     model_config = SimpleNamespace(vocab_size=100)
     error = None
@@ -313,6 +314,9 @@ class FakeLoop:
     def stalled(self, limit_s):
         return None
 
+    def stats(self):
+        return EngineStats()
+
     def close(self):
         pass
 
@@ -320,18 +324,15 @@ class FakeLoop:
 class FakePipe:
     """'fail': the engine ends the request with finish_reason 'error'; 'raise': generation raises
     mid-way; 'crash': tokenization raises; anything else: 'hello' then 'length'."""
-    engine = None
     tokenizer = None
-    num_cached_blocks = num_prefill_tokens = 0
-    # the server reads a pipeline through these (over `_loop`, as Pipeline's own do)
+    # the server reads a pipeline through these (over `_client`, as Pipeline's own do)
     error, session_len, vocab_size = Pipeline.error, Pipeline.session_len, Pipeline.vocab_size
-    engine_gauges, engine_spec_stats = Pipeline.engine_gauges, Pipeline.engine_spec_stats
-    validate_request, stalled = Pipeline.validate_request, Pipeline.stalled
+    validate_request, stalled, stats = Pipeline.validate_request, Pipeline.stalled, Pipeline.stats
     capacity = 64
     SECRET = '/srv/secret/lmdeploy_lite/model.py'
 
     def __init__(self):
-        self._loop = FakeLoop()
+        self._client = FakeClient()
         self.prompts = {}
 
     def encode(self, prompt):
@@ -511,7 +512,9 @@ def test_an_unexpected_exception_is_a_short_json_500_and_others_go_on():
 class CachingFakePipe(FakePipe):
     """FakePipe with 10-token prompts, 8 tokens of each served from the prefix cache, and 5
     blocks in the cache as its ranks last reported."""
-    num_cached_blocks = 5
+
+    def stats(self):
+        return EngineStats(num_cached_blocks=5)
 
     def encode(self, prompt):
         return super().encode(prompt) * 10

@@ -166,19 +166,24 @@ def test_token_strings_bytes_and_text_offsets_of_split_characters():
     entries = [TokenLogprobs(t, -1.0, {}) for t in ids]
     legacy = CompletionLogprobs(strings, skip_special_tokens=True)
     first, rest = legacy.add(entries[:3]), legacy.add(entries[3:])   # two stream chunks
-    offsets = first.text_offset + rest.text_offset
+    offsets = first['text_offset'] + rest['text_offset']
     assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] < len(text)
     assert offsets[-1] == len(text) - len(strings.text(ids[-1]))
     special = tokenizer.convert_tokens_to_ids('<|im_end|>')
     assert strings.text(special) == '<|im_end|>'
     assert strings.bytes(special) == b'<|im_end|>'
-    # a whole response's logprobs are written as JSON text: the same document as the objects'
+    # chat's logprobs are written as JSON text: OpenAI's document (-inf: null)
     import json
-    from lmdeploy_lite.serve.openai.logprobs import chat_logprobs, chat_logprobs_json
+    from lmdeploy_lite.serve.openai.logprobs import chat_logprobs_json
     entries = [TokenLogprobs(t, -0.5 * i, {u: -1e-7 * i for u in (special, *ids[:i])})
                for i, t in enumerate(ids)] + [TokenLogprobs(ids[0], float('-inf'), {})]
-    assert json.loads(chat_logprobs_json(strings, entries)) == \
-        json.loads(chat_logprobs(strings, entries).model_dump_json())
+
+    def top(token_id, logprob):
+        return {'token': strings.text(token_id), 'logprob': logprob,
+                'bytes': list(strings.bytes(token_id))}
+    assert json.loads(chat_logprobs_json(strings, entries)) == {'content': [
+        {**top(e.token_id, e.logprob if e.logprob > float('-inf') else None),
+         'top_logprobs': [top(t, lp) for t, lp in e.top_logprobs.items()]} for e in entries]}
 
 
 @pytest.mark.timeout(120)

@@ -18,6 +18,7 @@ openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
 
 from lmdeploy_lite.api import Pipeline  # noqa: E402
+from lmdeploy_lite.pytorch.engine.executor.client import EngineStats  # noqa: E402
 from lmdeploy_lite.messages import Response  # noqa: E402
 from lmdeploy_lite.tokenizer import load_tokenizer  # noqa: E402
 from tests.serve.live_server import MODEL, chat  # noqa: E402
@@ -47,20 +48,17 @@ HISTORY = [
 class ScriptedPipe:
     """Renders prompts with the real Pipeline.encode, answers with OUTPUTS in 5-character
     chunks; `prompts` keeps each rendered prompt as text."""
-    engine = None
-    num_cached_blocks = num_prefill_tokens = 0
     encode = Pipeline.encode
     _check_template_renders = Pipeline._check_template_renders
-    # the server reads a pipeline through these (over `_loop`, as Pipeline's own do)
+    # the server reads a pipeline through these (over `_client`, as Pipeline's own do)
     error, session_len, vocab_size = Pipeline.error, Pipeline.session_len, Pipeline.vocab_size
-    engine_gauges, engine_spec_stats = Pipeline.engine_gauges, Pipeline.engine_spec_stats
-    validate_request = Pipeline.validate_request
+    validate_request, stats = Pipeline.validate_request, Pipeline.stats
 
     def __init__(self, model_dir: str):
         self.model_path, self.tokenizer = model_dir, load_tokenizer(model_dir)
-        self._loop = SimpleNamespace(session_len=4096, model_config=SimpleNamespace(
+        self._client = SimpleNamespace(session_len=4096, model_config=SimpleNamespace(
             vocab_size=512), error=None, validate_request=lambda ids, config: None,
-            close=lambda: None)
+            close=lambda: None, stats=EngineStats)
         self.prompts = []
 
     async def generate_ids(self, prompts, gen_config, stream_text=True, request_id=None):

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions (SSE
 streaming), /health, /metrics. Each route is a function of one ServerContext (checks.py) and the
-request; checking a request is checks.py, running it (to the end or streamed) streaming.py.
+request; checking a request is checks.py, running it (to the end or streamed) streaming.py,
+writing what it sends responses.py.
 
 A request travels: API key (middleware) -> body read against the size limit (413) -> off the
 event loop: JSON, validation, tokenization and the length checks (400 naming the field) -> the
@@ -34,22 +35,16 @@ from lmdeploy_lite.serve.openai.checks import (ServerContext, ServerLimits, chec
                                                check_completion, read_checked)
 from lmdeploy_lite.serve.openai.connections import HttpLimits
 from lmdeploy_lite.serve.openai.errors import install_error_handlers
-from lmdeploy_lite.serve.openai.logprobs import (CompletionLogprobs, TokenStrings, chat_logprobs,
-                                                 chat_logprobs_json, splice_json)
+from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings
 from lmdeploy_lite.serve.openai.metrics import ServerMetrics
-from lmdeploy_lite.serve.openai.streaming import (ENGINE_STOPPED, run_to_end, stream,
-                                                  usage)
+from lmdeploy_lite.serve.openai.responses import (ChatChunks, CompletionChunks, chat_response,
+                                                  completion_response)
+from lmdeploy_lite.serve.openai.streaming import ENGINE_STOPPED, run_to_end, stream
 from lmdeploy_lite.serve.openai.tool_parser import ToolCallParser
 
 logger = logging.getLogger('lmdeploy_lite.serve')
 
 ENGINE_POLL_S = 0.5                    # how often the server checks that the engine is alive
-
-
-def tool_calls_finish(finish_reason: str | None, num_calls: int) -> str | None:
-    """'tool_calls' for an output that made calls and stopped by itself (a cut one keeps
-    'length')."""
-    return 'tool_calls' if num_calls and finish_reason == 'stop' else finish_reason
 
 
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
@@ -135,108 +130,37 @@ async def models(ctx: ServerContext, request: Request) -> p.ModelList:
 
 async def completions(ctx: ServerContext, request: Request):
     req, prompts, gen_config = await read_checked(ctx, request, check_completion)
-    rid, include_usage = p.random_id('cmpl'), bool(req.stream_options
-                                                   and req.stream_options.include_usage)
+    rid = p.random_id('cmpl')
     legacy = [CompletionLogprobs(ctx.token_strings, gen_config.skip_special_tokens)
               if gen_config.logprobs is not None else None
               for _ in range(len(prompts) * gen_config.n)]       # each choice's
     if req.stream:
-        def chunk(index, text, finish_reason, use, logprobs):
-            if text is None:
-                return None
-            choices = [] if use else [p.CompletionChoice(
-                index=index, text=text, finish_reason=finish_reason,
-                logprobs=legacy[index].add(logprobs) if logprobs is not None else None)]
-            return p.CompletionResponse(id=rid, model=ctx.model_name, choices=choices, usage=use)
-        return stream(ctx, prompts, gen_config, chunk, include_usage, rid)
+        return stream(ctx, prompts, gen_config, CompletionChunks(rid, ctx.model_name, legacy),
+                      req.includes_usage, rid)
     texts, lasts, logprobs = await run_to_end(ctx, prompts, gen_config, request, rid)
-
-    def build() -> bytes:
-        return p.CompletionResponse(
-            id=rid, model=ctx.model_name,
-            choices=[p.CompletionChoice(index=i, text=text,
-                                        finish_reason=last and last.finish_reason,
-                                        logprobs=legacy[i] and legacy[i].add(logprobs[i]),
-                                        hidden_states_path=last and last.hidden_states_path)
-                     for i, (text, last) in enumerate(zip(texts, lasts))],
-            usage=usage(lasts, prompts)).model_dump_json().encode()
-    return await off_the_loop(build)
+    return await off_the_loop(completion_response, rid, ctx.model_name, prompts, texts, lasts,
+                              logprobs, legacy)
 
 
 async def chat_completions(ctx: ServerContext, request: Request):
     req, prompts, gen_config = await read_checked(ctx, request, check_chat)
-    rid, include_usage = p.random_id('chatcmpl'), bool(req.stream_options
-                                                       and req.stream_options.include_usage)
+    rid = p.random_id('chatcmpl')
     parsers = [ToolCallParser([t.model_dump() for t in req.tools],
                               max_calls=None if req.parallel_tool_calls else 1)
                if req.parses_tool_calls else None for _ in range(gen_config.n)]
     if req.stream:
-        return stream(ctx, prompts, gen_config, ChatChunks(ctx, rid, parsers), include_usage,
-                      rid)
+        chunks = ChatChunks(rid, ctx.model_name, parsers, ctx.token_strings)
+        return stream(ctx, prompts, gen_config, chunks, req.includes_usage, rid)
     texts, lasts, logprobs = await run_to_end(ctx, prompts, gen_config, request, rid)
-    return await off_the_loop(lambda: chat_response(ctx, rid, req, parsers, texts, lasts,
-                                                    logprobs, prompts))
+    return await off_the_loop(chat_response, rid, ctx.model_name, prompts, texts, lasts,
+                              logprobs if req.logprobs else None, parsers, ctx.token_strings)
 
 
-async def off_the_loop(build) -> HTTPResponse:
-    """A whole JSON response, built and serialized (pydantic, at C speed) in a worker thread:
-    a response of many choices and logprobs takes time in proportion to its size, which must
-    not hold up the event loop (every other stream, /health)."""
-    return HTTPResponse(await asyncio.to_thread(build), media_type='application/json')
-
-
-def chat_response(ctx: ServerContext, rid: str, req: p.ChatCompletionRequest,
-                  parsers: list[ToolCallParser | None], texts: list[str], lasts: list,
-                  logprobs: list[list], prompts: list[list[int]]) -> bytes:
-    """A non-streamed chat completion's JSON: each choice's text, tool calls parsed out."""
-    choices = []
-    for index, (text, last, parser) in enumerate(zip(texts, lasts, parsers)):
-        finish_reason, calls = last and last.finish_reason, []
-        if parser is not None:
-            text, calls = parser.feed(text, final=True)
-            finish_reason = tool_calls_finish(finish_reason, len(calls))
-        message = p.ChatResponseMessage(content=text if text or not calls else None,
-                                        tool_calls=[p.ToolCallOut.of(c) for c in calls] or None)
-        choices.append(p.ChatChoice(index=index, message=message, finish_reason=finish_reason,
-                                    hidden_states_path=last and last.hidden_states_path))
-    document = p.ChatCompletionResponse(id=rid, model=ctx.model_name, choices=choices,
-                                        usage=usage(lasts, prompts)).model_dump_json().encode()
-    if not req.logprobs:
-        return document
-    # written as JSON text, not as objects: see chat_logprobs_json
-    return splice_json(document, b'logprobs', [chat_logprobs_json(ctx.token_strings, entries)
-                                               for entries in logprobs])
-
-
-class ChatChunks:
-    """A chat stream's `make_chunk` (streaming.stream): the opening delta, content deltas (tool
-    calls parsed out of them when the request has tools), the usage chunk."""
-
-    def __init__(self, ctx: ServerContext, rid: str, parsers: list[ToolCallParser | None]):
-        self.ctx, self.rid, self.parsers = ctx, rid, parsers
-
-    def __call__(self, index, text, finish_reason, use, logprobs):
-        ctx = self.ctx
-        if use is not None:
-            return p.ChatCompletionChunk(id=self.rid, model=ctx.model_name, choices=[], usage=use)
-        parser = self.parsers[index]
-        if text is None:
-            delta = p.DeltaMessage(role='assistant', content='')
-        elif parser is None:
-            delta = p.DeltaMessage(content=text)
-        else:
-            text, calls = parser.feed(text, final=finish_reason is not None)
-            if not text and not calls and finish_reason is None:
-                return None
-            finish_reason = tool_calls_finish(finish_reason, parser.num_calls)
-            delta = p.DeltaMessage(content=text if text or not calls else None,
-                                   tool_calls=[p.DeltaToolCall.of(c) for c in calls] or None)
-        return p.ChatCompletionChunk(
-            id=self.rid, model=ctx.model_name,
-            choices=[p.ChatChunkChoice(
-                index=index, delta=delta, finish_reason=finish_reason,
-                logprobs=None if logprobs is None else chat_logprobs(ctx.token_strings,
-                                                                     logprobs))])
+async def off_the_loop(build, *args) -> HTTPResponse:
+    """A whole JSON response, `build(*args)`, written in a worker thread: a response of many
+    choices and logprobs takes time in proportion to its size, which must not hold up the
+    event loop (every other stream, /health)."""
+    return HTTPResponse(await asyncio.to_thread(build, *args), media_type='application/json')
 
 
 # ---- OpenAPI: the endpoints read their bodies themselves, so the schema is declared here -------

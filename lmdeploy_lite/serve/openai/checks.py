@@ -25,7 +25,6 @@ except ImportError:
 
 # GenerationConfig's field names as the OpenAI API spells them (for error messages)
 API_FIELD_NAMES = {'max_new_tokens': 'max_tokens', 'random_seed': 'seed', 'stop_words': 'stop'}
-COMPLETION_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 QUEUE_FACTOR = 4                       # default requests in flight: batches of the engine's
 
 
@@ -86,10 +85,8 @@ def check_completion(ctx: ServerContext, body: bytes
     prompts = req.prompt
     if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
         prompts = [prompts]
-    max_tokens = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    check_sequences(ctx, len(prompts), req.n, max_tokens)     # before any prompt is tokenized
-    prepared = [prepare(ctx, req, prompt, 'prompt', 'max_tokens', req.max_tokens,
-                        COMPLETION_DEFAULT_MAX_TOKENS) for prompt in prompts]
+    check_sequences(ctx, len(prompts), req, req.max_tokens or req.default_max_tokens)
+    prepared = [prepare(ctx, req, prompt, 'prompt') for prompt in prompts]   # after that check
     gen_config = min((g for _, g in prepared), key=lambda g: g.max_new_tokens)
     return req, [ids for ids, _ in prepared], gen_config
 
@@ -97,23 +94,23 @@ def check_completion(ctx: ServerContext, body: bytes
 def check_chat(ctx: ServerContext, body: bytes
                ) -> tuple[p.ChatCompletionRequest, list[list[int]], GenerationConfig]:
     req = parse_request(body, p.ChatCompletionRequest)
-    name = 'max_completion_tokens' if req.max_completion_tokens else 'max_tokens'
-    max_tokens = req.max_completion_tokens or req.max_tokens
-    check_sequences(ctx, 1, req.n, max_tokens, name)
+    _, max_tokens = req.length_field
+    check_sequences(ctx, 1, req, max_tokens)
     messages = [m.template_message() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
-    ids, gen_config = prepare(ctx, req, messages, 'messages', name, max_tokens, None, tools)
+    ids, gen_config = prepare(ctx, req, messages, 'messages', tools)
     if max_tokens is None:             # what the session leaves, now that the prompt is known
-        check_sequences(ctx, 1, req.n, gen_config.max_new_tokens, name)
+        check_sequences(ctx, 1, req, gen_config.max_new_tokens)
     return req, [ids], gen_config
 
 
-def check_sequences(ctx: ServerContext, num_prompts: int, n: int, max_tokens: int | None,
-                    max_tokens_param: str = 'max_tokens'):
+def check_sequences(ctx: ServerContext, num_prompts: int, req: p.SamplingRequest,
+                    max_tokens: int | None):
     """400 naming the numbers when a request asks for more sequences (prompts x n) or more
     generated tokens (that times max_tokens; None: not known yet) than the server runs for one
     request: each sequence waits in the engine's queue, each token is a step's work."""
-    limits, sequences = ctx.limits, num_prompts * n
+    limits, n, (max_tokens_param, _) = ctx.limits, req.n, req.length_field
+    sequences = num_prompts * n
     if sequences > limits.max_sequences:
         raise RequestError(f'prompt: {num_prompts} prompt(s) x n={n} = {sequences} '
                            f'sequences; this server runs at most {limits.max_sequences} per '
@@ -129,23 +126,21 @@ def check_sequences(ctx: ServerContext, num_prompts: int, n: int, max_tokens: in
 
 
 def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,
-            max_tokens_param: str, max_tokens: int | None, default_max_tokens: int | None,
             tools: list[dict] | None = None) -> tuple[list[int], GenerationConfig]:
-    """One prompt's token ids and GenerationConfig. `param`: the prompt's field name;
-    max_tokens (None: `default_max_tokens`, None: what the session leaves)."""
+    """One prompt's token ids and GenerationConfig (`req.generation_config`). `param`: the
+    prompt's field name."""
     if req.model is not None and req.model != ctx.model_name:
         raise RequestError(f'model={render(req.model)}: unknown; this server serves '
                            f'{ctx.model_name!r} (see GET /v1/models)', 'model', 'model_not_found')
     ids = _encode(ctx, prompt, param, tools)
-    session_len = ctx.session_len
+    session_len, (max_tokens_param, max_tokens) = ctx.session_len, req.length_field
     room = session_len - len(ids)
     if max_tokens is not None and 0 < room < max_tokens:
         raise RequestError(f'{max_tokens_param}={max_tokens}: the prompt has {len(ids)} '
                            f'tokens and session_len={session_len}, so at most {room} can be '
                            f'generated; ask for at most {room}', max_tokens_param)
     try:
-        gen_config = req.generation_config(
-            max(1, max_tokens or min(default_max_tokens or room, room)), ctx.pipe.vocab_size)
+        gen_config = req.generation_config(room, ctx.pipe.vocab_size)
         ctx.pipe.validate_request(ids, gen_config)
     except ValueError as e:              # 'field=value: reason' or 'prompt: reason'
         message = str(e)

@@ -11,8 +11,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lmdeploy_lite.serve.openai import protocol as p
-
 logger = logging.getLogger('lmdeploy_lite.serve')
 
 
@@ -32,8 +30,7 @@ class RequestError(Exception):
 
 def error_body(message: str, type: str = 'invalid_request_error', param: str | None = None,
                code: str | None = None) -> dict:
-    return p.ErrorResponse(error=p.ErrorInfo(message=message, type=type, param=param,
-                                             code=code)).model_dump()
+    return {'error': {'message': message, 'type': type, 'param': param, 'code': code}}
 
 
 class ErrorJSONResponse(JSONResponse):

@@ -15,7 +15,6 @@ import json
 import math
 
 from lmdeploy_lite.messages import TokenLogprobs
-from lmdeploy_lite.serve.openai import protocol as p
 
 
 class TokenStrings:
@@ -64,26 +63,12 @@ class TokenStrings:
                 f'"bytes":{json.dumps(list(self.bytes(token_id)))},"logprob":')
         return head
 
-    def top_logprob(self, token_id: int, logprob: float) -> p.TopLogprob:
-        return p.TopLogprob(token=self.text(token_id), logprob=logprob,
-                            bytes=list(self.bytes(token_id)))
-
-
-def chat_logprobs(strings: TokenStrings, entries: list[TokenLogprobs]) -> p.ChoiceLogprobs:
-    """Chat's logprobs of `entries` (one per generated token): each token with its top-N."""
-    content = []
-    for entry in entries:
-        chosen = strings.top_logprob(entry.token_id, entry.logprob)
-        top = [strings.top_logprob(t, lp) for t, lp in entry.top_logprobs.items()]
-        content.append(p.ChatTokenLogprob(**chosen.model_dump(), top_logprobs=top))
-    return p.ChoiceLogprobs(content=content)
-
 
 def chat_logprobs_json(strings: TokenStrings, entries: list[TokenLogprobs]) -> str:
-    """`chat_logprobs(strings, entries)` as JSON text, written directly: a whole response's
-    logprobs (n choices x tokens x top-N entries) would be that many pydantic objects, built
-    in Python while the engine thread and the event loop wait for the GIL; this is a string
-    join over cached per-token text."""
+    """Chat's `{"content": [...]}` of `entries` (one per generated token, each with its top-N),
+    as JSON text written directly: a whole response's logprobs (n choices x tokens x top-N)
+    would be that many objects built in Python while the engine thread and the event loop wait
+    for the GIL; this is a string join over cached per-token text."""
     head = strings.json_head
     content = [f'{head(e.token_id)}{_number(e.logprob)},"top_logprobs":['
                + ','.join(f'{head(t)}{_number(lp)}}}' for t, lp in e.top_logprobs.items())
@@ -92,21 +77,11 @@ def chat_logprobs_json(strings: TokenStrings, entries: list[TokenLogprobs]) -> s
 
 
 def _number(x: float) -> str:
-    return repr(x) if math.isfinite(x) else 'null'      # as pydantic writes -inf: null
+    return repr(x) if math.isfinite(x) else 'null'      # JSON has no -inf
 
 
-def splice_json(document: bytes, key: bytes, values: list[str]) -> bytes:
-    """`document` with the i-th `"key":null` replaced by `values[i]` (JSON text). Only keys
-    match: inside a JSON string a quote is escaped."""
-    pattern = b'"' + key + b'":null'
-    pieces = document.split(pattern)
-    if len(pieces) != len(values) + 1:
-        raise ValueError(f'{len(pieces) - 1} "{key.decode()}":null in the document, '
-                         f'{len(values)} values')
-    out = [pieces[0]]
-    for value, piece in zip(values, pieces[1:]):
-        out += [b'"' + key + b'":', value.encode(), piece]
-    return b''.join(out)
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 class CompletionLogprobs:
@@ -122,9 +97,10 @@ class CompletionLogprobs:
         self.decoder = codecs.getincrementaldecoder('utf-8')('replace')
         self.offset = 0
 
-    def add(self, entries: list[TokenLogprobs]) -> p.CompletionLogprobs:
+    def add(self, entries: list[TokenLogprobs]) -> dict:
         """These entries (the next tokens of the completion) in the legacy format; the top
-        dicts hold the top-N and the chosen token, most likely first."""
+        dicts hold the top-N and the chosen token, most likely first (-inf: null, as JSON has
+        no infinity)."""
         strings, tokens, offsets = self.strings, [], []
         for entry in entries:
             tokens.append(strings.text(entry.token_id))
@@ -135,7 +111,7 @@ class CompletionLogprobs:
         for entry in entries:           # two ids may share a string: the likelier one's
             tops: dict[str, float] = {}
             for token_id, logprob in sorted(entry.items(), key=lambda item: -item[1]):
-                tops.setdefault(strings.text(token_id), logprob)
+                tops.setdefault(strings.text(token_id), _finite(logprob))
             top.append(tops)
-        return p.CompletionLogprobs(tokens=tokens, token_logprobs=[e.logprob for e in entries],
-                                    top_logprobs=top, text_offset=offsets)
+        return {'tokens': tokens, 'token_logprobs': [_finite(e.logprob) for e in entries],
+                'top_logprobs': top, 'text_offset': offsets}

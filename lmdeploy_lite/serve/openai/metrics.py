@@ -25,20 +25,6 @@ TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
-def _stats_delta(now: SpecDecodeStats, before: SpecDecodeStats) -> SpecDecodeStats:
-    n = len(now.accepted_per_position)
-    prev = before.accepted_per_position + [0] * (n - len(before.accepted_per_position))
-    return SpecDecodeStats(now.num_drafts - before.num_drafts,
-                           now.num_draft_tokens - before.num_draft_tokens,
-                           now.num_accepted_tokens - before.num_accepted_tokens,
-                           [a - b for a, b in zip(now.accepted_per_position, prev)])
-
-
-def _snapshot(stats: SpecDecodeStats) -> SpecDecodeStats:
-    return SpecDecodeStats(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                           list(stats.accepted_per_position))
-
-
 class ServerMetrics:
 
     def __init__(self, pipe, num_spec_tokens: int = 0):
@@ -55,8 +41,8 @@ class ServerMetrics:
             self.requests.labels(outcome)
         self.prompt_tokens = Counter(PREFIX + 'prompt_tokens', 'Prompt tokens of admitted '
                                      'requests', registry=r)
-        self.generation_tokens = Counter(PREFIX + 'generation_tokens', 'Generated tokens sent',
-                                         registry=r)
+        self.generation_tokens = Counter(PREFIX + 'generation_tokens', 'Generated tokens sent '
+                                         '(counted as each request ends)', registry=r)
         self.prefix_queried_tokens = Counter(PREFIX + 'prefix_cache_queried_tokens',
                                              'Prompt tokens looked up in the prefix cache '
                                              "(counted at each request's first token)", registry=r)
@@ -71,7 +57,6 @@ class ServerMetrics:
                              'last token', buckets=TTFT_BUCKETS, registry=r)
         self._lock = threading.Lock()
         self.in_flight = 0
-        self.frontend_spec = SpecDecodeStats()     # used when the engine is in other processes
         r.register(_EngineCollector(self))
 
     def track(self, num_prompt_tokens: int) -> 'RequestTracker':
@@ -79,24 +64,21 @@ class ServerMetrics:
         its choice 0 only (the others are tracked with num_prompt_tokens 0)."""
         return RequestTracker(self, num_prompt_tokens)
 
-    def spec_totals(self) -> SpecDecodeStats:
-        engine_stats = self.pipe.engine_spec_stats
-        with self._lock:
-            stats = _snapshot(engine_stats if engine_stats is not None else self.frontend_spec)
+    def spec_totals(self, stats: SpecDecodeStats) -> SpecDecodeStats:
+        """The engine's counters, one accepted count per draft position up to k."""
         k = max(self.num_spec_tokens, len(stats.accepted_per_position))
         stats.accepted_per_position += [0] * (k - len(stats.accepted_per_position))
         return stats
 
 
 class RequestTracker:
-    """One admitted request: timing, token counts and its share of the speculative counters."""
+    """One admitted request: its timing and token counts."""
 
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
         self.metrics = metrics
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.num_generated = 0
-        self.spec_seen = SpecDecodeStats()
         self.done = False
         self.counts_prompt = num_prompt_tokens > 0
         metrics.prompt_tokens.inc(num_prompt_tokens)
@@ -104,24 +86,16 @@ class RequestTracker:
             metrics.in_flight += 1
 
     def observe(self, r: Response):
-        now = time.perf_counter()
-        new_tokens = r.generate_token_len - self.num_generated
-        if new_tokens > 0:
+        """A response (a streamed chunk): two attribute writes; the counters move at `finish`."""
+        if r.generate_token_len > self.num_generated:
+            now = self.last_token_time = time.perf_counter()
             if self.first_token_time is None:    # prefilled: its cache hit is final
                 self.first_token_time = now
                 self.metrics.ttft.observe(now - self.arrival)
                 if self.counts_prompt:
                     self.metrics.prefix_queried_tokens.inc(r.input_token_len)
                     self.metrics.prefix_hit_tokens.inc(r.num_cached_tokens)
-            self.last_token_time = now
             self.num_generated = r.generate_token_len
-            self.metrics.generation_tokens.inc(new_tokens)
-        if r.spec_stats is not None:
-            stats = _snapshot(r.spec_stats)
-            if self.metrics.pipe.engine_spec_stats is None:     # ranks elsewhere: sum ours
-                with self.metrics._lock:
-                    self.metrics.frontend_spec.merge(_stats_delta(stats, self.spec_seen))
-            self.spec_seen = stats
 
     def finish(self, outcome: str):
         if self.done:
@@ -129,6 +103,7 @@ class RequestTracker:
         self.done = True
         m = self.metrics
         m.requests.labels(outcome).inc()
+        m.generation_tokens.inc(self.num_generated)
         with m._lock:
             m.in_flight -= 1
         if self.first_token_time is not None:
@@ -138,10 +113,10 @@ class RequestTracker:
                                / (self.num_generated - 1))
 
 
-ENGINE_GAUGES = {'num_requests_running': 'Sequences holding KV blocks',
-                 'num_requests_waiting': 'Sequences queued for prefill',
-                 'kv_blocks_used': 'KV cache blocks allocated',
-                 'kv_blocks_total': 'KV cache blocks usable by sequences'}
+ENGINE_GAUGES = {'num_requests_running': ('num_running', 'Sequences holding KV blocks'),
+                 'num_requests_waiting': ('num_waiting', 'Sequences queued for prefill'),
+                 'kv_blocks_used': ('kv_blocks_used', 'KV cache blocks allocated'),
+                 'kv_blocks_total': ('kv_blocks_total', 'KV cache blocks usable by sequences')}
 
 
 class _EngineCollector:
@@ -154,17 +129,16 @@ class _EngineCollector:
         m = self.metrics
         yield GaugeMetricFamily(PREFIX + 'num_requests_in_flight',
                                 'Requests admitted and not finished', value=m.in_flight)
-        gauges = m.pipe.engine_gauges()                  # None: the engine is elsewhere
-        for name, value in (gauges or {}).items():
-            yield GaugeMetricFamily(PREFIX + name, ENGINE_GAUGES[name], value=value)
+        engine = m.pipe.stats()                          # every DP rank, as last reported
+        for name, (attr, text) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + name, text, value=getattr(engine, attr))
         yield GaugeMetricFamily(PREFIX + 'prefix_cache_cached_blocks', 'KV blocks in the prefix '
-                                'cache (ranks in other processes: as last reported)',
-                                value=m.pipe.num_cached_blocks)
+                                'cache', value=engine.num_cached_blocks)
         yield CounterMetricFamily(PREFIX + 'prefill_tokens', 'Tokens the engine fed in prefill '
                                   'rows (prompts less what the prefix cache and forked choices '
                                   'share; recomputes after preemption)',
-                                  value=m.pipe.num_prefill_tokens)
-        stats = m.spec_totals()
+                                  value=engine.num_prefill_tokens)
+        stats = m.spec_totals(engine.spec)
         yield CounterMetricFamily(PREFIX + 'spec_decode_num_drafts', 'Verify steps with drafts',
                                   value=stats.num_drafts)
         yield CounterMetricFamily(PREFIX + 'spec_decode_num_draft_tokens', 'Draft tokens proposed',

@@ -9,7 +9,7 @@ accepted at exactly that value and rejected otherwise.
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo,
@@ -23,7 +23,6 @@ from lmdeploy_lite.messages import (MAX_LOGPROBS, MAX_OPENAI_PENALTY, MAX_REPETI
 from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
 from lmdeploy_lite.messages import MAX_N
 from lmdeploy_lite.messages import UINT64_MAX as MAX_SEED
-from lmdeploy_lite.serve.openai.tool_parser import ToolCall
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256              # stop words are matched against the text at every step
@@ -89,18 +88,6 @@ class RequestModel(BaseModel):
         return data
 
 
-# ---- errors ---------------------------------------------------------------------------------
-class ErrorInfo(BaseModel):
-    message: str
-    type: str = 'invalid_request_error'
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
 # ---- requests -------------------------------------------------------------------------------
 class StreamOptions(RequestModel):
     include_usage: bool = False
@@ -139,17 +126,31 @@ class SamplingRequest(RequestModel):
                                                   'if positive, else logit x p; 1: off')
     logit_bias: no_op({}) = None
 
-    def generation_config(self, max_new_tokens: int, vocab_size: int) -> GenerationConfig:
-        """The engine's GenerationConfig for this request: temperature or top_p under the
-        greedy thresholds mean greedy, a top_k of the vocabulary size or more means off; the
-        logprobs asked for are `num_logprobs` (each endpoint's spelling). Raises ValueError
-        ('field=value: reason', the engine's names) as GenerationConfig does."""
+    default_max_tokens: ClassVar[int | None] = None     # None: what the session leaves
+
+    @property
+    def includes_usage(self) -> bool:
+        """A stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def length_field(self) -> tuple[str, int | None]:
+        """(the field that limits the output's length, as the request spells it; its value, None
+        when not given). Each endpoint has its own: max_tokens here."""
+        return 'max_tokens', self.max_tokens
+
+    def generation_config(self, room: int, vocab_size: int) -> GenerationConfig:
+        """The engine's GenerationConfig for this request, `room`: the tokens the session leaves
+        after the prompt. Temperature or top_p under the greedy thresholds mean greedy, a top_k
+        of the vocabulary size or more means off; the logprobs asked for are `num_logprobs`.
+        Raises ValueError ('field=value: reason', the engine's names) as GenerationConfig does."""
         greedy = self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return GenerationConfig(
-            max_new_tokens=max_new_tokens, do_sample=not greedy,
-            temperature=0.0 if greedy else self.temperature, top_p=self.top_p,
-            top_k=0 if self.top_k >= vocab_size else max(self.top_k, 0),
+            max_new_tokens=max(1, self.length_field[1]
+                               or min(self.default_max_tokens or room, room)),
+            do_sample=not greedy, temperature=0.0 if greedy else self.temperature,
+            top_p=self.top_p, top_k=0 if self.top_k >= vocab_size else max(self.top_k, 0),
             stop_words=stop or None, ignore_eos=self.ignore_eos, random_seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
@@ -164,6 +165,7 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description='the most likely tokens returned with each output '
                                              'token (and the chosen one); 0: the chosen only')
+    default_max_tokens: ClassVar[int] = 16           # OpenAI's default for /v1/completions
     echo: no_op(False) = None
     best_of: no_op(1) = None
     suffix: no_op('') = None
@@ -313,34 +315,17 @@ class ChatCompletionRequest(SamplingRequest):
         return value
 
     @property
+    def length_field(self) -> tuple[str, int | None]:
+        if self.max_completion_tokens:               # the newer name, when given
+            return 'max_completion_tokens', self.max_completion_tokens
+        return 'max_tokens', self.max_tokens
+
+    @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != 'none'
 
 
-# ---- responses ------------------------------------------------------------------------------
-class SpecDecodeUsage(BaseModel):
-    """This request's speculative-decoding figures (an extension of `usage`)."""
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: list[int]
-    mean_accepted_length: float
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(description='prompt tokens served from the prefix cache')
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-    spec_decode: SpecDecodeUsage | None = None
-    num_preemptions: int = Field(0, description="times the engine preempted this request's "
-                                                'sequences to free cache (an extension)')
-
-
+# ---- responses (the others are written as JSON text: responses.py) --------------------------
 class ModelCard(BaseModel):
     id: str
     object: Literal['model'] = 'model'
@@ -352,130 +337,3 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal['list'] = 'list'
     data: list[ModelCard]
-
-
-class CompletionLogprobs(BaseModel):
-    """The legacy format: per output token its string, logprob, the top ones as {token:
-    logprob} (the chosen token included) and its character offset in the completion's text."""
-    tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
-    text_offset: list[int]
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    hidden_states_path: str | None = Field(
-        default=None, description='extension (extract_hidden_states): the file holding this '
-        "choice's hidden states, on its last response")
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal['text_completion'] = 'text_completion'
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class FunctionCallOut(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCallOut(BaseModel):
-    id: str
-    type: Literal['function'] = 'function'
-    function: FunctionCallOut
-
-    @classmethod
-    def of(cls, call: ToolCall) -> 'ToolCallOut':
-        return cls(id=call.id, function=FunctionCallOut(name=call.name,
-                                                        arguments=call.arguments))
-
-
-class ChatResponseMessage(BaseModel):
-    role: Literal['assistant'] = 'assistant'
-    content: str | None = Field(description='null when the output is only tool calls')
-    tool_calls: list[ToolCallOut] | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = Field(description="the token's bytes")
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(description='the most likely tokens, most likely '
-                                                       'first')
-
-
-class ChoiceLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: ChatResponseMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    hidden_states_path: str | None = Field(
-        default=None, description='extension (extract_hidden_states): the file holding this '
-        "choice's hidden states, on its last response")
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal['chat.completion'] = 'chat.completion'
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(BaseModel):
-    """A whole call in one delta: the call is parsed once its block is closed."""
-    index: int
-    id: str | None = None
-    type: Literal['function'] | None = None
-    function: DeltaFunctionCall
-
-    @classmethod
-    def of(cls, call: ToolCall) -> 'DeltaToolCall':
-        return cls(index=call.index, id=call.id, type='function',
-                   function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
-
-
-class DeltaMessage(BaseModel):
-    role: Literal['assistant'] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChoiceLogprobs | None = None
-    finish_reason: str | None = None
-    hidden_states_path: str | None = Field(
-        default=None, description='extension (extract_hidden_states): the file holding this '
-        "choice's hidden states, on its last response")
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal['chat.completion.chunk'] = 'chat.completion.chunk'
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None

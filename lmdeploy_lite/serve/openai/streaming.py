@@ -1,5 +1,5 @@
 """Running one checked request: its choices through the pipeline with their metrics, to the end
-(`run_to_end`) or as server-sent events (`stream`), and the usage they add up to.
+(`run_to_end`) or as server-sent events (`stream`, written by responses.py).
 
 A request runs n choices of each of its prompts (chat: one prompt); choice `index` =
 prompt_index * n + i, as OpenAI numbers them. Each choice has its own RequestTracker (the prompt
@@ -8,21 +8,20 @@ unfinished choice and frees its cache (`Pipeline.generate_ids`).
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from contextlib import aclosing
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator
 
 import anyio
 from fastapi import Request
 from sse_starlette.sse import EventSourceResponse
 
-from lmdeploy_lite.messages import GenerationConfig, Response, SpecDecodeStats
-from lmdeploy_lite.serve.openai import protocol as p
+from lmdeploy_lite.messages import GenerationConfig, Response
 from lmdeploy_lite.serve.openai.checks import ServerContext
 from lmdeploy_lite.serve.openai.errors import RequestError
 from lmdeploy_lite.serve.openai.metrics import RequestTracker
+from lmdeploy_lite.serve.openai.responses import CompletionChunks, dumps, event, usage
 
 logger = logging.getLogger('lmdeploy_lite.serve')
 
@@ -31,8 +30,6 @@ DISCONNECT_CHECK_S = 0.25             # how often a non-streamed request asks wh
 GENERATION_FAILED = 'generation failed for this request; the server log has the details'
 ENGINE_STOPPED = 'the engine stopped after an error; the server is shutting down'
 
-# make_chunk(index, text, finish_reason, usage, logprobs) -> a pydantic chunk or None (`stream`)
-MakeChunk = Callable[[int | None, str | None, str | None, p.Usage | None, list | None], object]
 
 
 def engine_error(e: Exception | None = None) -> RequestError:
@@ -82,30 +79,6 @@ async def generate(ctx: ServerContext, prompts: list[list[int]], gen_config: Gen
             tracker.finish(outcome)
 
 
-def usage(lasts: list[Response | None], prompts: list[list[int]]) -> p.Usage:
-    """Each prompt counted once (its cached tokens: its choice 0's), every choice's completion
-    tokens and speculative counters added up."""
-    n = len(lasts) // len(prompts)
-    num_prompt = sum(len(ids) for ids in prompts)
-    completion = sum(r.generate_token_len for r in lasts if r is not None)
-    stats = [r.spec_stats for r in lasts if r is not None and r.spec_stats is not None]
-    spec = None
-    if stats:
-        s = SpecDecodeStats()
-        for one in stats:
-            s.merge(one)
-        spec = p.SpecDecodeUsage(num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
-                                 num_accepted_tokens=s.num_accepted_tokens,
-                                 accepted_per_position=list(s.accepted_per_position),
-                                 mean_accepted_length=s.mean_accepted_length)
-    cached = sum(r.num_cached_tokens for r in lasts[::n] if r is not None)
-    return p.Usage(prompt_tokens=num_prompt, completion_tokens=completion,
-                   total_tokens=num_prompt + completion,
-                   prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached),
-                   spec_decode=spec,
-                   num_preemptions=sum(r.num_preemptions for r in lasts if r is not None))
-
-
 async def run_to_end(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
                      request: Request, request_id: str
                      ) -> tuple[list[str], list[Response | None], list[list]]:
@@ -127,36 +100,38 @@ async def run_to_end(ctx: ServerContext, prompts: list[list[int]], gen_config: G
 
 
 def stream(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
-           make_chunk: MakeChunk, include_usage: bool, request_id: str) -> EventSourceResponse:
-    """make_chunk(index, text, finish_reason, usage, logprobs) -> a pydantic chunk of choice
-    `index`, or None for nothing to send yet; None text: the opening; usage: the last chunk
-    (no choice). `logprobs` (a request that asked for them): the TokenLogprobs of the choice's
-    tokens since its last chunk sent (tokens whose text is held back go with the chunk that
-    carries it), else None. A choice's last chunk carries its hidden-states file's path
-    (extract_hidden_states; `request_id` names it, see Pipeline.generate_ids). On server
-    shutdown the stream is aborted and each unfinished choice ends with finish_reason 'abort',
-    then [DONE]; a failed generation ends with finish_reason 'error', an error event and
-    [DONE]."""
+           chunks: CompletionChunks, include_usage: bool, request_id: str
+           ) -> EventSourceResponse:
+    """The request's chunks as server-sent events, written by `chunks` (responses.py: each
+    choice's opening, its deltas, the usage chunk when `include_usage`). A choice's chunk
+    carries every token of the engine steps since its last one: one per step while the client
+    keeps up, the steps it missed in one once it falls behind (`Pipeline.generate_ids`
+    coalesces what waits, and this generator is pulled only when the last event was sent), so
+    a slow client holds no backlog of events. Logprobs (a request that asked for them) go with
+    the chunk that carries their tokens' text; a choice's last chunk carries its hidden-states
+    file's path (extract_hidden_states; `request_id` names it, see Pipeline.generate_ids). On
+    server shutdown the stream is aborted and each unfinished choice ends with finish_reason
+    'abort', then [DONE]; a failed generation ends with finish_reason 'error', an error event
+    and [DONE]."""
     shutdown = anyio.Event()                 # set by sse-starlette when uvicorn shuts down
-    events = _events(ctx, prompts, gen_config, make_chunk, include_usage, request_id, shutdown)
+    events = _events(ctx, prompts, gen_config, chunks, include_usage, request_id, shutdown)
     return EventSourceResponse(events, sep='\n', shutdown_event=shutdown,
                                shutdown_grace_period=STREAM_SHUTDOWN_GRACE_S)
 
 
 async def _events(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
-                  make_chunk: MakeChunk, include_usage: bool, request_id: str,
-                  shutdown: anyio.Event) -> AsyncIterator[str]:
-    """The events of `stream`, as JSON texts."""
+                  chunks: CompletionChunks, include_usage: bool, request_id: str,
+                  shutdown: anyio.Event) -> AsyncIterator[bytes]:
+    """The events of `stream`."""
     num_choices = len(prompts) * gen_config.n
     lasts: list[Response | None] = [None] * num_choices
     trackers = track(ctx, prompts, gen_config.n)
     asked = gen_config.logprobs is not None
     unsent = [[] if asked else None for _ in range(num_choices)]     # logprobs
     try:
-        for index in range(num_choices):
-            opening = make_chunk(index, None, None, None, None)
+        for opening in map(chunks.opening, range(num_choices)):
             if opening is not None:
-                yield opening.model_dump_json()
+                yield event(opening)
         async with aclosing(generate(ctx, prompts, gen_config, trackers,
                                      request_id=request_id)) as responses:
             async for r in responses:
@@ -164,28 +139,27 @@ async def _events(ctx: ServerContext, prompts: list[list[int]], gen_config: Gene
                 if asked:
                     unsent[r.index] += r.logprobs or ()
                 if r.text or r.finish_reason:
-                    chunk = make_chunk(r.index, r.text, r.finish_reason, None, unsent[r.index])
-                    if chunk is not None and chunk.choices and r.hidden_states_path:
-                        chunk.choices[0].hidden_states_path = r.hidden_states_path
+                    chunk = chunks.delta(r.index, r.text, r.finish_reason, unsent[r.index],
+                                         r.hidden_states_path)
                     if chunk is not None:           # None: all its text held back
-                        yield chunk.model_dump_json()
+                        yield event(chunk)
                         unsent[r.index] = [] if asked else None
                 if shutdown.is_set() and r.finish_reason is None:
                     break
         for index, last in enumerate(lasts):
             if last is None or last.finish_reason is None:
-                yield make_chunk(index, '', 'abort', None, None).model_dump_json()
+                yield event(chunks.delta(index, '', 'abort', None))
         if any(last is not None and last.finish_reason == 'error' for last in lasts):
-            yield json.dumps(engine_error().body())
+            yield event(dumps(engine_error().body()))
         if include_usage:
-            yield make_chunk(None, '', None, usage(lasts, prompts), None).model_dump_json()
+            yield event(chunks.usage(usage(lasts, prompts)))
     except Exception as e:
         error = e if isinstance(e, RequestError) else engine_error(e)
         for index, last in enumerate(lasts):
             if last is None or last.finish_reason is None:
-                yield make_chunk(index, '', 'error', None, None).model_dump_json()
-        yield json.dumps(error.body())
+                yield event(chunks.delta(index, '', 'error', None))
+        yield event(dumps(error.body()))
     finally:
         for tracker in trackers:         # a no-op for those that ended
             tracker.finish('abort')
-    yield '[DONE]'
+    yield event('[DONE]')

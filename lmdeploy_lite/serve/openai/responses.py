@@ -1,0 +1,180 @@
+"""What the server sends, as JSON text written without pydantic: the OpenAI documents of
+/v1/completions and /v1/chat/completions, whole or as stream chunks, field for field in the
+order OpenAI's reference (and pydantic) writes them, every field present, null included
+(tests/serve/test_responses.py pins each shape).
+
+A response is one template per request (`Document`: id, object, created, model) around its
+choices and usage, so a streamed chunk costs a few string joins and one C-level escape of its
+text, not a tree of models built and dumped per token (~3 us a chunk instead of ~17 with the
+SSE framing and metrics; `benchmarks/bench_serve.py --frontend-cpu`).
+"""
+from __future__ import annotations
+
+import json
+import time
+
+from lmdeploy_lite.messages import Response, SpecDecodeStats
+from lmdeploy_lite.serve.openai.logprobs import (CompletionLogprobs, TokenStrings,
+                                                 chat_logprobs_json)
+from lmdeploy_lite.serve.openai.tool_parser import ToolCall, ToolCallParser
+
+# any JSON value as compact UTF-8 text; a str goes straight to the C escaper
+dumps = json.JSONEncoder(ensure_ascii=False, separators=(',', ':')).encode
+
+
+def event(data: str) -> bytes:
+    """One server-sent event; JSON text holds no newline, so it is one `data:` line
+    (sse-starlette sends bytes as they are)."""
+    return f'data: {data}\n\n'.encode()
+
+
+class Document:
+    """The JSON text of one response or chunk of request `rid`: `object` names its kind
+    ('text_completion', 'chat.completion', 'chat.completion.chunk'); `created` is the
+    request's, on every chunk."""
+
+    def __init__(self, object: str, rid: str, model: str):
+        self.head = (f'{{"id":{dumps(rid)},"object":"{object}","created":{int(time.time())},'
+                     f'"model":{dumps(model)},"choices":[')
+
+    def write(self, choices: list[str], usage: dict | None = None) -> str:
+        """`choices`: each choice's JSON text (`completion_choice`, `chat_choice`)."""
+        return f'{self.head}{",".join(choices)}],"usage":{dumps(usage)}}}'
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None = None,
+                      logprobs: dict | None = None, hidden_states_path: str | None = None
+                      ) -> str:
+    """`hidden_states_path` (extension, extract_hidden_states): the file holding the choice's
+    hidden states, on its last response."""
+    return (f'{{"index":{index},"text":{dumps(text)},"logprobs":{dumps(logprobs)},'
+            f'"finish_reason":{dumps(finish_reason)},'
+            f'"hidden_states_path":{dumps(hidden_states_path)}}}')
+
+
+def chat_choice(index: int, key: str, role: str | None, content: str | None,
+                tool_calls: list[dict] | None = None, logprobs: str = 'null',
+                finish_reason: str | None = None, hidden_states_path: str | None = None) -> str:
+    """`key`: 'message' (a whole response's) or 'delta' (a chunk's); `logprobs`: JSON text
+    (`chat_logprobs_json`); content null when the output is only tool calls."""
+    return (f'{{"index":{index},"{key}":{{"role":{dumps(role)},"content":{dumps(content)},'
+            f'"tool_calls":{dumps(tool_calls)}}},"logprobs":{logprobs},'
+            f'"finish_reason":{dumps(finish_reason)},'
+            f'"hidden_states_path":{dumps(hidden_states_path)}}}')
+
+
+def tool_calls(calls: list[ToolCall], delta: bool) -> list[dict] | None:
+    """OpenAI `tool_calls`; in a chunk (`delta`) each carries its index: a whole call per
+    delta, since a call is parsed once its block has closed."""
+    return [{**({'index': c.index} if delta else {}), 'id': c.id, 'type': 'function',
+             'function': {'name': c.name, 'arguments': c.arguments}} for c in calls] or None
+
+
+def tool_calls_finish(finish_reason: str | None, num_calls: int) -> str | None:
+    """'tool_calls' for an output that made calls and stopped by itself (a cut one keeps
+    'length')."""
+    return 'tool_calls' if num_calls and finish_reason == 'stop' else finish_reason
+
+
+def usage(lasts: list[Response | None], prompts: list[list[int]]) -> dict:
+    """Each prompt counted once (its cached tokens: its choice 0's), every choice's completion
+    tokens and speculative counters added up (`spec_decode`, `num_preemptions`: extensions)."""
+    n, done = len(lasts) // len(prompts), [r for r in lasts if r is not None]
+    num_prompt = sum(len(ids) for ids in prompts)
+    completion = sum(r.generate_token_len for r in done)
+    spec = None
+    if any(r.spec_stats is not None for r in done):
+        s = SpecDecodeStats()
+        for r in done:
+            if r.spec_stats is not None:
+                s.merge(r.spec_stats)
+        spec = {'num_drafts': s.num_drafts, 'num_draft_tokens': s.num_draft_tokens,
+                'num_accepted_tokens': s.num_accepted_tokens,
+                'accepted_per_position': list(s.accepted_per_position),
+                'mean_accepted_length': s.mean_accepted_length}
+    cached = sum(r.num_cached_tokens for r in lasts[::n] if r is not None)
+    return {'prompt_tokens': num_prompt, 'completion_tokens': completion,
+            'total_tokens': num_prompt + completion,
+            'prompt_tokens_details': {'cached_tokens': cached}, 'spec_decode': spec,
+            'num_preemptions': sum(r.num_preemptions for r in done)}
+
+
+class CompletionChunks:
+    """The chunks of a /v1/completions stream (streaming.stream's `chunks`); `legacy`: each
+    choice's logprobs writer, None when the request asked for none."""
+
+    def __init__(self, rid: str, model: str, legacy: list[CompletionLogprobs | None]):
+        self.document, self.legacy = Document('text_completion', rid, model), legacy
+
+    def opening(self, index: int) -> str | None:
+        """The chunk that opens choice `index` before its first token (None: none)."""
+        return None
+
+    def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list | None,
+              hidden_states_path: str | None = None) -> str | None:
+        """Choice `index`'s next chunk (None: nothing to send yet); `logprobs`: the
+        TokenLogprobs of its tokens since its last chunk, None when not asked for."""
+        if logprobs is not None:
+            logprobs = self.legacy[index].add(logprobs)
+        return self.document.write([completion_choice(index, text, finish_reason, logprobs,
+                                                      hidden_states_path)])
+
+    def usage(self, use: dict) -> str:
+        return self.document.write([], use)
+
+
+class ChatChunks(CompletionChunks):
+    """The chunks of a /v1/chat/completions stream: the opening delta (role), content deltas
+    (tool calls parsed out of them where the request has tools), the usage chunk."""
+
+    def __init__(self, rid: str, model: str, parsers: list[ToolCallParser | None],
+                 strings: TokenStrings):
+        self.document = Document('chat.completion.chunk', rid, model)
+        self.parsers, self.strings = parsers, strings
+
+    def opening(self, index: int) -> str:
+        return self.document.write([chat_choice(index, 'delta', 'assistant', '')])
+
+    def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list | None,
+              hidden_states_path: str | None = None) -> str | None:
+        parser, calls = self.parsers[index], None
+        if parser is not None:
+            text, parsed = parser.feed(text, final=finish_reason is not None)
+            if not text and not parsed and finish_reason is None:
+                return None                           # all of it held back
+            finish_reason = tool_calls_finish(finish_reason, parser.num_calls)
+            text, calls = (text if text or not parsed else None), tool_calls(parsed, delta=True)
+        return self.document.write([chat_choice(
+            index, 'delta', None, text, calls,
+            'null' if logprobs is None else chat_logprobs_json(self.strings, logprobs),
+            finish_reason, hidden_states_path)])
+
+
+def completion_response(rid: str, model: str, prompts: list[list[int]], texts: list[str],
+                        lasts: list[Response | None], logprobs: list[list],
+                        legacy: list[CompletionLogprobs | None]) -> bytes:
+    """A whole /v1/completions response: each choice's text, logprobs and last response."""
+    choices = [completion_choice(i, text, last and last.finish_reason,
+                                 legacy[i] and legacy[i].add(logprobs[i]),
+                                 last and last.hidden_states_path)
+               for i, (text, last) in enumerate(zip(texts, lasts))]
+    return Document('text_completion', rid, model).write(choices, usage(lasts, prompts)).encode()
+
+
+def chat_response(rid: str, model: str, prompts: list[list[int]], texts: list[str],
+                  lasts: list[Response | None], logprobs: list[list] | None,
+                  parsers: list[ToolCallParser | None], strings: TokenStrings) -> bytes:
+    """A whole /v1/chat/completions response: each choice's text, tool calls parsed out;
+    `logprobs` None when the request asked for none."""
+    choices = []
+    for index, (text, last, parser) in enumerate(zip(texts, lasts, parsers)):
+        finish_reason, calls = last and last.finish_reason, []
+        if parser is not None:
+            text, calls = parser.feed(text, final=True)
+            finish_reason = tool_calls_finish(finish_reason, len(calls))
+        choices.append(chat_choice(
+            index, 'message', 'assistant', text if text or not calls else None,
+            tool_calls(calls, delta=False),
+            'null' if logprobs is None else chat_logprobs_json(strings, logprobs[index]),
+            finish_reason, last and last.hidden_states_path))
+    return Document('chat.completion', rid, model).write(choices, usage(lasts, prompts)).encode()
