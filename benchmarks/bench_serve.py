@@ -192,8 +192,37 @@ COLUMNS = ['concurrency', 'request_rate', 'requests', 'request_throughput', 'out
            'itl_p99_ms', 'mean_accepted_length']
 
 
+def frontend_cpu(num_chunks: int = 20000) -> list[dict]:
+    """The server's CPU time per streamed chunk, no engine: writing the chunk (responses.py),
+    its SSE framing and the metrics' per-response work (RequestTracker.observe), best of 3."""
+    from types import SimpleNamespace
+
+    from lmdeploy_lite.messages import Response
+    from lmdeploy_lite.serve.openai.metrics import ServerMetrics
+    from lmdeploy_lite.serve.openai.responses import ChatChunks, CompletionChunks, event
+    metrics = ServerMetrics(SimpleNamespace())
+    responses = [Response(text=' word "q"\n', token_ids=[i], input_token_len=128,
+                          generate_token_len=i + 1) for i in range(num_chunks)]
+    rows = []
+    for name, chunks in (('completion', CompletionChunks('cmpl-1', 'model', [None])),
+                         ('chat', ChatChunks('chatcmpl-1', 'model', [None], None))):
+        best = math.inf
+        for _ in range(3):
+            tracker = metrics.track(128)
+            start = time.perf_counter()
+            for r in responses:
+                tracker.observe(r)
+                event(chunks.delta(0, r.text, r.finish_reason, None, r.hidden_states_path))
+            best = min(best, (time.perf_counter() - start) / num_chunks)
+            tracker.finish('length')
+        rows.append({'endpoint': name, 'us_per_chunk': round(best * 1e6, 2)})
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--frontend-cpu', action='store_true',
+                        help="only time the server's CPU work per streamed chunk (no server)")
     parser.add_argument('--base-url', default=None, help='a running server (else --launch)')
     parser.add_argument('--launch', action='store_true', help='start a server for the run')
     parser.add_argument('--model', default=None, help='with --launch: model directory')
@@ -213,6 +242,9 @@ def main():
                         help='client processes sharing the requests (a fast server outruns one)')
     parser.add_argument('--out', default=os.path.join(ROOT, 'out', 'bench_serve.json'))
     args = parser.parse_args()
+    if args.frontend_cpu:
+        print_table(frontend_cpu(), ['endpoint', 'us_per_chunk'])
+        return
     if (args.base_url is None) == (not args.launch):
         parser.error('give exactly one of --base-url and --launch')
     if args.preset:

@@ -5,8 +5,8 @@ order OpenAI's reference (and pydantic) writes them, every field present, null i
 
 A response is one template per request (`Document`: id, object, created, model) around its
 choices and usage, so a streamed chunk costs a few string joins and one C-level escape of its
-text, not a tree of models built and dumped per token (~3 us a chunk instead of ~17 with the
-SSE framing and metrics; `benchmarks/bench_serve.py --frontend-cpu`).
+text, not a tree of models built and dumped per token (~1 us a chunk with its SSE framing and
+metrics, where pydantic's path took ~16; `benchmarks/bench_serve.py --frontend-cpu`).
 """
 from __future__ import annotations
 
@@ -20,6 +20,11 @@ from lmdeploy_lite.serve.openai.tool_parser import ToolCall, ToolCallParser
 
 # any JSON value as compact UTF-8 text; a str goes straight to the C escaper
 dumps = json.JSONEncoder(ensure_ascii=False, separators=(',', ':')).encode
+
+
+def string(value: str | None) -> str:
+    """A string or null as JSON (what chunks hold: ~0.1 us, where `dumps(None)` takes ~1)."""
+    return 'null' if value is None else dumps(value)
 
 
 def event(data: str) -> bytes:
@@ -39,7 +44,8 @@ class Document:
 
     def write(self, choices: list[str], usage: dict | None = None) -> str:
         """`choices`: each choice's JSON text (`completion_choice`, `chat_choice`)."""
-        return f'{self.head}{",".join(choices)}],"usage":{dumps(usage)}}}'
+        usage_json = 'null' if usage is None else dumps(usage)
+        return f'{self.head}{",".join(choices)}],"usage":{usage_json}}}'
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None = None,
@@ -47,9 +53,10 @@ def completion_choice(index: int, text: str, finish_reason: str | None = None,
                       ) -> str:
     """`hidden_states_path` (extension, extract_hidden_states): the file holding the choice's
     hidden states, on its last response."""
-    return (f'{{"index":{index},"text":{dumps(text)},"logprobs":{dumps(logprobs)},'
-            f'"finish_reason":{dumps(finish_reason)},'
-            f'"hidden_states_path":{dumps(hidden_states_path)}}}')
+    return (f'{{"index":{index},"text":{dumps(text)},'
+            f'"logprobs":{"null" if logprobs is None else dumps(logprobs)},'
+            f'"finish_reason":{string(finish_reason)},'
+            f'"hidden_states_path":{string(hidden_states_path)}}}')
 
 
 def chat_choice(index: int, key: str, role: str | None, content: str | None,
@@ -57,10 +64,10 @@ def chat_choice(index: int, key: str, role: str | None, content: str | None,
                 finish_reason: str | None = None, hidden_states_path: str | None = None) -> str:
     """`key`: 'message' (a whole response's) or 'delta' (a chunk's); `logprobs`: JSON text
     (`chat_logprobs_json`); content null when the output is only tool calls."""
-    return (f'{{"index":{index},"{key}":{{"role":{dumps(role)},"content":{dumps(content)},'
-            f'"tool_calls":{dumps(tool_calls)}}},"logprobs":{logprobs},'
-            f'"finish_reason":{dumps(finish_reason)},'
-            f'"hidden_states_path":{dumps(hidden_states_path)}}}')
+    return (f'{{"index":{index},"{key}":{{"role":{string(role)},"content":{string(content)},'
+            f'"tool_calls":{"null" if tool_calls is None else dumps(tool_calls)}}},'
+            f'"logprobs":{logprobs},"finish_reason":{string(finish_reason)},'
+            f'"hidden_states_path":{string(hidden_states_path)}}}')
 
 
 def tool_calls(calls: list[ToolCall], delta: bool) -> list[dict] | None:
