@@ -109,23 +109,24 @@ def speculative_config(args):
                                  aux_hidden_state_layer_ids=_layer_ids(
                                      args.speculative_aux_hidden_state_layer_ids),
                                  hidden_states_dir=args.hidden_states_dir)
-    for flag in ('speculative_aux_hidden_state_layer_ids', 'hidden_states_dir'):
-        if getattr(args, flag) is not None:
-            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: needs "
-                             '--speculative-algorithm extract_hidden_states')
+    _refuse(args, ('speculative_aux_hidden_state_layer_ids', 'hidden_states_dir'),
+            'needs --speculative-algorithm extract_hidden_states')
     if args.speculative_algorithm is None and args.speculative_num_draft_tokens is None:
-        for flag in ('speculative_tp', 'speculative_ep', 'speculative_draft_model',
-                     'speculative_token_map'):
-            if getattr(args, flag) is not None:
-                raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: "
-                                 'speculative decoding is off; add '
-                                 '--speculative-num-draft-tokens K to turn it on')
+        _refuse(args, ('speculative_tp', 'speculative_ep', 'speculative_draft_model',
+                       'speculative_token_map'),
+                'speculative decoding is off; add --speculative-num-draft-tokens K to turn it on')
         return None
     return SpeculativeConfig(method=args.speculative_algorithm or 'qwen3_5_mtp',
                              num_speculative_tokens=args.speculative_num_draft_tokens or 3,
                              model=args.speculative_draft_model, tp=args.speculative_tp,
                              ep=args.speculative_ep, dynamic=args.speculative_dynamic,
                              draft_token_map=args.speculative_token_map)
+
+
+def _refuse(args, flags: tuple[str, ...], why: str):
+    for flag in flags:
+        if getattr(args, flag) is not None:
+            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: {why}")
 
 
 def _layer_ids(text: str | None) -> tuple[int, ...] | None:
@@ -156,26 +157,34 @@ def leave_a_core_to_the_front_end(device: str):
     (embedded model, through pipeline()): batch 64 decoded at 928 tokens/s with 2 threads and at
     1,526 with 1 (the bare step loop: 1,448-1,682), batch 1 at ~100 and ~123."""
     import torch
-    if 'OMP_NUM_THREADS' in os.environ or torch.get_num_threads() < 2:
-        return
-    if device == 'cpu' or (device == 'auto' and not torch.cuda.is_available()):
+    if ('OMP_NUM_THREADS' not in os.environ and torch.get_num_threads() >= 2
+            and not _on_cuda(device)):
         torch.set_num_threads(torch.get_num_threads() - 1)
 
 
+def _on_cuda(device: str) -> bool:
+    import torch
+    return device == 'cuda' or (device == 'auto' and torch.cuda.is_available())
+
+
+def _engine_config(args, **parallel):
+    from lmdeploy_lite import PytorchEngineConfig
+    return PytorchEngineConfig(dtype=args.dtype, device=args.device,
+                               max_batch_size=args.max_batch_size, session_len=args.session_len,
+                               cache_max_entry_count=args.cache_max_entry_count,
+                               ssm_state_dtype=args.ssm_state_dtype,
+                               max_prefill_token_num=args.max_prefill_token_num,
+                               max_mixed_token_num=args.max_mixed_token_num,
+                               enable_prefix_caching=args.enable_prefix_caching,
+                               sequence_parallel=args.sequence_parallel, **parallel,
+                               **executor_args(args))
+
+
 def _build(args):
-    from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline
+    from lmdeploy_lite import GenerationConfig, pipeline
     leave_a_core_to_the_front_end(args.device)
     logging.basicConfig(level=args.log_level.upper())
-    engine_config = PytorchEngineConfig(dtype=args.dtype, device=args.device,
-                                        max_batch_size=args.max_batch_size,
-                                        session_len=args.session_len,
-                                        cache_max_entry_count=args.cache_max_entry_count,
-                                        ssm_state_dtype=args.ssm_state_dtype,
-                                        max_prefill_token_num=args.max_prefill_token_num,
-                                        max_mixed_token_num=args.max_mixed_token_num,
-                                        enable_prefix_caching=args.enable_prefix_caching,
-                                        sequence_parallel=args.sequence_parallel,
-                                        **executor_args(args))
+    engine_config = _engine_config(args)
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                   do_sample=args.temperature > 0, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, random_seed=args.seed,
@@ -346,7 +355,7 @@ def cmd_serve(args) -> int:
 
 
 def _load_and_serve(args) -> int:
-    from lmdeploy_lite import PytorchEngineConfig, pipeline
+    from lmdeploy_lite import pipeline
     leave_a_core_to_the_front_end(args.device)
     from lmdeploy_lite.api import resolve_model_path
     from lmdeploy_lite.serve.openai.api_server import default_model_name, serve
@@ -362,24 +371,12 @@ def _load_and_serve(args) -> int:
                              **({} if args.max_connections is None
                                 else {'max_connections': args.max_connections}))
     api_keys = load_api_keys(args.api_keys, args.api_keys_file)
-    engine_config = PytorchEngineConfig(dtype=args.dtype, device=args.device,
-                                        max_batch_size=args.max_batch_size,
-                                        session_len=args.session_len,
-                                        cache_max_entry_count=args.cache_max_entry_count,
-                                        ssm_state_dtype=args.ssm_state_dtype,
-                                        max_prefill_token_num=args.max_prefill_token_num,
-                                        max_mixed_token_num=args.max_mixed_token_num,
-                                        enable_prefix_caching=args.enable_prefix_caching,
-                                        sequence_parallel=args.sequence_parallel,
-                                        tp=args.tp, dp=args.dp, ep=args.ep,
-                                        **executor_args(args))
+    engine_config = _engine_config(args, tp=args.tp, dp=args.dp, ep=args.ep)
     spec = speculative_config(args)
     model_path = resolve_model_path(args.model)
     engine_process = args.engine_process
     if engine_process is None:       # auto: where a step is faster than the loop's streaming
-        import torch
-        engine_process = args.device == 'cuda' or (args.device == 'auto' and
-                                                     torch.cuda.is_available())
+        engine_process = _on_cuda(args.device)
     pipe = pipeline(model_path, engine_config, spec, progress=False,
                     engine_process=engine_process)
     return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
