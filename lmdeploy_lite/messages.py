@@ -23,10 +23,9 @@ MAX_N = 16                   # GenerationConfig.n: choices per prompt
 # 1 / vocab_size > 1e-8), which is exactly greedy; smaller values would round to 0 in float32.
 GREEDY_TEMPERATURE = 1e-5
 GREEDY_TOP_P = 1e-8
-# Penalty ranges. repetition_penalty p (HF/lmdeploy: a seen token's logit x becomes x * p if
-# x < 0, else x / p) lies in [0.01, 10]: 1 is off, 1.1..1.5 the usual choice, 10 already makes
-# any repeat all but impossible, and smaller p divide logits towards overflow. presence_penalty
-# and frequency_penalty lie in [-2, 2], as OpenAI's API allows.
+# Penalty ranges (GenerationConfig says what each does): repetition_penalty in [0.01, 10] (1.1..1.5
+# usual, 10 already makes any repeat all but impossible, smaller p divide logits towards overflow);
+# presence_penalty and frequency_penalty in [-2, 2], as OpenAI's API allows.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_OPENAI_PENALTY = 2.0
@@ -76,6 +75,10 @@ def _check_float(field_name: str, value, low: float, high: float, allowed: str,
 
 def _check_bool(field_name: str, value):
     _check(isinstance(value, bool), field_name, value, 'True or False')
+
+
+def _check_choice(field_name: str, value, choices: tuple):
+    _check(value in choices, field_name, value, f'one of {choices}')
 
 
 def _set(obj, name: str, value):
@@ -234,7 +237,7 @@ class SpeculativeConfig:
     hidden_states_dir: str | None = None
 
     def __post_init__(self):
-        _check(self.method in SPEC_METHODS, 'method', self.method, f'one of {SPEC_METHODS}')
+        _check_choice('method', self.method, SPEC_METHODS)
         self._check_extraction()
         _check_int('num_speculative_tokens', self.num_speculative_tokens, 1, 8)
         _check(self.model is None or isinstance(self.model, str), 'model', self.model,
@@ -324,8 +327,8 @@ class PytorchEngineConfig:
     sequence_parallel: bool = False
 
     def __post_init__(self):
-        _check(self.dtype in DTYPES, 'dtype', self.dtype, f'one of {DTYPES}')
-        _check(self.device in DEVICES, 'device', self.device, f'one of {DEVICES}')
+        _check_choice('dtype', self.dtype, DTYPES)
+        _check_choice('device', self.device, DEVICES)
         _check_int('max_batch_size', self.max_batch_size, 1)
         _check_int('max_prefill_token_num', self.max_prefill_token_num, 1)
         _check_int('max_mixed_token_num', self.max_mixed_token_num, 0)
@@ -343,23 +346,18 @@ class PytorchEngineConfig:
                f'1 or tp x dp = {world} (tp={self.tp}, dp={self.dp}): expert parallelism '
                f'shards the experts over every rank; set {fix}, or tp x dp to {self.ep}')
         _check_int('seed', self.seed, 0, UINT64_MAX)
-        _check(isinstance(self.eager_mode, bool), 'eager_mode', self.eager_mode, 'True or False')
+        _check_bool('eager_mode', self.eager_mode)
         _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
                'async_scheduling', self.async_scheduling, 'True, False or None (auto)')
-        _check(self.distributed_executor_backend in EXECUTOR_BACKENDS,
-               'distributed_executor_backend', self.distributed_executor_backend,
-               f'one of {EXECUTOR_BACKENDS}')
+        _check_choice('distributed_executor_backend', self.distributed_executor_backend,
+                      EXECUTOR_BACKENDS)
         _check(self.distributed_executor_backend != 'uni' or self.tp * self.dp == 1,
                'distributed_executor_backend', self.distributed_executor_backend,
                f"'mp' or 'ray' for tp * dp = {self.tp * self.dp} ranks ('uni' runs one rank)")
-        _check(self.load_format in LOAD_FORMATS, 'load_format', self.load_format,
-               f'one of {LOAD_FORMATS}')
-        _check(self.ssm_state_dtype in SSM_STATE_DTYPES, 'ssm_state_dtype', self.ssm_state_dtype,
-               f'one of {SSM_STATE_DTYPES}')
-        _check(isinstance(self.enable_prefix_caching, bool), 'enable_prefix_caching',
-               self.enable_prefix_caching, 'True or False')
-        _check(isinstance(self.sequence_parallel, bool), 'sequence_parallel',
-               self.sequence_parallel, 'True or False')
+        _check_choice('load_format', self.load_format, LOAD_FORMATS)
+        _check_choice('ssm_state_dtype', self.ssm_state_dtype, SSM_STATE_DTYPES)
+        for name in ('enable_prefix_caching', 'sequence_parallel'):
+            _check_bool(name, getattr(self, name))
         _check(not self.sequence_parallel or self.tp > 1, 'sequence_parallel',
                self.sequence_parallel,
                f'False with tp={self.tp}: sequence parallelism splits tokens over the TP ranks, '
@@ -395,30 +393,25 @@ class SpecDecodeStats:
                                                      self.drafted_per_position)]
 
     def add(self, num_draft_tokens: int, num_accepted: int):
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_position) < num_draft_tokens:
-            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
-        if len(self.drafted_per_position) < num_draft_tokens:
-            self.drafted_per_position += [0] * (num_draft_tokens - len(self.drafted_per_position))
-        for i in range(num_accepted):
-            self.accepted_per_position[i] += 1
-        for i in range(num_draft_tokens):
-            self.drafted_per_position[i] += 1
+        """One verify step of `num_draft_tokens` drafts, the first `num_accepted` accepted."""
+        accepted = [1] * num_accepted + [0] * (num_draft_tokens - num_accepted)
+        self.merge(SpecDecodeStats(1, num_draft_tokens, num_accepted, accepted,
+                                   [1] * num_draft_tokens))
 
     def merge(self, other: 'SpecDecodeStats'):
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
-        n = max(len(self.accepted_per_position), len(other.accepted_per_position))
-        a = self.accepted_per_position + [0] * (n - len(self.accepted_per_position))
-        b = other.accepted_per_position + [0] * (n - len(other.accepted_per_position))
-        self.accepted_per_position = [x + y for x, y in zip(a, b)]
-        n = max(len(self.drafted_per_position), len(other.drafted_per_position))
-        a = self.drafted_per_position + [0] * (n - len(self.drafted_per_position))
-        b = other.drafted_per_position + [0] * (n - len(other.drafted_per_position))
-        self.drafted_per_position = [x + y for x, y in zip(a, b)]
+        self.accepted_per_position = _add_lists(self.accepted_per_position,
+                                                other.accepted_per_position)
+        self.drafted_per_position = _add_lists(self.drafted_per_position,
+                                               other.drafted_per_position)
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    """Element-wise sum, the shorter list padded with zeros."""
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
 class TokenLogprobs(dict):
