@@ -30,6 +30,7 @@ from common import (ROOT, add_model_args, environment, output_path, print_table,
                     release_memory, resolve_model, save_json, timed_decode)
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 
 _DEVICE_CATEGORIES = ('kernel', 'gpu_memcpy', 'gpu_memset')
@@ -152,7 +153,7 @@ def main():
     rows = []
     for k in [int(x) for x in args.ks.split(',')]:
         spec = SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k) if k else None
-        engine = Engine(model_dir, PytorchEngineConfig(
+        engine = build_engine(model_dir, PytorchEngineConfig(
             dtype=args.dtype, device=args.device, max_batch_size=max(batch_sizes),
             session_len=args.prompt_len + steps * (k + 1) + 16, load_format=load_format,
             seed=args.seed), spec, progress=False)

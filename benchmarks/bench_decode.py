@@ -27,7 +27,8 @@ from common import (add_model_args, copy_bandwidth, environment, output_path, pr
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy_lite.pytorch.config import ModelConfig
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.models.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -110,7 +111,7 @@ def main():
                          [int(b) for b in args.hf_batch_sizes.split(',')], args.prompt_len,
                          args.decode_steps)
     session_len = max([args.prompt_len, *context_lens]) + args.warmup_steps + args.decode_steps + 16
-    engine = Engine(model_dir, PytorchEngineConfig(
+    engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(batch_sizes + [2]),
         session_len=session_len, max_prefill_token_num=args.max_prefill_tokens,
         load_format=load_format, seed=args.seed,

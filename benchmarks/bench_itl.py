@@ -31,6 +31,7 @@ from common import (add_model_args, environment, output_path, print_table, relea
                     resolve_model, save_json, synchronize)
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 
 COLUMNS = ['mode', 'streams', 'long', 'ttft_s', 'window_steps', 'base_med_ms', 'win_med_ms',
@@ -143,7 +144,7 @@ def main():
     session_len = max(args.long_prompt_len + 2, args.prompt_len + (1 + k) * (
         args.pre_steps + args.post_steps + window_steps))
     modes = {True: ['mixed'], False: ['no-mixed'], None: ['no-mixed', 'mixed']}[args.mixed]
-    engine = Engine(model_dir, PytorchEngineConfig(
+    engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=args.streams + 1,
         session_len=session_len, max_prefill_token_num=args.max_prefill_tokens,
         max_mixed_token_num=args.max_mixed_tokens if 'mixed' in modes else 0,

@@ -20,6 +20,7 @@ from common import (add_model_args, environment, output_path, print_table, resol
                     save_json, synchronize)
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 
 
@@ -54,7 +55,7 @@ def main():
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     model, load_format = resolve_model(args)
-    engine = Engine(model, PytorchEngineConfig(dtype=args.dtype, device=args.device,
+    engine = build_engine(model, PytorchEngineConfig(dtype=args.dtype, device=args.device,
                                                load_format=load_format,
                                                session_len=args.prompt_len + 64,
                                                max_prefill_token_num=8192,
@@ -77,7 +78,7 @@ def main():
                       'ttft_all_ms': sorted(r['ttft_all_ms'] for r in results)[len(results) // 2],
                       'wall_ms': sorted(r['wall_ms'] for r in results)[len(results) // 2]})
     print_table(table, ['mode', 'prefill_tokens', 'ttft_all_ms', 'wall_ms'])
-    check = Engine(model, engine.engine_config, progress=False)     # same outputs, alone
+    check = build_engine(model, engine.engine_config, progress=False)     # same outputs, alone
     prompt = [rng.randrange(vocab) for _ in range(args.prompt_len)]
     grouped = run(check, prompt, gen, True)['outputs']
     separate = run(check, prompt, gen, False)['outputs']

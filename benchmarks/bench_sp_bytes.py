@@ -32,7 +32,7 @@ from presets import preset_config
 
 from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.engine.executor.mp import free_port
 from lmdeploy_lite.pytorch.engine.step_plan import round_up
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes, ModelInputs

@@ -30,6 +30,7 @@ from common import (add_model_args, environment, output_path, print_table, relea
                     resolve_model, save_json, timed_decode)
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
 
@@ -64,12 +65,12 @@ def synthetic_rejection_sampler(rates: list[float], seed: int = 0, verify=reject
     return sampler
 
 
-def build_engine(model_dir: str, load_format: str, k: int, rates, args,
+def make_engine(model_dir: str, load_format: str, k: int, rates, args,
                  dynamic: bool = False) -> Engine:
     steps = max(args.warmup_steps, args.dynamic_warmup_steps) + args.decode_steps
     spec = (SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k, dynamic=dynamic,
                               draft_token_map=args.token_map) if k else None)
-    engine = Engine(model_dir, PytorchEngineConfig(
+    engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch_sizes + [2]),
         session_len=args.prompt_len + (steps + 2) * (k + 1) + 16, load_format=load_format,
         seed=args.seed, async_scheduling=args.async_scheduling), spec, progress=False)
@@ -158,7 +159,7 @@ def main():
     for k in [0] + ks + (['dyn'] if args.dynamic else []):
         dynamic = k == 'dyn'
         k_max = max(ks) if dynamic else k
-        engine = build_engine(model_dir, load_format, k_max, rates, args, dynamic=dynamic)
+        engine = make_engine(model_dir, load_format, k_max, rates, args, dynamic=dynamic)
         measure(engine, k_max, 2, args.prompt_len, 2, 2)                     # warm-up
         for batch in args.batch_sizes:
             warmup = args.dynamic_warmup_steps if dynamic else args.warmup_steps

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(ROOT, 'tools'))
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR, load_tokenizer  # noqa: E402
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig,  # noqa: E402
                                     SpeculativeConfig)
-from lmdeploy_lite.pytorch.engine.engine import Engine  # noqa: E402
+from lmdeploy_lite.pytorch.engine.build import build_engine  # noqa: E402
 from train_tiny_model import held_out_files, read_texts  # noqa: E402
 
 
@@ -45,7 +45,7 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, k: int, dtype: st
         dynamic: bool = True):
     spec = (SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k, dynamic=dynamic)
             if k else None)
-    engine = Engine(model, PytorchEngineConfig(dtype=dtype, device='cpu'), spec, progress=False)
+    engine = build_engine(model, PytorchEngineConfig(dtype=dtype, device='cpu'), spec, progress=False)
     start = time.perf_counter()
     seqs = engine.generate(prompts, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True))
     seconds = time.perf_counter() - start

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import add_model_args, resolve_model, synchronize  # noqa: E402
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig  # noqa: E402
-from lmdeploy_lite.pytorch.engine.engine import Engine  # noqa: E402
+from lmdeploy_lite.pytorch.engine.build import build_engine  # noqa: E402
 
 
 def main():
@@ -27,7 +27,7 @@ def main():
     parser.add_argument('--rows', type=int, default=25)
     args = parser.parse_args()
     path, load_format = resolve_model(args)
-    engine = Engine(path, PytorchEngineConfig(dtype=args.dtype, device=args.device,
+    engine = build_engine(path, PytorchEngineConfig(dtype=args.dtype, device=args.device,
                                               load_format=load_format, session_len=4096,
                                               max_batch_size=8), progress=False)
     device = engine.device

@@ -13,7 +13,7 @@ import torch
 from common import add_model_args, resolve_model
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 
 
 def main():
@@ -29,7 +29,7 @@ def main():
     model_dir, load_format = resolve_model(args)
     spec_kwargs = ({'speculative_config': SpeculativeConfig(num_speculative_tokens=args.spec)}
                    if args.spec else {})
-    engine = Engine(model_dir, PytorchEngineConfig(
+    engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch, 2), session_len=2048,
         load_format=load_format, seed=args.seed, eager_mode=args.eager), progress=False,
         **spec_kwargs)

@@ -60,7 +60,7 @@ def worker(rank: int, args, model_dir: str, load_format: str, init_method: str, 
                                         SpeculativeConfig)
     from lmdeploy_lite.pytorch.config import DistConfig
     from lmdeploy_lite.pytorch.distributed import DistContext
-    from lmdeploy_lite.pytorch.engine.engine import Engine
+    from lmdeploy_lite.pytorch.engine.build import build_engine
     from lmdeploy_lite.pytorch.nn.token_dispatcher import dispatch_capacity
     torch.set_num_threads(1)
     cuda = args.device == 'cuda'
@@ -81,7 +81,7 @@ def worker(rank: int, args, model_dir: str, load_format: str, init_method: str, 
                                       load_format=load_format, seed=args.seed,
                                       eager_mode=mode == 'eager', enable_prefix_caching=False)
             spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-            engine = Engine(model_dir, cfg, spec, progress=False, dist_ctx=dist_ctx)
+            engine = build_engine(model_dir, cfg, spec, progress=False, dist_ctx=dist_ctx)
             if k and args.synthetic_acceptance:
                 from bench_spec import synthetic_rejection_sampler
                 rates = [float(r) for r in args.synthetic_acceptance.split(',')]

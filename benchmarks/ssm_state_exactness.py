@@ -31,7 +31,8 @@ from common import (add_model_args, environment, output_path, print_table, relea
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy_lite.pytorch.config import ModelConfig
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 
 COLUMNS = ['state', 'match_pct', 'identical', 'first_div_median', 'state_mb', 'kv_blocks',
@@ -69,7 +70,7 @@ def run(model_dir: str, load_format: str, args, ssm_state_dtype: str,
         prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
     session_len = args.prompt_len + max(args.max_new_tokens,
                                         args.warmup_steps + args.decode_steps + 8) + 16
-    engine = Engine(model_dir, PytorchEngineConfig(
+    engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch, args.num_prompts),
         session_len=session_len, load_format=load_format, seed=args.seed,
         async_scheduling=args.async_scheduling, ssm_state_dtype=ssm_state_dtype),

@@ -10,7 +10,7 @@ import pytest
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.spec_decode.token_map import load_token_map
 from tests.helpers import accepting
 from tests.helpers.token_maps import ROOT, build_token_map_tool
@@ -93,7 +93,7 @@ def test_command_line_and_an_engine_run_with_the_map(tmp_path):
     k, prompts = 2, [list(p) for p in accepting.prompts()[:2]]
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
     cfg = PytorchEngineConfig(**accepting.BASE)
-    engine = Engine(accepting.model_dir(), cfg, SpeculativeConfig(num_speculative_tokens=k,
+    engine = build_engine(accepting.model_dir(), cfg, SpeculativeConfig(num_speculative_tokens=k,
                                                                   draft_token_map=out),
                     progress=False)
     got = [s.generated_ids for s in engine.generate(prompts, gen)]

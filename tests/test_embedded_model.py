@@ -17,8 +17,8 @@ from safetensors import safe_open
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.pytorch.config import CacheConfig
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.models.loader import (build_model, checkpoint_files,
                                                  load_mtp_state_dict, load_mtp_weights)
 from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
@@ -167,7 +167,7 @@ def greedy(prompts, k: int = 0):
     spec = SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k) if k else None
     config = PytorchEngineConfig(dtype='float32', device='cpu', max_batch_size=2, block_size=16,
                                  session_len=256)
-    engine = Engine(MODEL_DIR, config, spec, progress=False)
+    engine = build_engine(MODEL_DIR, config, spec, progress=False)
     seqs = engine.generate(prompts, GenerationConfig(max_new_tokens=24, ignore_eos=True))
     return [s.generated_ids for s in seqs], engine.spec_stats
 

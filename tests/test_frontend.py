@@ -10,7 +10,8 @@ import pytest
 from helpers.accepting import (BASE, assert_real_acceptance, many_prompts, model_dir, prompts,
                                spec)
 from lmdeploy_lite import api
-from lmdeploy_lite.api import EMBEDDED_MODEL_DIR, TextStream, batch_decoder, detokenize, pipeline
+from lmdeploy_lite.api import EMBEDDED_MODEL_DIR, pipeline
+from lmdeploy_lite.text_stream import TextStream, batch_decoder, detokenize
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
 
 K = 3
@@ -64,9 +65,9 @@ def test_mp_rank_loop_sends_one_message_per_step():
     """Every rank's loop (here in a thread over a one-rank engine): one outbox message per
     step carrying every request's report of that step: (request id, StepOutput), the one output
     type, which pickles without its Sequence."""
-    from lmdeploy_lite.pytorch.engine.engine import Engine
+    from lmdeploy_lite.pytorch.engine.build import build_engine
     from lmdeploy_lite.pytorch.engine.executor.rank_worker import rank_loop
-    engine = Engine(model_dir(), PytorchEngineConfig(**BASE, max_batch_size=64), spec(K),
+    engine = build_engine(model_dir(), PytorchEngineConfig(**BASE, max_batch_size=64), spec(K),
                     progress=False)
     inbox, outbox = queue.Queue(), queue.Queue()
     gen = GenerationConfig(max_new_tokens=8, ignore_eos=True)
@@ -192,7 +193,7 @@ def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
     import asyncio
     from types import SimpleNamespace
 
-    from lmdeploy_lite.api import _coalesce
+    from lmdeploy_lite.text_stream import coalesce
 
     def out(ids, finished=False):
         return SimpleNamespace(new_token_ids=ids, finished=finished,
@@ -202,7 +203,7 @@ def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
         inbox = asyncio.Queue()
         for item in [(out([3, 4]), 'b'), (out([5], True), 'c'), (out([9]), 'x')]:
             inbox.put_nowait(item)
-        last, text, ids, logprobs, error = _coalesce(inbox, (out([1, 2]), 'a'))
+        last, text, ids, logprobs, error = coalesce(inbox, (out([1, 2]), 'a'))
         assert (text, ids, last.finished, error) == ('abc', [1, 2, 3, 4, 5], True, None)
         assert logprobs == out([1, 2, 3, 4, 5]).logprobs
         assert inbox.qsize() == 1                 # nothing past the finished item is taken
@@ -210,9 +211,9 @@ def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
         failure = RuntimeError('engine stopped')
         inbox.put_nowait((out([2]), 'b'))
         inbox.put_nowait(failure)
-        last, text, ids, _, error = _coalesce(inbox, (out([1]), 'a'))
+        last, text, ids, _, error = coalesce(inbox, (out([1]), 'a'))
         assert (text, ids, last.finished, error) == ('ab', [1, 2], False, failure)
-        last, text, ids, _, error = _coalesce(inbox, (out([7]), 'z'))      # nothing waiting
+        last, text, ids, _, error = coalesce(inbox, (out([7]), 'z'))      # nothing waiting
         assert (text, ids, error) == ('z', [7], None)
     asyncio.run(run())
 

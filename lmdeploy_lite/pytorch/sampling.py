@@ -14,6 +14,7 @@ penalised row carries `penalties=None` and pays nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -217,6 +218,54 @@ class SamplingInputs:
     def greedy(cls, batch_size: int, device: torch.device | str = 'cpu') -> SamplingInputs:
         return cls.from_values([False] * batch_size, [0.0] * batch_size, [0] * batch_size,
                                [1.0] * batch_size, device=device)
+
+
+class SamplingTables:
+    """A step's SamplingInputs from its rows' configs: cached for all-greedy batches (one per
+    size) and a dummy forward's one greedy row, built for the others."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.idle = SamplingInputs.greedy(1, device)
+        self._greedy: dict[int, SamplingInputs] = {}
+
+    def for_batch(self, batch) -> SamplingInputs:
+        """Rows of a prefill chunk that does not reach the sequence's end sample nothing, so
+        they draw nothing from the request's generator: a seed's stream does not depend on how
+        the prompt was chunked. Penalised rows that sample add their penalties and token ids
+        (the host's). With the logprobs the step computes when some row asks for them: the
+        largest request's top-N, once for the whole batch. No batch: the dummy forward's."""
+        if batch is None:
+            return self.idle
+        seqs, mask = batch.seqs, batch.sample_mask
+        cfgs = [s.gen_config for s in seqs]
+        if all(c.is_greedy for c in cfgs):
+            sampling = self._greedy.get(len(cfgs))
+            if sampling is None:
+                sampling = self._greedy[len(cfgs)] = SamplingInputs.greedy(len(cfgs), self.device)
+        else:
+            sampling = SamplingInputs.from_values(
+                do_sample=[not c.is_greedy and m for c, m in zip(cfgs, mask)],
+                temperature=[c.temperature for c in cfgs], top_k=[c.top_k for c in cfgs],
+                top_p=[c.top_p for c in cfgs],
+                generators=[s.generator if m else None for s, m in zip(seqs, mask)],
+                device=self.device)
+        changes = {}
+        penalised = [c.has_penalties and m for c, m in zip(cfgs, mask)]
+        if any(penalised):
+            changes['penalties'] = Penalties.from_values(
+                repetition=[c.repetition_penalty if p else 1.0 for c, p in zip(cfgs, penalised)],
+                presence=[c.presence_penalty if p else 0.0 for c, p in zip(cfgs, penalised)],
+                frequency=[c.frequency_penalty if p else 0.0 for c, p in zip(cfgs, penalised)],
+                prompt_ids=[s.token_ids[:s.num_prompt] if p else ()
+                            for s, p in zip(seqs, penalised)],
+                output_ids=[s.token_ids[s.num_prompt:] if p else ()
+                            for s, p in zip(seqs, penalised)],
+                device=self.device)
+        asked = [c.logprobs for c in cfgs if c.logprobs is not None]
+        if asked:
+            changes['logprobs'] = max(asked)
+        return dataclasses.replace(sampling, **changes) if changes else sampling   # cached: kept
 
 
 def _row_shape(logits: Tensor) -> tuple[int, ...]:

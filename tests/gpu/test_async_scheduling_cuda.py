@@ -3,7 +3,7 @@ and accepted counts equal the synchronous engine's. Skipped without CUDA."""
 import pytest
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -19,7 +19,7 @@ def test_async_on_cuda_changes_nothing(k, tiny_ckpt):
         cfg = PytorchEngineConfig(dtype='float32', device='cuda', block_size=16, session_len=256,
                                   max_batch_size=8, async_scheduling=async_scheduling)
         # fixed k: the accepted counts are compared (a dynamic k follows the step times)
-        engine = Engine(path, cfg, SpeculativeConfig(num_speculative_tokens=k, dynamic=False)
+        engine = build_engine(path, cfg, SpeculativeConfig(num_speculative_tokens=k, dynamic=False)
                         if k else None, progress=False)
         seqs = engine.generate(PROMPTS, GEN)
         stats = engine.spec_stats

@@ -14,7 +14,7 @@ import torch
 
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900)]
 
@@ -28,7 +28,7 @@ def _run(path, dtype, spec=None, eager=False, prompts=PROMPTS, gen=GEN, backend=
     try:
         cfg = PytorchEngineConfig(dtype=dtype, device='cuda', block_size=16, session_len=512,
                                   max_batch_size=32, eager_mode=eager)
-        engine = Engine(path, cfg, spec, progress=False)
+        engine = build_engine(path, cfg, spec, progress=False)
         if not eager and backend is None:
             agent = engine.agent if spec is None else engine.agent.target
             assert agent.graph is not None and agent.graph.use_graphs

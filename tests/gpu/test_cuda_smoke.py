@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +20,7 @@ def test_cuda_matches_cpu_with_and_without_speculation(moe, tiny_ckpt):
         for spec in (None, SpeculativeConfig(num_speculative_tokens=3)):
             cfg = PytorchEngineConfig(dtype='float64', device=device, block_size=16,
                                       session_len=128, max_batch_size=8)
-            engine = Engine(path, cfg, spec, progress=False)
+            engine = build_engine(path, cfg, spec, progress=False)
             results[device, spec is not None] = [s.generated_ids
                                                  for s in engine.generate(PROMPTS, GEN)]
     assert len({str(v) for v in results.values()}) == 1, results

@@ -7,7 +7,7 @@ in float32 (CUDA graphs need it). Skipped without CUDA."""
 import pytest
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from tests.helpers import accepting
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -18,7 +18,7 @@ GEN = GenerationConfig(max_new_tokens=48, ignore_eos=True, logprobs=5)
 def _run(k: int, eager: bool, configs, prompts):
     cfg = PytorchEngineConfig(dtype='float32', device='cuda', block_size=16, session_len=256,
                               max_batch_size=32, eager_mode=eager)
-    engine = Engine(accepting.model_dir(), cfg, accepting.spec(k, dynamic=True) if k else None,
+    engine = build_engine(accepting.model_dir(), cfg, accepting.spec(k, dynamic=True) if k else None,
                     progress=False)
     seqs = [engine.add_request(list(p), c) for p, c in zip(prompts, configs, strict=True)]
     logprobs = {s.seq_id: [] for s in seqs}

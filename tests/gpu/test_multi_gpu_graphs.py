@@ -24,7 +24,7 @@ import torch
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
 from lmdeploy_lite.tokenizer import load_tokenizer
 from tests.helpers.broken import run_requests
@@ -64,7 +64,7 @@ def one_gpu(prompts):
     where every test of this file skips: fewer than two GPUs)."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         return None
-    engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**BASE), SPEC, progress=False)
+    engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**BASE), SPEC, progress=False)
     one = engine.generate(prompts[:1], GEN)[0].generated_ids
     many = [s.generated_ids for s in engine.generate(prompts, GEN)]
     assert engine.spec_stats.num_accepted_tokens > 0

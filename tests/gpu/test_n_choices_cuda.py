@@ -7,6 +7,7 @@ together; sampled ones with seed + i), greedy and sampled. Skipped without CUDA.
 import pytest
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from tests.helpers import accepting
 
@@ -16,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 def _run(k: int, gen: GenerationConfig, grouped: bool) -> tuple[list[list[int]], Engine, list]:
     cfg = PytorchEngineConfig(dtype='float32', device='cuda', block_size=16, session_len=256,
                               max_batch_size=32)
-    engine = Engine(accepting.model_dir(), cfg, accepting.spec(k), progress=False)
+    engine = build_engine(accepting.model_dir(), cfg, accepting.spec(k), progress=False)
     seqs = []
     for prompt in accepting.prompts():
         if grouped:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
 from tests.helpers.broken import run_requests
 
@@ -58,7 +58,7 @@ def single_gpu_tokens(tiny_ckpt):
     path = tiny_ckpt(True, layout='plain')
     if torch.cuda.device_count() < 2:
         return path, None
-    engine = Engine(path, PytorchEngineConfig(**BASE), SPEC, progress=False)
+    engine = build_engine(path, PytorchEngineConfig(**BASE), SPEC, progress=False)
     tokens = engine.generate([PROMPT], GEN)[0].generated_ids
     del engine
     torch.cuda.empty_cache()
@@ -124,7 +124,7 @@ def test_dp2_ep2_deepep_cuda_graphs(dtype, tiny_ckpt, tmp_path, monkeypatch):
         pytest.skip(reason)
     path = tiny_ckpt(True, layout='plain')
     base = dict(BASE, dtype=dtype)
-    engine = Engine(path, PytorchEngineConfig(**base), SPEC, progress=False)
+    engine = build_engine(path, PytorchEngineConfig(**base), SPEC, progress=False)
     want_one = engine.generate([PROMPT], GEN)[0].generated_ids
     want_all = [s.generated_ids for s in engine.generate(PROMPTS, GEN)]
     del engine

@@ -134,12 +134,12 @@ def reference(k: int, prompt_ids=None, gen=GREEDY, **engine_cfg) -> Reference:
     float64 on CPU unless told otherwise) of `prompt_ids` (default: all of prompts()) with MTP
     k (0: plain), cached for the session per (k, prompts, gen, config). `gen`: one
     GenerationConfig, or one per prompt (they run as one batch)."""
-    from lmdeploy_lite.pytorch.engine.engine import Engine
+    from lmdeploy_lite.pytorch.engine.build import build_engine
     prompt_ids = tuple(tuple(p) for p in (prompts() if prompt_ids is None else prompt_ids))
     cfg = {**BASE, **engine_cfg}
     key = (k, prompt_ids, repr(gen), tuple(sorted(cfg.items())))
     if key not in _cache:
-        engine = Engine(model_dir(), PytorchEngineConfig(**cfg), spec(k), progress=False)
+        engine = build_engine(model_dir(), PytorchEngineConfig(**cfg), spec(k), progress=False)
         gens = gen if isinstance(gen, (list, tuple)) else [gen] * len(prompt_ids)
         seqs = [engine.add_request(list(p), g) for p, g in zip(prompt_ids, gens, strict=True)]
         chunks = {id(s): [] for s in seqs}

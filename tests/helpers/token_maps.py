@@ -98,11 +98,11 @@ def reference(k: int, token_map: str, prompt_ids=None, gen=accepting.GREEDY
     """Single-process run with the map on accepting's model and BASE config, cached: (token ids
     per prompt, accepting.counts per prompt)."""
     from lmdeploy_lite import PytorchEngineConfig
-    from lmdeploy_lite.pytorch.engine.engine import Engine
+    from lmdeploy_lite.pytorch.engine.build import build_engine
     prompt_ids = tuple(tuple(p) for p in (prompt_ids or accepting.prompts()))
     key = (k, token_map, prompt_ids, repr(gen))
     if key not in _cache:
-        engine = Engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
+        engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
                         spec(k, token_map), progress=False)
         seqs = engine.generate([list(p) for p in prompt_ids], gen)
         _cache[key] = ([s.generated_ids for s in seqs], [accepting.counts(s.spec_stats)

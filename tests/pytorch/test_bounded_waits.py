@@ -16,7 +16,7 @@ from lmdeploy_lite.pytorch.distributed import CollectiveTimeout, DistContext
 from lmdeploy_lite.pytorch.engine.step_output import InFlight
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
 from lmdeploy_lite.pytorch.engine.step_plan import FIELDS
-from lmdeploy_lite.pytorch.engine.model_agent import StepResult
+from lmdeploy_lite.pytorch.model_agent import StepResult
 from tests.helpers.broken import STALL_AT_STEP, rank1_stalls
 
 BASE = dict(dtype='float32', device='cpu', block_size=4, session_len=128)

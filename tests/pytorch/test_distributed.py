@@ -17,7 +17,7 @@ import pytest
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
 from tests.helpers import accepting
 from tests.helpers.accepting import assert_matches_reference
@@ -156,7 +156,7 @@ def test_a_dead_worker_is_reported_by_rank_and_nothing_is_left(tiny_ckpt):
     rank and the signal (no traceback: it is what the server shows), every live request gets it,
     and close() returns at once leaving no process."""
     path = tiny_ckpt(False, layout='plain')
-    want = Engine(path, PytorchEngineConfig(**BASE), progress=False).generate(PROMPTS[:2], GEN)
+    want = build_engine(path, PytorchEngineConfig(**BASE), progress=False).generate(PROMPTS[:2], GEN)
     loop = MPEngineLoop(path, PytorchEngineConfig(dp=2, **BASE), worker_hook=rank0_steps_slowly)
     procs = loop._procs
     try:

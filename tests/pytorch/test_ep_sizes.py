@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.engine.executor.mp import free_port
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes

@@ -9,7 +9,7 @@ import torch
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
 from lmdeploy_lite.messages import TokenLogprobs
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from tests.helpers import accepting
 from tests.helpers.accepting import assert_real_acceptance, spec
 from tests.helpers.reference import hf_log_softmax
@@ -87,7 +87,7 @@ def test_float64_logprobs_are_transformers_log_softmax(tiny_ckpt):
 
 
 def test_rows_of_one_batch_get_their_own_top_n(tiny_ckpt):
-    engine = Engine(tiny_ckpt(False), PytorchEngineConfig(**TINY), progress=False)
+    engine = build_engine(tiny_ckpt(False), PytorchEngineConfig(**TINY), progress=False)
     asks = [None, 0, 3]
     seqs = [engine.add_request(PROMPTS[0], GenerationConfig(max_new_tokens=4, ignore_eos=True,
                                                             logprobs=n)) for n in asks]

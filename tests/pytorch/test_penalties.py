@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.sampling import Penalties, SamplingInputs, apply_penalties, sample
 from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
@@ -159,7 +160,7 @@ def test_tiny_greedy_penalties_equal_transformers(moe, tiny_ckpt, tiny_rows):
     path = tiny_ckpt(moe, layout='plain')
     prompts = [p for p, _ in tiny_rows]
     configs = [gen(c, 12) for _, c in tiny_rows]
-    plain = Engine(path, PytorchEngineConfig(**TINY), progress=False)
+    plain = build_engine(path, PytorchEngineConfig(**TINY), progress=False)
     got = [s.generated_ids for s in run(plain, prompts, configs)]
     hf = make_tiny_hf_model(moe).to(torch.float64).eval()
     if moe:
@@ -168,7 +169,7 @@ def test_tiny_greedy_penalties_equal_transformers(moe, tiny_ckpt, tiny_rows):
     assert got == want
     # prefilled in chunks, and with async scheduling on (the rows without a penalty share
     # the batch, so it runs synchronously)
-    chunked = Engine(path, PytorchEngineConfig(**TINY, max_prefill_token_num=7,
+    chunked = build_engine(path, PytorchEngineConfig(**TINY, max_prefill_token_num=7,
                                                async_scheduling=True), progress=False)
     assert [s.generated_ids for s in run(chunked, prompts, configs)] == want
 
@@ -205,7 +206,7 @@ def test_mtp_greedy_penalties_equal_plain_and_transformers(embedded_hf):
     engine_config = PytorchEngineConfig(**accepting.BASE)
     # async scheduling on: a penalised batch must still run synchronously (its penalties count
     # the tokens of the step before)
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE,
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE,
                                                                async_scheduling=True),
                     accepting.spec(3), progress=False)
     speculative = run(engine, prompts, configs)
@@ -214,7 +215,7 @@ def test_mtp_greedy_penalties_equal_plain_and_transformers(embedded_hf):
         assert seq.spec_stats.num_accepted_tokens > 0, f'{case}: no draft accepted'
     accepting.assert_real_acceptance([s.spec_stats for s in speculative], 3)
     got = [s.generated_ids for s in speculative]
-    plain = run(Engine(accepting.model_dir(), engine_config, progress=False), prompts, configs)
+    plain = run(build_engine(accepting.model_dir(), engine_config, progress=False), prompts, configs)
     assert got == [s.generated_ids for s in plain]
     assert got == hf_reference(embedded_hf, list(zip(prompts, configs)))
 
@@ -223,7 +224,7 @@ def test_mtp_greedy_penalties_equal_plain_and_transformers(embedded_hf):
 def test_sampled_rows_with_penalties_are_reproducible():
     prompts = [list(p) for p in accepting.prompts()]
     config = gen('combined', 16, do_sample=True, temperature=0.9, top_k=40, random_seed=7)
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
                     accepting.spec(3), progress=False)
     first = [s.generated_ids for s in run(engine, prompts, [config] * len(prompts))]
     again = [s.generated_ids for s in run(engine, prompts, [config] * len(prompts))]

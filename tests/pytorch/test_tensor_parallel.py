@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from lmdeploy_lite.messages import SpeculativeConfig
 from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.models.loader import build_model, load_mtp_weights, load_weights
 from lmdeploy_lite.pytorch.models.qwen3_5 import Qwen3_5ForCausalLM

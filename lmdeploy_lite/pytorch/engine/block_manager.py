@@ -97,11 +97,11 @@ class BlockManager:
         if seq.state_slot is not None:
             self.free_slots.append(seq.state_slot)
             seq.state_slot = None
-        if seq.pending_save is not None:        # its step's snapshot is never named
-            self.snapshots.give_back(seq.pending_save[1])
-            seq.pending_save = None
-        seq.restore_row = None
-        seq.fork_copy = None                    # a fork whose step never ran: nothing to copy
+        if seq.prefix.pending_save is not None:        # its step's snapshot is never named
+            self.snapshots.give_back(seq.prefix.pending_save[1])
+            seq.prefix.pending_save = None
+        seq.prefix.restore_row = None
+        seq.fork.copy = None                    # a fork whose step never ran: nothing to copy
 
     # ---- forking (n choices of one prompt) -------------------------------------------------
     def can_fork(self, parent: Sequence, num_tokens: int) -> bool:
@@ -130,9 +130,9 @@ class BlockManager:
     # ---- the prefix cache -----------------------------------------------------------------
     def keys(self, seq: Sequence) -> list[int]:
         """The keys of `seq`'s full blocks (kept on the sequence, extended as it grows)."""
-        seq.block_keys = block_keys(seq.token_ids, self.block_size, self.lookahead,
-                                    seq.block_keys)
-        return seq.block_keys
+        seq.prefix.block_keys = block_keys(seq.token_ids, self.block_size, self.lookahead,
+                                           seq.prefix.block_keys)
+        return seq.prefix.block_keys
 
     def register(self, seq: Sequence, num_computed: int):
         """Name `seq`'s blocks whose content is complete once `num_computed` positions are in

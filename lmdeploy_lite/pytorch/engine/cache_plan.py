@@ -27,7 +27,7 @@ import torch
 from lmdeploy_lite.messages import PytorchEngineConfig
 from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
 from lmdeploy_lite.pytorch.engine.block_manager import blocks_needed
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 
 
 SNAPSHOT_SHARE = 0.1

@@ -58,7 +58,24 @@ def write_hidden_states(path: str, hidden_states: torch.Tensor, token_ids: list[
         raise
 
 
-class HiddenStatesWriter:
+class DirectOutputs:
+    """The output stage without extract_hidden_states: each output goes out as it is made."""
+    pending = 0
+
+    def add(self, seq, start: int, rows: torch.Tensor):
+        pass
+
+    def emit(self, seq, output) -> list:
+        return [output]
+
+    def drop(self, seq):
+        pass
+
+    def take_done(self, wait_s: float = 0.0) -> list:
+        return []
+
+
+class HiddenStatesWriter(DirectOutputs):
     """Rows per sequence (host tensors [n, len(ids), H] by position) and the thread that writes
     finished sequences' files. Every method but the thread's runs in the engine's thread."""
 
@@ -105,6 +122,13 @@ class HiddenStatesWriter:
         """Forget an aborted or failed sequence's rows."""
         self._rows.pop(seq, None)
         self._count.pop(seq, None)
+
+    def emit(self, seq, output) -> list:
+        """A finished sequence's last output waits for its file (`take_done`)."""
+        if seq.is_finished:
+            self.finish(seq, output)
+            return []
+        return [output]
 
     def finish(self, seq, output):
         """Queue `seq`'s file; `output` (its last StepOutput) comes back from `take_done` once

@@ -12,7 +12,7 @@ per-token KV, so a cached prefix is usable only up to a point where the state af
 tokens was kept: a snapshot (the recurrent state and the K - 1 conv columns of one sequence, all
 linear-attention layers) named by the key of the block that ends there. A hit is the longest run
 of cached blocks from the start that ends at a snapshot. Snapshots are taken at block-aligned
-prefill chunk ends (engine/scheduler.py `snapshot_points`): where the prompt's last full block
+prefill chunk ends (`take_cached_prefix` below plans them): where the prompt's last full block
 ends, where a request's cached blocks run out (a branch point other requests share), and at the
 block-aligned ends of a long prefill's chunks. They live in a fixed pool (`CacheConfig.
 num_snapshots`, planned with the KV blocks: engine/cache_plan.py), evicted least recently used;
@@ -112,3 +112,78 @@ def longest_cached(keys: list[int], snapshot_keys, num_tokens: int, block_size: 
         if keys[j] in snapshot_keys:
             return (j + 1) * block_size
     return 0
+
+
+# ---- the scheduler's side: what a sequence takes from the cache and gives back ----------------
+def take_cached_prefix(bm, seq) -> int:
+    """A sequence about to be admitted with nothing computed takes its longest cached prefix
+    (its blocks; the snapshot to restore) and plans its snapshot points: where its cached blocks
+    run out (a branch point) and where its last full prompt block ends. Returns the tokens
+    taken."""
+    if not bm.caching or seq.num_computed or seq.blocks:
+        return 0
+    bs, state = bm.block_size, seq.prefix
+    hit, matched = bm.match(seq)
+    if hit:
+        state.restore_row = bm.acquire(seq, hit)
+        seq.num_computed = hit * bs
+    prompt_end = (len(seq.token_ids) - 1) // bs * bs      # its last full block, one token left
+    state.snapshot_points = sorted(p for p in {matched * bs, prompt_end} if p > hit * bs)
+    return hit * bs
+
+
+def drop_cached_prefix(bm, seq):
+    """Admission fell through: give back what `take_cached_prefix` took."""
+    if seq.blocks:
+        bm.release(seq)
+    seq.num_computed, seq.prefix.restore_row = 0, None
+
+
+def count_lookup(bm, seq, hit: int):
+    """An admitted sequence's lookup, in the cache's counters (and its first admission's hit in
+    Response.num_cached_tokens)."""
+    if not bm.caching:
+        return
+    bm.stats.queried_tokens += len(seq.token_ids)
+    bm.stats.hit_tokens += hit
+    if not seq.num_generated:
+        seq.num_cached_tokens = hit
+
+
+def add_state_copies(bm, batch):
+    """The batch's state copies: restores of newly admitted cached prefixes, and a snapshot
+    where a prefill chunk ends on a block boundary before the sequence's last token (the row
+    taken now, named once the step has run: `keep_snapshot`)."""
+    if batch is None or not bm.caching or batch.is_decoding:
+        return batch
+    bs = bm.block_size
+    for seq, n in zip(batch.seqs, batch.q_lens):
+        state = seq.prefix
+        if state.restore_row is not None:
+            batch.restores.append((state.restore_row, seq.state_slot))
+            state.restore_row = None
+        end = seq.num_computed + n
+        if seq.prefilled or end % bs or end >= len(seq.token_ids):
+            continue
+        keys = bm.keys(seq)
+        if end // bs > len(keys) or keys[end // bs - 1] in bm.snapshots:
+            continue
+        row = bm.snapshots.take()
+        if row is not None:
+            state.pending_save = (end, row)
+            batch.saves.append((seq.state_slot, row))
+    return batch
+
+
+def keep_snapshot(bm, seq):
+    """The step that saved `seq`'s state at a block boundary has run: name its blocks up to
+    there and the snapshot after them."""
+    end, row = seq.prefix.pending_save
+    seq.prefix.pending_save = None
+    keys = bm.keys(seq)
+    bm.register(seq, end)
+    key = keys[end // bm.block_size - 1]
+    if seq.num_computed >= end and key in bm.block_of:
+        bm.snapshots.name(key, row)
+    else:
+        bm.snapshots.give_back(row)

@@ -21,31 +21,15 @@ A sequence near its end still feeds k + 1 tokens (padding, never emitted past a 
 cache holds session_len + k + num_draft_extra positions per sequence.
 
 Prefix caching (engine/prefix_cache.py): a sequence admitted with nothing computed takes its
-longest cached prefix that ends at a state snapshot (its blocks shared, the snapshot restored
-into its state slot before its first chunk) and prefills only the rest. Its prefill then stops
-a chunk at each of its `snapshot_points` (where its cached blocks ran out: a branch point; where
-its last full prompt block ends) and keeps a snapshot there, as at any other block-aligned chunk
-end; the blocks before a snapshot are named in the cache once the step has computed them.
-
-Forking (n choices of one prompt of P tokens, `Engine.add_group`): the leader (choice 0)
-prefills the prompt but its last token (its chunks stop at P - 1) while its members wait; waiting
-members are passed over by admission, so requests behind them are not held up. The step that
-schedules the leader's last prompt token forks the members that fit (a state slot and the blocks
-for P positions, max_batch_size; not the token budget: at most n - 1 one-token rows more): each
-shares the leader's full blocks, gets a copy of the partial block past them and of the leader's
-linear-attention state after P - 1 tokens (copied on the device before the step's forward,
-`ScheduledBatch.block_copies` / `state_copies`, for the target's layers and the draft's), and
-feeds the last prompt token in the same step as an ordinary final prefill chunk, sampling its
-first token from its own generator. The group's prefill costs (P - 1) + n tokens instead of
-n * P. Members that do not fit then, or whose leader went away (aborted), prefill on their own as
-ordinary requests (the prefix cache may still serve them). A forked member is an ordinary
-sequence from then on: preempted, it prefills on its own again.
+longest cached prefix and prefills only the rest, keeping state snapshots at its snapshot points.
+Forking (engine/forking.py): the n choices of one prompt share its leader's prefill.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
+from lmdeploy_lite.pytorch.engine import forking, prefix_cache
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager, blocks_needed
 from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
@@ -134,7 +118,7 @@ class Scheduler:
 
     # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        return self._with_fork_copies(self._with_state_copies(self._schedule()))
+        return forking.add_fork_copies(prefix_cache.add_state_copies(self.bm, self._schedule()))
 
     def _schedule(self) -> ScheduledBatch | None:
         num_decoding = sum(s.prefilled for s in self.running)
@@ -186,14 +170,14 @@ class Scheduler:
             seqs.append(seq)
             q_lens.append(n)
             budget -= n
-            self._fork(seq, seqs, q_lens)
+            forking.fork_members(self, seq, seqs, q_lens)
         # then new sequences, first come first served: stop at the first that does not fit
         # (members waiting for their leader's prefill are passed over, and so is a member forked
         # above and then preempted by a later chunk's growth: it has a row in this step)
-        for seq in [s for s in self.waiting if s.fork_from is None and s not in seqs]:
+        for seq in [s for s in self.waiting if s.fork.leader is None and s not in seqs]:
             if budget <= 0 or len(self.running) >= self.max_batch_size:
                 break
-            hit = self._take_cached_prefix(seq)
+            hit = prefix_cache.take_cached_prefix(self.bm, seq)
             n = self._chunk(seq, budget)
             need = seq.num_computed + n + self.num_draft_extra
             # admit only with room for the whole prompt: a sequence admitted on a first chunk
@@ -202,9 +186,9 @@ class Scheduler:
             whole = min(len(seq.token_ids) + self.num_draft_extra,
                         self.max_positions(self.session_len))
             if not self.bm.can_hold(seq, max(need, whole)):
-                self._drop_cached_prefix(seq)
+                prefix_cache.drop_cached_prefix(self.bm, seq)
                 break
-            self._count_lookup(seq, hit)
+            prefix_cache.count_lookup(self.bm, seq, hit)
             self.bm.grow(seq, need)
             self.waiting.remove(seq)
             seq.status = SeqStatus.RUNNING
@@ -212,7 +196,7 @@ class Scheduler:
             seqs.append(seq)
             q_lens.append(n)
             budget -= n
-            self._fork(seq, seqs, q_lens)
+            forking.fork_members(self, seq, seqs, q_lens)
         scheduled = [(s, n) for s, n in zip(seqs, q_lens) if s.status == SeqStatus.RUNNING]
         if not scheduled:
             return None
@@ -266,137 +250,23 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    # ---- the prefix cache -----------------------------------------------------------------
-    def _take_cached_prefix(self, seq: Sequence) -> int:
-        """A sequence about to be admitted with nothing computed takes its longest cached
-        prefix (its blocks; the snapshot to restore) and plans its snapshot points. Returns the
-        tokens taken."""
-        if not self.bm.caching or seq.num_computed or seq.blocks:
-            return 0
-        bs = self.bm.block_size
-        hit, matched = self.bm.match(seq)
-        if hit:
-            seq.restore_row = self.bm.acquire(seq, hit)
-            seq.num_computed = hit * bs
-        prompt_end = (len(seq.token_ids) - 1) // bs * bs      # its last full block, one token left
-        points = {matched * bs, prompt_end}
-        seq.snapshot_points = sorted(p for p in points if p > hit * bs)
-        return hit * bs
-
-    def _drop_cached_prefix(self, seq: Sequence):
-        """Admission fell through: give back what `_take_cached_prefix` took."""
-        if seq.blocks:
-            self.bm.release(seq)
-        seq.num_computed, seq.restore_row = 0, None
-
-    def _count_lookup(self, seq: Sequence, hit: int):
-        if not self.bm.caching:
-            return
-        self.bm.stats.queried_tokens += len(seq.token_ids)
-        self.bm.stats.hit_tokens += hit
-        if not seq.num_generated:
-            seq.num_cached_tokens = hit
-
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of `seq`'s next prefill chunk: the budget's share, ending at its next
         snapshot point (and, for a leader with members waiting, at its last prompt token)."""
         n = min(seq.num_uncomputed, budget)
-        points = seq.snapshot_points + ([seq.num_prompt - 1] if seq.forks else [])
+        points = seq.prefix.snapshot_points + forking.chunk_end(seq)
         for point in sorted(points):
             if point > seq.num_computed:
                 return min(n, point - seq.num_computed)
         return n
-
-    # ---- forking ----------------------------------------------------------------------------
-    def _fork(self, leader: Sequence, seqs: list[Sequence], q_lens: list[int]):
-        """`leader` was just scheduled: if this is its last prompt token, its waiting members
-        that fit start from its cache now, each with that token as its chunk (module doc)."""
-        if not leader.forks or leader.num_computed != leader.num_prompt - 1:
-            return
-        members, leader.forks = leader.forks, []
-        whole = min(leader.num_prompt + self.num_draft_extra,
-                    self.max_positions(self.session_len))
-        for seq in members:
-            seq.fork_from = None
-            if (len(self.running) >= self.max_batch_size
-                    or not self.bm.can_fork(leader, whole)):
-                continue                          # it prefills on its own
-            block_copy = self.bm.fork(seq, leader)
-            self.bm.grow(seq, whole)
-            seq.fork_copy = (leader.state_slot, block_copy)
-            seq.num_computed = leader.num_computed
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            seqs.append(seq)
-            q_lens.append(1)
-
-    def _with_fork_copies(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
-        """The copies of this step's forks (members still in the batch)."""
-        if batch is None:
-            return batch
-        for seq in batch.seqs:
-            if seq.fork_copy is None:
-                continue
-            slot, block_copy = seq.fork_copy
-            seq.fork_copy = None
-            batch.state_copies.append((slot, seq.state_slot))
-            if block_copy is not None:
-                batch.block_copies.append(block_copy)
-        return batch
-
-    def _release_forks(self, seq: Sequence):
-        """`seq` is gone: it no longer waits on a leader, and its own members prefill alone."""
-        if seq.fork_from is not None:
-            seq.fork_from.forks.remove(seq)
-            seq.fork_from = None
-        for member in seq.forks:
-            member.fork_from = None
-        seq.forks = []
-
-    def _with_state_copies(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
-        """The batch's state copies: restores of newly admitted cached prefixes, and a snapshot
-        where a prefill chunk ends on a block boundary before the sequence's last token (the
-        row taken now, named once the step has run: `update`)."""
-        if batch is None or not self.bm.caching or batch.is_decoding:
-            return batch
-        bs = self.bm.block_size
-        for seq, n in zip(batch.seqs, batch.q_lens):
-            if seq.restore_row is not None:
-                batch.restores.append((seq.restore_row, seq.state_slot))
-                seq.restore_row = None
-            end = seq.num_computed + n
-            if seq.prefilled or end % bs or end >= len(seq.token_ids):
-                continue
-            keys = self.bm.keys(seq)
-            if end // bs > len(keys) or keys[end // bs - 1] in self.bm.snapshots:
-                continue
-            row = self.bm.snapshots.take()
-            if row is not None:
-                seq.pending_save = (end, row)
-                batch.saves.append((seq.state_slot, row))
-        return batch
-
-    def _keep_snapshot(self, seq: Sequence):
-        """The step that saved `seq`'s state at a block boundary has run: name its blocks up
-        to there and the snapshot after them."""
-        end, row = seq.pending_save
-        seq.pending_save = None
-        keys = self.bm.keys(seq)
-        self.bm.register(seq, end)
-        key = keys[end // self.bm.block_size - 1]
-        if seq.num_computed >= end and key in self.bm.block_of:
-            self.bm.snapshots.name(key, row)
-        else:
-            self.bm.snapshots.give_back(row)
 
     # ---- results --------------------------------------------------------------------------
     def update(self, seq: Sequence, num_new_computed: int, new_tokens: list[int]) -> list[int]:
         """Record a step's result for `seq`; returns the tokens actually emitted (a stop inside
         `new_tokens` truncates there). Frees the sequence's cache when it finishes."""
         seq.num_computed += num_new_computed
-        if seq.pending_save is not None:
-            self._keep_snapshot(seq)
+        if seq.prefix.pending_save is not None:
+            prefix_cache.keep_snapshot(self.bm, seq)
         if not new_tokens:
             return []
         seq.prefilled = True
@@ -413,7 +283,7 @@ class Scheduler:
         return emitted
 
     def _finish(self, seq: Sequence, reason: str):
-        self._release_forks(seq)
+        forking.release(seq)
         self.bm.free(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -16,6 +16,28 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(eq=False)
+class PrefixState:
+    """A sequence's prefix-cache state (engine/prefix_cache.py): keys of its full blocks so far,
+    block-aligned positions where its prefill keeps a state snapshot, the snapshot row to
+    restore before its next chunk, and the (position, row) of the save its current step makes."""
+    block_keys: list[int] = field(default_factory=list)
+    snapshot_points: list[int] = field(default_factory=list)
+    restore_row: int | None = None
+    pending_save: tuple[int, int] | None = None
+
+
+@dataclass(eq=False)
+class ForkState:
+    """n choices of one prompt (engine/forking.py): a member waiting to start from its leader's
+    prefill (`leader`); a leader's members still waiting (`members`); a member forked in the
+    step being scheduled: (leader's state slot, (leader's partial block, its copy) or None),
+    the copies made before that step's forward."""
+    leader: Sequence | None = None
+    members: list[Sequence] = field(default_factory=list)
+    copy: tuple[int, tuple[int, int] | None] | None = None
+
+
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     token_ids: list[int]                  # prompt + generated; the prompt is token_ids[:num_prompt]
@@ -33,24 +55,12 @@ class Sequence:
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     drafts_ready: int = 0                 # drafts its last step made (the next verify's at most)
     stop_ids: frozenset[int] | None = None   # token ids that end it (StopChecker, computed once)
-    # prefix cache (engine/prefix_cache.py; the scheduler's): keys of its full blocks so far,
-    # block-aligned positions where its prefill keeps a state snapshot, the snapshot row to
-    # restore before its next chunk, and the (position, row) of the save its current step makes
-    block_keys: list[int] = field(default_factory=list)
-    snapshot_points: list[int] = field(default_factory=list)
-    restore_row: int | None = None
-    pending_save: tuple[int, int] | None = None
     num_cached_tokens: int = 0            # prompt tokens its first admission took from the
                                           # prefix cache (Response.num_cached_tokens)
     num_preemptions: int = 0              # times the scheduler preempted it (recomputed)
     request_id: str | None = None         # the front-end's name for it (hidden-states files)
-    # n choices of one prompt (engine/scheduler.py "Forking"): a member waiting to start from
-    # its leader's prefill (`fork_from`); a leader's members still waiting (`forks`); a member
-    # forked in the step being scheduled: (leader's state slot, (leader's partial block, its
-    # copy) or None), the copies made before that step's forward
-    fork_from: Sequence | None = None
-    forks: list[Sequence] = field(default_factory=list)
-    fork_copy: tuple[int, tuple[int, int] | None] | None = None
+    prefix: PrefixState = field(default_factory=PrefixState)
+    fork: ForkState = field(default_factory=ForkState)
 
     @property
     def num_generated(self) -> int:

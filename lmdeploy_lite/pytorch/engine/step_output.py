@@ -14,7 +14,7 @@ import torch
 from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.distributed import (ENV_TIMEOUT, CollectiveTimeout, DistContext,
                                                dist_timeout_s)
-from lmdeploy_lite.pytorch.engine.model_agent import StepResult
+from lmdeploy_lite.pytorch.model_agent import StepResult
 from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch
 from lmdeploy_lite.pytorch.engine.sequence import Sequence
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs

@@ -30,8 +30,8 @@ import torch
 
 from lmdeploy_lite.messages import SpeculativeConfig
 from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig, ModelConfig
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
-from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.model_agent import ModelAgent
 from lmdeploy_lite.pytorch.models.loader import has_mtp_weights
 from lmdeploy_lite.pytorch.nn.linear import fuse_projections
 from lmdeploy_lite.pytorch.sampling import probs_dtype

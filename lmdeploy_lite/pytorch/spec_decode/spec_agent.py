@@ -19,7 +19,7 @@ from functools import partial
 
 import torch
 
-from lmdeploy_lite.pytorch.engine.model_agent import ModelAgent, StepResult
+from lmdeploy_lite.pytorch.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
 from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample

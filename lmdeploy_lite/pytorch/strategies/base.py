@@ -54,6 +54,17 @@ class Strategy:
     def make_model_inputs(self, batch, device) -> ModelInputs:
         raise NotImplementedError
 
+    def batch_inputs(self, batch, device) -> ModelInputs:
+        """`make_model_inputs`, with the cache copies the scheduler asked for on the device:
+        state restores and saves (prefix cache), block and state copies (forking)."""
+        inputs = self.make_model_inputs(batch, device)
+        for field, pairs in (('state_restores', batch.restores), ('state_saves', batch.saves),
+                             ('block_copies', batch.block_copies),
+                             ('state_copies', batch.state_copies)):
+            if pairs:
+                setattr(inputs, field, to_device(torch.tensor(pairs), device))
+        return inputs
+
     def make_next_decode_inputs(self, batch, prev: ModelInputs, prev_result, device
                                 ) -> ModelInputs:
         """Async scheduling: the decode batch `prev` ran, one step on, built while that step may

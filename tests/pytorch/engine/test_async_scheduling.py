@@ -16,6 +16,7 @@ import torch
 
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from tests.helpers import accepting
 from tests.helpers.accepting import GREEDY, assert_real_acceptance, counts, reference
@@ -43,7 +44,7 @@ def _engine(k: int, async_scheduling: bool, **cfg) -> Engine:
     """The embedded model with MTP k (0: plain), accepting.BASE in float32 updated by cfg."""
     config = PytorchEngineConfig(async_scheduling=async_scheduling,
                                  **{**accepting.BASE, **FLOAT32, **cfg})
-    return Engine(EMBEDDED_MODEL_DIR, config, accepting.spec(k), progress=False)
+    return build_engine(EMBEDDED_MODEL_DIR, config, accepting.spec(k), progress=False)
 
 
 def _run_async(k: int, gen: GenerationConfig = GREEDY, **cfg):
@@ -154,7 +155,7 @@ def test_decode_loop_never_reads_drafts_on_the_host(k):
 
 def test_ngram_runs_synchronously(caplog):
     spec = SpeculativeConfig(method='ngram', num_speculative_tokens=2)
-    engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE,
+    engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE,
                                                             async_scheduling=True), spec,
                     progress=False)
     assert engine.async_scheduling is False
@@ -210,7 +211,7 @@ def test_stop_words_inside_accepted_runs():
     gen = GenerationConfig(max_new_tokens=24, ignore_eos=True, stop_words=[word])
     runs = []
     for async_scheduling in (False, True):
-        engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(
+        engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(
             async_scheduling=async_scheduling, **{**accepting.BASE, **FLOAT32}),
             accepting.spec(3), tokenizer=tokenizer, progress=False)
         seqs = engine.generate(_prompts(), gen)
@@ -224,7 +225,7 @@ def test_stop_words_inside_accepted_runs():
 
 def test_default_is_off_on_cpu_and_the_field_is_checked():
     """None (the default) means: on with CUDA, off on CPU, where host and device share cores."""
-    engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(device='cpu', dtype='float32'),
+    engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(device='cpu', dtype='float32'),
                     progress=False)
     assert engine.async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling.*'yes'.*True, False or None"):

@@ -68,7 +68,7 @@ def test_too_little_memory_names_the_fix(tiny_ckpt):
 def test_state_rows_that_crowd_out_the_kv_name_max_batch_size(tiny_ckpt):
     """A batch whose linear-attention state alone fills the budget is a max_batch_size problem
     (9B, batch 256, k=3 on one H100: 51 GB of state), not a session_len one."""
-    from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+    from lmdeploy_lite.pytorch.cache_engine import CacheEngine
     model = ModelConfig.from_pretrained(tiny_ckpt(False, layout='plain'))
     cfg = PytorchEngineConfig(block_size=4, max_batch_size=256, session_len=64)
     slot = CacheEngine.bytes_per_state_slot(model, 3, torch.float32)

@@ -2,7 +2,7 @@
 import pytest
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from tests.helpers.reference import hf_generate
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 57)), [300, 301, 2, 450, 3, 3, 3, 17]]
@@ -12,7 +12,7 @@ GREEDY_64 = GenerationConfig(max_new_tokens=64, ignore_eos=True)
 def make_engine(path, **kw):
     cfg = dict(dtype='float64', device='cpu', block_size=4, session_len=256)
     cfg.update(kw)
-    return Engine(path, PytorchEngineConfig(**cfg), progress=False)
+    return build_engine(path, PytorchEngineConfig(**cfg), progress=False)
 
 
 @pytest.fixture(scope='module')
@@ -130,10 +130,10 @@ def test_seeded_sampling_does_not_depend_on_chunking_or_batch(spec, tiny_ckpt):
                            ignore_eos=True)
     other = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=0.8, random_seed=3,
                              ignore_eos=True)
-    alone = Engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
+    alone = build_engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
                                              session_len=256), spec, progress=False)
     want = alone.generate([PROMPTS[2]], cfg)[0].generated_ids
-    chunked = Engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
+    chunked = build_engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
                                                session_len=256, max_prefill_token_num=5),
                      spec, progress=False)
     seqs = [chunked.add_request(PROMPTS[0], other), chunked.add_request(PROMPTS[2], cfg)]

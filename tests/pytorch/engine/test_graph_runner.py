@@ -7,7 +7,7 @@ import pytest
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
 from lmdeploy_lite.messages import PytorchEngineConfig
 from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from tests.helpers import accepting
 from tests.helpers.accepting import GREEDY, assert_real_acceptance, counts, reference
 
@@ -23,7 +23,7 @@ def _generate_with_graphs(k: int, padded: int = 0):
     """(token ids, SpecDecodeStats or None) per prompt, decode steps through static buffers for
     batch buckets 2, 4, 8; `padded`: every step padded as if another DP rank's batch were that
     big."""
-    engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE), accepting.spec(k),
+    engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE), accepting.spec(k),
                     progress=False)
     engine.agent.enable_graphs([2, 4, 8], max_blocks=16)
     if padded:
@@ -60,7 +60,7 @@ def test_static_buffers_with_a_draft_count_per_step(monkeypatch):
     greedy draft chain and the KV-only pass of a plain step, each replayed; whole sequences
     equal plain greedy."""
     accepting.cycle_draft_counts(monkeypatch)
-    engine = Engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE),
+    engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE),
                     accepting.spec(3, dynamic=True), progress=False)
     engine.agent.enable_graphs([2, 4, 8], max_blocks=16)
     seqs = engine.generate([list(p) for p in accepting.prompts()], GREEDY)

@@ -8,7 +8,7 @@ running stream is never left out of more than one step while the long prompt is 
 import pytest
 
 from lmdeploy_lite.messages import PytorchEngineConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from tests.helpers import accepting
 from tests.helpers.accepting import GREEDY, assert_real_acceptance, counts, reference
 
@@ -29,7 +29,7 @@ def _run(k: int, **cfg):
     """Add the prompts at ARRIVE_AT_STEP and run to the end. Returns the sequences, and per step
     (rows that had finished their prefill, rows) as scheduled and the sequences that emitted."""
     config = PytorchEngineConfig(**{**accepting.BASE, **CFG, **cfg})
-    engine = Engine(accepting.model_dir(), config, accepting.spec(k), progress=False)
+    engine = build_engine(accepting.model_dir(), config, accepting.spec(k), progress=False)
     scheduled, schedule = [], engine.scheduler.schedule
 
     def recording():

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from tests.helpers import accepting
 
@@ -37,7 +38,7 @@ def dense(tiny_ckpt) -> str:
 @pytest.fixture(scope='module')
 def alone(dense):
     """alone(prompt, gen) -> the generated ids of the request run by itself (cache off)."""
-    engine = Engine(dense, PytorchEngineConfig(**BASE, enable_prefix_caching=False),
+    engine = build_engine(dense, PytorchEngineConfig(**BASE, enable_prefix_caching=False),
                     progress=False)
 
     def run(prompt: list[int], gen: GenerationConfig) -> list[int]:
@@ -64,7 +65,7 @@ def test_choices_are_the_requests_alone_and_the_prompt_is_prefilled_once(dense, 
     request alone with seed + i (mod 2**64), the same on a repeat. The prompt's last block
     partial (18 tokens), full (17: its first 16 are shared whole), short (2) and of one token
     (nothing to share): (P - 1) + n prefill tokens each time."""
-    engine = Engine(dense, PytorchEngineConfig(**BASE, enable_prefix_caching=caching),
+    engine = build_engine(dense, PytorchEngineConfig(**BASE, enable_prefix_caching=caching),
                     progress=False)
     greedy = GenerationConfig(max_new_tokens=6, ignore_eos=True, n=3)
     for length in (18, 17, 2, 1):
@@ -86,7 +87,7 @@ def test_choices_are_the_requests_alone_and_the_prompt_is_prefilled_once(dense, 
 def test_waiting_members_hold_up_no_other_request(dense, alone):
     """While the leader's chunked prefill runs, a later request is admitted past its waiting
     members; the outputs are unchanged."""
-    engine = Engine(dense, PytorchEngineConfig(**BASE, max_prefill_token_num=12,
+    engine = build_engine(dense, PytorchEngineConfig(**BASE, max_prefill_token_num=12,
                                                max_mixed_token_num=0), progress=False)
     gen = GenerationConfig(max_new_tokens=4, n=3, random_seed=5, **SAMPLED)
     prompt, other = fresh(30), fresh(5)
@@ -95,7 +96,7 @@ def test_waiting_members_hold_up_no_other_request(dense, alone):
     overtaken = False
     while engine.has_work:
         engine.step()
-        overtaken |= later.num_computed > 0 and group[1].fork_from is not None
+        overtaken |= later.num_computed > 0 and group[1].fork.leader is not None
     assert overtaken, 'the later request waited for the group'
     engine.scheduler.bm.check()
     assert [s.generated_ids for s in group] == [alone(prompt, choice_gen(gen, i))
@@ -107,7 +108,7 @@ def test_members_past_the_batch_limit_prefill_on_their_own(dense, alone):
     """max_batch_size=2: the leader forks one member; the other two prefill as ordinary
     requests once there is room (cache off: their whole prompt), and every choice is still
     the request alone."""
-    engine = Engine(dense, PytorchEngineConfig(**BASE, max_batch_size=2,
+    engine = build_engine(dense, PytorchEngineConfig(**BASE, max_batch_size=2,
                                                enable_prefix_caching=False), progress=False)
     gen = GenerationConfig(max_new_tokens=4, n=4, random_seed=8, **SAMPLED)
     prompt = fresh(10)
@@ -144,7 +145,7 @@ def test_preempted_aborted_and_early_stopping_members(dense, alone, monkeypatch)
     aborted member, a member aborted before its fork and a leader aborted before it (its members
     then prefill alone) leave the others exactly right; a member that stops early frees only
     its own blocks. BlockManager.check() holds throughout."""
-    engine = Engine(dense, PytorchEngineConfig(**dict(BASE, session_len=32), num_gpu_blocks=17),
+    engine = build_engine(dense, PytorchEngineConfig(**dict(BASE, session_len=32), num_gpu_blocks=17),
                     progress=False)
     gen = GenerationConfig(max_new_tokens=14, n=4, random_seed=3, **SAMPLED)
     prompt = fresh(10)
@@ -167,7 +168,7 @@ def test_preempted_aborted_and_early_stopping_members(dense, alone, monkeypatch)
     assert outputs[0] == alone(prompt, choice_gen(gen, 0))
     group = engine.add_group(fresh(9), gen)
     engine.step()
-    assert group[0].num_computed and group[1].fork_from is group[0]
+    assert group[0].num_computed and group[1].fork.leader is group[0]
     engine.abort(group[0])
     outputs = finish(engine, group)
     assert outputs[1:] == [alone(group[0].token_ids, choice_gen(gen, i)) for i in (1, 2)]
@@ -187,7 +188,7 @@ def test_mtp3_choices_on_the_embedded_model():
     are the plain greedy output; sampled choice i is the request alone with its seed (MTP k=3
     too: rejection sampling draws from the same generator in the same order)."""
     from lmdeploy_lite.messages import SpecDecodeStats
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
                     accepting.spec(3), progress=False)
     prompt = list(accepting.prompts()[0])
     greedy = GenerationConfig(**{**accepting.GREEDY.__dict__, 'n': 3})

@@ -11,8 +11,8 @@ import torch
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.prefix_cache import block_keys, longest_cached
 from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
 
@@ -104,7 +104,7 @@ def test_a_restored_state_is_the_state_of_a_fresh_prefill(moe, tiny_ckpt):
     rng = random.Random(moe)
     prefix = [rng.randrange(3, 200) for _ in range(22)]        # prompt end point: 20
     gen = GenerationConfig(max_new_tokens=2, ignore_eos=True)
-    cached = Engine(path, PytorchEngineConfig(**base), progress=False)
+    cached = build_engine(path, PytorchEngineConfig(**base), progress=False)
     cached.generate([prefix], gen)
     restored = []
     caches = cached.agent.caches
@@ -118,7 +118,7 @@ def test_a_restored_state_is_the_state_of_a_fresh_prefill(moe, tiny_ckpt):
     cached.step()
     assert len(restored) == 1 and seq.num_cached_tokens == 20
 
-    fresh = Engine(path, PytorchEngineConfig(**base, max_prefill_token_num=20,
+    fresh = build_engine(path, PytorchEngineConfig(**base, max_prefill_token_num=20,
                                              enable_prefix_caching=False), progress=False)
     fresh_seq = fresh.add_request(prefix[:21] + [7, 8, 9], gen)
     fresh.step()                                                # exactly the first 20 tokens
@@ -137,7 +137,7 @@ def test_a_thousand_mixed_requests_leak_nothing_and_steal_nothing(tiny_ckpt):
     torch.manual_seed(0)
     cfg = PytorchEngineConfig(dtype='float32', device='cpu', block_size=4, session_len=48,
                               max_batch_size=12, num_gpu_blocks=24, max_prefill_token_num=24)
-    engine = Engine(tiny_ckpt(False, layout='plain'), cfg, progress=False)
+    engine = build_engine(tiny_ckpt(False, layout='plain'), cfg, progress=False)
     bm, sched = engine.scheduler.bm, engine.scheduler
     rng = random.Random(0)
     stems = [[rng.randrange(3, 500) for _ in range(rng.randrange(6, 24))] for _ in range(6)]

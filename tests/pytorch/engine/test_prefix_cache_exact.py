@@ -19,6 +19,7 @@ import time
 import pytest
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from tests.helpers import accepting
 from tests.helpers.prefix_rule import PrefixRule
@@ -112,8 +113,8 @@ def test_multi_turn_output_is_exact_and_cached_tokens_follow_the_rule(moe, varia
     sequential, batch = scenario(hf_answer(moe))
     prompts = sequential + batch
     want = [hf_answer(moe)(p) for p in prompts]
-    cached = Engine(path, PytorchEngineConfig(**BASE, **overrides), spec, progress=False)
-    uncached = Engine(path, PytorchEngineConfig(**BASE, **overrides, enable_prefix_caching=False),
+    cached = build_engine(path, PytorchEngineConfig(**BASE, **overrides), spec, progress=False)
+    uncached = build_engine(path, PytorchEngineConfig(**BASE, **overrides, enable_prefix_caching=False),
                       spec, progress=False)
     on = run_scenario(cached, sequential, batch)
     off = run_scenario(uncached, sequential, batch)
@@ -143,7 +144,7 @@ def test_preemption_by_a_tiny_block_budget(moe, spec, tiny_ckpt, monkeypatch):
     first = [rng.randrange(3, 500) for _ in range(18)]
     sharing = [first[:17] + [rng.randrange(3, 500) for _ in range(3 + i)] for i in range(4)]
     gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
-    engine = Engine(tiny_ckpt(moe, layout='plain'),
+    engine = build_engine(tiny_ckpt(moe, layout='plain'),
                     PytorchEngineConfig(**dict(BASE, session_len=48), num_gpu_blocks=21),
                     spec, progress=False)
     seqs = engine.generate([first], gen) + engine.generate(sharing, gen)
@@ -166,7 +167,7 @@ def test_embedded_mtp_draft_kv_from_the_cache_is_a_fresh_prefills():
     greedy tokens and the same accepted counts per request with the cache on as off (float64:
     a cached block's draft KV and a restored state are exactly what a fresh prefill writes)."""
     cfg = dict(accepting.BASE, block_size=4)
-    plain = Engine(accepting.model_dir(), PytorchEngineConfig(**cfg, enable_prefix_caching=False),
+    plain = build_engine(accepting.model_dir(), PytorchEngineConfig(**cfg, enable_prefix_caching=False),
                    progress=False)
 
     answers = {}
@@ -192,7 +193,7 @@ def test_embedded_mtp_draft_kv_from_the_cache_is_a_fresh_prefills():
     want = [answer_of(p) for p in sequential + batch]
     runs = {}
     for caching in (True, False):
-        engine = Engine(accepting.model_dir(),
+        engine = build_engine(accepting.model_dir(),
                         PytorchEngineConfig(**cfg, enable_prefix_caching=caching),
                         accepting.spec(3), progress=False)
         runs[caching] = run_scenario(engine, sequential, batch, accepting.GREEDY)

@@ -6,7 +6,7 @@ import torch
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.spec_decode.build import SpecPlan, spec_plan
 from tests.helpers import accepting
 
@@ -30,7 +30,7 @@ def test_plan_of_each_method():
 
 def test_engine_takes_sizes_from_the_plan_and_stats_from_the_strategy():
     k = 3
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(max_batch_size=4, **accepting.BASE),
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(max_batch_size=4, **accepting.BASE),
                     accepting.spec(k), progress=False)
     plan = engine.spec_plan
     assert engine.scheduler.num_draft_extra == plan.num_draft_extra == k - 1
@@ -43,7 +43,7 @@ def test_engine_takes_sizes_from_the_plan_and_stats_from_the_strategy():
         accepting.total([s.spec_stats for s in seqs]))
     engine.spec_stats = SpecDecodeStats()           # a benchmark's reset after its warm-up
     assert engine.strategy.stats.num_drafts == 0
-    plain = Engine(accepting.model_dir(), PytorchEngineConfig(max_batch_size=4, **accepting.BASE),
+    plain = build_engine(accepting.model_dir(), PytorchEngineConfig(max_batch_size=4, **accepting.BASE),
                    progress=False)
     plain.generate([list(accepting.prompts()[0])], GenerationConfig(max_new_tokens=4))
     assert plain.spec_stats.num_drafts == 0 and plain.scheduler.num_draft_extra == 0

@@ -22,7 +22,7 @@ from lmdeploy_lite.cli.main import build_parser
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig
 from lmdeploy_lite.pytorch.backends import default
 from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine, state_dtype
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine, state_dtype
 from lmdeploy_lite.pytorch.engine.cache_plan import plan_cache
 from tests.helpers import accepting
 from tests.helpers.step_inputs import make_inputs, shuffled_block_tables
@@ -84,9 +84,9 @@ def test_auto_is_the_checkpoint_dtype_float32_when_absent_float64_for_float64():
 
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 def test_engine_auto_state_is_float32_or_float64(dtype):
-    from lmdeploy_lite.pytorch.engine.engine import Engine
+    from lmdeploy_lite.pytorch.engine.build import build_engine
     name = {torch.float32: 'float32', torch.float64: 'float64'}[dtype]
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(
         dtype=name, device='cpu', block_size=16, session_len=64, max_batch_size=2),
         progress=False)
     recurrent = [c[1] for c, t in zip(engine.agent.caches.caches, embedded().layer_types)

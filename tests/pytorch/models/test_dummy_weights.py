@@ -9,7 +9,7 @@ import torch
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.pytorch.config import ModelConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.models.loader import (DUMMY_STD, build_model, init_dummy_weights,
                                                  load_mtp_weights)
 from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
@@ -99,7 +99,7 @@ def test_load_format_is_validated():
 
 def _generate(path, seed, k=0):
     spec = SpeculativeConfig(num_speculative_tokens=k) if k else None
-    engine = Engine(path, PytorchEngineConfig(device='cpu', dtype='float64', load_format='dummy',
+    engine = build_engine(path, PytorchEngineConfig(device='cpu', dtype='float64', load_format='dummy',
                                               seed=seed, session_len=128, max_batch_size=4),
                     spec, progress=False)
     seqs = engine.generate([[5, 6, 7, 8, 9], [10, 11]],

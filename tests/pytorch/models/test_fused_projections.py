@@ -12,7 +12,7 @@ from tests.helpers.step_inputs import make_inputs, shuffled_block_tables
 
 def _run(model):
     from lmdeploy_lite.pytorch.config import CacheConfig
-    from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+    from lmdeploy_lite.pytorch.cache_engine import CacheEngine
     cache = CacheEngine(model.config, CacheConfig(num_blocks=16, block_size=4,
                                                   num_state_slots=4), torch.float64, 'cpu')
     tables = shuffled_block_tables(2, 6)

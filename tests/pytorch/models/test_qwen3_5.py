@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lmdeploy_lite.pytorch.config import CacheConfig
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.models.loader import build_model
 from tests.helpers.step_inputs import make_inputs, shuffled_block_tables
 from tests.helpers.tiny_models import make_tiny_checkpoint, make_tiny_hf_model

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lmdeploy_lite.pytorch.config import CacheConfig
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.models.loader import build_model, load_mtp_state_dict, load_mtp_weights
 from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
 from tests.helpers.step_inputs import make_inputs, shuffled_block_tables

@@ -24,7 +24,7 @@ from lmdeploy_lite import PytorchEngineConfig, SpeculativeConfig, pipeline
 from lmdeploy_lite.cli.main import build_parser, speculative_config
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext, DraftDistContext
-from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.engine.cache_plan import plan_cache
 from lmdeploy_lite.pytorch.models.loader import load_mtp_state_dict
 from lmdeploy_lite.pytorch.spec_decode.build import (check_speculative_config, draft_dist_config,

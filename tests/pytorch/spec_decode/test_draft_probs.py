@@ -11,7 +11,7 @@ import torch
 
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig
 from lmdeploy_lite.pytorch.config import ModelConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
 from tests.helpers import accepting
 from tests.helpers.accepting import assert_matches_reference, assert_real_acceptance, counts
@@ -30,7 +30,7 @@ def strict_collectives(monkeypatch):
 
 def test_allocated_at_start_up_for_every_state_slot():
     k = 2
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(max_batch_size=4, **accepting.BASE),
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(max_batch_size=4, **accepting.BASE),
                     accepting.spec(k), progress=False)
     vocab = ModelConfig.from_pretrained(accepting.model_dir()).vocab_size
     table = engine.agent.draft_probs

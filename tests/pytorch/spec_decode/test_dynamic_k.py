@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.spec_decode.policy import DraftCountPolicy, batch_bucket
 from tests.helpers import accepting
 
@@ -22,7 +22,7 @@ def engine_of(path, k, dynamic=True, **kw):
     cfg = dict(dtype='float64', device='cpu', block_size=4, session_len=160)
     cfg.update(kw)
     spec = SpeculativeConfig(num_speculative_tokens=k, dynamic=dynamic)
-    return Engine(path, PytorchEngineConfig(**cfg), spec, progress=False)
+    return build_engine(path, PytorchEngineConfig(**cfg), spec, progress=False)
 
 
 def record_draft_counts(engine) -> list[int]:
@@ -45,7 +45,7 @@ def test_every_switch_of_k_gives_plain_greedy(k, monkeypatch):
     accepting.cycle_draft_counts(monkeypatch)
     prompts = [list(p) for p in accepting.many_prompts(6)]
     plain = accepting.reference(0, prompts, GREEDY)
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(
         **{**accepting.BASE, 'session_len': 160}, max_prefill_token_num=5),
         SpeculativeConfig(num_speculative_tokens=k), progress=False)
     seen = record_draft_counts(engine)
@@ -66,7 +66,7 @@ def test_every_switch_of_k_with_a_token_map_gives_plain_greedy(monkeypatch):
     from tests.helpers import token_maps
     accepting.cycle_draft_counts(monkeypatch)
     prompts = [list(p) for p in accepting.many_prompts(6)]
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(
         **{**accepting.BASE, 'session_len': 160}, max_prefill_token_num=5),
         token_maps.spec(3, token_maps.frequency_map(), dynamic=True), progress=False)
     got = [s.generated_ids for s in engine.generate(prompts, GREEDY)]
@@ -119,7 +119,7 @@ def test_policy_drafts_deep_when_drafts_are_accepted():
     prompts = [list(p) for p in accepting.many_prompts(4)]
     gen = GenerationConfig(max_new_tokens=100, ignore_eos=True)
     for cost, allowed in ((0.1, {2, 3}), (0.6, {0, 1})):
-        engine = Engine(accepting.model_dir(), PytorchEngineConfig(
+        engine = build_engine(accepting.model_dir(), PytorchEngineConfig(
             **{**accepting.BASE, 'session_len': 160}),
             SpeculativeConfig(num_speculative_tokens=3), progress=False)
         synthetic_clock(engine, cost)
@@ -190,7 +190,7 @@ def test_fixed_and_cycle_modes():
 
 def test_state_graph_buffers_do_not_depend_on_k():
     """The draft tables are allocated once at the maximum k (DESIGN.md invariant 7)."""
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
                     SpeculativeConfig(num_speculative_tokens=3), progress=False)
     agent = engine.agent
     assert agent.drafts.shape[1] == 3 and agent.num_drafted.dtype == torch.long

@@ -9,7 +9,7 @@ import torch
 from scipy.stats import chisquare
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from tests.helpers.reference import hf_generate
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 49)), [300, 301, 2, 450, 3, 3, 3, 17]]
@@ -20,7 +20,7 @@ GREEDY = GenerationConfig(max_new_tokens=NEW, ignore_eos=True)
 def make_engine(path, spec=None, **kw):
     cfg = dict(dtype='float64', device='cpu', block_size=4, session_len=160)
     cfg.update(kw)
-    return Engine(path, PytorchEngineConfig(**cfg), spec, progress=False)
+    return build_engine(path, PytorchEngineConfig(**cfg), spec, progress=False)
 
 
 def mtp(k):
@@ -182,10 +182,10 @@ def test_stop_words_inside_an_accepted_run(tiny_ckpt, plain):
     ref = plain(False)[2]
     word = f' {ref[6]} {ref[7]}'
     cfg = GenerationConfig(max_new_tokens=NEW, stop_words=[word])
-    base = Engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
+    base = build_engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
                                             session_len=160), tokenizer=SpaceTokenizer(),
                   progress=False).generate([PROMPTS[2]], cfg)[0]
-    spec = Engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
+    spec = build_engine(path, PytorchEngineConfig(dtype='float64', device='cpu', block_size=4,
                                             session_len=160), mtp(3), tokenizer=SpaceTokenizer(),
                   progress=False).generate([PROMPTS[2]], cfg)[0]
     first = next(i for i in range(len(ref)) if word in SpaceTokenizer().decode(ref[:i + 1]))

@@ -15,7 +15,7 @@ from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConf
 from lmdeploy_lite.cli import main as cli
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
-from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.nn.embedding import ParallelLMHead
 from lmdeploy_lite.pytorch.spec_decode.build import spec_plan
 from lmdeploy_lite.pytorch.spec_decode.token_map import (ReducedLMHead, load_token_map,
@@ -92,7 +92,7 @@ def test_a_bad_map_fails_engine_start_naming_file_and_entry(name, write, message
     path = _bad_file(tmp_path, name, write)
     spec = SpeculativeConfig(num_speculative_tokens=2, draft_token_map=path)
     with pytest.raises(ValueError) as error:
-        Engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE), spec, progress=False)
+        build_engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE), spec, progress=False)
     assert f'SpeculativeConfig.draft_token_map={path!r}: ' in str(error.value)
     assert message in str(error.value)
 
@@ -177,8 +177,8 @@ def test_tied_embeddings(tmp_path):
                               load_format='dummy')
     prompts = [[5, 6, 7, 8, 9], [300, 301, 2]]
     gen = GenerationConfig(max_new_tokens=12, ignore_eos=True)
-    plain = Engine(str(tmp_path), cfg, progress=False).generate(prompts, gen)
-    engine = Engine(str(tmp_path), cfg, token_maps.spec(2, str(tmp_path / 'map.json')),
+    plain = build_engine(str(tmp_path), cfg, progress=False).generate(prompts, gen)
+    engine = build_engine(str(tmp_path), cfg, token_maps.spec(2, str(tmp_path / 'map.json')),
                     progress=False)
     target = engine.agent.target.model
     assert target.lm_head.weight is target.model.embed_tokens.weight
@@ -209,7 +209,7 @@ def test_plan_charges_the_map_and_the_agent_allocates_it():
         assert reduced.draft.weight_bytes - full.draft.weight_bytes == rows * model.hidden_size * 4
         assert rows == (size if tp == 1 else max(int((token_map < 2048).sum()),
                                                  int((token_map >= 2048).sum())))
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(max_batch_size=4, **accepting.BASE),
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(max_batch_size=4, **accepting.BASE),
                     token_maps.spec(k, path), progress=False)
     assert engine.agent.draft_probs.shape == (engine.cache_config.num_state_slots, k, size)
     assert engine.spec_plan.draft_probs_bytes_per_slot == k * size * 8        # float64
@@ -219,7 +219,7 @@ def test_plan_charges_the_map_and_the_agent_allocates_it():
 # ---- whole runs ----------------------------------------------------------------------------------
 
 def _run(k: int, path: str, gen=accepting.GREEDY, **engine_cfg):
-    engine = Engine(accepting.model_dir(), PytorchEngineConfig(**{**accepting.BASE, **engine_cfg}),
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**{**accepting.BASE, **engine_cfg}),
                     token_maps.spec(k, path), progress=False)
     calls = record_drafts(engine)
     seqs = engine.generate([list(p) for p in accepting.prompts()], gen)

@@ -17,7 +17,7 @@ def connect(model_path: str, engine_config: PytorchEngineConfig,
     if engine_config.tp * engine_config.dp > 1 or engine_process:
         from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
         return MPEngineLoop(model_path, engine_config, speculative_config)
-    from lmdeploy_lite.pytorch.engine.engine import Engine
+    from lmdeploy_lite.pytorch.engine.build import build_engine
     from lmdeploy_lite.pytorch.engine.executor.thread import EngineLoop
-    return EngineLoop(Engine(model_path, engine_config, speculative_config, tokenizer=tokenizer,
+    return EngineLoop(build_engine(model_path, engine_config, speculative_config, tokenizer=tokenizer,
                              progress=progress))

@@ -101,11 +101,6 @@ class EngineClient(Protocol):
 
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig): ...
 
-    def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
-               tag: object = None, request_id: str | None = None) -> RequestHandle:
-        """One request (gen_config.n == 1): `submit_group` of one choice."""
-        return self.submit_group(token_ids, gen_config, sink, [tag], [request_id])[0]
-
     def submit_group(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
                      tags: list, request_ids: list[str | None] | None = None
                      ) -> list[RequestHandle]: ...
@@ -239,6 +234,11 @@ class RankClient:
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
         """Raise ValueError naming the field when the engine would refuse this request."""
         validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
+
+    def submit(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
+               tag: object = None, request_id: str | None = None) -> RequestHandle:
+        """One request (gen_config.n == 1): `submit_group` of one choice."""
+        return self.submit_group(token_ids, gen_config, sink, [tag], [request_id])[0]
 
     def submit_group(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
                      tags: list, request_ids: list[str | None] | None = None

@@ -62,7 +62,7 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
     import torch
 
     from lmdeploy_lite.pytorch.distributed import DistContext
-    from lmdeploy_lite.pytorch.engine.engine import Engine
+    from lmdeploy_lite.pytorch.engine.build import build_engine
     from lmdeploy_lite.pytorch.nn.token_dispatcher import dispatch_capacity
     from lmdeploy_lite.pytorch.spec_decode.build import num_draft_tokens
     torch.set_num_threads(int(env[NUM_THREADS_ENV]))      # the front-end's worker_num_threads
@@ -78,7 +78,7 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
             dist_config.tp)
         from lmdeploy_lite.tokenizer import load_tokenizer     # stop words need it
         tokenizer = load_tokenizer(model_path)
-        engine = Engine(model_path, engine_config, spec_config, tokenizer=tokenizer,
+        engine = build_engine(model_path, engine_config, spec_config, tokenizer=tokenizer,
                         progress=False, dist_ctx=dist_ctx)
         if worker_hook is not None:
             worker_hook(engine)

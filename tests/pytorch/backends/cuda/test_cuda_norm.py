@@ -111,7 +111,7 @@ def test_model_with_in_place_add_rms_norm(kernel_device, tiny_ckpt, monkeypatch,
         pytest.skip('runs the kernel in the interpreter inside the default-backend model')
     from lmdeploy_lite.pytorch.backends.default import DefaultBackend
     from lmdeploy_lite.pytorch.config import CacheConfig
-    from lmdeploy_lite.pytorch.engine.cache_engine import CacheEngine
+    from lmdeploy_lite.pytorch.cache_engine import CacheEngine
     from lmdeploy_lite.pytorch.models.loader import build_model, load_mtp_weights
     from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
     from tests.helpers.step_inputs import make_inputs, shuffled_block_tables

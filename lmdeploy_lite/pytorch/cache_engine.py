@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import CacheConfig, ModelConfig
+from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
 
 
 _STATE_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}

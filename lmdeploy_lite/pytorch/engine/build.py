@@ -1,0 +1,178 @@
+"""`build_engine`: everything an Engine is made of, built in order and handed over whole.
+
+Where its sizes come from:
+  * speculation: `SpecPlan` (spec_decode/build.py), plain data derived from the
+    SpeculativeConfig: k, the draft's extra KV positions (-> max_positions, the scheduler's
+    block reservations), its KV layers, tp and weights and the per-slot draft tables (-> the KV
+    plan), whether proposals need the host's tokens (-> no async scheduling). Its runtime
+    (spec_decode/runtime.py) is the engine's one handle on it; no method name is checked here;
+  * KV blocks and state slots: `plan_cache` (engine/cache_plan.py), the minimum over all ranks;
+  * every padded size of a step (graph bucket, tp-aligned token counts, EP capacity, DeepEP
+    mode) and whether TP peers exchange sampled drafts' distributions: the StepPlan
+    (engine/step_plan.py), per step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.cache_engine import CacheEngine
+from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
+from lmdeploy_lite.pytorch.distributed import DistContext
+from lmdeploy_lite.pytorch.engine.block_manager import BlockManager
+from lmdeploy_lite.pytorch.engine.cache_plan import available_memory, plan_cache
+from lmdeploy_lite.pytorch.engine.engine import Engine
+from lmdeploy_lite.pytorch.engine.hidden_states import DirectOutputs, HiddenStatesWriter
+from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
+from lmdeploy_lite.pytorch.engine.stopping import StopChecker
+from lmdeploy_lite.pytorch.model_agent import ModelAgent
+from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
+from lmdeploy_lite.pytorch.models.loader import build_model
+from lmdeploy_lite.pytorch.nn.token_dispatcher import (allocate_buffers, prepare_dispatch,
+                                                       uses_deep_ep)
+from lmdeploy_lite.pytorch.spec_decode.build import (SpecPlan, check_speculative_config,
+                                                     spec_plan)
+from lmdeploy_lite.pytorch.spec_decode.runtime import build_spec_runtime
+from lmdeploy_lite.pytorch.strategies.base import dummy_table_width
+
+logger = logging.getLogger('lmdeploy_lite')
+
+_DTYPES = {'float32': torch.float32, 'float64': torch.float64, 'bfloat16': torch.bfloat16,
+           'float16': torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == 'auto':
+        device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    if device == 'cuda' and not torch.cuda.is_available():
+        raise ValueError("device='cuda': CUDA is not available on this machine; use 'cpu' or 'auto'")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, model_config: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype != 'auto':
+        return _DTYPES[dtype]
+    if device.type == 'cpu':
+        return torch.float32           # bf16 matmuls are slow on most CPUs
+    text = model_config.hf_config.get('text_config') or model_config.hf_config
+    name = text.get('dtype') or text.get('torch_dtype') or model_config.hf_config.get('torch_dtype')
+    return _DTYPES.get(name, torch.bfloat16)
+
+
+def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None, tokenizer=None,
+                 progress: bool = True, dist_ctx: DistContext | None = None) -> Engine:
+    """One DP rank's engine (`dist_ctx`: this rank's place in the world; None: alone)."""
+    cfg = engine_config or PytorchEngineConfig()
+    dist = dist_ctx or DistContext.single()
+    model_config = ModelConfig.from_pretrained(model_path)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, model_config, device)
+    session_len = cfg.session_len or model_config.max_position_embeddings
+    if speculative_config is not None:
+        check_speculative_config(speculative_config, model_path, dist.config, cfg.load_format)
+    plan = spec_plan(speculative_config, model_config, dtype, dist.config)
+    if plan.aux_hidden_state_layer_ids and cfg.enable_prefix_caching:  # a cached prefix: no rows
+        logger.info('extract_hidden_states: prefix caching off (every prompt token is fed)')
+        cfg = dataclasses.replace(cfg, enable_prefix_caching=False)
+    max_positions = session_len + plan.num_spec_tokens + plan.num_draft_extra
+    model = build_model(model_path, dtype, device, progress=progress, dist_ctx=dist,
+                        load_format=cfg.load_format, seed=cfg.seed)
+    allocate_buffers(dist)            # a DeepEP buffer (if any), before the KV plan
+    cache_config = _plan_cache(model_config, cfg, plan, dtype, device, dist, max_positions)
+    caches = CacheEngine(model_config, cache_config, dtype, device, tp=dist.config.tp,
+                         ssm_state_dtype=cfg.ssm_state_dtype)
+    agent = ModelAgent(model, caches, cache_config.num_state_slots, device)
+    output_stage = _output_stage(plan, dist, agent)
+    spec = build_spec_runtime(speculative_config, plan, model_path, agent, model_config,
+                              cache_config, dtype, device, progress, dist, cfg.load_format,
+                              cfg.seed)
+    if device.type == 'cuda' and not cfg.eager_mode:
+        _enable_graphs(spec.agent, dist, dtype, plan, cache_config, cfg.max_batch_size,
+                       max_positions)
+    scheduler = _scheduler(cfg, cache_config, plan, session_len, model_config, tokenizer)
+    engine = Engine(dist, model_config, cfg, device, dtype, session_len, cache_config, spec,
+                    scheduler, output_stage, _async_scheduling(cfg, device, plan))
+    logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path, dtype, device,
+                cache_config.num_blocks, cache_config.block_size)
+    return engine
+
+
+def _plan_cache(model_config: ModelConfig, cfg: PytorchEngineConfig, plan: SpecPlan,
+                dtype: torch.dtype, device: torch.device, dist: DistContext,
+                max_positions: int) -> CacheConfig:
+    """This rank's KV plan, its block and snapshot counts the minimum over all ranks (block
+    tables and prefix-cache decisions must agree)."""
+    draft = plan.draft
+    cache_config = plan_cache(model_config, cfg, max_positions, plan.num_spec_tokens,
+                              draft.num_kv_layers, dtype,
+                              available_memory(device, dist.world_size), dist.config.tp,
+                              draft.tp, draft.weight_bytes, plan.draft_probs_bytes_per_slot)
+    num_blocks, num_snapshots = dist.world.all_reduce(
+        torch.tensor([cache_config.num_blocks, cache_config.num_snapshots]), op='min').tolist()
+    return dataclasses.replace(cache_config, num_blocks=num_blocks, num_snapshots=num_snapshots)
+
+
+def _output_stage(plan: SpecPlan, dist: DistContext, agent: ModelAgent):
+    """extract_hidden_states: TP rank 0 of each DP group keeps the rows and writes the files;
+    otherwise outputs go out as the steps make them."""
+    extract = plan.aux_hidden_state_layer_ids
+    if not extract or dist.tp_rank != 0:
+        return DirectOutputs()
+    agent.hidden_state_layer_ids = extract
+    return HiddenStatesWriter(plan.hidden_states_dir, extract)
+
+
+def _scheduler(cfg: PytorchEngineConfig, cache_config: CacheConfig, plan: SpecPlan,
+               session_len: int, model_config: ModelConfig, tokenizer) -> Scheduler:
+    block_manager = BlockManager(cache_config.num_blocks, cache_config.block_size,
+                                 cache_config.num_state_slots,
+                                 num_snapshots=cache_config.num_snapshots,
+                                 lookahead=plan.draft.num_kv_layers > 0)
+    return Scheduler(block_manager, cfg.max_batch_size, cfg.max_prefill_token_num, session_len,
+                     num_spec_tokens=plan.num_spec_tokens, num_draft_extra=plan.num_draft_extra,
+                     stop_checker=StopChecker(model_config.eos_token_ids, tokenizer),
+                     max_mixed_token_num=cfg.max_mixed_token_num)
+
+
+def _async_scheduling(cfg: PytorchEngineConfig, device: torch.device, plan: SpecPlan) -> bool:
+    """On by default on CUDA; off where the proposer drafts on the host from accepted tokens."""
+    wanted = cfg.async_scheduling if cfg.async_scheduling is not None else device.type == 'cuda'
+    if wanted and plan.needs_host_tokens:
+        log = logger.warning if cfg.async_scheduling else logger.info
+        log('async_scheduling: the %s proposer drafts on the host from the accepted tokens, '
+            'which it needs before each step; running without async scheduling', plan.proposer)
+        return False
+    return wanted
+
+
+def _enable_graphs(agent, dist: DistContext, dtype: torch.dtype, plan: SpecPlan,
+                   cache_config: CacheConfig, max_batch_size: int, max_positions: int):
+    """CUDA graphs for decode steps, their device collectives captured with them: TP
+    all-reduces (and sequence parallelism's reduce-scatters and row gathers) on NCCL, or on
+    the one-shot peer-memory all-reduce when chosen (distributed.py), and EP through
+    DeepEP's low-latency kernels (decode steps in which every rank decodes; others run
+    eagerly in normal mode). The all-to-all dispatcher (host-side counts) runs eagerly."""
+    layout = dist.config
+    if dtype == torch.float64:     # float64 runs the plain-PyTorch ops, not capturable
+        logger.info('CUDA graphs off: float64 runs decode steps eagerly')
+        return
+    if plan.aux_hidden_state_layer_ids:    # on every rank alike
+        logger.info('CUDA graphs off: extract_hidden_states runs decode steps eagerly')
+        return
+    deep_ep = layout.ep > 1 and uses_deep_ep(dist)
+    if layout.ep > 1 and not deep_ep:
+        logger.info('CUDA graphs off: ep=%d dispatches by all-to-all (host-side counts); '
+                    'decode steps run eagerly', layout.ep)
+        return
+    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
+    num_spec = plan.num_spec_tokens
+    max_blocks = max(-(-max_positions // cache_config.block_size),
+                     dummy_table_width(1 + num_spec))
+    if deep_ep:             # every rank captures the same buckets in the same order
+        most = max_batch_size * (1 + num_spec)
+        prepare_dispatch(dist, ForwardSizes.captured(most, most, layout.tp))
+    agent.enable_graphs(batch_buckets(max_batch_size), max_blocks, recorder=dist)

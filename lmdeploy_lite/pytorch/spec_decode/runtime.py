@@ -1,0 +1,76 @@
+"""All the engine knows of speculation: one `SpecRuntime` (the plan's sizes, the model agent
+and strategy it runs, the draft-count policy), asked three things per step: how many drafts
+(`choose_k`), the batch at that count (`with_draft_count`), and what the step showed
+(`observe_time`, `observe_acceptance`). Without speculation the same object runs plain decoding (k = 0, no policy)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from lmdeploy_lite.messages import SpeculativeConfig
+from lmdeploy_lite.pytorch.spec_decode.build import SpecPlan, build_spec_decoding
+from lmdeploy_lite.pytorch.spec_decode.policy import DraftCountPolicy
+from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
+
+
+@dataclasses.dataclass
+class SpecRuntime:
+    plan: SpecPlan
+    agent: object                       # ModelAgent, or the SpecAgent wrapping it
+    strategy: object                    # ARStrategy, or ARSpecStrategy
+    policy: DraftCountPolicy | None     # each rank's proposal of a step's draft count
+
+    def choose_k(self, batch) -> int:
+        """This rank's proposal (the StepPlan agrees on one); 0 without speculation or work."""
+        if batch is None or self.policy is None:
+            return 0
+        return self.policy.propose(len(batch.seqs))
+
+    def with_draft_count(self, batch, k: int):
+        """The batch at the plan's draft count k: a decode row feeds k + 1 tokens and verifies
+        the drafts its last step made, at most k (`row_drafts`; fewer when that step drafted
+        fewer: its extra positions are never accepted); every row then drafts k. A new object:
+        a continued batch is still its in-flight step's."""
+        if batch is None or self.policy is None:
+            return batch
+        seqs = batch.seqs
+        if batch.is_decoding and self.plan.needs_host_tokens:
+            row_drafts = [k] * len(seqs)                 # drafted on the host now
+        elif batch.is_decoding:
+            row_drafts = [min(s.drafts_ready, k) for s in seqs]
+        else:
+            row_drafts = None
+        q_lens = [k + 1] * len(seqs) if batch.is_decoding else batch.q_lens
+        for seq in seqs:
+            seq.drafts_ready = k
+        return dataclasses.replace(batch, q_lens=q_lens, num_spec=k, row_drafts=row_drafts)
+
+    def observe_time(self, batch, k: int, seconds: float):
+        """The policy learns a step's wall time (decode steps; any other step breaks the
+        sequence of like steps)."""
+        if self.policy is None:
+            return
+        if batch is not None and batch.is_decoding:
+            self.policy.observe_time(len(batch.seqs), k, seconds)
+        else:
+            self.policy.break_sequence()
+
+    def observe_acceptance(self, batch, accepted: list[int] | None):
+        """After a verify (its results on the host): each row's accepted drafts of its
+        `row_drafts`."""
+        if self.policy is not None and accepted is not None and batch.row_drafts is not None:
+            self.policy.observe_acceptance(batch.row_drafts, accepted)
+
+
+def build_spec_runtime(spec: SpeculativeConfig | None, plan: SpecPlan, model_path: str, agent,
+                       model_config, cache_config, dtype: torch.dtype, device: torch.device,
+                       progress: bool, dist, load_format: str, seed: int) -> SpecRuntime:
+    """The runtime over the target's `agent`: with speculation, the draft built and loaded."""
+    if not plan.enabled:
+        return SpecRuntime(plan, agent, ARStrategy(), None)
+    agent, strategy = build_spec_decoding(spec, model_path, agent, model_config, cache_config,
+                                          dtype, device, progress, dist,
+                                          load_format=load_format, seed=seed)
+    return SpecRuntime(plan, agent, strategy,
+                       DraftCountPolicy.from_config(plan.num_spec_tokens, plan.dynamic))

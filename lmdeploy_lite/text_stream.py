@@ -1,0 +1,199 @@
+"""What a request's outputs become on the way to its caller: text (incremental detokenization,
+stop words held back), coalesced chunks, logprobs entries; and the checks of a prompt."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import numbers
+
+from lmdeploy_lite.messages import GenerationConfig, TokenLogprobs, short_repr
+from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
+
+MESSAGE_ROLES = ('system', 'user', 'assistant', 'tool')
+
+
+class TextStream:
+    """The text of one request's output, built as its tokens arrive. While it runs, only a short
+    window of tokens is decoded per step (incremental detokenization with a prefix and a read
+    offset, as in vLLM and lmdeploy; `detokenize` does it for many streams in one tokenizer
+    call); when it finishes, the whole output is decoded once, so the final text is exactly
+    `tokenizer.decode(token_ids)` cut before the first stop word, streamed or not. Text that may
+    still turn into a stop word, or is an incomplete UTF-8 sequence, is held back until it
+    cannot."""
+
+    __slots__ = ('gen_config', 'stream', 'token_ids', 'text', 'sent', 'prefix', 'read')
+
+    def __init__(self, gen_config: GenerationConfig, stream: bool):
+        self.gen_config = gen_config
+        self.stream = stream              # False: no text until the end (the caller reads it then)
+        self.token_ids: list[int] = []
+        self.text = ''                    # decoded so far (append-only)
+        self.sent = 0                     # characters handed out
+        self.prefix = self.read = 0       # token offsets of the decode window
+
+    def window(self) -> tuple[list[int], list[int]]:
+        """(the tokens already turned into text that give context, those plus the new ones)."""
+        return self.token_ids[self.prefix:self.read], self.token_ids[self.prefix:]
+
+    def advance(self, before: str, after: str):
+        """`window()` decoded: the new text is what `after` adds to `before`, once it does not
+        end in an incomplete character."""
+        if len(after) > len(before) and not after.endswith('\ufffd'):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.token_ids)
+
+    def delta(self, finished: bool) -> str:
+        """The text not handed out yet that can be: before the first stop word, and (while
+        running) short of a suffix that may still grow into one."""
+        text, words = self.text, self.gen_config.stop_words
+        if words:
+            longest, prefixes = _stop_word_prefixes(tuple(words))
+            text = truncate_at_stop_word(text, words, max(0, self.sent - longest))
+            if not finished:
+                for n in range(min(longest - 1, len(text)), 0, -1):
+                    if text[-n:] in prefixes:
+                        text = text[:-n]
+                        break
+        out = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return out
+
+
+@functools.lru_cache(maxsize=256)
+def _stop_word_prefixes(words: tuple[str, ...]) -> tuple[int, frozenset[str]]:
+    """(the longest stop word's length, every proper prefix of a stop word)."""
+    return max(map(len, words)), frozenset(w[:n] for w in words for n in range(1, len(w)))
+
+
+def batch_decoder(tokenizer):
+    """A function (lists of token ids, skip_special_tokens) -> their texts, equal to
+    `tokenizer.decode` of each: the Rust tokenizer's decode where transformers adds nothing to
+    it (a fast tokenizer without clean-up of tokenization spaces, which transformers never
+    applies to BPE; ~1 us a window, where transformers' own path costs ~10), else transformers'
+    batch_decode. One call per window: the Rust batch decode's thread pool costs more to wake
+    than these few-token windows take."""
+    backend = getattr(tokenizer, 'backend_tokenizer', None)
+    cleans = getattr(tokenizer, 'clean_up_tokenization_spaces', False)
+    if backend is not None and (not cleans or type(backend.model).__name__ == 'BPE'):
+        decode = backend.decode
+        return lambda batch, skip: [decode(ids, skip_special_tokens=skip) for ids in batch]
+    return lambda batch, skip: tokenizer.batch_decode(batch, skip_special_tokens=skip)
+
+
+def detokenize(decode, updates: list[tuple[TextStream, list[int], bool]]) -> list[str]:
+    """Add each update's new token ids (and whether the request finished) to its stream; returns
+    each stream's new text. `decode`: `batch_decoder(tokenizer)`, or None without a tokenizer.
+    One batched decode per skip_special_tokens setting, for the running streams' windows and
+    the finished streams' whole outputs together."""
+    for s, ids, _ in updates:
+        s.token_ids += ids
+    deltas = [''] * len(updates)
+    if decode is None:
+        return deltas
+    windows: dict[bool, list] = {}          # skip_special_tokens -> [(update index, ...)]
+    for i, (s, ids, finished) in enumerate(updates):
+        if finished or (s.stream and ids):
+            windows.setdefault(s.gen_config.skip_special_tokens, []).append(i)
+    for skip, indices in windows.items():
+        batch = []
+        for i in indices:
+            s, _, finished = updates[i]
+            batch += [s.token_ids] if finished else list(s.window())
+        texts = iter(decode(batch, skip))
+        for i in indices:
+            s, _, finished = updates[i]
+            if finished:                     # the whole output once: exactly decode()'s text
+                s.text = next(texts)
+            else:
+                s.advance(next(texts), next(texts))
+    for i, (s, _, finished) in enumerate(updates):
+        if s.stream or finished:
+            deltas[i] = s.delta(finished)
+    return deltas
+
+
+def token_logprobs(token_ids: list[int], logprobs: list[tuple] | None) -> list[TokenLogprobs]:
+    """StepOutput.logprobs (one (logprob, top ids, top logprobs) per token) as TokenLogprobs."""
+    return [TokenLogprobs(t, chosen, dict(zip(ids, values)))
+            for t, (chosen, ids, values) in zip(token_ids, logprobs or ())]
+
+
+def coalesce(inbox: asyncio.Queue, first: tuple) -> tuple:
+    """`first` and every result already waiting behind it as one: (last StepOutput, joined
+    text, joined token ids, joined logprobs (StepOutput's), an error that came after them or
+    None). A consumer that keeps up gets one response per engine step; one that fell behind (a
+    server streaming to many clients: each chunk costs the event loop ~0.1 ms) gets the steps
+    it missed in one response instead of a backlog that grows every step."""
+    item, delta = first
+    token_ids, logprobs = item.new_token_ids, item.logprobs or []
+    while not item.finished and not inbox.empty():
+        more = inbox.get_nowait()
+        if isinstance(more, BaseException):
+            return item, delta, token_ids, logprobs, more
+        item, more_text = more
+        token_ids = token_ids + item.new_token_ids
+        logprobs = logprobs + (item.logprobs or [])
+        delta += more_text
+    return item, delta, token_ids, logprobs, None
+
+
+def is_token_id(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def as_batch(prompts) -> tuple[bool, list]:
+    """(single, the prompts as a list): a str, a list of token ids or a list of messages is one
+    prompt; a list or tuple of those is a batch; anything else is one prompt that
+    `encode` rejects by name."""
+    if isinstance(prompts, (list, tuple)) and (not prompts or isinstance(prompts[0], (str, list,
+                                                                                      tuple))):
+        return False, list(prompts)
+    return True, [prompts]
+
+
+def check_prompt(prompt):
+    """ValueError naming what is wrong with a prompt that is not token ids."""
+    if isinstance(prompt, str):
+        _check_text('prompt', prompt)
+        return
+    if not isinstance(prompt, list):
+        raise ValueError(f'prompt: {type(prompt).__name__} is not a str, a list of token ids '
+                         f'or a list of chat messages')
+    if not prompt:
+        raise ValueError('prompt: empty; give at least one token')
+    if not isinstance(prompt[0], dict):
+        bad = next(i for i, t in enumerate(prompt) if not is_token_id(t))
+        raise ValueError(f'prompt[{bad}]={short_repr(prompt[bad])}: token ids must be ints '
+                         f'(a prompt is a str, a list of token ids or a list of chat messages)')
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise ValueError(f'prompt[{i}]={short_repr(message)}: a chat message is a dict '
+                             f"with 'role' and 'content'")
+        role, content = message.get('role'), message.get('content')
+        if role not in MESSAGE_ROLES:
+            raise ValueError(f'prompt[{i}].role={short_repr(role)}: must be one of '
+                             f'{MESSAGE_ROLES}')
+        calls = message.get('tool_calls')
+        if calls is not None and (role != 'assistant' or not isinstance(calls, list)
+                                  or not all(isinstance(c, dict) for c in calls)):
+            raise ValueError(f'prompt[{i}].tool_calls={short_repr(calls)}: a list of dicts, '
+                             f'in assistant messages only')
+        if not isinstance(content, str) and not (content is None and calls):
+            raise ValueError(f'prompt[{i}].content={short_repr(content)}: must be a str')
+        if content is not None:
+            _check_text(f'prompt[{i}].content', content)
+
+
+def check_tools(tools):
+    """ValueError naming what is wrong with a tools list (the template reads the rest)."""
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError(f'tools={short_repr(tools)}: must be a list of dicts (function schemas)')
+
+
+def _check_text(name: str, text: str):
+    """A str holding a lone surrogate cannot be tokenized (or sent anywhere as UTF-8)."""
+    try:
+        text.encode('utf-8')
+    except UnicodeEncodeError as e:
+        raise ValueError(f'{name}: not valid unicode text ({e.reason} at position {e.start})'
+                         ) from None
