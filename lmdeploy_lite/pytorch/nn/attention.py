@@ -6,9 +6,8 @@ then partial RoPE; paged causal GQA attention (scale head_dim^-0.5); the result 
 
 Tensor parallel: each rank keeps num_heads / tp query heads (q_proj rows cut on whole per-head
 `[q_h | gate_h]` blocks, which are contiguous) and num_kv_heads / tp KV heads (its KV cache holds
-only those); o_proj is row-parallel and all-reduces. Sequence-parallel (nn/sequence_parallel.py):
-`forward` takes the gathered rows [Tp, H], attends over the first T and returns o_proj's
-reduce-scattered [Tp / tp, H].
+only those); o_proj is row-parallel and all-reduces (sequence-parallel: [Tp, H] in, o_proj's
+reduce-scattered [Tp / tp, H] out; nn/sequence_parallel.py).
 """
 from __future__ import annotations
 

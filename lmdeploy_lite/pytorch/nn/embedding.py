@@ -2,8 +2,8 @@
 
 Each TP rank holds rows `[rank * Vp, (rank + 1) * Vp)` of the `[V, H]` table, Vp = ceil(V / tp)
 (the last rank's missing rows are zeros). The embedding looks up the ids it owns, zeroes the
-others and all-reduces (sequence-parallel: reduce-scatters, `scatter_rows`); the LM head scores its rows and all-gathers, so every rank gets the
-full `[N, V]` logits.
+others and all-reduces (sequence-parallel: reduce-scatters, `scatter_rows`); the LM head scores
+its rows and all-gathers, so every rank gets the full `[N, V]` logits.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from .sharding import sharded_parameter, tp_layout
 
 
-class VocabParallelEmbedding(nn.Module):
+class _VocabParallel(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device | str, dist_ctx=None):
         super().__init__()
@@ -23,6 +23,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = sharded_parameter((vocab_size, hidden_size), 0, dist_ctx, dtype, device)
         self.vocab_start = rank * self.weight.shape[0]
 
+    def extra_repr(self) -> str:
+        return f'vocab={self.vocab_size}, local rows={self.weight.shape[0]}, tp={self.tp}'
+
+
+class VocabParallelEmbedding(_VocabParallel):
     def forward(self, input_ids: torch.Tensor, scatter_rows: int | None = None) -> torch.Tensor:
         """input_ids [T] long -> [T, H]. `scatter_rows` (sequence parallelism, tp > 1): the
         plan's padded token count Tp; returns this TP rank's share [Tp / tp, H] of the rows
@@ -38,27 +43,12 @@ class VocabParallelEmbedding(nn.Module):
             return self.dist_ctx.tp.reduce_scatter(out)
         return self.dist_ctx.tp.all_reduce(out)        # exactly one rank contributes each row
 
-    def extra_repr(self) -> str:
-        return f'vocab={self.vocab_size}, local rows={self.weight.shape[0]}, tp={self.tp}'
 
-
-class ParallelLMHead(nn.Module):
-    """Column-parallel over the vocab; `forward` returns full-vocab logits on every TP rank."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device | str, dist_ctx=None):
-        super().__init__()
-        self.vocab_size, self.dist_ctx = vocab_size, dist_ctx
-        self.tp, _ = tp_layout(dist_ctx)
-        self.weight = sharded_parameter((vocab_size, hidden_size), 0, dist_ctx, dtype, device)
-
+class ParallelLMHead(_VocabParallel):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in the weight's dtype."""
+        """hidden [N, H] -> full-vocab logits [N, V] in the weight's dtype, on every TP rank."""
         logits = F.linear(hidden, self.weight)
         if self.tp == 1:
             return logits
         parts = self.dist_ctx.tp.all_gather(logits.contiguous())      # [tp, N, Vp]
         return parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, :self.vocab_size]
-
-    def extra_repr(self) -> str:
-        return f'vocab={self.vocab_size}, local rows={self.weight.shape[0]}, tp={self.tp}'

@@ -11,8 +11,7 @@ sections separately (each rank keeps `[q_r | k_r | v_r]`, nk/tp key and nv/tp va
 head j still uses key head j // (nv/nk)); z, b, a, A_log and dt_bias by value heads; the gated
 norm's weight is per channel of a head and replicated; out_proj is row-parallel. The state caches
 hold only this rank's channels / heads (conv_dim and nv above are per rank). Sequence-parallel
-(nn/sequence_parallel.py): `forward` takes the gathered rows [Tp, H], runs on the first T and
-returns out_proj's reduce-scattered [Tp / tp, H].
+as GatedAttention (nn/attention.py).
 """
 from __future__ import annotations
 
@@ -73,8 +72,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, state_cache: tuple[torch.Tensor, torch.Tensor],
                 inputs: ModelInputs) -> torch.Tensor:
-        """hidden [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H]); reads/writes
-        `state_cache` as described in model_inputs.py."""
+        """hidden [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H]); state_cache
+        slots as in model_inputs.py."""
         num_rows = hidden.shape[0]
         hidden = real_rows(hidden, inputs)
         num_tokens = hidden.shape[0]

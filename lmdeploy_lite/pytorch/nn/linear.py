@@ -25,25 +25,6 @@ def _check_divisible(what: str, sizes: tuple[int, ...], tp: int) -> None:
             raise ValueError(f'{what}={size}: must be divisible by tp={tp}')
 
 
-class ReplicatedLinear(nn.Module):
-    """The full weight on every rank."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device | str, bias: bool = False):
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
-                                  requires_grad=False) if bias else None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return f'in={self.in_features}, out={self.out_features}, bias={self.bias is not None}'
-
-
 class ColumnParallelLinear(nn.Module):
     """Output features split over the TP group; no collective. `sections`: the output is a
     concatenation of parts that are split separately (e.g. `(Dk, Dk, Dv)` for `[q | k | v]`), so
@@ -67,6 +48,14 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f'in={self.in_features}, out={self.out_features} (local), bias={self.bias is not None}'
+
+
+class ReplicatedLinear(ColumnParallelLinear):
+    """The full weight on every rank."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
+                 device: torch.device | str, bias: bool = False):
+        super().__init__(in_features, out_features, dtype, device, bias)
 
 
 class RowParallelLinear(nn.Module):

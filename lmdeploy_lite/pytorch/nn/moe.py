@@ -13,13 +13,8 @@ tokens. Either way every TP rank ends with a partial sum of routed + shared, and
 all-reduces that sum exactly once over TP. Sequence-parallel (nn/sequence_parallel.py): x is the
 gathered [Tp, H] (Tp = `sizes.tokens`), the one reduction is a reduce-scatter to this rank's
 [Tp / tp, H], and with EP the rows TP rank r dispatches are exactly its own token shard.
-
-Sizes of an EP forward: all from the step's StepPlan, carried by `ModelInputs.sizes`
-(`ForwardSizes`, model_inputs.py), never from module state: the local rows are padded to the
-plan's tp-aligned count `sizes.tokens` (padding rows route to expert -1, weight 0), so TP rank r
-dispatches exactly rows [r * tokens / tp, (r + 1) * tokens / tp); the dispatch capacity is
-`sizes.max_tokens / tp` tokens per rank (the plan's largest count); DeepEP's mode is
-`sizes.low_latency`.
+Every size of an EP forward comes from `ModelInputs.sizes` (`_routed_by_ep`,
+nn/token_dispatcher.py), never from module state.
 """
 from __future__ import annotations
 
@@ -125,9 +120,8 @@ class SparseMoeBlock(nn.Module):
         self.in_proj = None     # router, shared gate and shared gate/up as one GEMM (CPU)
 
     def fuse_projections(self, keep_parts: bool = False):
-        """With `keep_parts` (the parts stay as views): the router, the shared expert's gate
-        and its gate/up projections read x in one GEMM. Otherwise only the shared expert fuses
-        its gate/up (its own `fuse_projections`)."""
+        """With `keep_parts`: the router, the shared expert's gate and its gate/up read x in one
+        GEMM. Otherwise only the shared expert fuses its gate/up (its own `fuse_projections`)."""
         if not keep_parts or self.in_proj is not None:
             return
         mlp = self.shared_expert
@@ -163,9 +157,10 @@ class SparseMoeBlock(nn.Module):
     def _routed_by_ep(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       sizes: ForwardSizes | None) -> torch.Tensor:
         """EP: tokens travel to their experts' ranks and back (collectives inside). The TP ranks
-        of a DP group hold the same tokens; padded to the plan's `sizes.tokens` rows, TP rank r
-        sends rows [r * share, (r + 1) * share), share = tokens / tp; the other rows stay 0
-        until the TP all-reduce."""
+        of a DP group hold the same tokens; padded to the plan's `sizes.tokens` rows (padding
+        routes to expert -1, weight 0), TP rank r sends rows [r * share, (r + 1) * share),
+        share = tokens / tp, with capacity `sizes.max_tokens / tp` and DeepEP mode
+        `sizes.low_latency`; the other rows stay 0 until the TP all-reduce."""
         if sizes is None:
             raise ValueError('an EP forward needs ModelInputs.sizes (the StepPlan\'s '
                              'ForwardSizes, engine/step_plan.py), got None')

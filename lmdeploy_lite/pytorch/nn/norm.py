@@ -1,10 +1,5 @@
-"""RMSNorm variants used by Qwen3.5; the math is the backend's (`rms_norm`, `gated_rms_norm`).
-
-`RMSNorm` is zero-centred: `y = x / rms(x) * (1 + w)` with w stored as in the checkpoint (initialised
-to 0), computed in float32 (float64 for a float64 model) and cast back; given a residual it adds
-it first (`add_rms_norm`, one fused kernel on CUDA). `GatedRMSNorm` is the gated delta net's
-output norm: plain `w`, norm before the SiLU gate.
-"""
+"""Qwen3.5's RMSNorms; the math (dtypes, rounding) is the backend's `rms_norm`, `add_rms_norm`
+and `gated_rms_norm` (backends/default/norm.py)."""
 from __future__ import annotations
 
 import torch
@@ -17,7 +12,7 @@ __all__ = ['RMSNorm', 'GatedRMSNorm', 'compute_dtype']
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm over the last dim of size `dim`: `x * rsqrt(mean(x^2) + eps) * (1 + w)`."""
+    """Zero-centred: `x * rsqrt(mean(x^2) + eps) * (1 + w)`, w as in the checkpoint (init 0)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
@@ -35,7 +30,7 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head output norm of the gated delta net: `w * norm(o) * silu(z)` over the last dim."""
+    """The gated delta net's per-head output norm: `w * norm(o) * silu(z)` (plain w, init 1)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()

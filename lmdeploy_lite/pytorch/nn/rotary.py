@@ -21,9 +21,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] long -> (cos, sin), each [T, rotary_dim] in `dtype`, sin with its first
         half negated (the sign of rotate_half folded in: what `apply_rotary` multiplies the
-        half-swapped x by).
-
-        Angles are computed in float32 like transformers (float64 for a float64 model)."""
+        half-swapped x by)."""
         inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq32
         freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
