@@ -114,27 +114,7 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
         target = rename(name)
         match = _PER_EXPERT.match(target)
         if match:
-            base, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-            pname = f'{base}.down_proj' if proj == 'down_proj' else f'{base}.gate_up_proj'
-            if pname not in params:
-                raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {pname!r})')
-            param = params[pname]
-            first, num_local, num_experts = _expert_range(param)
-            inter = param.shape[2] if proj == 'down_proj' else param.shape[1] // 2   # this rank's
-            if expert >= num_experts:
-                raise ValueError(f'{path}: tensor {name!r}: expert {expert} out of range, '
-                                 f'config.json has num_experts={num_experts}')
-            if not first <= expert < first + num_local:
-                continue                                   # another EP rank's expert
-            local = expert - first
-            dest = {'gate_proj': param.data[local, :inter], 'up_proj': param.data[local, inter:],
-                    'down_proj': param.data[local]}[proj]
-            shard = getattr(param, 'shard', None)          # TP: a piece of each expert's I
-            piece = shard.per_expert(int(proj == 'up_proj')) if shard else None
-            _check_shape(path, name, shape,
-                         piece.full_shape(dest.shape) if piece else tuple(dest.shape))
-            dest.copy_(piece.narrow(load()) if piece else load())
-            expert_parts.setdefault(pname, set()).add((expert, proj))
+            _load_expert(params, match, path, name, shape, load, expert_parts)
             continue
         if target not in params:
             raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {target!r} in '
@@ -153,6 +133,33 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
     if missing:
         shown = ', '.join(missing[:8]) + (f' (+{len(missing) - 8} more)' if len(missing) > 8 else '')
         raise ValueError(f'model_path={model_dir!r}: missing tensors for {shown}')
+
+
+def _load_expert(params: dict, match: re.Match, path: str, name: str, shape: tuple, load,
+                 expert_parts: dict[str, set]) -> None:
+    """One per-expert tensor (`_PER_EXPERT` match) into this rank's slice of the fused
+    parameter, recorded in `expert_parts[param name]` as (expert, proj); another EP rank's
+    expert is skipped."""
+    base, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    pname = f'{base}.down_proj' if proj == 'down_proj' else f'{base}.gate_up_proj'
+    if pname not in params:
+        raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {pname!r})')
+    param = params[pname]
+    first, num_local, num_experts = _expert_range(param)
+    inter = param.shape[2] if proj == 'down_proj' else param.shape[1] // 2   # this rank's
+    if expert >= num_experts:
+        raise ValueError(f'{path}: tensor {name!r}: expert {expert} out of range, '
+                         f'config.json has num_experts={num_experts}')
+    if not first <= expert < first + num_local:
+        return                                          # another EP rank's expert
+    local = expert - first
+    dest = {'gate_proj': param.data[local, :inter], 'up_proj': param.data[local, inter:],
+            'down_proj': param.data[local]}[proj]
+    shard = getattr(param, 'shard', None)               # TP: a piece of each expert's I
+    piece = shard.per_expert(int(proj == 'up_proj')) if shard else None
+    _check_shape(path, name, shape, piece.full_shape(dest.shape) if piece else tuple(dest.shape))
+    dest.copy_(piece.narrow(load()) if piece else load())
+    expert_parts.setdefault(pname, set()).add((expert, proj))
 
 
 def _expert_range(param) -> tuple[int, int, int]:
@@ -212,7 +219,7 @@ def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True,
         load_module_weights(mtp, model_dir, {'mtp.': ''},
                             allow_missing=('embed_tokens.', 'lm_head.'), progress=progress,
                             desc='Loading MTP weights')
-    if next(mtp.parameters()).device.type != 'cuda':   # as build_model does (CUDA: the caller)
+    if next(mtp.parameters()).device.type != 'cuda':
         fuse_projections(mtp, keep_parts=True)
 
 
@@ -280,8 +287,6 @@ def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
         init_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir, progress=progress)
-    # fewer, larger GEMMs for decode; off CUDA the parts stay (views of the fused weights), so
-    # names and state_dict are the checkpoint's
-    if fuse:
+    if fuse:      # off CUDA the parts stay, so names and state_dict are the checkpoint's
         fuse_projections(model, keep_parts=torch.device(device).type != 'cuda')
     return model.eval()
