@@ -1,40 +1,36 @@
-"""Process groups as typed handles, and the one wrapper every collective goes through.
+"""Process groups as typed handles (`dist.tp.all_reduce(x)`), and the one wrapper every
+collective goes through (`DistContext.traced`).
 
-`DistContext` holds this rank's groups as `Group` handles whose methods are the collectives
-(`dist.tp.all_reduce(x)`). `Topology` says which ranks form which group (a pure function of the
-DistConfig): `world` = dp x tp ranks; `tp` = the tp consecutive ranks of one DP rank; `dp` = the
-dp ranks of one TP rank; `ep` = the world with ep > 1, else this rank alone; `plan` = the
-StepPlan's group (the ranks that advance together, for the engine and the executors alike): the
-world with ep > 1, whose MoE all-to-alls join every rank, else each TP group (DP ranks share no
+Groups (`Topology`, a pure function of the DistConfig): `world` = dp x tp ranks; `tp` = the tp
+consecutive ranks of one DP rank; `dp` = the dp ranks of one TP rank; `ep` = the world with
+ep > 1, else this rank alone; `plan` = the StepPlan's group, the ranks that advance together: the
+world with ep > 1 (MoE all-to-alls join every rank), else each TP group (DP ranks share no
 collective inside a step and run as independent engines); the check group spans the same ranks.
-The MTP draft has its own layout (SpeculativeConfig tp / ep, dp the target's): `draft_context`
-gives its layers a `DraftDistContext` whose `tp` is the TP group, a 'draft_tp' sub-group of it
-(consecutive runs of the draft's tp ranks, for 1 < draft tp < tp) or a group of one (draft tp=1),
-and whose `ep` is the EP group or a group of one (draft ep=1).
+The MTP draft's own layout (SpeculativeConfig tp / ep) gets a `DraftDistContext` (`draft_context`).
 
-On CUDA (`init(..., device=cuda:i)`) every multi-rank group also gets an NCCL twin with the same
-ranks, and `traced` runs a collective of a CUDA tensor on the twin, of a CPU tensor on the gloo
-group: the StepPlan gather, the inbox broadcast and the trace check stay on gloo, TP all-reduces
-(sequence-parallel: `reduce_scatter` / `gather_rows`) and EP all-to-alls of activations go over
-NCCL (small TP sums on a one-shot peer-memory all-reduce instead with
-LMDEPLOY_LITE_TP_ALLREDUCE=oneshot: backends/cuda/peer_all_reduce.py). Each collective is
-recorded per step as (op, group, shape, dtype), variable first dimensions (all-to-all payloads)
-as -1, so that ranks can compare what they did (DESIGN.md invariant 2): with
-LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest comparison on the check group,
-and so does every collective across DP ranks before it runs (gloo aborts the process on a size
+On CUDA every multi-rank group also has an NCCL twin: a collective of a CUDA tensor runs on it,
+of a CPU tensor on gloo. So the StepPlan gather, the inbox broadcast and the trace check stay on
+gloo; TP all-reduces (sequence-parallel: `reduce_scatter` / `gather_rows`) and EP all-to-alls go
+over NCCL (small TP sums over a one-shot peer-memory all-reduce instead with
+LMDEPLOY_LITE_TP_ALLREDUCE=oneshot: backends/cuda/peer_all_reduce.py).
+
+Each collective is recorded per step as (op, group, shape, dtype), variable first dimensions
+(all-to-all payloads) as -1, so that ranks can compare what they did (DESIGN.md invariant 2): with
+LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest comparison on the check group, and
+so does every collective across DP ranks before it runs (gloo aborts the process on a size
 mismatch, so afterwards is too late); a mismatch raises CollectiveMismatch naming the first
 collective that differs. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
-default 180); expiry raises CollectiveTimeout naming rank, step and operation (invariant 3). A
-timeout also triggers the trace comparison, so a rank that skipped a collective is named instead
-of leaving its peers to hang (the comparison waits up to 3x the timeout for peers still stuck in
-a collective of their own, so with the check on, a rank that stopped participating altogether is
+default 180; invariant 3) whose expiry raises CollectiveTimeout naming rank, step and operation
+and triggers the trace comparison, so a rank that skipped a collective is named instead of
+leaving its peers to hang (the comparison waits up to 3x the timeout for peers stuck in a
+collective of their own: with the check on, a rank that stopped participating altogether is
 reported after about 4x the timeout; with it off, after 1x).
 
 NCCL collectives are asynchronous: `traced` only sees errors raised at launch. A peer that never
-joins makes the kernel wait on the GPU until the same timeout, when torch's NCCL watchdog aborts
-the communicator (named `lmdeploy_lite_<name>`), logs the collective and ends the process
-(TORCH_NCCL_ASYNC_ERROR_HANDLING), which the executor reports by rank; the trace check at the
-end of the step (gloo, on the CPU) still names a rank that skipped a collective.
+joins makes the kernel wait until the same timeout, when torch's NCCL watchdog aborts the
+communicator (named `lmdeploy_lite_<name>`), logs the collective and ends the process
+(TORCH_NCCL_ASYNC_ERROR_HANDLING), which the executor reports by rank; the trace check at the end
+of the step (gloo) still names a rank that skipped a collective.
 """
 from __future__ import annotations
 
@@ -68,8 +64,7 @@ class CollectiveMismatch(RuntimeError):
 
 @dataclass(frozen=True)
 class Topology:
-    """Which global ranks form which group: a pure function of the DistConfig, the same on every
-    rank (`rank_sets(name)`: every group of that name, in creation order)."""
+    """`rank_sets(name)`: every group of that name, in creation order (module docstring)."""
     config: DistConfig
 
     def runs(self, size: int) -> list[tuple[int, ...]]:
@@ -91,9 +86,8 @@ class Topology:
 @dataclass(frozen=True, eq=False)
 class Group:
     """This rank's handle on one group: its global `ranks` (group order) and the collectives on
-    it, each recorded in `ctx`'s per-step trace under `name` (`DistContext.traced`). Without a
-    process group (one rank; a context that never joined any; a draft group that maps to none)
-    every collective is the identity of a group of one."""
+    it, traced under `name`. Without a process group (one rank; a context that never joined any;
+    a draft group that maps to none) every collective is the identity of a group of one."""
     ctx: 'DistContext' = field(repr=False)
     name: str
     ranks: tuple[int, ...]
@@ -200,8 +194,7 @@ class Group:
 
 @dataclass
 class DistContext:
-    """This rank's groups (`world`, `tp`, `dp`, `ep`, `plan`: `Group` handles) and the per-step
-    collective trace every handle records into."""
+    """This rank's `Group` handles and the per-step collective trace they record into."""
     config: DistConfig
     rank: int
     groups: dict = field(default_factory=dict)      # name -> Group this rank belongs to
@@ -235,7 +228,6 @@ class DistContext:
     dp = property(lambda self: self.group('dp'))
     ep = property(lambda self: self.group('ep'))      # ep = 1: this rank alone
 
-    # the StepPlan's group, the ranks that share collectives inside a step (module docstring)
     plan = property(lambda self: self.world if self.config.ep > 1 else self.tp)
 
     @classmethod
@@ -293,9 +285,10 @@ class DistContext:
 
     def draft_context(self, draft: DistConfig) -> 'DistContext | DraftDistContext':
         """The DistContext the MTP draft's layers are built with (DESIGN.md invariant 6): this
-        one when the draft's layout is the target's, else a `DraftDistContext`. A draft tp
-        strictly between 1 and the target's creates the 'draft_tp' groups here, so every rank
-        must call this once, at the same point of start-up."""
+        one when the draft's layout is the target's, else a `DraftDistContext` whose `tp` is the
+        TP group, a 'draft_tp' sub-group (consecutive runs of draft-tp ranks, 1 < draft tp < tp:
+        created here, so every rank calls this once, at the same point of start-up) or a group
+        of one (draft tp=1), and whose `ep` is the EP group or a group of one (draft ep=1)."""
         if draft == self.config:
             return self
         tp = self.config.tp
@@ -434,9 +427,8 @@ def _digest(record: list) -> int:
 
 
 class DraftDistContext:
-    """The MTP draft's view of its rank's DistContext: the draft's own DistConfig (its tp and
-    ep; dp the target's) and `tp` / `ep` handles (module docstring), recording into the parent's
-    trace under the real group's name; anything else (rank, step, ...) is the parent's."""
+    """The MTP draft's view of its rank's DistContext: the draft's own DistConfig and `tp` / `ep`
+    handles (`draft_context`); anything else (rank, step, the trace, ...) is the parent's."""
 
     def __init__(self, parent: DistContext, config: DistConfig, tp: Group, ep: Group):
         self.parent, self.config, self.tp, self.ep = parent, config, tp, ep
