@@ -33,9 +33,8 @@ from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.models.loader import build_model
 from lmdeploy_lite.pytorch.nn.token_dispatcher import (allocate_buffers, prepare_dispatch,
                                                        uses_deep_ep)
-from lmdeploy_lite.pytorch.spec_decode.build import (SpecPlan, check_speculative_config,
-                                                     spec_plan)
-from lmdeploy_lite.pytorch.spec_decode.runtime import build_spec_runtime
+from lmdeploy_lite.pytorch.spec_decode.runtime import (SpecPlan, build_spec_runtime,
+                                                       plan_speculation)
 from lmdeploy_lite.pytorch.strategies.base import dummy_table_width
 
 logger = logging.getLogger('lmdeploy_lite')
@@ -72,9 +71,8 @@ def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = No
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, model_config, device)
     session_len = cfg.session_len or model_config.max_position_embeddings
-    if speculative_config is not None:
-        check_speculative_config(speculative_config, model_path, dist.config, cfg.load_format)
-    plan = spec_plan(speculative_config, model_config, dtype, dist.config)
+    plan = plan_speculation(speculative_config, model_path, model_config, dtype, dist.config,
+                            cfg.load_format)
     if plan.aux_hidden_state_layer_ids and cfg.enable_prefix_caching:  # a cached prefix: no rows
         logger.info('extract_hidden_states: prefix caching off (every prompt token is fed)')
         cfg = dataclasses.replace(cfg, enable_prefix_caching=False)

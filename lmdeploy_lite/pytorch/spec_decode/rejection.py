@@ -46,54 +46,69 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
         num_drafts = torch.full((batch_size,), k, dtype=torch.long, device=device)
     safe_drafts = draft_tokens.clamp(min=0)                        # placeholders never index
     target_argmax = target_logits.argmax(-1)                       # [B, k+1]
-
-    # Greedy rows: accept draft i while it equals the target's argmax at position i.
-    accept = safe_drafts == target_argmax[:, :k]
-    if not sampling.all_greedy:
-        target_probs = probs_from_logits(target_logits, sampling)  # p: [B, k+1, V]
-        p_draft = target_probs[:, :k].gather(-1, safe_drafts[..., None])[..., 0]
-        if draft_probs is None:
-            q_draft = torch.ones_like(p_draft)
-        elif token_map is not None:     # q at each draft's entry in the map (0 if it has none)
-            in_map = token_map == safe_drafts[..., None]                            # [B, k, M]
-            q_draft = (draft_probs.to(p_draft.dtype) * in_map).sum(-1)
-        else:
-            q_draft = draft_probs.to(p_draft.dtype).gather(-1, safe_drafts[..., None])[..., 0]
-        uniform = random_like_rows((batch_size, k), sampling.generators, 'uniform', p_draft.dtype, device)
-        # Sampled rows: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. u < p/q
-        # for u ~ U[0, 1), written without division. p(d) = 0 (e.g. outside top-k/top-p) never
-        # accepts.
-        sampled_accept = uniform * q_draft < p_draft
-        accept = torch.where(sampling.do_sample[:, None], sampled_accept, accept)
+    target_probs = probs_from_logits(target_logits, sampling)      # p: [B, k+1, V]
+    accept = _accepted(target_argmax, target_probs, safe_drafts, draft_probs, sampling, token_map)
     accept &= positions < num_drafts[:, None]
     num_accepted = accept.long().cumprod(-1).sum(-1)               # length of the accepted prefix
 
     next_token = target_argmax[rows, num_accepted]                  # greedy: correction or bonus
-    if not sampling.all_greedy:
-        p_next = target_probs[rows, num_accepted]                   # [B, V]
-        dist = p_next                                               # all accepted: bonus from p
-        if k > 0:
-            rejected = num_accepted < num_drafts
-            at = num_accepted.clamp(max=k - 1)
-            if draft_probs is None:
-                q_next = torch.nn.functional.one_hot(safe_drafts[rows, at], p_next.size(-1)).to(p_next.dtype)
-            else:
-                q_next = draft_probs[rows, at].to(p_next.dtype)
-                if token_map is not None:                         # [B, M] -> [B, V], 0 off the map
-                    q_next = torch.zeros_like(p_next).scatter_(
-                        -1, token_map.expand(batch_size, -1), q_next)
-            # After a rejection, sample from norm(max(p - q, 0)) (falling back to p if that is
-            # all zero, i.e. p == q); after all accepts, the bonus comes from p at the next position.
-            residual = (p_next - q_next).clamp(min=0)
-            residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
-            dist = torch.where(rejected[:, None], residual, p_next)
-        sampled_next = draw_from_probs(dist, sampling.generators)
-        next_token = torch.where(sampling.do_sample, sampled_next, next_token)
+    dist = target_probs[rows, num_accepted]                         # all accepted: bonus from p
+    if k > 0:
+        dist = _after_rejection(dist, num_accepted, num_drafts, safe_drafts, draft_probs,
+                                token_map)
+    sampled_next = draw_from_probs(dist, sampling.generators)
+    next_token = torch.where(sampling.do_sample, sampled_next, next_token)
 
     output_tokens = torch.full((batch_size, k + 1), -1, dtype=torch.long, device=device)
     output_tokens[:, :k] = torch.where(positions < num_accepted[:, None], draft_tokens, -1)
     output_tokens[rows, num_accepted] = next_token
     return output_tokens, num_accepted
+
+
+def _accepted(target_argmax: Tensor, target_probs: Tensor, safe_drafts: Tensor,
+              draft_probs: Tensor | None, sampling: SamplingInputs,
+              token_map: Tensor | None) -> Tensor:
+    """[B, k] bool: whether each draft passes on its own (the caller keeps the prefix)."""
+    batch_size, k = safe_drafts.shape
+    # Greedy rows: accept draft i while it equals the target's argmax at position i.
+    accept = safe_drafts == target_argmax[:, :k]
+    p_draft = target_probs[:, :k].gather(-1, safe_drafts[..., None])[..., 0]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    elif token_map is not None:     # q at each draft's entry in the map (0 if it has none)
+        in_map = token_map == safe_drafts[..., None]                            # [B, k, M]
+        q_draft = (draft_probs.to(p_draft.dtype) * in_map).sum(-1)
+    else:
+        q_draft = draft_probs.to(p_draft.dtype).gather(-1, safe_drafts[..., None])[..., 0]
+    uniform = random_like_rows((batch_size, k), sampling.generators, 'uniform', p_draft.dtype,
+                               safe_drafts.device)
+    # Sampled rows: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. u < p/q
+    # for u ~ U[0, 1), written without division. p(d) = 0 (e.g. outside top-k/top-p) never
+    # accepts.
+    sampled_accept = uniform * q_draft < p_draft
+    return torch.where(sampling.do_sample[:, None], sampled_accept, accept)
+
+
+def _after_rejection(p_next: Tensor, num_accepted: Tensor, num_drafts: Tensor,
+                     safe_drafts: Tensor, draft_probs: Tensor | None,
+                     token_map: Tensor | None) -> Tensor:
+    """[B, V]: what a sampled row draws its next token from. After a rejection,
+    norm(max(p - q, 0)) (falling back to p if that is all zero, i.e. p == q); after all
+    accepts, the bonus comes from p at the next position (`p_next` as given)."""
+    batch_size, k = safe_drafts.shape
+    rows = torch.arange(batch_size, device=safe_drafts.device)
+    rejected = num_accepted < num_drafts
+    at = num_accepted.clamp(max=k - 1)
+    if draft_probs is None:
+        q_next = torch.nn.functional.one_hot(safe_drafts[rows, at], p_next.size(-1)).to(p_next.dtype)
+    else:
+        q_next = draft_probs[rows, at].to(p_next.dtype)
+        if token_map is not None:                         # [B, M] -> [B, V], 0 off the map
+            q_next = torch.zeros_like(p_next).scatter_(
+                -1, token_map.expand(batch_size, -1), q_next)
+    residual = (p_next - q_next).clamp(min=0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
+    return torch.where(rejected[:, None], residual, p_next)
 
 
 def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_drafts: Tensor | None = None

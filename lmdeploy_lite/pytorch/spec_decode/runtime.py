@@ -1,7 +1,9 @@
-"""All the engine knows of speculation: one `SpecRuntime` (the plan's sizes, the model agent
-and strategy it runs, the draft-count policy), asked three things per step: how many drafts
-(`choose_k`), the batch at that count (`with_draft_count`), and what the step showed
-(`observe_time`, `observe_acceptance`). Without speculation the same object runs plain decoding (k = 0, no policy)."""
+"""All the engine knows of speculation, and the only module of spec_decode/ that engine/ imports:
+at start-up the checked `SpecPlan` (`plan_speculation`: plain sizes) and one `SpecRuntime` (the
+model agent and strategy it runs, the draft-count policy), asked three things per step: how
+many drafts (`choose_k`), the batch at that count (`with_draft_count`), and what the step
+showed (`observe_time`, `observe_acceptance`). Without speculation the same object runs plain
+decoding (k = 0, no policy)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +11,25 @@ import dataclasses
 import torch
 
 from lmdeploy_lite.messages import SpeculativeConfig
-from lmdeploy_lite.pytorch.spec_decode.build import SpecPlan, build_spec_decoding
+from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
+from lmdeploy_lite.pytorch.spec_decode.build import (SpecPlan, build_spec_decoding,
+                                                     check_speculative_config, num_draft_tokens,
+                                                     spec_plan)
 from lmdeploy_lite.pytorch.spec_decode.policy import DraftCountPolicy
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
+
+
+__all__ = ['SpecPlan', 'SpecRuntime', 'build_spec_runtime', 'check_speculative_config',
+           'num_draft_tokens', 'plan_speculation']
+
+
+def plan_speculation(spec: SpeculativeConfig | None, model_path: str, model_config: ModelConfig,
+                     dtype: torch.dtype, target: DistConfig, load_format: str) -> SpecPlan:
+    """The SpecPlan of `spec` (None: no speculation) for a target of `dtype` laid out as
+    `target`, its config checked first (errors a user can act on)."""
+    if spec is not None:
+        check_speculative_config(spec, model_path, target, load_format)
+    return spec_plan(spec, model_config, dtype, target)
 
 
 @dataclasses.dataclass

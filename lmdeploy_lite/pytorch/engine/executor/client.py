@@ -187,7 +187,7 @@ class RankClient:
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.dist_config.validate(self.model_config, num_devices=None)
         if spec_config is not None:
-            from lmdeploy_lite.pytorch.spec_decode.build import check_speculative_config
+            from lmdeploy_lite.pytorch.spec_decode.runtime import check_speculative_config
             check_speculative_config(spec_config, model_path, self.dist_config, cfg.load_format)
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
 

@@ -64,7 +64,7 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
     from lmdeploy_lite.pytorch.distributed import DistContext
     from lmdeploy_lite.pytorch.engine.build import build_engine
     from lmdeploy_lite.pytorch.nn.token_dispatcher import dispatch_capacity
-    from lmdeploy_lite.pytorch.spec_decode.build import num_draft_tokens
+    from lmdeploy_lite.pytorch.spec_decode.runtime import num_draft_tokens
     torch.set_num_threads(int(env[NUM_THREADS_ENV]))      # the front-end's worker_num_threads
     dist_ctx = None
     try:
