@@ -39,21 +39,16 @@ class ForwardSizes:
     (`StepPlan.forward_sizes`). Token counts are multiples of the target's tp (so of any tp that
     divides it, e.g. the draft's).
 
-    tokens:      this rank's tokens rounded up to a multiple of tp; an EP MoE pads its rows to it,
-                 so each of its TP ranks dispatches exactly tokens / tp rows; sequence
-                 parallelism splits exactly this many rows over the TP ranks
-                 (nn/sequence_parallel.py);
+    tokens:      this rank's tokens rounded up to a multiple of tp: the rows an EP MoE pads to
+                 (each TP rank dispatches tokens / tp) and sequence parallelism splits;
     max_tokens:  the largest `tokens` of any rank in this forward (an idle rank's dummy
                  included): the EP dispatch capacity is max_tokens / tp tokens per rank;
     seqs, max_seqs: the same two for a forward of one token per sequence (the MTP draft steps
                  after the first: `one_token_per_seq()`);
     low_latency: DeepEP's mode for the step: low-latency (fixed capacity, CUDA graphs) when
                  every rank with work decodes, else normal.
-    sequence_parallel: this forward splits its rows over the TP ranks (nn/sequence_parallel.py):
-                 layers built for sequence parallelism run it only where this says so. The
-                 engine sets it for prefill and mixed steps (`Engine._make_inputs`); decode steps
-                 (and so their CUDA graphs) run plain TP, where an all-reduce per sub-layer is
-                 cheaper than a reduce-scatter and an all-gather (BENCHMARKS.md).
+    sequence_parallel: this forward splits its rows over the TP ranks: prefill and mixed steps,
+                 not decode steps (nn/sequence_parallel.py says why).
     """
     tokens: int
     max_tokens: int
@@ -138,13 +133,10 @@ class ModelInputs:
 
     @property
     def host_q_lens(self) -> list[int]:
-        """`q_lens` on the host (computed once: one device sync per forward, not per layer)."""
+        """`q_lens` (and `host_kv_lens`) on the host: one device sync per forward, not per layer."""
         return self._host_lens[0]
 
-    @property
-    def host_kv_lens(self) -> list[int]:
-        """`kv_lens` on the host (computed once, with `host_q_lens`)."""
-        return self._host_lens[1]
+    host_kv_lens = property(lambda self: self._host_lens[1])
 
     @cached_property
     def max_q_len(self) -> int:

@@ -22,19 +22,15 @@ and DeepEP (backends/cuda/token_dispatcher.py; CUDA with `deep_ep` importable).
 Where each size comes from (DESIGN.md invariant 1; nothing inside a forward reads a device
 value on the host to size anything):
   * `capacity`, the most tokens any rank of the EP group dispatches in this call, the same on
-    every rank: `SparseMoeBlock` passes the StepPlan's `ForwardSizes.max_tokens / tp` (the
-    largest tp-aligned token count of any rank, idle ranks' dummies included, split over the
-    TP ranks that share those tokens; model_inputs.py, engine/step_plan.py).
-  * the all-to-all sends each rank a fixed block of `capacity * min(top_k, experts_per_rank)`
-    rows: a token's k experts are distinct, so at most that many of its pairs go to one rank;
-    unused rows carry expert id -1. Equal splits: no counts are exchanged or read on the host.
-  * DeepEP's mode, `low_latency`: `ForwardSizes.low_latency` (every rank with work decodes),
-    passed to each call; nothing holds a mode.
-  * DeepEP's low-latency capacity (tokens per rank its buffer holds) is a start-up value, as
-    the CUDA graphs that hold its kernels need: `dispatch_capacity` below, from the engine
-    config, set once by the executor (executor/mp.py, `DistContext.max_tokens_per_rank`).
-    A step whose plan needs more raises on every rank, naming rank and step
-    (`prepare_dispatch` before the step; each low-latency dispatch).
+    every rank: the StepPlan's `ForwardSizes.max_tokens / tp` (model_inputs.py).
+  * the all-to-all sends each rank a fixed block of rows (`block_rows`), unused rows with
+    expert id -1: equal splits, no counts exchanged or read on the host.
+  * DeepEP's mode, `low_latency`: `ForwardSizes.low_latency`, passed to each call; nothing
+    holds a mode.
+  * DeepEP's low-latency capacity is a start-up value, as the CUDA graphs that hold its kernels
+    need: `dispatch_capacity`, set once by the executor (`DistContext.max_tokens_per_rank`). A
+    step whose plan needs more raises on every rank, naming rank and step (`prepare_dispatch`
+    before the step; each low-latency dispatch).
 """
 from __future__ import annotations
 
@@ -148,8 +144,7 @@ class DispatchHandle:
 
 
 class AllToAllDispatcher:
-    """torch.distributed all_to_all_single (gloo or NCCL) of fixed, equal blocks: every rank
-    sends every rank `capacity * pairs_per_token` rows (see the module docstring)."""
+    """torch.distributed all_to_all_single (gloo or NCCL) of fixed, equal blocks."""
 
     def __init__(self, dist_ctx, num_experts: int):
         self.dist, self.group = dist_ctx, dist_ctx.ep

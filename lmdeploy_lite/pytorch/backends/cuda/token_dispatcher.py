@@ -35,12 +35,8 @@ ONE deep_ep.Buffer per EP group (`SharedBuffer`, module registry keyed by the gr
 every MoE layer of the target and of the draft: dispatchers register their widest rows when
 built, and the buffer is allocated by `nn/token_dispatcher.allocate_buffers` (at start-up, after
 both models are built) or else by the first dispatch. It holds no mode, only what its memory
-is: whether normal kernels left the low-latency region dirty since it was last cleaned.
-
-Sizes: the low-latency capacity (tokens per rank) is a start-up value, `dispatch_capacity` of
-the engine config (nn/token_dispatcher.py), fixed because the CUDA graphs hold these kernels;
-`prepare_dispatch` (before each step) and every low-latency dispatch check the plan's
-per-rank tokens against it and raise naming rank and step.
+is: whether normal kernels left the low-latency region dirty since it was last cleaned. Its
+low-latency capacity is a start-up value (nn/token_dispatcher.py says where each size comes from).
 """
 from __future__ import annotations
 
