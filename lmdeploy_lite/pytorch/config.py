@@ -125,13 +125,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Cache layout for one rank.
-
-    Full-attention layers: paged KV, `num_blocks` blocks of `block_size` tokens.
-    Linear-attention layers: `num_state_slots` per-sequence states (one per running sequence),
-    each with `1 + num_spec_tokens` recurrent-state slots and a conv window of
-    `kernel - 1 + num_spec_tokens` columns (DESIGN.md invariant 5).
-    """
+    """Cache layout for one rank: `num_blocks` KV blocks of `block_size` tokens (full
+    attention), `num_state_slots` per-sequence state rows (linear attention; model_inputs.py)."""
     block_size: int
     num_blocks: int
     num_state_slots: int
@@ -142,9 +137,8 @@ class CacheConfig:
 @dataclass(frozen=True)
 class DistConfig:
     """lmdeploy's layout: world = dp x tp; attention is TP inside a DP group; with ep > 1 the
-    experts are sharded over the whole world (ep == world). `sequence_parallel`: between the
-    TP linear layers each TP rank keeps 1 / tp of the step's tokens (nn/sequence_parallel.py);
-    needs tp > 1."""
+    experts are sharded over the whole world (ep == world). `sequence_parallel`:
+    nn/sequence_parallel.py."""
     tp: int = 1
     dp: int = 1
     ep: int = 1

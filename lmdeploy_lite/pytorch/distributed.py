@@ -360,16 +360,14 @@ class DistContext:
             self.compare_traces()
 
     def compare_traces(self, failed: tuple | None = None, before: bool = False):
-        """Compare this step's collective sequences across the plan group on the check group; raise
-        CollectiveMismatch on the first difference. Collectives on groups that span DP ranks
-        must agree on every rank in (op, group, shape, dtype) (a first dimension that DP ranks
-        may differ in is recorded as -1: all-to-all payloads); TP peers (same DP rank) must
-        agree exactly on everything, their own TP-group collectives included. `failed`: this
-        rank's collective that just failed (marks its trace). `before`: the comparison that
-        precedes a cross-DP collective (its entry is the trace's last), so that a rank about to
-        post another collective, or one of another shape, is named before the backend sees it; a
-        rank at another point of its step (its end, another collective) is a difference too,
-        since every comparison exchanges the same [3] tensor: (where, cross-DP, full digests)."""
+        """Compare this step's collective sequences across the plan group (on the check group);
+        raise CollectiveMismatch on the first difference. Every rank must agree on the
+        cross-DP collectives (`_cross_dp`); TP peers (same DP rank) on everything. `failed`:
+        this rank's collective that just failed (marks its trace). `before`: the comparison
+        that precedes a cross-DP collective (the trace's last entry), so that a rank about to
+        post another one is named before the backend sees it; a rank at another point of its
+        step is a difference too (every comparison exchanges the same [3] tensor: where,
+        cross-DP digest, full digest)."""
         ranks = self.plan.ranks
         if len(ranks) == 1:
             return

@@ -10,10 +10,7 @@ keeps them.
 
 With a `dist_ctx` every layer holds this rank's TP shard (nn/linear.py, nn/sharding.py) and
 its MoE its EP experts; the embedding and LM head are vocab-parallel, and `compute_logits` returns
-full-vocab logits on every TP rank. Sequence-parallel (`DistConfig.sequence_parallel`,
-nn/sequence_parallel.py): the (hidden, residual) pair between layers is this TP rank's share of
-the plan's padded rows, [Tp / tp, H]; each layer all-gathers after its norms, its row-parallel
-layers reduce-scatter, and the model returns the final-normed rows gathered whole, [T, H].
+full-vocab logits on every TP rank. Sequence-parallel: nn/sequence_parallel.py.
 """
 from __future__ import annotations
 
@@ -78,11 +75,10 @@ class Qwen3_5DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None,
                 rope: tuple[torch.Tensor, torch.Tensor], cache, inputs: ModelInputs
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden, residual [T, H] (the previous layer's output is their sum; residual None for
-        the first layer: hidden is the input) -> (mlp output, residual) whose sum is this layer's
-        output. cache: (k_cache, v_cache) or (conv_state, recurrent_state). `residual` is
-        consumed (a fused norm may overwrite it). Sequence-parallel: hidden and residual are
-        this rank's rows [Tp / tp, H], gathered to [Tp, H] after each norm."""
+        """hidden, residual [T, H] (module docstring; sequence-parallel: this rank's rows
+        [Tp / tp, H], gathered to [Tp, H] after each norm) -> (mlp output, residual). cache:
+        (k_cache, v_cache) or (conv_state, recurrent_state). `residual` is consumed (a fused
+        norm may overwrite it)."""
         split = self.sequence_parallel and splits_rows(inputs)
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden)
@@ -170,7 +166,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.model.embed_tokens
 
     def forward(self, inputs: ModelInputs, caches) -> torch.Tensor:
-        """caches: `caches[layer_idx]` -> that layer's cache tuple (see engine/cache_engine.py)."""
+        """caches: `caches[layer_idx]` -> that layer's cache tuple (see pytorch/cache_engine.py)."""
         return self.model(inputs, caches)
 
     def forward_with_hidden_states(self, inputs: ModelInputs, caches,

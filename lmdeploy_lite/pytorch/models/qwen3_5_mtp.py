@@ -10,15 +10,11 @@ The layer has its own paged KV cache (`CacheEngine(..., layer_types=('full_atten
 block table and block size as the target). Parameter names equal the checkpoint's minus `mtp.`.
 
 Sizes per rank come from this head's `dist_ctx`, the draft's own layout (SpeculativeConfig tp /
-ep; `DistContext.draft_context`), not the target's: the decoder layer's attention and MLP hold
-1 / draft-tp of the heads and intermediate dims; its experts are 1 / ep of them, whole, with
-ep > 1, or all of them (each 1 / draft-tp of I) with ep=1; its KV cache holds
-num_key_value_heads / draft-tp heads. fc and the norms are replicated. The shared vocab-parallel
-embedding and LM head keep the target's TP (their collectives run on the target's TP group).
-Sequence-parallel (the draft's DistConfig: the target's flag with a draft tp > 1): the head's
-inputs are cut to this rank's share of the plan's padded rows (`inputs.sizes.tokens`) before
-the norms and fc, the layer runs as the target's do, and the output is gathered whole; a draft
-of tp 1 runs on the whole rows the target returns.
+ep; `DistContext.draft_context`), not the target's: the decoder layer (and its KV cache) is
+sharded over the draft's tp and ep as the target's layers are over theirs; fc and the norms are
+replicated; the shared vocab-parallel embedding and LM head keep the target's TP.
+Sequence-parallel (a draft tp > 1 with the target's flag): the inputs are cut to this rank's
+share of the plan's padded rows before the norms and fc, and the output is gathered whole.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ replays. `extras` are tensors with one row per token (e.g. the target hidden the
 
 The bucket is the smallest one >= max(batch, inputs.padded_batch_size); the engine sets
 `padded_batch_size` from the StepPlan (the largest batch of any rank the plan spans: the world
-under EP, so that all EP ranks replay the same shapes; a pure-DP rank's own TP group otherwise). Collectives inside a graph (DeepEP's low-latency dispatch and combine under EP) are
-captured with it; since replay runs no Python, the runner keeps the collective-trace entries its
+under EP, so that all EP ranks replay the same shapes; a pure-DP rank's own TP group otherwise).
+Collectives inside a graph (DeepEP's low-latency dispatch and combine under EP) are captured; since replay runs no Python, the runner keeps the collective-trace entries its
 capture recorded (`recorder`: the DistContext) and appends them on each replay, so the per-step
 trace check sees the same sequence whether a step replays or runs eagerly. Every rank replays in
 the same steps: the bucket is a function of the plan, and `inputs.graphable` (False when EP runs
@@ -17,9 +17,9 @@ DeepEP's normal mode this step) is the same on every rank. Under TP the captured
 are rounded up to a multiple of tp as the plan rounds them (`ForwardSizes.captured`), and the
 TP collectives (NCCL, or the one-shot peer-memory all-reduce) replay inside the graph. A capture
 only forbids unsafe CUDA calls on its own thread (`capture_error_mode='thread_local'`): NCCL's
-watchdog thread keeps polling its events meanwhile. Padding sequences are shaped like the dummy
-inputs of an idle rank: history 0, every block-table entry the reserved block 0, the reserved state row 0 — their writes land where no
-real sequence reads, and attention/recurrence are per sequence, so real rows are unaffected.
+watchdog thread keeps polling its events meanwhile. Padding sequences are shaped like an idle
+rank's dummy inputs (history 0, the reserved block 0 and state row 0): their writes land where
+no real sequence reads, and attention/recurrence are per sequence, so real rows are unaffected.
 
 On a CPU device nothing is captured and a call runs `fn` eagerly on the padded static buffers
 (static-buffer mode): the padding logic is tested on CPU.

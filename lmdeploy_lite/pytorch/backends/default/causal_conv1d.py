@@ -1,7 +1,5 @@
-"""Causal depthwise conv1d + SiLU of the gated delta net, with the conv window buffer of
-`model_inputs.py`: `conv_cache [num_state_slots, C, K - 1 + num_spec]` holds raw (pre-conv) inputs;
-the current window of sequence b is `conv_cache[state_slots[b], :, state_index[b]:][:, :K - 1]`
-(zeros when `history_lens[b] == 0`).
+"""Causal depthwise conv1d + SiLU of the gated delta net over the conv window buffer
+`conv_cache [num_state_slots, C, K - 1 + num_spec]` of raw (pre-conv) inputs (model_inputs.py).
 """
 from __future__ import annotations
 

@@ -4,9 +4,7 @@ Per value head, with q, k L2-normalised and q scaled by dk^-0.5, for each token 
     S <- S * exp(g_t);  delta = (v_t - S^T k_t) * beta_t;  S <- S + k_t delta^T;  o_t = S^T q_t
 S is `[dk, dv]`. Value head j uses key head `j // (nv / nk)`.
 
-State cache: `state_cache [num_state_slots, 1 + num_spec, nv, dk, dv]` with the slot semantics of
-`model_inputs.py`: read `state_cache[state_slots[b], state_index[b]]` (zeros if history_lens[b] == 0);
-prefill writes the final state to slot 0; decode/verify writes the state after token t to slot t.
+State cache: `state_cache [num_state_slots, 1 + num_spec, nv, dk, dv]`, slots as in model_inputs.py.
 """
 from __future__ import annotations
 
