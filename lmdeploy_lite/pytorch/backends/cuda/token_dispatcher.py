@@ -1,26 +1,20 @@
 """DeepEP (V1 API) token dispatch for expert parallelism over NVLink: the `AllToAllDispatcher`
 interface (nn/token_dispatcher.py) on DeepEP's kernels.
 
-Two modes, chosen per step from the StepPlan (`ForwardSizes.low_latency`: every rank with work
-decodes) and passed to every `dispatch` call, so the same on every rank of a step:
-  * normal (prefill): `get_dispatch_layout` -> `dispatch` sends each token once to every rank
-    holding one of its experts, with its local expert ids (-1: another rank's) and weights; the
-    receiver expands that to one row per (token, local expert); `combine` sums what the ranks
-    send back. No per-rank token limit. Fixed shapes, no host sync, where DeepEP offers
-    `num_worst_tokens` (intranode; `SharedBuffer.fixed_normal_rows`): it receives into
-    capacity x ep rows (each rank sends a token at most once to a rank; unused rows have ids -1).
-    bf16 hands them to the experts as `TopKRows` (each token's weighted sum over its local
-    experts, what the combine adds up); exact mode expands them to one row per (token, slot).
-    Otherwise (internode, or an older DeepEP) the host syncs that remain in an EP forward are
-    here, eager only: `dispatch` waits on the GPU for the received row count, and
-    `_dispatch_normal` / `_combine_normal` select the received (token, slot) pairs with
-    `nonzero`.
+Two modes, the step's `ForwardSizes.low_latency`, passed to every `dispatch` call:
+  * normal (prefill): `dispatch` sends each token once to every rank holding one of its
+    experts, with its local expert ids (-1: another rank's) and weights; `combine` sums what
+    the ranks send back. No per-rank token limit. Where DeepEP offers `num_worst_tokens`
+    (intranode; `SharedBuffer.fixed_normal_rows`) it receives into capacity x ep rows (a rank
+    gets a token at most once; unused rows have ids -1): fixed shapes, no host sync; bf16 hands
+    them to the experts as `TopKRows`, exact mode expands them to one row per (token, slot).
+    Otherwise (internode, or an older DeepEP) the EP forward's remaining host syncs are here,
+    eager only: the received row count, and the (token, slot) pairs selected with `nonzero`.
   * low-latency (decode; CUDA-graph capturable, no host sync): `low_latency_dispatch` packs the
     tokens of each local expert into `[num_local_experts, capacity * ep, W]` with a count per
-    expert; bf16 hands that to the experts as is (`GroupedRows`: a masked grouped GEMM whose
-    cost follows the counts, writing straight into the buffer the combine sends), exact mode
-    `flatten_low_latency`s it into fixed-shape rows, -1 marking padding rows;
-    `low_latency_combine` weights and sums. At most `capacity` tokens per rank per call.
+    expert; bf16 hands that to the experts as is (`GroupedRows`, written straight into the
+    buffer the combine sends), exact mode `flatten_low_latency`s it into fixed-shape rows, -1
+    marking padding; `low_latency_combine` weights and sums. At most `capacity` tokens per rank.
 
 DeepEP's reductions (both combines) and its low-latency kernels take bf16 only, and the
 low-latency kernels exist for row widths `LL_WIDTHS` only (narrower rows are zero-padded).
@@ -211,10 +205,9 @@ class SharedBuffer:
 
     def clean_low_latency(self, dist_ctx=None):
         """Clean the low-latency region if normal kernels dirtied it (every rank at the same
-        point: they run the same dispatches). A collective (allocates the buffer if needed),
-        run through `dist_ctx.ep.traced` like every other one (recorded; a launch error names
-        rank, step and op); its GPU-side wait is bounded where the host next waits for the step
-        (Engine's InFlight.host_result deadline). Not inside a graph capture."""
+        point: they run the same dispatches). A traced collective (allocates the buffer if
+        needed) whose GPU-side wait is bounded where the host next waits for the step (Engine's
+        InFlight.host_result deadline). Not inside a graph capture."""
         buffer = self.get()
         if not self.ll_dirty:
             return
@@ -277,8 +270,7 @@ class LowLatencyHandle:
 
 
 class DeepEPDispatcher:
-    """Same interface as AllToAllDispatcher; see the module docstring. `capacity`: tokens per
-    rank its low-latency calls hold (start-up: `dispatch_capacity`)."""
+    """`capacity`: tokens per rank its low-latency calls hold (start-up: `dispatch_capacity`)."""
 
     @staticmethod
     def unsupported(hidden_size: int, top_k: int, dtype: torch.dtype) -> str | None:
@@ -309,12 +301,9 @@ class DeepEPDispatcher:
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  capacity: int, low_latency: bool = False):
-        """x [T, H], topk_ids/weights [T, k] (ids -1: padding, sent nowhere); capacity: the
-        plan's most tokens per rank in this call (T <= capacity); low_latency: the step's mode
-        -> (expert_x, routing, handle) in x.dtype: rows [R, H] and local ids [R] (-1: padding
-        row, exact low-latency mode), or in bf16 low-latency mode expert_x [E_local, C, H] (a
-        view of DeepEP's receive buffer) and `GroupedRows`. DeepEP wants contiguous routing
-        tensors."""
+        """As `AllToAllDispatcher.dispatch`; the routing: local ids [R] (-1: padding row),
+        `TopKRows` (bf16 fixed normal) or, bf16 low-latency, `GroupedRows` with expert_x
+        [E_local, C, H] a view of DeepEP's receive buffer. DeepEP wants contiguous inputs."""
         if x.shape[0] > capacity:
             raise ValueError(f'EP dispatch: {x.shape[0]} tokens on rank {self.dist.rank} at step '
                              f'{self.dist.step}, but the plan\'s capacity is {capacity} per rank')
@@ -441,10 +430,9 @@ class DeepEPDispatcher:
             send = unflatten_low_latency(rows, self.experts_per_rank, width)
         else:
             # The experts wrote columns :H of `send` (FusedExperts.run); another expert_out is
-            # copied in. Columns H..W stay garbage (maybe NaN): DeepEP's combine (without
-            # LogFMT, which we do not ask for) sums every column on its own, so the garbage
-            # lands only in columns >= H of the result, sliced off below. Rows past an expert's
-            # count are garbage too; the combine reads only the rows that dispatch filled.
+            # copied in. Columns H..W and rows past an expert's count stay garbage (maybe NaN):
+            # DeepEP's combine (no LogFMT) sums every column on its own and reads only the rows
+            # dispatch filled, so garbage lands only in columns >= H, sliced off below.
             send, weights = handle.send, handle.topk_weights.float()
             if expert_out.data_ptr() != send.data_ptr():
                 send[..., :self.hidden].copy_(expert_out)
