@@ -1,10 +1,9 @@
 """Paged causal attention (GQA) over a block-table KV cache, in Triton.
 
-Semantics are those of `backends/default/paged_attention.py` (the reference the tests compare
-with): caches `[num_blocks, block_size, n_kv, head_dim]`, block tables `[B, max_blocks]`; this
-step's tokens take cache positions `history_lens[b] .. history_lens[b] + q_lens[b] - 1`, and
-query i of sequence b sees cache positions 0..history_lens[b] + i. Softmax statistics, the
-accumulator and the dot products' outputs are fp32 (fp32 inputs multiply in IEEE fp32, not tf32).
+Semantics (cache layout, which positions a query sees) are those of
+`backends/default/paged_attention.py`, the reference the tests compare with. Softmax statistics,
+the accumulator and the dot products' outputs are fp32 (fp32 inputs multiply in IEEE fp32, not
+tf32).
 
 Kernels:
   * `_store_kv_kernel`: the step's k/v into their cache slots, one program per (token, KV head).

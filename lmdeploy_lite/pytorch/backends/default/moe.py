@@ -1,8 +1,6 @@
 """Routed experts of a MoE layer in plain PyTorch, one expert at a time (`fused_moe`: token
-rows with top-k ids; `fused_moe_masked`: rows already grouped by expert).
-
-Layout (as transformers keeps Qwen3.5's experts): `gate_up_proj [E, 2I, H]` (gate rows first),
-`down_proj [E, H, I]`; expert e maps a row x to `down_e(silu(gate_e x) * up_e x)`.
+rows with top-k ids; `fused_moe_masked`: rows already grouped by expert). Weight layout:
+nn/moe.py.
 """
 from __future__ import annotations
 

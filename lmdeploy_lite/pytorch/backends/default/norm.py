@@ -1,13 +1,10 @@
 """RMSNorm variants of Qwen3.5 and the SwiGLU activation, in plain PyTorch.
 
-`rms_norm` is zero-centred (`x / rms(x) * (1 + w)`, w as stored in the checkpoint), computed in
-float32 (float64 for float64 inputs) and cast back: `x * rsqrt(mean(x^2) + eps) * w'`, the very ops
-(so the very bits) `F.rms_norm` runs on a CPU, without its two extra copies; on the CPU the
-constants (1, eps) are cached 0-dim tensors rather than Python scalars that each op would wrap
-anew. Both save ~7 of ~19 us per decode-row norm on one core (~50 norms in a speculative step). `add_rms_norm` is the decoder layer's residual
-add followed by that norm (unfused here: the reference the CUDA kernel is checked against).
-`gated_rms_norm` is the gated delta net's per-head output norm: plain `w`, the norm rounded to
-x.dtype before the weight, then the SiLU gate.
+Norms compute in float32 (float64 for float64 inputs) and cast back, with the very ops (so the
+very bits) `F.rms_norm` runs on a CPU, without its two extra copies; on the CPU the constants
+(1, eps) are cached 0-dim tensors rather than Python scalars that each op would wrap anew. Both
+save ~7 of ~19 us per decode-row norm on one core (~50 norms in a speculative step).
+`add_rms_norm` is unfused here: the reference the CUDA kernel is checked against.
 """
 from __future__ import annotations
 
