@@ -1,24 +1,17 @@
-"""Turn a SpeculativeConfig into the engine's speculative pieces: its plan, agent, strategy.
-
-The engine and the executors learn of speculation only through `SpecPlan`, plain numbers that
-`spec_plan` derives here from the SpeculativeConfig; only this package and strategies/ar_spec/
-know the methods. Where each of its sizes comes from:
+"""A SpeculativeConfig turned into the engine's pieces: `SpecPlan`, plain sizes that engine/ and
+the executors read (only this package and strategies/ar_spec/ know the methods), then the agent
+and strategy. Where the plan's sizes come from:
   * num_draft_extra: the MTP head drafts k tokens from the last accepted position, writing its
-    own KV k - 1 positions past the k + 1 a verify step feeds (the scheduler reserves blocks for
-    them, the KV plan counts them in max_positions); a host proposer (ngram) writes none;
-  * draft (DraftFootprint): the MTP head's KV layers at its own tp and its weights per rank,
-    charged by plan_cache; with a token map (token_map.py) also the reduced LM head's copy of
-    R x hidden rows of the shared LM head (R: the most map ids one TP shard holds);
-  * draft_probs_bytes_per_slot: the draft distribution q [k, vocab] that verifying a sampled
-    draft needs, kept per state slot (SpecAgent.draft_probs, allocated at start-up, charged by
-    plan_cache: slots x k x vocab x 4 bytes in float32, 8 in float64; ~194 MB at
+    own KV k - 1 positions past the k + 1 a verify step feeds; a host proposer (ngram) none;
+  * draft (DraftFootprint): the MTP head's KV layers at its own tp and its weights per rank;
+    with a token map (token_map.py) also R x hidden rows of the shared LM head;
+  * draft_probs_bytes_per_slot: q [k, vocab] per state slot for verifying sampled drafts
+    (SpecAgent.draft_probs): k x vocab x 4 bytes in float32, 8 in float64; ~194 MB at
     max_batch_size 64, k = 3 and Qwen3.5's 248k vocabulary; k x M with a token map of M ids,
-    ~25 MB at M = 32k); none for host proposers, whose drafts are deterministic;
-  * needs_host_tokens: a host proposer drafts from the accepted tokens, so every step waits for
-    the last one's tokens on the host (no async scheduling).
-method='extract_hidden_states' drafts nothing: its plan has k = 0 (the engine's plain path, no
-draft model, no proposer) and names the layers whose hidden states each request's file holds
-(`aux_hidden_state_layer_ids`, `hidden_states_dir`; engine/hidden_states.py).
+    ~25 MB at M = 32k; none for host proposers, whose drafts are deterministic;
+  * needs_host_tokens: a host proposer drafts from the accepted tokens (no async scheduling).
+method='extract_hidden_states' drafts nothing (k = 0) and names the layers whose hidden states
+each request's file holds (engine/hidden_states.py).
 """
 from __future__ import annotations
 
@@ -57,8 +50,7 @@ def draft_dist_config(spec: SpeculativeConfig, target: DistConfig) -> DistConfig
 
 def check_speculative_config(spec: SpeculativeConfig, model_path: str,
                              target: DistConfig | None = None, load_format: str = 'auto'):
-    """Errors a user can act on, raised at startup before any rank starts. `target`: the
-    target's layout (default one rank)."""
+    """Errors a user can act on, raised before any rank starts (`target`: default one rank)."""
     target = target or DistConfig()
     if spec.method == 'extract_hidden_states':
         if target.sequence_parallel:
@@ -111,10 +103,9 @@ def check_extraction(spec: SpeculativeConfig, num_layers: int):
 
 @dataclass(frozen=True)
 class DraftFootprint:
-    """What the draft holds on one rank, for `plan_cache`: `num_kv_layers` full-attention KV
-    layers at `tp`'s share of the KV heads, and `weight_bytes` of its own weights (the MTP
-    layer, fc and norms at the draft's tp / ep; the shared embedding and LM head are the
-    target's; with a token map, the reduced LM head's rows at the target's tp)."""
+    """What the draft holds on one rank, for `plan_cache`: `num_kv_layers` KV layers at `tp`'s
+    share of the KV heads, `weight_bytes` of its own weights (not the shared embedding / LM
+    head; with a token map, the reduced head's rows)."""
     num_kv_layers: int
     tp: int
     weight_bytes: int
@@ -122,9 +113,8 @@ class DraftFootprint:
 
 def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
                     dtype: torch.dtype, target: DistConfig) -> DraftFootprint:
-    """The MTP head's per-rank footprint; nothing for no draft or a host proposer (ngram). The
-    weight bytes are those of the head built on the meta device with the draft's layout: the
-    exact shapes a rank allocates (every rank's shard has the same shape)."""
+    """Nothing for no draft or a host proposer; weight bytes from the head built on the meta
+    device with the draft's layout (the exact shapes a rank allocates)."""
     if not uses_draft_model(spec):
         return DraftFootprint(0, target.tp, 0)
     from lmdeploy_lite.pytorch.distributed import DistContext
@@ -141,7 +131,7 @@ def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
 
 @dataclass(frozen=True)
 class SpecPlan:
-    """What the engine and executors know of speculative decoding (module docstring)."""
+    """(module docstring)"""
     num_spec_tokens: int = 0               # k drafts verified per decode step (0: no speculation)
     num_draft_extra: int = 0               # KV positions the draft writes past the k + 1 fed
     draft: DraftFootprint = DraftFootprint(0, 1, 0)
@@ -160,22 +150,18 @@ class SpecPlan:
 
 
 def num_draft_tokens(spec: SpeculativeConfig | None) -> int:
-    """The most drafts a step verifies: 0 without speculation or when extracting hidden
-    states."""
+    """The most drafts a step verifies (0: none, or extracting hidden states)."""
     if spec is None or spec.method == 'extract_hidden_states':
         return 0
     return spec.num_speculative_tokens
 
 
 def uses_draft_model(spec: SpeculativeConfig | None) -> bool:
-    """A draft model on the device (the MTP head), as opposed to a host proposer or none."""
     return spec is not None and spec.method == 'qwen3_5_mtp'
 
 
 def spec_plan(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: torch.dtype,
               target: DistConfig) -> SpecPlan:
-    """The SpecPlan of `spec` (None: no speculation) for a target of `dtype` laid out as
-    `target`."""
     if spec is None:
         return SpecPlan(draft=DraftFootprint(0, target.tp, 0))
     if spec.method == 'extract_hidden_states':      # plain decoding: no draft, no proposer

@@ -1,28 +1,24 @@
 """How many drafts each step verifies and makes: k in 0..max_k, chosen per step.
 
-A step with k drafts costs t(b, k) (b: the batch-size bucket) and emits, per sequence,
-E(k) = 1 + c_0 + ... + c_{k-1} tokens on average, where c_i = P(more than i drafts accepted) is
-the measured acceptance at draft position i. The policy picks the k with the most tokens per
-second, E(k) / t(b, k), so speculation is never slower than plain decoding (k = 0) by more than
-what it costs to keep measuring.
-
-What it measures, on the host, from steps that already ran:
+A step with k drafts costs t(b, k) (b: the batch-size bucket) and emits per sequence
+E(k) = 1 + c_0 + ... + c_{k-1} tokens on average (c_i = P(more than i drafts accepted)). The
+policy picks the k with the most tokens per second, E(k) / t(b, k), so speculation is never
+slower than plain decoding (k = 0) by more than what it costs to keep measuring. Measured on the
+host, from steps that already ran:
   * c_i: decayed counts of rows that drafted position i and of those that accepted it (drafts do
     not depend on k, so any step with more than i drafts measures c_i);
   * t(b, k): a moving average of the step's wall time, recorded only when the step before it ran
     the same (b, k) (with async scheduling a step's wall time is its predecessor's device time).
-Cells not yet measured are estimated from the prior (every draft position accepted with
-`prior_acceptance`, and a draft position costing `prior_draft_cost` of a k = 0 step) or from
-the measured ks around them, and tried: at a new bucket each k runs for `explore_steps` steps
-once, best estimate first (a step's cost is not linear in k: the first draft carries the verify
-width and the head's pass over the verified positions, so no cell is left to extrapolation),
-and every `revisit_every` steps at a bucket the neighbour k + 1 of the choice (which measures
-c_k, never seen at k) and k - 1 are run again, so the choice follows changing acceptance. The
-running choice changes only for a k estimated `switch_margin` faster (a switch up costs a step
-that verifies fewer drafts; noisy near-ties would flap).
+Unmeasured cells are estimated (the prior: each position accepted with `prior_acceptance`, a
+draft position costing `prior_draft_cost` of a k = 0 step; else the measured ks around them) and
+tried: at a new bucket each k runs `explore_steps` steps once, best estimate first (cost is not
+linear in k: the first draft carries the verify width and the head's pass over the verified
+positions), and every `revisit_every` steps the choice's neighbours k + 1 (which measures c_k,
+never seen at k) and k - 1 run again. The running choice changes only for a k estimated
+`switch_margin` faster (a switch up costs a step that verifies fewer drafts; near-ties flap).
 
-The choice is a proposal: every rank of the plan group proposes, and the StepPlan's `num_spec`
-(the smallest proposal of a working rank) is what every rank runs (DESIGN.md invariant 1).
+Every rank of the plan group proposes; the StepPlan's `num_spec` (the smallest proposal of a
+working rank) is what every rank runs (DESIGN.md invariant 1).
 """
 from __future__ import annotations
 
@@ -45,13 +41,9 @@ class DraftCountPolicy:
         self.max_k = max_k
         self.dynamic = dynamic and max_k > 0
         self.cycle = tuple(min(max(k, 0), max_k) for k in cycle) if cycle else None
-        self.prior_acceptance = prior_acceptance
-        self.prior_draft_cost = prior_draft_cost
-        self.decay = decay
-        self.time_alpha = time_alpha
-        self.explore_steps = explore_steps
-        self.revisit_every = revisit_every
-        self.switch_margin = switch_margin
+        self.prior_acceptance, self.prior_draft_cost = prior_acceptance, prior_draft_cost
+        self.decay, self.time_alpha, self.explore_steps = decay, time_alpha, explore_steps
+        self.revisit_every, self.switch_margin = revisit_every, switch_margin
         # decayed counts per draft position, starting from a weak prior (2 rows' worth)
         self.drafted = [2.0] * max_k
         self.accepted = [2.0 * prior_acceptance ** (i + 1) for i in range(max_k)]
@@ -106,8 +98,7 @@ class DraftCountPolicy:
         self.samples[cell] = self.samples.get(cell, 0) + 1
 
     def break_sequence(self):
-        """A step that is not a decode step ran (a prefill chunk): the next decode step's wall
-        time is not its own."""
+        """A non-decode step ran: the next decode step's wall time is not its own."""
         self._last = None
 
     # ---- the choice -----------------------------------------------------------------------
@@ -169,8 +160,6 @@ class DraftCountPolicy:
             return self._explore(min(best + 1, self.max_k))
         if steps % self.revisit_every == self.revisit_every // 2 and best > 0:
             return self._explore(best - 1)
-        # hysteresis: a switch costs (a step that raises k verifies the fewer drafts of the one
-        # before), so near-ties of noisy timings keep the running choice
         current = self._choice.get(bucket)
         if current is not None and rates[best] < rates[current] * (1 + self.switch_margin):
             return current
@@ -178,7 +167,6 @@ class DraftCountPolicy:
         return best
 
     def _explore(self, k: int) -> int:
-        # explore_steps + 1: the first step after a switch is not timed, and one that raises k
-        # verifies the fewer drafts of the step before
+        # explore_steps + 1: the first step after a switch is not timed (nor fully drafted)
         self._hold = (k, self.explore_steps)
         return k

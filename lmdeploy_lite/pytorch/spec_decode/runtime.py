@@ -25,8 +25,7 @@ __all__ = ['SpecPlan', 'SpecRuntime', 'build_spec_runtime', 'check_speculative_c
 
 def plan_speculation(spec: SpeculativeConfig | None, model_path: str, model_config: ModelConfig,
                      dtype: torch.dtype, target: DistConfig, load_format: str) -> SpecPlan:
-    """The SpecPlan of `spec` (None: no speculation) for a target of `dtype` laid out as
-    `target`, its config checked first (errors a user can act on)."""
+    """The SpecPlan of `spec` (None: no speculation), its config checked first."""
     if spec is not None:
         check_speculative_config(spec, model_path, target, load_format)
     return spec_plan(spec, model_config, dtype, target)
@@ -65,8 +64,7 @@ class SpecRuntime:
         return dataclasses.replace(batch, q_lens=q_lens, num_spec=k, row_drafts=row_drafts)
 
     def observe_time(self, batch, k: int, seconds: float):
-        """The policy learns a step's wall time (decode steps; any other step breaks the
-        sequence of like steps)."""
+        """A decode step's wall time; any other step breaks the sequence of like steps."""
         if self.policy is None:
             return
         if batch is not None and batch.is_decoding:
@@ -75,8 +73,7 @@ class SpecRuntime:
             self.policy.break_sequence()
 
     def observe_acceptance(self, batch, accepted: list[int] | None):
-        """After a verify (its results on the host): each row's accepted drafts of its
-        `row_drafts`."""
+        """After a verify: each row's accepted drafts of its `row_drafts`."""
         if self.policy is not None and accepted is not None and batch.row_drafts is not None:
             self.policy.observe_acceptance(batch.row_drafts, accepted)
 
@@ -84,7 +81,6 @@ class SpecRuntime:
 def build_spec_runtime(spec: SpeculativeConfig | None, plan: SpecPlan, model_path: str, agent,
                        model_config, cache_config, dtype: torch.dtype, device: torch.device,
                        progress: bool, dist, load_format: str, seed: int) -> SpecRuntime:
-    """The runtime over the target's `agent`: with speculation, the draft built and loaded."""
     if not plan.enabled:
         return SpecRuntime(plan, agent, ARStrategy(), None)
     agent, strategy = build_spec_decoding(spec, model_path, agent, model_config, cache_config,

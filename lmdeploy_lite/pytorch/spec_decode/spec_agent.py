@@ -1,17 +1,12 @@
-"""One speculative step on one rank: verify -> accept -> bonus -> draft (DESIGN.md "One step").
+"""One speculative step on one rank: verify -> accept -> bonus -> draft (DESIGN.md "One step"),
+for `inputs.num_spec` drafts (the StepPlan's k; 0: a plain decode step, after which the draft
+head only writes its KV for the step's positions).
 
-Each step verifies and makes `inputs.num_spec` drafts (the StepPlan's k, in 0..max k; 0: a
-plain decode step, after which the draft head only writes its KV for the step's positions).
-
-Device-resident decode state, one row per linear-attention state slot (DESIGN.md invariant 7):
-`last_token` (the bonus token of the last step), `drafts` [k], `num_drafted` (how many drafts
-the slot's last step made: a verify accepts no more than those) and, with a device proposer (the
-MTP head), the draft distribution `draft_probs` [k, V] that verifying a sampled draft needs ([k, M]
-over a token map's M ids when the draft's vocabulary is reduced: q is zero elsewhere). All
-of it is allocated here at start-up, sized by the state slots of the KV plan, which charges
-`draft_probs` (spec_decode/build.py SpecPlan.draft_probs_bytes_per_slot). The next decode step's
-inputs `[last_token, d1..dk]` are built from them on the device; the host only learns the
-emitted tokens.
+Decode state stays on the device, one row per state slot (DESIGN.md invariant 7): `last_token`
+(the last bonus token), `drafts` [k], `num_drafted` (drafts the slot's last step made: a verify
+accepts no more) and, with a device proposer, `draft_probs` [k, V] ([k, M] over a token map's
+ids; sized and charged per spec_decode/build.py). The next decode step's inputs
+`[last_token, d1..dk]` are built from them on the device; the host only learns emitted tokens.
 """
 from __future__ import annotations
 
@@ -40,8 +35,7 @@ class SpecAgent:
         self.last_token = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         self.drafts = torch.zeros(num_state_slots, num_spec_tokens, dtype=torch.long, device=device)
         self.num_drafted = torch.zeros(num_state_slots, dtype=torch.long, device=device)
-        # [slots, k, V] ([slots, k, M] over token_map's ids): q of each slot's drafts, written
-        # when its batch samples; None without a device proposer (host drafts are deterministic)
+        # q of each slot's drafts, written when its batch samples (None: host drafts)
         draft_vocab = vocab_size if token_map is None else token_map.numel()
         self.draft_probs = (None if proposer is None else
                             torch.zeros(num_state_slots, num_spec_tokens, draft_vocab,
@@ -85,11 +79,10 @@ class SpecAgent:
         return self._prefill_and_draft(inputs, sampling)
 
     def _plain_step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
-        """A decode step of the plan's k = 0: it verifies no draft and makes none. Plain
-        decoding of the last token, then the draft head writes only its KV for that position
-        (later drafts see a complete cache). Greedy, with CUDA graphs: one replay of forward, LM
-        head, argmax and that KV write (`plain_graph`), so a plain step costs what a step of a
-        plain engine does. No accepted counts: the host takes one token per row."""
+        """k = 0: plain decoding of the last token, then the draft head writes only its KV
+        there (later drafts see a complete cache). Greedy, with CUDA graphs: one replay of
+        forward, LM head, argmax and that KV write (`plain_graph`), as cheap as a plain engine's
+        step. No accepted counts: the host takes one token per row."""
         slots = inputs.state_slots
         if inputs.draft_tokens is None:           # device drafts: the id is on the device
             inputs.input_ids = self.last_token[slots]

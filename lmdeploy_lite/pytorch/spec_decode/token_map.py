@@ -1,11 +1,8 @@
 """A reduced draft vocabulary (`SpeculativeConfig.draft_token_map`, after FR-Spec / SGLang's
-`--speculative-token-map`): the MTP draft scores and proposes only the map's M token ids.
-
-The file is a JSON list of ints, or a safetensors file with a 1-D int64 tensor `token_map`
-(most frequent first; tools/build_token_map.py writes either). `load_token_map` validates it;
-`ReducedLMHead` is the shared LM head restricted to it. Verification still scores the full
-vocabulary, so output is unchanged; the draft distribution q is zero outside the map and kept
-over the map only (SpecAgent.draft_probs [slots, k, M], rejection_sample's `token_map`).
+`--speculative-token-map`): the MTP draft scores and proposes only the map's M token ids, given
+as a JSON list or a safetensors 1-D int64 `token_map` (most frequent first; tools/
+build_token_map.py). Verification still scores the full vocabulary, so output is unchanged; q is
+zero outside the map and kept over it only (SpecAgent.draft_probs [slots, k, M]).
 """
 from __future__ import annotations
 
@@ -85,16 +82,12 @@ def rows_per_rank(token_map: torch.Tensor, vocab_size: int, tp: int) -> int:
 
 class ReducedLMHead:
     """The shared (vocab-parallel) LM head restricted to a token map: logits [N, M] at the map's
-    ids, in map order, equal to the full head's logits there.
-
-    Built once, after the target's weights are loaded (tied embeddings too: it reads whatever
-    `lm_head.weight` is). TP rank r holds the contiguous vocab shard [r * Vp, (r + 1) * Vp);
-    it copies the rows of its shard that the map names, in map order, padded with its row 0 to
-    R = rows_per_rank (the same on every rank): `weight` [R, H], no rank holds more. A forward
-    scores them, all-gathers [tp, N, R] over `tp` (as ParallelLMHead does) and reorders the
-    flattened [N, tp * R] to map order with the fixed index `order` [M] (map entry j, held by
-    rank s at local position p, sits at column s * R + p; the pad columns are dropped). At
-    tp = 1 the rows are already in map order."""
+    ids, in map order, equal to the full head's there. Built after the target's weights load
+    (it reads whatever `lm_head.weight` is, tied too). TP rank r (vocab shard [r * Vp,
+    (r + 1) * Vp)) copies its shard's map rows in map order, padded with its row 0 to
+    R = rows_per_rank: `weight` [R, H]. A forward all-gathers [tp, N, R] over `tp` and reorders
+    [N, tp * R] to map order by `order` [M] (entry j, held by rank s at local position p, is
+    column s * R + p; pad columns dropped). At tp = 1 the rows are in map order already."""
 
     def __init__(self, lm_head, token_map: torch.Tensor, out_dtype: torch.dtype):
         self.dist_ctx, self.tp, self.out_dtype = lm_head.dist_ctx, lm_head.tp, out_dtype

@@ -1,6 +1,5 @@
-"""The strategy interface: how a paradigm (plain AR, AR + speculation) turns a scheduled batch
-into model inputs, what a rank with no work feeds, what is shared after sampling, and what a
-step's result row adds to its sequence on the host (with its counters: `stats`)."""
+"""How a paradigm (plain AR, AR + speculation) makes model inputs, what an idle rank feeds,
+what is shared after sampling, and what a result row adds to its sequence (counters: `stats`)."""
 from __future__ import annotations
 
 import torch
@@ -10,24 +9,22 @@ from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 
 
 def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
-    """A fresh host tensor to `device`; to a GPU through pinned memory without blocking the host
-    (the caching host allocator keeps the pinned block until the copy has run)."""
+    """To a GPU through pinned memory without blocking (the caching host allocator keeps the
+    pinned block until the copy has run)."""
     if torch.device(device).type != 'cuda':
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def dummy_table_width(num_tokens_per_seq: int) -> int:
-    """Block-table width of an idle rank's dummy inputs: covers any draft positions past the
-    step (all entries are the reserved block 0)."""
+    """Block-table width of an idle rank's dummy inputs (any draft positions past the step)."""
     return 2 * num_tokens_per_seq + 16
 
 
 def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
                       block_tables: list[list[int]], state_slots: list[int],
                       is_decoding: bool, device) -> ModelInputs:
-    """Flatten per-sequence token chunks (each continuing at its history length) into ModelInputs.
-    All fields travel to the device in one copy (one int64 buffer, split there)."""
+    """Per-sequence token chunks as ModelInputs, in one host-to-device copy (split there)."""
     q_lens = [len(c) for c in token_chunks]
     batch = len(q_lens)
     width = max((len(b) for b in block_tables), default=0) or 1
@@ -48,11 +45,17 @@ def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
 
 
 class Strategy:
+    """Plain AR by default: each step feeds every sequence's uncomputed tokens."""
+
     def __init__(self):
         self.stats = SpecDecodeStats()     # speculative counters of every verify step (none: AR)
 
     def make_model_inputs(self, batch, device) -> ModelInputs:
-        raise NotImplementedError
+        seqs = batch.seqs
+        chunks = [s.token_ids[s.num_computed:s.num_computed + n]
+                  for s, n in zip(seqs, batch.q_lens)]
+        return pack_model_inputs(chunks, [s.num_computed for s in seqs], [s.blocks for s in seqs],
+                                 [s.state_slot for s in seqs], batch.is_decoding, device)
 
     def batch_inputs(self, batch, device) -> ModelInputs:
         """`make_model_inputs`, with the cache copies the scheduler asked for on the device:
@@ -67,9 +70,8 @@ class Strategy:
 
     def make_next_decode_inputs(self, batch, prev: ModelInputs, prev_result, device
                                 ) -> ModelInputs:
-        """Async scheduling: the decode batch `prev` ran, one step on, built while that step may
-        still run. Lengths advance on the device by what it emitted, so the host does not need
-        to know; block tables come from the host (reserved ahead by the scheduler)."""
+        """Async scheduling: `prev`'s decode batch one step on, built while it may still run:
+        lengths advance on the device; block tables from the host (reserved ahead)."""
         history = prev.history_lens + self.emitted_per_row(prev_result)
         n = batch.q_lens[0]                  # the plan's width (speculation: k may change)
         positions = (history[:, None] + torch.arange(n, device=history.device)).flatten()
@@ -86,18 +88,16 @@ class Strategy:
 
     def emitted_per_row(self, result) -> torch.Tensor:
         """[B] long on the device: tokens each row added to its sequence in `result`'s step."""
-        raise NotImplementedError
+        return torch.ones_like(result.output_tokens[:, 0])
 
     def next_input_ids(self, result, q_len: int) -> torch.Tensor:
         """[B * q_len] long on the device: the next decode step's token ids (or placeholders)."""
-        raise NotImplementedError
+        return result.output_tokens[:, 0]            # the token each row just sampled
 
     def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device,
                           num_spec: int = 0) -> ModelInputs:
-        """One sequence of `num_tokens_per_seq` padding tokens for a rank with no work, so that
-        its collectives match the busy ranks' (sizes from the StepPlan). Every block-table entry
-        is the reserved block 0 and the state row is the reserved slot 0: its cache writes
-        land where no real sequence reads."""
+        """An idle rank's one padding sequence, so its collectives match the busy ranks'; it
+        writes only the reserved block 0 and state slot 0."""
         width = dummy_table_width(num_tokens_per_seq)
         inputs = pack_model_inputs([[0] * num_tokens_per_seq], [0], [[0] * width], [0],
                                    is_decoding=is_decoding, device=device)
@@ -105,8 +105,7 @@ class Strategy:
         return inputs
 
     def post_broadcast(self, result, agent, inputs: ModelInputs, plan, dist_ctx):
-        """Make TP rank 0's sampled tokens every TP peer's, so that all TP ranks agree exactly
-        even when sampling; a no-op without TP. `plan`: the step's StepPlan."""
+        """TP rank 0's sampled tokens become every TP peer's (they agree even when sampling)."""
         if dist_ctx.config.tp > 1:
             dist_ctx.tp.broadcast(result.output_tokens)
         return result
@@ -114,8 +113,7 @@ class Strategy:
     def emitted(self, seq, q_len: int, samples: bool, row: list[int],
                 num_accepted: int | None, num_drafts: int | None = None
                 ) -> tuple[int, list[int]]:
-        """On the host, one sequence's share of a step's result: (tokens now in its cache, the
-        tokens it emits). `row`: its output tokens; `samples`: the step sampled for it (a
-        non-final prefill chunk does not); `num_accepted`: its accepted drafts (None: no
-        verify) out of `num_drafts` real drafts."""
+        """On the host: (tokens now in `seq`'s cache, tokens it emits) from its output `row`;
+        `samples`: False for a non-final prefill chunk; `num_accepted` (None: no verify) of
+        `num_drafts` real drafts."""
         return q_len, row[:1] if samples else []

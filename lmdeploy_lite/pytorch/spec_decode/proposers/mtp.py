@@ -1,18 +1,15 @@
 """The Qwen3.5 MTP head as a proposer: k draft tokens per sequence, all on the device.
 
-Its KV cache is its own (one full-attention layer) on the target's block table. Each call first
-runs the head over every position the target just ran — the pair (target hidden h_t, token
-x_{t+1}) at position t — so its cache stays complete, then drafts k tokens from the row of the
-last accepted position, reusing the one layer for each step at position + 1 and feeding it its
-own normed output (qwen3_5.md section 3). A step that drafts nothing (k = 0, the StepPlan's
-choice) only writes the head's KV for the positions just run (`Qwen3_5MTP.write_kv`), so later
-drafts see a complete cache.
+Its KV cache (one full-attention layer) is its own, on the target's block table. Each call first
+runs the head over every position the target just ran (target hidden h_t, token x_{t+1} at
+position t) so its cache stays complete, then drafts k tokens from the last accepted position,
+reusing the one layer at position + 1 on its own normed output (qwen3_5.md section 3). With
+k = 0 it only writes that KV (`Qwen3_5MTP.write_kv`).
 
-With CUDA graphs a greedy step drafts in two replays: the head over the verified positions
-(q_len k + 1), then the whole chain — LM head, argmax, and k - 1 more (head, LM head, argmax)
-steps — as ONE graph per k (`chain_graphs`), instead of a replay, its input copies and a few
-eager kernels per draft. Sampled rows draw from per-request generators, which a graph cannot
-hold: a step with any sampled row drafts step by step.
+With CUDA graphs a greedy step drafts in two replays: the head over the verified positions, then
+the whole chain (LM head, argmax, and k - 1 more head / LM head / argmax steps) as ONE graph per
+k (`chain_graphs`). Sampled rows draw from per-request generators, which a graph cannot hold: a
+step with any sampled row drafts step by step.
 """
 from __future__ import annotations
 
@@ -23,7 +20,6 @@ from lmdeploy_lite.pytorch.sampling import SamplingInputs, draw_from_probs, prob
 
 
 class MTPProposer:
-    drafts_on_device = True
 
     def __init__(self, mtp, caches, compute_logits, num_spec_tokens: int,
                  token_map: torch.Tensor | None = None):
@@ -32,9 +28,8 @@ class MTPProposer:
         self.compute_logits = compute_logits          # the target's LM head (or ReducedLMHead)
         self.token_map = token_map    # [M] long: logits index it (token_map.py); None: full vocab
         self.num_spec_tokens = num_spec_tokens
-        # q_len -> GraphRunner: k + 1 over a verify step of k drafts (each k a step may run),
-        # 1 for each draft step; `kv_graphs`: the KV-only pass of a step that drafts nothing;
-        # `chain_graphs`: k -> the greedy draft chain (module docstring)
+        # q_len -> GraphRunner: k + 1 over a verify of k drafts, 1 for a draft step;
+        # `kv_graphs`: the KV-only pass of k = 0; `chain_graphs`: k -> the greedy draft chain
         self.graphs, self.kv_graphs, self.chain_graphs = {}, {}, {}
 
     def enable_graphs(self, buckets: list[int], max_blocks: int,
@@ -44,24 +39,22 @@ class MTPProposer:
         extras = [((), torch.long), ((weight.shape[0],), weight.dtype)]
         counts = sorted(set(draft_counts or [self.num_spec_tokens]), reverse=True)
         pool = None
-        for q_len in [k + 1 for k in counts if k] + [1]:
-            runner = GraphRunner(lambda inputs, ids, h: self.mtp(ids, h, inputs, self.caches),
-                                 'mtp draft', q_len, buckets, max_blocks, extras, weight.device,
+
+        def capture(fn, name: str, q_len: int = 1):
+            nonlocal pool
+            runner = GraphRunner(fn, name, q_len, buckets, max_blocks, extras, weight.device,
                                  pool=pool, recorder=recorder)
             runner.capture()
             pool = runner.pool
-            self.graphs.setdefault(q_len, runner)
+            return runner
+        for q_len in [k + 1 for k in counts if k] + [1]:
+            self.graphs[q_len] = capture(
+                lambda inputs, ids, h: self.mtp(ids, h, inputs, self.caches), 'mtp draft', q_len)
         if 0 in counts:
-            runner = GraphRunner(self._write_kv, 'mtp kv', 1, buckets, max_blocks, extras,
-                                 weight.device, pool=pool, recorder=recorder)
-            runner.capture()
-            self.kv_graphs[1] = runner
+            self.kv_graphs[1] = capture(self._write_kv, 'mtp kv')
         for k in [k for k in counts if k]:
-            runner = GraphRunner(lambda inputs, ids, h, k=k: self._greedy_chain(inputs, h, k),
-                                 f'mtp chain k={k}', 1, buckets, max_blocks, extras,
-                                 weight.device, pool=pool, recorder=recorder)
-            runner.capture()
-            self.chain_graphs[k] = runner
+            self.chain_graphs[k] = capture(
+                lambda inputs, ids, h, k=k: self._greedy_chain(inputs, h, k), f'mtp chain k={k}')
 
     def _greedy_chain(self, first: ModelInputs, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """Greedy drafts [B, k] from the head's output `hidden` [B, H] at each sequence's last
@@ -76,7 +69,6 @@ class MTPProposer:
         return torch.stack(drafts, 1)
 
     def _greedy_token(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The argmax draft's token id (through the token map with a reduced vocabulary)."""
         token = self.compute_logits(hidden).argmax(-1)
         return token if self.token_map is None else self.token_map[token]
 

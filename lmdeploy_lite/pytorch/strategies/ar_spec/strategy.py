@@ -1,12 +1,8 @@
-"""Autoregressive decoding with k drafts per step.
-
-Prefill: like plain AR, plus `next_token_ids` (the token after each chunk when it is a prompt
-token the host already has) so the draft head can run over every prompt position.
-Decode: every sequence feeds k + 1 tokens `[last accepted token, d1..dk]` at positions
-num_computed .. num_computed + k. With a device-side proposer (the MTP head) those ids are built
-on the device from the previous step's outputs (DESIGN.md invariant 7) and the host sends -1
-placeholders that never reach an embedding lookup; a host-side proposer (ngram) sends real ids
-and the drafts in `draft_tokens`.
+"""Autoregressive decoding with k drafts per step. Prefill: plain AR's chunks plus
+`next_token_ids` (the prompt token after each chunk, when known) so the draft head runs over every
+prompt position. Decode: each sequence feeds `[last accepted token, d1..dk]`; with a device
+proposer those ids are built on the device (DESIGN.md invariant 7) and the host sends -1
+placeholders, a host proposer (ngram) sends real ids and `draft_tokens`.
 """
 from __future__ import annotations
 
@@ -27,12 +23,9 @@ class ARSpecStrategy(Strategy):
         seqs = batch.seqs
         history = [s.num_computed for s in seqs]
         if not batch.is_decoding:
-            chunks = [s.token_ids[s.num_computed:s.num_computed + n]
-                      for s, n in zip(seqs, batch.q_lens)]
+            inputs = super().make_model_inputs(batch, device)
             nexts = [s.token_ids[h + n] if h + n < len(s.token_ids) else -1
                      for s, h, n in zip(seqs, history, batch.q_lens)]
-            inputs = pack_model_inputs(chunks, history, [s.blocks for s in seqs],
-                                       [s.state_slot for s in seqs], False, device)
             inputs.next_token_ids = torch.tensor(nexts, dtype=torch.long, device=device)
             return inputs
         k = batch.num_spec
@@ -49,7 +42,7 @@ class ARSpecStrategy(Strategy):
 
     def emitted_per_row(self, result) -> torch.Tensor:
         if result.num_accepted_drafts is None:        # a plain step (k = 0): one token
-            return torch.ones_like(result.output_tokens[:, 0])
+            return super().emitted_per_row(result)
         return result.num_accepted_drafts + 1         # accepted drafts and the bonus token
 
     def next_input_ids(self, result, q_len: int) -> torch.Tensor:
@@ -65,10 +58,9 @@ class ARSpecStrategy(Strategy):
         return inputs
 
     def post_broadcast(self, result, agent, inputs: ModelInputs, plan, dist_ctx):
-        """TP rank 0's emitted tokens, accepted counts and next drafts become every TP peer's;
-        the peers re-derive their device tables (state slot, last token) from them. The drafts'
-        distribution q travels only in a step the plan marks `any_sampled` (the only steps that
-        write it, agreed by every rank): greedy steps ship no [B, k, V] table."""
+        """TP rank 0's emitted tokens, accepted counts and next drafts become every TP peer's
+        (the peers re-derive state slot and last token). q travels only in a step the plan
+        marks `any_sampled`: greedy steps ship no [B, k, V] table."""
         if dist_ctx.config.tp == 1:
             return result
         slots = inputs.state_slots
