@@ -1,25 +1,17 @@
-"""Per-rank cache tensors of the model (and of the MTP draft, which has its own full-attention KV).
-
-full-attention layer:   (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads / tp, head_dim]
-                        in the model dtype;
-linear-attention layer: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num_spec] in the model
-                         dtype, recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv] in
-                         the state dtype of `state_dtype`: fp32 by default, fp64 for a float64
-                         model, bf16 with ssm_state_dtype='bfloat16').
-`tp` is the tensor-parallel size of the model that owns the cache (a TP rank keeps only its heads):
-the target's tp for the target's cache, the draft's own tp (SpeculativeConfig.tp, default the
-target's) for the MTP head's; num_blocks / block_size / num_state_slots come from `plan_cache`.
-`caches[layer_idx]` returns the layer's tuple; the slot semantics are in model_inputs.py.
-
+"""Per-rank cache tensors of the model and of the MTP draft (its own full-attention KV). `tp`: the
+owning model's TP size (a rank keeps only its heads; the draft's own tp for its cache); the
+counts come from `plan_cache`. `caches[layer_idx]` is the layer's tuple (slots: model_inputs.py):
+  full-attention:   (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads / tp,
+                    head_dim], model dtype;
+  linear-attention: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num_spec], model dtype,
+                     recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv], `state_dtype`).
 Prefix cache: `num_snapshots` rows per linear-attention layer of what a prefill leaves in a state
-row (recurrent slot 0 and conv columns 0..K-2): conv [num_snapshots, conv_dim / tp, K - 1],
-recurrent [num_snapshots, nv / tp, dk, dv]; `save` and `restore` copy between them and the state
-slots (engine/prefix_cache.py).
-
-Forking (n choices of one prompt, engine/scheduler.py): `copy_blocks` copies whole KV blocks in
-every full-attention layer, `copy_states` a state slot's prefill state into another slot.
+slot (recurrent slot 0, conv columns 0..K-2); `save` / `restore` (engine/prefix_cache.py).
+Forking: `copy_blocks` copies whole KV blocks, `copy_states` a slot's prefill state.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -53,11 +45,11 @@ def _per_rank(what: str, count: int, tp: int) -> int:
     return count // tp
 
 
-def kv_shape(model_config: ModelConfig, cache_config: CacheConfig, tp: int = 1) -> tuple:
+def kv_shape(model_config: ModelConfig, num_blocks: int, block_size: int, tp: int = 1) -> tuple:
     """One full-attention layer's K (or V) cache on one TP rank."""
-    mc, cc = model_config, cache_config
-    return (cc.num_blocks, cc.block_size,
-            _per_rank('num_key_value_heads', mc.num_key_value_heads, tp), mc.head_dim)
+    return (num_blocks, block_size,
+            _per_rank('num_key_value_heads', model_config.num_key_value_heads, tp),
+            model_config.head_dim)
 
 
 def state_shapes(model_config: ModelConfig, num_state_slots: int, num_spec_tokens: int,
@@ -81,20 +73,11 @@ def snapshot_shapes(model_config: ModelConfig, num_snapshots: int, tp: int = 1
     return conv, rec[:1] + rec[2:]
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 class CacheEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
                  device: torch.device | str, layer_types: tuple[str, ...] | None = None,
                  tp: int = 1, ssm_state_dtype: str = 'auto'):
-        """layer_types: defaults to the model's; the MTP draft passes ('full_attention',).
-        tp: the owning model's TP size (the draft's own TP for the draft's cache).
-        ssm_state_dtype: PytorchEngineConfig.ssm_state_dtype (see `state_dtype`)."""
+        """layer_types: default the model's (the MTP draft's: ('full_attention',))."""
         self.model_config, self.cache_config, self.tp = model_config, cache_config, tp
         self.layer_types = tuple(layer_types or model_config.layer_types)
         self.state_dtype = state_dtype(dtype, ssm_state_dtype, model_config)
@@ -102,7 +85,7 @@ class CacheEngine:
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer_type in self.layer_types:
             if layer_type == 'full_attention':
-                shape = kv_shape(model_config, cc, tp)
+                shape = kv_shape(model_config, cc.num_blocks, cc.block_size, tp)
                 self.caches.append((torch.zeros(shape, dtype=dtype, device=device),
                                     torch.zeros(shape, dtype=dtype, device=device)))
             else:
@@ -163,11 +146,8 @@ class CacheEngine:
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
                         layer_types: tuple[str, ...] | None = None, tp: int = 1) -> int:
         """KV bytes of one block over all full-attention layers (K and V) on one TP rank."""
-        layer_types = layer_types or model_config.layer_types
-        num_full = sum(t == 'full_attention' for t in layer_types)
-        elem = torch.empty((), dtype=dtype).element_size()
-        kv_heads = _per_rank('num_key_value_heads', model_config.num_key_value_heads, tp)
-        return 2 * num_full * block_size * kv_heads * model_config.head_dim * elem
+        num_full = sum(t == 'full_attention' for t in layer_types or model_config.layer_types)
+        return 2 * num_full * math.prod(kv_shape(model_config, 1, block_size, tp)) * dtype.itemsize
 
     @staticmethod
     def bytes_per_state_slot(model_config: ModelConfig, num_spec_tokens: int, dtype: torch.dtype,
@@ -175,13 +155,10 @@ class CacheEngine:
                              ssm_state_dtype: str = 'auto') -> int:
         """Conv window (model dtype) + recurrent state (`state_dtype`) bytes of one sequence over
         all linear-attention layers, on one TP rank."""
-        layer_types = layer_types or model_config.layer_types
-        num_linear = sum(t == 'linear_attention' for t in layer_types)
+        num_linear = sum(t == 'linear_attention' for t in layer_types or model_config.layer_types)
         conv, rec = state_shapes(model_config, 1, num_spec_tokens, tp)
-        conv_bytes = _numel(conv) * torch.empty((), dtype=dtype).element_size()
-        rec_bytes = _numel(rec) * torch.empty(
-            (), dtype=state_dtype(dtype, ssm_state_dtype, model_config)).element_size()
-        return num_linear * (conv_bytes + rec_bytes)
+        rec_dtype = state_dtype(dtype, ssm_state_dtype, model_config)
+        return num_linear * (math.prod(conv) * dtype.itemsize + math.prod(rec) * rec_dtype.itemsize)
 
     @staticmethod
     def bytes_per_snapshot(model_config: ModelConfig, dtype: torch.dtype, tp: int = 1,

@@ -1,8 +1,5 @@
-"""Runs the target model on one rank: forward, logits of the sampling positions, sampling.
-
-Decode state that the next step needs (which linear-attention state slot is current) stays on
-the device (DESIGN.md invariant 7).
-"""
+"""Runs the target model on one rank: forward, logits of the sampling positions, sampling. The
+current linear-attention state slot stays on the device (DESIGN.md invariant 7)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,12 +13,10 @@ from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
 
 @dataclass
 class StepResult:
-    """output_tokens [B, n] long: tokens each sequence emits, -1 padded (n = 1 without
-    speculation); num_accepted_drafts [B] long or None (no speculation this step);
-    hidden_states [T, len(ids), H] or None: the hidden states of every fed token at the
-    extracted layers (`ModelAgent.hidden_state_layer_ids`; engine/hidden_states.py); when some
-    row asked for logprobs (`SamplingInputs.logprobs` = N), logprobs [B, n] of the output tokens
-    and top_ids [B, n, N] long / top_logprobs [B, n, N] (module logprobs.py), else None."""
+    """output_tokens [B, n] long, -1 padded (n = 1 without speculation); num_accepted_drafts [B]
+    long or None (no verify); hidden_states [T, len(ids), H] of every fed token at the extracted
+    layers, or None; when a row asked for N logprobs, logprobs [B, n] and top_ids / top_logprobs
+    [B, n, N] (logprobs.py), else None."""
     output_tokens: torch.Tensor
     num_accepted_drafts: torch.Tensor | None = None
     hidden_states: torch.Tensor | None = None
@@ -30,8 +25,7 @@ class StepResult:
     top_logprobs: torch.Tensor | None = None
 
     def with_logprobs(self, logits: torch.Tensor, sampling: SamplingInputs) -> 'StepResult':
-        """Fill in the logprobs from the raw logits [B, n, V] that chose output_tokens, when
-        `sampling` asks for them."""
+        """The logprobs from the raw logits [B, n, V] that chose output_tokens, if asked for."""
         if sampling.logprobs is not None:
             self.logprobs, self.top_ids, self.top_logprobs = token_logprobs(
                 logits, self.output_tokens, sampling.logprobs)
@@ -50,8 +44,7 @@ class ModelAgent:
         # width k + 1 a speculative step may run
         self.graphs = {}
         self.graph_pool = None
-        # extract_hidden_states: transformers' output_hidden_states ids every forward keeps
-        # (the engine sets them; forwards then run eagerly, outside any CUDA graph)
+        # extract_hidden_states: output_hidden_states ids every forward keeps (then eagerly)
         self.hidden_state_layer_ids: tuple[int, ...] = ()
 
     @property
@@ -61,10 +54,9 @@ class ModelAgent:
 
     def enable_graphs(self, buckets: list[int], max_blocks: int, q_lens: list[int] = (1,),
                       recorder=None):
-        """Capture the decode forward (q_len tokens per sequence, for each of `q_lens`) for
-        each batch bucket; `recorder`: the DistContext whose collective trace replays extend.
-        The widths share one memory pool (a step replays one of them, and its output is read
-        before the next step's replay)."""
+        """Capture the decode forward of each width in `q_lens` for each batch bucket, in one
+        memory pool (a step's output is read before the next replay); `recorder`: the
+        DistContext whose collective trace replays extend."""
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
         pool = self.graph_pool
         for q_len in sorted(q_lens, reverse=True):
@@ -77,9 +69,8 @@ class ModelAgent:
         self.graph_pool = pool           # shared with other graphs of this model's forward
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """[T, H] post-final-norm hidden states; linear attention reads the current state slots
-        (after restoring prefix-cache snapshots into them and copying forked sequences' caches;
-        snapshots of the new states are kept after the forward)."""
+        """[T, H] post-final-norm hidden states, with the batch's cache restores and copies made
+        before and its snapshots saved after."""
         return self._forward(inputs)[0]
 
     def _forward(self, inputs: ModelInputs, layer_ids: tuple[int, ...] = ()
