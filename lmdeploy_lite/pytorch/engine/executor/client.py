@@ -1,14 +1,11 @@
-"""The one seam between the engine and everything that drives it (pipeline, server, CLI,
-metrics): `EngineClient`. Its implementations differ only in where the ranks run: a thread of
-this process (thread.py), one process per rank (mp.py), one ray actor per rank (ray.py). Each
-rank runs the same loop (rank_worker.py) and sends one report per step; `RankClient` here is
-everything the front-end does with them: validation, request ids, routing to a DP rank,
-delivery to sinks, liveness, failure, stats.
+"""The one seam between the engine and everything that drives it: `EngineClient`. Its
+implementations differ only in where the ranks run: a thread of this process (thread.py), one
+process per rank (mp.py), one ray actor per rank (ray.py). Each rank runs the same loop
+(rank_worker.py) and sends one report per step; `RankClient` does the rest: validation, request
+ids, routing to a DP rank, delivery to sinks, liveness, failure, stats.
 
-Results reach a front-end once per engine step, not once per token per request: requests
-submitted with the same `Channel` get one `post` per step carrying all of their outputs of that
-step (a batch of 64 streams is one queue put, one thread wake-up). A plain callable sink gets
-one call per output (tests, simple callers).
+Requests submitted with one `Channel` get one `post` per step carrying all of their outputs (a
+batch of 64 streams is one queue put, one thread wake-up); a callable sink one call per output.
 """
 from __future__ import annotations
 
@@ -139,11 +136,10 @@ def hand_out(pairs: list[tuple[RequestHandle, Item]]) -> list[RequestHandle]:
 
 
 class RankClient:
-    """`EngineClient` over ranks that each run `rank_worker.rank_loop`. Subclasses start the
-    ranks (`_start`: sets `_inboxes`, one per rank, and `_outbox`; passes `_worker_hook` on),
-    name the dead ones (`_dead_ranks`), wait for them (`_join`), end them (`_kill`) and let go
-    of them (`_release`). Reports arrive through `_outbox` (read by a collector thread that
-    also checks liveness) or, for ranks in this process, straight through `_on_report`."""
+    """`EngineClient` over ranks that each run `rank_loop`. Subclasses start the ranks (`_start`
+    sets `_inboxes`, one per rank, and `_outbox`), name the dead ones, wait for, end and let go
+    of them. Reports arrive through `_outbox` (read by a collector thread that also checks
+    liveness) or, for ranks in this process, straight through `_on_report`."""
     _heartbeats: Heartbeats | None = None      # the ranks' (_start sets it)
     _outbox = None
 
@@ -158,8 +154,7 @@ class RankClient:
         self._live: dict[int, RequestHandle] = {}
         self._busy_since = 0.0                   # when _live last became non-empty
         self._load = [0] * dp
-        # prefix-cache routing (dp > 1): each DP rank's snapshot keys, from its reports;
-        # (block_size, lookahead, caching) from the ranks' ready messages
+        # prefix-cache routing (dp > 1): each DP rank's snapshot keys; the keys' naming
         self._snapshot_keys: list[set[int]] = [set() for _ in range(dp)]
         self._stats = [EngineStats() for _ in range(dp)]
         self._prefix_naming = (0, False, False)
@@ -182,8 +177,7 @@ class RankClient:
             self._collector.start()
 
     def _configure(self, model_path: str, cfg: PytorchEngineConfig, spec_config):
-        """The model's config and session_len; the layout and speculation checked before any
-        rank starts."""
+        """The model's config and session_len; layout and speculation checked."""
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.dist_config.validate(self.model_config, num_devices=None)
         if spec_config is not None:
@@ -205,7 +199,7 @@ class RankClient:
         raise NotImplementedError
 
     def _release(self):
-        """Let go of what ties the workers to this process (after they are gone)."""
+        pass
 
     def _wait_ready(self):
         world = self.dist_config.world_size
@@ -243,10 +237,9 @@ class RankClient:
     def submit_group(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
                      tags: list, request_ids: list[str | None] | None = None
                      ) -> list[RequestHandle]:
-        """The gen_config.n choices of one prompt, one handle each (choice i tagged `tags[i]`,
-        its hidden-states file named `request_ids[i]`, None: a random name). Validates here (a
-        bad request raises ValueError and touches nothing); raises RuntimeError once the engine
-        has stopped or is closing. The choices go to one DP rank (they share its prefill)."""
+        """The gen_config.n choices of one prompt, to one DP rank (they share its prefill):
+        choice i tagged `tags[i]`, its hidden-states file `request_ids[i]` (None: random). A bad
+        request raises ValueError and touches nothing; RuntimeError once stopped or closing."""
         if self.error is not None:
             raise RuntimeError(f'the engine stopped after an error: {self.error}')
         if self._closing:
@@ -289,7 +282,6 @@ class RankClient:
                                         describe=self._describe_rank)
 
     def _describe_rank(self, rank: int) -> str:
-        """'rank R', with its process's pid and state where this host can see it."""
         return f'rank {rank}'
 
     def stats(self) -> EngineStats:
@@ -308,9 +300,8 @@ class RankClient:
 
     # ---- results --------------------------------------------------------------------------
     def _collect(self):
-        """Hand the ranks' reports on, and check every LIVENESS_CHECK_S, busy or not, that
-        every rank is alive: DP ranks that share no collective (ep = 1) run on without a dead
-        peer, so their reports must not hide it."""
+        """Hand the reports on; every LIVENESS_CHECK_S, busy or not, check every rank is alive
+        (DP ranks that share no collective run on without a dead peer)."""
         next_check = time.monotonic() + LIVENESS_CHECK_S
         while True:
             try:
@@ -330,8 +321,8 @@ class RankClient:
                     return
 
     def _on_report(self, kind: str, rank: int, payload) -> bool:
-        """A rank's report: ('out', rank, (outputs, news)) or ('error', rank, (summary,
-        trace)). False once the engine has failed."""
+        """('out', rank, (outputs, news)) or ('error', rank, (summary, trace)); False once the
+        engine has failed."""
         if kind == 'error':
             self._fail(RuntimeError(self._describe_failure(rank, *payload)))
             return False
@@ -356,8 +347,7 @@ class RankClient:
                     held.discard(key)
 
     def _deliver(self, reports: list[tuple[int, StepOutput]]):
-        """One step's reports of one rank (request id, StepOutput) to their requests' sinks
-        (one post per Channel)."""
+        """One step's (request id, StepOutput) of one rank to their sinks."""
         pairs = []
         with self._lock:
             for rid, out in reports:

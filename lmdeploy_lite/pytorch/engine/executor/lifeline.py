@@ -1,17 +1,13 @@
-"""A rank process ends when the process that started it ends, however that ended (SIGKILL
-included, which no `daemon=True` or atexit hook survives).
-
-Two mechanisms, both armed first thing in the worker:
-- Linux: prctl(PR_SET_PDEATHSIG, SIGKILL), so the kernel kills the worker when its parent dies;
-  checked right after it is set that the parent is still the one that started us (it may have
-  died before). The kernel sends the signal when the *thread* that started the worker exits, so
-  it is armed only for workers started from the parent's main thread (which lives as long as
-  the process); a pipeline built in a short-lived thread relies on the watchdog alone. Workers
-  forked by multiprocessing's fork server (the mp executor's) have the server as their parent,
-  which forks from its main thread and exits when the front-end does: always armed.
-- Everywhere: a daemon watchdog thread that ends the worker within WATCH_INTERVAL_S once its
-  parent pid changes (re-parented: the parent died) or the lifeline pipe breaks (the front-end
-  holds the only write end; the OS closes it when the front-end dies, whatever the platform).
+"""A rank process ends when the process that started it ends, however (SIGKILL included, which
+no `daemon=True` or atexit hook survives). Both mechanisms are armed first thing in the worker:
+- Linux: prctl(PR_SET_PDEATHSIG, SIGKILL), then a check that the parent has not died already.
+  The kernel signals when the *thread* that started the worker exits, so it is armed only for
+  workers started from the parent's main thread (a pipeline built in a short-lived thread relies
+  on the watchdog); a fork server's children (mp's) are always armed: it forks from its main
+  thread and exits with the front-end.
+- Everywhere: a daemon watchdog that ends the worker within WATCH_INTERVAL_S once its parent pid
+  changes or the lifeline pipe breaks (the front-end holds the only write end; the OS closes it
+  when the front-end dies).
 """
 from __future__ import annotations
 
@@ -45,7 +41,7 @@ def make_lifeline(ctx) -> tuple[Lifeline, object]:
 
 
 def follow_parent(lifeline: Lifeline):
-    """In the worker: die with the parent (see the module docstring). Returns at once."""
+    """In the worker: die with the parent. Returns at once."""
     parent = os.getppid() if lifeline.parent_pid is None else lifeline.parent_pid
     if lifeline.kernel_signal and sys.platform.startswith('linux'):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -69,8 +65,7 @@ def _watch(reader, parent: int):
 
 
 def _die():
-    """The parent is gone: nobody reads our results; end now, without cleanup that could block
-    (a collective, a queue's feeder thread)."""
+    """End now, without cleanup that could block (a collective, a queue's feeder thread)."""
     if hasattr(signal, 'SIGKILL'):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)

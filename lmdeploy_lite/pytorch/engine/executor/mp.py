@@ -1,44 +1,23 @@
 """The `mp` executor: one process per rank (torch.multiprocessing, forked by a fork server that
-has imported torch; spawn where there is none), gloo on CPU.
+has imported torch; spawn where there is none), gloo on CPU; on CUDA rank r uses cuda:r
+(`rank_device`; the front-end first checks that there are dp x tp GPUs) and NCCL.
 
-On CUDA (device='cuda', or 'auto' on a machine with CUDA) rank r uses cuda:r (`rank_device`,
-made current before anything is built; the front-end first checks that there are dp x tp GPUs)
-and its device collectives run on NCCL (DistContext.init).
+Every rank runs `rank_loop` (rank_worker.py). The ranks of a plan group (step_plan.py says which)
+advance in lockstep; an idle rank of a busy group polls its inbox without waiting
+(`engine.plan_busy`), a group with no work waits on it at most IDLE_WAIT_S (short: TP peers wait
+for TP rank 0's inbox broadcast within the collective timeout). close() puts a stop in every
+rank's inbox; TP rank 0 shares it, and the plan's shutdown flag ends the group in one step.
 
-Every rank runs an Engine for its DP rank and the same loop: read its inbox, `engine.step()`
-(whose first act is the StepPlan all-gather over `DistContext.plan`), send outputs home.
-The ranks of a plan group advance in lockstep; plan groups do not wait for each other:
-- ep > 1: the plan group is the world (the MoE all-to-alls join every rank). A rank with no work
-  inside a busy step runs dummy target and draft forwards, and polls its inbox without waiting
-  while any rank is busy (`engine.plan_busy`), or every busy step would wait for it.
-- ep = 1: the plan group is the DP rank's TP group. DP ranks share no collective, so each runs
-  as an independent engine: an idle DP rank runs no forward and never holds up a busy one.
-A plan group with no work waits on its inbox between plan gathers (at most IDLE_WAIT_S, no
-spinning; short, since its TP peers wait for TP rank 0's inbox broadcast within the collective
-timeout). A stop reaches every rank through the executor, not through one rank's plan: close()
-puts it in every rank's inbox, each DP group's TP rank 0 shares it with its TP peers, and the
-plan's shutdown flag ends the group's loop in the same step on every rank of the group. The
-front-end routes each request to the DP rank whose prefix cache holds the longest prefix of its
-prompt (each rank leader reports the state snapshots it keeps and drops, engine/prefix_cache.py),
-unless that rank already has a full batch (max_batch_size) more live requests than the least
-loaded one; ties and misses go to the rank with the fewest live requests. Each rank leader
-sends one message per step with all of its requests' outputs, which the front-end hands to
-their sinks (one post per Channel).
-
-Failures: a rank that dies is detected within a second (the front-end checks every
-LIVENESS_CHECK_S, however busy the other ranks are: pure-DP ranks run on without a dead peer);
-the loop's `error` becomes one short line naming it and how it ended ('rank 1 (pid 4242) was
-killed by signal SIGKILL'), or the first line of the exception a rank raised (a collective
-timeout names rank, step and operation); tracebacks go to the log. Every live request's sink
-gets that error, the other ranks are ended, and close() returns promptly. Ranks die with the
-front-end, however it ends (lifeline.py), and ignore SIGINT (a Ctrl-C reaches the whole process
-group; the front-end decides). `worker_hook`: a picklable top-level function called with each
-rank's Engine before it serves (tests break engines on purpose with it); production code never
-sets it.
+Failures: a dead rank is found within LIVENESS_CHECK_S however busy the others are; `error`
+becomes one line naming it and how it ended ('rank 1 (pid 4242) was killed by signal SIGKILL'),
+or the first line of what a rank raised (tracebacks go to the log). Every live request gets it,
+the other ranks are ended, close() returns promptly. Ranks die with the front-end (lifeline.py)
+and ignore SIGINT (a Ctrl-C reaches the whole process group; the front-end decides).
+`worker_hook`: a picklable top-level function called with each rank's Engine before it serves
+(tests break engines with it).
 """
 from __future__ import annotations
 
-import logging
 import os
 import signal
 import socket
@@ -54,14 +33,10 @@ from lmdeploy_lite.pytorch.engine.executor.rank_worker import (NUM_THREADS_ENV, 
 from lmdeploy_lite.pytorch.engine.executor.rendezvous import FileRendezvous, loopback_env
 from lmdeploy_lite.pytorch.engine.heartbeat import Heartbeats
 
-logger = logging.getLogger('lmdeploy_lite')
-
-
 
 def worker_num_threads(world_size: int, requested: str | None = None) -> int:
-    """Torch threads for each rank: `requested` (LMDEPLOY_LITE_NUM_THREADS) if given, else this
-    front-end process's torch thread count shared among the ranks, at least 1 (so a front-end
-    held to one thread, e.g. by OMP_NUM_THREADS=1 or the test suite, starts one-thread ranks)."""
+    """Torch threads per rank: `requested` (LMDEPLOY_LITE_NUM_THREADS), else this process's
+    thread count shared among the ranks, at least 1."""
     import torch
     if not requested:
         return max(1, torch.get_num_threads() // world_size)
@@ -84,9 +59,8 @@ START_METHOD_ENV = 'LMDEPLOY_LITE_MP_START_METHOD'      # 'spawn': no fork serve
 
 
 def rank_context():
-    """The multiprocessing context ranks start in: a fork server that has imported torch and
-    transformers (a fresh process, never one with CUDA state: it is spawned, and forks from its
-    main thread), where the platform has one; else spawn."""
+    """A fork server (spawned, so never with CUDA state; forks from its main thread) that has
+    imported FORKSERVER_PRELOAD, where the platform has one; else spawn."""
     how = os.environ.get(START_METHOD_ENV, 'forkserver')
     if how not in ('forkserver', 'spawn'):
         raise ValueError(f'{START_METHOD_ENV}={how!r}: must be forkserver or spawn')
@@ -98,8 +72,7 @@ def rank_context():
 
 
 def rank_env(env: dict | None, world_size: int) -> dict:
-    """What every rank adds to its environment: this process's LMDEPLOY_LITE_* variables, `env`
-    and its torch thread count (`worker_num_threads`)."""
+    """What every rank adds to its environment: this process's LMDEPLOY_LITE_*, `env`, threads."""
     child_env = {k: v for k, v in os.environ.items() if k.startswith('LMDEPLOY_LITE_')}
     child_env.update(env or {})
     child_env[NUM_THREADS_ENV] = str(worker_num_threads(world_size,
@@ -108,8 +81,6 @@ def rank_env(env: dict | None, world_size: int) -> dict:
 
 
 class MPEngineLoop(RankClient):
-    """One process per rank on this machine (rank_context: forked by a fork server), each
-    following this process's life through a lifeline (lifeline.py)."""
     _procs: tuple | list = ()                 # set by _start; empty until then
     _lifeline_writer = None                   # the pipe end whose closing tells workers to end
     _rendezvous = None                        # the ranks' FileRendezvous, until released

@@ -1,7 +1,5 @@
-"""The rank side of the mp and ray executors: one process per rank runs `worker_main`, which
-joins the world, builds the rank's Engine and runs `rank_loop`: read the inbox (TP rank 0 of a
-DP group, shared with its TP peers), step, send one report per step home (mp.py's module
-docstring tells how the ranks advance and fail).
+"""The rank side of every executor: `worker_main` joins the world, builds the rank's Engine and
+runs `rank_loop` (mp.py tells how the ranks advance and fail).
 """
 from __future__ import annotations
 
@@ -48,11 +46,9 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
                 init_method: str, inbox, outbox, env: dict, local_rank: int,
                 lifeline: Lifeline | None = None, worker_hook: Callable | None = None,
                 heartbeats: Heartbeats | None = None, whole_environ: bool = False):
-    """One rank; `local_rank`: its GPU among the ones this process sees (CUDA only);
-    `lifeline`: the parent to die with (None: the launcher sees to it, e.g. ray);
-    `heartbeats`: where this rank shows progress (shared memory; None: nowhere); `env`: added
-    to this process's environment, or, `whole_environ`, its whole environment (a fork server's
-    child has the server's, from when it started)."""
+    """One rank; `local_rank`: its GPU among those this process sees; `lifeline`: None where the
+    launcher ties its life (ray); `env`: added to the environment, or with `whole_environ` all
+    of it (a fork server's child has the server's, from when it started)."""
     if lifeline is not None:
         follow_parent(lifeline)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -107,10 +103,9 @@ def _no_beat(waiting: bool = False):
 
 def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
               beat: Callable[..., None] = _no_beat):
-    """Every rank's loop, in its own process or in a thread of the front-end's: read the inbox,
-    step, `send` one report per step. TP rank 0 of a DP group reads the inbox and shares what
-    it read with its TP peers, so every TP rank's scheduler makes the same decisions; only TP
-    rank 0 reports."""
+    """Every rank's loop, in its own process or a front-end thread: read the inbox, step, `send`
+    one report per step. TP rank 0 reads the inbox and shares it with its TP peers (so their
+    schedulers decide alike); only it reports."""
     request_of: dict[int, int] = {}          # seq_id -> front-end request id
     seq_of: dict[int, object] = {}           # request id -> Sequence
     leader = engine.dist.tp_rank == 0
@@ -118,9 +113,7 @@ def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
     last_stats = None                                # the figures as last reported
     while not engine.stopped:
         beat()
-        # wait on the inbox only when no rank of the plan group had work last step: an idle
-        # rank inside a busy plan group (ep > 1: the world) must reach the next plan gather at
-        # once, or every busy step waits for it
+        # an idle rank of a busy plan group must reach the next plan gather at once
         wait = None if engine.has_work or engine.plan_busy else IDLE_WAIT_S
         events = _drain(inbox, wait) if leader else None
         reports = []                         # one message to the front-end per step
@@ -131,10 +124,8 @@ def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
             reports.append((rid, out))       # pickled without its Sequence
             if out.finished:
                 del request_of[out.seq.seq_id], seq_of[rid]
-        # with the results, the prefix cache's news (snapshots kept and dropped, for routing)
-        # and the rank's figures when they changed: the front-end notes them before it hands
-        # out the results, so that a request submitted on a result sees the prefix this step
-        # kept
+        # the prefix cache's news and the rank's figures, noted by the front-end before it
+        # hands out the results (a request submitted on a result sees this step's prefix)
         events = engine.scheduler.bm.snapshots.take_events()
         if not leader:
             continue

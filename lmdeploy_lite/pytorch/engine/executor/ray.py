@@ -1,21 +1,12 @@
-"""The `ray` executor: one Ray actor per rank, placed by a placement group across nodes.
-
-Each actor runs the same `worker_main` as the `mp` executor; inboxes and the outbox are
-`ray.util.queue.Queue`s behind a wrapper with the mp queue's interface (empty gets raise
-`queue.Empty`), so the worker code is shared unchanged, and so is how ranks advance: in
-lockstep within `DistContext.plan` (the world with ep > 1, else each DP rank's TP group,
-whose DP ranks run as independent engines; mp.py says why), stops through every rank's inbox,
-dead ranks found by the front-end's periodic liveness check however busy the others are. Bundles are {'GPU': 1} per rank on
-CUDA, {'CPU': 1} on CPU; strategy STRICT_SPREAD when the cluster has exactly one node per rank
-(rank r on its own node), else SPREAD. Rank r takes bundle r; torch.distributed meets at rank
-0's node. The cluster is `ray.init()`'s (RAY_ADDRESS, e.g. `auto`), unless the caller already
-connected. A placement group that cannot be placed within RAY_PG_TIMEOUT_S fails with what is
-missing; close() kills every actor and removes the placement group.
-
-Every call into ray is bounded (RAY_CALL_TIMEOUT_S; the queues' gets by their own timeout).
-The actors need no lifeline: ray ties a (non-detached) actor's life to its owner, this driver,
-and kills it when the driver's process ends, SIGKILL included (ray's ownership fate-sharing);
-the queue actors likewise.
+"""The `ray` executor: one Ray actor per rank, placed by a placement group across nodes, each
+running mp's `worker_main` (ranks advance and fail as mp.py says) over `ray.util.queue.Queue`s
+behind the mp queue's interface (empty gets raise `queue.Empty`). Bundles: {'GPU': 1} per rank
+on CUDA, {'CPU': 1} on CPU; STRICT_SPREAD when the cluster has exactly one node per rank, else
+SPREAD; rank r takes bundle r; torch.distributed meets at rank 0's node. The cluster is
+`ray.init()`'s (RAY_ADDRESS) unless the caller connected. A placement group not placed within
+RAY_PG_TIMEOUT_S fails naming what is missing; close() kills every actor and removes it. Every
+call into ray is bounded (RAY_CALL_TIMEOUT_S). No lifeline: ray kills a (non-detached) actor,
+queues too, when its owner, this driver, ends, SIGKILL included.
 """
 from __future__ import annotations
 
@@ -137,13 +128,11 @@ class RayEngineLoop(RankClient):
         self.node_ids = [node_id for node_id, _ in where]
         port = ray.get(self._actors[0].free_port.remote(), timeout=RAY_CALL_TIMEOUT_S)
         init_method = f'tcp://{where[0][1]}:{port}'
-        # local rank 0: ray shows each GPU actor only its own GPU (CUDA_VISIBLE_DEVICES);
-        # no lifeline: ray ends the actors with this driver
+        # local rank 0: ray shows each GPU actor only its own GPU (CUDA_VISIBLE_DEVICES)
         self._runs = [a.run.remote(r, self.dist_config, model_path, cfg, spec_config,
                                    init_method, _RankQueue(self._queues[r]),
                                    _RankQueue(self._queues[world]), rank_env(env, world), 0,
-                                   None,
-                                   self._worker_hook)
+                                   None, self._worker_hook)
                       for r, a in enumerate(self._actors)]
 
     def _dead_ranks(self) -> dict[int, str]:

@@ -1,11 +1,7 @@
-"""The in-thread executor: one rank, an Engine built in this process, run by the ranks' own
-loop (`rank_loop`) in a background thread whose reports go straight to the front-end's sinks
-(no queue between them: one thread wake-up per step, as with the ranks' messages).
-
-Failures: one request's own failure (its admission, its generator) ends that request alone with
-finish_reason 'error'; the engine goes on. A failure of a step itself cannot be put on one
-request (the engine's state is then unknown): `error` is that exception, every live request
-and every later submit gets it, and the thread ends."""
+"""The in-thread executor: one Engine in this process, run by `rank_loop` in a background thread
+whose reports go straight to the sinks. A request's own failure ends that request alone
+('error'); a failed step ends the engine: `error` is that exception, for every live request and
+every later submit."""
 from __future__ import annotations
 
 import logging
