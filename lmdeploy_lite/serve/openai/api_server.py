@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions (SSE
-streaming), /health, /metrics. Each route is a function of one ServerContext (checks.py) and the
+"""The OpenAI-compatible HTTP server: /v1/models (and /v1/models/{id}), /v1/completions,
+/v1/chat/completions (SSE streaming), /tokenize and /detokenize (vLLM's), /health, /metrics. Each route is a function of one ServerContext (checks.py) and the
 request; checking a request is checks.py, running it (to the end or streamed) streaming.py,
 writing what it sends responses.py.
 
@@ -17,12 +17,15 @@ import contextlib
 import logging
 import os
 import signal
+import socket
+import sys
 import threading
 from contextlib import asynccontextmanager
 from typing import Callable
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response as HTTPResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -32,14 +35,15 @@ from lmdeploy_lite.serve.openai import protocol as p
 from lmdeploy_lite.serve.openai.admission import ConcurrencyLimitMiddleware
 from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware, HostGuardMiddleware, is_loopback
 from lmdeploy_lite.serve.openai.checks import (ServerContext, ServerLimits, check_chat,
-                                               check_completion, read_checked)
-from lmdeploy_lite.serve.openai.connections import HttpLimits
+                                               check_completion, check_model, read_checked)
+from lmdeploy_lite.serve.openai.connections import CannotListen, HttpLimits, bind_socket
 from lmdeploy_lite.serve.openai.errors import install_error_handlers
 from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings
 from lmdeploy_lite.serve.openai.metrics import ServerMetrics
 from lmdeploy_lite.serve.openai.responses import (ChatChunks, CompletionChunks, chat_response,
                                                   completion_response)
 from lmdeploy_lite.serve.openai.streaming import ENGINE_STOPPED, run_to_end, stream
+from lmdeploy_lite.serve.openai.tokenize import check_detokenize, check_tokenize
 from lmdeploy_lite.serve.openai.tool_parser import ToolCallParser
 
 logger = logging.getLogger('lmdeploy_lite.serve')
@@ -50,12 +54,15 @@ ENGINE_POLL_S = 0.5                    # how often the server checks that the en
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                num_spec_tokens: int = 0, on_engine_failure: Callable[[], None] | None = None,
                limits: ServerLimits = ServerLimits(), bound_host: str | None = None,
-               allowed_hosts: tuple[str, ...] = ()) -> FastAPI:
+               allowed_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = ()
+               ) -> FastAPI:
     """The app of one pipeline: its routes are the functions below over one ServerContext.
     `on_engine_failure()` is called once the engine has died for good (serve: shut down);
     `limits`: what requests may ask (checks.py; max_concurrent None: no limit, admission.py);
     `bound_host`: the address the server listens on: a loopback one turns the Host guard on
-    (auth.py), which lets `allowed_hosts` through besides loopback hosts."""
+    (auth.py), which lets `allowed_hosts` through besides loopback hosts; `allow_origins`: the
+    web origins whose pages may call the server (CORS; '*': any), outermost, so that a
+    preflight needs no API key and every answer, errors included, carries the headers."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,15 +84,23 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     if bound_host is not None and is_loopback(bound_host):
         app.add_middleware(HostGuardMiddleware, allowed_hosts=tuple(allowed_hosts))
-    _document_request_bodies(app, p.CompletionRequest, p.ChatCompletionRequest)
+    if allow_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins),
+                           allow_methods=['*'], allow_headers=['*'])
+    _document_request_bodies(app, p.CompletionRequest, p.ChatCompletionRequest,
+                             p.TokenizeRequest, p.DetokenizeRequest)
     get = ['GET', 'HEAD']                   # HEAD wherever GET is (uptime probes send it)
     app.api_route('/health', methods=get)(_bound(health, ctx))
     app.api_route('/metrics', methods=get)(_bound(prometheus, ctx))
     app.api_route('/v1/models', methods=get, response_model=p.ModelList)(_bound(models, ctx))
+    app.api_route('/v1/models/{model_id:path}', methods=get, response_model=p.ModelCard)(
+        _bound(model, ctx))
     app.post('/v1/completions', openapi_extra=_json_body(p.CompletionRequest))(
         _bound(completions, ctx))
     app.post('/v1/chat/completions', openapi_extra=_json_body(p.ChatCompletionRequest))(
         _bound(chat_completions, ctx))
+    app.post('/tokenize', openapi_extra=_json_body(p.TokenizeRequest))(_bound(tokenize, ctx))
+    app.post('/detokenize', openapi_extra=_json_body(p.DetokenizeRequest))(_bound(detokenize, ctx))
     return app
 
 
@@ -126,6 +141,20 @@ async def prometheus(ctx: ServerContext, request: Request):
 
 async def models(ctx: ServerContext, request: Request) -> p.ModelList:
     return p.ModelList(data=[p.ModelCard(id=ctx.model_name, max_model_len=ctx.session_len)])
+
+
+async def model(ctx: ServerContext, request: Request) -> p.ModelCard:
+    """The served model's card; any other id is a 404 (model_not_found), as OpenAI answers."""
+    check_model(ctx, request.path_params['model_id'], status=404)
+    return p.ModelCard(id=ctx.model_name, max_model_len=ctx.session_len)
+
+
+async def tokenize(ctx: ServerContext, request: Request):
+    return JSONResponse(await read_checked(ctx, request, check_tokenize))
+
+
+async def detokenize(ctx: ServerContext, request: Request):
+    return JSONResponse(await read_checked(ctx, request, check_detokenize))
 
 
 async def completions(ctx: ServerContext, request: Request):
@@ -217,11 +246,13 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
           num_spec_tokens: int = 0, graceful_timeout_s: float = 10.0,
           limits: ServerLimits = ServerLimits(), allowed_hosts: tuple[str, ...] = (),
-          http_limits: HttpLimits | None = None) -> int:
+          http_limits: HttpLimits | None = None, allow_origins: tuple[str, ...] = (),
+          sock: socket.socket | None = None) -> int:
     """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
     `limits`: what requests may ask (checks.py; a concurrency limit not given is sized from
     the engine's capacity); `http_limits`: what one connection may hold (connections.py; None:
-    the defaults).
+    the defaults); `allow_origins`: CORS (create_app); `sock`: host:port already bound
+    (`bind_socket`, which the CLI calls before it loads the model; None: bound here).
 
     Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
     finish_reason 'abort' (their requests aborted), and whatever is left after
@@ -234,14 +265,17 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
         server.should_exit = True
     app = create_app(pipe, model_name, api_keys, num_spec_tokens, stop,
                      limits.sized_for(pipe.capacity), bound_host=host,
-                     allowed_hosts=allowed_hosts)
+                     allowed_hosts=allowed_hosts, allow_origins=allow_origins)
     server = _Server(server_config(app, host, port, log_level, graceful_timeout_s,
                                    http_limits or HttpLimits()))
     try:
+        sock = sock or bind_socket(host, port)
         print(f'lmdeploy_lite: serving {model_name!r} on http://{host}:{port}', flush=True)
-        server.run()
+        server.run(sockets=[sock])
+    except CannotListen as e:
+        print(f'error: {e}', file=sys.stderr)
     finally:
-        pipe.close()                             # startup failures (a port in use); idempotent
+        pipe.close()                             # startup failures; idempotent
     if app.state.engine_failed:
         return 1
     return 0 if server.started else 3

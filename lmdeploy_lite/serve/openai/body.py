@@ -150,8 +150,9 @@ def describe_validation_error(err: dict, model: type[BaseModel]) -> tuple[str | 
         return param, f'{param}: unknown field; this server does not support it'
     if kind == 'missing':
         return param, f"'{param}' is required"
-    if param is None:
-        return None, 'the request body must be a JSON object'
+    if param is None:                # the body's type, or a check of the whole request
+        return None, ('the request body must be a JSON object' if kind in TYPE_ERRORS
+                      else err.get('msg', 'invalid request'))
     if kind in RANGE_ERRORS and len(path) == 1 and allowed_range(model, path[0]):
         reason = f'must be in {allowed_range(model, path[0])}'
     elif kind in TYPE_ERRORS:

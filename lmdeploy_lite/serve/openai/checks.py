@@ -129,10 +129,8 @@ def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,
             tools: list[dict] | None = None) -> tuple[list[int], GenerationConfig]:
     """One prompt's token ids and GenerationConfig (`req.generation_config`). `param`: the
     prompt's field name."""
-    if req.model is not None and req.model != ctx.model_name:
-        raise RequestError(f'model={render(req.model)}: unknown; this server serves '
-                           f'{ctx.model_name!r} (see GET /v1/models)', 'model', 'model_not_found')
-    ids = _encode(ctx, prompt, param, tools)
+    check_model(ctx, req.model)
+    ids = encode(ctx, prompt, param, tools)
     session_len, (max_tokens_param, max_tokens) = ctx.session_len, req.length_field
     room = session_len - len(ids)
     if max_tokens is not None and 0 < room < max_tokens:
@@ -152,7 +150,17 @@ def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,
     return ids, gen_config
 
 
-def _encode(ctx: ServerContext, prompt, param: str, tools: list[dict] | None) -> list[int]:
+def check_model(ctx: ServerContext, model: str | None, status: int = 400):
+    """A request's `model` (None: not given) must be the served one."""
+    if model is not None and model != ctx.model_name:
+        raise RequestError(f'model={render(model)}: unknown; this server serves '
+                           f'{ctx.model_name!r} (see GET /v1/models)', 'model', 'model_not_found',
+                           status=status)
+
+
+def encode(ctx: ServerContext, prompt, param: str, tools: list[dict] | None) -> list[int]:
+    """The token ids the engine runs for `prompt` (`Pipeline.encode`), or a RequestError naming
+    `param` (or tools)."""
     try:
         return ctx.pipe.encode(prompt, tools=tools) if tools else ctx.pipe.encode(prompt)
     except ValueError as e:

@@ -10,12 +10,17 @@ slow or silent (slowloris), and a cap on open connections.
   closes and the request ends as a client that went away.
 - Past `max_connections` open connections, a new one is closed at once; the deadlines above
   close the idle and slow ones within seconds, so a flood cannot lock the others out for long.
+
+And the listening address itself: `bind_socket` takes host:port before the model loads, so a
+taken port fails in a second, not after the load.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import resource
+import socket
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -25,6 +30,33 @@ logger = logging.getLogger('lmdeploy_lite.serve')
 REQUEST_TIMEOUT = (b'HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n'
                    b'connection: close\r\ncontent-length: %d\r\n\r\n%s')
 RESERVED_FDS = 128            # file descriptors kept for the engine, the model files, the logs
+
+
+BIND_HINTS = {errno.EADDRINUSE: 'another process listens there; stop it or choose another '
+                                'port (--server-port)',
+              errno.EADDRNOTAVAIL: 'not an address of this host (--server-name)',
+              errno.EACCES: 'ports below 1024 need privileges; choose another (--server-port)'}
+
+
+class CannotListen(OSError):
+    """host:port cannot be bound; the message names it and what to do."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port as uvicorn binds one (SO_REUSEADDR; IPv6 when the host has a
+    ':'), not yet listening: until the server starts, a client is refused rather than left
+    waiting. Raises CannotListen."""
+    sock = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:       # OverflowError: a port past 65535
+        sock.close()
+        reason = getattr(e, 'strerror', None) or str(e)
+        hint = BIND_HINTS.get(getattr(e, 'errno', None))
+        raise CannotListen(f'cannot listen on {host}:{port}: {reason}'
+                           + (f'; {hint}' if hint else '')) from None
+    return sock
 
 
 def default_max_connections() -> int:

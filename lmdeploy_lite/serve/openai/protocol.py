@@ -2,9 +2,12 @@
 
 Every request field is checked here, once, before anything else sees the request: types are
 strict (`"yes"` is not a bool, `1.5` not an int), numbers finite and inside the range declared on
-their Field, `null` means the default. A field we do not implement is rejected with a 400 naming
-it (`extra='forbid'`), except those that clients send at a harmless default: `no_op` fields are
-accepted at exactly that value and rejected otherwise.
+their Field, `null` means the default. Each field of OpenAI's request schemas (openai-python's
+CompletionCreateParams, ChatCompletionCreateParams and the message params) is one of three kinds:
+honoured; `no_effect` (it changes nothing we generate: `metadata`, `store`, `user`, ...), type-
+checked and then ignored; or `no_op`, which would change the answer in a way we cannot, accepted
+only at a value that asks for nothing and otherwise a 400 naming it. A field in no schema (a typo)
+is a 400 naming it (`extra='forbid'`).
 """
 import json
 import time
@@ -76,6 +79,12 @@ def no_op(*values, hint: str = '') -> Any:
                      Field(description=f'not supported: accepted only as {allowed} (no effect)')]
 
 
+def no_effect(annotation, meaning: str) -> Any:
+    """The type of a standard field that changes nothing this server generates: its type is
+    checked, then it is ignored. `meaning`: what it does at OpenAI (for /docs)."""
+    return Annotated[annotation | None, Field(description=f'accepted, no effect here: {meaning}')]
+
+
 class RequestModel(BaseModel):
     model_config = ConfigDict(extra='forbid', strict=True, allow_inf_nan=False)
 
@@ -91,6 +100,8 @@ class RequestModel(BaseModel):
 # ---- requests -------------------------------------------------------------------------------
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    include_obfuscation: no_effect(bool, 'random padding in stream chunks (a side-channel '
+                                         'guard); none is sent') = None
 
 
 StopWord = Annotated[str, Field(min_length=1, max_length=MAX_STOP_WORD_CHARS)]
@@ -109,8 +120,8 @@ class SamplingRequest(RequestModel):
     stop: StopWord | Annotated[list[StopWord], Field(max_length=MAX_STOP_WORDS)] | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    user: str | None = Field(None, description='accepted and not used')
+    stream_options: StreamOptions | None = Field(None, description='needs "stream": true')
+    user: no_effect(str, 'identifies the end user to OpenAI') = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     n: int = Field(1, ge=1, le=MAX_N, description='choices per prompt, sampled from one '
@@ -127,6 +138,14 @@ class SamplingRequest(RequestModel):
     logit_bias: no_op({}) = None
 
     default_max_tokens: ClassVar[int | None] = None     # None: what the session leaves
+
+    @field_validator('stream_options')
+    @classmethod
+    def _needs_stream(cls, value, info: ValidationInfo):
+        if not info.data.get('stream', True):      # absent: stream itself was invalid
+            raise PydanticCustomError('stream', 'only allowed with "stream": true (as OpenAI '
+                                      'and vLLM)')
+        return value
 
     @property
     def includes_usage(self) -> bool:
@@ -176,9 +195,24 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs
 
 
-class TextPart(RequestModel):
-    type: Literal['text']
-    text: str
+class ContentPart(RequestModel):
+    """A part of a message's content: text, or (assistant messages) a refusal's text."""
+    type: Literal['text', 'refusal'] = Field(description="'refusal': assistant messages only")
+    text: str | None = None
+    refusal: str | None = None
+    prompt_cache_breakpoint: no_effect(dict[str, Any], 'a prompt-cache boundary (prefix '
+                                                       'caching here is automatic)') = None
+
+    @model_validator(mode='after')
+    def _its_text(self):
+        texts = {'text': self.text, 'refusal': self.refusal}
+        if texts.pop(self.type) is None or texts.popitem()[1] is not None:
+            raise PydanticCustomError('content_part', "a 'text' part has text, a 'refusal' part "
+                                      "has refusal")
+        return self
+
+    def value(self) -> str:
+        return self.refusal if self.type == 'refusal' else self.text
 
 
 FunctionName = Annotated[str, Field(pattern=r'^[A-Za-z0-9_.:-]{1,64}$',
@@ -211,11 +245,41 @@ class ToolCallParam(RequestModel):
 class ChatMessage(RequestModel):
     role: Literal['system', 'user', 'assistant', 'developer', 'tool'] = Field(
         description="'developer' is a 'system' message; 'tool' answers a tool call")
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = Field(None, description="the participant's name, passed to the chat "
+                                               "template (which may show it); not on 'tool' "
+                                               "messages")
+    refusal: str | None = Field(None, description="an assistant's refusal as it came back: the "
+                                                  "message's text when it has no content")
     tool_calls: list[ToolCallParam] | None = Field(None, description='assistant messages only')
     tool_call_id: str | None = Field(None, validate_default=True,
                                      description="the call a 'tool' message answers (required "
                                                  "there, and only there)")
+    audio: no_op(hint='this server generates text only, so no reply of its has audio') = None
+    function_call: no_op(hint='the legacy function-calling API; send tool_calls instead') = None
+
+    @field_validator('name')
+    @classmethod
+    def _not_on_tool(cls, value, info: ValidationInfo):
+        if info.data.get('role') == 'tool':
+            raise PydanticCustomError('role', "a 'tool' message has no name (tool_call_id says "
+                                      "which call it answers)")
+        return value
+
+    @field_validator('refusal')
+    @classmethod
+    def _assistant_refusal(cls, value, info: ValidationInfo):
+        if info.data.get('role') != 'assistant':
+            raise PydanticCustomError('role', 'only assistant messages carry a refusal')
+        return value
+
+    @field_validator('content')
+    @classmethod
+    def _assistant_refusal_parts(cls, value, info: ValidationInfo):
+        if isinstance(value, list) and info.data.get('role') != 'assistant' and any(
+                part.type == 'refusal' for part in value):
+            raise PydanticCustomError('role', "only assistant messages have 'refusal' parts")
+        return value
 
     @field_validator('tool_calls')
     @classmethod
@@ -239,6 +303,8 @@ class ChatMessage(RequestModel):
     def template_message(self) -> dict:
         """As the chat template takes it: text content, tool call arguments as dicts."""
         message = {'role': self.template_role(), 'content': self.text()}
+        if self.name is not None:
+            message['name'] = self.name
         if self.tool_calls:
             message['tool_calls'] = [
                 {'id': call.id, 'type': 'function',
@@ -250,10 +316,10 @@ class ChatMessage(RequestModel):
         return message
 
     def text(self) -> str:
-        """Content as one string; a list of parts joins their text."""
+        """Content as one string (a list of parts joins their text); no content: the refusal."""
         if self.content is None or isinstance(self.content, str):
-            return self.content or ''
-        return ''.join(part.text for part in self.content)
+            return self.content or self.refusal or ''
+        return ''.join(part.value() for part in self.content)
 
 
 class FunctionDefinition(RequestModel):
@@ -261,6 +327,16 @@ class FunctionDefinition(RequestModel):
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description='a JSON schema')
     strict: no_op(False, hint=f'{NO_GUIDED_DECODING} to hold arguments to the schema') = None
+
+
+class PromptCacheOptions(RequestModel):
+    mode: Literal['implicit', 'explicit'] | None = None
+    ttl: Literal['30m'] | None = None
+
+
+class Prediction(RequestModel):
+    type: Literal['content']
+    content: str | list[ContentPart]
 
 
 class Tool(RequestModel):
@@ -290,6 +366,26 @@ class ChatCompletionRequest(SamplingRequest):
                            hint=f'{NO_GUIDED_DECODING} for structured output') = None
     functions: no_op(hint='the legacy function-calling API; send tools instead') = None
     function_call: no_op(hint='the legacy function-calling API; send tool_choice instead') = None
+    # standard fields that change nothing generated here
+    metadata: no_effect(dict[str, str], 'tags stored with the completion') = None
+    store: no_effect(bool, 'stores the completion for distillation and evals') = None
+    service_tier: no_effect(Literal['auto', 'default', 'flex', 'scale', 'priority', 'fast'],
+                            'the processing tier billed') = None
+    safety_identifier: no_effect(str, 'identifies the end user for abuse detection') = None
+    prompt_cache_key: no_effect(str, 'groups requests for prompt caching (automatic here: '
+                                     'prefix caching)') = None
+    prompt_cache_retention: no_effect(Literal['in_memory', '24h'],
+                                      'how long cached prompts live') = None
+    prompt_cache_options: no_effect(PromptCacheOptions, 'prompt-cache breakpoints and '
+                                                        'lifetime') = None
+    prediction: no_effect(Prediction, 'predicted output: faster, the same answer') = None
+    # standard fields that would change the answer in a way this server cannot
+    modalities: no_op(['text'], hint='this server generates text only') = None
+    audio: no_op(hint='this server generates text only') = None
+    reasoning_effort: no_op(hint='this server has no reasoning-effort control') = None
+    verbosity: no_op(hint='this server has no verbosity control') = None
+    web_search_options: no_op(hint='this server has no web search') = None
+    moderation: no_op(hint='this server runs no moderation model') = None
 
     @field_validator('top_logprobs')
     @classmethod
@@ -323,6 +419,37 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != 'none'
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
+class TokenizeRequest(RequestModel):
+    """A prompt (as /v1/completions takes it) or a conversation (as /v1/chat/completions), not
+    both. The defaults give the ids those endpoints run."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = Field(None, description='messages only: shown by the template')
+    add_special_tokens: bool = Field(False, description="the tokenizer's BOS/EOS around the "
+                                                        "text (default false: as this server "
+                                                        "encodes prompts)")
+    add_generation_prompt: bool = Field(True, description="messages only: end with the "
+                                                          "assistant turn's opening")
+    return_token_strs: bool = Field(False, description="also each token's string")
+
+    @model_validator(mode='after')
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError('prompt', 'give "prompt" (text) or "messages" (a '
+                                      'conversation), one of them')
+        return self
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 # ---- responses (the others are written as JSON text: responses.py) --------------------------

@@ -1,0 +1,63 @@
+"""/tokenize and /detokenize, in vLLM's shapes: the token ids that a prompt or a conversation
+becomes (by default exactly those /v1/completions and /v1/chat/completions run), and the text of
+token ids. Each is a function of the server's context and the request body, run off the event
+loop like the checks of the generation endpoints."""
+from __future__ import annotations
+
+from lmdeploy_lite.serve.openai import protocol as p
+from lmdeploy_lite.serve.openai.body import parse_request, render
+from lmdeploy_lite.serve.openai.checks import ServerContext, check_model, encode
+from lmdeploy_lite.serve.openai.errors import RequestError
+
+try:
+    from jinja2 import TemplateError
+except ImportError:
+    class TemplateError(Exception):
+        """Never raised: without jinja2 there are no chat templates."""
+
+
+def check_tokenize(ctx: ServerContext, body: bytes) -> dict:
+    """{'count', 'max_model_len', 'tokens'} (+ 'token_strs' when asked)."""
+    req = parse_request(body, p.TokenizeRequest)
+    check_model(ctx, req.model)
+    tokenizer = _tokenizer(ctx)
+    if req.prompt is not None:
+        ids = encode(ctx, req.prompt, 'prompt', None)
+        if req.add_special_tokens:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=True)
+    else:
+        messages = [m.template_message() for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
+        ids = encode(ctx, messages, 'messages', tools)      # the chat endpoint's prompt, checked
+        if req.add_special_tokens or not req.add_generation_prompt:
+            try:
+                text = tokenizer.apply_chat_template(
+                    messages, tools=tools or None, tokenize=False,
+                    add_generation_prompt=req.add_generation_prompt)
+            except TemplateError as e:
+                raise RequestError(f'messages: the chat template refuses them ({e})',
+                                   'messages') from None
+            ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    answer = {'count': len(ids), 'max_model_len': ctx.session_len, 'tokens': ids}
+    if req.return_token_strs:
+        answer['token_strs'] = tokenizer.convert_ids_to_tokens(ids)
+    return answer
+
+
+def check_detokenize(ctx: ServerContext, body: bytes) -> dict:
+    """{'prompt': the text of `tokens`, special tokens included}."""
+    req = parse_request(body, p.DetokenizeRequest)
+    check_model(ctx, req.model)
+    tokenizer, vocab_size = _tokenizer(ctx), ctx.pipe.vocab_size
+    for i, token in enumerate(req.tokens):
+        if token >= vocab_size:
+            raise RequestError(f'tokens.{i}={render(token)}: not a token id of this model '
+                               f'(0 to {vocab_size - 1})', f'tokens.{i}')
+    return {'prompt': tokenizer.decode(req.tokens)}
+
+
+def _tokenizer(ctx: ServerContext):
+    if ctx.pipe.tokenizer is None:
+        raise RequestError(f'{ctx.model_name} has no tokenizer: this server takes and returns '
+                           f'token ids only', code='no_tokenizer')
+    return ctx.pipe.tokenizer
