@@ -10,6 +10,18 @@ import sys
 import time
 
 
+LOG_LEVELS = ('CRITICAL', 'ERROR', 'WARNING', 'INFO', 'DEBUG')
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each option's default, unless its help says it already or there is none."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or 'default' in (action.help or ''):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _engine_args(p: argparse.ArgumentParser):
     p.add_argument('model', nargs='?', default=None,
                    help='HF model directory (default: the embedded model)')
@@ -19,7 +31,7 @@ def _engine_args(p: argparse.ArgumentParser):
     p.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'],
                    help='where to run (auto: CUDA when present)')
     p.add_argument('--max-batch-size', type=int, default=64, help='max sequences per step')
-    p.add_argument('--session-len', type=int, default=None,
+    p.add_argument('--session-len', '--max-model-len', type=int, default=None,
                    help='max tokens per sequence, prompt included (default: the model maximum)')
     p.add_argument('--cache-max-entry-count', type=float, default=0.8,
                    help='fraction of free memory for the KV cache')
@@ -84,7 +96,8 @@ def _engine_args(p: argparse.ArgumentParser):
     p.add_argument('--max-mixed-token-num', type=int, default=4096,
                    help='tokens a step carries at most while sequences decode: their decode rows '
                         'plus a prefill chunk (0: prefill steps apart, running streams wait)')
-    p.add_argument('--log-level', default='WARNING', help='python logging level')
+    p.add_argument('--log-level', default='WARNING', type=str.upper, choices=LOG_LEVELS,
+                   help='python logging level')
 
 
 def _sampling_args(p: argparse.ArgumentParser):
@@ -287,11 +300,17 @@ SERVE_MODULES = ('fastapi', 'uvicorn', 'sse_starlette', 'pydantic', 'prometheus_
 
 
 def _serve_args(p: argparse.ArgumentParser):
-    p.add_argument('--tp', type=int, default=1, help='tensor-parallel ranks per DP group')
-    p.add_argument('--dp', type=int, default=1, help='data-parallel ranks (one process each)')
+    p.add_argument('--tp', '--tensor-parallel-size', type=int, default=1,
+                   help='tensor-parallel ranks per DP group')
+    p.add_argument('--dp', '--data-parallel-size', type=int, default=1,
+                   help='data-parallel ranks (one process each)')
     p.add_argument('--ep', type=int, default=1, help='expert-parallel ranks (MoE models)')
-    p.add_argument('--server-name', default='127.0.0.1', help='address to listen on')
-    p.add_argument('--server-port', type=int, default=23333, help='port to listen on')
+    p.add_argument('--server-name', '--host', default='127.0.0.1', help='address to listen on')
+    p.add_argument('--server-port', '--port', type=int, default=23333, help='port to listen on')
+    p.add_argument('--allow-origins', '--allowed-origins', nargs='+', default=None,
+                   metavar='ORIGIN',
+                   help="web origins whose pages may call the server (CORS), e.g. "
+                        "https://app.example.com, or '*' for any (default: none)")
     p.add_argument('--api-keys', nargs='+', default=None, metavar='KEY',
                    help='accept only requests with "Authorization: Bearer KEY" (any of these; '
                         'every path but /health); keys are also read from --api-keys-file and '
@@ -333,7 +352,7 @@ def _serve_args(p: argparse.ArgumentParser):
                    help='run a one-rank engine in a process of its own, so that streaming to '
                         'many clients does not hold the GIL the engine needs (default: on with '
                         'CUDA, off on CPU)')
-    p.add_argument('--model-name', default=None,
+    p.add_argument('--model-name', '--served-model-name', default=None,
                    help='model id in /v1/models and requests (default: the model directory name)')
 
 
@@ -355,6 +374,12 @@ def cmd_serve(args) -> int:
 
 
 def _load_and_serve(args) -> int:
+    from lmdeploy_lite.serve.openai.connections import CannotListen, bind_socket
+    try:                             # before the model loads: a taken port fails in a second
+        sock = bind_socket(args.server_name, args.server_port)
+    except CannotListen as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 3
     from lmdeploy_lite import pipeline
     leave_a_core_to_the_front_end(args.device)
     from lmdeploy_lite.api import resolve_model_path
@@ -377,23 +402,32 @@ def _load_and_serve(args) -> int:
     engine_process = args.engine_process
     if engine_process is None:       # auto: where a step is faster than the loop's streaming
         engine_process = _on_cuda(args.device)
-    pipe = pipeline(model_path, engine_config, spec, progress=False,
+    print(f'lmdeploy_lite: loading {model_path} (tp={args.tp}, dp={args.dp}, ep={args.ep})',
+          flush=True)
+    start = time.perf_counter()
+    pipe = pipeline(model_path, engine_config, spec, progress=True,
                     engine_process=engine_process)
+    print(f'lmdeploy_lite: loaded in {time.perf_counter() - start:.1f} s', flush=True)
     return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
                  args.server_port, api_keys, args.log_level,
                  num_spec_tokens=num_draft_tokens(spec), limits=limits,
-                 allowed_hosts=tuple(args.allowed_hosts or ()), http_limits=http_limits)
+                 allowed_hosts=tuple(args.allowed_hosts or ()), http_limits=http_limits,
+                 allow_origins=tuple(args.allow_origins or ()), sock=sock)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lmdeploy_lite import __version__
     parser = argparse.ArgumentParser(prog='lmdeploy_lite', description=__doc__)
+    parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
     sub = parser.add_subparsers(dest='command', required=True)
-    gen = sub.add_parser('generate', help='generate text for one prompt')
+    gen = sub.add_parser('generate', help='generate text for one prompt',
+                         formatter_class=_DefaultsFormatter)
     _engine_args(gen)
     _sampling_args(gen)
     gen.add_argument('--prompt', required=True, help='prompt text')
     gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser('chat', help='interactive chat through the chat template')
+    chat = sub.add_parser('chat', help='interactive chat through the chat template',
+                          formatter_class=_DefaultsFormatter)
     _engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
@@ -401,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_sub = serve.add_subparsers(dest='server', required=True)
     api_server = serve_sub.add_parser(
         'api_server', help='OpenAI-compatible server: /v1/models, /v1/completions, '
-        '/v1/chat/completions (streaming), /health, /metrics (Prometheus)')
+        '/v1/chat/completions (streaming), /tokenize, /detokenize, /health, /metrics '
+        '(Prometheus)', formatter_class=_DefaultsFormatter)
     _engine_args(api_server)
     _serve_args(api_server)
     api_server.set_defaults(func=cmd_serve)
