@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server: /v1/models (and /v1/models/{id}), /v1/completions,
-/v1/chat/completions (SSE streaming), /tokenize and /detokenize (vLLM's), /health, /metrics. Each route is a function of one ServerContext (checks.py) and the
-request; checking a request is checks.py, running it (to the end or streamed) streaming.py,
-writing what it sends responses.py.
+/v1/chat/completions (SSE streaming), /tokenize and /detokenize (vLLM's), /health, /metrics.
+Each route is a function of one ServerContext (checks.py) and the request; checking a request
+is checks.py, running it (to the end or streamed) streaming.py, writing what it sends
+responses.py.
 
 A request travels: API key (middleware) -> body read against the size limit (413) -> off the
 event loop: JSON, validation, tokenization and the length checks (400 naming the field) -> the
@@ -43,7 +44,8 @@ from lmdeploy_lite.serve.openai.metrics import ServerMetrics
 from lmdeploy_lite.serve.openai.responses import (ChatChunks, CompletionChunks, chat_response,
                                                   completion_response)
 from lmdeploy_lite.serve.openai.streaming import ENGINE_STOPPED, run_to_end, stream
-from lmdeploy_lite.serve.openai.tokenize import check_detokenize, check_tokenize
+from lmdeploy_lite.serve.openai.tokenize import (DetokenizeRequest, TokenizeRequest,
+                                                 check_detokenize, check_tokenize)
 from lmdeploy_lite.serve.openai.tool_parser import ToolCallParser
 
 logger = logging.getLogger('lmdeploy_lite.serve')
@@ -88,7 +90,7 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
         app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins),
                            allow_methods=['*'], allow_headers=['*'])
     _document_request_bodies(app, p.CompletionRequest, p.ChatCompletionRequest,
-                             p.TokenizeRequest, p.DetokenizeRequest)
+                             TokenizeRequest, DetokenizeRequest)
     get = ['GET', 'HEAD']                   # HEAD wherever GET is (uptime probes send it)
     app.api_route('/health', methods=get)(_bound(health, ctx))
     app.api_route('/metrics', methods=get)(_bound(prometheus, ctx))
@@ -99,8 +101,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
         _bound(completions, ctx))
     app.post('/v1/chat/completions', openapi_extra=_json_body(p.ChatCompletionRequest))(
         _bound(chat_completions, ctx))
-    app.post('/tokenize', openapi_extra=_json_body(p.TokenizeRequest))(_bound(tokenize, ctx))
-    app.post('/detokenize', openapi_extra=_json_body(p.DetokenizeRequest))(_bound(detokenize, ctx))
+    app.post('/tokenize', openapi_extra=_json_body(TokenizeRequest))(_bound(tokenize, ctx))
+    app.post('/detokenize', openapi_extra=_json_body(DetokenizeRequest))(_bound(detokenize, ctx))
     return app
 
 

@@ -421,37 +421,6 @@ class ChatCompletionRequest(SamplingRequest):
         return bool(self.tools) and self.tool_choice != 'none'
 
 
-# ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
-class TokenizeRequest(RequestModel):
-    """A prompt (as /v1/completions takes it) or a conversation (as /v1/chat/completions), not
-    both. The defaults give the ids those endpoints run."""
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    tools: list[Tool] | None = Field(None, description='messages only: shown by the template')
-    add_special_tokens: bool = Field(False, description="the tokenizer's BOS/EOS around the "
-                                                        "text (default false: as this server "
-                                                        "encodes prompts)")
-    add_generation_prompt: bool = Field(True, description="messages only: end with the "
-                                                          "assistant turn's opening")
-    return_token_strs: bool = Field(False, description="also each token's string")
-
-    @model_validator(mode='after')
-    def _one_prompt(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise PydanticCustomError('prompt', 'give "prompt" (text) or "messages" (a '
-                                      'conversation), one of them')
-        return self
-
-
-TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
-
-
-class DetokenizeRequest(RequestModel):
-    model: str | None = None
-    tokens: list[TokenId]
-
-
 # ---- responses (the others are written as JSON text: responses.py) --------------------------
 class ModelCard(BaseModel):
     id: str

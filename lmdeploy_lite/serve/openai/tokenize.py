@@ -4,10 +4,15 @@ token ids. Each is a function of the server's context and the request body, run 
 loop like the checks of the generation endpoints."""
 from __future__ import annotations
 
-from lmdeploy_lite.serve.openai import protocol as p
+from typing import Annotated
+
+from pydantic import Field, model_validator
+from pydantic_core import PydanticCustomError
+
 from lmdeploy_lite.serve.openai.body import parse_request, render
 from lmdeploy_lite.serve.openai.checks import ServerContext, check_model, encode
 from lmdeploy_lite.serve.openai.errors import RequestError
+from lmdeploy_lite.serve.openai.protocol import MAX_INT32, ChatMessage, RequestModel, Tool
 
 try:
     from jinja2 import TemplateError
@@ -16,9 +21,39 @@ except ImportError:
         """Never raised: without jinja2 there are no chat templates."""
 
 
+class TokenizeRequest(RequestModel):
+    """A prompt (as /v1/completions takes it) or a conversation (as /v1/chat/completions), not
+    both. The defaults give the ids those endpoints run."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = Field(None, description='messages only: shown by the template')
+    add_special_tokens: bool = Field(False, description="the tokenizer's BOS/EOS around the "
+                                                        "text (default false: as this server "
+                                                        "encodes prompts)")
+    add_generation_prompt: bool = Field(True, description="messages only: end with the "
+                                                          "assistant turn's opening")
+    return_token_strs: bool = Field(False, description="also each token's string")
+
+    @model_validator(mode='after')
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError('prompt', 'give "prompt" (text) or "messages" (a '
+                                      'conversation), one of them')
+        return self
+
+
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT32)]
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
 def check_tokenize(ctx: ServerContext, body: bytes) -> dict:
     """{'count', 'max_model_len', 'tokens'} (+ 'token_strs' when asked)."""
-    req = parse_request(body, p.TokenizeRequest)
+    req = parse_request(body, TokenizeRequest)
     check_model(ctx, req.model)
     tokenizer = _tokenizer(ctx)
     if req.prompt is not None:
@@ -46,7 +81,7 @@ def check_tokenize(ctx: ServerContext, body: bytes) -> dict:
 
 def check_detokenize(ctx: ServerContext, body: bytes) -> dict:
     """{'prompt': the text of `tokens`, special tokens included}."""
-    req = parse_request(body, p.DetokenizeRequest)
+    req = parse_request(body, DetokenizeRequest)
     check_model(ctx, req.model)
     tokenizer, vocab_size = _tokenizer(ctx), ctx.pipe.vocab_size
     for i, token in enumerate(req.tokens):
