@@ -1,10 +1,9 @@
 """Paged KV blocks, linear-attention state slots and the prefix cache's bookkeeping.
 
-A block is in exactly one of three places: the free list (no content anyone may reuse), held by
-running sequences (`ref` > 0; a cached block may be held by several), or cached and unheld
-(`ref` == 0, in `evictable`, least recently used first: taken for a new allocation only when the
-free list is empty). Cached blocks are named by their key (engine/prefix_cache.py); a cached
-block that some running sequence holds is never handed to another allocation.
+A block is in exactly one of three places: the free list, held by running sequences (`ref` > 0;
+a cached block may have several holders), or cached and unheld (`ref` == 0, in `evictable`, LRU
+first: taken only when the free list is empty). Cached blocks are named by their key
+(engine/prefix_cache.py); a held cached block is never handed to another allocation.
 """
 from __future__ import annotations
 
@@ -19,12 +18,8 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    """Owns the free lists. A sequence's blocks cover positions 0..len(blocks)*block_size-1.
-
-    Block 0 and state slot 0 are reserved for dummy forwards (a rank with no work) and are never
-    handed to a sequence. `num_snapshots` > 0 turns the prefix cache on (`lookahead`: block keys
-    include the token after the block, for a draft that keeps its KV in the blocks).
-    """
+    """A sequence's blocks cover positions 0..len(blocks)*block_size-1. Block 0 and state slot 0
+    are reserved for dummy forwards. `num_snapshots` > 0 turns the prefix cache on."""
 
     def __init__(self, num_blocks: int, block_size: int, num_state_slots: int,
                  num_snapshots: int = 0, lookahead: bool = False):
@@ -81,9 +76,8 @@ class BlockManager:
         return block
 
     def free(self, seq: Sequence):
-        """Release `seq`'s blocks and slot. Its full blocks whose content is complete (every
-        position computed; with lookahead, the next token known and computed too) stay cached;
-        the last block goes first when blocks are evicted."""
+        """Release `seq`'s blocks and slot; its complete full blocks stay cached (the last one
+        evicted first)."""
         self.register(seq, seq.num_computed)
         for block in reversed(seq.blocks):
             self.ref[block] -= 1
@@ -111,10 +105,8 @@ class BlockManager:
         return need <= self.num_free_blocks and bool(self.free_slots)
 
     def fork(self, seq: Sequence, parent: Sequence) -> tuple[int, int] | None:
-        """Give `seq` (no blocks, no slot) `parent`'s cache as it stands: its full blocks
-        shared (one more holder each), a state slot, and a new block for the partial block past
-        them if there is one. Returns (parent's partial block, its copy) for the caller to
-        copy on the device, or None."""
+        """Give `seq` `parent`'s cache: its full blocks shared, a state slot, a new block for a
+        partial one. Returns (parent's partial block, its copy) to copy on the device, or None."""
         shared = parent.num_computed // self.block_size
         for block in parent.blocks[:shared]:
             self.ref[block] += 1
@@ -135,8 +127,8 @@ class BlockManager:
         return seq.prefix.block_keys
 
     def register(self, seq: Sequence, num_computed: int):
-        """Name `seq`'s blocks whose content is complete once `num_computed` positions are in
-        the cache. A key another block already has keeps that block (this one stays private)."""
+        """Name `seq`'s complete blocks once `num_computed` positions are cached (a key another
+        block already has keeps that block)."""
         if not self.caching:
             return
         keys = self.keys(seq)
@@ -165,9 +157,8 @@ class BlockManager:
         return hit, matched
 
     def acquire(self, seq: Sequence, num_blocks: int) -> int:
-        """Give a sequence with no blocks the first `num_blocks` cached blocks of its prefix;
-        returns the snapshot row at their end (the caller restores it into the sequence's
-        state slot)."""
+        """Give a sequence with no blocks its prefix's first `num_blocks` cached blocks; returns
+        the snapshot row at their end (to restore into its state slot)."""
         keys = self.keys(seq)
         for key in keys[:num_blocks]:
             block = self.block_of[key]

@@ -1,15 +1,7 @@
-"""`build_engine`: everything an Engine is made of, built in order and handed over whole.
-
-Where its sizes come from:
-  * speculation: `SpecPlan` (spec_decode/build.py), plain data derived from the
-    SpeculativeConfig: k, the draft's extra KV positions (-> max_positions, the scheduler's
-    block reservations), its KV layers, tp and weights and the per-slot draft tables (-> the KV
-    plan), whether proposals need the host's tokens (-> no async scheduling). Its runtime
-    (spec_decode/runtime.py) is the engine's one handle on it; no method name is checked here;
-  * KV blocks and state slots: `plan_cache` (engine/cache_plan.py), the minimum over all ranks;
-  * every padded size of a step (graph bucket, tp-aligned token counts, EP capacity, DeepEP
-    mode) and whether TP peers exchange sampled drafts' distributions: the StepPlan
-    (engine/step_plan.py), per step.
+"""`build_engine`: everything an Engine is made of, built in order and handed over whole. Sizes
+come from the SpecPlan (spec_decode/build.py: k, the draft's KV and weights, async scheduling or
+not), the KV plan (engine/cache_plan.py, the minimum over all ranks) and, per step, the StepPlan
+(engine/step_plan.py). Speculation's runtime is the engine's one handle on it.
 """
 from __future__ import annotations
 
@@ -102,8 +94,8 @@ def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = No
 def _plan_cache(model_config: ModelConfig, cfg: PytorchEngineConfig, plan: SpecPlan,
                 dtype: torch.dtype, device: torch.device, dist: DistContext,
                 max_positions: int) -> CacheConfig:
-    """This rank's KV plan, its block and snapshot counts the minimum over all ranks (block
-    tables and prefix-cache decisions must agree)."""
+    """This rank's KV plan; block and snapshot counts the minimum over all ranks (block tables
+    and prefix-cache decisions must agree)."""
     draft = plan.draft
     cache_config = plan_cache(model_config, cfg, max_positions, plan.num_spec_tokens,
                               draft.num_kv_layers, dtype,
@@ -115,8 +107,7 @@ def _plan_cache(model_config: ModelConfig, cfg: PytorchEngineConfig, plan: SpecP
 
 
 def _output_stage(plan: SpecPlan, dist: DistContext, agent: ModelAgent):
-    """extract_hidden_states: TP rank 0 of each DP group keeps the rows and writes the files;
-    otherwise outputs go out as the steps make them."""
+    """extract_hidden_states: TP rank 0 of each DP group keeps the rows and writes the files."""
     extract = plan.aux_hidden_state_layer_ids
     if not extract or dist.tp_rank != 0:
         return DirectOutputs()
@@ -149,11 +140,9 @@ def _async_scheduling(cfg: PytorchEngineConfig, device: torch.device, plan: Spec
 
 def _enable_graphs(agent, dist: DistContext, dtype: torch.dtype, plan: SpecPlan,
                    cache_config: CacheConfig, max_batch_size: int, max_positions: int):
-    """CUDA graphs for decode steps, their device collectives captured with them: TP
-    all-reduces (and sequence parallelism's reduce-scatters and row gathers) on NCCL, or on
-    the one-shot peer-memory all-reduce when chosen (distributed.py), and EP through
-    DeepEP's low-latency kernels (decode steps in which every rank decodes; others run
-    eagerly in normal mode). The all-to-all dispatcher (host-side counts) runs eagerly."""
+    """CUDA graphs for decode steps, their device collectives captured with them (TP on NCCL or
+    the peer-memory all-reduce; EP through DeepEP's low-latency kernels, in steps where every
+    rank decodes). The all-to-all dispatcher (host-side counts) runs eagerly."""
     layout = dist.config
     if dtype == torch.float64:     # float64 runs the plain-PyTorch ops, not capturable
         logger.info('CUDA graphs off: float64 runs decode steps eagerly')

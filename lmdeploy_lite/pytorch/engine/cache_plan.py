@@ -1,24 +1,15 @@
 """How many KV blocks one rank gets (DESIGN.md invariant 6: the draft's KV is sized per rank).
-
-Where each size comes from:
-  * the budget: the memory left after the target's weights are loaded (on CUDA the device's
-    free memory; on CPU, where the ranks share the machine, MemAvailable / world size), less
-    the draft head's own weights, which are loaded after this plan (`draft_weight_bytes`, at the
-    draft's tp / ep), times `cache_max_entry_count`, less what each of the max_batch_size + 1
-    state slots holds: the linear-attention state rows (at the target's tp; the recurrent part
-    at `ssm_state_dtype`) and the speculative agent's per-slot tables (`spec_bytes_per_slot`:
-    the sampled drafts' distribution, k x vocab x 4 bytes; spec_decode/build.py SpecPlan);
-  * one block: the target's full-attention layers at the target's TP share of the KV heads,
-    plus the draft's KV layers at the draft's TP share (`draft_tp`: a draft tp=1 holds all its
-    KV heads on every rank);
-  * the cap: max_batch_size sequences of `max_positions` (session_len + the speculative
-    overhang), plus the reserved block 0 (dummy forwards).
-All ranks then take the minimum, so that the block tables of TP peers agree.
-
-Prefix caching (`enable_prefix_caching`) keeps linear-attention state snapshots beside the
-blocks (engine/prefix_cache.py): SNAPSHOT_SHARE of the budget above (after the state slots), at
-most SNAPSHOTS_PER_SEQ x max_batch_size of them; the KV blocks get the rest. With num_gpu_blocks
-given, the snapshots are planned from the same budget and the blocks are as given.
+  * the budget: the memory left after the target's weights (CUDA: free device memory; CPU, where
+    the ranks share the machine: MemAvailable / world size), less the draft's own weights (loaded
+    after this plan, at the draft's tp / ep), times `cache_max_entry_count`, less what each of the
+    max_batch_size + 1 state slots holds: linear-attention rows (at the target's tp; recurrent
+    part at `ssm_state_dtype`) and the speculative agent's tables (`spec_bytes_per_slot`);
+  * one block: the target's full-attention layers at the target's TP share of the KV heads, plus
+    the draft's KV layers at the draft's (`draft_tp`: a draft tp=1 holds all its heads per rank);
+  * the cap: max_batch_size sequences of `max_positions`, plus the reserved block 0.
+Prefix caching keeps state snapshots beside the blocks: SNAPSHOT_SHARE of the budget (after the
+state slots), at most SNAPSHOTS_PER_SEQ x max_batch_size; the blocks get the rest, unless
+num_gpu_blocks fixes them. All ranks then take the minimum (engine/build.py).
 """
 from __future__ import annotations
 
@@ -48,11 +39,8 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
                num_spec_tokens: int, num_draft_layers: int, dtype: torch.dtype,
                available_bytes: int, tp: int = 1, draft_tp: int | None = None,
                draft_weight_bytes: int = 0, spec_bytes_per_slot: int = 0) -> CacheConfig:
-    """num_gpu_blocks if given; else the budget above, never more than max_batch_size sequences
-    of `max_positions` need, plus the reserved block 0. `available_bytes`: this rank's memory
-    after the target's weights; `draft_weight_bytes`: what the draft's own weights will take of
-    it on this rank; `draft_tp`: the draft's tp (default the target's); `spec_bytes_per_slot`:
-    what the speculative agent allocates per state slot."""
+    """(module docstring) `available_bytes`: this rank's memory after the target's weights;
+    `draft_tp`: default the target's."""
     draft_tp = tp if draft_tp is None else draft_tp
     block_size = engine_config.block_size
     num_slots = engine_config.max_batch_size + 1                 # slot 0 is reserved
@@ -92,8 +80,7 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
 
 
 def _raise_state_too_large(engine_config: PytorchEngineConfig, state_bytes: int, budget: int):
-    """The per-sequence state rows (max_batch_size + 1 of them) leave no room for one sequence's
-    KV: the fix is a smaller batch (or a smaller state), not a shorter session."""
+    """When the state rows leave no room for one sequence's KV, the fix is a smaller batch."""
     if state_bytes < budget / 2:
         return                          # the KV of one session is what does not fit
     gib = 2**30

@@ -1,5 +1,5 @@
 """The engine of one DP rank: schedule -> plan -> inputs -> forward -> post -> update (DESIGN.md
-"One step"; `Engine.step` names each stage). `build_engine` (engine/build.py) makes one."""
+"One step"); `build_engine` (engine/build.py) makes one."""
 from __future__ import annotations
 
 import logging
@@ -66,9 +66,7 @@ class Engine:
 
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig,
                     request_id: str | None = None) -> Sequence:
-        """One sequence (gen_config.n == 1; `add_group` for more). Raises ValueError for an
-        invalid request; the engine is then unchanged. `request_id`: the front-end's name for
-        it (extract_hidden_states names its file so; None: a random one)."""
+        """One sequence (gen_config.n == 1); `request_id` names its hidden-states file."""
         if isinstance(gen_config, GenerationConfig) and gen_config.n != 1:
             raise ValueError(f'n={gen_config.n}: add_request adds one sequence; add_group adds '
                              f'the n choices of a prompt')
@@ -76,12 +74,9 @@ class Engine:
 
     def add_group(self, token_ids: list[int], gen_config: GenerationConfig,
                   request_ids: list[str | None] | None = None) -> list[Sequence]:
-        """The gen_config.n choices of one prompt, choice i first: they share one prefill of
-        the prompt (the scheduler forks choices 1.. from choice 0's, engine/scheduler.py).
-        Choice i's generator is seeded with (random_seed + i) mod 2**64, or without a seed
-        derived from the engine's seed and its sequence id. `request_ids`: each choice's name
-        (see add_request; None: random ones). Raises ValueError for an invalid request; the
-        engine is then unchanged."""
+        """The gen_config.n choices of one prompt, sharing its prefill (engine/forking.py); choice
+        i seeded with (random_seed + i) mod 2**64, else from the engine's seed and its sequence
+        id. An invalid request raises ValueError and leaves the engine unchanged."""
         self.validate_request(token_ids, gen_config)
         request_ids = [None] * gen_config.n if request_ids is None else request_ids
         if len(request_ids) != gen_config.n:
@@ -123,9 +118,8 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """One forward on every rank of the plan group: schedule -> plan -> inputs -> forward ->
-        post -> update. With async scheduling a decode step is launched before the host applies
-        the previous step's results (they reach it here, one step late)."""
+        """One forward on every rank of the plan group. With async scheduling a decode step is
+        launched before the host applies the previous step's results (one step late)."""
         start = time.perf_counter()
         self.dist.begin_step(self.num_steps)
         outputs, batch, continued = self._schedule()
@@ -149,10 +143,9 @@ class Engine:
         return outputs
 
     def _schedule(self) -> tuple[list[StepOutput], ScheduledBatch | None, InFlight | None]:
-        """(outputs, this step's batch, the in-flight step it continues). Async scheduling runs
-        the in-flight decode batch again when nothing else could be scheduled (`continued`: its
-        results are applied once this step is launched); otherwise its results are applied first
-        (`outputs`) and the scheduler decides. None: no batch on this rank (or a stop)."""
+        """(outputs, this step's batch or None, the in-flight step it continues): the in-flight
+        batch runs again when it can (its results applied once this step is launched), else its
+        results are applied first and the scheduler decides."""
         pending, self.in_flight = self.in_flight, None
         if pending is not None and self._can_continue(pending):
             self.num_continued_steps += 1
@@ -161,12 +154,9 @@ class Engine:
         return outputs, None if self.stop_requested else self.scheduler.schedule(), None
 
     def _can_continue(self, pending: InFlight) -> bool:
-        """Async scheduling: run the in-flight decode batch again without the host catching up,
-        when nothing else could be scheduled (no waiting or chunked request, no finished or
-        aborted sequence, room for two more steps); otherwise the host applies first.
-        A batch with a penalised row is never continued (it runs synchronously): its penalties
-        count the tokens emitted so far, which the host sends each step and would not know
-        yet."""
+        """When nothing else could be scheduled (no waiting or chunked request, no finished
+        sequence, room for two more steps). Never with a penalised row: its penalties count the
+        tokens emitted so far, which the host would not know yet."""
         seqs = pending.batch.seqs
         if (not self.async_scheduling or not pending.batch.is_decoding or self.stop_requested
                 or self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
@@ -175,8 +165,8 @@ class Engine:
         return self.scheduler.reserve_ahead(seqs, num_steps=2)
 
     def _gather_plan(self, batch: ScheduledBatch | None, sampling: SamplingInputs) -> StepPlan:
-        """The StepPlan of the ranks that share this step's collectives; it carries the stop
-        and whether any of them works (the executors poll `plan_busy`)."""
+        """The StepPlan of the ranks that share this step's collectives (executors poll
+        `plan_busy`)."""
         plan = StepPlan.gather(batch, self.dist, self.stop_requested,
                                sampled=not sampling.all_greedy,
                                num_spec=self.spec.choose_k(batch))
@@ -186,9 +176,7 @@ class Engine:
 
     def _make_inputs(self, batch: ScheduledBatch | None, continued: InFlight | None,
                      plan: StepPlan) -> ModelInputs:
-        """The batch's inputs (a continued decode batch's built on the device from its last
-        results), or an idle rank's dummy inputs shaped like the busiest rank's step; every
-        padded size from the plan."""
+        """The batch's inputs, or an idle rank's dummy ones; every padded size from the plan."""
         if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
             inputs = self.strategy.make_dummy_inputs(
                 plan.dummy_tokens_per_seq, plan.any_decoding, self.device, plan.num_spec)
@@ -209,8 +197,7 @@ class Engine:
 
     def _update_or_hold(self, batch: ScheduledBatch | None, inputs: ModelInputs,
                         result: StepResult, continued: InFlight | None) -> list[StepOutput]:
-        """Apply this step's results, or (async scheduling, a decode step) hold them in flight
-        and apply the step it continued, one step late. An idle rank has nothing to apply."""
+        """Apply this step's results, or (async, decoding) hold them and apply the continued one."""
         if batch is None:
             return []
         launched = InFlight.launch(batch, inputs, result)
@@ -226,11 +213,9 @@ class Engine:
         return self._update(launched.batch, launched.host_result(self.dist))
 
     def _update(self, batch: ScheduledBatch, result: StepResult) -> list[StepOutput]:
-        """The host learns the step's tokens here (one device-to-host copy). What each row adds
-        to its sequence is the strategy's (it keeps the speculative counters). A failure in one
-        sequence's host work (stop checks, detokenizing) ends that request alone ('error').
-        The output stage keeps each row's hidden states (extract_hidden_states) and may hold a
-        finished request's last output until its file is written."""
+        """The host learns the step's tokens (one device-to-host copy); the strategy says what
+        each row adds. A failure in one sequence's host work (stop checks, detokenizing) ends
+        that request alone ('error')."""
         tokens = result.output_tokens.tolist()
         hidden, start = result.hidden_states, 0
         logprobs = host_logprobs(result)
@@ -262,8 +247,7 @@ class Engine:
 
     @property
     def spec_stats(self) -> SpecDecodeStats:
-        """Speculative counters over every verify step (the strategy keeps them; empty without
-        speculation). Settable: benchmarks reset them after a warm-up."""
+        """Counters over every verify step (settable: benchmarks reset them after a warm-up)."""
         return self.strategy.stats
 
     @spec_stats.setter
@@ -271,8 +255,7 @@ class Engine:
         self.strategy.stats = stats
 
     def generate(self, prompts: list[list[int]], gen_config: GenerationConfig) -> list[Sequence]:
-        """Run prompts to completion in this thread (tests, benchmarks); with gen_config.n > 1
-        each prompt's n choices, flattened (prompt_index * n + i)."""
+        """Run prompts to completion (tests, benchmarks); n choices flattened (prompt * n + i)."""
         seqs = [seq for p in prompts for seq in self.add_group(p, gen_config)]
         while self.has_work:
             self.step()

@@ -1,17 +1,14 @@
 """Forking: the n choices of one prompt of P tokens share one prefill.
 
-The leader (choice 0) prefills the prompt but its last token (its chunks stop at P - 1) while its
-members wait; waiting members are passed over by admission, so requests behind them are not held
-up. The step that schedules the leader's last prompt token forks the members that fit (a state
-slot and the blocks for P positions, max_batch_size; not the token budget: at most n - 1
-one-token rows more): each shares the leader's full blocks, gets a copy of the partial block past
-them and of the leader's linear-attention state after P - 1 tokens (copied on the device before
-the step's forward, `ScheduledBatch.block_copies` / `state_copies`, for the target's layers and
-the draft's), and feeds the last prompt token in the same step as an ordinary final prefill
-chunk, sampling its first token from its own generator. The group's prefill costs (P - 1) + n
-tokens instead of n * P. Members that do not fit then, or whose leader went away (aborted),
-prefill on their own as ordinary requests (the prefix cache may still serve them). A forked
-member is an ordinary sequence from then on: preempted, it prefills on its own again.
+The leader (choice 0) prefills all but the prompt's last token while its members wait (admission
+passes them over). The step that schedules the leader's last prompt token forks the members that
+fit (a state slot and blocks for P positions; at most n - 1 one-token rows more): each shares the
+leader's full blocks, gets copies of the partial block past them and of the leader's
+linear-attention state after P - 1 tokens (on the device before the step's forward, target and
+draft: `ScheduledBatch.block_copies` / `state_copies`) and feeds the last prompt token as an
+ordinary final chunk, sampling from its own generator: (P - 1) + n tokens instead of n * P.
+Members that do not fit then, or whose leader went away, prefill alone as ordinary requests; a
+forked member is an ordinary sequence from then on.
 """
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
 
 
 def link_group(seqs: list[Sequence]):
-    """The choices of one prompt: choice 0 leads, the others wait for its prefill (a one-token
-    prompt has nothing to share)."""
+    """Choice 0 leads, the others wait for its prefill (a one-token prompt shares nothing)."""
     leader = seqs[0]
     if len(leader.token_ids) < 2:
         return
@@ -35,9 +31,8 @@ def chunk_end(seq: Sequence) -> list[int]:
 
 
 def fork_members(scheduler, leader: Sequence, seqs: list[Sequence], q_lens: list[int]):
-    """`leader` was just scheduled: if this is its last prompt token, its waiting members that
-    fit start from its cache now, each with that token as its chunk (appended to the step's
-    `seqs` and `q_lens`)."""
+    """`leader` was just scheduled: at its last prompt token, its waiting members that fit join
+    the step (`seqs`, `q_lens`) from its cache, each with that token as its chunk."""
     if not leader.fork.members or leader.num_computed != leader.num_prompt - 1:
         return
     members, leader.fork.members = leader.fork.members, []

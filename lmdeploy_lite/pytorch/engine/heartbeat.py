@@ -1,20 +1,16 @@
-"""Whether the engine is making progress: each rank (or the in-thread loop) beats at the top of
-every loop turn and on entering and leaving every collective, into memory the front-end reads
-(shared memory across the ranks' processes). While requests are pending, a rank silent for
-longer than a step can take has stalled (stopped, stuck in a kernel, a loop or a collective).
-The others then wait for it inside a collective, so the one named is the silent rank that is
-not inside one (or, if all are, the one furthest behind). `/health` turns 503 naming it, long
-before a collective's timeout ends the engine."""
+"""Whether the engine is making progress: each rank beats at the top of every loop turn and on
+entering and leaving every collective, into memory the front-end reads. While requests are
+pending, a rank silent for longer than a step can take has stalled; the others then wait for it
+inside a collective, so the one named is the silent rank outside one (else the one furthest
+behind). `/health` turns 503 naming it, long before a collective's timeout ends the engine."""
 from __future__ import annotations
 
 import time
 
 
 class Heartbeats:
-    """Per rank: the last beat (monotonic seconds, one clock for every process of the host),
-    the number of beats, and whether it is inside a collective. `ctx`: a multiprocessing
-    context for memory shared with rank processes (passed to them at creation), None for one
-    in-process loop."""
+    """Per rank: the last beat (monotonic seconds), the beat count, whether inside a collective;
+    in memory shared with rank processes (`ctx`'s), or plain lists (ctx None)."""
 
     def __init__(self, world_size: int, ctx=None):
         now = time.monotonic()
@@ -33,15 +29,13 @@ class Heartbeats:
         self.waiting[rank] = float(waiting)
 
     def beater(self, rank: int):
-        """`beat` of one rank: `beat(waiting=False)` (DistContext calls it with True on entering
-        a collective and False on leaving it)."""
+        """One rank's `beat` (DistContext passes waiting=True inside a collective)."""
         return lambda waiting=False: self.beat(rank, waiting)
 
     def stalled(self, limit_s: float, since: float = 0.0, describe=None) -> str | None:
-        """None, or one line naming the stalled rank when any has been silent for over
-        `limit_s` since `since` (monotonic: when requests became pending; the caller asks only
-        while they are). `describe(rank)`: how to call a rank (default 'rank R'); its text
-        should say whether the rank's process is stopped, and those are named first."""
+        """One line naming the stalled rank when any has been silent for over `limit_s` since
+        `since` (when requests became pending), else None. `describe(rank)`: its name, saying
+        'stopped' for a stopped process (named first)."""
         now = time.monotonic()
         ages = [now - max(t, since) for t in self.times]
         stale = [r for r, age in enumerate(ages) if age > limit_s]

@@ -1,17 +1,15 @@
 """extract_hidden_states: each finished request's hidden states at chosen layers, in a file.
 
 The model keeps transformers' `output_hidden_states[i]` for the chosen ids at every fed token
-(`ModelAgent.hidden_state_layer_ids`; the forward adds no collective: under TP the residual
-stream is whole after each all-reduce, and only TP rank 0 of a DP group keeps rows). The rows
-reach the host with the step's tokens (`InFlight`: one more non-blocking copy on CUDA) and are
-filed here by position, so a sequence preempted and recomputed overwrites its rows instead of
-repeating them. A finished request's file is `DIR/<request id>.safetensors`:
+(`ModelAgent.hidden_state_layer_ids`; no extra collective: under TP the residual stream is whole
+after each all-reduce; only TP rank 0 of a DP group keeps rows). The rows reach the host with the
+step's tokens and are filed by position, so a recomputed sequence overwrites its rows. The file
+`DIR/<request id>.safetensors` holds
     hidden_states [T, len(ids), hidden_size]  the model's dtype
     token_ids     [T] int64                   the prompt, then the generated tokens but the last
-(T: every token fed to the model), with the ids in its metadata (`aux_hidden_state_layer_ids`,
-e.g. '2,18,34': the columns' order). A background thread writes it (a temporary file in DIR,
-then os.replace), off the step loop; the request's last output waits for it and then carries
-the path, or finish_reason 'error' and why when the write failed (the engine goes on).
+(T: every token fed) and the ids in its metadata (`aux_hidden_state_layer_ids`, e.g. '2,18,34').
+A background thread writes it; the request's last output waits for it and then carries the path,
+or finish_reason 'error' and why (the engine goes on).
 """
 from __future__ import annotations
 
@@ -31,8 +29,6 @@ REQUEST_ID = re.compile(r'[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}')
 
 
 def check_request_id(request_id: str) -> str:
-    """A request id names a file: letters, digits, '.', '_' and '-', at most 128 characters,
-    not starting with '.'."""
     if not isinstance(request_id, str) or not REQUEST_ID.fullmatch(request_id):
         raise ValueError(f'request_id={request_id!r}: must be 1..128 letters, digits, ".", "_" '
                          f'or "-", not starting with "." (it names the hidden-states file)')
@@ -41,8 +37,7 @@ def check_request_id(request_id: str) -> str:
 
 def write_hidden_states(path: str, hidden_states: torch.Tensor, token_ids: list[int],
                         layer_ids: tuple[int, ...]):
-    """The file at `path`, atomically: written next to it under a temporary name, then renamed
-    (a reader never sees half a file; a failed write leaves none)."""
+    """Atomically: a temporary name next to it, then renamed (a failed write leaves none)."""
     directory, name = os.path.split(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f'.{name}.', suffix='.tmp')
     os.close(fd)
@@ -77,7 +72,7 @@ class DirectOutputs:
 
 class HiddenStatesWriter(DirectOutputs):
     """Rows per sequence (host tensors [n, len(ids), H] by position) and the thread that writes
-    finished sequences' files. Every method but the thread's runs in the engine's thread."""
+    finished sequences' files; every other method runs in the engine's thread."""
 
     def __init__(self, directory: str, layer_ids: tuple[int, ...]):
         self.directory = directory
@@ -99,9 +94,8 @@ class HiddenStatesWriter(DirectOutputs):
         start before the rows held (recomputed after preemption) replaces the rows from there."""
         if not rows.shape[0]:
             return
-        if rows.untyped_storage().nbytes() > rows.nbytes:   # a view of the step's rows: a copy,
-            rows = rows.clone()              # or every step's buffer lives until all its rows'
-                                             # sequences finish
+        if rows.untyped_storage().nbytes() > rows.nbytes:   # a view would keep the whole
+            rows = rows.clone()                              # step's buffer alive
         chunks = self._rows.setdefault(seq, [])
         held = self._count.get(seq, 0)
         if start > held:
@@ -119,7 +113,6 @@ class HiddenStatesWriter(DirectOutputs):
         self._count[seq] = start + rows.shape[0]
 
     def drop(self, seq):
-        """Forget an aborted or failed sequence's rows."""
         self._rows.pop(seq, None)
         self._count.pop(seq, None)
 
@@ -131,16 +124,15 @@ class HiddenStatesWriter(DirectOutputs):
         return [output]
 
     def finish(self, seq, output):
-        """Queue `seq`'s file; `output` (its last StepOutput) comes back from `take_done` once
-        written, with `hidden_states_path` set, or ending in 'error'."""
+        """Queue `seq`'s file; `output` comes back from `take_done` once written, with
+        `hidden_states_path` set (or 'error')."""
         chunks = self._rows.pop(seq, [])
         count = self._count.pop(seq, 0)
         self.pending += 1
         self._jobs.put((seq, output, self.path(seq), chunks, seq.token_ids[:count]))
 
     def take_done(self, wait_s: float = 0.0) -> list:
-        """The outputs of the files written since the last call; `wait_s`: wait that long for a
-        first one when none is ready (the engine has nothing else to do)."""
+        """Outputs of the files written since the last call (`wait_s` for a first one)."""
         done = []
         try:
             done.append(self._done.get(timeout=wait_s) if wait_s and self.pending

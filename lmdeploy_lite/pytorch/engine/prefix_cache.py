@@ -1,22 +1,19 @@
 """Prefix caching for a hybrid model: which full KV blocks and linear-attention state snapshots
 an earlier request left behind, and what a new request may take from them.
 
-Keys. A full block is named by a hash chain: key(j) = H(key(j - 1), tokens of block j). With a
-draft that keeps its own KV in the same blocks (the MTP head), the head's entry at a block's last
-position was computed from the token AFTER the block, so that token is hashed too (`lookahead`):
-a block is reused only by a request that continues it the same way. H is blake2b over the int64
-tokens: the same value in every process, so the DP front-end routes with the keys the ranks use.
+Keys: key(j) = H(key(j - 1), tokens of block j), H blake2b over int64 tokens (the same in every
+process, so the DP front-end routes with the ranks' keys). With a draft that keeps its KV in the
+same blocks (the MTP head), a block's last entry was computed from the token AFTER it, so that
+token is hashed too (`lookahead`).
 
-Snapshots. Three of four Qwen3.5 layers keep a recurrent state and a conv window instead of
-per-token KV, so a cached prefix is usable only up to a point where the state after exactly those
-tokens was kept: a snapshot (the recurrent state and the K - 1 conv columns of one sequence, all
-linear-attention layers) named by the key of the block that ends there. A hit is the longest run
-of cached blocks from the start that ends at a snapshot. Snapshots are taken at block-aligned
-prefill chunk ends (`take_cached_prefix` below plans them): where the prompt's last full block
-ends, where a request's cached blocks run out (a branch point other requests share), and at the
-block-aligned ends of a long prefill's chunks. They live in a fixed pool (`CacheConfig.
-num_snapshots`, planned with the KV blocks: engine/cache_plan.py), evicted least recently used;
-a snapshot goes with the block it ends at.
+Snapshots: three of four Qwen3.5 layers keep a recurrent state and conv window instead of
+per-token KV, so a cached prefix is usable only up to where the state after exactly those tokens
+was kept: a snapshot (recurrent state and K - 1 conv columns of every linear-attention layer)
+named by the key of the block that ends there. A hit is the longest run of cached blocks from the
+start that ends at a snapshot. Snapshots are taken at block-aligned chunk ends: where the prompt's
+last full block ends, where a request's cached blocks run out (a branch point), and at a long
+prefill's chunk ends. A fixed pool (`CacheConfig.num_snapshots`, engine/cache_plan.py), LRU; a
+snapshot goes with the block it ends at.
 """
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ from dataclasses import dataclass
 def block_keys(token_ids: list[int], block_size: int, lookahead: bool,
                known: list[int] | None = None) -> list[int]:
     """Keys of every full block of `token_ids` that can be named (with `lookahead`, a block
-    needs the token after it). `known`: keys computed before for a prefix of the same tokens
-    (extended, not recomputed)."""
+    needs the token after it); `known`: keys of a prefix already computed."""
     keys = list(known or ())
     extra = 1 if lookahead else 0
     prev = keys[-1].to_bytes(16, 'little') if keys else b''
@@ -44,16 +40,14 @@ def block_keys(token_ids: list[int], block_size: int, lookahead: bool,
 
 @dataclass
 class PrefixCacheStats:
-    """Engine-wide counters: prompt tokens looked up at admission, and those served from the
-    cache."""
+    """Prompt tokens looked up at admission, and those served from the cache."""
     queried_tokens: int = 0
     hit_tokens: int = 0
 
 
 class SnapshotPool:
-    """`size` snapshot rows, each named by a block key; least recently used goes first.
-    `events`: (key, kept) for every snapshot named (True) or dropped (False) since the owner
-    last took them (`take_events`; the DP front-end routes by them)."""
+    """`size` snapshot rows named by block keys, LRU evicted. `events`: (key, kept) for each
+    snapshot named or dropped since `take_events` (the DP front-end routes by them)."""
 
     def __init__(self, size: int):
         self.size = size
@@ -104,9 +98,8 @@ class SnapshotPool:
 
 
 def longest_cached(keys: list[int], snapshot_keys, num_tokens: int, block_size: int) -> int:
-    """Tokens of the longest prefix whose last block's key is in `snapshot_keys` (the DP
-    front-end's view of a rank's snapshots: it does not see every block eviction, so this is a
-    routing hint; the rank's own lookup decides), leaving one of `num_tokens` to compute."""
+    """Tokens of the longest prefix whose last block's key is in `snapshot_keys`, leaving one to
+    compute: the DP front-end's routing hint (it does not see every eviction; the rank decides)."""
     limit = (num_tokens - 1) // block_size
     for j in range(min(limit, len(keys)) - 1, -1, -1):
         if keys[j] in snapshot_keys:
@@ -116,10 +109,8 @@ def longest_cached(keys: list[int], snapshot_keys, num_tokens: int, block_size: 
 
 # ---- the scheduler's side: what a sequence takes from the cache and gives back ----------------
 def take_cached_prefix(bm, seq) -> int:
-    """A sequence about to be admitted with nothing computed takes its longest cached prefix
-    (its blocks; the snapshot to restore) and plans its snapshot points: where its cached blocks
-    run out (a branch point) and where its last full prompt block ends. Returns the tokens
-    taken."""
+    """A sequence admitted with nothing computed takes its longest cached prefix and plans its
+    snapshot points (module docstring); returns the tokens taken."""
     if not bm.caching or seq.num_computed or seq.blocks:
         return 0
     bs, state = bm.block_size, seq.prefix
@@ -140,8 +131,7 @@ def drop_cached_prefix(bm, seq):
 
 
 def count_lookup(bm, seq, hit: int):
-    """An admitted sequence's lookup, in the cache's counters (and its first admission's hit in
-    Response.num_cached_tokens)."""
+    """An admitted sequence's lookup, counted (its first one's hit: Response.num_cached_tokens)."""
     if not bm.caching:
         return
     bm.stats.queried_tokens += len(seq.token_ids)
@@ -151,9 +141,8 @@ def count_lookup(bm, seq, hit: int):
 
 
 def add_state_copies(bm, batch):
-    """The batch's state copies: restores of newly admitted cached prefixes, and a snapshot
-    where a prefill chunk ends on a block boundary before the sequence's last token (the row
-    taken now, named once the step has run: `keep_snapshot`)."""
+    """Restores of newly admitted cached prefixes, and a snapshot where a prefill chunk ends on
+    a block boundary before the last token (named once the step has run: `keep_snapshot`)."""
     if batch is None or not bm.caching or batch.is_decoding:
         return batch
     bs = bm.block_size
@@ -176,8 +165,7 @@ def add_state_copies(bm, batch):
 
 
 def keep_snapshot(bm, seq):
-    """The step that saved `seq`'s state at a block boundary has run: name its blocks up to
-    there and the snapshot after them."""
+    """The step that saved `seq`'s state has run: name its blocks up to there and the snapshot."""
     end, row = seq.prefix.pending_save
     seq.prefix.pending_save = None
     keys = bm.keys(seq)

@@ -1,28 +1,21 @@
 """Continuous batching: chunked prefill under a token budget, decode, preemption by recompute.
 
-A step is a prefill step (sequences with more than one uncomputed token; the last chunk of a
-sequence samples), a decode step (every running sequence feeds its last token, plus
-`num_spec_tokens` drafts under speculation), or, without speculation, a mixed step: the decode
-rows (1 token each) plus prefill chunks, run in prefill mode (a 1-token prefill row writes its
-state where a 1-token decode does, so the decode rows' results are the same).
+A step is a prefill step (the last chunk of a sequence samples), a decode step (every running
+sequence feeds its last token, plus `num_spec_tokens` drafts under speculation), or, without
+speculation, a mixed step: decode rows (1 token each) plus prefill chunks, run in prefill mode
+(a 1-token prefill row writes its state where a 1-token decode does).
 
 Budgets: while nothing decodes, prefill gets `max_prefill_token_num` tokens a step. While
-sequences decode and `max_mixed_token_num` > 0, a step carries at most
-min(max_mixed_token_num, max_prefill_token_num) tokens, decode rows included, so a long prompt
-arriving costs each running stream a bounded delay per token instead of its whole prefill. Under
-speculation a verify row keeps per-token states for rollback and cannot share a forward with a
-prefill chunk: decode steps and prefill-chunk steps of at most that many tokens alternate
-instead, so a stream waits at most one chunk step per token.
-With max_mixed_token_num = 0, prefill goes first with the whole budget (no mixing).
+sequences decode and `max_mixed_token_num` > 0, a step carries at most min(max_mixed_token_num,
+max_prefill_token_num) tokens, decode rows included, so a long prompt delays each running stream
+a bounded time per token. A verify row keeps per-token states for rollback and cannot share a
+forward with a prefill chunk: under speculation decode steps and chunk steps alternate instead.
+With max_mixed_token_num = 0, prefill goes first with the whole budget.
 
-Blocks cover every position a step writes: the fed tokens plus `num_draft_extra` positions past
-them that a draft model writes into its own KV cache while drafting (k - 1 for the MTP head).
-A sequence near its end still feeds k + 1 tokens (padding, never emitted past a stop), so the
-cache holds session_len + k + num_draft_extra positions per sequence.
-
-Prefix caching (engine/prefix_cache.py): a sequence admitted with nothing computed takes its
-longest cached prefix and prefills only the rest, keeping state snapshots at its snapshot points.
-Forking (engine/forking.py): the n choices of one prompt share its leader's prefill.
+Blocks cover every position a step writes: the fed tokens plus `num_draft_extra` positions a
+draft writes past them (k - 1 for the MTP head). A sequence near its end still feeds k + 1
+tokens, so the cache holds session_len + k + num_draft_extra positions per sequence. Prefix
+caching (prefix_cache.py) and forking (forking.py) are policies in their own modules.
 """
 from __future__ import annotations
 
@@ -43,13 +36,10 @@ class ScheduledBatch:
     # speculation, set once the StepPlan agreed on the step's draft count (Engine.step):
     num_spec: int = 0                      # drafts each row verifies (decoding) and makes
     row_drafts: list[int] | None = None    # decoding: real drafts each row verifies (<= num_spec)
-    # prefix cache, state copies on the device: (snapshot row, state slot) restored before the
-    # forward, (state slot, snapshot row) saved after it
+    # device copies: prefix cache (snapshot row, slot) restored before the forward, (slot, row)
+    # saved after; forking (block, its copy) and (slot, its copy), after the restores
     restores: list[tuple[int, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)
-    # forking, copies on the device before the forward (after the restores): (block, its copy)
-    # in every full-attention layer of the target and the draft; (state slot, its copy) of the
-    # linear-attention state a prefill leaves (recurrent slot 0, conv columns 0..K-2)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
 
@@ -60,8 +50,7 @@ class ScheduledBatch:
 
     @property
     def sample_mask(self) -> list[bool]:
-        """True where this step samples: every decode/verify row, and the prefill rows whose
-        chunk reaches the end of the sequence's tokens."""
+        """True where this step samples: decode rows, and prefill rows whose chunk ends it."""
         if self.is_decoding:
             return [True] * len(self.seqs)
         return [s.num_computed + n == len(s.token_ids) for s, n in zip(self.seqs, self.q_lens)]
@@ -218,10 +207,9 @@ class Scheduler:
         return ScheduledBatch(seqs, [1 + self.num_spec_tokens] * len(seqs), is_decoding=True)
 
     def reserve_ahead(self, seqs: list[Sequence], num_steps: int) -> bool:
-        """Async scheduling: grow each sequence's blocks to cover `num_steps` more decode steps
-        past what the host knows (the step in flight and the next one). False when a sequence
-        would pass its session or the cache has no room without preempting: the caller then
-        catches up and schedules normally."""
+        """Async scheduling: grow each sequence's blocks for `num_steps` more decode steps past
+        what the host knows; False (the caller catches up) when a sequence would pass its
+        session or the cache has no room without preempting."""
         per_step = 1 + self.num_spec_tokens
         limit = self.max_positions(self.session_len)
         for seq in seqs:
@@ -251,8 +239,8 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of `seq`'s next prefill chunk: the budget's share, ending at its next
-        snapshot point (and, for a leader with members waiting, at its last prompt token)."""
+        """`seq`'s next prefill chunk: the budget's share, ending at its next snapshot point or
+        fork point."""
         n = min(seq.num_uncomputed, budget)
         points = seq.prefix.snapshot_points + forking.chunk_end(seq)
         for point in sorted(points):
@@ -262,8 +250,7 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------------
     def update(self, seq: Sequence, num_new_computed: int, new_tokens: list[int]) -> list[int]:
-        """Record a step's result for `seq`; returns the tokens actually emitted (a stop inside
-        `new_tokens` truncates there). Frees the sequence's cache when it finishes."""
+        """Record a step's result; returns the tokens emitted (a stop truncates `new_tokens`)."""
         seq.num_computed += num_new_computed
         if seq.prefix.pending_save is not None:
             prefix_cache.keep_snapshot(self.bm, seq)

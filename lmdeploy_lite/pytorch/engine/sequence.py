@@ -17,9 +17,8 @@ class SeqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class PrefixState:
-    """A sequence's prefix-cache state (engine/prefix_cache.py): keys of its full blocks so far,
-    block-aligned positions where its prefill keeps a state snapshot, the snapshot row to
-    restore before its next chunk, and the (position, row) of the save its current step makes."""
+    """engine/prefix_cache.py: its full blocks' keys, where its prefill keeps snapshots, the row
+    to restore before its next chunk, the (position, row) its current step saves."""
     block_keys: list[int] = field(default_factory=list)
     snapshot_points: list[int] = field(default_factory=list)
     restore_row: int | None = None
@@ -28,10 +27,8 @@ class PrefixState:
 
 @dataclass(eq=False)
 class ForkState:
-    """n choices of one prompt (engine/forking.py): a member waiting to start from its leader's
-    prefill (`leader`); a leader's members still waiting (`members`); a member forked in the
-    step being scheduled: (leader's state slot, (leader's partial block, its copy) or None),
-    the copies made before that step's forward."""
+    """engine/forking.py: a waiting member's `leader`, a leader's waiting `members`, and for a
+    member forked this step the `copy` to make: (leader's slot, (partial block, copy) or None)."""
     leader: Sequence | None = None
     members: list[Sequence] = field(default_factory=list)
     copy: tuple[int, tuple[int, int] | None] | None = None
@@ -86,8 +83,7 @@ class Sequence:
 
 
 def request_error(error: BaseException) -> str:
-    """One line for the user: a ValueError's message as it is (it names the field), otherwise
-    the exception's type and first line."""
+    """One line: a ValueError's message (it names the field), else type and first line."""
     lines = str(error).strip().splitlines()
     line = lines[0][:500] if lines else ''
     if isinstance(error, ValueError):
@@ -97,10 +93,8 @@ def request_error(error: BaseException) -> str:
 
 def validate_request(token_ids: list[int], gen_config: GenerationConfig, vocab_size: int,
                      session_len: int):
-    """Raise ValueError naming the problem; called before the request touches any engine (in
-    the caller's thread) and again on admission (in the engine's), so that the engine thread only
-    sees values it can handle: the config is checked again too (a frozen dataclass can still be
-    changed through object.__setattr__)."""
+    """Raise ValueError naming the problem; called in the caller's thread and again on admission
+    (a frozen config can still be changed through object.__setattr__)."""
     if not isinstance(gen_config, GenerationConfig):
         raise ValueError(f'gen_config={type(gen_config).__name__}: must be a GenerationConfig')
     gen_config.validate()

@@ -1,7 +1,7 @@
 """What a step hands back: the device results on their way to the host (`InFlight`), and each
-sequence's result as the consumers see it (`StepOutput`), copied off the live Sequence so that
-a consumer a step or more behind the engine (async scheduling, the mp/ray reports) reads the
-step as it stood.
+sequence's result as consumers see it (`StepOutput`), copied off the live Sequence so that a
+consumer a step or more behind the engine (async scheduling, mp/ray reports) reads the step as
+it stood.
 """
 from __future__ import annotations
 
@@ -21,15 +21,11 @@ from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 
 
 class StepOutput:
-    """One sequence's result of one step, as it stood at the end of that step: the one output
-    type of every consumer, in this process or across a process boundary (the mp/ray ranks
-    pickle it as it is; `seq`, the live Sequence, stays behind: None on the other side). The
-    thread that consumes it may run a step or more behind the engine (async scheduling makes
-    the last step of a batch nearly free), so nothing a consumer reads may come from the live
-    Sequence: the fields are copied when the output is made (the speculative counters as a
-    tuple, `stats_snapshot`, made into a SpecDecodeStats only when read). `logprobs` (a request
-    that asked for them, GenerationConfig.logprobs = N): one (logprob, top N ids, their
-    logprobs) per new token, plain lists; else None."""
+    """One sequence's result of one step: the one output type of every consumer, pickled as it
+    is across process boundaries (`seq`, the live Sequence, stays behind: None there). Every
+    field is copied when the output is made (the speculative counters as the tuple
+    `stats_snapshot`). `logprobs`: one (logprob, top N ids, their logprobs) per new token for a
+    request that asked for N, else None."""
     # what a request's Response carries as it is (pipeline(): Response's fields of these names)
     RESPONSE_FIELDS = ('error', 'num_cached_tokens', 'num_preemptions', 'hidden_states_path')
     __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated',
@@ -57,10 +53,9 @@ class StepOutput:
     def refused(cls, error: str) -> 'StepOutput':
         """The only output of a request the engine refused (it never became a Sequence)."""
         out = cls.__new__(cls)
-        out.__setstate__(dict(seq=None, new_token_ids=[], finished=True, finish_reason='error',
-                              num_generated=0, error=error, stats_snapshot=None,
-                              num_cached_tokens=0, num_preemptions=0, hidden_states_path=None,
-                              logprobs=None))
+        out.__setstate__({**dict.fromkeys(cls.__slots__), 'new_token_ids': [], 'finished': True,
+                          'finish_reason': 'error', 'num_generated': 0, 'error': error,
+                          'num_cached_tokens': 0, 'num_preemptions': 0})
         return out
 
     def __getstate__(self) -> dict:
@@ -79,22 +74,16 @@ class StepOutput:
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
         """The request's speculative counters so far; None until its first draft."""
-        return spec_stats_of(self.stats_snapshot)
-
-
-def spec_stats_of(snapshot: tuple | None) -> SpecDecodeStats | None:
-    """`StepOutput.stats_snapshot` (None before the first draft) as a SpecDecodeStats."""
-    if snapshot is None:
-        return None
-    drafts, draft_tokens, accepted, per_position, drafted = snapshot
-    return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position), list(drafted))
+        if self.stats_snapshot is None:
+            return None
+        drafts, draft_tokens, accepted, per_position, drafted = self.stats_snapshot
+        return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position), list(drafted))
 
 
 @dataclass
 class InFlight:
-    """A launched step: its batch, inputs and device results (the next decode step's inputs
-    derive from them), and the results' copies on their way to the host (`host`: every tensor
-    of the StepResult)."""
+    """A launched step: batch, inputs and device results (the next decode step's inputs derive
+    from them), and `host`: the results' copies on their way to the host."""
     batch: ScheduledBatch
     inputs: ModelInputs
     result: StepResult
@@ -103,9 +92,8 @@ class InFlight:
 
     @classmethod
     def launch(cls, batch, inputs, result: StepResult) -> 'InFlight':
-        """Start the non-blocking device-to-host copies of the emitted tokens, counts and
-        logprobs (and of the extracted hidden states: a fresh tensor each step, not cloned on
-        the CPU)."""
+        """Start the non-blocking device-to-host copies (hidden states, fresh each step, are not
+        cloned on the CPU)."""
         tensors = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         if result.output_tokens.device.type != 'cuda':
             host = {k: t.clone() if t is not None and k != 'hidden_states' else t
@@ -136,8 +124,7 @@ class InFlight:
 
 
 def host_logprobs(result: StepResult) -> tuple[list, list, list] | None:
-    """A host StepResult's logprobs as lists [B][n], top ids and top logprobs [B][n][N]; None
-    when the step computed none."""
+    """A host StepResult's logprobs [B][n], top ids and top logprobs [B][n][N], or None."""
     if result.logprobs is None:
         return None
     return result.logprobs.tolist(), result.top_ids.tolist(), result.top_logprobs.tolist()
