@@ -40,8 +40,7 @@ class ModelAgent:
         self.device = device
         # [num_state_slots] long: current recurrent-state slot / conv offset of each state row
         self.state_index = torch.zeros(num_state_slots, dtype=torch.long, device=device)
-        # q_len -> GraphRunner for decode steps (backends/cuda/graph_runner): 1, or each verify
-        # width k + 1 a speculative step may run
+        # q_len -> GraphRunner for decode steps: 1, or each verify width k + 1
         self.graphs = {}
         self.graph_pool = None
         # extract_hidden_states: output_hidden_states ids every forward keeps (then eagerly)

@@ -97,7 +97,6 @@ class BlockManager:
         seq.prefix.restore_row = None
         seq.fork.copy = None                    # a fork whose step never ran: nothing to copy
 
-    # ---- forking (n choices of one prompt) -------------------------------------------------
     def can_fork(self, parent: Sequence, num_tokens: int) -> bool:
         """Whether a sequence forked from `parent` (`fork`) can cover `num_tokens` positions."""
         shared = parent.num_computed // self.block_size
@@ -119,7 +118,6 @@ class BlockManager:
         seq.blocks.append(block)
         return parent.blocks[shared], block
 
-    # ---- the prefix cache -----------------------------------------------------------------
     def keys(self, seq: Sequence) -> list[int]:
         """The keys of `seq`'s full blocks (kept on the sequence, extended as it grows)."""
         seq.prefix.block_keys = block_keys(seq.token_ids, self.block_size, self.lookahead,

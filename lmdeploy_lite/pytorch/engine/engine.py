@@ -60,7 +60,6 @@ class Engine:
     def draft_policy(self):
         return self.spec.policy
 
-    # ---- requests -------------------------------------------------------------------------
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
         validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
 
@@ -116,7 +115,6 @@ class Engine:
         return (self.scheduler.has_work or self.in_flight is not None
                 or self.output_stage.pending > 0)
 
-    # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """One forward on every rank of the plan group. With async scheduling a decode step is
         launched before the host applies the previous step's results (one step late)."""

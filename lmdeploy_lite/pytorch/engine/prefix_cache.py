@@ -1,19 +1,17 @@
 """Prefix caching for a hybrid model: which full KV blocks and linear-attention state snapshots
 an earlier request left behind, and what a new request may take from them.
 
-Keys: key(j) = H(key(j - 1), tokens of block j), H blake2b over int64 tokens (the same in every
-process, so the DP front-end routes with the ranks' keys). With a draft that keeps its KV in the
-same blocks (the MTP head), a block's last entry was computed from the token AFTER it, so that
-token is hashed too (`lookahead`).
-
-Snapshots: three of four Qwen3.5 layers keep a recurrent state and conv window instead of
-per-token KV, so a cached prefix is usable only up to where the state after exactly those tokens
-was kept: a snapshot (recurrent state and K - 1 conv columns of every linear-attention layer)
-named by the key of the block that ends there. A hit is the longest run of cached blocks from the
-start that ends at a snapshot. Snapshots are taken at block-aligned chunk ends: where the prompt's
-last full block ends, where a request's cached blocks run out (a branch point), and at a long
-prefill's chunk ends. A fixed pool (`CacheConfig.num_snapshots`, engine/cache_plan.py), LRU; a
-snapshot goes with the block it ends at.
+Keys: key(j) = blake2b(key(j - 1), int64 tokens of block j), the same in every process (the DP
+front-end routes with the ranks' keys). With a draft that keeps its KV in the same blocks (the
+MTP head), a block's last entry was computed from the token AFTER it: that token is hashed too
+(`lookahead`). Snapshots: three of four Qwen3.5 layers keep a recurrent state and conv window,
+not per-token KV, so a cached prefix is usable only up to where the state after exactly those
+tokens was kept: a snapshot (every linear-attention layer's recurrent state and K - 1 conv
+columns) named by the key of the block that ends there. A hit is the longest run of cached
+blocks from the start that ends at a snapshot. Snapshots are taken at block-aligned chunk ends:
+the prompt's last full block, where a request's cached blocks run out (a branch point), and a
+long prefill's chunk ends; a fixed LRU pool (`CacheConfig.num_snapshots`, cache_plan.py), a
+snapshot going with the block it ends at.
 """
 from __future__ import annotations
 

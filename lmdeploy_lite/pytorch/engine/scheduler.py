@@ -1,21 +1,16 @@
 """Continuous batching: chunked prefill under a token budget, decode, preemption by recompute.
 
-A step is a prefill step (the last chunk of a sequence samples), a decode step (every running
-sequence feeds its last token, plus `num_spec_tokens` drafts under speculation), or, without
-speculation, a mixed step: decode rows (1 token each) plus prefill chunks, run in prefill mode
-(a 1-token prefill row writes its state where a 1-token decode does).
-
-Budgets: while nothing decodes, prefill gets `max_prefill_token_num` tokens a step. While
-sequences decode and `max_mixed_token_num` > 0, a step carries at most min(max_mixed_token_num,
-max_prefill_token_num) tokens, decode rows included, so a long prompt delays each running stream
-a bounded time per token. A verify row keeps per-token states for rollback and cannot share a
-forward with a prefill chunk: under speculation decode steps and chunk steps alternate instead.
-With max_mixed_token_num = 0, prefill goes first with the whole budget.
-
-Blocks cover every position a step writes: the fed tokens plus `num_draft_extra` positions a
-draft writes past them (k - 1 for the MTP head). A sequence near its end still feeds k + 1
-tokens, so the cache holds session_len + k + num_draft_extra positions per sequence. Prefix
-caching (prefix_cache.py) and forking (forking.py) are policies in their own modules.
+A step is a prefill step (a sequence's last chunk samples), a decode step (every running sequence
+feeds its last token, plus `num_spec_tokens` drafts) or, without speculation, a mixed step:
+decode rows plus prefill chunks in prefill mode (a 1-token prefill row writes its state where a
+1-token decode does). Prefill gets `max_prefill_token_num` tokens a step; while sequences decode
+and `max_mixed_token_num` > 0, a step carries at most the smaller of the two, decode rows
+included, so a long prompt delays each stream a bounded time per token (0: prefill first, with
+the whole budget). A verify row keeps per-token states for rollback and cannot share a forward
+with a chunk: under speculation decode and chunk steps alternate instead. Blocks cover every
+position a step writes, the `num_draft_extra` a draft writes past the fed tokens included (k - 1
+for the MTP head); a sequence near its end still feeds k + 1, so it holds session_len + k +
+num_draft_extra positions. Prefix caching and forking: prefix_cache.py, forking.py.
 """
 from __future__ import annotations
 
@@ -86,7 +81,6 @@ class Scheduler:
         """Cache positions one sequence may touch: the session plus speculative overhang."""
         return session_len + self.num_spec_tokens + self.num_draft_extra
 
-    # ---- requests -------------------------------------------------------------------------
     def add(self, seq: Sequence):
         seq.arrival = self._arrivals
         self._arrivals += 1
@@ -105,7 +99,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ---- scheduling -----------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         return forking.add_fork_copies(prefix_cache.add_state_copies(self.bm, self._schedule()))
 
@@ -160,9 +153,8 @@ class Scheduler:
             q_lens.append(n)
             budget -= n
             forking.fork_members(self, seq, seqs, q_lens)
-        # then new sequences, first come first served: stop at the first that does not fit
-        # (members waiting for their leader's prefill are passed over, and so is a member forked
-        # above and then preempted by a later chunk's growth: it has a row in this step)
+        # then new sequences, first come first served, to the first that does not fit (passing
+        # over waiting members, and members forked above and since preempted: they have a row)
         for seq in [s for s in self.waiting if s.fork.leader is None and s not in seqs]:
             if budget <= 0 or len(self.running) >= self.max_batch_size:
                 break
@@ -248,7 +240,6 @@ class Scheduler:
                 return min(n, point - seq.num_computed)
         return n
 
-    # ---- results --------------------------------------------------------------------------
     def update(self, seq: Sequence, num_new_computed: int, new_tokens: list[int]) -> list[int]:
         """Record a step's result; returns the tokens emitted (a stop truncates `new_tokens`)."""
         seq.num_computed += num_new_computed

@@ -50,10 +50,8 @@ class StepPlan:
     @staticmethod
     def local_row(batch, tp: int, shutdown: bool, sampled: bool = False, num_spec: int = 0
                   ) -> torch.Tensor:
-        """This rank's row; token counts are rounded up to a multiple of tp first. `sampled`:
-        some row of the batch samples (not greedy) this step; `num_spec`: the draft count this
-        rank proposes (ignored without a batch). A decode batch's token count is taken at
-        `num_spec` drafts per row, the width it runs with if the plan agrees."""
+        """This rank's row: `sampled`: some row is not greedy; `num_spec`: this rank's proposal
+        (a decode batch's tokens counted at that width)."""
         if batch is None:
             return torch.tensor([0, 0, 0, 0, int(shutdown), 0, 0], dtype=torch.int64)
         tokens = ((1 + num_spec) * len(batch.seqs) if batch.is_decoding else sum(batch.q_lens))
@@ -68,8 +66,8 @@ class StepPlan:
 
     @cached_property
     def _columns(self) -> list[tuple[int, ...]]:
-        """The plan as Python ints, one tuple per field: read once, then every property below
-        is a few comparisons (each is read every step, on the host's critical path)."""
+        """One tuple of Python ints per field, read once (the properties are on the host's
+        critical path)."""
         return list(zip(*self.rows.tolist()))
 
     @property
@@ -82,8 +80,6 @@ class StepPlan:
 
     @property
     def any_sampled(self) -> bool:
-        """Some rank samples a row this step: sampled drafts' distributions travel to TP peers
-        (strategies/ar_spec post_broadcast); a greedy step ships none."""
         return any(self._columns[_SAMPLED])
 
     @property
@@ -98,9 +94,7 @@ class StepPlan:
 
     @cached_property
     def num_spec(self) -> int:
-        """The step's draft count: the smallest that a working rank proposed (0 without
-        speculation). A decode step verifies this many drafts per row; every step makes this
-        many."""
+        """The smallest draft count a working rank proposed (0 without speculation)."""
         proposals = [k for w, k in zip(self._columns[_WORK], self._columns[_NUM_SPEC]) if w]
         return min(proposals, default=0)
 
@@ -120,10 +114,8 @@ class StepPlan:
 
     def forward_sizes(self, num_tokens: int, num_seqs: int, sequence_parallel: bool = False
                       ) -> ForwardSizes:
-        """Sizes of this rank's forward of `num_tokens` tokens in `num_seqs` sequences (its batch,
-        or its dummy inputs when idle), tp-aligned; the maxima cover an idle rank's dummy (one
-        sequence of `dummy_tokens_per_seq` tokens). `sequence_parallel`: this forward splits its
-        rows over the TP ranks (the same for every TP peer: they run the same batch)."""
+        """Tp-aligned sizes of this rank's forward (its batch or dummy), the maxima covering an
+        idle rank's dummy; `sequence_parallel`: rows split over the TP ranks."""
         max_tokens, max_seqs = self.max_tokens, self.max_batch_size
         if not all(self._columns[_WORK]):
             max_tokens = max(max_tokens, self.dummy_tokens_per_seq)

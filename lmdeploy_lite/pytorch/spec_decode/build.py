@@ -40,9 +40,8 @@ def draft_model_dir(spec: SpeculativeConfig, model_path: str) -> str:
 
 
 def draft_dist_config(spec: SpeculativeConfig, target: DistConfig) -> DistConfig:
-    """The draft's own layout: SpeculativeConfig.tp / .ep where given, else the target's; dp is
-    always the target's; sequence parallelism the target's where the draft's tp > 1 (a draft
-    of tp 1 runs on whole rows)."""
+    """SpeculativeConfig.tp / .ep where given, else the target's; the target's dp; sequence
+    parallelism the target's where the draft's tp > 1."""
     tp = target.tp if spec.tp is None else spec.tp
     return DistConfig(tp=tp, dp=target.dp, ep=target.ep if spec.ep is None else spec.ep,
                       sequence_parallel=target.sequence_parallel and tp > 1)
@@ -139,8 +138,7 @@ class SpecPlan:
     needs_host_tokens: bool = False        # proposals read accepted tokens on the host
     proposer: str = ''                     # the method's name, for messages only
     dynamic: bool = False                  # each step's draft count chosen in 0..k (policy.py)
-    # hidden-state extraction (k = 0): transformers' output_hidden_states ids kept per token,
-    # and where each finished request's file goes
+    # extract_hidden_states (k = 0): output_hidden_states ids kept per token, the files' dir
     aux_hidden_state_layer_ids: tuple[int, ...] = ()
     hidden_states_dir: str | None = None
 
@@ -193,9 +191,8 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
         from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import MTPProposer
         target_model = target.model
         layout = draft_dist_config(spec, dist_ctx.config if dist_ctx is not None else DistConfig())
-        # the MTP layer runs on the draft's own tp / ep (a draft tp=1 layer is whole on every
-        # rank, so every TP rank drafts; TP rank 0's drafts are broadcast in post_broadcast);
-        # the shared embedding and LM head keep the target's TP
+        # the MTP layer at the draft's own tp / ep (tp=1: every TP rank drafts, rank 0's drafts
+        # are broadcast); the shared embedding and LM head keep the target's TP
         layer_ctx = dist_ctx.draft_context(layout) if dist_ctx is not None else None
         mtp = Qwen3_5MTP(model_config, dtype, device, target_model.embed_tokens,
                          target_model.lm_head, layer_ctx)

@@ -1,24 +1,18 @@
-"""How many drafts each step verifies and makes: k in 0..max_k, chosen per step.
-
-A step with k drafts costs t(b, k) (b: the batch-size bucket) and emits per sequence
-E(k) = 1 + c_0 + ... + c_{k-1} tokens on average (c_i = P(more than i drafts accepted)). The
-policy picks the k with the most tokens per second, E(k) / t(b, k), so speculation is never
-slower than plain decoding (k = 0) by more than what it costs to keep measuring. Measured on the
-host, from steps that already ran:
-  * c_i: decayed counts of rows that drafted position i and of those that accepted it (drafts do
-    not depend on k, so any step with more than i drafts measures c_i);
-  * t(b, k): a moving average of the step's wall time, recorded only when the step before it ran
-    the same (b, k) (with async scheduling a step's wall time is its predecessor's device time).
-Unmeasured cells are estimated (the prior: each position accepted with `prior_acceptance`, a
-draft position costing `prior_draft_cost` of a k = 0 step; else the measured ks around them) and
-tried: at a new bucket each k runs `explore_steps` steps once, best estimate first (cost is not
-linear in k: the first draft carries the verify width and the head's pass over the verified
-positions), and every `revisit_every` steps the choice's neighbours k + 1 (which measures c_k,
-never seen at k) and k - 1 run again. The running choice changes only for a k estimated
-`switch_margin` faster (a switch up costs a step that verifies fewer drafts; near-ties flap).
-
-Every rank of the plan group proposes; the StepPlan's `num_spec` (the smallest proposal of a
-working rank) is what every rank runs (DESIGN.md invariant 1).
+"""How many drafts each step verifies and makes: the k in 0..max_k with the most tokens per
+second, E(k) / t(b, k), where E(k) = 1 + c_0 + ... + c_{k-1} (c_i = P(more than i drafts
+accepted)) and t(b, k) is the step time at batch-size bucket b; so speculation is never slower
+than plain decoding (k = 0) by more than what it costs to keep measuring. Measured on the host:
+c_i as decayed counts of rows that drafted and accepted position i (drafts do not depend on k:
+any step with more than i drafts measures it); t(b, k) as a moving average, recorded only when
+the step before ran the same (b, k) (with async scheduling a step's wall time is its
+predecessor's device time). Unmeasured cells are estimated (`prior_acceptance` per position,
+`prior_draft_cost` of a k = 0 step per draft; else the measured ks around them) and tried: at a
+new bucket each k runs `explore_steps` steps once, best estimate first (cost is not linear in k:
+the first draft carries the verify width and the head's pass over it), and every `revisit_every`
+steps k + 1 (which measures c_k) and k - 1 run again. The running choice changes only for a k
+estimated `switch_margin` faster (a switch up costs a step of fewer drafts; near-ties flap).
+Every rank proposes; the StepPlan runs the smallest proposal of a working rank (DESIGN.md
+invariant 1).
 """
 from __future__ import annotations
 
@@ -62,7 +56,6 @@ class DraftCountPolicy:
             return cls(max_k, cycle=tuple(int(k) for k in cycle.split(',')))
         return cls(max_k, dynamic)
 
-    # ---- measurements ---------------------------------------------------------------------
     def acceptance(self) -> list[float]:
         """c_i for i < max_k: the measured P(more than i drafts accepted)."""
         return [a / d if d > 0 else 0.0 for a, d in zip(self.accepted, self.drafted)]
@@ -71,8 +64,7 @@ class DraftCountPolicy:
         """One verify step's rows: real drafts each verified and how many it accepted."""
         if not self.dynamic:
             return
-        # rows that drafted (accepted) position i: those with more than i drafts (accepted);
-        # one count per row, then a suffix sum over the k positions
+        # rows with more than i drafts (accepted) drafted (accepted) i: a suffix sum of counts
         k = self.max_k
         drafts_hist, accepted_hist = [0] * (k + 1), [0] * (k + 1)
         for n, a in zip(num_drafts, num_accepted):
@@ -101,7 +93,6 @@ class DraftCountPolicy:
         """A non-decode step ran: the next decode step's wall time is not its own."""
         self._last = None
 
-    # ---- the choice -----------------------------------------------------------------------
     def step_time(self, bucket: int, k: int) -> float:
         """Measured, or estimated from the nearest measured k at this bucket (a draft position
         costing prior_draft_cost of the k = 0 step, or the measured slope between two ks)."""

@@ -1,12 +1,9 @@
 """Verify k draft tokens against the target: greedy matching or exact rejection sampling.
 
-Sampled rows follow Leviathan et al. (2023), "Fast Inference from Transformers via Speculative
-Decoding": every emitted token is distributed exactly as if sampled from the target alone.
-Penalties (sampling.py) apply to the target's logits first, position j counting drafts 1..j as
-emitted: the distribution a token is verified against is the one plain decoding would have
-sampled it from after the same tokens, so greedy output with penalties is plain greedy output
-with penalties, and sampled output keeps the penalised target distribution exactly (q is
-whatever the draft used).
+Sampled rows follow Leviathan et al. (2023): every emitted token is distributed exactly as if
+sampled from the target alone. Penalties apply to the target's logits first, position j counting
+drafts 1..j as emitted, so each token is verified against the distribution plain decoding would
+have sampled it from (q is whatever the draft used).
 """
 from __future__ import annotations
 
@@ -82,9 +79,8 @@ def _accepted(target_argmax: Tensor, target_probs: Tensor, safe_drafts: Tensor,
         q_draft = draft_probs.to(p_draft.dtype).gather(-1, safe_drafts[..., None])[..., 0]
     uniform = random_like_rows((batch_size, k), sampling.generators, 'uniform', p_draft.dtype,
                                safe_drafts.device)
-    # Sampled rows: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. u < p/q
-    # for u ~ U[0, 1), written without division. p(d) = 0 (e.g. outside top-k/top-p) never
-    # accepts.
+    # Sampled rows: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. u * q < p
+    # for u ~ U[0, 1); p(d) = 0 (e.g. outside top-k/top-p) never accepts.
     sampled_accept = uniform * q_draft < p_draft
     return torch.where(sampling.do_sample[:, None], sampled_accept, accept)
 
@@ -113,9 +109,8 @@ def _after_rejection(p_next: Tensor, num_accepted: Tensor, num_drafts: Tensor,
 
 def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_drafts: Tensor | None = None
                   ) -> tuple[Tensor, Tensor]:
-    """`rejection_sample` when no row samples, in a handful of kernels: an accepted draft equals
-    the target's argmax at its position, so the emitted tokens are the argmax itself up to and
-    including the first mismatch (the correction, or the bonus after all k), then -1."""
+    """`rejection_sample` when no row samples: the emitted tokens are the target's argmax up to
+    and including the first mismatch with the drafts, then -1."""
     k = draft_tokens.shape[1]
     target_argmax = target_logits.argmax(-1)                       # [B, k+1]
     accept = draft_tokens == target_argmax[:, :k]                  # -1 placeholders never match
@@ -127,11 +122,8 @@ def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_drafts: Tenso
 
 
 def acceptance_by_position(num_accepted_drafts: Tensor, num_drafts: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Per-draft-position counters for metrics: (accepted [k], drafted [k]) long.
-
-    num_accepted_drafts, num_drafts [B]. Position i is drafted for a row if num_drafts > i and
-    accepted if num_accepted_drafts > i; accepted[i] / drafted[i] is the acceptance rate at i.
-    """
+    """(accepted [k], drafted [k]) long from num_accepted_drafts, num_drafts [B]: position i is
+    drafted where num_drafts > i, accepted where num_accepted_drafts > i."""
     positions = torch.arange(k, device=num_drafts.device)
     accepted = (num_accepted_drafts[:, None] > positions).sum(0)
     drafted = (num_drafts[:, None] > positions).sum(0)

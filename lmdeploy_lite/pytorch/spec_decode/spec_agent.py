@@ -47,8 +47,7 @@ class SpecAgent:
 
     def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None,
                       draft_counts: list[int] | None = None):
-        """CUDA graphs for the verify forward (k + 1 tokens per sequence) and the draft steps,
-        for each draft count k a step may run (`draft_counts`, default the maximum only)."""
+        """CUDA graphs of the verify forward and the draft steps for each of `draft_counts`."""
         counts = sorted(set(draft_counts or self.draft_counts))
         self.target.enable_graphs(buckets, max_blocks, q_lens=[k + 1 for k in counts],
                                   recorder=recorder)
@@ -62,7 +61,6 @@ class SpecAgent:
             self.plain_graph.capture()
 
     def _greedy_plain_step(self, inputs: ModelInputs) -> torch.Tensor:
-        """Forward, LM head, argmax and the draft head's KV write of a greedy plain step."""
         target = self.target
         hidden = target.model(inputs, target.caches)
         tokens = target.model.compute_logits(hidden).argmax(-1)
@@ -86,8 +84,7 @@ class SpecAgent:
         slots = inputs.state_slots
         if inputs.draft_tokens is None:           # device drafts: the id is on the device
             inputs.input_ids = self.last_token[slots]
-        # the graph ends in a bare argmax and returns tokens only: not for sampled or penalised
-        # rows, nor for a step that needs logprobs
+        # the graph returns argmax tokens only: no sampling, penalties or logprobs
         runner = (self.plain_graph if sampling.all_greedy and sampling.penalties is None
                   and sampling.logprobs is None else None)
         logits = None

@@ -35,10 +35,8 @@ Item = StepOutput | BaseException      # a request's output, or the exception th
 
 
 class Channel:
-    """A front-end's inbox for many requests. `post(items)` is called once per step with
-    `[(tag, item), ...]` for every request of this channel that has news (in the engine's
-    order; `tag` as given to `submit_group`). It must not block for long; raising aborts those
-    requests (the engine goes on)."""
+    """A front-end's inbox: `post([(tag, item), ...])` once per step for its requests with news
+    (in the engine's order). It must not block for long; raising aborts those requests."""
 
     def __init__(self, post: Callable[[list[tuple[object, Item]]], None]):
         self.post = post
@@ -70,7 +68,7 @@ class EngineStats:
 
     @classmethod
     def of(cls, engine) -> 'EngineStats':
-        """A rank's figures now (copies: the engine's counters move on)."""
+        """A rank's figures now (copies)."""
         scheduler, bm = engine.scheduler, engine.scheduler.bm
         return cls(engine.num_prefill_tokens, bm.num_cached_blocks, len(scheduler.running),
                    len(scheduler.waiting), bm.num_usable_blocks - bm.num_free_blocks,
@@ -112,9 +110,8 @@ class EngineClient(Protocol):
 
 
 def hand_out(pairs: list[tuple[RequestHandle, Item]]) -> list[RequestHandle]:
-    """Give each (handle, item) to its request's sink: one `post` per Channel with all of its
-    items (in order), one call per item for a callable sink. A sink that raises is logged and
-    its handles are returned (the caller aborts them); the others are unaffected."""
+    """Each item to its request's sink (one `post` per Channel); returns the handles whose sink
+    raised (logged; the caller aborts them)."""
     failed, posts = [], {}
     for handle, item in pairs:
         sink = handle.sink
@@ -136,10 +133,10 @@ def hand_out(pairs: list[tuple[RequestHandle, Item]]) -> list[RequestHandle]:
 
 
 class RankClient:
-    """`EngineClient` over ranks that each run `rank_loop`. Subclasses start the ranks (`_start`
-    sets `_inboxes`, one per rank, and `_outbox`), name the dead ones, wait for, end and let go
-    of them. Reports arrive through `_outbox` (read by a collector thread that also checks
-    liveness) or, for ranks in this process, straight through `_on_report`."""
+    """`EngineClient` over ranks that each run `rank_loop`. Subclasses define `_start` (sets
+    `_inboxes`, one per rank, and `_outbox`), `_dead_ranks` (rank -> how it ended, in rank
+    order), `_join(timeout_s)`, `_kill` and `_release`. Reports arrive through `_outbox` (read
+    by a collector thread that also checks liveness) or straight through `_on_report`."""
     _heartbeats: Heartbeats | None = None      # the ranks' (_start sets it)
     _outbox = None
 
@@ -184,19 +181,6 @@ class RankClient:
             from lmdeploy_lite.pytorch.spec_decode.runtime import check_speculative_config
             check_speculative_config(spec_config, model_path, self.dist_config, cfg.load_format)
         self.session_len = cfg.session_len or self.model_config.max_position_embeddings
-
-    def _start(self, model_path: str, cfg: PytorchEngineConfig, spec_config, env: dict | None):
-        raise NotImplementedError
-
-    def _dead_ranks(self) -> dict[int, str]:
-        """rank -> how it ended, for every rank that is no longer running (in rank order)."""
-        raise NotImplementedError
-
-    def _join(self, timeout_s: float):
-        raise NotImplementedError
-
-    def _kill(self):
-        raise NotImplementedError
 
     def _release(self):
         pass
@@ -274,8 +258,7 @@ class RankClient:
         self._inboxes[handle.dp_rank * self.dist_config.tp].put(('abort', handle.rid))
 
     def stalled(self, limit_s: float) -> str | None:
-        """One line naming the rank that has shown no progress for over `limit_s` while
-        requests are pending (heartbeat.py), else None (also where no heartbeat is kept)."""
+        """One line naming a rank stalled for over `limit_s` with requests pending, else None."""
         if not self._live or self._heartbeats is None:
             return None
         return self._heartbeats.stalled(limit_s, since=self._busy_since,
@@ -288,7 +271,7 @@ class RankClient:
         return EngineStats.total(self._stats)
 
     def _cached_tokens(self, token_ids: list[int]) -> list[int]:
-        """Per DP rank, the prompt tokens its prefix cache holds as far as its reports say."""
+        """Per DP rank, the prompt tokens its prefix cache holds, as its reports say."""
         block_size, lookahead, caching = self._prefix_naming
         dp = self.dist_config.dp
         if dp == 1 or not caching:
@@ -334,7 +317,6 @@ class RankClient:
         return True
 
     def _note(self, rank: int, events: list[tuple[int, bool]], stats: EngineStats | None):
-        """A DP rank leader's prefix-cache news (snapshots kept and dropped) and figures."""
         dp_rank = rank // self.dist_config.tp
         if stats is not None:
             self._stats[dp_rank] = stats
@@ -397,7 +379,7 @@ class RankClient:
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self, timeout_s: float = 30.0):
-        """Ends the ranks; requests still running get RuntimeError. Idempotent."""
+        """Ends the ranks; running requests get RuntimeError. Idempotent."""
         self._closing = True
         for inbox in self._inboxes:
             inbox.put(('stop', None))

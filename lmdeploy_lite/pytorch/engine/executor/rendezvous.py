@@ -14,16 +14,11 @@ SOCKET_IFNAME_VARS = ('GLOO_SOCKET_IFNAME', 'NCCL_SOCKET_IFNAME',
                       'NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME')
 
 
-def loopback_interface() -> str | None:
-    """The loopback interface's name ('lo' on Linux, 'lo0' on macOS), None if there is none."""
-    names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in ('lo', 'lo0') if n in names), None)
-
-
 def loopback_env() -> dict[str, str]:
-    """The ranks' socket-interface variables: the loopback interface for each the user has not
-    set."""
-    lo = loopback_interface()
+    """The loopback interface ('lo' on Linux, 'lo0' on macOS) for each socket-interface variable
+    the user has not set."""
+    names = [name for _, name in socket.if_nameindex()]
+    lo = next((n for n in ('lo', 'lo0') if n in names), None)
     if lo is None:
         return {}
     return {name: lo for name in SOCKET_IFNAME_VARS if name not in os.environ}

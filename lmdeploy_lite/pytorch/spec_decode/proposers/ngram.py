@@ -7,14 +7,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
-    """Propose k tokens by finding the sequence's longest suffix n-gram (max_n down to min_n)
-    at its most recent earlier occurrence and copying the tokens that followed it.
-
-    The copy reads its own output when it runs past the end of the sequence (like LZ77), so a
-    match that overlaps the suffix continues the repeating pattern: [1, 2, 1, 2] -> 1, 2, 1, ...
-    Without a match the proposal is the last token repeated (0 for an empty sequence); any
-    proposal is safe because verification is exact, a bad one only costs acceptance.
-    """
+    """Copies what followed the most recent earlier occurrence of the longest suffix n-gram
+    (max_n down to min_n), reading its own output past the end (like LZ77: [1, 2, 1, 2] ->
+    1, 2, 1, ...). No match: the last token repeated (0 for an empty sequence)."""
 
     def __init__(self, num_speculative_tokens: int, min_n: int = 1, max_n: int = 4):
         if num_speculative_tokens < 1:
@@ -50,4 +45,5 @@ class NgramProposer:
     def propose_batch(self, batch_token_ids: list[list[int]]) -> torch.Tensor:
         """B sequences -> draft tokens LongTensor [B, k]."""
         proposals = [self.propose(ids) for ids in batch_token_ids]
-        return torch.tensor(proposals, dtype=torch.long).view(len(batch_token_ids), self.num_speculative_tokens)
+        return torch.tensor(proposals, dtype=torch.long).view(len(proposals),
+                                                            self.num_speculative_tokens)
