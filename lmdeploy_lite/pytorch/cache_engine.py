@@ -67,8 +67,7 @@ def state_shapes(model_config: ModelConfig, num_state_slots: int, num_spec_token
 
 def snapshot_shapes(model_config: ModelConfig, num_snapshots: int, tp: int = 1
                     ) -> tuple[tuple, tuple]:
-    """(conv, recurrent) snapshot rows of one linear-attention layer on one TP rank: one
-    recurrent state and the K - 1 conv columns of each snapshot."""
+    """(conv, recurrent) snapshot rows of one linear-attention layer on one TP rank."""
     conv, rec = state_shapes(model_config, num_snapshots, 0, tp)
     return conv, rec[:1] + rec[2:]
 
@@ -109,16 +108,14 @@ class CacheEngine:
             rec_rows[rows] = rec[slots, 0]
 
     def restore(self, rows: torch.Tensor, slots: torch.Tensor):
-        """State slots `slots` = snapshot rows `rows`, as a prefill would have left them (the
-        caller sets their current index to 0)."""
+        """State slots `slots` = snapshot rows `rows` (the caller sets their index to 0)."""
         for i, (conv_rows, rec_rows) in self.snapshots.items():
             conv, rec = self.caches[i]
             conv[slots, :, :conv_rows.shape[-1]] = conv_rows[rows]
             rec[slots, 0] = rec_rows[rows]
 
     def copy_blocks(self, copies: torch.Tensor):
-        """copies [C, 2] long (block, its copy): the second block of each pair = the first, in
-        every full-attention layer (K and V)."""
+        """copies [C, 2] long (block, its copy), in every full-attention layer."""
         src, dst = copies.unbind(1)
         for layer_type, (k, v) in zip(self.layer_types, self.caches):
             if layer_type == 'full_attention':
@@ -126,9 +123,8 @@ class CacheEngine:
                 v[dst] = v[src]
 
     def copy_states(self, copies: torch.Tensor):
-        """copies [S, 2] long (state slot, its copy): what a prefill left in the first slot of
-        each pair (recurrent slot 0, conv columns 0..K-2) into the second, in every
-        linear-attention layer (the caller sets the copies' current index to 0)."""
+        """copies [S, 2] long (state slot, its copy) of what a prefill left in the slot, in every
+        linear-attention layer (the caller sets the copies' index to 0)."""
         src, dst = copies.unbind(1)
         width = self.model_config.linear_conv_kernel_dim - 1
         for layer_type, (conv, rec) in zip(self.layer_types, self.caches):
@@ -153,8 +149,7 @@ class CacheEngine:
     def bytes_per_state_slot(model_config: ModelConfig, num_spec_tokens: int, dtype: torch.dtype,
                              layer_types: tuple[str, ...] | None = None, tp: int = 1,
                              ssm_state_dtype: str = 'auto') -> int:
-        """Conv window (model dtype) + recurrent state (`state_dtype`) bytes of one sequence over
-        all linear-attention layers, on one TP rank."""
+        """One sequence's conv window and recurrent state bytes, all linear-attention layers."""
         num_linear = sum(t == 'linear_attention' for t in layer_types or model_config.layer_types)
         conv, rec = state_shapes(model_config, 1, num_spec_tokens, tp)
         rec_dtype = state_dtype(dtype, ssm_state_dtype, model_config)

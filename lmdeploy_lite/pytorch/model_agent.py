@@ -68,8 +68,7 @@ class ModelAgent:
         self.graph_pool = pool           # shared with other graphs of this model's forward
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """[T, H] post-final-norm hidden states, with the batch's cache restores and copies made
-        before and its snapshots saved after."""
+        """[T, H] post-final-norm hidden states (cache restores and copies first, saves after)."""
         return self._forward(inputs)[0]
 
     def _forward(self, inputs: ModelInputs, layer_ids: tuple[int, ...] = ()

@@ -76,8 +76,7 @@ class BlockManager:
         return block
 
     def free(self, seq: Sequence):
-        """Release `seq`'s blocks and slot; its complete full blocks stay cached (the last one
-        evicted first)."""
+        """Release `seq`'s blocks and slot; its complete blocks stay cached (last evicted first)."""
         self.register(seq, seq.num_computed)
         for block in reversed(seq.blocks):
             self.ref[block] -= 1
@@ -140,9 +139,8 @@ class BlockManager:
             self.key_of[block], self.block_of[key] = key, block
 
     def match(self, seq: Sequence) -> tuple[int, int]:
-        """(hit, matched): the blocks of `seq`'s longest cached prefix that ends at a snapshot,
-        and the run of cached blocks from its start (>= hit). At least one token is left to
-        compute (the last one samples)."""
+        """(hit, matched) blocks: `seq`'s longest cached prefix ending at a snapshot, and the run
+        of cached blocks from its start; at least one token is left to compute."""
         keys = self.keys(seq)
         limit = (len(seq.token_ids) - 1) // self.block_size
         hit = matched = 0

@@ -94,8 +94,7 @@ def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = No
 def _plan_cache(model_config: ModelConfig, cfg: PytorchEngineConfig, plan: SpecPlan,
                 dtype: torch.dtype, device: torch.device, dist: DistContext,
                 max_positions: int) -> CacheConfig:
-    """This rank's KV plan; block and snapshot counts the minimum over all ranks (block tables
-    and prefix-cache decisions must agree)."""
+    """This rank's KV plan, its counts the minimum over all ranks (block tables must agree)."""
     draft = plan.draft
     cache_config = plan_cache(model_config, cfg, max_positions, plan.num_spec_tokens,
                               draft.num_kv_layers, dtype,
@@ -157,8 +156,7 @@ def _enable_graphs(agent, dist: DistContext, dtype: torch.dtype, plan: SpecPlan,
         return
     from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
     num_spec = plan.num_spec_tokens
-    max_blocks = max(-(-max_positions // cache_config.block_size),
-                     dummy_table_width(1 + num_spec))
+    max_blocks = max(-(-max_positions // cache_config.block_size), dummy_table_width(1 + num_spec))
     if deep_ep:             # every rank captures the same buckets in the same order
         most = max_batch_size * (1 + num_spec)
         prepare_dispatch(dist, ForwardSizes.captured(most, most, layout.tp))

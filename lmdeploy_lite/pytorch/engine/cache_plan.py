@@ -56,8 +56,7 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
             model_config, dtype, tp=tp, ssm_state_dtype=engine_config.ssm_state_dtype)
         num_snapshots = SNAPSHOTS_PER_SEQ * engine_config.max_batch_size
         if per_snapshot:
-            num_snapshots = min(num_snapshots, max(int(budget * SNAPSHOT_SHARE // per_snapshot),
-                                                   0))
+            num_snapshots = min(num_snapshots, max(int(budget * SNAPSHOT_SHARE // per_snapshot), 0))
         snapshot_bytes = num_snapshots * per_snapshot
     if engine_config.num_gpu_blocks:
         num_blocks = engine_config.num_gpu_blocks

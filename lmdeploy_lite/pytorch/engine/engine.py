@@ -29,8 +29,8 @@ WRITE_POLL_S = 0.01      # an idle engine waits this long for a hidden-states fi
 
 
 class Engine:
-    """`spec`: speculation's runtime (spec_decode/runtime.py: its agent and strategy, the
-    draft-count policy); `output_stage`: where finished outputs wait (hidden-state files)."""
+    """`spec`: speculation's runtime (spec_decode/runtime.py); `output_stage`: where finished
+    outputs wait (hidden-state files)."""
 
     def __init__(self, dist: DistContext, model_config: ModelConfig,
                  engine_config: PytorchEngineConfig, device: torch.device, dtype: torch.dtype,
@@ -42,8 +42,7 @@ class Engine:
         self.spec, self.scheduler, self.output_stage = spec, scheduler, output_stage
         self.agent, self.strategy = spec.agent, spec.strategy
         self.spec_plan, self.num_spec_tokens = spec.plan, spec.plan.num_spec_tokens
-        # n choices share their prompt's prefill (forking) unless every choice must be fed its
-        # prompt (extract_hidden_states: a forked choice's file would lack the prompt's rows)
+        # extract_hidden_states feeds every choice its prompt (a fork's file would lack its rows)
         self.share_prefill = not spec.plan.aux_hidden_state_layer_ids
         self.async_scheduling = async_scheduling
         self.sampling = SamplingTables(device)
@@ -81,8 +80,7 @@ class Engine:
         if len(request_ids) != gen_config.n:
             raise ValueError(f'n={gen_config.n}: {len(request_ids)} request ids given, one per '
                              f'choice needed')
-        request_ids = [uuid.uuid4().hex if r is None else check_request_id(r)
-                       for r in request_ids]
+        request_ids = [uuid.uuid4().hex if r is None else check_request_id(r) for r in request_ids]
         seqs = []
         for i in range(gen_config.n):
             if gen_config.random_seed is not None:
@@ -163,8 +161,7 @@ class Engine:
         return self.scheduler.reserve_ahead(seqs, num_steps=2)
 
     def _gather_plan(self, batch: ScheduledBatch | None, sampling: SamplingInputs) -> StepPlan:
-        """The StepPlan of the ranks that share this step's collectives (executors poll
-        `plan_busy`)."""
+        """The StepPlan of the ranks that share this step's collectives."""
         plan = StepPlan.gather(batch, self.dist, self.stop_requested,
                                sampled=not sampling.all_greedy,
                                num_spec=self.spec.choose_k(batch))
@@ -186,8 +183,7 @@ class Engine:
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
         inputs.graphable = self.dist.config.ep == 1 or plan.all_decoding   # DeepEP mode held
         inputs.num_spec = plan.num_spec                       # drafts verified and made
-        # sequence parallelism (if configured) for prefill and mixed steps only: decode steps
-        # run plain TP, whose one all-reduce per sub-layer costs less (ForwardSizes)
+        # sequence parallelism for prefill and mixed steps only: plain TP costs decode less
         split = self.dist.config.sequence_parallel and not inputs.is_decoding
         inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size, split)
         prepare_dispatch(self.dist, inputs.sizes)       # DeepEP: capacity check, clean

@@ -33,9 +33,8 @@ class Heartbeats:
         return lambda waiting=False: self.beat(rank, waiting)
 
     def stalled(self, limit_s: float, since: float = 0.0, describe=None) -> str | None:
-        """One line naming the stalled rank when any has been silent for over `limit_s` since
-        `since` (when requests became pending), else None. `describe(rank)`: its name, saying
-        'stopped' for a stopped process (named first)."""
+        """One line naming the stalled rank, silent for over `limit_s` since `since`, or None.
+        `describe(rank)`: its name, saying 'stopped' for a stopped process (named first)."""
         now = time.monotonic()
         ages = [now - max(t, since) for t in self.times]
         stale = [r for r, age in enumerate(ages) if age > limit_s]

@@ -124,8 +124,7 @@ class HiddenStatesWriter(DirectOutputs):
         return [output]
 
     def finish(self, seq, output):
-        """Queue `seq`'s file; `output` comes back from `take_done` once written, with
-        `hidden_states_path` set (or 'error')."""
+        """Queue `seq`'s file; `output` comes back from `take_done` once written (or 'error')."""
         chunks = self._rows.pop(seq, [])
         count = self._count.pop(seq, 0)
         self.pending += 1

@@ -139,8 +139,7 @@ def count_lookup(bm, seq, hit: int):
 
 
 def add_state_copies(bm, batch):
-    """Restores of newly admitted cached prefixes, and a snapshot where a prefill chunk ends on
-    a block boundary before the last token (named once the step has run: `keep_snapshot`)."""
+    """Restores of admitted cached prefixes; a save where a chunk ends on a block boundary."""
     if batch is None or not bm.caching or batch.is_decoding:
         return batch
     bs = bm.block_size

@@ -123,8 +123,7 @@ class Scheduler:
         return ScheduledBatch([s for s, _ in rows], [n for _, n in rows], is_decoding=False)
 
     def _schedule_alternating(self, budget: int) -> ScheduledBatch | None:
-        """Speculation while sequences decode: a prefill-chunk step of `budget` tokens after
-        each decode step, when there is a chunk to run."""
+        """Speculation: a chunk step of `budget` tokens after each decode step, if there is one."""
         if self._prefill_turn:
             self._prefill_turn = False
             prefill = self._schedule_prefill(budget)
@@ -231,8 +230,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """`seq`'s next prefill chunk: the budget's share, ending at its next snapshot point or
-        fork point."""
+        """`seq`'s next chunk: the budget's share, ending at its next snapshot or fork point."""
         n = min(seq.num_uncomputed, budget)
         points = seq.prefix.snapshot_points + forking.chunk_end(seq)
         for point in sorted(points):

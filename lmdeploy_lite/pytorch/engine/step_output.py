@@ -82,8 +82,7 @@ class StepOutput:
 
 @dataclass
 class InFlight:
-    """A launched step: batch, inputs and device results (the next decode step's inputs derive
-    from them), and `host`: the results' copies on their way to the host."""
+    """A launched step's batch, inputs, device results and their `host` copies under way."""
     batch: ScheduledBatch
     inputs: ModelInputs
     result: StepResult
@@ -92,8 +91,7 @@ class InFlight:
 
     @classmethod
     def launch(cls, batch, inputs, result: StepResult) -> 'InFlight':
-        """Start the non-blocking device-to-host copies (hidden states, fresh each step, are not
-        cloned on the CPU)."""
+        """Start the non-blocking device-to-host copies."""
         tensors = {f.name: getattr(result, f.name) for f in dataclasses.fields(result)}
         if result.output_tokens.device.type != 'cuda':
             host = {k: t.clone() if t is not None and k != 'hidden_states' else t
@@ -132,8 +130,7 @@ def host_logprobs(result: StepResult) -> tuple[list, list, list] | None:
 
 def row_logprobs(logprobs: tuple[list, list, list] | None, row: int, num_emitted: int,
                   num_top: int | None) -> list[tuple[float, list[int], list[float]]] | None:
-    """Row `row`'s first `num_emitted` tokens' (logprob, top ids, top logprobs), the top lists
-    cut to the request's `num_top` (None: it asked for none)."""
+    """Row `row`'s first `num_emitted` (logprob, top ids, top logprobs), cut to `num_top`."""
     if logprobs is None or num_top is None:
         return None
     chosen, top_ids, top_logprobs = (part[row] for part in logprobs)

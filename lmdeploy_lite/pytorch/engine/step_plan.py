@@ -33,8 +33,7 @@ import torch
 
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 
-FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown', 'sampled',
-          'num_spec')
+FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown', 'sampled', 'num_spec')
 _NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN, _SAMPLED, _NUM_SPEC = range(len(FIELDS))
 
 
@@ -66,8 +65,7 @@ class StepPlan:
 
     @cached_property
     def _columns(self) -> list[tuple[int, ...]]:
-        """One tuple of Python ints per field, read once (the properties are on the host's
-        critical path)."""
+        """One tuple of ints per field, read once (the properties are on the critical path)."""
         return list(zip(*self.rows.tolist()))
 
     @property
@@ -100,8 +98,7 @@ class StepPlan:
 
     @cached_property
     def max_tokens(self) -> int:
-        """The largest per-rank token count (a multiple of tp): EP dispatch capacity. A decode
-        row counts at the agreed `num_spec` (a rank that proposed more drafts runs fewer)."""
+        """The largest per-rank token count (EP dispatch capacity), decode rows at `num_spec`."""
         k, tp = self.num_spec, self.tp
         return max(round_up((1 + k) * b, tp) if d else n for n, b, d in
                    zip(self._columns[_NUM_TOKENS], self._columns[_BATCH],

@@ -52,7 +52,6 @@ class StopChecker:
 
 
 def truncate_at_stop_word(text: str, stop_words, start: int = 0) -> str:
-    """The output text ends before the first stop word (the stop word itself is not returned);
-    `start`: no stop word begins before this offset (the text there was checked already)."""
+    """`text` cut before its first stop word; `start`: none begins before this offset."""
     cut = min((i for i in (text.find(w, start) for w in stop_words or ()) if i >= 0), default=-1)
     return text if cut < 0 else text[:cut]

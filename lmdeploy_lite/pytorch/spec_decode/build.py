@@ -81,8 +81,7 @@ def check_speculative_config(spec: SpeculativeConfig, model_path: str,
 
 
 def check_extraction(spec: SpeculativeConfig, num_layers: int):
-    """extract_hidden_states: every layer id in 0..num_layers, and a directory that exists (made
-    here if missing) and takes a file (a probe, written and removed)."""
+    """Every layer id in 0..num_layers; a directory that exists (or is made) and takes a file."""
     ids = spec.aux_hidden_state_layer_ids
     bad = [i for i in ids if i > num_layers]
     if bad:
@@ -112,8 +111,7 @@ class DraftFootprint:
 
 def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
                     dtype: torch.dtype, target: DistConfig) -> DraftFootprint:
-    """Nothing for no draft or a host proposer; weight bytes from the head built on the meta
-    device with the draft's layout (the exact shapes a rank allocates)."""
+    """Weight bytes from the head built on the meta device with the draft's layout."""
     if not uses_draft_model(spec):
         return DraftFootprint(0, target.tp, 0)
     from lmdeploy_lite.pytorch.distributed import DistContext

@@ -78,8 +78,7 @@ class DraftCountPolicy:
             self.accepted[i] = self.accepted[i] * decay + more_accepted
 
     def observe_time(self, batch_size: int, k: int, seconds: float):
-        """The wall time of a decode step of `batch_size` sequences with k drafts; recorded only
-        after a step of the same bucket and k (the first after a switch measures the switch)."""
+        """A decode step's wall time, recorded only after a step of the same bucket and k."""
         cell = (batch_bucket(batch_size), k)
         last, self._last = self._last, cell
         if not self.dynamic or last != cell or seconds <= 0:
@@ -94,8 +93,7 @@ class DraftCountPolicy:
         self._last = None
 
     def step_time(self, bucket: int, k: int) -> float:
-        """Measured, or estimated from the nearest measured k at this bucket (a draft position
-        costing prior_draft_cost of the k = 0 step, or the measured slope between two ks)."""
+        """Measured, or estimated from the prior or the measured ks around it (relative units)."""
         known = self.times.get(bucket, {})
         if k in known:
             return known[k]

@@ -51,8 +51,7 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
     next_token = target_argmax[rows, num_accepted]                  # greedy: correction or bonus
     dist = target_probs[rows, num_accepted]                         # all accepted: bonus from p
     if k > 0:
-        dist = _after_rejection(dist, num_accepted, num_drafts, safe_drafts, draft_probs,
-                                token_map)
+        dist = _after_rejection(dist, num_accepted, num_drafts, safe_drafts, draft_probs, token_map)
     sampled_next = draw_from_probs(dist, sampling.generators)
     next_token = torch.where(sampling.do_sample, sampled_next, next_token)
 
@@ -100,8 +99,7 @@ def _after_rejection(p_next: Tensor, num_accepted: Tensor, num_drafts: Tensor,
     else:
         q_next = draft_probs[rows, at].to(p_next.dtype)
         if token_map is not None:                         # [B, M] -> [B, V], 0 off the map
-            q_next = torch.zeros_like(p_next).scatter_(
-                -1, token_map.expand(batch_size, -1), q_next)
+            q_next = torch.zeros_like(p_next).scatter_(-1, token_map.expand(batch_size, -1), q_next)
     residual = (p_next - q_next).clamp(min=0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_next)
     return torch.where(rejected[:, None], residual, p_next)

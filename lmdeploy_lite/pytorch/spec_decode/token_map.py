@@ -21,8 +21,7 @@ def _error(path: str, problem: str) -> ValueError:
 
 
 def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
-    """The map in `path` as an int64 tensor [M] (CPU), M >= 1, distinct ids in 0..vocab_size-1;
-    a ValueError naming the file, the offending entry and what is allowed otherwise."""
+    """The map as an int64 CPU tensor [M] of distinct ids in 0..vocab_size-1, M >= 1."""
     allowed = f'token ids must be ints in 0..{vocab_size - 1}'
     if not os.path.isfile(path):
         raise _error(path, f'no such file (expected {FORMAT})')
@@ -74,8 +73,7 @@ def _read_safetensors(path: str) -> torch.Tensor:
 
 
 def rows_per_rank(token_map: torch.Tensor, vocab_size: int, tp: int) -> int:
-    """R: the most map ids any TP rank's contiguous vocab shard (ceil(V / tp) rows, as
-    ParallelLMHead) holds; every rank copies R weight rows (padded) for the reduced head."""
+    """R: the most map ids any TP rank's vocab shard (ceil(V / tp) rows) holds."""
     shard = -(-vocab_size // tp)
     return int(torch.bincount(token_map // shard, minlength=tp).max())
 

@@ -58,8 +58,7 @@ class Strategy:
                                  [s.state_slot for s in seqs], batch.is_decoding, device)
 
     def batch_inputs(self, batch, device) -> ModelInputs:
-        """`make_model_inputs`, with the cache copies the scheduler asked for on the device:
-        state restores and saves (prefix cache), block and state copies (forking)."""
+        """`make_model_inputs` with the batch's cache copies on the device."""
         inputs = self.make_model_inputs(batch, device)
         for field, pairs in (('state_restores', batch.restores), ('state_saves', batch.saves),
                              ('block_copies', batch.block_copies),
@@ -68,8 +67,7 @@ class Strategy:
                 setattr(inputs, field, to_device(torch.tensor(pairs), device))
         return inputs
 
-    def make_next_decode_inputs(self, batch, prev: ModelInputs, prev_result, device
-                                ) -> ModelInputs:
+    def make_next_decode_inputs(self, batch, prev: ModelInputs, prev_result, device) -> ModelInputs:
         """Async scheduling: `prev`'s decode batch one step on, built while it may still run:
         lengths advance on the device; block tables from the host (reserved ahead)."""
         history = prev.history_lens + self.emitted_per_row(prev_result)
@@ -96,8 +94,7 @@ class Strategy:
 
     def make_dummy_inputs(self, num_tokens_per_seq: int, is_decoding: bool, device,
                           num_spec: int = 0) -> ModelInputs:
-        """An idle rank's one padding sequence, so its collectives match the busy ranks'; it
-        writes only the reserved block 0 and state slot 0."""
+        """An idle rank's padding sequence (writing only reserved block 0 and state slot 0)."""
         width = dummy_table_width(num_tokens_per_seq)
         inputs = pack_model_inputs([[0] * num_tokens_per_seq], [0], [[0] * width], [0],
                                    is_decoding=is_decoding, device=device)

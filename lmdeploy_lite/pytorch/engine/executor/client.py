@@ -151,7 +151,7 @@ class RankClient:
         self._live: dict[int, RequestHandle] = {}
         self._busy_since = 0.0                   # when _live last became non-empty
         self._load = [0] * dp
-        # prefix-cache routing (dp > 1): each DP rank's snapshot keys; the keys' naming
+        # prefix-cache routing (dp > 1): each DP rank's snapshot keys, and how keys are made
         self._snapshot_keys: list[set[int]] = [set() for _ in range(dp)]
         self._stats = [EngineStats() for _ in range(dp)]
         self._prefix_naming = (0, False, False)
@@ -234,8 +234,7 @@ class RankClient:
             raise ValueError(f'n={n}: {len(tags)} request tags and {len(request_ids)} request '
                              f'ids given, one of each per choice needed')
         self.validate_request(token_ids, gen_config)
-        request_ids = [uuid.uuid4().hex if r is None else check_request_id(r)
-                       for r in request_ids]
+        request_ids = [uuid.uuid4().hex if r is None else check_request_id(r) for r in request_ids]
         cached = self._cached_tokens(token_ids)
         with self._lock:
             # the rank that holds the longest cached prefix, unless it is a whole batch busier
@@ -283,8 +282,7 @@ class RankClient:
 
     # ---- results --------------------------------------------------------------------------
     def _collect(self):
-        """Hand the reports on; every LIVENESS_CHECK_S, busy or not, check every rank is alive
-        (DP ranks that share no collective run on without a dead peer)."""
+        """Hand the reports on; check every LIVENESS_CHECK_S, busy or not, that all ranks live."""
         next_check = time.monotonic() + LIVENESS_CHECK_S
         while True:
             try:
@@ -304,8 +302,7 @@ class RankClient:
                     return
 
     def _on_report(self, kind: str, rank: int, payload) -> bool:
-        """('out', rank, (outputs, news)) or ('error', rank, (summary, trace)); False once the
-        engine has failed."""
+        """('out', rank, (outputs, news)) or ('error', rank, (summary, trace)); False: failed."""
         if kind == 'error':
             self._fail(RuntimeError(self._describe_failure(rank, *payload)))
             return False

@@ -31,8 +31,7 @@ class Lifeline:
 
 
 def make_lifeline(ctx) -> tuple[Lifeline, object]:
-    """(the workers' Lifeline, the write end the front-end keeps open for as long as it lives).
-    `ctx`: the multiprocessing context that starts the workers."""
+    """(the workers' Lifeline, the write end the front-end keeps open while it lives)."""
     reader, writer = ctx.Pipe(duplex=False)
     if ctx.get_start_method() == 'forkserver':
         return Lifeline(None, reader, True), writer

@@ -75,8 +75,7 @@ def rank_env(env: dict | None, world_size: int) -> dict:
     """What every rank adds to its environment: this process's LMDEPLOY_LITE_*, `env`, threads."""
     child_env = {k: v for k, v in os.environ.items() if k.startswith('LMDEPLOY_LITE_')}
     child_env.update(env or {})
-    child_env[NUM_THREADS_ENV] = str(worker_num_threads(world_size,
-                                                        child_env.get(NUM_THREADS_ENV)))
+    child_env[NUM_THREADS_ENV] = str(worker_num_threads(world_size, child_env.get(NUM_THREADS_ENV)))
     return child_env
 
 

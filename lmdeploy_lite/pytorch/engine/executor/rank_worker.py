@@ -27,8 +27,7 @@ def uses_cuda(device: str) -> bool:
 
 
 def rank_device(device: str, local_rank: int):
-    """This rank's CUDA device, `cuda:{local_rank}`, made current (so that every later 'cuda'
-    tensor, the KV cache and the NCCL communicators land on it); None on CPU."""
+    """`cuda:{local_rank}`, made current (every later 'cuda' tensor lands there); None on CPU."""
     import torch
     if not uses_cuda(device):
         return None

@@ -26,8 +26,7 @@ RAY_CALL_TIMEOUT_S = 60          # one small actor call (a queue put, a port loo
 
 
 class _RankQueue:
-    """A ray Queue whose every call is bounded in time (ray's own wait forever on an actor
-    that does not answer); a rank's view: errors (the queue actor is gone) propagate."""
+    """A ray Queue whose every call is bounded in time; a rank's view: errors propagate."""
 
     def __init__(self, q):
         self.q = q
@@ -49,8 +48,8 @@ class _RankQueue:
 
 
 class _FrontEndQueue(_RankQueue):
-    """The front-end's view: once the queue's actor is gone (after a failure or close), puts
-    are dropped and gets report Empty, as an mp queue with no reader would."""
+    """The front-end's view: once the queue's actor is gone, puts are dropped and gets report
+    Empty, as an mp queue with no reader would."""
 
     def put(self, item):
         import ray

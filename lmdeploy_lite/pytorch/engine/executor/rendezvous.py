@@ -25,8 +25,7 @@ def loopback_env() -> dict[str, str]:
 
 
 class FileRendezvous:
-    """`init_method` for the ranks of this host (a file:// URL) in a directory only this user
-    can read; `close()` removes it."""
+    """A file:// `init_method` in a directory only this user can read; `close()` removes it."""
 
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix='lmdeploy_lite_rendezvous_')    # mode 0700

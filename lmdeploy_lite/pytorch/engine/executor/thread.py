@@ -16,8 +16,7 @@ logger = logging.getLogger('lmdeploy_lite')
 
 
 class EngineLoop(RankClient):
-    """`EngineClient` over an Engine in a thread of this process (`engine`: for tests and
-    benchmarks that look inside; nothing else touches it)."""
+    """`engine`: for tests and benchmarks that look inside; nothing else touches it."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -31,8 +30,7 @@ class EngineLoop(RankClient):
     def _start(self, model_path, cfg, spec_config, env):
         self._inboxes = [queue.Queue()]
         self._heartbeats = Heartbeats(1)
-        self._thread = threading.Thread(target=self._run, name='lmdeploy_lite-engine',
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name='lmdeploy_lite-engine', daemon=True)
         self._thread.start()
 
     def _wait_ready(self):

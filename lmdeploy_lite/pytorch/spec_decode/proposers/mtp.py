@@ -57,8 +57,7 @@ class MTPProposer:
                 lambda inputs, ids, h, k=k: self._greedy_chain(inputs, h, k), f'mtp chain k={k}')
 
     def _greedy_chain(self, first: ModelInputs, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """Greedy drafts [B, k] from the head's output `hidden` [B, H] at each sequence's last
-        accepted position; `first` is the one-token step of draft 2 (positions one past it)."""
+        """Greedy drafts [B, k] from the head's output `hidden` [B, H]; `first`: draft 2's step."""
         token = self._greedy_token(hidden)
         drafts = [token]
         for i in range(1, k):
