@@ -1,13 +1,12 @@
-"""Per-rank cache tensors of the model and of the MTP draft (its own full-attention KV). `tp`: the
-owning model's TP size (a rank keeps only its heads; the draft's own tp for its cache); the
-counts come from `plan_cache`. `caches[layer_idx]` is the layer's tuple (slots: model_inputs.py):
+"""Per-rank cache tensors of the model and of the MTP draft (its own full-attention KV), at the
+owning model's `tp` (the draft's own tp for its cache); counts from `plan_cache`.
+`caches[layer_idx]` is the layer's tuple (slots: model_inputs.py):
   full-attention:   (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads / tp,
                     head_dim], model dtype;
   linear-attention: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num_spec], model dtype,
                      recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv], `state_dtype`).
-Prefix cache: `num_snapshots` rows per linear-attention layer of what a prefill leaves in a state
-slot (recurrent slot 0, conv columns 0..K-2); `save` / `restore` (engine/prefix_cache.py).
-Forking: `copy_blocks` copies whole KV blocks, `copy_states` a slot's prefill state.
+`snapshots`: `num_snapshots` rows per linear-attention layer of what a prefill leaves in a state
+slot (recurrent slot 0, conv columns 0..K-2) for the prefix cache.
 """
 from __future__ import annotations
 

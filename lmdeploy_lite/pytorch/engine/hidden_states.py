@@ -1,15 +1,13 @@
 """extract_hidden_states: each finished request's hidden states at chosen layers, in a file.
-
-The model keeps transformers' `output_hidden_states[i]` for the chosen ids at every fed token
-(`ModelAgent.hidden_state_layer_ids`; no extra collective: under TP the residual stream is whole
-after each all-reduce; only TP rank 0 of a DP group keeps rows). The rows reach the host with the
-step's tokens and are filed by position, so a recomputed sequence overwrites its rows. The file
-`DIR/<request id>.safetensors` holds
+The model keeps transformers' `output_hidden_states[i]` for the chosen ids at every fed token (no
+extra collective: under TP the residual stream is whole after each all-reduce; only TP rank 0 of
+a DP group keeps rows). The rows reach the host with the step's tokens and are filed by position
+(a recomputed sequence overwrites its rows). `DIR/<request id>.safetensors` holds
     hidden_states [T, len(ids), hidden_size]  the model's dtype
     token_ids     [T] int64                   the prompt, then the generated tokens but the last
 (T: every token fed) and the ids in its metadata (`aux_hidden_state_layer_ids`, e.g. '2,18,34').
-A background thread writes it; the request's last output waits for it and then carries the path,
-or finish_reason 'error' and why (the engine goes on).
+A background thread writes it; the request's last output waits for it and carries the path, or
+finish_reason 'error' and why (the engine goes on).
 """
 from __future__ import annotations
 

@@ -52,8 +52,7 @@ class Sequence:
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     drafts_ready: int = 0                 # drafts its last step made (the next verify's at most)
     stop_ids: frozenset[int] | None = None   # token ids that end it (StopChecker, computed once)
-    num_cached_tokens: int = 0            # prompt tokens its first admission took from the
-                                          # prefix cache (Response.num_cached_tokens)
+    num_cached_tokens: int = 0            # prompt tokens its first admission found cached
     num_preemptions: int = 0              # times the scheduler preempted it (recomputed)
     request_id: str | None = None         # the front-end's name for it (hidden-states files)
     prefix: PrefixState = field(default_factory=PrefixState)

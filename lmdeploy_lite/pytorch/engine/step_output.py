@@ -1,7 +1,6 @@
-"""What a step hands back: the device results on their way to the host (`InFlight`), and each
-sequence's result as consumers see it (`StepOutput`), copied off the live Sequence so that a
-consumer a step or more behind the engine (async scheduling, mp/ray reports) reads the step as
-it stood.
+"""What a step hands back: device results on their way to the host (`InFlight`), and each
+sequence's result (`StepOutput`), copied off the live Sequence so that a consumer a step or more
+behind the engine (async scheduling, mp/ray reports) reads the step as it stood.
 """
 from __future__ import annotations
 
@@ -21,11 +20,8 @@ from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 
 
 class StepOutput:
-    """One sequence's result of one step: the one output type of every consumer, pickled as it
-    is across process boundaries (`seq`, the live Sequence, stays behind: None there). Every
-    field is copied when the output is made (the speculative counters as the tuple
-    `stats_snapshot`). `logprobs`: one (logprob, top N ids, their logprobs) per new token for a
-    request that asked for N, else None."""
+    """One sequence's result of one step, pickled as it is (`seq` stays behind: None there).
+    `logprobs`: (logprob, top N ids, their logprobs) per new token for a request asking N."""
     # what a request's Response carries as it is (pipeline(): Response's fields of these names)
     RESPONSE_FIELDS = ('error', 'num_cached_tokens', 'num_preemptions', 'hidden_states_path')
     __slots__ = ('seq', 'new_token_ids', 'finished', 'finish_reason', 'num_generated',

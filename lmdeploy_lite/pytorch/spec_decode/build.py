@@ -1,17 +1,15 @@
 """A SpeculativeConfig turned into the engine's pieces: `SpecPlan`, plain sizes that engine/ and
 the executors read (only this package and strategies/ar_spec/ know the methods), then the agent
-and strategy. Where the plan's sizes come from:
-  * num_draft_extra: the MTP head drafts k tokens from the last accepted position, writing its
-    own KV k - 1 positions past the k + 1 a verify step feeds; a host proposer (ngram) none;
+and strategy. The plan's sizes:
+  * num_draft_extra: the MTP head writes its own KV k - 1 positions past the k + 1 a verify step
+    feeds (it drafts k from the last accepted position); a host proposer (ngram) none;
   * draft (DraftFootprint): the MTP head's KV layers at its own tp and its weights per rank;
-    with a token map (token_map.py) also R x hidden rows of the shared LM head;
   * draft_probs_bytes_per_slot: q [k, vocab] per state slot for verifying sampled drafts
     (SpecAgent.draft_probs): k x vocab x 4 bytes in float32, 8 in float64; ~194 MB at
     max_batch_size 64, k = 3 and Qwen3.5's 248k vocabulary; k x M with a token map of M ids,
     ~25 MB at M = 32k; none for host proposers, whose drafts are deterministic;
   * needs_host_tokens: a host proposer drafts from the accepted tokens (no async scheduling).
-method='extract_hidden_states' drafts nothing (k = 0) and names the layers whose hidden states
-each request's file holds (engine/hidden_states.py).
+extract_hidden_states drafts nothing (k = 0): it names the layers each request's file holds.
 """
 from __future__ import annotations
 

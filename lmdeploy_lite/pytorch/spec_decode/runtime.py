@@ -1,9 +1,7 @@
-"""All the engine knows of speculation, and the only module of spec_decode/ that engine/ imports:
-at start-up the checked `SpecPlan` (`plan_speculation`: plain sizes) and one `SpecRuntime` (the
-model agent and strategy it runs, the draft-count policy), asked three things per step: how
-many drafts (`choose_k`), the batch at that count (`with_draft_count`), and what the step
-showed (`observe_time`, `observe_acceptance`). Without speculation the same object runs plain
-decoding (k = 0, no policy)."""
+"""All the engine knows of speculation (the only module of spec_decode/ engine/ imports): the
+checked `SpecPlan` and one `SpecRuntime` (agent, strategy, draft-count policy) asked per step
+`choose_k`, `with_draft_count`, `observe_time` and `observe_acceptance`. Without speculation it
+runs plain decoding (k = 0, no policy)."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,10 +43,8 @@ class SpecRuntime:
         return self.policy.propose(len(batch.seqs))
 
     def with_draft_count(self, batch, k: int):
-        """The batch at the plan's draft count k: a decode row feeds k + 1 tokens and verifies
-        the drafts its last step made, at most k (`row_drafts`; fewer when that step drafted
-        fewer: its extra positions are never accepted); every row then drafts k. A new object:
-        a continued batch is still its in-flight step's."""
+        """A new batch at draft count k: a decode row feeds k + 1 tokens and verifies at most k
+        drafts its last step made (`row_drafts`), then every row drafts k."""
         if batch is None or self.policy is None:
             return batch
         seqs = batch.seqs

@@ -1,11 +1,8 @@
 """One speculative step on one rank: verify -> accept -> bonus -> draft (DESIGN.md "One step"),
-for `inputs.num_spec` drafts (the StepPlan's k; 0: a plain decode step, after which the draft
-head only writes its KV for the step's positions).
-
-Decode state stays on the device, one row per state slot (DESIGN.md invariant 7): `last_token`
-(the last bonus token), `drafts` [k], `num_drafted` (drafts the slot's last step made: a verify
-accepts no more) and, with a device proposer, `draft_probs` [k, V] ([k, M] over a token map's
-ids; sized and charged per spec_decode/build.py). The next decode step's inputs
+for `inputs.num_spec` drafts (the StepPlan's k; 0: a plain decode step). Decode state stays on
+the device per state slot (DESIGN.md invariant 7): `last_token` (the last bonus token), `drafts`
+[k], `num_drafted` (a verify accepts no more) and, with a device proposer, `draft_probs` [k, V]
+([k, M] over a token map; sized per spec_decode/build.py). The next decode step's inputs
 `[last_token, d1..dk]` are built from them on the device; the host only learns emitted tokens.
 """
 from __future__ import annotations
@@ -77,10 +74,8 @@ class SpecAgent:
         return self._prefill_and_draft(inputs, sampling)
 
     def _plain_step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
-        """k = 0: plain decoding of the last token, then the draft head writes only its KV
-        there (later drafts see a complete cache). Greedy, with CUDA graphs: one replay of
-        forward, LM head, argmax and that KV write (`plain_graph`), as cheap as a plain engine's
-        step. No accepted counts: the host takes one token per row."""
+        """k = 0: plain decoding, then the draft head writes only its KV there. Greedy with CUDA
+        graphs, one replay of forward, LM head, argmax and that write (`plain_graph`)."""
         slots = inputs.state_slots
         if inputs.draft_tokens is None:           # device drafts: the id is on the device
             inputs.input_ids = self.last_token[slots]

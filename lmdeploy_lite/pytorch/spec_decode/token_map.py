@@ -1,8 +1,7 @@
 """A reduced draft vocabulary (`SpeculativeConfig.draft_token_map`, after FR-Spec / SGLang's
-`--speculative-token-map`): the MTP draft scores and proposes only the map's M token ids, given
-as a JSON list or a safetensors 1-D int64 `token_map` (most frequent first; tools/
-build_token_map.py). Verification still scores the full vocabulary, so output is unchanged; q is
-zero outside the map and kept over it only (SpecAgent.draft_probs [slots, k, M]).
+`--speculative-token-map`): the MTP draft scores and proposes only the map's M ids (a JSON list,
+or a safetensors 1-D int64 `token_map`, most frequent first; tools/build_token_map.py). The
+verify still scores the full vocabulary, so output is unchanged; q is zero off the map.
 """
 from __future__ import annotations
 

@@ -8,9 +8,8 @@ from lmdeploy_lite.pytorch.engine.executor.client import EngineClient
 def connect(model_path: str, engine_config: PytorchEngineConfig,
             speculative_config: SpeculativeConfig | None = None, tokenizer=None,
             progress: bool = True, engine_process: bool = False) -> EngineClient:
-    """An engine's client: one ray actor per rank (distributed_executor_backend='ray'), one
-    process per rank (tp * dp > 1, or `engine_process`), else one engine in a thread of this
-    process."""
+    """One ray actor per rank (backend 'ray'), one process per rank (tp * dp > 1, or
+    `engine_process`), else one engine in a thread of this process."""
     if engine_config.distributed_executor_backend == 'ray':
         from lmdeploy_lite.pytorch.engine.executor.ray import RayEngineLoop
         return RayEngineLoop(model_path, engine_config, speculative_config)

@@ -1,11 +1,9 @@
-"""The one seam between the engine and everything that drives it: `EngineClient`. Its
-implementations differ only in where the ranks run: a thread of this process (thread.py), one
-process per rank (mp.py), one ray actor per rank (ray.py). Each rank runs the same loop
-(rank_worker.py) and sends one report per step; `RankClient` does the rest: validation, request
-ids, routing to a DP rank, delivery to sinks, liveness, failure, stats.
-
-Requests submitted with one `Channel` get one `post` per step carrying all of their outputs (a
-batch of 64 streams is one queue put, one thread wake-up); a callable sink one call per output.
+"""The one seam between the engine and everything that drives it: `EngineClient`, whose
+implementations differ only in where the ranks run: a thread (thread.py), one process per rank
+(mp.py), one ray actor per rank (ray.py). Every rank runs `rank_loop` and sends one report per
+step; `RankClient` does the rest: validation, request ids, DP routing, delivery, liveness, stats.
+Requests of one `Channel` get one `post` per step with all their outputs (64 streams: one queue
+put, one wake-up); a callable sink gets one call per output.
 """
 from __future__ import annotations
 

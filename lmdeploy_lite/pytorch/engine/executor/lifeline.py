@@ -1,13 +1,11 @@
-"""A rank process ends when the process that started it ends, however (SIGKILL included, which
-no `daemon=True` or atexit hook survives). Both mechanisms are armed first thing in the worker:
-- Linux: prctl(PR_SET_PDEATHSIG, SIGKILL), then a check that the parent has not died already.
-  The kernel signals when the *thread* that started the worker exits, so it is armed only for
-  workers started from the parent's main thread (a pipeline built in a short-lived thread relies
-  on the watchdog); a fork server's children (mp's) are always armed: it forks from its main
-  thread and exits with the front-end.
-- Everywhere: a daemon watchdog that ends the worker within WATCH_INTERVAL_S once its parent pid
-  changes or the lifeline pipe breaks (the front-end holds the only write end; the OS closes it
-  when the front-end dies).
+"""A rank process ends when the process that started it ends, however (SIGKILL included). Armed
+first thing in the worker:
+- Linux: prctl(PR_SET_PDEATHSIG, SIGKILL), then a check that the parent still lives. The kernel
+  signals when the *thread* that started the worker exits, so it is armed only for workers
+  started from the parent's main thread; a fork server's children (mp's) always: it forks from
+  its main thread and exits with the front-end.
+- Everywhere: a watchdog thread ends the worker within WATCH_INTERVAL_S once its parent pid
+  changes or the lifeline pipe breaks (the front-end holds the only write end).
 """
 from __future__ import annotations
 

@@ -2,19 +2,16 @@
 has imported torch; spawn where there is none), gloo on CPU; on CUDA rank r uses cuda:r
 (`rank_device`; the front-end first checks that there are dp x tp GPUs) and NCCL.
 
-Every rank runs `rank_loop` (rank_worker.py). The ranks of a plan group (step_plan.py says which)
-advance in lockstep; an idle rank of a busy group polls its inbox without waiting
-(`engine.plan_busy`), a group with no work waits on it at most IDLE_WAIT_S (short: TP peers wait
-for TP rank 0's inbox broadcast within the collective timeout). close() puts a stop in every
-rank's inbox; TP rank 0 shares it, and the plan's shutdown flag ends the group in one step.
-
-Failures: a dead rank is found within LIVENESS_CHECK_S however busy the others are; `error`
-becomes one line naming it and how it ended ('rank 1 (pid 4242) was killed by signal SIGKILL'),
-or the first line of what a rank raised (tracebacks go to the log). Every live request gets it,
-the other ranks are ended, close() returns promptly. Ranks die with the front-end (lifeline.py)
-and ignore SIGINT (a Ctrl-C reaches the whole process group; the front-end decides).
-`worker_hook`: a picklable top-level function called with each rank's Engine before it serves
-(tests break engines with it).
+Every rank runs `rank_loop` (rank_worker.py); the ranks of a plan group (step_plan.py says which)
+advance in lockstep. An idle rank of a busy group polls its inbox without waiting
+(`engine.plan_busy`); a group with no work waits at most IDLE_WAIT_S (TP peers wait for TP rank
+0's inbox broadcast within the collective timeout). close() puts a stop in every inbox; the
+plan's shutdown flag ends each group in one step. A dead rank is found within LIVENESS_CHECK_S;
+`error` is then one line naming it and how it ended ('rank 1 (pid 4242) was killed by signal
+SIGKILL') or the first line of what it raised (tracebacks go to the log), every live request gets
+it and the other ranks are ended. Ranks die with the front-end (lifeline.py) and ignore SIGINT
+(Ctrl-C reaches the whole process group). `worker_hook`: a picklable top-level function called
+with each rank's Engine before it serves (tests break engines with it).
 """
 from __future__ import annotations
 
@@ -23,6 +20,7 @@ import signal
 import socket
 import time
 
+import torch
 import torch.multiprocessing as mp
 
 from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
@@ -37,7 +35,6 @@ from lmdeploy_lite.pytorch.engine.heartbeat import Heartbeats
 def worker_num_threads(world_size: int, requested: str | None = None) -> int:
     """Torch threads per rank: `requested` (LMDEPLOY_LITE_NUM_THREADS), else this process's
     thread count shared among the ranks, at least 1."""
-    import torch
     if not requested:
         return max(1, torch.get_num_threads() // world_size)
     if not requested.strip().isdigit() or int(requested) < 1:
@@ -86,7 +83,6 @@ class MPEngineLoop(RankClient):
 
     def _start(self, model_path: str, cfg: PytorchEngineConfig,
                spec_config: SpeculativeConfig | None, env: dict):
-        import torch
         world = self.dist_config.world_size
         if uses_cuda(cfg.device):           # rank r on cuda:r of this machine
             self.dist_config.validate(self.model_config, num_devices=torch.cuda.device_count())

@@ -1,15 +1,11 @@
-"""The Qwen3.5 MTP head as a proposer: k draft tokens per sequence, all on the device.
-
-Its KV cache (one full-attention layer) is its own, on the target's block table. Each call first
-runs the head over every position the target just ran (target hidden h_t, token x_{t+1} at
-position t) so its cache stays complete, then drafts k tokens from the last accepted position,
-reusing the one layer at position + 1 on its own normed output (qwen3_5.md section 3). With
-k = 0 it only writes that KV (`Qwen3_5MTP.write_kv`).
-
-With CUDA graphs a greedy step drafts in two replays: the head over the verified positions, then
-the whole chain (LM head, argmax, and k - 1 more head / LM head / argmax steps) as ONE graph per
-k (`chain_graphs`). Sampled rows draw from per-request generators, which a graph cannot hold: a
-step with any sampled row drafts step by step.
+"""The Qwen3.5 MTP head as a proposer: k draft tokens per sequence, all on the device. Its own KV
+(one full-attention layer, on the target's block table) is first written over every position the
+target just ran (hidden h_t, token x_{t+1} at position t), then it drafts k tokens from the last
+accepted position, the one layer reused at position + 1 on its own normed output (qwen3_5.md
+section 3); with k = 0 it only writes that KV. With CUDA graphs a greedy step drafts in two
+replays: the head over the verified positions, then the whole chain (LM head, argmax, k - 1 more
+head steps) as ONE graph per k (`chain_graphs`). Sampled rows draw from per-request generators,
+which a graph cannot hold: a step with any sampled row drafts step by step.
 """
 from __future__ import annotations
 
