@@ -4,9 +4,7 @@ held to one thread by tests/conftest.py, start one-thread ranks and do not overs
 import pytest
 import torch
 
-from lmdeploy_lite import PytorchEngineConfig
-from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
-from lmdeploy_lite.pytorch.engine.executor.mp import RemoteEngineLoop, worker_num_threads
+from lmdeploy_lite.pytorch.engine.executor.mp import rank_env, worker_num_threads
 from lmdeploy_lite.pytorch.engine.executor.rank_worker import NUM_THREADS_ENV
 
 
@@ -31,28 +29,11 @@ def test_the_env_var_wins_and_is_validated(threads):
             worker_num_threads(1, bad)
 
 
-class _EnvOnly(RemoteEngineLoop):
-    """Stops in _start, keeping the environment its ranks would get (`started_with`)."""
-    started_with: dict | None = None
-
-    def _start(self, model_path, cfg, spec_config, env):
-        type(self).started_with = env
-        raise InterruptedError
-
-    def _kill(self):
-        pass
-
-
-def _rank_env(**kw) -> dict:
-    with pytest.raises(InterruptedError):
-        _EnvOnly(EMBEDDED_MODEL_DIR, PytorchEngineConfig(dp=2, device='cpu'), **kw)
-    return _EnvOnly.started_with
-
-
 def test_the_front_end_passes_the_count_to_every_rank(threads, monkeypatch):
+    """`rank_env`: what the mp and ray launchers add to every rank's environment."""
     threads(4)
     monkeypatch.delenv(NUM_THREADS_ENV, raising=False)
-    assert _rank_env()[NUM_THREADS_ENV] == '2'                        # 4 threads / dp=2
-    assert _rank_env(env={NUM_THREADS_ENV: '1'})[NUM_THREADS_ENV] == '1'
+    assert rank_env(None, 2)[NUM_THREADS_ENV] == '2'                  # 4 threads / dp=2
+    assert rank_env({NUM_THREADS_ENV: '1'}, 2)[NUM_THREADS_ENV] == '1'
     monkeypatch.setenv(NUM_THREADS_ENV, '3')
-    assert _rank_env()[NUM_THREADS_ENV] == '3'
+    assert rank_env(None, 2)[NUM_THREADS_ENV] == '3'

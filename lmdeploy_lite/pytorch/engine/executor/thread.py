@@ -62,3 +62,8 @@ class EngineLoop(RankClient):
             return
         for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
             self.engine.abort(seq)
+
+    def _release(self):
+        """The engine is the caller's again, usable in its own thread (tests, benchmarks)."""
+        if not self._thread.is_alive() and self.error is None:
+            self.engine.stop_requested = self.engine.stopped = False
