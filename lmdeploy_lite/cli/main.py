@@ -163,12 +163,9 @@ def executor_args(args) -> dict:
 
 
 def leave_a_core_to_the_front_end(device: str):
-    """On CPU, unless OMP_NUM_THREADS sets the count, torch computes on one core fewer than it
-    has: the engine runs in a background thread, and the front-end (streaming text, the server's
-    event loop) wakes every step; on cores that torch's OpenMP threads all hold, each wake-up
-    descheduled one of them and the whole parallel region waited for it. Measured on 2 cores
-    (embedded model, through pipeline()): batch 64 decoded at 928 tokens/s with 2 threads and at
-    1,526 with 1 (the bare step loop: 1,448-1,682), batch 1 at ~100 and ~123."""
+    """On CPU (no OMP_NUM_THREADS), torch leaves one core to the front-end, whose wake-ups each
+    step otherwise stall a parallel region (2 cores, embedded model, pipeline(): batch 64 at 928
+    tokens/s with 2 threads, 1,526 with 1; batch 1 ~100 and ~123; BENCHMARKS.md)."""
     import torch
     if ('OMP_NUM_THREADS' not in os.environ and torch.get_num_threads() >= 2
             and not _on_cuda(device)):
@@ -233,9 +230,8 @@ def cmd_generate(args) -> int:
 
 
 def _fit_history(pipe, messages: list[dict], session_len: int, room: int) -> tuple[list[dict], int]:
-    """Drop the oldest user/assistant turns (system messages stay) until the conversation's
-    prompt leaves `room` tokens to answer in; returns (messages, turns dropped). Raises
-    ValueError when the newest message alone does not fit."""
+    """Drop the oldest user/assistant turns (system messages stay) until the prompt leaves `room`
+    tokens; (messages, turns dropped). ValueError when the newest message alone does not fit."""
     dropped = 0
     while len(pipe.encode(messages)) > session_len - room:
         turns = [i for i, m in enumerate(messages) if m['role'] != 'system']
@@ -252,10 +248,8 @@ def _fit_history(pipe, messages: list[dict], session_len: int, room: int) -> tup
 
 
 def cmd_chat(args) -> int:
-    """Ctrl-C during a reply stops that reply (its text stays in the history); Ctrl-C or Ctrl-D
-    at the prompt, or an empty line, ends the session. A conversation that outgrows the session
-    loses its oldest turns, said so; a message too long on its own is refused and the session
-    goes on."""
+    """Ctrl-C stops a reply (its text stays); Ctrl-C, Ctrl-D or an empty line at the prompt ends
+    the session. Turns that outgrow the session are dropped, oldest first, and said so."""
     pipe, gen_config = _build(args)
     session_len = pipe.session_len
     room = min(gen_config.max_new_tokens, max(1, session_len // 4))  # tokens kept to answer in
