@@ -7,7 +7,7 @@ import pytest
 import lmdeploy_lite
 from lmdeploy_lite.cli import main as cli
 
-COMMANDS = (['generate', '--prompt', 'x'], ['chat'], ['serve', 'api_server'])
+COMMANDS = (['generate', '--prompt', 'x'], ['chat'], ['serve', 'api_server', '--server-port', '0'])
 
 
 class Built(Exception):
