@@ -109,7 +109,7 @@ def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
     seq_of: dict[int, object] = {}           # request id -> Sequence
     leader = engine.dist.tp_rank == 0
     route_by_prefix = engine.dist.config.dp > 1      # the front-end routes by cached prefixes
-    last_stats = None                                # the figures as last reported
+    last_seen = None                                 # what the figures last reported showed
     while not engine.stopped:
         beat()
         # an idle rank of a busy plan group must reach the next plan gather at once
@@ -128,10 +128,12 @@ def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
         events = engine.scheduler.bm.snapshots.take_events()
         if not leader:
             continue
-        stats = EngineStats.of(engine)
-        news = None
-        if (events and route_by_prefix) or stats != last_stats:
-            news, last_stats = (events if route_by_prefix else [], stats), stats
+        scheduler, bm = engine.scheduler, engine.scheduler.bm
+        seen = (engine.num_prefill_tokens, bm.num_cached_blocks, len(scheduler.running),
+                len(scheduler.waiting), bm.num_free_blocks, engine.spec_stats.num_drafts)
+        news = None          # the figures are copied only in steps that changed them
+        if (events and route_by_prefix) or seen != last_seen:
+            news, last_seen = (events if route_by_prefix else [], EngineStats.of(engine)), seen
         if reports or news:
             send(('out', rank, (reports, news)))
 
