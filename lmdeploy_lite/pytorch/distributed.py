@@ -199,9 +199,6 @@ class DistContext:
     rank: int
     groups: dict = field(default_factory=dict)      # name -> Group this rank belongs to
     check_group: object = None      # gloo group over the plan group's ranks (trace comparison)
-    # tokens per rank a DeepEP low-latency dispatch holds (the executor sets it from the engine
-    # config: nn/token_dispatcher.dispatch_capacity); None: unknown, DeepEP is not used
-    max_tokens_per_rank: int | None = None
     nccl_device: torch.device | None = None     # CUDA ranks: where the NCCL twins live
     nccl_twins: dict = field(default_factory=dict)   # tuple(ranks) -> NCCL group
     check: bool = False

@@ -37,11 +37,10 @@ def _skip_reason(dispatcher: str) -> str | None:
 
 
 def _check_rank(engine, deepep: bool):
-    from lmdeploy_lite.pytorch.backends.cuda.token_dispatcher import registered_buffer
     rank, device = engine.dist.rank, torch.cuda.current_device()
     assert device == rank, f'rank {rank} is on cuda:{device}'
     assert engine.dist.ep.nccl is not None, 'no NCCL group for EP'
-    built = registered_buffer(engine.dist.ep.gloo) is not None
+    built = engine.ep.deep_ep
     assert built == deepep, f'rank {rank}: DeepEP dispatchers built: {built}, wanted {deepep}'
 
 

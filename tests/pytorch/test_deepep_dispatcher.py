@@ -20,37 +20,73 @@ from lmdeploy_lite.pytorch.distributed import DistContext, Group
 from lmdeploy_lite.pytorch.nn.moe import FusedExperts
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.nn.token_dispatcher import (ENV_CAPACITY, ENV_DISPATCHER,
-                                                       AllToAllDispatcher, GroupedRows, TopKRows,
-                                                       allocate_buffers, dispatch_capacity,
-                                                       make_dispatcher, prepare_dispatch,
-                                                       uses_deep_ep)
+                                                       AllToAllDispatcher, EPTransport,
+                                                       GroupedRows, TopKRows, dispatch_capacity)
 
 
 def ep_context(ep: int = 2, rank: int = 0) -> DistContext:
     """A DistContext that was never initialised (no collective runs); its own EP group key."""
     ctx = DistContext(DistConfig(dp=ep, ep=ep), rank)
     ctx.groups['ep'] = Group(ctx, 'ep', tuple(range(ep)), gloo=object())
-    ctx.max_tokens_per_rank = 16
     return ctx
 
 
-# ---- the factory ------------------------------------------------------------------------------
-def test_factory_falls_back_to_all_to_all_on_cpu(monkeypatch):
+def shared_buffer(ctx, num_experts: int, capacity: int, buffer=None) -> deepep.SharedBuffer:
+    shared = deepep.SharedBuffer(ctx.ep.gloo, num_experts, capacity)
+    shared.buffer = buffer
+    return shared
+
+
+def moe_layers(*dispatchers) -> torch.nn.Module:
+    """A module tree whose layers hold these dispatchers, as SparseMoeBlocks do."""
+    root = torch.nn.Module()
+    for i, dispatcher in enumerate(dispatchers):
+        layer = torch.nn.Module()
+        layer.dispatcher = dispatcher
+        root.add_module(f'layer{i}', layer)
+    return root
+
+
+# ---- the transport ----------------------------------------------------------------------------
+def test_transport_falls_back_to_all_to_all_on_cpu(monkeypatch):
     monkeypatch.delenv(ENV_DISPATCHER, raising=False)
     ctx = ep_context()
-    for capacity in (16, None):
-        dispatcher = make_dispatcher(ctx, 4, 64, 2, capacity, 'cpu', torch.float32)
-        assert isinstance(dispatcher, AllToAllDispatcher)
+    transport = EPTransport(ctx, 4, 64, 2, 16, 'cpu', torch.float32)
+    model = moe_layers(AllToAllDispatcher(ctx, 4))
+    transport.attach(model)                        # no DeepEP: the layers keep all-to-all,
+    transport.prepare(ForwardSizes(4, 400, 4, 4, low_latency=True))    # and no capacity check
+    assert not transport.deep_ep and isinstance(model.layer0.dispatcher, AllToAllDispatcher)
     monkeypatch.setenv(ENV_DISPATCHER, 'deepep')
     with pytest.raises(ValueError, match='deepep, but DeepEP cannot be used: the device is cpu'):
-        make_dispatcher(ctx, 4, 64, 2, 16, 'cpu', torch.float32)
+        EPTransport(ctx, 4, 64, 2, 16, 'cpu', torch.float32)
+    EPTransport(DistContext.single(), 4, 64, 2, 16, 'cpu', torch.float32)     # ep=1: no choice
     monkeypatch.setenv(ENV_DISPATCHER, 'nccl')
     with pytest.raises(ValueError, match="LMDEPLOY_LITE_EP_DISPATCHER='nccl': must be one of"):
-        make_dispatcher(ctx, 4, 64, 2, 16, 'cpu', torch.float32)
-    ctx = ep_context()                             # no DeepEP buffer registered: no-ops
-    allocate_buffers(ctx)
-    prepare_dispatch(ctx, ForwardSizes(4, 400, 4, 4, low_latency=True))
-    assert not uses_deep_ep(ctx)
+        EPTransport(ctx, 4, 64, 2, 16, 'cpu', torch.float32)
+
+
+def test_transport_gives_its_groups_layers_one_deep_ep_buffer(monkeypatch):
+    """Target and draft layers on the EP group get DeepEP dispatchers over the transport's one
+    buffer, allocated at attach (before the KV plan); a draft at ep=1 (a group of one) keeps
+    its all-to-all; a later, wider layer is refused."""
+    monkeypatch.delenv(ENV_DISPATCHER, raising=False)
+    ctx = ep_context()
+    transport = EPTransport(ctx, 4, 64, 2, 16, 'cpu', torch.bfloat16)
+    transport.shared = shared_buffer(ctx, 4, 16)
+    transport.shared._allocate = lambda: OneRankBuffer()
+    draft_ep1 = Group(ctx, 'ep', (0,))
+    alone = AllToAllDispatcher(ctx, 4)
+    alone.group = draft_ep1
+    target = moe_layers(AllToAllDispatcher(ctx, 4), AllToAllDispatcher(ctx, 4))
+    draft = moe_layers(alone)
+    transport.attach(target)
+    assert isinstance(transport.shared.buffer, OneRankBuffer)
+    transport.attach(draft)
+    assert [type(m.dispatcher).__name__ for m in (target.layer0, target.layer1, draft.layer0)] == [
+        'DeepEPDispatcher', 'DeepEPDispatcher', 'AllToAllDispatcher']
+    assert target.layer0.dispatcher.shared is target.layer1.dispatcher.shared is transport.shared
+    with pytest.raises(RuntimeError, match='built after the shared buffer was allocated'):
+        deepep.DeepEPDispatcher(ctx, 4, 4096, 2, torch.bfloat16, transport.shared)
 
 
 def test_the_drafts_meta_footprint_chooses_no_transport(monkeypatch):
@@ -62,8 +98,6 @@ def test_the_drafts_meta_footprint_chooses_no_transport(monkeypatch):
     from lmdeploy_lite.pytorch.spec_decode.build import draft_footprint
     from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
     monkeypatch.setenv(ENV_DISPATCHER, 'deepep')
-    assert isinstance(make_dispatcher(ep_context(), 4, 64, 2, 16, 'meta', torch.bfloat16),
-                      AllToAllDispatcher)
     config = ModelConfig.from_pretrained(EMBEDDED_MODEL_DIR)
     footprint = draft_footprint(SpeculativeConfig(num_speculative_tokens=3), config,
                                 torch.bfloat16, DistConfig(dp=2, ep=2))
@@ -88,13 +122,13 @@ def test_a_step_over_capacity_names_rank_step_and_both_numbers():
     ctx = ep_context(rank=1)
     ctx.config = DistConfig(tp=2, dp=2, ep=4)
     ctx.step = 7
-    dispatcher = deepep.DeepEPDispatcher(ctx, 4, 64, 2, torch.bfloat16, capacity=16)
-    dispatcher.shared.buffer = OneRankBuffer()
-    prepare_dispatch(ctx, ForwardSizes(2, 32, 2, 2, low_latency=True))       # 16 per rank
-    prepare_dispatch(ctx, ForwardSizes(2, 34, 2, 2, low_latency=False))      # normal: no limit
+    transport = EPTransport(ctx, 4, 64, 2, 16, 'cpu', torch.bfloat16)
+    transport.shared = shared_buffer(ctx, 4, 16, OneRankBuffer())
+    transport.prepare(ForwardSizes(2, 32, 2, 2, low_latency=True))       # 16 per rank
+    transport.prepare(ForwardSizes(2, 34, 2, 2, low_latency=False))      # normal: no limit
     with pytest.raises(ValueError, match=r'at step 7: the plan has 17 tokens per rank \(rank 1\), '
                                          r'but the buffer holds 16 per rank \(DEEPEP_MAX_TOKENS'):
-        prepare_dispatch(ctx, ForwardSizes(2, 34, 2, 2, low_latency=True))
+        transport.prepare(ForwardSizes(2, 34, 2, 2, low_latency=True))
 
 
 def test_what_deepep_cannot_carry():
@@ -237,7 +271,8 @@ def test_dispatch_combine_matches_the_all_to_all_arithmetic(dtype, mode):
                        for _ in range(tokens)])
     weights = torch.rand(tokens, top_k, generator=gen).to(dtype)
     ctx = ep_context(ep=1)
-    dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, dtype, capacity=tokens)
+    dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, dtype,
+                                         shared_buffer(ctx, num_experts, tokens))
     fixed = mode == 'normal_fixed_rows'
     dispatcher.shared.buffer = FixedRowsOneRankBuffer() if fixed else OneRankBuffer()
     plan_capacity = tokens + 3 if fixed else tokens      # fixed rows: 3 stale ones past them
@@ -289,7 +324,7 @@ def test_low_latency_bf16_experts_run_masked_into_the_combine_buffer():
     weights = torch.rand(tokens, top_k, generator=gen).softmax(-1).bfloat16()
     ctx = ep_context(ep=1)
     dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, torch.bfloat16,
-                                         capacity=tokens)
+                                         shared_buffer(ctx, num_experts, tokens))
     dispatcher.shared.buffer = OneRankBuffer()
     expert_x, routing, handle = dispatcher.dispatch(x, ids, weights, tokens, low_latency=True)
     assert isinstance(routing, GroupedRows) and routing.counts[3] == 0
@@ -305,7 +340,7 @@ def test_low_latency_bf16_experts_run_masked_into_the_combine_buffer():
 def test_each_call_has_its_mode_and_normal_kernels_dirty_the_low_latency_region():
     """No mode is stored: every dispatch runs in the mode it is given. The buffer remembers only
     whether normal kernels ran since its low-latency region was last cleaned: the next
-    low-latency call (or `prepare_dispatch` of a low-latency step, for graph replays) cleans it,
+    low-latency call (or `EPTransport.prepare` of a low-latency step, for graph replays) cleans it,
     once, on every rank alike (a traced collective)."""
     num_experts, hidden, top_k, tokens = 4, 64, 2, 3
     x = torch.randn(tokens, hidden)
@@ -313,7 +348,7 @@ def test_each_call_has_its_mode_and_normal_kernels_dirty_the_low_latency_region(
     weights = torch.full((tokens, top_k), 0.5)
     ctx = ep_context(ep=1)
     dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, torch.float32,
-                                         capacity=tokens)
+                                         shared_buffer(ctx, num_experts, tokens))
     buffer = dispatcher.shared.buffer = OneRankBuffer()
 
     def cleans_after(low_latency: bool) -> int:
@@ -321,7 +356,9 @@ def test_each_call_has_its_mode_and_normal_kernels_dirty_the_low_latency_region(
         return getattr(buffer, 'num_cleans', 0)
     assert [cleans_after(m) for m in (True, True, False, True, True)] == [1, 1, 1, 2, 2]
     cleans_after(False)
-    prepare_dispatch(ctx, ForwardSizes(tokens, tokens, tokens, tokens, low_latency=True))
+    transport = EPTransport(ctx, num_experts, hidden, top_k, tokens, 'cpu', torch.float32)
+    transport.shared = dispatcher.shared
+    transport.prepare(ForwardSizes(tokens, tokens, tokens, tokens, low_latency=True))
     assert buffer.num_cleans == 3 and cleans_after(True) == 3
     assert [op for op, *_ in ctx.trace].count('deepep_clean') == 3
 
@@ -346,9 +383,10 @@ def _compare_worker(rank: int, init_method: str, results):
         device = torch.device('cuda', rank)
         ctx = DistContext.init(DistConfig(dp=2, ep=2), rank, init_method, device)
         num_experts, top_k = 8, 3
+        shared = deepep.SharedBuffer(ctx.ep.gloo, num_experts, 32)    # one per group, as built
         for dtype, hidden in ((torch.bfloat16, 2048), (torch.bfloat16, 64), (torch.float32, 64)):
             reference = AllToAllDispatcher(ctx, num_experts)
-            dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, dtype, 32)
+            dispatcher = deepep.DeepEPDispatcher(ctx, num_experts, hidden, top_k, dtype, shared)
             gen = torch.Generator(device).manual_seed(rank)
             for low_latency, tokens in ((False, 50), (True, 32), (True, 5), (False, 1)):
                 x = torch.randn(tokens, hidden, device=device, generator=gen).to(dtype)

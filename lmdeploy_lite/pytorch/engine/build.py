@@ -23,8 +23,7 @@ from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 from lmdeploy_lite.pytorch.model_agent import ModelAgent
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.models.loader import build_model
-from lmdeploy_lite.pytorch.nn.token_dispatcher import (allocate_buffers, prepare_dispatch,
-                                                       uses_deep_ep)
+from lmdeploy_lite.pytorch.nn.token_dispatcher import EPTransport, dispatch_capacity
 from lmdeploy_lite.pytorch.spec_decode.runtime import (SpecPlan, build_spec_runtime,
                                                        plan_speculation)
 from lmdeploy_lite.pytorch.strategies.base import dummy_table_width
@@ -71,7 +70,11 @@ def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = No
     max_positions = session_len + plan.num_spec_tokens + plan.num_draft_extra
     model = build_model(model_path, dtype, device, progress=progress, dist_ctx=dist,
                         load_format=cfg.load_format, seed=cfg.seed)
-    allocate_buffers(dist)            # a DeepEP buffer (if any), before the KV plan
+    ep = EPTransport(dist, model_config.num_experts, model_config.hidden_size,
+                     model_config.num_experts_per_tok,
+                     dispatch_capacity(cfg.max_batch_size, plan.num_spec_tokens, dist.config.tp),
+                     device, dtype)
+    ep.attach(model)                  # DeepEP (if used): its buffer now, before the KV plan
     cache_config = _plan_cache(model_config, cfg, plan, dtype, device, dist, max_positions)
     caches = CacheEngine(model_config, cache_config, dtype, device, tp=dist.config.tp,
                          ssm_state_dtype=cfg.ssm_state_dtype)
@@ -80,12 +83,14 @@ def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = No
     spec = build_spec_runtime(speculative_config, plan, model_path, agent, model_config,
                               cache_config, dtype, device, progress, dist, cfg.load_format,
                               cfg.seed)
+    for draft in spec.draft_modules():
+        ep.attach(draft)
     if device.type == 'cuda' and not cfg.eager_mode:
-        _enable_graphs(spec.agent, dist, dtype, plan, cache_config, cfg.max_batch_size,
+        _enable_graphs(spec.agent, dist, ep, dtype, plan, cache_config, cfg.max_batch_size,
                        max_positions)
     scheduler = _scheduler(cfg, cache_config, plan, session_len, model_config, tokenizer)
     engine = Engine(dist, model_config, cfg, device, dtype, session_len, cache_config, spec,
-                    scheduler, output_stage, _async_scheduling(cfg, device, plan))
+                    scheduler, output_stage, _async_scheduling(cfg, device, plan), ep)
     logger.info('engine ready: %s, %s on %s, %d KV blocks x %d tokens', model_path, dtype, device,
                 cache_config.num_blocks, cache_config.block_size)
     return engine
@@ -137,8 +142,9 @@ def _async_scheduling(cfg: PytorchEngineConfig, device: torch.device, plan: Spec
     return wanted
 
 
-def _enable_graphs(agent, dist: DistContext, dtype: torch.dtype, plan: SpecPlan,
-                   cache_config: CacheConfig, max_batch_size: int, max_positions: int):
+def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype,
+                   plan: SpecPlan, cache_config: CacheConfig, max_batch_size: int,
+                   max_positions: int):
     """CUDA graphs for decode steps, their device collectives captured with them (TP on NCCL or
     the peer-memory all-reduce; EP through DeepEP's low-latency kernels, in steps where every
     rank decodes). The all-to-all dispatcher (host-side counts) runs eagerly."""
@@ -149,7 +155,7 @@ def _enable_graphs(agent, dist: DistContext, dtype: torch.dtype, plan: SpecPlan,
     if plan.aux_hidden_state_layer_ids:    # on every rank alike
         logger.info('CUDA graphs off: extract_hidden_states runs decode steps eagerly')
         return
-    deep_ep = layout.ep > 1 and uses_deep_ep(dist)
+    deep_ep = layout.ep > 1 and ep.deep_ep
     if layout.ep > 1 and not deep_ep:
         logger.info('CUDA graphs off: ep=%d dispatches by all-to-all (host-side counts); '
                     'decode steps run eagerly', layout.ep)
@@ -159,5 +165,5 @@ def _enable_graphs(agent, dist: DistContext, dtype: torch.dtype, plan: SpecPlan,
     max_blocks = max(-(-max_positions // cache_config.block_size), dummy_table_width(1 + num_spec))
     if deep_ep:             # every rank captures the same buckets in the same order
         most = max_batch_size * (1 + num_spec)
-        prepare_dispatch(dist, ForwardSizes.captured(most, most, layout.tp))
+        ep.prepare(ForwardSizes.captured(most, most, layout.tp))
     agent.enable_graphs(batch_buckets(max_batch_size), max_blocks, recorder=dist)

@@ -20,7 +20,6 @@ from lmdeploy_lite.pytorch.engine.step_output import (InFlight, StepOutput, host
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.model_agent import StepResult
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
-from lmdeploy_lite.pytorch.nn.token_dispatcher import prepare_dispatch
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, SamplingTables
 
 logger = logging.getLogger('lmdeploy_lite')
@@ -30,16 +29,16 @@ WRITE_POLL_S = 0.01      # an idle engine waits this long for a hidden-states fi
 
 class Engine:
     """`spec`: speculation's runtime (spec_decode/runtime.py); `output_stage`: where finished
-    outputs wait (hidden-state files)."""
+    outputs wait (hidden-state files); `ep`: how MoE tokens move (nn/token_dispatcher.py)."""
 
     def __init__(self, dist: DistContext, model_config: ModelConfig,
                  engine_config: PytorchEngineConfig, device: torch.device, dtype: torch.dtype,
                  session_len: int, cache_config: CacheConfig, spec, scheduler: Scheduler,
-                 output_stage, async_scheduling: bool):
+                 output_stage, async_scheduling: bool, ep):
         self.dist, self.model_config, self.engine_config = dist, model_config, engine_config
         self.device, self.dtype, self.session_len = device, dtype, session_len
         self.cache_config = cache_config
-        self.spec, self.scheduler, self.output_stage = spec, scheduler, output_stage
+        self.spec, self.scheduler, self.output_stage, self.ep = spec, scheduler, output_stage, ep
         self.agent, self.strategy = spec.agent, spec.strategy
         self.spec_plan, self.num_spec_tokens = spec.plan, spec.plan.num_spec_tokens
         # extract_hidden_states feeds every choice its prompt (a fork's file would lack its rows)
@@ -186,7 +185,7 @@ class Engine:
         # sequence parallelism for prefill and mixed steps only: plain TP costs decode less
         split = self.dist.config.sequence_parallel and not inputs.is_decoding
         inputs.sizes = plan.forward_sizes(inputs.num_tokens, inputs.batch_size, split)
-        prepare_dispatch(self.dist, inputs.sizes)       # DeepEP: capacity check, clean
+        self.ep.prepare(inputs.sizes)       # DeepEP: capacity check, clean
         return inputs
 
     def _update_or_hold(self, batch: ScheduledBatch | None, inputs: ModelInputs,

@@ -26,21 +26,18 @@ from ..nn.gated_delta_net import GatedDeltaNet
 from ..nn.mlp import SwiGLUMLP
 from ..nn.moe import SparseMoeBlock
 from ..nn.norm import RMSNorm
-from ..nn.token_dispatcher import make_dispatcher
+from ..nn.token_dispatcher import AllToAllDispatcher
 from ..nn.rotary import RotaryEmbedding
 from ..nn.sequence_parallel import gather, is_sequence_parallel, padded_tokens, splits_rows
 
 
 def build_mlp(config: ModelConfig, dtype: torch.dtype, device, dist_ctx=None) -> nn.Module:
-    """SwiGLU MLP or sparse MoE; with ep > 1 the MoE holds its rank's experts and a dispatcher
-    (DeepEP or all-to-all, nn/token_dispatcher.py; DeepEP's start-up per-rank token capacity
-    is `dist_ctx.max_tokens_per_rank`; every per-step size comes with `ModelInputs.sizes`)."""
+    """SwiGLU MLP or sparse MoE; with ep > 1 the MoE holds its rank's experts and an all-to-all
+    dispatcher (nn/token_dispatcher.py: `EPTransport.attach` may swap in DeepEP's)."""
     if config.is_moe:
         dispatcher = None
         if dist_ctx is not None and dist_ctx.config.ep > 1:
-            dispatcher = make_dispatcher(dist_ctx, config.num_experts, config.hidden_size,
-                                         config.num_experts_per_tok,
-                                         dist_ctx.max_tokens_per_rank, device, dtype)
+            dispatcher = AllToAllDispatcher(dist_ctx, config.num_experts)
         return SparseMoeBlock(config.hidden_size, config.num_experts, config.num_experts_per_tok,
                               config.moe_intermediate_size, config.shared_expert_intermediate_size,
                               dtype, device, dist_ctx=dist_ctx, dispatcher=dispatcher)

@@ -15,9 +15,12 @@ the router weights. `routing` says how the rows are laid out:
     with their local top-k ids and weights; expert_out [N, H] is each token's weighted sum over
     its local experts (`fused_moe`), which is what the combine adds up.
 
-Two implementations, chosen by `make_dispatcher` (LMDEPLOY_LITE_EP_DISPATCHER=auto|alltoall|
-deepep, default auto): `AllToAllDispatcher` below (torch.distributed, gloo or NCCL; anywhere)
-and DeepEP (backends/cuda/token_dispatcher.py; CUDA with `deep_ep` importable).
+Two implementations. Models build every EP layer with `AllToAllDispatcher` below
+(torch.distributed, gloo or NCCL; anywhere). At start-up `EPTransport` (one per EP group, made
+by build_engine) decides once, for target and draft, whether DeepEP carries their tokens
+(backends/cuda/token_dispatcher.py; CUDA with `deep_ep` importable;
+LMDEPLOY_LITE_EP_DISPATCHER=auto|alltoall|deepep, default auto), and if so gives each layer a
+DeepEP dispatcher over the one buffer it owns.
 
 Where each size comes from (DESIGN.md invariant 1; nothing inside a forward reads a device
 value on the host to size anything):
@@ -28,9 +31,9 @@ value on the host to size anything):
   * DeepEP's mode, `low_latency`: `ForwardSizes.low_latency`, passed to each call; nothing
     holds a mode.
   * DeepEP's low-latency capacity is a start-up value, as the CUDA graphs that hold its kernels
-    need: `dispatch_capacity`, set once by the executor (`DistContext.max_tokens_per_rank`). A
-    step whose plan needs more raises on every rank, naming rank and step (`prepare_dispatch`
-    before the step; each low-latency dispatch).
+    need: `dispatch_capacity`, given to the EPTransport that sizes the buffer. A step whose plan
+    needs more raises on every rank, naming rank and step (`EPTransport.prepare` before the
+    step; each low-latency dispatch).
 """
 from __future__ import annotations
 
@@ -47,8 +50,7 @@ from ..backends.default.moe import GroupedRows, TopKRows
 
 logger = logging.getLogger('lmdeploy_lite')
 
-__all__ = ['AllToAllDispatcher', 'GroupedRows', 'TopKRows', 'allocate_buffers',
-           'dispatch_capacity', 'make_dispatcher', 'prepare_dispatch', 'uses_deep_ep']
+__all__ = ['AllToAllDispatcher', 'EPTransport', 'GroupedRows', 'TopKRows', 'dispatch_capacity']
 
 ENV_DISPATCHER = 'LMDEPLOY_LITE_EP_DISPATCHER'
 ENV_CAPACITY = 'DEEPEP_MAX_TOKENS_PER_RANK'
@@ -68,72 +70,75 @@ def dispatch_capacity(max_batch_size: int, num_speculative_tokens: int, tp: int 
     return int(value)
 
 
-def make_dispatcher(dist_ctx, num_experts: int, hidden_size: int, top_k: int,
-                    max_tokens_per_rank: int | None, device: torch.device | str,
-                    dtype: torch.dtype):
-    """The EP dispatcher of one MoE layer: DeepEP on CUDA when `deep_ep` imports and can carry
-    the layer's rows (bf16, float16 or float32), else AllToAllDispatcher. `max_tokens_per_rank`:
-    `dispatch_capacity(...)` (None: unknown, no DeepEP). LMDEPLOY_LITE_EP_DISPATCHER=alltoall
-    forces the fallback; =deepep raises instead of falling back."""
-    choice = os.environ.get(ENV_DISPATCHER, 'auto')
-    if choice not in DISPATCHERS:
-        raise ValueError(f'{ENV_DISPATCHER}={choice!r}: must be one of {DISPATCHERS}')
-    if torch.device(device).type == 'meta':
-        # a model built on the meta device only measures its weights (the draft's footprint,
-        # spec_decode/build.py): nothing is ever dispatched, so no transport is chosen or checked
-        return AllToAllDispatcher(dist_ctx, num_experts)
-    reason = None
-    if choice == 'alltoall':
-        reason = f'{ENV_DISPATCHER}=alltoall'
-    elif torch.device(device).type != 'cuda':
-        reason = f'the device is {device}'
-    elif max_tokens_per_rank is None:
-        reason = 'no per-rank token capacity was given (DistContext.max_tokens_per_rank)'
-    elif importlib.util.find_spec('deep_ep') is None:
-        reason = 'deep_ep is not installed'
-    else:
-        reason = deep_ep_dispatcher.DeepEPDispatcher.unsupported(hidden_size, top_k, dtype)
-    if reason is None:
-        try:                  # loads NVSHMEM: fails without its libraries
-            importlib.import_module('deep_ep')
-        except (ImportError, OSError) as e:
-            reason = f'deep_ep does not import: {e}'
-    if reason is None:
-        return deep_ep_dispatcher.DeepEPDispatcher(dist_ctx, num_experts, hidden_size, top_k,
-                                                   dtype, max_tokens_per_rank)
-    if choice == 'deepep':
-        raise ValueError(f'{ENV_DISPATCHER}=deepep, but DeepEP cannot be used: {reason}')
-    if choice == 'auto' and torch.device(device).type == 'cuda':
-        logger.info('EP dispatch by all-to-all: %s', reason)
-    return AllToAllDispatcher(dist_ctx, num_experts)
+class EPTransport:
+    """How the MoE layers on one EP group move tokens: all-to-all, or DeepEP over one buffer
+    that this transport owns, sized from `capacity` (`dispatch_capacity(...)`, the plan's most
+    tokens per rank of a low-latency call). `num_experts`, `hidden_size`, `top_k`, `dtype`: the
+    MoE layers' (target and MTP draft alike). `attach(module)` gives the module's all-to-all
+    layers on this group DeepEP dispatchers; `prepare(sizes)` runs before each step's forwards.
+    LMDEPLOY_LITE_EP_DISPATCHER=alltoall forces all-to-all; =deepep raises instead of falling
+    back."""
 
+    def __init__(self, dist_ctx, num_experts: int, hidden_size: int, top_k: int, capacity: int,
+                 device: torch.device | str, dtype: torch.dtype):
+        self.dist, self.dtype = dist_ctx, dtype
+        self.num_experts, self.hidden_size, self.top_k = num_experts, hidden_size, top_k
+        self.shared = None
+        if dist_ctx.config.ep == 1 or not num_experts:      # no MoE token moves between ranks
+            return
+        reason = self._why_not_deep_ep(device)
+        if reason is not None and os.environ.get(ENV_DISPATCHER) == 'deepep':
+            raise ValueError(f'{ENV_DISPATCHER}=deepep, but DeepEP cannot be used: {reason}')
+        if reason is not None and torch.device(device).type == 'cuda':
+            logger.info('EP dispatch by all-to-all: %s', reason)
+        self.shared = (None if reason is not None else
+                       deep_ep_dispatcher.SharedBuffer(dist_ctx.ep.gloo, num_experts, capacity))
 
-def allocate_buffers(dist_ctx):
-    """Allocate the EP group's DeepEP buffer now (at start-up, after both models are built and
-    before the KV cache is planned, so that the plan sees its memory). No-op without DeepEP."""
-    shared = _deep_ep_buffer(dist_ctx)
-    if shared is not None:
-        shared.get()
+    @property
+    def deep_ep(self) -> bool:
+        return self.shared is not None
 
+    def _why_not_deep_ep(self, device) -> str | None:
+        choice = os.environ.get(ENV_DISPATCHER, 'auto')
+        if choice not in DISPATCHERS:
+            raise ValueError(f'{ENV_DISPATCHER}={choice!r}: must be one of {DISPATCHERS}')
+        if choice == 'alltoall':
+            return f'{ENV_DISPATCHER}=alltoall'
+        if torch.device(device).type != 'cuda':
+            return f'the device is {device}'
+        if importlib.util.find_spec('deep_ep') is None:
+            return 'deep_ep is not installed'
+        reason = deep_ep_dispatcher.DeepEPDispatcher.unsupported(self.hidden_size, self.top_k,
+                                                                  self.dtype)
+        if reason is None:
+            try:              # loads NVSHMEM: fails without its libraries
+                importlib.import_module('deep_ep')
+            except (ImportError, OSError) as e:
+                reason = f'deep_ep does not import: {e}'
+        return reason
 
-def prepare_dispatch(dist_ctx, sizes) -> None:
-    """Before a step's forwards, on every rank (CUDA-graph replays run no Python dispatch):
-    DeepEP checks the plan's `sizes` (ModelInputs.sizes) against its low-latency capacity,
-    raising on every rank alike, and cleans its low-latency region if this step runs
-    low-latency after normal kernels dirtied it (a collective). No-op without DeepEP."""
-    shared = _deep_ep_buffer(dist_ctx)
-    if shared is not None and sizes.low_latency:
-        shared.check_capacity(-(-sizes.max_tokens // dist_ctx.config.tp), dist_ctx)
-        shared.clean_low_latency(dist_ctx)
+    def attach(self, module) -> None:
+        """DeepEP: every layer of `module` that dispatches all-to-all on this EP group gets a
+        DeepEP dispatcher over the shared buffer, which is then allocated (at start-up, before
+        the KV cache is planned, so that the plan sees its memory). No-op without DeepEP."""
+        if self.shared is None:
+            return
+        for layer in module.modules():
+            old = getattr(layer, 'dispatcher', None)
+            if isinstance(old, AllToAllDispatcher) and old.group is self.dist.ep:
+                layer.dispatcher = deep_ep_dispatcher.DeepEPDispatcher(
+                    old.dist, self.num_experts, self.hidden_size, self.top_k, self.dtype,
+                    self.shared)
+        self.shared.get()
 
-
-def uses_deep_ep(dist_ctx) -> bool:
-    """The EP group's MoE layers dispatch through DeepEP (a shared buffer is registered)."""
-    return _deep_ep_buffer(dist_ctx) is not None
-
-
-def _deep_ep_buffer(dist_ctx):
-    return deep_ep_dispatcher.registered_buffer(dist_ctx.ep.gloo)
+    def prepare(self, sizes) -> None:
+        """Before a step's forwards, on every rank (CUDA-graph replays run no Python dispatch):
+        DeepEP checks the plan's `sizes` (ModelInputs.sizes) against its low-latency capacity,
+        raising on every rank alike, and cleans its low-latency region if this step runs
+        low-latency after normal kernels dirtied it (a collective). No-op without DeepEP."""
+        if self.shared is not None and sizes.low_latency:
+            self.shared.check_capacity(-(-sizes.max_tokens // self.dist.config.tp), self.dist)
+            self.shared.clean_low_latency(self.dist)
 
 
 @dataclass

@@ -36,6 +36,11 @@ class SpecRuntime:
     strategy: object                    # ARStrategy, or ARSpecStrategy
     policy: DraftCountPolicy | None     # each rank's proposal of a step's draft count
 
+    def draft_modules(self) -> list:
+        """The draft's own modules (the MTP layer; none for n-gram or without speculation)."""
+        proposer = getattr(self.agent, 'proposer', None)
+        return [proposer.mtp] if proposer is not None else []
+
     def choose_k(self, batch) -> int:
         """This rank's proposal (the StepPlan agrees on one); 0 without speculation or work."""
         if batch is None or self.policy is None:

@@ -25,12 +25,12 @@ so DeepEP's sums add zeros only; the router weights are applied at home, in the 
 dispatcher's order. That costs `k * parts` times the combine traffic (fine for the float32
 checks it serves; DeepEP is for bf16 serving). float64 is not supported.
 
-ONE deep_ep.Buffer per EP group (`SharedBuffer`, module registry keyed by the group) serves
-every MoE layer of the target and of the draft: dispatchers register their widest rows when
-built, and the buffer is allocated by `nn/token_dispatcher.allocate_buffers` (at start-up, after
-both models are built) or else by the first dispatch. It holds no mode, only what its memory
-is: whether normal kernels left the low-latency region dirty since it was last cleaned. Its
-low-latency capacity is a start-up value (nn/token_dispatcher.py says where each size comes from).
+ONE deep_ep.Buffer per EP group (`SharedBuffer`) serves every MoE layer of the target and of the
+draft: it is made and owned by the models' `EPTransport` (nn/token_dispatcher.py) at start-up,
+sized from the plan's capacity, and handed to each dispatcher the transport makes. Dispatchers
+register their widest rows when made; the transport allocates the buffer before the KV cache is
+planned. It holds no mode, only what its memory is: whether normal kernels left the low-latency
+region dirty since it was last cleaned.
 """
 from __future__ import annotations
 
@@ -128,7 +128,6 @@ def weighted_sum(pairs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tenso
 
 # ---- the shared buffer ----------------------------------------------------------------------
 ENV_QP_DEPTH = 'NVSHMEM_QP_DEPTH'
-_REGISTRY: dict = {}                      # EP process group -> SharedBuffer
 
 
 @dataclass
@@ -213,7 +212,7 @@ class SharedBuffer:
             return
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError('DeepEP: the low-latency region must be clean before a CUDA graph '
-                               'is captured (nn/token_dispatcher.prepare_dispatch first)')
+                               'is captured (EPTransport.prepare first)')
 
         def clean(_):
             buffer.clean_low_latency_buffer(self.ll_capacity, self.width, self.num_experts)
@@ -222,21 +221,6 @@ class SharedBuffer:
         else:
             dist_ctx.ep.traced('deepep_clean', torch.empty(0, dtype=torch.uint8), clean)
         self.ll_dirty = False
-
-
-def shared_buffer(group, num_experts: int, capacity: int) -> SharedBuffer:
-    shared = _REGISTRY.get(group)
-    if shared is None:
-        shared = _REGISTRY[group] = SharedBuffer(group, num_experts, capacity)
-    elif (shared.num_experts, shared.capacity) != (num_experts, capacity):
-        raise ValueError(f'one DeepEP buffer per EP group: num_experts={num_experts}, '
-                         f'capacity={capacity} differ from its {shared.num_experts}, '
-                         f'{shared.capacity}')
-    return shared
-
-
-def registered_buffer(group) -> SharedBuffer | None:
-    return _REGISTRY.get(group)
 
 
 # ---- the dispatcher -------------------------------------------------------------------------
@@ -270,7 +254,8 @@ class LowLatencyHandle:
 
 
 class DeepEPDispatcher:
-    """`capacity`: tokens per rank its low-latency calls hold (start-up: `dispatch_capacity`)."""
+    """One MoE layer's dispatch over `shared`, the EP group's buffer (its capacity: tokens per
+    rank a low-latency call holds)."""
 
     @staticmethod
     def unsupported(hidden_size: int, top_k: int, dtype: torch.dtype) -> str | None:
@@ -282,13 +267,12 @@ class DeepEPDispatcher:
         return None
 
     def __init__(self, dist_ctx, num_experts: int, hidden_size: int, top_k: int,
-                 dtype: torch.dtype, capacity: int):
+                 dtype: torch.dtype, shared: SharedBuffer):
         self.dist, self.group = dist_ctx, dist_ctx.ep
         self.ep_size = dist_ctx.config.ep
         self.num_experts, self.hidden, self.top_k = num_experts, hidden_size, top_k
         self.experts_per_rank = num_experts // self.ep_size
         self.first_expert = dist_ctx.ep_rank * self.experts_per_rank
-        self.capacity = capacity
         self.exact = dtype != torch.bfloat16
         self.parts = num_bf16_parts(dtype)
         ll_columns = _ll_columns(hidden_size, top_k, dtype)
@@ -296,8 +280,8 @@ class DeepEPDispatcher:
         normal_bytes = hidden_size * dtype.itemsize
         if self.exact:
             normal_bytes = max(normal_bytes, 2 * top_k * self.parts * hidden_size)
-        self.shared = shared_buffer(self.group.gloo, num_experts, capacity)
-        self.shared.require(normal_bytes, ll_columns)
+        self.shared = shared
+        shared.require(normal_bytes, ll_columns)
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  capacity: int, low_latency: bool = False):

@@ -58,8 +58,6 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
 
     from lmdeploy_lite.pytorch.distributed import DistContext
     from lmdeploy_lite.pytorch.engine.build import build_engine
-    from lmdeploy_lite.pytorch.nn.token_dispatcher import dispatch_capacity
-    from lmdeploy_lite.pytorch.spec_decode.runtime import num_draft_tokens
     torch.set_num_threads(int(env[NUM_THREADS_ENV]))      # the front-end's worker_num_threads
     dist_ctx = None
     try:
@@ -68,9 +66,6 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
         beat = heartbeats.beater(rank) if heartbeats is not None else _no_beat
         if heartbeats is not None:
             dist_ctx.heartbeat = beat
-        dist_ctx.max_tokens_per_rank = dispatch_capacity(
-            engine_config.max_batch_size, num_draft_tokens(spec_config),
-            dist_config.tp)
         from lmdeploy_lite.tokenizer import load_tokenizer     # stop words need it
         tokenizer = load_tokenizer(model_path)
         engine = build_engine(model_path, engine_config, spec_config, tokenizer=tokenizer,
