@@ -61,7 +61,6 @@ def worker(rank: int, args, model_dir: str, load_format: str, init_method: str, 
     from lmdeploy_lite.pytorch.config import DistConfig
     from lmdeploy_lite.pytorch.distributed import DistContext
     from lmdeploy_lite.pytorch.engine.build import build_engine
-    from lmdeploy_lite.pytorch.nn.token_dispatcher import dispatch_capacity
     torch.set_num_threads(1)
     cuda = args.device == 'cuda'
     device = torch.device('cuda', rank) if cuda else None
@@ -73,7 +72,6 @@ def worker(rank: int, args, model_dir: str, load_format: str, init_method: str, 
     batch_sizes = [int(b) for b in args.batch_sizes.split(',')]
     rows = []
     for k in (int(k) for k in args.spec_ks.split(',')):
-        dist_ctx.max_tokens_per_rank = dispatch_capacity(max(batch_sizes), k, args.tp)
         for mode in args.modes.split(','):
             cfg = PytorchEngineConfig(dtype=args.dtype, device=args.device, tp=args.tp, dp=args.dp,
                                       ep=args.ep, sequence_parallel=args.sequence_parallel,
