@@ -253,16 +253,12 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
 def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Experts on rows grouped by expert (DeepEP's low-latency layout), reference in
-    `backends/default/moe.py`. x [E, C, H] (stride(-1) == 1; e.g. the first H columns of a
-    [E, C, W] buffer); counts [E] int on the device: expert e's rows are x[e, :counts[e]];
-    out: optional [E, C, >= H] in x.dtype (stride(-1) == 1) to write into -> [E, C, H] in x.dtype
-    (`out[..., :H]` when given), unweighted expert outputs. Rows c >= counts[e] of x are not
-    read, nor those of out written.
-
-    Grid (E * cdiv(C, BLOCK_M), cdiv(N, BLOCK_N)); a program whose row block starts at or past
-    its expert's count returns at once, so the work follows the valid rows, not C. No host
-    reads, shapes from shapes only: capturable."""
+    """Experts on rows grouped by expert (module docstring). x [E, C, H] (stride(-1) == 1; e.g.
+    the first H columns of a [E, C, W] buffer); counts [E] int on the device: expert e's rows are
+    x[e, :counts[e]]; out: optional [E, C, >= H] in x.dtype (stride(-1) == 1) to write into ->
+    [E, C, H] in x.dtype (`out[..., :H]` when given), unweighted expert outputs. Rows c >=
+    counts[e] of x are not read, nor those of out written. Grid (E * cdiv(C, BLOCK_M),
+    cdiv(N, BLOCK_N)); no host reads, shapes from shapes only: capturable."""
     if x.dtype == torch.float64:        # as fused_moe: the reference
         return reference_fused_moe_masked(x, counts, gate_up_proj, down_proj, out)
     num_experts, capacity, hidden = x.shape

@@ -149,17 +149,21 @@ def decode_tiling(dv: int) -> tuple[int, int]:
     return block_v, max(1, block_v // 16)
 
 
-def _head_args(q: torch.Tensor, v: torch.Tensor, state_cache: torch.Tensor) -> dict:
-    """The recurrent kernels' scale and compile-time sizes (the tiling of `decode_tiling`)."""
+def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+            beta: torch.Tensor, state_cache: torch.Tensor, inputs: ModelInputs, *seq_ptrs,
+            **constexprs) -> torch.Tensor:
+    """Run a recurrent kernel over grid (B, nv, dv blocks) with the tiling of `decode_tiling`;
+    `seq_ptrs`: its per-sequence tensors after history_lens -> o [T, nv, dv] in v.dtype."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dk, (nv, dv) = q.shape[-1], v.shape[1:]
     block_v, num_warps = decode_tiling(dv)
-    return dict(scale=dk ** -0.5, ACC_FP64=state_cache.dtype == torch.float64,
-                HEAD_RATIO=nv // q.shape[1], DK=dk, DV=dv, BK=triton.next_power_of_2(dk),
-                BV=block_v, num_warps=num_warps)
-
-
-def _strides(*tensors: torch.Tensor) -> list[int]:
-    return [stride for x in tensors for stride in x.stride()]
+    strides = [stride for x in (q, k, v, g, beta, out, state_cache) for stride in x.stride()]
+    kernel[(inputs.q_lens.numel(), nv, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, out, state_cache, inputs.state_slots, inputs.state_index,
+        inputs.history_lens, *seq_ptrs, *strides, scale=dk ** -0.5,
+        ACC_FP64=state_cache.dtype == torch.float64, HEAD_RATIO=nv // q.shape[1], DK=dk, DV=dv,
+        BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps, **constexprs)
+    return out
 
 
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -173,15 +177,8 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     if inputs.uniform_q_len is None or (v.dtype == torch.float64) != (
             state_cache.dtype == torch.float64):         # fp64 math, narrower state: torch's
         return reference.gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    head_args = _head_args(q, v, state_cache)
-    grid = (inputs.q_lens.numel(), v.shape[1], triton.cdiv(v.shape[2], head_args['BV']))
-    _recurrent_decode_kernel[grid](
-        q, k, v, g, beta, out, state_cache,
-        inputs.state_slots, inputs.state_index, inputs.history_lens,
-        *_strides(q, k, v, g, beta, out, state_cache),
-        NUM_TOKENS=inputs.uniform_q_len, **head_args)
-    return out
+    return _launch(_recurrent_decode_kernel, q, k, v, g, beta, state_cache, inputs,
+                   NUM_TOKENS=inputs.uniform_q_len)
 
 
 def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -190,17 +187,11 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     """`gated_delta_rule_prefill` by `_recurrent_prefill_kernel`: token by token, so for short
     chunks only (`SHORT_PREFILL_TOKENS`). Shapes as in decode; any lengths (0 included); final
     states to slot 0. No host sync (the lengths are read on the device)."""
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if v.shape[0] == 0:
-        return out
+        return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     q_start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
-    head_args = _head_args(q, v, state_cache)
-    grid = (inputs.q_lens.numel(), v.shape[1], triton.cdiv(v.shape[2], head_args['BV']))
-    _recurrent_prefill_kernel[grid](
-        q, k, v, g, beta, out, state_cache,
-        inputs.state_slots, inputs.state_index, inputs.history_lens, q_start_loc, inputs.q_lens,
-        *_strides(q, k, v, g, beta, out, state_cache), **head_args)
-    return out
+    return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, q_start_loc,
+                   inputs.q_lens)
 
 
 @functools.cache

@@ -6,20 +6,19 @@ the verified positions, then 1 per draft step). At start-up it captures one grap
 into static buffers; a call copies the step's inputs into them, pads the batch to its bucket and
 replays. `extras` are tensors with one row per token (e.g. the target hidden the draft consumes).
 
-The bucket is the smallest one >= max(batch, inputs.padded_batch_size); the engine sets
-`padded_batch_size` from the StepPlan (the largest batch of any rank the plan spans: the world
-under EP, so that all EP ranks replay the same shapes; a pure-DP rank's own TP group otherwise).
-Collectives inside a graph (DeepEP's low-latency dispatch and combine under EP) are captured; since replay runs no Python, the runner keeps the collective-trace entries its
-capture recorded (`recorder`: the DistContext) and appends them on each replay, so the per-step
-trace check sees the same sequence whether a step replays or runs eagerly. Every rank replays in
-the same steps: the bucket is a function of the plan, and `inputs.graphable` (False when EP runs
-DeepEP's normal mode this step) is the same on every rank. Under TP the captured token counts
-are rounded up to a multiple of tp as the plan rounds them (`ForwardSizes.captured`), and the
-TP collectives (NCCL, or the one-shot peer-memory all-reduce) replay inside the graph. A capture
-only forbids unsafe CUDA calls on its own thread (`capture_error_mode='thread_local'`): NCCL's
-watchdog thread keeps polling its events meanwhile. Padding sequences are shaped like an idle
-rank's dummy inputs (history 0, the reserved block 0 and state row 0): their writes land where
-no real sequence reads, and attention/recurrence are per sequence, so real rows are unaffected.
+The bucket is the smallest one >= max(batch, `inputs.padded_batch_size`), which the engine sets
+from the StepPlan (the largest batch of any rank the plan spans: the world under EP, so all EP
+ranks replay the same shapes; a pure-DP rank's own TP group otherwise). Every rank replays in the
+same steps: the bucket is a function of the plan, and `inputs.graphable` (False when EP runs
+DeepEP's normal mode this step) is the same on every rank. Collectives replay inside the graph
+(DeepEP's low-latency dispatch and combine; TP's NCCL or one-shot all-reduce, the token counts
+rounded up to a multiple of tp as the plan rounds them, `ForwardSizes.captured`). Replay runs no
+Python, so the collective-trace entries a capture recorded (`recorder`: the DistContext) are
+appended on each replay: the per-step trace check sees the same sequence either way. A capture
+forbids unsafe CUDA calls only on its own thread (`capture_error_mode='thread_local'`): NCCL's
+watchdog thread keeps polling its events. Padding sequences are an idle rank's dummy inputs
+(history 0, the reserved block 0 and state row 0): their writes land where no real sequence
+reads, and attention/recurrence are per sequence, so real rows are unaffected.
 
 On a CPU device nothing is captured and a call runs `fn` eagerly on the padded static buffers
 (static-buffer mode): the padding logic is tested on CPU.
@@ -58,11 +57,8 @@ class GraphRunner:
         self.recorder = recorder
         self.tp = recorder.config.tp if recorder is not None else 1
         self.traces: dict[int, list] = {}  # bucket -> the entries its capture recorded
-        self.buckets = sorted(buckets)
-        self.max_blocks = max_blocks
-        self.device = device
-        self.use_graphs = device.type == 'cuda'
-        self.pool = pool
+        self.buckets, self.max_blocks, self.device = sorted(buckets), max_blocks, device
+        self.use_graphs, self.pool = device.type == 'cuda', pool
         max_batch = self.buckets[-1]
         max_tokens = max_batch * q_len
         long = dict(dtype=torch.long, device=device)
@@ -80,7 +76,6 @@ class GraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.static_inputs: dict[int, ModelInputs] = {}
 
-    # ---- capture ----------------------------------------------------------------------------
     def _bucket_inputs(self, batch: int) -> ModelInputs:
         tokens = batch * self.q_len
         return ModelInputs(
@@ -130,7 +125,6 @@ class GraphRunner:
         logger.info('%s: captured CUDA graphs for batches %s (q_len %d)', self.name,
                     self.buckets, self.q_len)
 
-    # ---- replay -----------------------------------------------------------------------------
     def bucket_for(self, inputs: ModelInputs) -> int | None:
         """The bucket this step replays, or None when it must run eagerly."""
         if (not inputs.is_decoding or not inputs.graphable or inputs.uniform_q_len != self.q_len

@@ -1,21 +1,19 @@
 """Triton RMSNorm variants (plain, residual add + norm, gated) and the SwiGLU activation;
 references in `backends/default/norm.py`.
 
-One program per row of the last dim (the whole row in registers: D up to 8192, e.g. the hidden
-size, or a 128-wide head of the gated delta net's output norm). Math in float32 (float64 for
-float64 inputs), one rounding at the end, except where the reference rounds in between
-(`gated_rms_norm` rounds the norm to x.dtype before the weight, `add_rms_norm` the sum before the
-norm). No host reads, no data-dependent shapes: safe inside a captured decode step.
+One program per row (the whole row in registers: D up to 8192, e.g. the hidden size or a 128-wide
+head of the gated delta net's output norm). Math in float32 (float64 for float64 inputs), rounded
+once at the end except where the reference rounds in between (`gated_rms_norm`: the norm to x.dtype
+before the weight; `add_rms_norm`: the sum before the norm). No host reads, no data-dependent
+shapes: safe inside a captured decode step.
 
-`add_rms_norm` fuses the decoder layer's residual add into the next norm: one launch instead of
-two, and the sum is not read back from memory. It writes the sum into the residual buffer in
-place. Under CUDA graphs that is safe because of what the model passes as `residual`: the
-embedding's (or the MTP head's `fc`'s) output, then the sums this op returned — intermediates
-allocated inside the captured forward from the graph's pool, which nothing reads after they are
-overwritten; each replay repeats the same writes to the same addresses. It would not be safe on a
-graph's static input buffer (a second replay would read the sum instead of the input), so callers
-never pass one: `residual` is consumed, only the returned tensor is used afterwards (where the
-residual's rows are not one strided view, the sum goes to a copy instead).
+`add_rms_norm` fuses the residual add into the next norm (one launch, the sum not read back) and
+writes the sum into `residual` in place. Under CUDA graphs that is safe because `residual` is the
+embedding's (or the MTP head's `fc`'s) output or a sum this op returned: intermediates from the
+graph's pool that nothing reads after they are overwritten, each replay repeating the same writes.
+On a graph's static input buffer a second replay would read the sum instead of the input, so
+callers never pass one: `residual` is consumed, only the returned tensor is used afterwards (where
+its rows are not one strided view, the sum goes to a copy instead).
 """
 from __future__ import annotations
 
@@ -28,11 +26,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [R, D] with a unit stride on the last dim (a view where possible)."""
     t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _launch_config(dim: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(dim)
-    return block, min(16, max(1, block // 512))
 
 
 @triton.jit
@@ -100,16 +93,21 @@ def _acc(dtype: torch.dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def _norm(kernel, rows: list[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Launch a norm kernel on `rows` ([R, D] each, x first) -> out [R, D] in x's dtype."""
+    num_rows, dim = rows[0].shape
+    out = torch.empty(rows[0].shape, dtype=rows[0].dtype, device=rows[0].device)
+    if num_rows:
+        block = triton.next_power_of_2(dim)
+        kernel[(num_rows,)](*rows, weight, out, *(r.stride(0) for r in rows), out.stride(0), dim,
+                            eps, ACC=_acc(out.dtype), BLOCK=block,
+                            num_warps=min(16, max(1, block // 512)))
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> `x * rsqrt(mean(x^2) + eps) * (1 + w)` [..., D] in x.dtype."""
-    rows = _rows(x)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        block, warps = _launch_config(rows.shape[1])
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0),
-                                           rows.shape[1], eps, ACC=_acc(x.dtype), BLOCK=block,
-                                           num_warps=warps)
-    return out.view(x.shape)
+    return _norm(_rms_norm_kernel, [_rows(x)], weight, eps).view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -120,14 +118,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f'add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must '
                          f'match x {tuple(x.shape)} {x.dtype}')
-    rows, res_rows = _rows(x), _rows(residual)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        block, warps = _launch_config(rows.shape[1])
-        _add_rms_norm_kernel[(rows.shape[0],)](rows, res_rows, weight, out, rows.stride(0),
-                                               res_rows.stride(0), out.stride(0), rows.shape[1],
-                                               eps, ACC=_acc(x.dtype), BLOCK=block,
-                                               num_warps=warps)
+    res_rows = _rows(residual)
+    out = _norm(_add_rms_norm_kernel, [_rows(x), res_rows], weight, eps)
     return out.view(x.shape), res_rows.view(x.shape)
 
 
@@ -135,15 +127,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
     """x, gate [..., D], weight [D] -> `w * norm(x).to(x.dtype) * silu(gate)` [..., D] in
     x.dtype."""
-    rows, gates = _rows(x), _rows(gate)
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    if rows.shape[0]:
-        block, warps = _launch_config(rows.shape[1])
-        _gated_rms_norm_kernel[(rows.shape[0],)](rows, gates, weight, out, rows.stride(0),
-                                                 gates.stride(0), out.stride(0), rows.shape[1],
-                                                 eps, ACC=_acc(x.dtype), BLOCK=block,
-                                                 num_warps=warps)
-    return out.view(x.shape)
+    return _norm(_gated_rms_norm_kernel, [_rows(x), _rows(gate)], weight, eps).view(x.shape)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -232,10 +232,6 @@ def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    return 'ieee' if dtype == torch.float32 else 'tf32'
-
-
 def _tile_sizes(q: torch.Tensor) -> tuple[int, int]:
     """(largest query-row tile, KV tile). fp32 takes small tiles: its IEEE dots run on FMA units
     with both operands in registers."""
@@ -245,10 +241,11 @@ def _tile_sizes(q: torch.Tensor) -> tuple[int, int]:
 
 
 def _launch_options(q: torch.Tensor, block_m: int, block_d: int) -> dict:
-    """Warps for the accumulator's size; two pipeline stages where K/V rows are wide (fp32 at
-    head_dim 256), so the shared memory of the stages fits."""
+    """BLOCK_D, the dots' precision (fp32: IEEE, not tf32), warps for the accumulator's size; two
+    pipeline stages where K/V rows are wide (fp32 at head_dim 256), so their shared memory fits."""
     wide = q.dtype == torch.float32 or block_m * block_d >= 64 * 128
-    return dict(num_warps=8 if wide else 4,
+    return dict(BLOCK_D=block_d, DOT_PRECISION='ieee' if q.dtype == torch.float32 else 'tf32',
+                num_warps=8 if wide else 4,
                 num_stages=2 if q.element_size() * block_d > 512 else 3)
 
 
@@ -312,7 +309,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         *(lse.stride() if num_splits > 1 else (0, 0, 0)),
         Q_LEN=q_len, GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits, M_TILES=m_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
         **_launch_options(q, block_m, block_d))
     if num_splits > 1:
         _combine_kernel[(num_tokens, num_heads)](
@@ -344,8 +340,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         inputs.history_lens, scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
         *inputs.block_tables.stride(), *out.stride(), num_tiles,
         GROUP=num_heads // n_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=_dot_precision(q.dtype),
-        **_launch_options(q, block_m, block_d))
+        BLOCK_N=block_n, **_launch_options(q, block_m, block_d))
     return out
 
 

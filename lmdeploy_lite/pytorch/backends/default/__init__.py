@@ -1,4 +1,4 @@
-"""Plain-PyTorch ops: correct on any device; sequences of a step are batched (padded, `varlen.py`)."""
+"""Plain-PyTorch ops, correct on any device; a step's sequences are batched (padded, varlen.py)."""
 from .causal_conv1d import causal_conv1d_prefill, causal_conv1d_update
 from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating
 from .moe import fused_moe, fused_moe_masked
@@ -22,7 +22,3 @@ class DefaultBackend:
     fused_moe = staticmethod(fused_moe)
     fused_moe_masked = staticmethod(fused_moe_masked)
 
-
-__all__ = ['DefaultBackend', 'paged_attention', 'causal_conv1d_prefill', 'causal_conv1d_update',
-           'gated_delta_rule_prefill', 'gated_delta_rule_decode', 'gdn_gating', 'rms_norm',
-           'add_rms_norm', 'gated_rms_norm', 'silu_mul', 'fused_moe', 'fused_moe_masked']

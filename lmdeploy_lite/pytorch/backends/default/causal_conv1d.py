@@ -11,26 +11,19 @@ from .norm import cast
 from .varlen import seq_groups
 
 
-def _windows(conv_cache: torch.Tensor, inputs: ModelInputs, width: int) -> torch.Tensor:
-    """[B, C, width] current windows (zero for fresh sequences); a copy, so later writes are safe."""
-    cols = inputs.state_index[:, None] + torch.arange(width, device=conv_cache.device)[None, :]
-    rows = conv_cache[inputs.state_slots]                                # [B, C, W]
-    win = torch.gather(rows, 2, cols[:, None, :].expand(-1, rows.shape[1], -1))
-    fresh = (inputs.history_lens == 0)[:, None, None]
-    return win.masked_fill(fresh, 0)
-
-
 def _conv(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, inputs: ModelInputs,
           store_from: torch.Tensor, store_count: torch.Tensor) -> torch.Tensor:
     """silu(causal conv) of x [T, C] continuing each sequence's window, batched per group of
     sequences padded to their longest run: `full [n, C, K - 1 + max_q] = cat(window, x_b)`.
     Then stores `full[b, :, store_from[b] + c]` to column c of the sequence's conv row for
     c < store_count[b] (other columns keep their values; nothing is stored for q_lens[b] == 0)."""
-    kernel = weight.shape[1]
-    windows = _windows(conv_cache, inputs, kernel - 1)                  # [B, C, K - 1]
+    kernel, cols = weight.shape[1], torch.arange(conv_cache.shape[2], device=x.device)
+    # current windows [B, C, K - 1] (a copy, so later writes are safe), zero for fresh sequences
+    cached = conv_cache[inputs.state_slots]                             # [B, C, W]
+    index = inputs.state_index[:, None, None] + cols[:kernel - 1]       # [B, 1, K - 1]
+    windows = torch.gather(cached, 2, index.expand(-1, cached.shape[1], -1))
+    windows = windows.masked_fill((inputs.history_lens == 0)[:, None, None], 0)
     out = torch.empty_like(x)
-    width = conv_cache.shape[2]
-    cols = torch.arange(width, device=x.device)
     groups = seq_groups(inputs, lambda n, max_q, _: n * x.shape[1] * (kernel - 1 + max_q))
     for group in groups:
         if group.max_q_len == 0:

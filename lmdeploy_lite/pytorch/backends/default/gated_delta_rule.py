@@ -114,11 +114,8 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
     out = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
     heads, width = vp.shape[1], max(q.shape[-1], vp.shape[-1], 64)
-
-    def chunk_elements(num_seqs: int, max_q: int, max_kv: int) -> int:   # q/k/v and decay per chunk
-        return num_seqs * heads * (max_q + 63 if max_q > 1 else 1) * width
-
-    for group in seq_groups(inputs, chunk_elements):
+    for group in seq_groups(inputs, lambda n, max_q, _: (          # q/k/v and decay per chunk
+            n * heads * (max_q + 63 if max_q > 1 else 1) * width)):
         if group.max_q_len == 0:
             continue
         padded = [group.pad(x[group.tokens]) for x in (q, k, vp, g, beta)]

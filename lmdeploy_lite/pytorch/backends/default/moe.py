@@ -45,9 +45,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         pairs = torch.zeros(num_tokens * top_k, x.shape[-1], dtype=x.dtype, device=x.device)
         flat_ids = topk_ids.reshape(-1)
         rows_x = x.repeat_interleave(top_k, dim=0)
-        for expert in flat_ids.unique().tolist():
-            if expert < 0:
-                continue
+        for expert in flat_ids[flat_ids >= 0].unique().tolist():
             rows = torch.where(flat_ids == expert)[0]
             gate_up = F.linear(rows_x[rows], gate_up_proj[expert])
             pairs[rows] = F.linear(silu_mul(gate_up), down_proj[expert])
@@ -73,8 +71,7 @@ def _experts_by_pair_list(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
     for expert in sorted(by_expert):
         pairs = by_expert[expert]
         if len(pairs) == 1:
-            token = pairs[0] // top_k
-            rows_x = x[token:token + 1]
+            rows_x = x.narrow(0, pairs[0] // top_k, 1)
         else:
             rows_x = x.index_select(0, torch.tensor([p // top_k for p in pairs], device=x.device))
         out = F.linear(silu_mul(F.linear(rows_x, gate_up_proj[expert])), down_proj[expert])

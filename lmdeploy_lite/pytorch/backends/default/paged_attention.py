@@ -37,28 +37,21 @@ def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, cast(v, v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_tables: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """cache [num_blocks, block_size, n_kv, d], block_tables [n, max_blocks] -> the first `kv_len`
-    cache positions of each sequence, [n, kv_len, n_kv, d]."""
-    block_size = cache.shape[1]
-    blocks = block_tables[:, :(kv_len + block_size - 1) // block_size]
-    return cache[blocks].flatten(1, 2)[:, :kv_len]
-
-
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             block_tables: torch.Tensor, group: SeqGroup, scale: float) -> torch.Tensor:
     """q [t, nq, d] (the group's queries, accumulation dtype) -> [t, nq, d]."""
-    n_kv, head_dim = k_cache.shape[2:]
+    block_size, n_kv, head_dim = k_cache.shape[1:]
     num_seqs, max_q, max_kv = group.num_seqs, group.max_q_len, group.max_kv_len
-    keys = gather_kv(k_cache, block_tables, max_kv).to(q.dtype)         # [n, L, n_kv, d]
-    values = gather_kv(v_cache, block_tables, max_kv).to(q.dtype)
+    blocks = block_tables[:, :(max_kv + block_size - 1) // block_size]
+    keys, values = (cache[blocks].flatten(1, 2)[:, :max_kv].to(q.dtype)  # [n, L, n_kv, d]
+                    for cache in (k_cache, v_cache))
     k_pos = torch.arange(max_kv, device=q.device)
     q_pos = group.history_lens[:, None] + torch.arange(max_q, device=q.device)   # [n, max_q]
     # a sequence's positions past its kv_len hold stale data: its real queries give them
     # probability 0, which must not meet a non-finite value
     stale = k_pos[None, :] >= (group.history_lens + group.q_lens)[:, None]      # [n, L]
     values = values.masked_fill(stale[:, :, None, None], 0)
-    queries = group.pad(q).view(num_seqs, max_q, n_kv, -1, head_dim)            # [n, max_q, n_kv, g, d]
+    queries = group.pad(q).view(num_seqs, max_q, n_kv, -1, head_dim)      # [n, max_q, n_kv, g, d]
     scores = torch.einsum('bqhgd,bkhd->bhgqk', queries, keys) * scale
     hidden = k_pos[None, None, :] > q_pos[:, :, None]                          # [n, max_q, L]
     probs = scores.masked_fill(hidden[:, None, None], float('-inf')).softmax(dim=-1)
