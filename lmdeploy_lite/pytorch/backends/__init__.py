@@ -30,14 +30,11 @@ import os
 import torch
 
 
-def cuda_backend_enabled() -> bool:
-    """`LMDEPLOY_LITE_BACKEND=default` forces the plain-PyTorch ops on CUDA (for comparisons)."""
-    return os.environ.get('LMDEPLOY_LITE_BACKEND', 'auto') != 'default'
-
-
 def get_backend(device: torch.device | str):
-    """The CUDA backend (Triton kernels) on a CUDA device when Triton imports; else the default."""
-    if torch.device(device).type == 'cuda' and cuda_backend_enabled():
+    """The CUDA backend (Triton kernels) on a CUDA device when Triton imports; else the default.
+    `LMDEPLOY_LITE_BACKEND=default` forces the plain-PyTorch ops on CUDA (for comparisons)."""
+    if (torch.device(device).type == 'cuda'
+            and os.environ.get('LMDEPLOY_LITE_BACKEND', 'auto') != 'default'):
         from .cuda import cuda_backend, is_available
         if is_available():
             return cuda_backend()

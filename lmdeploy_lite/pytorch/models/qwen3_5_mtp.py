@@ -51,16 +51,9 @@ class Qwen3_5MTP(nn.Module):
         self.rotary_emb = RotaryEmbedding(model_config.rotary_dim, model_config.rope_theta, device)
         self.dist_ctx = dist_ctx
         self.sequence_parallel = is_sequence_parallel(dist_ctx)
-        # shared with the target, deliberately not registered: not part of this module's weights
-        self._shared = {'embed_tokens': embed_tokens, 'lm_head': lm_head}
-
-    @property
-    def embed_tokens(self) -> nn.Module:
-        return self._shared['embed_tokens']
-
-    @property
-    def lm_head(self) -> nn.Module:
-        return self._shared['lm_head']
+        # shared with the target, deliberately not registered (not this module's weights): set
+        # past nn.Module.__setattr__
+        self.__dict__.update(embed_tokens=embed_tokens, lm_head=lm_head)
 
     def forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, inputs: ModelInputs,
                 caches, layer_idx: int = 0) -> torch.Tensor:

@@ -11,6 +11,8 @@ reduce-scattered [Tp / tp, H] out; nn/sequence_parallel.py).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -19,7 +21,6 @@ from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rotary import apply_rotary
 from .sequence_parallel import real_rows, restore_rows, splits_rows
-from .sharding import tp_layout
 
 
 class GatedAttention(nn.Module):
@@ -27,17 +28,14 @@ class GatedAttention(nn.Module):
                  eps: float, backend, dtype: torch.dtype, device: torch.device | str,
                  dist_ctx=None):
         super().__init__()
-        tp, _ = tp_layout(dist_ctx)
-        self.num_heads, self.num_kv_heads = num_heads // tp, num_kv_heads // tp     # this rank's
         self.head_dim = head_dim
         self.backend = backend
         self.scale = head_dim ** -0.5
-        self.q_proj = ColumnParallelLinear(hidden_size, num_heads * head_dim * 2, dtype, device,
-                                           dist_ctx=dist_ctx)
-        self.k_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, dtype, device,
-                                           dist_ctx=dist_ctx)
-        self.v_proj = ColumnParallelLinear(hidden_size, num_kv_heads * head_dim, dtype, device,
-                                           dist_ctx=dist_ctx)
+        column = partial(ColumnParallelLinear, hidden_size, dtype=dtype, device=device,
+                         dist_ctx=dist_ctx)
+        self.q_proj = column(num_heads * head_dim * 2)
+        self.k_proj = column(num_kv_heads * head_dim)
+        self.v_proj = column(num_kv_heads * head_dim)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, dtype, device,
                                         dist_ctx=dist_ctx)
         self.q_norm = RMSNorm(head_dim, eps, dtype, device)
@@ -51,6 +49,19 @@ class GatedAttention(nn.Module):
         if not keep_parts:
             del self.q_proj, self.k_proj, self.v_proj
 
+    def _project(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                 ) -> tuple[torch.Tensor, ...]:
+        """hidden [T, H] -> q, gate [T, heads, d]; k (normed, rotated), v [T, kv_heads, d]."""
+        num_tokens = hidden.shape[0]
+        if self.qkv_proj is not None:
+            q_gate, k, v = self.qkv_proj(hidden)
+        else:
+            q_gate, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q_gate = q_gate.view(num_tokens, -1, 2 * self.head_dim)
+        k = apply_rotary(self.k_norm(k.view(num_tokens, -1, self.head_dim)), *rope)
+        return (q_gate[..., :self.head_dim], q_gate[..., self.head_dim:], k,
+                v.view(num_tokens, -1, self.head_dim))
+
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs) -> torch.Tensor:
         """hidden [T, H] ([Tp, H] sequence-parallel: T real rows, then padding); rope (cos, sin)
@@ -58,30 +69,14 @@ class GatedAttention(nn.Module):
         num_rows = hidden.shape[0]
         hidden = real_rows(hidden, inputs)
         num_tokens = hidden.shape[0]
-        if self.qkv_proj is not None:
-            q_gate, k, v = self.qkv_proj(hidden)
-        else:
-            q_gate, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
-        q_gate = q_gate.view(num_tokens, -1, 2 * self.head_dim)
-        q, gate = q_gate[..., :self.head_dim], q_gate[..., self.head_dim:]
-        k = k.view(num_tokens, -1, self.head_dim)
-        v = v.view(num_tokens, -1, self.head_dim)
-        cos, sin = rope
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(k), cos, sin)
+        q, gate, k, v = self._project(hidden, rope)
+        q = apply_rotary(self.q_norm(q), *rope)
         out = self.backend.paged_attention(q, k, v, kv_cache[0], kv_cache[1], inputs, self.scale)
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(restore_rows(out, num_rows), splits_rows(inputs))
 
     def store_kv(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                  kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs):
-        """Only the cache writes of `forward`: the same k/v (same projections, norm and RoPE)
-        stored at the step's positions, without queries, attention or o_proj."""
-        num_tokens = hidden.shape[0]
-        if self.qkv_proj is not None:
-            _, k, v = self.qkv_proj(hidden)
-        else:
-            k, v = self.k_proj(hidden), self.v_proj(hidden)
-        k = apply_rotary(self.k_norm(k.view(num_tokens, -1, self.head_dim)), *rope)
-        self.backend.store_kv(k, v.view(num_tokens, -1, self.head_dim), kv_cache[0], kv_cache[1],
-                              inputs)
+        """Only the cache writes of `forward` (the same k/v), without attention or o_proj."""
+        _, _, k, v = self._project(hidden, rope)
+        self.backend.store_kv(k, v, kv_cache[0], kv_cache[1], inputs)

@@ -15,11 +15,13 @@ as GatedAttention (nn/attention.py).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from ..model_inputs import ModelInputs
-from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear, check_divisible
 from .norm import GatedRMSNorm
 from .sequence_parallel import real_rows, restore_rows, splits_rows
 from .sharding import sharded_parameter, tp_layout
@@ -31,32 +33,24 @@ class GatedDeltaNet(nn.Module):
                  dtype: torch.dtype, device: torch.device | str, dist_ctx=None):
         super().__init__()
         tp, _ = tp_layout(dist_ctx)
-        for what, count in (('num_key_heads', num_key_heads), ('num_value_heads', num_value_heads)):
-            if count % tp:
-                raise ValueError(f'{what}={count}: must be divisible by tp={tp}')
+        check_divisible('num_key_heads', (num_key_heads,), tp)
+        check_divisible('num_value_heads', (num_value_heads,), tp)
         key_dim, value_dim = num_key_heads * key_head_dim, num_value_heads * value_head_dim
         qkv_sections = (key_dim, key_dim, value_dim)   # [q | k | v], each split by heads
-        # this rank's heads and widths
-        self.num_key_heads, self.num_value_heads = num_key_heads // tp, num_value_heads // tp
         self.key_head_dim, self.value_head_dim = key_head_dim, value_head_dim
-        self.key_dim, self.value_dim = key_dim // tp, value_dim // tp
-        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.key_dim, self.value_dim = key_dim // tp, value_dim // tp       # this rank's widths
         self.backend = backend
-        self.in_proj_qkv = ColumnParallelLinear(hidden_size, sum(qkv_sections), dtype, device,
-                                                dist_ctx=dist_ctx, sections=qkv_sections)
-        self.in_proj_z = ColumnParallelLinear(hidden_size, value_dim, dtype, device,
-                                              dist_ctx=dist_ctx)
-        self.in_proj_b = ColumnParallelLinear(hidden_size, num_value_heads, dtype, device,
-                                              dist_ctx=dist_ctx)
-        self.in_proj_a = ColumnParallelLinear(hidden_size, num_value_heads, dtype, device,
-                                              dist_ctx=dist_ctx)
+        column = partial(ColumnParallelLinear, hidden_size, dtype=dtype, device=device,
+                         dist_ctx=dist_ctx)
+        self.in_proj_qkv = column(sum(qkv_sections), sections=qkv_sections)
+        self.in_proj_z = column(value_dim)
+        self.in_proj_b = column(num_value_heads)
+        self.in_proj_a = column(num_value_heads)
         self.conv1d = nn.Module()   # keeps the checkpoint name `conv1d.weight` [conv_dim, 1, K]
         self.conv1d.weight = sharded_parameter((sum(qkv_sections), 1, conv_kernel), 0, dist_ctx,
                                                dtype, device, qkv_sections)
-        self.dt_bias = sharded_parameter((num_value_heads,), 0, dist_ctx, dtype, device,
-                                         init=torch.ones)
-        self.A_log = sharded_parameter((num_value_heads,), 0, dist_ctx, dtype, device,
-                                       init=torch.zeros)
+        per_head = partial(sharded_parameter, (num_value_heads,), 0, dist_ctx, dtype, device)
+        self.dt_bias, self.A_log = per_head(init=torch.ones), per_head(init=torch.zeros)
         self.norm = GatedRMSNorm(value_head_dim, eps, dtype, device)   # [dv], same for every head
         self.out_proj = RowParallelLinear(value_dim, hidden_size, dtype, device,
                                           dist_ctx=dist_ctx)
@@ -84,19 +78,14 @@ class GatedDeltaNet(nn.Module):
             mixed, z = self.in_proj_qkv(hidden), self.in_proj_z(hidden)
             b, a = self.in_proj_b(hidden), self.in_proj_a(hidden)
         z = z.view(num_tokens, -1, self.value_head_dim)
-        conv_weight = self.conv1d.weight[:, 0]
-        if inputs.is_decoding:
-            mixed = self.backend.causal_conv1d_update(mixed, conv_weight, conv_cache, inputs)
-        else:
-            mixed = self.backend.causal_conv1d_prefill(mixed, conv_weight, conv_cache, inputs)
+        backend, decoding = self.backend, inputs.is_decoding
+        conv = backend.causal_conv1d_update if decoding else backend.causal_conv1d_prefill
+        mixed = conv(mixed, self.conv1d.weight[:, 0], conv_cache, inputs)
         q, k, v = mixed.split_with_sizes([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.view(num_tokens, -1, self.key_head_dim)
-        k = k.view(num_tokens, -1, self.key_head_dim)
+        q, k = (x.view(num_tokens, -1, self.key_head_dim) for x in (q, k))
         v = v.view(num_tokens, -1, self.value_head_dim)
-        g, beta = self.backend.gdn_gating(a, b, self.A_log, self.dt_bias)
-        if inputs.is_decoding:
-            out = self.backend.gated_delta_rule_decode(q, k, v, g, beta, recurrent_cache, inputs)
-        else:
-            out = self.backend.gated_delta_rule_prefill(q, k, v, g, beta, recurrent_cache, inputs)
+        g, beta = backend.gdn_gating(a, b, self.A_log, self.dt_bias)
+        rule = backend.gated_delta_rule_decode if decoding else backend.gated_delta_rule_prefill
+        out = rule(q, k, v, g, beta, recurrent_cache, inputs)
         out = self.norm(out, z).reshape(num_tokens, -1)
         return self.out_proj(restore_rows(out, num_rows), splits_rows(inputs))

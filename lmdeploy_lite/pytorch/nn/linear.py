@@ -1,11 +1,6 @@
-"""Linear layers, shaped for tensor parallelism.
-
-`ColumnParallelLinear` splits the output features over the TP group (no communication);
-`RowParallelLinear` splits the input features and all-reduces the partial sums in `forward`
-(`dist_ctx.tp.all_reduce(out)`, the traced collective) or, sequence-parallel, reduce-scatters
-them over the rows (`dist_ctx.tp.reduce_scatter`, nn/sequence_parallel.py). With `dist_ctx=None`
-or tp=1 both hold the full weight and skip the collective. Weights are `[out_features,
-in_features]`, as in HF checkpoints; sharded ones carry `weight.shard` (nn/sharding.py).
+"""Linear layers, shaped for tensor parallelism: with `dist_ctx=None` or tp=1 they hold the full
+weight and skip the collective. Weights are `[out_features, in_features]`, as in HF checkpoints;
+sharded ones carry `weight.shard` (nn/sharding.py).
 """
 from __future__ import annotations
 
@@ -19,16 +14,15 @@ from .sequence_parallel import is_sequence_parallel
 from .sharding import sharded_parameter, tp_layout
 
 
-def _check_divisible(what: str, sizes: tuple[int, ...], tp: int) -> None:
+def check_divisible(what: str, sizes: tuple[int, ...], tp: int) -> None:
     for size in sizes:
         if size % tp:
             raise ValueError(f'{what}={size}: must be divisible by tp={tp}')
 
 
 class ColumnParallelLinear(nn.Module):
-    """Output features split over the TP group; no collective. `sections`: the output is a
-    concatenation of parts that are split separately (e.g. `(Dk, Dk, Dv)` for `[q | k | v]`), so
-    each rank keeps its piece of every part, in order. `out_features` is the local width."""
+    """Output features split over the TP group; no collective. `sections`: parts of the output
+    split separately (`(Dk, Dk, Dv)` for `[q | k | v]`: each rank keeps its piece of each)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
                  device: torch.device | str, bias: bool = False, dist_ctx=None,
@@ -36,7 +30,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         tp, _ = tp_layout(dist_ctx)
         sections = tuple(sections or (out_features,))
-        _check_divisible('out_features', sections, tp)
+        check_divisible('out_features', sections, tp)
         self.in_features, self.out_features = in_features, out_features // tp
         self.weight = sharded_parameter((out_features, in_features), 0, dist_ctx, dtype, device,
                                         sections)
@@ -51,25 +45,20 @@ class ColumnParallelLinear(nn.Module):
 
 
 class ReplicatedLinear(ColumnParallelLinear):
-    """The full weight on every rank."""
-
-    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device | str, bias: bool = False):
-        super().__init__(in_features, out_features, dtype, device, bias)
+    """The full weight on every rank (built without a `dist_ctx`)."""
 
 
 class RowParallelLinear(nn.Module):
     """Input features split over the TP group; partial outputs are all-reduced here, unless
     `reduce_output=False` (the caller adds more partial sums first and reduces once).
-    Sequence-parallel: x [N, in / tp] (N a multiple of tp) -> this rank's rows [N / tp, out]
-    of the sum, by a reduce-scatter."""
+    Sequence-parallel: x [N, in / tp] -> this rank's rows [N / tp, out] by a reduce-scatter."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
                  device: torch.device | str, bias: bool = False, dist_ctx=None,
                  reduce_output: bool = True):
         super().__init__()
         self.tp, self.tp_rank = tp_layout(dist_ctx)
-        _check_divisible('in_features', (in_features,), self.tp)
+        check_divisible('in_features', (in_features,), self.tp)
         self.dist_ctx, self.reduce_output = dist_ctx, reduce_output
         self.sequence_parallel = self.tp > 1 and is_sequence_parallel(dist_ctx)
         self.in_features, self.out_features = in_features // self.tp, out_features
@@ -95,12 +84,10 @@ class RowParallelLinear(nn.Module):
 
 
 class FusedColumnLinear(nn.Module):
-    """Column-parallel projections of the same input as ONE GEMM: the parts' (local) weights
-    concatenated by rows; `forward` returns the parts' outputs split again. Built after loading
-    (`fuse_projections`), so checkpoint names and sharding stay those of the parts.
-    `keep_parts=True`: the parts stay, their weights become views of the fused one (a
-    non-persistent buffer here), so `state_dict`, names and later in-place loads are the parts'.
-    `outputs`: how many consecutive parts each returned piece covers (default: one each)."""
+    """Column-parallel projections of the same input as ONE GEMM (the parts' local weights
+    concatenated by rows), built after loading, so checkpoint names and sharding are the parts'.
+    `keep_parts=True`: the parts stay, their weights views of the fused one (a non-persistent
+    buffer here). `outputs`: how many consecutive parts each returned piece covers (default 1)."""
 
     def __init__(self, parts: list[nn.Module], keep_parts: bool = False,
                  outputs: list[int] | None = None):
@@ -124,9 +111,8 @@ class FusedColumnLinear(nn.Module):
 
 def fuse_projections(model: nn.Module, keep_parts: bool = False) -> nn.Module:
     """Replace each module's same-input projections by one GEMM (`module.fuse_projections()`;
-    fewer, larger GEMMs: what small-batch decode needs, on a GPU and on a CPU alike). Call after
-    loading; a module already fused is left as it is. `keep_parts`: see `FusedColumnLinear`
-    (the parts' parameters stay, as views of the fused weights)."""
+    what small-batch decode needs, on GPU and CPU alike). Call after loading; idempotent.
+    `keep_parts`: see `FusedColumnLinear`."""
     for module in list(model.modules()):
         if hasattr(module, 'fuse_projections'):
             module.fuse_projections(keep_parts)

@@ -13,10 +13,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim
         # float32 exactly as transformers computes it; float64 for float64 models
-        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim
-        self.register_buffer('inv_freq64', (1.0 / theta ** exponent).to(device), persistent=False)
-        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
-        self.register_buffer('inv_freq32', (1.0 / theta ** exponent).to(device), persistent=False)
+        for name, dtype in (('inv_freq64', torch.float64), ('inv_freq32', torch.float32)):
+            exponent = torch.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim
+            self.register_buffer(name, (1.0 / theta ** exponent).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] long -> (cos, sin), each [T, rotary_dim] in `dtype`, sin with its first
