@@ -1,19 +1,18 @@
 """A one-shot all-reduce over NVLink peer memory for the small messages of decode steps.
 
-Each rank copies its tensor into a buffer that every rank of the group can read (torch's
-symmetric memory, `torch.ops.symm_mem.one_shot_all_reduce_copy`: CUDA IPC over NVLink, no
-multicast), the ranks meet at a barrier in that memory, and each one reads every peer's copy
-and adds them up: one kernel and no host work, so it replays inside a CUDA graph. lmdeploy,
-vLLM and SGLang use such kernels for small messages; here NCCL, captured in the same graphs,
-measured faster (below). Larger messages (prefill) always go to NCCL.
+Each rank copies its tensor into a buffer every rank of the group can read (torch's symmetric
+memory, `torch.ops.symm_mem.one_shot_all_reduce_copy`: CUDA IPC over NVLink, no multicast), the
+ranks meet at a barrier in that memory, and each reads and adds every peer's copy: one kernel, no
+host work, so it replays inside a CUDA graph. lmdeploy, vLLM and SGLang use such kernels for
+small messages; here NCCL, captured in the same graphs, measured faster. Prefill-sized messages
+always go to NCCL.
 
-`LMDEPLOY_LITE_TP_ALLREDUCE` picks: `nccl` (default: NCCL for every size) or `oneshot`
-(one-shot up to `MAX_BYTES_ENV` bytes, default 1 MiB, NCCL above; start-up fails if it cannot
-be set up). Measured inside the decode graphs on two H100s (NV18, 0.8B shape, bf16;
-BENCHMARKS.md "More GPUs, more speed"): torch's one-shot kernel took 1.88 / 3.01 ms per step at
-batch 1 / 64 against NCCL's 1.81 / 2.69, so NCCL is the default and the one-shot stays as an
-option to measure on other machines. With two ranks a sum is one addition whichever kernel
-adds, so the bits are NCCL's; with more ranks the order of the additions may differ.
+`LMDEPLOY_LITE_TP_ALLREDUCE`: `nccl` (default, every size) or `oneshot` (up to `MAX_BYTES_ENV`
+bytes, default 1 MiB, NCCL above; start-up fails if it cannot be set up). Inside the decode
+graphs on two H100s (NV18, 0.8B shape, bf16; BENCHMARKS.md "More GPUs, more speed") the one-shot
+kernel took 1.88 / 3.01 ms per step at batch 1 / 64 against NCCL's 1.81 / 2.69, so it stays an
+option to measure on other machines. With two ranks a sum is one addition whichever kernel adds,
+so the bits are NCCL's; with more ranks the order of the additions may differ.
 
 Supported: bfloat16 and float32 tensors of a CUDA group of 2, 4 or 8 ranks; other tensors go
 to NCCL per call (`can_reduce`).
@@ -51,9 +50,8 @@ class PeerAllReduce:
     """The one-shot all-reduce of one NCCL group (`group`, its ranks' devices peer-linked)."""
 
     def __init__(self, group, buffer: torch.Tensor, limit: int):
-        self.group_name = group.group_name
+        self.group_name, self.limit = group.group_name, limit
         self.buffer = buffer            # [limit] uint8 of symmetric memory, rendezvoused
-        self.limit = limit
 
     @classmethod
     def create(cls, group, size: int, device: torch.device) -> 'PeerAllReduce | None':

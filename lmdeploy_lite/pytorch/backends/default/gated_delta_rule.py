@@ -28,8 +28,7 @@ def _prepare(q, k, v, g, beta, acc):
     """-> q, k [T, nv, dk] (normalised, expanded to value heads), v [T, nv, dv], g/beta [T, nv]."""
     ratio = v.shape[1] // q.shape[1]
     q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in (q, k))
     q = q * q.shape[-1] ** -0.5
     if ratio > 1:
         q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
@@ -91,16 +90,14 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
 def _initial_states(state_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
     """[B, nv, dk, dv] current states (a copy), zero for fresh sequences."""
     states = state_cache[inputs.state_slots, inputs.state_index]
-    fresh = (inputs.history_lens == 0)[:, None, None, None]
-    return states.masked_fill(fresh, 0)
+    return states.masked_fill((inputs.history_lens == 0)[:, None, None, None], 0)
 
 
 def _store(state_cache: torch.Tensor, rows: torch.Tensor, slots: slice,
            states: torch.Tensor, write: torch.Tensor) -> None:
     """state_cache[rows[b], slots][t] = states[b, t] where write[b, t] (else unchanged)."""
-    old = state_cache[rows, slots]
     state_cache[rows, slots] = torch.where(write[..., None, None, None],
-                                           states.to(state_cache.dtype), old)
+                                           states.to(state_cache.dtype), state_cache[rows, slots])
 
 
 def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -158,8 +155,7 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
     (`[B, nk, nv / nk, dk, dv]`, no repeated q/k), products as small batched matmuls. Each token
     starts from the state rounded to the cache's dtype, as a one-token call reads it back."""
     num_new, num_seqs = inputs.uniform_q_len, inputs.q_lens.shape[0]
-    num_key_heads, key_dim = q.shape[1:]
-    num_value_heads, value_dim = v.shape[1:]
+    (num_key_heads, key_dim), (num_value_heads, value_dim) = q.shape[1:], v.shape[1:]
     ratio, slots_per_row = num_value_heads // num_key_heads, state_cache.shape[1]
     out_dtype = v.dtype
     flat_cache = state_cache.view(-1, *state_cache.shape[2:])          # [rows * S, nv, dk, dv]
@@ -174,8 +170,7 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
     in_place = (num_new == 1 and num_seqs == 1 and slots_per_row == 1
                 and state_cache.dtype == acc and state_cache.device.type == 'cpu')
     if in_place:
-        slot = int(current[0])
-        state = flat_cache[slot:slot + 1]
+        state = flat_cache.narrow(0, int(current[0]), 1)
         if inputs.has_fresh_seqs:
             state.zero_()
     else:

@@ -13,13 +13,12 @@ import torch.nn.functional as F
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype for norms, softmax and recurrent state: float64 stays float64, else fp32."""
+    """Accumulation dtype for norms, softmax and recurrent state: float64 stays, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`x.to(dtype)` without the call where x has that dtype already (~1 us of a decode
-    step's many no-op casts)."""
+    """`x.to(dtype)`, skipped where x has that dtype (~1 us of a decode step's no-op casts)."""
     return x if x.dtype == dtype else x.to(dtype)
 
 

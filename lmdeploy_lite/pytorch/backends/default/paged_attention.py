@@ -14,13 +14,7 @@ from .varlen import SeqGroup, seq_groups
 
 
 def kv_slot_mapping(inputs: ModelInputs, block_size: int) -> torch.Tensor:
-    """[T] long: flat cache slot of every new token."""
-    if inputs.uniform_q_len:      # [B, n] positions: a gather per row, no advanced indexing
-        num_new = inputs.uniform_q_len
-        cache_pos = inputs.history_lens[:, None] + torch.arange(num_new,
-                                                                device=inputs.q_lens.device)
-        blocks = inputs.block_tables.gather(1, cache_pos // block_size)
-        return (blocks * block_size + cache_pos % block_size).flatten()
+    """[T] long: flat cache slot of every new token (no host sync when `uniform_q_len`)."""
     seq_idx = inputs.token_seq_idx
     cache_pos = inputs.history_lens[seq_idx] + inputs.token_offsets
     blocks = inputs.block_tables[seq_idx, cache_pos // block_size]
@@ -30,11 +24,21 @@ def kv_slot_mapping(inputs: ModelInputs, block_size: int) -> torch.Tensor:
 def fill_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   inputs: ModelInputs) -> None:
     """Write k, v `[T, n_kv, head_dim]` into the caches at the step's slots."""
-    num_blocks, block_size, n_kv, head_dim = k_cache.shape
+    block_size, n_kv, head_dim = k_cache.shape[1:]
     # the same for every attention layer of the step
     slots = inputs.derived(('kv_slots', block_size), lambda: kv_slot_mapping(inputs, block_size))
     k_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, cast(k, k_cache.dtype))
     v_cache.view(-1, n_kv, head_dim).index_copy_(0, slots, cast(v, v_cache.dtype))
+
+
+def _masks(history_lens: torch.Tensor, q_lens: torch.Tensor | int, max_q: int,
+           max_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden [n, max_q, L]: cache positions past each query's own, stale [n, L]: past each
+    sequence's kv_len; real queries give stale data probability 0, which must not meet a
+    non-finite value). q_lens [n], or one int for every sequence."""
+    k_pos = torch.arange(max_kv, device=history_lens.device)
+    q_pos = history_lens[:, None] + torch.arange(max_q, device=history_lens.device)
+    return k_pos > q_pos[:, :, None], k_pos >= (history_lens + q_lens)[:, None]
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -45,32 +49,13 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     blocks = block_tables[:, :(max_kv + block_size - 1) // block_size]
     keys, values = (cache[blocks].flatten(1, 2)[:, :max_kv].to(q.dtype)  # [n, L, n_kv, d]
                     for cache in (k_cache, v_cache))
-    k_pos = torch.arange(max_kv, device=q.device)
-    q_pos = group.history_lens[:, None] + torch.arange(max_q, device=q.device)   # [n, max_q]
-    # a sequence's positions past its kv_len hold stale data: its real queries give them
-    # probability 0, which must not meet a non-finite value
-    stale = k_pos[None, :] >= (group.history_lens + group.q_lens)[:, None]      # [n, L]
+    hidden, stale = _masks(group.history_lens, group.q_lens, max_q, max_kv)
     values = values.masked_fill(stale[:, :, None, None], 0)
     queries = group.pad(q).view(num_seqs, max_q, n_kv, -1, head_dim)      # [n, max_q, n_kv, g, d]
     scores = torch.einsum('bqhgd,bkhd->bhgqk', queries, keys) * scale
-    hidden = k_pos[None, None, :] > q_pos[:, :, None]                          # [n, max_q, L]
     probs = scores.masked_fill(hidden[:, None, None], float('-inf')).softmax(dim=-1)
     out = torch.einsum('bhgqk,bkhd->bqhgd', probs, values)
     return group.unpad(out).flatten(1, 2)
-
-
-def _uniform_masks(inputs: ModelInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_attend_uniform`'s masks (the same for every attention layer of the step): (hidden
-    [B, 1, n, 1, L]: cache positions past each query's own, stale [B, 1, L, 1]: past each
-    sequence's kv_len, whose stale data must not meet a non-finite value at probability 0)."""
-    num_new, max_kv = inputs.uniform_q_len, inputs.max_kv_len
-    device = inputs.history_lens.device
-    kv_lens = inputs.history_lens + num_new                             # [B]
-    k_pos = torch.arange(max_kv, device=device)
-    q_pos = kv_lens[:, None] - num_new + torch.arange(num_new, device=device)     # [B, n]
-    hidden = k_pos[None, None, :] > q_pos[:, :, None]                   # [B, n, L]
-    stale = k_pos[None, :] >= kv_lens[:, None]                          # [B, L]
-    return hidden[:, None, :, None, :], stale[:, None, :, None]
 
 
 def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -79,9 +64,8 @@ def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     verify): q [B * n, nq, d] (accumulation dtype) -> [B * n, nq, d]; whole blocks gathered with
     `index_select`, scores `[B, n_kv, n * g, max_kv]` from batched matmuls; masks only where a
     query could see a padded or future position (not for one sequence decoding one token)."""
-    num_new, num_seqs = inputs.uniform_q_len, inputs.q_lens.shape[0]
-    num_blocks, block_size, n_kv, head_dim = k_cache.shape
-    max_kv = inputs.max_kv_len
+    num_new, num_seqs, max_kv = inputs.uniform_q_len, inputs.q_lens.shape[0], inputs.max_kv_len
+    block_size, n_kv, head_dim = k_cache.shape[1:]
     blocks = inputs.derived(('kv_blocks', block_size), lambda: inputs.block_tables[
         :, :(max_kv + block_size - 1) // block_size].reshape(-1))
 
@@ -95,7 +79,8 @@ def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scores = queries.reshape(num_seqs, n_kv, num_new * group, head_dim) @ keys.transpose(-1, -2)
     scores = scores * scale
     if num_seqs > 1 or num_new > 1:
-        hidden, stale = inputs.derived(('attn_masks', num_new), lambda: _uniform_masks(inputs))
+        hidden, stale = inputs.derived(('attn_masks', num_new), lambda: tuple(   # every layer's:
+            m[:, None, :, None] for m in _masks(inputs.history_lens, num_new, num_new, max_kv)))
         scores = scores.view(num_seqs, n_kv, num_new, group, max_kv)
         scores = scores.masked_fill(hidden, float('-inf'))
         scores = scores.view(num_seqs, n_kv, num_new * group, max_kv)
@@ -122,7 +107,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     for group in seq_groups(inputs, lambda n, max_q, max_kv: n * num_heads * max_q * max_kv):
         if group.max_q_len == 0:
             continue
-        block_tables = inputs.block_tables[group.seqs]
-        out[group.tokens] = _attend(q[group.tokens].to(acc), k_cache, v_cache, block_tables,
-                                    group, scale).to(q.dtype)
+        out[group.tokens] = _attend(q[group.tokens].to(acc), k_cache, v_cache,
+                                    inputs.block_tables[group.seqs], group, scale).to(q.dtype)
     return out

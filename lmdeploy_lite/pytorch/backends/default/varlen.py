@@ -51,14 +51,11 @@ class SeqGroup:
 
     def unpad(self, padded: torch.Tensor) -> torch.Tensor:
         """[n, max_q_len, ...] -> [t, ...], the inverse of `pad`."""
-        if self.is_dense:
-            return padded.flatten(0, 1)
-        return padded[self.seq_idx, self.offsets]
+        return padded.flatten(0, 1) if self.is_dense else padded[self.seq_idx, self.offsets]
 
     def valid(self) -> torch.Tensor:
         """[n, max_q_len] bool, True at real (not padding) tokens."""
-        steps = torch.arange(self.max_q_len, device=self.q_lens.device)
-        return steps[None, :] < self.q_lens[:, None]
+        return torch.arange(self.max_q_len, device=self.q_lens.device) < self.q_lens[:, None]
 
 
 def seq_groups(inputs: ModelInputs, cost: Callable[[int, int, int], int]) -> list[SeqGroup]:
