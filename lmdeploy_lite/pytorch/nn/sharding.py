@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -34,31 +35,21 @@ class Shard:
     def piece(self, size: int) -> int:
         return -(-size // self.parts)
 
-    @property
-    def local_size(self) -> int:
-        return sum(self.piece(s) for s in self.sections)
-
-    @property
-    def full_size(self) -> int:
-        return sum(self.sections)
-
     def full_shape(self, local_shape: tuple) -> tuple:
         shape = list(local_shape)
-        shape[self.dim] = self.full_size
+        shape[self.dim] = sum(self.sections)
         return tuple(shape)
 
     def narrow(self, full: torch.Tensor) -> torch.Tensor:
-        """The full tensor (shape `full_shape`) -> this rank's piece (shape with `local_size`)."""
+        """The full tensor (shape `full_shape`) -> this rank's piece of every section."""
         pieces, offset = [], 0
         for size in self.sections:
             piece = self.piece(size)
             start = min(self.rank * piece, size)
             stop = min(start + piece, size)
             part = full.narrow(self.dim, offset + start, stop - start)
-            if stop - start < piece:
-                pad = list(part.shape)
-                pad[self.dim] = piece - (stop - start)
-                part = torch.cat([part, part.new_zeros(pad)], self.dim)
+            if stop - start < piece:                         # zero rows past the section
+                part = F.pad(part, (0, 0) * (full.dim() - 1 - self.dim) + (0, piece - stop + start))
             pieces.append(part)
             offset += size
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, self.dim)
@@ -82,7 +73,7 @@ def sharded_parameter(full_shape: tuple[int, ...], dim: int, dist_ctx, dtype: to
     if sum(shard.sections) != full_shape[dim]:
         raise ValueError(f'sections {shard.sections} do not add up to dim {dim} of {full_shape}')
     local = list(full_shape)
-    local[dim] = shard.local_size
+    local[dim] = sum(shard.piece(size) for size in shard.sections)
     param = nn.Parameter(init(tuple(local), dtype=dtype, device=device), requires_grad=False)
     param.shard = shard
     return param

@@ -16,7 +16,10 @@ invariant 1).
 """
 from __future__ import annotations
 
+import bisect
 import os
+from collections import Counter
+from itertools import accumulate
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -65,13 +68,9 @@ class DraftCountPolicy:
         if not self.dynamic:
             return
         # rows with more than i drafts (accepted) drafted (accepted) i: a suffix sum of counts
-        k = self.max_k
-        drafts_hist, accepted_hist = [0] * (k + 1), [0] * (k + 1)
-        for n, a in zip(num_drafts, num_accepted):
-            drafts_hist[n] += 1
-            accepted_hist[a] += 1
+        drafts_hist, accepted_hist = Counter(num_drafts), Counter(num_accepted)
         decay, more_drafted, more_accepted = self.decay, 0, 0
-        for i in range(k - 1, -1, -1):
+        for i in range(self.max_k - 1, -1, -1):
             more_drafted += drafts_hist[i + 1]
             more_accepted += accepted_hist[i + 1]
             self.drafted[i] = self.drafted[i] * decay + more_drafted
@@ -100,11 +99,9 @@ class DraftCountPolicy:
         if not known:
             return 1.0 + self.prior_draft_cost * k           # relative units: only ratios matter
         ks = sorted(known)
-        if len(ks) >= 2:
-            lo, hi = (ks[0], ks[1]) if k < ks[0] else (ks[-2], ks[-1])
-            if ks[0] < k < ks[-1]:
-                lo = max(j for j in ks if j < k)
-                hi = min(j for j in ks if j > k)
+        if len(ks) >= 2:            # the measured ks around k, or the two nearest at one end
+            i = min(max(bisect.bisect(ks, k), 1), len(ks) - 1)
+            lo, hi = ks[i - 1], ks[i]
             slope = (known[hi] - known[lo]) / (hi - lo)
             return max(known[lo] + slope * (k - lo), 1e-9)
         j = ks[0]
@@ -113,13 +110,8 @@ class DraftCountPolicy:
 
     def rates(self, bucket: int) -> list[float]:
         """Estimated tokens per second per sequence for each k in 0..max_k."""
-        accept = self.acceptance()
-        tokens, rates = 1.0, []
-        for k in range(self.max_k + 1):
-            if k:
-                tokens += accept[k - 1]
-            rates.append(tokens / self.step_time(bucket, k))
-        return rates
+        tokens = accumulate(self.acceptance(), initial=1.0)         # E(k) for k in 0..max_k
+        return [t / self.step_time(bucket, k) for k, t in enumerate(tokens)]
 
     def best(self, batch_size: int) -> int:
         rates = self.rates(batch_bucket(batch_size))

@@ -52,14 +52,11 @@ class SpecRuntime:
         drafts its last step made (`row_drafts`), then every row drafts k."""
         if batch is None or self.policy is None:
             return batch
-        seqs = batch.seqs
-        if batch.is_decoding and self.plan.needs_host_tokens:
-            row_drafts = [k] * len(seqs)                 # drafted on the host now
-        elif batch.is_decoding:
-            row_drafts = [min(s.drafts_ready, k) for s in seqs]
-        else:
-            row_drafts = None
-        q_lens = [k + 1] * len(seqs) if batch.is_decoding else batch.q_lens
+        seqs, q_lens, row_drafts = batch.seqs, batch.q_lens, None
+        if batch.is_decoding:                            # host drafts: all k made now
+            q_lens = [k + 1] * len(seqs)
+            host = self.plan.needs_host_tokens
+            row_drafts = [k if host else min(s.drafts_ready, k) for s in seqs]
         for seq in seqs:
             seq.drafts_ready = k
         return dataclasses.replace(batch, q_lens=q_lens, num_spec=k, row_drafts=row_drafts)

@@ -44,8 +44,7 @@ class MTPProposer:
             pool = runner.pool
             return runner
         for q_len in [k + 1 for k in counts if k] + [1]:
-            self.graphs[q_len] = capture(
-                lambda inputs, ids, h: self.mtp(ids, h, inputs, self.caches), 'mtp draft', q_len)
+            self.graphs[q_len] = capture(self._head, 'mtp draft', q_len)
         if 0 in counts:
             self.kv_graphs[1] = capture(self._write_kv, 'mtp kv')
         for k in [k for k in counts if k]:
@@ -84,12 +83,15 @@ class MTPProposer:
         self.mtp.write_kv(input_ids, hidden, inputs, self.caches)
         return hidden[:, :0]                  # a graph runner returns a tensor; nothing to read
 
-    def _run_mtp(self, input_ids: torch.Tensor, hidden: torch.Tensor,
-                 inputs: ModelInputs) -> torch.Tensor:
-        runner = self.graphs.get(inputs.uniform_q_len)
+    def _head(self, inputs: ModelInputs, input_ids: torch.Tensor, hidden: torch.Tensor):
+        return self.mtp(input_ids, hidden, inputs, self.caches)
+
+    def _run(self, graphs: dict, fn, inputs: ModelInputs, input_ids, hidden) -> torch.Tensor:
+        """`fn(inputs, input_ids, hidden)`, by its graph for this q_len when one is captured."""
+        runner = graphs.get(inputs.uniform_q_len)
         if runner is not None and runner.can_run(inputs):
             return runner(inputs, input_ids, hidden)
-        return self.mtp(input_ids, hidden, inputs, self.caches)
+        return fn(inputs, input_ids, hidden)
 
     def propose(self, inputs: ModelInputs, target_hidden: torch.Tensor, next_ids: torch.Tensor,
                 rows: torch.Tensor, sampling: SamplingInputs, num_drafts: int | None = None
@@ -102,13 +104,9 @@ class MTPProposer:
         [B, k, M] over token_map's ids with a reduced vocabulary)."""
         k = self.num_spec_tokens if num_drafts is None else num_drafts
         if k == 0:
-            runner = self.kv_graphs.get(inputs.uniform_q_len)
-            if runner is not None and runner.can_run(inputs):
-                runner(inputs, next_ids, target_hidden)
-            else:
-                self.mtp.write_kv(next_ids, target_hidden, inputs, self.caches)
+            self._run(self.kv_graphs, self._write_kv, inputs, next_ids, target_hidden)
             return rows.new_empty((rows.numel(), 0)), None
-        hidden = self._run_mtp(next_ids, target_hidden, inputs)[rows]
+        hidden = self._run(self.graphs, self._head, inputs, next_ids, target_hidden)[rows]
         positions = inputs.positions[rows]
         chain = self.chain_graphs.get(k) if sampling.all_greedy else None
         if chain is not None:
@@ -119,7 +117,7 @@ class MTPProposer:
         for i in range(k):
             if i > 0:   # the same layer again, one position on, fed its own output
                 step = self._draft_step_inputs(inputs, drafts[-1], positions + i)
-                hidden = self._run_mtp(drafts[-1], hidden, step)
+                hidden = self._run(self.graphs, self._head, step, drafts[-1], hidden)
             logits = self.compute_logits(hidden)
             token = logits.argmax(-1)
             if not sampling.all_greedy:     # sampled rows draw from q and keep it for verify

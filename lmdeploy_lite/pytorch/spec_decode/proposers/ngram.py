@@ -37,10 +37,8 @@ class NgramProposer:
         start = self._match_end(np.asarray(token_ids, dtype=np.int64))
         if start is None:
             return [token_ids[-1]] * k
-        extended = list(token_ids)
-        for i in range(k):
-            extended.append(extended[start + i])               # start + i < len(extended) always
-        return extended[len(token_ids):]
+        period = len(token_ids) - start          # copying on past the end repeats the match
+        return [token_ids[start + i % period] for i in range(k)]
 
     def propose_batch(self, batch_token_ids: list[list[int]]) -> torch.Tensor:
         """B sequences -> draft tokens LongTensor [B, k]."""

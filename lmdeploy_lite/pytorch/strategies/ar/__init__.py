@@ -1,3 +1,6 @@
-from lmdeploy_lite.pytorch.strategies.ar.strategy import ARStrategy
+"""Plain autoregressive decoding: the base Strategy as it is."""
+from lmdeploy_lite.pytorch.strategies.base import Strategy
 
-__all__ = ['ARStrategy']
+
+class ARStrategy(Strategy):
+    pass

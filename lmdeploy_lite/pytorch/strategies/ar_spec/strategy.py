@@ -83,8 +83,7 @@ class ARSpecStrategy(Strategy):
                 ) -> tuple[int, list[int]]:
         if num_accepted is None:                  # prefill chunk: one token at most
             return super().emitted(seq, q_len, samples, row, num_accepted)
-        if num_drafts is None:
-            num_drafts = q_len - 1
+        num_drafts = q_len - 1 if num_drafts is None else num_drafts
         if num_drafts:                            # a row with no drafts verified nothing
             seq.spec_stats.add(num_drafts, num_accepted)
             self.stats.add(num_drafts, num_accepted)
