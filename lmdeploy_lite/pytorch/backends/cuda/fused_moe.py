@@ -223,8 +223,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     if num_pairs == 0:
         return torch.zeros_like(x)
     x = x if x.stride(-1) == 1 else x.contiguous()
-    flat_ids = topk_ids.reshape(-1).contiguous()
-    flat_weights = topk_weights.reshape(-1).contiguous()
+    flat_ids, flat_weights = (t.reshape(-1).contiguous() for t in (topk_ids, topk_weights))
     sorted_pairs = num_pairs > UNSORTED_MAX_PAIRS
     if sorted_pairs:
         block_m = min(64, max(16, triton.next_power_of_2(num_pairs // num_experts)))
@@ -261,8 +260,7 @@ def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.
     cdiv(N, BLOCK_N)); no host reads, shapes from shapes only: capturable."""
     if x.dtype == torch.float64:        # as fused_moe: the reference
         return reference_fused_moe_masked(x, counts, gate_up_proj, down_proj, out)
-    num_experts, capacity, hidden = x.shape
-    inter_size = down_proj.shape[2]
+    (num_experts, capacity, hidden), inter_size = x.shape, down_proj.shape[2]
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     elif (out.dtype != x.dtype or out.shape[:2] != x.shape[:2] or out.shape[2] < hidden

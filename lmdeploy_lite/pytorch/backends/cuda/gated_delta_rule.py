@@ -222,9 +222,7 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     chunk = _fla_chunk_gated_delta_rule()
     if chunk is None:
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
-    slots = inputs.state_slots
-    fresh = (inputs.history_lens == 0)[:, None, None, None]
-    initial = state_cache[slots, inputs.state_index].float().masked_fill(fresh, 0)  # [B,nv,dk,dv]
+    initial = reference.initial_states(state_cache, inputs).float()              # [B, nv, dk, dv]
     if 'fla_cu_seqlens' not in inputs.op_cache:
         # the same tensors for every layer: fla caches what it derives from them (chunk
         # indices, via .tolist()) by identity; new ones per layer cost ~2.5 ms of host time
@@ -237,8 +235,8 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                        scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=True,
                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
                        cu_seqlens_cpu=cu_seqlens_cpu)
-    ran = (inputs.q_lens > 0)[:, None, None, None]
-    state_cache[slots, 0] = torch.where(ran, final.to(state_cache.dtype), state_cache[slots, 0])
+    reference.store_states(state_cache, inputs.state_slots, slice(0, 1), final[:, None],
+                           (inputs.q_lens > 0)[:, None])
     return out[0].to(v.dtype)
 
 

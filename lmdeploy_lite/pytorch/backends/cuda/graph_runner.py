@@ -62,13 +62,11 @@ class GraphRunner:
         max_batch = self.buckets[-1]
         max_tokens = max_batch * q_len
         long = dict(dtype=torch.long, device=device)
-        self.input_ids = torch.zeros(max_tokens, **long)
-        self.positions = torch.zeros(max_tokens, **long)
+        self.input_ids, self.positions = (torch.zeros(max_tokens, **long) for _ in range(2))
         self.q_lens = torch.full((max_batch,), q_len, **long)
-        self.history_lens = torch.zeros(max_batch, **long)
+        self.history_lens, self.state_slots, self.state_index = (
+            torch.zeros(max_batch, **long) for _ in range(3))
         self.block_tables = torch.zeros(max_batch, max_blocks, **long)
-        self.state_slots = torch.zeros(max_batch, **long)
-        self.state_index = torch.zeros(max_batch, **long)
         self.extras = [torch.zeros((max_tokens,) + tuple(shape), dtype=dtype, device=device)
                        for shape, dtype in extras]
         self.num_replays = 0
@@ -156,12 +154,10 @@ class GraphRunner:
             self.input_ids[tokens:padded_tokens].zero_()
             self.positions[tokens:padded_tokens].zero_()
         self.num_replays += 1
-        if self.use_graphs:
-            self.graphs[bucket].replay()
-            if self.recorder is not None:
-                self.recorder.trace.extend(self.traces[bucket])
-            out = self.outputs[bucket]
-        else:
-            out = self._run_static(bucket)
-        return out[:tokens]
+        if not self.use_graphs:
+            return self._run_static(bucket)[:tokens]
+        self.graphs[bucket].replay()
+        if self.recorder is not None:
+            self.recorder.trace.extend(self.traces[bucket])
+        return self.outputs[bucket][:tokens]
 

@@ -5,20 +5,9 @@ from .moe import fused_moe, fused_moe_masked
 from .norm import add_rms_norm, gated_rms_norm, rms_norm, silu_mul
 from .paged_attention import fill_kv_cache, paged_attention
 
-
-class DefaultBackend:
-    name = 'default'
-    paged_attention = staticmethod(paged_attention)
-    store_kv = staticmethod(fill_kv_cache)
-    causal_conv1d_prefill = staticmethod(causal_conv1d_prefill)
-    causal_conv1d_update = staticmethod(causal_conv1d_update)
-    gated_delta_rule_prefill = staticmethod(gated_delta_rule_prefill)
-    gated_delta_rule_decode = staticmethod(gated_delta_rule_decode)
-    gdn_gating = staticmethod(gdn_gating)
-    rms_norm = staticmethod(rms_norm)
-    add_rms_norm = staticmethod(add_rms_norm)
-    gated_rms_norm = staticmethod(gated_rms_norm)
-    silu_mul = staticmethod(silu_mul)
-    fused_moe = staticmethod(fused_moe)
-    fused_moe_masked = staticmethod(fused_moe_masked)
-
+_OPS = (paged_attention, causal_conv1d_prefill, causal_conv1d_update, gated_delta_rule_prefill,
+        gated_delta_rule_decode, gdn_gating, rms_norm, add_rms_norm, gated_rms_norm, silu_mul,
+        fused_moe, fused_moe_masked)
+DefaultBackend = type('DefaultBackend', (), {
+    'name': 'default', 'store_kv': staticmethod(fill_kv_cache),
+    **{fn.__name__: staticmethod(fn) for fn in _OPS}})

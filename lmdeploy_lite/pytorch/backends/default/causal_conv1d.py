@@ -46,9 +46,8 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_cache: tor
                           inputs: ModelInputs) -> torch.Tensor:
     """x [T, C] raw inputs, weight [C, K] -> [T, C]. Continues from the current window when
     `history_lens > 0` (chunked prefill); stores the last K-1 raw inputs in columns 0..K-2."""
-    kernel = weight.shape[1]
     return _conv(x, weight, conv_cache, inputs, store_from=inputs.q_lens,
-                 store_count=torch.full_like(inputs.q_lens, kernel - 1))
+                 store_count=torch.full_like(inputs.q_lens, weight.shape[1] - 1))
 
 
 def _update_uniform(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
@@ -81,8 +80,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_cache: torc
     """Decode/verify over n = q_lens[b] tokens per sequence: x [T, C] -> [T, C]. Writes
     `cat(window, x_0..x_{n-1})[:, 1:]` to columns 0..K-3+n, so that after accepting a tokens the
     window at index a - 1 is the last K-1 raw inputs up to the accepted token."""
-    kernel = weight.shape[1]
     if inputs.uniform_q_len:
         return _update_uniform(x, weight, conv_cache, inputs, inputs.uniform_q_len)
     return _conv(x, weight, conv_cache, inputs, store_from=torch.ones_like(inputs.q_lens),
-                 store_count=inputs.q_lens + kernel - 2)
+                 store_count=inputs.q_lens + weight.shape[1] - 2)

@@ -87,13 +87,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     return out, state
 
 
-def _initial_states(state_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
+def initial_states(state_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tensor:
     """[B, nv, dk, dv] current states (a copy), zero for fresh sequences."""
     states = state_cache[inputs.state_slots, inputs.state_index]
     return states.masked_fill((inputs.history_lens == 0)[:, None, None, None], 0)
 
 
-def _store(state_cache: torch.Tensor, rows: torch.Tensor, slots: slice,
+def store_states(state_cache: torch.Tensor, rows: torch.Tensor, slots: slice,
            states: torch.Tensor, write: torch.Tensor) -> None:
     """state_cache[rows[b], slots][t] = states[b, t] where write[b, t] (else unchanged)."""
     state_cache[rows, slots] = torch.where(write[..., None, None, None],
@@ -107,7 +107,7 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Writes each sequence's final state to slot 0 of its row. Sequences are zero-padded to the
     longest of their group (padding leaves the state unchanged, see `chunk_gated_delta_rule`)."""
     acc = torch.float64 if torch.float64 in (state_cache.dtype, v.dtype) else torch.float32
-    init = _initial_states(state_cache, inputs).to(acc)
+    init = initial_states(state_cache, inputs).to(acc)
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
     out = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
     heads, width = vp.shape[1], max(q.shape[-1], vp.shape[-1], 64)
@@ -122,8 +122,8 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         else:
             o, final = chunk_gated_delta_rule(*padded, init[group.seqs])
         out[group.tokens] = group.unpad(o).to(v.dtype)
-        _store(state_cache, inputs.state_slots[group.seqs], slice(0, 1), final[:, None],
-               (group.q_lens > 0)[:, None])
+        store_states(state_cache, inputs.state_slots[group.seqs], slice(0, 1), final[:, None],
+                     (group.q_lens > 0)[:, None])
     return out
 
 
@@ -136,14 +136,14 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     acc = torch.float64 if torch.float64 in (state_cache.dtype, v.dtype) else torch.float32
     if inputs.uniform_q_len:
         return _decode_uniform(q, k, v, g, beta, state_cache, inputs, acc)
-    init = _initial_states(state_cache, inputs)
+    init = initial_states(state_cache, inputs)
     q, k, vp, g, beta = _prepare(q, k, v, g, beta, acc)
     (group,) = seq_groups(inputs, lambda *_: 0)      # one group: padding is at most num_spec
     if group.max_q_len == 0:
         return torch.empty(vp.shape, dtype=v.dtype, device=v.device)
     o, states = recurrent_gated_delta_rule(*(group.pad(x) for x in (q, k, vp, g, beta)), init,
                                            state_dtype=state_cache.dtype)
-    _store(state_cache, inputs.state_slots, slice(0, group.max_q_len), states, group.valid())
+    store_states(state_cache, inputs.state_slots, slice(0, group.max_q_len), states, group.valid())
     return group.unpad(o).to(v.dtype)
 
 

@@ -68,12 +68,8 @@ def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size, n_kv, head_dim = k_cache.shape[1:]
     blocks = inputs.derived(('kv_blocks', block_size), lambda: inputs.block_tables[
         :, :(max_kv + block_size - 1) // block_size].reshape(-1))
-
-    def gather(cache):                                                  # -> [B, n_kv, L, d]
-        rows = cache.index_select(0, blocks).view(num_seqs, -1, n_kv, head_dim)[:, :max_kv]
-        return cast(rows, q.dtype).transpose(1, 2)
-
-    keys, values = gather(k_cache), gather(v_cache)
+    keys, values = (cast(c.index_select(0, blocks).view(num_seqs, -1, n_kv, head_dim)[:, :max_kv],
+                         q.dtype).transpose(1, 2) for c in (k_cache, v_cache))   # [B, n_kv, L, d]
     group = q.shape[1] // n_kv
     queries = q.view(num_seqs, num_new, n_kv, group, head_dim).permute(0, 2, 1, 3, 4)
     scores = queries.reshape(num_seqs, n_kv, num_new * group, head_dim) @ keys.transpose(-1, -2)
@@ -81,9 +77,8 @@ def _attend_uniform(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_seqs > 1 or num_new > 1:
         hidden, stale = inputs.derived(('attn_masks', num_new), lambda: tuple(   # every layer's:
             m[:, None, :, None] for m in _masks(inputs.history_lens, num_new, num_new, max_kv)))
-        scores = scores.view(num_seqs, n_kv, num_new, group, max_kv)
-        scores = scores.masked_fill(hidden, float('-inf'))
-        scores = scores.view(num_seqs, n_kv, num_new * group, max_kv)
+        scores = scores.view(num_seqs, n_kv, num_new, group, max_kv).masked_fill(
+            hidden, float('-inf')).view(num_seqs, n_kv, num_new * group, max_kv)
         values = values.masked_fill(stale, 0)
     out = scores.softmax(dim=-1) @ values                               # [B, n_kv, n * g, d]
     out = out.view(num_seqs, n_kv, num_new, group, head_dim).permute(0, 2, 1, 3, 4)
