@@ -12,13 +12,15 @@ from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Respo
 from lmdeploy_lite.pytorch.engine.executor import connect
 from lmdeploy_lite.pytorch.engine.executor.client import Channel, EngineStats
 from lmdeploy_lite.pytorch.engine.step_output import StepOutput
+from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, starts_in_thought, template_thinks
 from lmdeploy_lite.text_stream import (TextStream, as_batch, coalesce, is_token_id,
-                                       batch_decoder, check_prompt, check_tools, detokenize,
-                                       token_logprobs)
+                                       batch_decoder, check_prompt, check_template_kwargs,
+                                       check_tools, detokenize, token_logprobs)
 from lmdeploy_lite.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | list[dict]
 POLL_S = 1.0               # how often a wait for results checks that the engine still runs
+THOUGHT_TAIL = 32          # prompt tokens read to know whether the reply starts in a thought
 
 EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(__file__), 'assets', 'qwen3_5_moe_tiny')
 
@@ -85,13 +87,21 @@ class Pipeline:
     def __init__(self, model_path: str | None = None,
                  backend_config: PytorchEngineConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, progress: bool = True,
-                 engine_process: bool = False):
+                 engine_process: bool = False, reasoning_parser: str | None = None):
         """`engine_process`: run a one-rank engine in a process of its own (the mp executor's
         rank), as a multi-rank one always does, instead of in a thread of this one. The server
         does so on CUDA: its event loop spends ~0.1 ms of Python per streamed chunk, and in one
-        process that time holds the GIL that the engine's thread needs between its CUDA steps."""
+        process that time holds the GIL that the engine's thread needs between its CUDA steps.
+        `reasoning_parser` ('qwen3'; 'auto': when the chat template thinks; None or 'none':
+        off): a chat reply's `<think>` block goes to Response.reasoning_content (reasoning.py)."""
+        if reasoning_parser not in PARSERS + (None,):
+            raise ValueError(f'reasoning_parser={reasoning_parser!r}: must be one of '
+                             f'{PARSERS} or None')
         self.model_path = resolve_model_path(model_path)
         self.tokenizer = load_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
+        self.reasoning = reasoning_parser == 'qwen3' or (
+            reasoning_parser == 'auto' and self.tokenizer is not None
+            and template_thinks(getattr(self.tokenizer, 'chat_template', None)))
         self._decode = batch_decoder(self.tokenizer) if self.tokenizer is not None else None
         backend_config = backend_config or PytorchEngineConfig()
         self._client = connect(self.model_path, backend_config, speculative_config,
@@ -143,16 +153,21 @@ class Pipeline:
         return self._client.stats()
 
     # ---- prompts --------------------------------------------------------------------------
-    def encode(self, prompt: Prompt, tools: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt: Prompt, tools: list[dict] | None = None,
+               chat_template_kwargs: dict | None = None) -> list[int]:
         """str: plain text; list of ints: token ids; list of {'role','content'}: chat template
         (an assistant message may carry 'tool_calls', a 'tool' message answers one). `tools`:
         function schemas ({'type': 'function', 'function': {'name', 'description',
         'parameters'}}) that the chat template shows the model; chat messages only, and only
-        with a template that renders them. Anything else is a ValueError naming the prompt (or
-        the message, or tools) and what is wrong."""
-        if tools and not (isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)):
-            raise ValueError('tools: given with a prompt that is not chat messages; tools reach '
-                             'the model through the chat template')
+        with a template that renders them. `chat_template_kwargs`: more variables for the
+        template (`{'enable_thinking': False}`). Anything else is a ValueError naming the
+        prompt (or the message, tools, chat_template_kwargs) and what is wrong."""
+        kwargs = check_template_kwargs(chat_template_kwargs)
+        chat = isinstance(prompt, list) and prompt and isinstance(prompt[0], dict)
+        for name, given in (('tools', tools), ('chat_template_kwargs', kwargs)):
+            if given and not chat:
+                raise ValueError(f'{name}: given with a prompt that is not chat messages; it '
+                                 f'reaches the model through the chat template')
         if isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt):
             return [int(t) for t in prompt]
         check_prompt(prompt)
@@ -168,9 +183,13 @@ class Pipeline:
         try:
             return self.tokenizer.apply_chat_template(prompt, tools=tools or None,
                                                       add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False)
+                                                      tokenize=True, return_dict=False, **kwargs)
         except TemplateError as e:          # the template's own checks (raise_exception)
             raise ValueError(f'prompt: the chat template rejects these messages: {e}') from None
+
+    def reasoning_parser(self, prompt_ids: list[int]) -> ReasoningParser:
+        """A parser for the reply to this (rendered chat) prompt."""
+        return ReasoningParser(starts_in_thought(self.tokenizer.decode(prompt_ids[-THOUGHT_TAIL:])))
 
     def _check_template_renders(self, messages: list[dict], tools: list[dict] | None):
         """A template that never looks at tools or tool_calls would drop them without a word."""
@@ -187,15 +206,17 @@ class Pipeline:
 
     # ---- batch and streaming --------------------------------------------------------------
     def __call__(self, prompts: Prompt | Seq[Prompt], gen_config: GenerationConfig | None = None,
-                 tools: list[dict] | None = None) -> Response | list[Response]:
+                 tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+                 ) -> Response | list[Response]:
         """A request that fails in the engine comes back with finish_reason 'error' and the
         reason in Response.error (the other prompts are unaffected); a stopped or closed engine
-        raises RuntimeError. `tools`: for every prompt, see `encode`. With gen_config.n > 1:
+        raises RuntimeError. `tools`, `chat_template_kwargs`: for every prompt, see `encode`.
+        With gen_config.n > 1:
         every prompt's n choices, flattened (Response.index = prompt_index * n + i), a list
         even for a single prompt."""
         single, batch = as_batch(prompts)
         final: dict[int, Response] = {}
-        for r in self._stream(batch, gen_config, cumulative=True, tools=tools):
+        for r in self._stream(batch, gen_config, True, tools, chat_template_kwargs):
             final[r.index] = r
         n = 1 if gen_config is None else gen_config.n
         responses = [final[i] for i in range(len(batch) * n)]
@@ -203,19 +224,22 @@ class Pipeline:
 
     def stream_infer(self, prompts: Prompt | Seq[Prompt],
                      gen_config: GenerationConfig | None = None,
-                     tools: list[dict] | None = None) -> Iterator[Response]:
+                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+                     ) -> Iterator[Response]:
         """Yields incremental responses (this chunk's text and token ids), each with its index
         (with gen_config.n > 1: prompt_index * n + i); a failed request's last chunk has
         finish_reason 'error' (see __call__)."""
-        yield from self._stream(as_batch(prompts)[1], gen_config, cumulative=False, tools=tools)
+        yield from self._stream(as_batch(prompts)[1], gen_config, False, tools,
+                                chat_template_kwargs)
 
     def _stream(self, prompts: list[Prompt], gen_config, cumulative: bool,
-                tools: list[dict] | None = None) -> Iterator[Response]:
+                tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
+                ) -> Iterator[Response]:
         """All requests share one Channel: one inbox message per engine step, whatever the
         batch; their text is decoded in bulk (while they run only when streamed)."""
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
-        token_lists = [self.encode(p, tools) for p in prompts]
+        token_lists = [self.encode(p, tools, chat_template_kwargs) for p in prompts]
         for ids in token_lists:                       # validate all before any work starts
             self._client.validate_request(ids, gen_config)
         inbox: queue.Queue = queue.Queue()
@@ -224,6 +248,9 @@ class Pipeline:
         handles = [h for i, ids in enumerate(token_lists) for h in self._client.submit_group(
             ids, gen_config, channel, tags=list(range(i * n, (i + 1) * n)))]
         streams = [TextStream(gen_config, stream=not cumulative) for _ in handles]
+        thoughts = [self.reasoning_parser(token_lists[i // n]) if self.reasoning and
+                    isinstance(prompts[i // n], list) and isinstance(prompts[i // n][0], dict)
+                    else None for i in range(len(handles))]
         remaining = len(handles)
         asked = gen_config.logprobs is not None
         entries: list[list[TokenLogprobs]] = [[] for _ in handles]    # cumulative: so far
@@ -249,10 +276,12 @@ class Pipeline:
                     if asked:
                         logprobs = (list(entries[i]) if cumulative else
                                     token_logprobs(item.new_token_ids, item.logprobs))
-                    yield self._response(i, item, token_lists[i // n],
-                                         s.text[:s.sent] if cumulative else delta,
-                                         s.token_ids if cumulative else item.new_token_ids,
-                                         logprobs)
+                    r = self._response(i, item, token_lists[i // n],
+                                       s.text[:s.sent] if cumulative else delta,
+                                       s.token_ids if cumulative else item.new_token_ids, logprobs)
+                    if thoughts[i] is not None:
+                        r.reasoning_content, r.text = thoughts[i].feed(r.text, item.finished)
+                    yield r
         finally:
             for h in handles:
                 if not h.finished:
@@ -376,6 +405,6 @@ class Pipeline:
 
 def pipeline(model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
              speculative_config: SpeculativeConfig | None = None, progress: bool = True,
-             engine_process: bool = False) -> Pipeline:
+             engine_process: bool = False, reasoning_parser: str | None = None) -> Pipeline:
     return Pipeline(model_path, backend_config, speculative_config, progress=progress,
-                    engine_process=engine_process)
+                    engine_process=engine_process, reasoning_parser=reasoning_parser)

@@ -448,3 +448,5 @@ class Response:
     hidden_states_path: str | None = None
     # GenerationConfig(logprobs=N): one TokenLogprobs per token of token_ids; else None
     logprobs: list[TokenLogprobs] | None = None
+    # pipeline(reasoning_parser=...): the thought (`<think>` block), `text` the rest
+    reasoning_content: str | None = None

@@ -190,6 +190,26 @@ def check_tools(tools):
         raise ValueError(f'tools={short_repr(tools)}: must be a list of dicts (function schemas)')
 
 
+# apply_chat_template's own arguments: a template variable must not change the call itself
+TEMPLATE_CALL_ARGS = frozenset((
+    'conversation', 'messages', 'tools', 'documents', 'chat_template', 'add_generation_prompt',
+    'continue_final_message', 'tokenize', 'padding', 'truncation', 'max_length',
+    'return_tensors', 'return_dict', 'return_assistant_tokens_mask', 'tokenizer_kwargs'))
+
+
+def check_template_kwargs(kwargs) -> dict:
+    """`chat_template_kwargs` as template variables ({} for None), or a ValueError naming it."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f'chat_template_kwargs={short_repr(kwargs)}: must be an object of '
+                         f'template variables, e.g. {{"enable_thinking": false}}')
+    if TEMPLATE_CALL_ARGS & kwargs.keys():
+        raise ValueError(f'chat_template_kwargs: {sorted(TEMPLATE_CALL_ARGS & kwargs.keys())} '
+                         f'are set from the request itself, not template variables')
+    return kwargs
+
+
 def _check_text(name: str, text: str):
     """A str holding a lone surrogate cannot be tokenized (or sent anywhere as UTF-8)."""
     try:

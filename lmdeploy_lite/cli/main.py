@@ -9,7 +9,6 @@ import signal
 import sys
 import time
 
-
 LOG_LEVELS = ('CRITICAL', 'ERROR', 'WARNING', 'INFO', 'DEBUG')
 
 
@@ -46,11 +45,9 @@ def _engine_args(p: argparse.ArgumentParser):
     p.add_argument('--speculative-draft-model', default=None,
                    help='directory with the mtp.* tensors (default: the target model)')
     p.add_argument('--speculative-tp', type=int, default=None,
-                   help="the MTP draft's tensor parallelism: a divisor of --tp (default: the "
-                        "target's tp; 1: the draft layer whole on every rank)")
+                   help="the MTP draft's tp: a divisor of --tp (default: the target's tp)")
     p.add_argument('--speculative-ep', type=int, default=None,
-                   help="the MTP draft's expert parallelism: 1 (its experts replicated on every "
-                        "rank) or --ep (default: the target's ep)")
+                   help="the MTP draft's ep: 1 (experts on every rank) or --ep (the default)")
     p.add_argument('--speculative-token-map', default=None, metavar='PATH',
                    help="token ids the MTP draft may propose: a JSON list or a safetensors file "
                         "with an int64 tensor 'token_map', most frequent first (build one with "
@@ -309,6 +306,9 @@ def _serve_args(p: argparse.ArgumentParser):
                    help='accept only requests with "Authorization: Bearer KEY" (any of these; '
                         'every path but /health); keys are also read from --api-keys-file and '
                         'from LMDEPLOY_LITE_API_KEYS (comma-separated), which keep them out of ps')
+    p.add_argument('--reasoning-parser', choices=('auto', 'qwen3', 'none'), default='auto',
+                   help="qwen3: a chat reply's <think> block goes to reasoning_content (auto: "
+                        "when the chat template writes one)")
     p.add_argument('--api-keys-file', default=None, metavar='PATH',
                    help='a file with one API key per line (blank and # lines skipped)')
     p.add_argument('--max-request-bytes', type=int, default=4 * 2**20, metavar='N',
@@ -400,7 +400,7 @@ def _load_and_serve(args) -> int:
           flush=True)
     start = time.perf_counter()
     pipe = pipeline(model_path, engine_config, spec, progress=True,
-                    engine_process=engine_process)
+                    engine_process=engine_process, reasoning_parser=args.reasoning_parser)
     print(f'lmdeploy_lite: loaded in {time.perf_counter() - start:.1f} s', flush=True)
     return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
                  args.server_port, api_keys, args.log_level,

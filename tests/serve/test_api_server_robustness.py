@@ -328,7 +328,7 @@ class FakePipe:
     # the server reads a pipeline through these (over `_client`, as Pipeline's own do)
     error, session_len, vocab_size = Pipeline.error, Pipeline.session_len, Pipeline.vocab_size
     validate_request, stalled, stats = Pipeline.validate_request, Pipeline.stalled, Pipeline.stats
-    capacity = 64
+    capacity, reasoning = 64, False
     SECRET = '/srv/secret/lmdeploy_lite/model.py'
 
     def __init__(self):

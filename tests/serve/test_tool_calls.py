@@ -53,6 +53,7 @@ class ScriptedPipe:
     # the server reads a pipeline through these (over `_client`, as Pipeline's own do)
     error, session_len, vocab_size = Pipeline.error, Pipeline.session_len, Pipeline.vocab_size
     validate_request, stats = Pipeline.validate_request, Pipeline.stats
+    reasoning = False
 
     def __init__(self, model_dir: str):
         self.model_path, self.tokenizer = model_dir, load_tokenizer(model_dir)

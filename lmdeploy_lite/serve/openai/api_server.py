@@ -179,12 +179,15 @@ async def chat_completions(ctx: ServerContext, request: Request):
     parsers = [ToolCallParser([t.model_dump() for t in req.tools],
                               max_calls=None if req.parallel_tool_calls else 1)
                if req.parses_tool_calls else None for _ in range(gen_config.n)]
+    thoughts = [ctx.pipe.reasoning_parser(prompts[0]) if ctx.pipe.reasoning else None
+                for _ in range(gen_config.n)]
     if req.stream:
-        chunks = ChatChunks(rid, ctx.model_name, parsers, ctx.token_strings)
+        chunks = ChatChunks(rid, ctx.model_name, parsers, ctx.token_strings, thoughts)
         return stream(ctx, prompts, gen_config, chunks, req.includes_usage, rid)
     texts, lasts, logprobs = await run_to_end(ctx, prompts, gen_config, request, rid)
     return await off_the_loop(chat_response, rid, ctx.model_name, prompts, texts, lasts,
-                              logprobs if req.logprobs else None, parsers, ctx.token_strings)
+                              logprobs if req.logprobs else None, parsers, ctx.token_strings,
+                              thoughts)
 
 
 async def off_the_loop(build, *args) -> HTTPResponse:
@@ -219,11 +222,9 @@ class _Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
+        main = threading.current_thread() is threading.main_thread()
         saved = {sig: signal.signal(sig, self.handle_exit)
-                 for sig in (signal.SIGINT, signal.SIGTERM)}
+                 for sig in ((signal.SIGINT, signal.SIGTERM) if main else ())}
         try:
             yield
         finally:
@@ -233,8 +234,7 @@ class _Server(uvicorn.Server):
 
 def server_config(app, host: str, port: int, log_level: str, graceful_timeout_s: float,
                   limits: HttpLimits) -> uvicorn.Config:
-    """uvicorn's settings: h11 with the connection limits; the keep-alive timeout is the idle
-    one."""
+    """uvicorn's settings: h11 with the connection limits; keep-alive is the idle timeout."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                           timeout_graceful_shutdown=graceful_timeout_s, http=limits.protocol(),
                           timeout_keep_alive=limits.idle_timeout_s)
@@ -262,10 +262,8 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
     exit). Returns 0 after a signal, 1 when the engine died (every open request has ended with an
     error), 3 when the server could not start (as uvicorn)."""
     server: _Server | None = None
-
-    def stop():
-        server.should_exit = True
-    app = create_app(pipe, model_name, api_keys, num_spec_tokens, stop,
+    app = create_app(pipe, model_name, api_keys, num_spec_tokens,
+                     lambda: setattr(server, 'should_exit', True),
                      limits.sized_for(pipe.capacity), bound_host=host,
                      allowed_hosts=allowed_hosts, allow_origins=allow_origins)
     server = _Server(server_config(app, host, port, log_level, graceful_timeout_s,
@@ -278,6 +276,4 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
         print(f'error: {e}', file=sys.stderr)
     finally:
         pipe.close()                             # startup failures; idempotent
-    if app.state.engine_failed:
-        return 1
-    return 0 if server.started else 3
+    return 1 if app.state.engine_failed else 0 if server.started else 3

@@ -98,7 +98,7 @@ def check_chat(ctx: ServerContext, body: bytes
     check_sequences(ctx, 1, req, max_tokens)
     messages = [m.template_message() for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
-    ids, gen_config = prepare(ctx, req, messages, 'messages', tools)
+    ids, gen_config = prepare(ctx, req, messages, 'messages', tools, req.chat_template_kwargs)
     if max_tokens is None:             # what the session leaves, now that the prompt is known
         check_sequences(ctx, 1, req, gen_config.max_new_tokens)
     return req, [ids], gen_config
@@ -126,11 +126,12 @@ def check_sequences(ctx: ServerContext, num_prompts: int, req: p.SamplingRequest
 
 
 def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,
-            tools: list[dict] | None = None) -> tuple[list[int], GenerationConfig]:
+            tools: list[dict] | None = None, template_kwargs: dict | None = None
+            ) -> tuple[list[int], GenerationConfig]:
     """One prompt's token ids and GenerationConfig (`req.generation_config`). `param`: the
     prompt's field name."""
     check_model(ctx, req.model)
-    ids = encode(ctx, prompt, param, tools)
+    ids = encode(ctx, prompt, param, tools, template_kwargs)
     session_len, (max_tokens_param, max_tokens) = ctx.session_len, req.length_field
     room = session_len - len(ids)
     if max_tokens is not None and 0 < room < max_tokens:
@@ -158,12 +159,17 @@ def check_model(ctx: ServerContext, model: str | None, status: int = 400):
                            status=status)
 
 
-def encode(ctx: ServerContext, prompt, param: str, tools: list[dict] | None) -> list[int]:
+def encode(ctx: ServerContext, prompt, param: str, tools: list[dict] | None,
+           template_kwargs: dict | None = None) -> list[int]:
     """The token ids the engine runs for `prompt` (`Pipeline.encode`), or a RequestError naming
-    `param` (or tools)."""
+    `param` (or tools, chat_template_kwargs)."""
+    extra = {'tools': tools} if tools else {}
+    if template_kwargs:
+        extra['chat_template_kwargs'] = template_kwargs
     try:
-        return ctx.pipe.encode(prompt, tools=tools) if tools else ctx.pipe.encode(prompt)
+        return ctx.pipe.encode(prompt, **extra)
     except ValueError as e:
-        raise RequestError(str(e), 'tools' if str(e).startswith('tools') else param) from None
+        named = next((f for f in ('tools', 'chat_template_kwargs') if str(e).startswith(f)), None)
+        raise RequestError(str(e), named or param) from None
     except TemplateError as e:
         raise RequestError(f'{param}: the chat template refuses them ({e})', param) from None

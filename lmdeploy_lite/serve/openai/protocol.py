@@ -19,13 +19,11 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationIn
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P   # the engine's ranges
-from lmdeploy_lite.messages import GenerationConfig
-from lmdeploy_lite.messages import (MAX_LOGPROBS, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,
-                                    MIN_REPETITION_PENALTY)
 from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
-from lmdeploy_lite.messages import MAX_N
 from lmdeploy_lite.messages import UINT64_MAX as MAX_SEED
+from lmdeploy_lite.messages import (GREEDY_TEMPERATURE, GREEDY_TOP_P, MAX_LOGPROBS,  # the engine's
+                                    MAX_N, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,  # ranges
+                                    MIN_REPETITION_PENALTY, GenerationConfig)
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256              # stop words are matched against the text at every step
@@ -42,24 +40,16 @@ def allowed_range(model: type[BaseModel], name: str) -> str | None:
     info = model.model_fields.get(name)
     if info is None:
         return None
-    low, high = '(-inf', 'inf)'
-    for bound in info.metadata:
-        if isinstance(bound, Ge):
-            low = f'[{bound.ge}'
-        elif isinstance(bound, Gt):
-            low = f'({bound.gt}'
-        elif isinstance(bound, Le):
-            high = f'{bound.le}]'
-        elif isinstance(bound, Lt):
-            high = f'{bound.lt})'
+    bounds = {type(bound): bound for bound in info.metadata}
+    low = f'[{bounds[Ge].ge}' if Ge in bounds else f'({bounds[Gt].gt}' if Gt in bounds else '(-inf'
+    high = f'{bounds[Le].le}]' if Le in bounds else f'{bounds[Lt].lt})' if Lt in bounds else 'inf)'
     return f'{low}, {high}'
 
 
 def _json_equal(a, b) -> bool:
     """Equal as JSON values: 0 == 0.0, but false != 0 and "1" != 1."""
-    if any(isinstance(x, (bool, str)) for x in (a, b)):
-        return type(a) is type(b) and a == b
-    return a == b
+    typed = any(isinstance(x, (bool, str)) for x in (a, b))
+    return a == b and (not typed or type(a) is type(b))
 
 
 def no_op(*values, hint: str = '') -> Any:
@@ -92,9 +82,7 @@ class RequestModel(BaseModel):
     @classmethod
     def _null_means_default(cls, data):
         """OpenAI clients may send null for any optional field; it means the default."""
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -178,9 +166,8 @@ class SamplingRequest(RequestModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32,
-                                   description='default 16; prompt + max_tokens must fit in '
-                                               'session_len')
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32, description='default 16; prompt '
+                                   '+ max_tokens must fit in session_len')
     logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS,
                                  description='the most likely tokens returned with each output '
                                              'token (and the chosen one); 0: the chosen only')
@@ -242,59 +229,42 @@ class ToolCallParam(RequestModel):
     function: FunctionCall
 
 
+# ChatMessage's fields that depend on its role: (is this value wrong for the role?, why)
+ROLE_RULES = {
+    'name': (lambda value, role: role == 'tool',
+             "a 'tool' message has no name (tool_call_id says which call it answers)"),
+    'refusal': (lambda value, role: role != 'assistant',
+                'only assistant messages carry a refusal'),
+    'content': (lambda value, role: isinstance(value, list) and role != 'assistant' and any(
+        part.type == 'refusal' for part in value), "only assistant messages have 'refusal' parts"),
+    'tool_calls': (lambda value, role: bool(value) and role != 'assistant',
+                   'only assistant messages make tool calls'),
+    'tool_call_id': (lambda value, role: (value is None) == (role == 'tool'),
+                     "a 'tool' message needs tool_call_id (the id of the call it answers), and "
+                     "only a 'tool' message has one"),
+}
+
+
 class ChatMessage(RequestModel):
     role: Literal['system', 'user', 'assistant', 'developer', 'tool'] = Field(
         description="'developer' is a 'system' message; 'tool' answers a tool call")
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, description="the participant's name, passed to the chat "
-                                               "template (which may show it); not on 'tool' "
-                                               "messages")
+                             "template (which may show it); not on 'tool' messages")
     refusal: str | None = Field(None, description="an assistant's refusal as it came back: the "
                                                   "message's text when it has no content")
     tool_calls: list[ToolCallParam] | None = Field(None, description='assistant messages only')
-    tool_call_id: str | None = Field(None, validate_default=True,
-                                     description="the call a 'tool' message answers (required "
-                                                 "there, and only there)")
+    tool_call_id: str | None = Field(None, validate_default=True, description="the call a "
+                                     "'tool' message answers (required there, and only there)")
     audio: no_op(hint='this server generates text only, so no reply of its has audio') = None
     function_call: no_op(hint='the legacy function-calling API; send tool_calls instead') = None
 
-    @field_validator('name')
+    @field_validator(*ROLE_RULES)
     @classmethod
-    def _not_on_tool(cls, value, info: ValidationInfo):
-        if info.data.get('role') == 'tool':
-            raise PydanticCustomError('role', "a 'tool' message has no name (tool_call_id says "
-                                      "which call it answers)")
-        return value
-
-    @field_validator('refusal')
-    @classmethod
-    def _assistant_refusal(cls, value, info: ValidationInfo):
-        if info.data.get('role') != 'assistant':
-            raise PydanticCustomError('role', 'only assistant messages carry a refusal')
-        return value
-
-    @field_validator('content')
-    @classmethod
-    def _assistant_refusal_parts(cls, value, info: ValidationInfo):
-        if isinstance(value, list) and info.data.get('role') != 'assistant' and any(
-                part.type == 'refusal' for part in value):
-            raise PydanticCustomError('role', "only assistant messages have 'refusal' parts")
-        return value
-
-    @field_validator('tool_calls')
-    @classmethod
-    def _assistant_only(cls, value, info: ValidationInfo):
-        if value and info.data.get('role') != 'assistant':
-            raise PydanticCustomError('role', 'only assistant messages make tool calls')
-        return value
-
-    @field_validator('tool_call_id')
-    @classmethod
-    def _tool_only(cls, value, info: ValidationInfo):
-        role = info.data.get('role')
-        if (value is None) == (role == 'tool'):
-            raise PydanticCustomError('role', "a 'tool' message needs tool_call_id (the id of "
-                                      "the call it answers), and only a 'tool' message has one")
+    def _fits_role(cls, value, info: ValidationInfo):
+        wrong, message = ROLE_RULES[info.field_name]
+        if wrong(value, info.data.get('role')):
+            raise PydanticCustomError('role', message)
         return value
 
     def template_role(self) -> str:
@@ -302,18 +272,12 @@ class ChatMessage(RequestModel):
 
     def template_message(self) -> dict:
         """As the chat template takes it: text content, tool call arguments as dicts."""
-        message = {'role': self.template_role(), 'content': self.text()}
-        if self.name is not None:
-            message['name'] = self.name
-        if self.tool_calls:
-            message['tool_calls'] = [
-                {'id': call.id, 'type': 'function',
-                 'function': {'name': call.function.name,
-                              'arguments': json.loads(call.function.arguments)}}
-                for call in self.tool_calls]
-        if self.tool_call_id is not None:
-            message['tool_call_id'] = self.tool_call_id
-        return message
+        calls = [{'id': call.id, 'type': 'function', 'function': {
+            'name': call.function.name, 'arguments': json.loads(call.function.arguments)}}
+            for call in self.tool_calls or ()]
+        message = {'role': self.template_role(), 'content': self.text(), 'name': self.name,
+                   'tool_calls': calls or None, 'tool_call_id': self.tool_call_id}
+        return {key: value for key, value in message.items() if value is not None}
 
     def text(self) -> str:
         """Content as one string (a list of parts joins their text); no content: the refusal."""
@@ -346,9 +310,9 @@ class Tool(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32,
-                                   description='default: what session_len leaves after the '
-                                               'prompt; more than that is rejected')
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32, description='default: what '
+                                   'session_len leaves after the prompt; more than that is '
+                                   'rejected')
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32,
                                               description='max_tokens by its newer name')
     logprobs: bool = Field(False, description="each output token's log-probability")
@@ -362,6 +326,9 @@ class ChatCompletionRequest(SamplingRequest):
                           f'function are refused: {NO_GUIDED_DECODING} to force a call')
     parallel_tool_calls: bool = Field(True, description='false: calls after the first are '
                                                         'dropped (as vLLM)')
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='more chat-template variables (vLLM, SGLang): {"enable_thinking": '
+                          'false} turns thinking off')
     response_format: no_op({'type': 'text'},
                            hint=f'{NO_GUIDED_DECODING} for structured output') = None
     functions: no_op(hint='the legacy function-calling API; send tools instead') = None

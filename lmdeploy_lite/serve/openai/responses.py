@@ -14,6 +14,7 @@ import json
 import time
 
 from lmdeploy_lite.messages import Response, SpecDecodeStats
+from lmdeploy_lite.reasoning import ReasoningParser
 from lmdeploy_lite.serve.openai.logprobs import (CompletionLogprobs, TokenStrings,
                                                  chat_logprobs_json)
 from lmdeploy_lite.serve.openai.tool_parser import ToolCall, ToolCallParser
@@ -61,11 +62,16 @@ def completion_choice(index: int, text: str, finish_reason: str | None = None,
 
 def chat_choice(index: int, key: str, role: str | None, content: str | None,
                 tool_calls: list[dict] | None = None, logprobs: str = 'null',
-                finish_reason: str | None = None, hidden_states_path: str | None = None) -> str:
+                finish_reason: str | None = None, hidden_states_path: str | None = None,
+                reasoning: str | bool | None = None) -> str:
     """`key`: 'message' (a whole response's) or 'delta' (a chunk's); `logprobs`: JSON text
-    (`chat_logprobs_json`); content null when the output is only tool calls."""
-    return (f'{{"index":{index},"{key}":{{"role":{string(role)},"content":{string(content)},'
-            f'"tool_calls":{"null" if tool_calls is None else dumps(tool_calls)}}},'
+    (`chat_logprobs_json`); content null when the output is only tool calls (or thought).
+    `reasoning`: the thought (`reasoning_content`, as vLLM and SGLang name it), True for a
+    null one; None: no such field (no reasoning parser, or a delta without thought)."""
+    thought = ('' if reasoning is None else
+               f',"reasoning_content":{string(None if reasoning is True else reasoning)}')
+    return (f'{{"index":{index},"{key}":{{"role":{string(role)},"content":{string(content)}'
+            f'{thought},"tool_calls":{"null" if tool_calls is None else dumps(tool_calls)}}},'
             f'"logprobs":{logprobs},"finish_reason":{string(finish_reason)},'
             f'"hidden_states_path":{string(hidden_states_path)}}}')
 
@@ -130,31 +136,49 @@ class CompletionChunks:
         return self.document.write([], use)
 
 
+def split_reply(text: str, final: bool, thought: ReasoningParser | None,
+                parser: ToolCallParser | None) -> tuple[str | None, str | None, list]:
+    """A reply's (next) text -> (thought or None, content, tool calls): the thought split off
+    first (reasoning.py), then calls parsed out of the rest; content None when there is only
+    a thought or only calls."""
+    reasoning, calls = None, []
+    if thought is not None:
+        reasoning, text = thought.feed(text, final)
+        reasoning = reasoning or None
+    if parser is not None:
+        text, calls = parser.feed(text, final=final)
+    return reasoning, (None if not text and (calls or reasoning) else text), calls
+
+
 class ChatChunks(CompletionChunks):
     """The chunks of a /v1/chat/completions stream: the opening delta (role), content deltas
-    (tool calls parsed out of them where the request has tools), the usage chunk."""
+    (the thought split off where the server parses reasoning, tool calls parsed out where the
+    request has tools), the usage chunk."""
 
     def __init__(self, rid: str, model: str, parsers: list[ToolCallParser | None],
-                 strings: TokenStrings):
+                 strings: TokenStrings, thoughts: list[ReasoningParser | None] | None = None):
         self.document = Document('chat.completion.chunk', rid, model)
         self.parsers, self.strings = parsers, strings
+        self.thoughts = thoughts or [None] * len(parsers)
 
     def opening(self, index: int) -> str:
         return self.document.write([chat_choice(index, 'delta', 'assistant', '')])
 
     def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list | None,
               hidden_states_path: str | None = None) -> str | None:
-        parser, calls = self.parsers[index], None
-        if parser is not None:
-            text, parsed = parser.feed(text, final=finish_reason is not None)
-            if not text and not parsed and finish_reason is None:
+        parser, thought = self.parsers[index], self.thoughts[index]
+        if parser is not None or thought is not None:
+            reasoning, text, parsed = split_reply(text, finish_reason is not None, thought, parser)
+            if not text and not parsed and reasoning is None and finish_reason is None:
                 return None                           # all of it held back
-            finish_reason = tool_calls_finish(finish_reason, parser.num_calls)
-            text, calls = (text if text or not parsed else None), tool_calls(parsed, delta=True)
+            if parser is not None:
+                finish_reason = tool_calls_finish(finish_reason, parser.num_calls)
+        else:
+            reasoning, parsed = None, []
         return self.document.write([chat_choice(
-            index, 'delta', None, text, calls,
+            index, 'delta', None, text, tool_calls(parsed, delta=True),
             'null' if logprobs is None else chat_logprobs_json(self.strings, logprobs),
-            finish_reason, hidden_states_path)])
+            finish_reason, hidden_states_path, reasoning)])
 
 
 def completion_response(rid: str, model: str, prompts: list[list[int]], texts: list[str],
@@ -170,18 +194,19 @@ def completion_response(rid: str, model: str, prompts: list[list[int]], texts: l
 
 def chat_response(rid: str, model: str, prompts: list[list[int]], texts: list[str],
                   lasts: list[Response | None], logprobs: list[list] | None,
-                  parsers: list[ToolCallParser | None], strings: TokenStrings) -> bytes:
-    """A whole /v1/chat/completions response: each choice's text, tool calls parsed out;
-    `logprobs` None when the request asked for none."""
-    choices = []
-    for index, (text, last, parser) in enumerate(zip(texts, lasts, parsers)):
-        finish_reason, calls = last and last.finish_reason, []
+                  parsers: list[ToolCallParser | None], strings: TokenStrings,
+                  thoughts: list[ReasoningParser | None] | None = None) -> bytes:
+    """A whole /v1/chat/completions response: each choice's text, its thought split off and
+    tool calls parsed out; `logprobs` None when the request asked for none."""
+    choices, thoughts = [], thoughts or [None] * len(parsers)
+    for index, (text, last, parser, thought) in enumerate(zip(texts, lasts, parsers, thoughts)):
+        finish_reason = last and last.finish_reason
+        reasoning, text, calls = split_reply(text, True, thought, parser)
         if parser is not None:
-            text, calls = parser.feed(text, final=True)
             finish_reason = tool_calls_finish(finish_reason, len(calls))
         choices.append(chat_choice(
-            index, 'message', 'assistant', text if text or not calls else None,
-            tool_calls(calls, delta=False),
+            index, 'message', 'assistant', text, tool_calls(calls, delta=False),
             'null' if logprobs is None else chat_logprobs_json(strings, logprobs[index]),
-            finish_reason, last and last.hidden_states_path))
+            finish_reason, last and last.hidden_states_path,
+            None if thought is None else reasoning or True))
     return Document('chat.completion', rid, model).write(choices, usage(lasts, prompts)).encode()

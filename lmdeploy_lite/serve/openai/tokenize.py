@@ -4,7 +4,7 @@ token ids. Each is a function of the server's context and the request body, run 
 loop like the checks of the generation endpoints."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -28,6 +28,8 @@ class TokenizeRequest(RequestModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     tools: list[Tool] | None = Field(None, description='messages only: shown by the template')
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description='messages only: more template variables, as the chat endpoint takes')
     add_special_tokens: bool = Field(False, description="the tokenizer's BOS/EOS around the "
                                                         "text (default false: as this server "
                                                         "encodes prompts)")
@@ -63,12 +65,13 @@ def check_tokenize(ctx: ServerContext, body: bytes) -> dict:
     else:
         messages = [m.template_message() for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools or ()]
-        ids = encode(ctx, messages, 'messages', tools)      # the chat endpoint's prompt, checked
+        kwargs = req.chat_template_kwargs
+        ids = encode(ctx, messages, 'messages', tools, kwargs)   # the chat endpoint's prompt
         if req.add_special_tokens or not req.add_generation_prompt:
             try:
                 text = tokenizer.apply_chat_template(
                     messages, tools=tools or None, tokenize=False,
-                    add_generation_prompt=req.add_generation_prompt)
+                    add_generation_prompt=req.add_generation_prompt, **(kwargs or {}))
             except TemplateError as e:
                 raise RequestError(f'messages: the chat template refuses them ({e})',
                                    'messages') from None

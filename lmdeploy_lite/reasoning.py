@@ -1,0 +1,68 @@
+"""Thinking models' replies split into reasoning and answer (`--reasoning-parser qwen3`).
+
+Qwen3 and Qwen3.5 think inside `<think>...</think>`. Their chat templates open the block in the
+prompt when thinking (`<|im_start|>assistant\\n<think>\\n`) and write a closed, empty one when not
+(`<think>\\n\\n</think>\\n\\n`), so the reply may carry no opening tag: where it starts is read from
+the rendered prompt (`starts_in_thought`), not guessed from the reply. (vLLM's qwen3 parser takes a
+reply with no tags for reasoning, and so returns a non-thinking answer as reasoning: vllm#53284.)
+A reply that opens its own block (a template that adds nothing) is handled too.
+"""
+from __future__ import annotations
+
+OPEN, CLOSE = '<think>', '</think>'
+PARSERS = ('auto', 'qwen3', 'none')
+
+
+def starts_in_thought(prompt_text: str) -> bool:
+    """The reply starts inside a think block: the prompt opened one it did not close."""
+    return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
+
+
+def template_thinks(template: str | None) -> bool:
+    """`--reasoning-parser auto`: a chat template that writes think blocks."""
+    return bool(template) and OPEN in template
+
+
+def _held(text: str, tag: str) -> int:
+    """How many trailing characters of `text` could begin `tag` (held until the next text)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class ReasoningParser:
+    """Feed a reply's text as it comes; get (reasoning, content) deltas. Text that could be the
+    start of a tag is held back until the next feed (or `final`). The newlines that follow
+    `</think>` belong to neither. A reply cut inside its thought is reasoning only."""
+
+    def __init__(self, in_thought: bool):
+        self.state = 'thought' if in_thought else 'start'
+        self.pending = ''
+        self.after_close = False
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, str]:
+        self.pending += text
+        reasoning = content = ''
+        if self.state == 'start':
+            head = self.pending.lstrip()
+            if head.startswith(OPEN):
+                self.state, self.pending = 'thought', head[len(OPEN):]
+            elif not final and (head == '' or OPEN.startswith(head)):
+                return '', ''                               # may still open a block
+            else:
+                self.state = 'answer'
+        if self.state == 'thought':
+            end = self.pending.find(CLOSE)
+            if end < 0:
+                keep = 0 if final else _held(self.pending, CLOSE)
+                reasoning = self.pending[:len(self.pending) - keep]
+                self.pending = self.pending[len(self.pending) - keep:]
+                return reasoning, ''
+            reasoning, self.pending = self.pending[:end], self.pending[end + len(CLOSE):]
+            self.state, self.after_close = 'answer', True
+        content, self.pending = self.pending, ''
+        if self.after_close:
+            content = content.lstrip('\n')
+            self.after_close = not content
+        return reasoning, content
