@@ -3,16 +3,13 @@
     e = pre_fc_norm_embedding(embed_tokens(x_{t+1}))      # shared with the target
     h = pre_fc_norm_hidden(h_t)                           # target's post-final-norm hidden
     u = fc(cat([e, h], -1))                               # [H, 2H], embedding first
-    u = layers[0](u, position t)                          # one full-attention decoder layer,
-                                                          # dense MLP or MoE like the target
+    u = layers[0](u, position t)                          # full attention; MLP/MoE as target
     h'_t = norm(u)                                        # lm_head(h'_t) predicts x_{t+2}
 The layer has its own paged KV cache (`CacheEngine(..., layer_types=('full_attention',))`, same
 block table and block size as the target). Parameter names equal the checkpoint's minus `mtp.`.
-
-Sizes per rank come from this head's `dist_ctx`, the draft's own layout (SpeculativeConfig tp /
-ep; `DistContext.draft_context`), not the target's: the decoder layer (and its KV cache) is
-sharded over the draft's tp and ep as the target's layers are over theirs; fc and the norms are
-replicated; the shared vocab-parallel embedding and LM head keep the target's TP.
+Sizes per rank come from this head's `dist_ctx`, the draft's own tp / ep (SpeculativeConfig;
+`DistContext.draft_context`): the decoder layer and its KV cache are sharded over them; fc and
+the norms are replicated; the shared embedding and LM head keep the target's TP.
 Sequence-parallel (a draft tp > 1 with the target's flag): the inputs are cut to this rank's
 share of the plan's padded rows before the norms and fc, and the output is gathered whole.
 """
@@ -27,8 +24,7 @@ from ..model_inputs import ModelInputs
 from ..nn.linear import ReplicatedLinear
 from ..nn.norm import RMSNorm
 from ..nn.rotary import RotaryEmbedding
-from ..nn.sequence_parallel import (gather, is_sequence_parallel, padded_tokens, shard,
-                                   splits_rows)
+from ..nn.sequence_parallel import gather, is_sequence_parallel, padded_tokens, shard, splits_rows
 from .qwen3_5 import Qwen3_5DecoderLayer
 
 
@@ -51,16 +47,14 @@ class Qwen3_5MTP(nn.Module):
         self.rotary_emb = RotaryEmbedding(model_config.rotary_dim, model_config.rope_theta, device)
         self.dist_ctx = dist_ctx
         self.sequence_parallel = is_sequence_parallel(dist_ctx)
-        # shared with the target, deliberately not registered (not this module's weights): set
-        # past nn.Module.__setattr__
+        # shared with the target, deliberately not registered (not this module's weights)
         self.__dict__.update(embed_tokens=embed_tokens, lm_head=lm_head)
 
     def forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, inputs: ModelInputs,
                 caches, layer_idx: int = 0) -> torch.Tensor:
         """input_ids [T]: the token after each position; target_hidden [T, H]: the target's
-        post-norm hidden (or this head's previous output when drafting recursively); positions,
-        lengths and block tables from `inputs`; `caches[layer_idx]` = this head's (k, v) cache.
-        Returns the post-`norm` hidden [T, H]."""
+        post-norm hidden (or this head's previous output when drafting recursively);
+        `caches[layer_idx]`: this head's (k, v) cache. Returns the post-`norm` hidden [T, H]."""
         split = self.sequence_parallel and splits_rows(inputs)
         num_rows = padded_tokens(inputs) if split else None
         hidden = self._layer_input(input_ids, target_hidden, num_rows)
@@ -86,9 +80,8 @@ class Qwen3_5MTP(nn.Module):
 
     def write_kv(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, inputs: ModelInputs,
                  caches) -> None:
-        """What `forward` (layer 0) writes to this head's KV cache, and nothing else: a step
-        that drafts nothing keeps the head's cache complete for later drafts at the cost of fc
-        and the K/V projections (no attention, MLP or LM head)."""
+        """Only what `forward` (layer 0) writes to this head's KV cache: a step that drafts
+        nothing keeps the cache complete at the cost of fc and the K/V projections."""
         hidden = self._layer_input(input_ids, target_hidden)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         layer = self.layers[0]

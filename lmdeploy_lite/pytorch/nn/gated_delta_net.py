@@ -52,8 +52,7 @@ class GatedDeltaNet(nn.Module):
         per_head = partial(sharded_parameter, (num_value_heads,), 0, dist_ctx, dtype, device)
         self.dt_bias, self.A_log = per_head(init=torch.ones), per_head(init=torch.zeros)
         self.norm = GatedRMSNorm(value_head_dim, eps, dtype, device)   # [dv], same for every head
-        self.out_proj = RowParallelLinear(value_dim, hidden_size, dtype, device,
-                                          dist_ctx=dist_ctx)
+        self.out_proj = RowParallelLinear(value_dim, hidden_size, dtype, device, dist_ctx=dist_ctx)
         self.in_proj = None          # in_proj_qkv/z/b/a as one GEMM, after `fuse_projections`
 
     def fuse_projections(self, keep_parts: bool = False):

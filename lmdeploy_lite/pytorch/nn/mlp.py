@@ -31,8 +31,7 @@ class SwiGLUMLP(nn.Module):
         if not keep_parts:
             del self.gate_proj, self.up_proj
 
-    def forward_fused(self, gate_up: torch.Tensor, sequence_parallel: bool = False
-                      ) -> torch.Tensor:
+    def forward_fused(self, gate_up: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """The MLP from its `[gate | up]` projection (computed by the caller's GEMM)."""
         return self.down_proj(self.backend.silu_mul(gate_up), sequence_parallel)
 

@@ -36,6 +36,4 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rotary_dim = cos.shape[-1]
     x_rot = x[..., :rotary_dim]
     rotated = x_rot * cos[:, None, :] + x_rot.roll(rotary_dim // 2, -1) * sin[:, None, :]
-    if rotary_dim == x.shape[-1]:
-        return rotated
-    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+    return rotated if rotary_dim == x.shape[-1] else torch.cat([rotated, x[..., rotary_dim:]], -1)

@@ -64,6 +64,4 @@ def real_rows(hidden: torch.Tensor, inputs) -> torch.Tensor:
 def restore_rows(out: torch.Tensor, num_rows: int) -> torch.Tensor:
     """A mixer's output [T, D] -> [num_rows, D] (zero rows appended), the rows its row-parallel
     projection reduce-scatters."""
-    if out.shape[0] == num_rows:
-        return out
-    return F.pad(out, (0, 0, 0, num_rows - out.shape[0]))
+    return out if out.shape[0] == num_rows else F.pad(out, (0, 0, 0, num_rows - out.shape[0]))

@@ -15,9 +15,7 @@ from torch import nn
 
 def tp_layout(dist_ctx) -> tuple[int, int]:
     """(tp size, tp rank) of this process; (1, 0) without a DistContext."""
-    if dist_ctx is None:
-        return 1, 0
-    return dist_ctx.config.tp, dist_ctx.tp_rank
+    return (1, 0) if dist_ctx is None else (dist_ctx.config.tp, dist_ctx.tp_rank)
 
 
 @dataclass(frozen=True)

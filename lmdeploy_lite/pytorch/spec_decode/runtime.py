@@ -43,9 +43,7 @@ class SpecRuntime:
 
     def choose_k(self, batch) -> int:
         """This rank's proposal (the StepPlan agrees on one); 0 without speculation or work."""
-        if batch is None or self.policy is None:
-            return 0
-        return self.policy.propose(len(batch.seqs))
+        return 0 if batch is None or self.policy is None else self.policy.propose(len(batch.seqs))
 
     def with_draft_count(self, batch, k: int):
         """A new batch at draft count k: a decode row feeds k + 1 tokens and verifies at most k

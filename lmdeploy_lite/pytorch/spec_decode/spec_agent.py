@@ -26,8 +26,6 @@ class SpecAgent:
         # the draft counts a step may run (graphs are captured for each)
         self.draft_counts = list(range(num_spec_tokens + 1)) if dynamic else [num_spec_tokens]
         self.proposer = proposer          # MTPProposer (drafts on the device), or None (host drafts)
-        self.k = num_spec_tokens
-        self.vocab_size = vocab_size
         device = target.device
         self.last_token = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         self.drafts = torch.zeros(num_state_slots, num_spec_tokens, dtype=torch.long, device=device)

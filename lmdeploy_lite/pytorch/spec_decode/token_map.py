@@ -11,8 +11,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-FORMAT = ("a JSON list of token ids, or a .safetensors file with a 1-D int64 tensor "
-          "'token_map'")
+FORMAT = "a JSON list of token ids, or a .safetensors file with a 1-D int64 tensor 'token_map'"
 
 
 def _error(path: str, problem: str) -> ValueError:

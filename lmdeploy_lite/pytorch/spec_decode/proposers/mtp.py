@@ -89,9 +89,8 @@ class MTPProposer:
     def _run(self, graphs: dict, fn, inputs: ModelInputs, input_ids, hidden) -> torch.Tensor:
         """`fn(inputs, input_ids, hidden)`, by its graph for this q_len when one is captured."""
         runner = graphs.get(inputs.uniform_q_len)
-        if runner is not None and runner.can_run(inputs):
-            return runner(inputs, input_ids, hidden)
-        return fn(inputs, input_ids, hidden)
+        run = runner if runner is not None and runner.can_run(inputs) else fn
+        return run(inputs, input_ids, hidden)
 
     def propose(self, inputs: ModelInputs, target_hidden: torch.Tensor, next_ids: torch.Tensor,
                 rows: torch.Tensor, sampling: SamplingInputs, num_drafts: int | None = None

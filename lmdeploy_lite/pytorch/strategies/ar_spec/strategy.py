@@ -63,8 +63,7 @@ class ARSpecStrategy(Strategy):
         marks `any_sampled`: greedy steps ship no [B, k, V] table."""
         if dist_ctx.config.tp == 1:
             return result
-        slots = inputs.state_slots
-        tp = dist_ctx.tp
+        slots, tp = inputs.state_slots, dist_ctx.tp
         tp.broadcast(result.output_tokens)
         agent.drafts[slots] = tp.broadcast(agent.drafts[slots].contiguous())
         if agent.draft_probs is not None and plan.any_sampled:
