@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import os
 import queue
+import re
 from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Response,
@@ -25,10 +26,29 @@ THOUGHT_TAIL = 32          # prompt tokens read to know whether the reply starts
 EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(__file__), 'assets', 'qwen3_5_moe_tiny')
 
 
-def resolve_model_path(model_path: str | None) -> str:
-    """None means the embedded default model shipped inside the package."""
+REPO_ID = re.compile(r'^[\w.-]+/[\w.-]+$')          # 'Qwen/Qwen3.5-0.8B'
+MODEL_FILES = ['*.json', '*.safetensors', '*.jinja', '*.model', '*.txt', '*.tiktoken']
+
+
+def resolve_model_path(model_path: str | None, revision: str | None = None,
+                       download_dir: str | None = None) -> str:
+    """None: the embedded default model shipped inside the package; a directory: itself; a
+    Hugging Face repo id that names no path: its snapshot through huggingface_hub (the cache
+    in `download_dir`, default the hub's, first; downloaded at `revision` when missing, unless
+    HF_HUB_OFFLINE=1, when a miss is a ValueError naming the id and the cache)."""
+    if model_path is not None and (os.path.exists(model_path) or not REPO_ID.match(model_path)):
+        return model_path             # a path (ModelConfig names what is missing in it)
     if model_path is not None:
-        return model_path
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+        try:
+            return snapshot_download(model_path, revision=revision, cache_dir=download_dir,
+                                     allow_patterns=MODEL_FILES)
+        except LocalEntryNotFoundError:
+            raise ValueError(f'model_path={model_path!r}: not a directory, and the Hugging Face '
+                             f'repo {model_path} is not in the cache at '
+                             f'{download_dir or constants.HF_HUB_CACHE} (offline: '
+                             f'HF_HUB_OFFLINE=1, or the hub is unreachable)') from None
     if not os.path.isfile(os.path.join(EMBEDDED_MODEL_DIR, 'config.json')):
         raise ValueError(f'model_path=None: the embedded model is missing at {EMBEDDED_MODEL_DIR}; '
                          f'pass a model directory')
@@ -97,13 +117,15 @@ class Pipeline:
         if reasoning_parser not in PARSERS + (None,):
             raise ValueError(f'reasoning_parser={reasoning_parser!r}: must be one of '
                              f'{PARSERS} or None')
-        self.model_path = resolve_model_path(model_path)
+        backend_config = backend_config or PytorchEngineConfig()
+        self.model_path = resolve_model_path(model_path, backend_config.revision,
+                                             backend_config.download_dir)
+        self._name = model_path if self.model_path != model_path and model_path else None
         self.tokenizer = load_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
         self.reasoning = reasoning_parser == 'qwen3' or (
             reasoning_parser == 'auto' and self.tokenizer is not None
             and template_thinks(getattr(self.tokenizer, 'chat_template', None)))
         self._decode = batch_decoder(self.tokenizer) if self.tokenizer is not None else None
-        backend_config = backend_config or PytorchEngineConfig()
         self._client = connect(self.model_path, backend_config, speculative_config,
                                self.tokenizer, progress, engine_process)
         self._closed = False
@@ -113,9 +135,9 @@ class Pipeline:
 
     @property
     def model_name(self) -> str:
-        """The model directory's name: what messages call the model (a server's clients must
-        not learn its paths)."""
-        return os.path.basename(os.path.normpath(self.model_path))
+        """The repo id the model came by, else its directory's name: what messages call the
+        model (a server's clients must not learn its paths)."""
+        return self._name or os.path.basename(os.path.normpath(self.model_path))
 
     @property
     def engine(self):

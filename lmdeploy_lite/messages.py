@@ -290,6 +290,9 @@ class SpeculativeConfig:
 class PytorchEngineConfig:
     dtype: str = 'auto'
     device: str = 'auto'
+    # a model given as a Hugging Face repo id: the hub cache to use and the revision to fetch
+    download_dir: str | None = None
+    revision: str | None = None
     max_batch_size: int = 64
     max_prefill_token_num: int = 4096
     # while sequences decode, a step carries at most this many tokens (and at most

@@ -23,13 +23,15 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _engine_args(p: argparse.ArgumentParser):
     p.add_argument('model', nargs='?', default=None,
-                   help='HF model directory (default: the embedded model)')
+                   help='HF model directory or Hugging Face repo id (default: the embedded model)')
+    p.add_argument('--revision', help='a repo id: the branch, tag or commit')
+    p.add_argument('--download-dir', help="a repo id: the hub cache (default: huggingface_hub's)")
     p.add_argument('--dtype', default='auto',
                    choices=['auto', 'float32', 'float64', 'bfloat16', 'float16'],
                    help='weights/activations dtype (auto: float32 on CPU, the checkpoint dtype on CUDA)')
     p.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'],
                    help='where to run (auto: CUDA when present)')
-    p.add_argument('--max-batch-size', type=int, default=64, help='max sequences per step')
+    p.add_argument('--max-batch-size', type=int, default=64, help='sequences per step')
     p.add_argument('--session-len', '--max-model-len', type=int, default=None,
                    help='max tokens per sequence, prompt included (default: the model maximum)')
     p.add_argument('--cache-max-entry-count', type=float, default=0.8,
@@ -176,8 +178,9 @@ def _on_cuda(device: str) -> bool:
 
 def _engine_config(args, **parallel):
     from lmdeploy_lite import PytorchEngineConfig
-    return PytorchEngineConfig(dtype=args.dtype, device=args.device,
-                               max_batch_size=args.max_batch_size, session_len=args.session_len,
+    return PytorchEngineConfig(dtype=args.dtype, device=args.device, revision=args.revision,
+                               download_dir=args.download_dir, session_len=args.session_len,
+                               max_batch_size=args.max_batch_size,
                                cache_max_entry_count=args.cache_max_entry_count,
                                ssm_state_dtype=args.ssm_state_dtype,
                                max_prefill_token_num=args.max_prefill_token_num,
@@ -306,6 +309,9 @@ def _serve_args(p: argparse.ArgumentParser):
                    help='accept only requests with "Authorization: Bearer KEY" (any of these; '
                         'every path but /health); keys are also read from --api-keys-file and '
                         'from LMDEPLOY_LITE_API_KEYS (comma-separated), which keep them out of ps')
+    p.add_argument('--generation-config', choices=('auto', 'none'), default='auto',
+                   help="auto: the model's generation_config.json sampling values are the "
+                        "defaults of fields a request omits (vLLM's); none: OpenAI's")
     p.add_argument('--reasoning-parser', choices=('auto', 'qwen3', 'none'), default='auto',
                    help="qwen3: a chat reply's <think> block goes to reasoning_content (auto: "
                         "when the chat template writes one)")
@@ -368,7 +374,7 @@ def cmd_serve(args) -> int:
 
 
 def _load_and_serve(args) -> int:
-    from lmdeploy_lite.serve.openai.connections import CannotListen, bind_socket
+    from lmdeploy_lite.serve.openai.connections import CannotListen, HttpLimits, bind_socket
     try:                             # before the model loads: a taken port fails in a second
         sock = bind_socket(args.server_name, args.server_port)
     except CannotListen as e:
@@ -376,11 +382,10 @@ def _load_and_serve(args) -> int:
         return 3
     from lmdeploy_lite import pipeline
     leave_a_core_to_the_front_end(args.device)
-    from lmdeploy_lite.api import resolve_model_path
-    from lmdeploy_lite.serve.openai.api_server import default_model_name, serve
+    from lmdeploy_lite.serve.openai.api_server import serve
+    from lmdeploy_lite.pytorch.config import sampling_defaults
     from lmdeploy_lite.serve.openai.auth import load_api_keys
     from lmdeploy_lite.serve.openai.checks import ServerLimits
-    from lmdeploy_lite.serve.openai.connections import HttpLimits
     from lmdeploy_lite.pytorch.spec_decode.build import num_draft_tokens
     logging.basicConfig(level=args.log_level.upper())
     limits = ServerLimits(args.max_request_bytes, args.max_sequences_per_request,
@@ -392,21 +397,22 @@ def _load_and_serve(args) -> int:
     api_keys = load_api_keys(args.api_keys, args.api_keys_file)
     engine_config = _engine_config(args, tp=args.tp, dp=args.dp, ep=args.ep)
     spec = speculative_config(args)
-    model_path = resolve_model_path(args.model)
     engine_process = args.engine_process
     if engine_process is None:       # auto: where a step is faster than the loop's streaming
         engine_process = _on_cuda(args.device)
-    print(f'lmdeploy_lite: loading {model_path} (tp={args.tp}, dp={args.dp}, ep={args.ep})',
-          flush=True)
+    print(f'lmdeploy_lite: loading {args.model or "the embedded model"} (tp={args.tp}, '
+          f'dp={args.dp}, ep={args.ep})', flush=True)
     start = time.perf_counter()
-    pipe = pipeline(model_path, engine_config, spec, progress=True,
+    pipe = pipeline(args.model, engine_config, spec, progress=True,   # a repo id: fetched
                     engine_process=engine_process, reasoning_parser=args.reasoning_parser)
     print(f'lmdeploy_lite: loaded in {time.perf_counter() - start:.1f} s', flush=True)
-    return serve(pipe, args.model_name or default_model_name(model_path), args.server_name,
+    return serve(pipe, args.model_name or pipe.model_name, args.server_name,
                  args.server_port, api_keys, args.log_level,
                  num_spec_tokens=num_draft_tokens(spec), limits=limits,
                  allowed_hosts=tuple(args.allowed_hosts or ()), http_limits=http_limits,
-                 allow_origins=tuple(args.allow_origins or ()), sock=sock)
+                 allow_origins=tuple(args.allow_origins or ()), sock=sock,
+                 sampling_defaults=args.generation_config == 'auto' and
+                 sampling_defaults(pipe.model_path) or None)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ fields under `text_config`); `CacheConfig` is the cache layout the engine alloca
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -13,6 +14,11 @@ SUPPORTED_MODEL_TYPES = {
     'qwen3_5': False, 'qwen3_5_text': False,          # value: is MoE
     'qwen3_5_moe': True, 'qwen3_5_moe_text': True,
 }
+MOE_FIELDS = ('num_experts', 'num_experts_per_tok', 'moe_intermediate_size',
+              'shared_expert_intermediate_size')
+# read from config.json when there, else the dataclass default
+DEFAULTED_FIELDS = ('linear_conv_kernel_dim', 'linear_key_head_dim', 'linear_value_head_dim',
+                    'linear_num_key_heads', 'linear_num_value_heads', 'max_position_embeddings')
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,7 @@ class ModelConfig:
         eos = text.get('eos_token_id', cfg.get('eos_token_id'))
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         tie = cfg.get('tie_word_embeddings', text.get('tie_word_embeddings', False))
+        moe = {name: text.get(name, 0) for name in MOE_FIELDS} if is_moe else {}
         return cls(
             model_type=model_type, is_moe=is_moe,
             vocab_size=text['vocab_size'], hidden_size=text['hidden_size'],
@@ -96,21 +103,8 @@ class ModelConfig:
             head_dim=head_dim, rotary_dim=int(head_dim * partial), rope_theta=float(theta),
             rms_norm_eps=text.get('rms_norm_eps', 1e-6), tie_word_embeddings=bool(tie),
             intermediate_size=text.get('intermediate_size', 0) or 0,
-            num_experts=text.get('num_experts', 0) if is_moe else 0,
-            num_experts_per_tok=text.get('num_experts_per_tok', 0) if is_moe else 0,
-            moe_intermediate_size=text.get('moe_intermediate_size', 0) if is_moe else 0,
-            shared_expert_intermediate_size=(
-                text.get('shared_expert_intermediate_size', 0) if is_moe else 0),
-            linear_conv_kernel_dim=text.get('linear_conv_kernel_dim', 4),
-            linear_key_head_dim=text.get('linear_key_head_dim', 128),
-            linear_value_head_dim=text.get('linear_value_head_dim', 128),
-            linear_num_key_heads=text.get('linear_num_key_heads', 16),
-            linear_num_value_heads=text.get('linear_num_value_heads', 32),
-            mtp_num_hidden_layers=text.get('mtp_num_hidden_layers', 0) or 0,
-            eos_token_ids=eos,
-            max_position_embeddings=text.get('max_position_embeddings', 32768),
-            hf_config=cfg,
-        )
+            mtp_num_hidden_layers=text.get('mtp_num_hidden_layers', 0) or 0, eos_token_ids=eos,
+            hf_config=cfg, **moe, **{name: text[name] for name in DEFAULTED_FIELDS if name in text})
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> 'ModelConfig':
@@ -120,7 +114,29 @@ class ModelConfig:
         if not os.path.isfile(path):
             raise ValueError(f'model_path={model_dir!r}: no config.json in the directory')
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            config = cls.from_dict(json.load(f))
+        eos = read_generation_config(model_dir).get('eos_token_id')     # stop ids too (vLLM)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(
+            config.eos_token_ids + eos)))
+
+
+SAMPLING_FIELDS = ('temperature', 'top_p', 'top_k', 'repetition_penalty')
+
+
+def read_generation_config(model_dir: str) -> dict:
+    """The model's generation_config.json ({} without one): its eos ids, its sampling
+    defaults (`SAMPLING_FIELDS`, what the server applies to fields a request omits)."""
+    path = os.path.join(model_dir, 'generation_config.json')
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def sampling_defaults(model_dir: str) -> dict:
+    found = read_generation_config(model_dir)
+    return {k: found[k] for k in SAMPLING_FIELDS if k in found}
 
 
 @dataclass(frozen=True)

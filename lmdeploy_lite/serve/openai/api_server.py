@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -56,15 +55,17 @@ ENGINE_POLL_S = 0.5                    # how often the server checks that the en
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                num_spec_tokens: int = 0, on_engine_failure: Callable[[], None] | None = None,
                limits: ServerLimits = ServerLimits(), bound_host: str | None = None,
-               allowed_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = ()
-               ) -> FastAPI:
+               allowed_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
+               sampling_defaults: dict | None = None) -> FastAPI:
     """The app of one pipeline: its routes are the functions below over one ServerContext.
     `on_engine_failure()` is called once the engine has died for good (serve: shut down);
     `limits`: what requests may ask (checks.py; max_concurrent None: no limit, admission.py);
     `bound_host`: the address the server listens on: a loopback one turns the Host guard on
     (auth.py), which lets `allowed_hosts` through besides loopback hosts; `allow_origins`: the
     web origins whose pages may call the server (CORS; '*': any), outermost, so that a
-    preflight needs no API key and every answer, errors included, carries the headers."""
+    preflight needs no API key and every answer, errors included, carries the headers.
+    `sampling_defaults`: what a request that omits a sampling field gets (the model's
+    generation_config.json; None: the OpenAI defaults)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,7 +78,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
 
     app = FastAPI(title='lmdeploy_lite', version='0.1.0', lifespan=lifespan)
     metrics = ServerMetrics(pipe, num_spec_tokens)
-    ctx = ServerContext(pipe, model_name, metrics, TokenStrings(pipe.tokenizer), limits)
+    ctx = ServerContext(pipe, model_name, metrics, TokenStrings(pipe.tokenizer), limits,
+                        sampling_defaults)
     app.state.pipe, app.state.metrics, app.state.engine_failed = pipe, metrics, False
     install_error_handlers(app, lambda outcome: metrics.requests.labels(outcome).inc())
     if limits.max_concurrent is not None:   # innermost: only authorized requests count
@@ -240,20 +242,16 @@ def server_config(app, host: str, port: int, log_level: str, graceful_timeout_s:
                           timeout_keep_alive=limits.idle_timeout_s)
 
 
-def default_model_name(model_path: str) -> str:
-    return os.path.basename(os.path.normpath(model_path))
-
-
 def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
           num_spec_tokens: int = 0, graceful_timeout_s: float = 10.0,
           limits: ServerLimits = ServerLimits(), allowed_hosts: tuple[str, ...] = (),
           http_limits: HttpLimits | None = None, allow_origins: tuple[str, ...] = (),
-          sock: socket.socket | None = None) -> int:
+          sock: socket.socket | None = None, sampling_defaults: dict | None = None) -> int:
     """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
     `limits`: what requests may ask (checks.py; a concurrency limit not given is sized from
     the engine's capacity); `http_limits`: what one connection may hold (connections.py; None:
-    the defaults); `allow_origins`: CORS (create_app); `sock`: host:port already bound
+    the defaults); `allow_origins`, `sampling_defaults`: see create_app; `sock`: host:port already bound
     (`bind_socket`, which the CLI calls before it loads the model; None: bound here).
 
     Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
@@ -265,7 +263,8 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
     app = create_app(pipe, model_name, api_keys, num_spec_tokens,
                      lambda: setattr(server, 'should_exit', True),
                      limits.sized_for(pipe.capacity), bound_host=host,
-                     allowed_hosts=allowed_hosts, allow_origins=allow_origins)
+                     allowed_hosts=allowed_hosts, allow_origins=allow_origins,
+                     sampling_defaults=sampling_defaults)
     server = _Server(server_config(app, host, port, log_level, graceful_timeout_s,
                                    http_limits or HttpLimits()))
     try:

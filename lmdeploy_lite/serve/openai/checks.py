@@ -65,6 +65,7 @@ class ServerContext:
     metrics: ServerMetrics
     token_strings: TokenStrings        # logprobs' token strings
     limits: ServerLimits = ServerLimits()
+    sampling_defaults: dict | None = None   # --generation-config auto: the model's
 
     @property
     def session_len(self) -> int:
@@ -139,7 +140,7 @@ def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,
                            f'tokens and session_len={session_len}, so at most {room} can be '
                            f'generated; ask for at most {room}', max_tokens_param)
     try:
-        gen_config = req.generation_config(room, ctx.pipe.vocab_size)
+        gen_config = req.generation_config(room, ctx.pipe.vocab_size, ctx.sampling_defaults)
         ctx.pipe.validate_request(ids, gen_config)
     except ValueError as e:              # 'field=value: reason' or 'prompt: reason'
         message = str(e)

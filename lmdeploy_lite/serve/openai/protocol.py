@@ -146,11 +146,17 @@ class SamplingRequest(RequestModel):
         when not given). Each endpoint has its own: max_tokens here."""
         return 'max_tokens', self.max_tokens
 
-    def generation_config(self, room: int, vocab_size: int) -> GenerationConfig:
+    def generation_config(self, room: int, vocab_size: int, defaults: dict | None = None
+                          ) -> GenerationConfig:
         """The engine's GenerationConfig for this request, `room`: the tokens the session leaves
-        after the prompt. Temperature or top_p under the greedy thresholds mean greedy, a top_k
-        of the vocabulary size or more means off; the logprobs asked for are `num_logprobs`.
-        Raises ValueError ('field=value: reason', the engine's names) as GenerationConfig does."""
+        after the prompt; `defaults`: values for the sampling fields the request omits (the
+        model's generation_config.json). Temperature or top_p under the greedy thresholds mean
+        greedy, a top_k of the vocabulary size or more means off; the logprobs asked for are
+        `num_logprobs`. Raises ValueError ('field=value: reason', the engine's names) as
+        GenerationConfig does."""
+        if defaults:
+            self = self.model_copy(update={k: v for k, v in defaults.items()
+                                           if k not in self.model_fields_set})
         greedy = self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return GenerationConfig(
