@@ -86,8 +86,7 @@ class ModelInputs:
     padded_batch_size: int = 0     # from the StepPlan: a CUDA-graph decode step pads its batch to
                                    # at least this (the largest batch of any rank in the step)
     graphable: bool = True         # False: run eagerly even where a CUDA graph fits (EP steps
-                                   # that DeepEP runs in normal mode: the graphs hold its
-                                   # low-latency kernels)
+                                   # in DeepEP's normal mode: graphs hold its low-latency kernels)
     sizes: ForwardSizes | None = None   # from the StepPlan (the engine sets it); required by
                                         # an EP or sequence-parallel forward, unused otherwise
     # speculative decoding (strategies/ar_spec) only:
@@ -150,8 +149,7 @@ class ModelInputs:
     def token_seq_idx(self) -> torch.Tensor:
         """[T] long, the sequence of each token (computed once; no host sync when uniform)."""
         if self.uniform_q_len is not None:
-            flat = torch.arange(self.input_ids.numel(), device=self.q_lens.device)
-            return flat // self.uniform_q_len
+            return torch.arange(self.num_tokens, device=self.q_lens.device) // self.uniform_q_len
         batch = torch.arange(self.batch_size, device=self.q_lens.device)
         return torch.repeat_interleave(batch, self.q_lens, output_size=sum(self.host_q_lens))
 
@@ -159,8 +157,7 @@ class ModelInputs:
     def token_offsets(self) -> torch.Tensor:
         """[T] long, index of each token among its sequence's new tokens (computed once)."""
         if self.uniform_q_len is not None:
-            flat = torch.arange(self.input_ids.numel(), device=self.q_lens.device)
-            return flat % self.uniform_q_len
+            return torch.arange(self.num_tokens, device=self.q_lens.device) % self.uniform_q_len
         flat = torch.arange(self.token_seq_idx.numel(), device=self.q_lens.device)
         return flat - self.q_start_loc[self.token_seq_idx]
 
@@ -188,6 +185,5 @@ class ModelInputs:
         return hit[1]
 
     def to(self, device: torch.device | str) -> 'ModelInputs':
-        moved = {f.name: getattr(self, f.name) for f in fields(self)}
-        return ModelInputs(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                              for k, v in moved.items()})
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})

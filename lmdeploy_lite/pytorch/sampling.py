@@ -25,11 +25,7 @@ from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P, INT32_MAX
 
 def make_generator(seed: int | None, device: torch.device | str = 'cpu') -> torch.Generator | None:
     """A generator seeded with `seed`, or None (use the default RNG) when seed is None."""
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
 
 @dataclass
@@ -41,8 +37,7 @@ class Penalties:
     prompt token of the rows with a repetition penalty; output_ids [2, M] long: (row, token id)
     of every token the rows with a penalty generated so far (repeats included: they count).
     The host builds them each step from the sequences' tokens, so a step with a penalised row
-    needs the tokens of the step before it (Engine._can_continue).
-    """
+    needs the tokens of the step before it (Engine._can_continue)."""
     repetition: Tensor
     presence: Tensor
     frequency: Tensor
@@ -58,10 +53,9 @@ class Penalties:
                     ) -> Penalties:
         """Per-row values (as GenerationConfig validated them) and token ids (prompt_ids[b] is
         only read where repetition[b] != 1)."""
-        if not (len(repetition) == len(presence) == len(frequency) == len(prompt_ids)
-                == len(output_ids)):
-            raise ValueError('Penalties.from_values: all per-row lists must have one entry '
-                             'per row')
+        if len({len(repetition), len(presence), len(frequency), len(prompt_ids),
+                len(output_ids)}) > 1:
+            raise ValueError('Penalties.from_values: all per-row lists must have one entry per row')
         batch = len(repetition)
         prompt_ids = [ids if r != 1.0 else () for r, ids in zip(repetition, prompt_ids)]
         rows = [b for b, ids in enumerate(prompt_ids) for _ in ids]
@@ -87,8 +81,7 @@ def _to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
 
 def apply_penalties(logits: Tensor, penalties: Penalties, drafts: Tensor | None = None
                     ) -> Tensor:
-    """Penalised logits (a new tensor; float64 stays float64, anything else becomes float32).
-
+    """Penalised logits (a new tensor of probs_dtype).
     logits [B, V], or [B, P, V] over the P = k + 1 positions of a verify; drafts [B, k] long
     (with [B, P, V]): position j counts drafts[:, :j] as generated tokens too (the tokens it
     follows when it is reached), -1 placeholders count nothing. Repetition first (x * p where
@@ -96,8 +89,7 @@ def apply_penalties(logits: Tensor, penalties: Penalties, drafts: Tensor | None 
     x -= frequency * count + presence * (count > 0) over the output's counts, as vLLM does.
     Every position is penalised by the [B, V] counts of the tokens before the step; then the
     entries of the drafted tokens (at most k per position) are recomputed from the raw logits
-    with the drafts before each position added, so no [B, P, V] count table is made.
-    """
+    with the drafts before each position added, so no [B, P, V] count table is made."""
     squeeze = logits.dim() == 2
     raw = logits.to(probs_dtype(logits.dtype))
     if not (penalties.any_repetition or penalties.any_additive):
@@ -146,14 +138,13 @@ def _penalise(logits: Tensor, counts: Tensor, seen: Tensor, penalties: Penalties
 class SamplingInputs:
     """Per-row sampling parameters of a batch of B sequences (tensors on the logits' device).
 
-    do_sample [B] bool, temperature [B] float, top_k [B] long (0 = off), top_p [B] float (1.0 = off),
-    generators: B entries, None = default RNG. The bool flags are host-side summaries that let the
-    sampler skip work without a device sync; None means "compute from the tensors".
+    do_sample [B] bool, temperature [B] float, top_k [B] long (0 = off), top_p [B] float (1.0 =
+    off), generators: B entries, None = default RNG. The bool flags are host-side summaries that
+    let the sampler skip work without a device sync; None means "compute from the tensors".
     `penalties`: None when no row has one (greedy fast paths, CUDA graphs that end in an argmax
     and the cached greedy tables all need None).
     `logprobs`: the top-N logprobs the step computes for its emitted tokens (the batch's
-    largest request's N; None: no row asks, nothing is computed).
-    """
+    largest request's N; None: no row asks, nothing is computed)."""
     do_sample: Tensor
     temperature: Tensor
     top_k: Tensor
@@ -184,35 +175,26 @@ class SamplingInputs:
         """Build from per-request plain values (as GenerationConfig validated them: finite,
         top_k in 0..INT32_MAX). A row with temperature < GREEDY_TEMPERATURE or top_p <
         GREEDY_TOP_P is greedy (messages.py says why). top_k past the vocabulary keeps every
-        token, as 0 does.
-
-        Pass the engine's long-lived per-request `generators`; `seeds` (fresh generators) is for
-        one-off calls and tests.
-        """
+        token, as 0 does. Pass the engine's long-lived per-request `generators`; `seeds` (fresh
+        generators) is for one-off calls and tests."""
         if generators is None:
             generators = [make_generator(s, device) for s in (seeds or [None] * len(do_sample))]
-        if not len(do_sample) == len(temperature) == len(top_k) == len(top_p) == len(generators):
-            raise ValueError('SamplingInputs.from_values: all per-request lists must have one entry per row')
+        if len({len(do_sample), len(temperature), len(top_k), len(top_p), len(generators)}) > 1:
+            raise ValueError('SamplingInputs.from_values: all per-request lists must have one '
+                             'entry per row')
         top_k = [min(int(k), INT32_MAX) for k in top_k]          # exact in the float64 packing
         top_p = [float(p) for p in top_p]
         # a finite temperature stays finite in float32 (logits / inf would make -inf logits nan)
         temperature = [min(float(t), torch.finfo(torch.float32).max) for t in temperature]
         do_sample = [bool(s) and t >= GREEDY_TEMPERATURE and p >= GREEDY_TOP_P
                      for s, t, p in zip(do_sample, temperature, top_p)]
-        # one host-to-device copy (pinned, not blocking the host on a GPU), split there
-        packed = torch.tensor([do_sample, temperature, top_k, top_p],
-                              dtype=torch.float64).reshape(4, -1)
-        if torch.device(device).type == 'cuda':
-            packed = packed.pin_memory().to(device, non_blocking=True)
-        else:
-            packed = packed.to(device)
-        return cls(
-            do_sample=packed[0].bool(), temperature=packed[1].float(), top_k=packed[2].long(),
-            top_p=packed[3].float(),
-            generators=list(generators),
-            all_greedy=not any(do_sample),
-            needs_filter=any(s and (k > 0 or p < 1.0) for s, k, p in zip(do_sample, top_k, top_p)),
-        )
+        # one host-to-device copy, split there
+        packed = _to_device(torch.tensor([do_sample, temperature, top_k, top_p],
+                                         dtype=torch.float64).reshape(4, -1), device)
+        return cls(packed[0].bool(), packed[1].float(), packed[2].long(), packed[3].float(),
+                   list(generators), all_greedy=not any(do_sample),
+                   needs_filter=any(s and (k > 0 or p < 1.0)
+                                    for s, k, p in zip(do_sample, top_k, top_p)))
 
     @classmethod
     def greedy(cls, batch_size: int, device: torch.device | str = 'cpu') -> SamplingInputs:
@@ -240,9 +222,9 @@ class SamplingTables:
         seqs, mask = batch.seqs, batch.sample_mask
         cfgs = [s.gen_config for s in seqs]
         if all(c.is_greedy for c in cfgs):
-            sampling = self._greedy.get(len(cfgs))
-            if sampling is None:
-                sampling = self._greedy[len(cfgs)] = SamplingInputs.greedy(len(cfgs), self.device)
+            if len(cfgs) not in self._greedy:
+                self._greedy[len(cfgs)] = SamplingInputs.greedy(len(cfgs), self.device)
+            sampling = self._greedy[len(cfgs)]
         else:
             sampling = SamplingInputs.from_values(
                 do_sample=[not c.is_greedy and m for c, m in zip(cfgs, mask)],
@@ -275,11 +257,9 @@ def _row_shape(logits: Tensor) -> tuple[int, ...]:
 
 def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     """Set logits outside each row's top-k, then outside its top-p nucleus, to -inf.
-
     logits [B, ..., V]; top_k, top_p [B, 1, ..., 1]. top-k keeps exactly k tokens (ties broken by
     lower token id); top-p keeps the smallest prefix (by descending probability) whose mass
-    reaches top_p, and always the most likely token.
-    """
+    reaches top_p, and always the most likely token."""
     vocab_size = logits.size(-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab_size, device=logits.device)
@@ -298,12 +278,9 @@ def probs_dtype(logits_dtype: torch.dtype) -> torch.dtype:
 
 
 def probs_from_logits(logits: Tensor, sampling: SamplingInputs) -> Tensor:
-    """The distribution each row samples from: logits [B, ..., V] -> probs [B, ..., V].
-
-    float64 logits give float64 probs, anything else float32. Sampled rows: softmax of
-    logits / temperature after top-k then top-p filtering (renormalised). Greedy rows: one-hot of
-    argmax (first max on ties).
-    """
+    """The distribution each row samples from: logits [B, ..., V] -> probs [B, ..., V]
+    (probs_dtype). Sampled rows: softmax of logits / temperature after top-k then top-p
+    filtering (renormalised). Greedy rows: one-hot of argmax (first max on ties)."""
     shape = _row_shape(logits)
     logits = logits.to(probs_dtype(logits.dtype))
     temperature = torch.where(sampling.do_sample, sampling.temperature, 1.0).to(logits.dtype)
@@ -318,10 +295,8 @@ def probs_from_logits(logits: Tensor, sampling: SamplingInputs) -> Tensor:
 def random_like_rows(shape: Sequence[int], generators: Sequence[torch.Generator | None],
                      kind: str, dtype: torch.dtype = torch.float32,
                      device: torch.device | str = 'cpu') -> Tensor:
-    """Random tensor [B, ...]: row b drawn only from generators[b] (default RNG where None).
-
-    kind: 'uniform' ([0, 1)) or 'exponential' (rate 1).
-    """
+    """Random tensor [B, ...]: row b drawn only from generators[b] (default RNG where None);
+    kind: 'uniform' ([0, 1)) or 'exponential' (rate 1)."""
     if kind not in ('uniform', 'exponential'):
         raise ValueError(f"kind={kind!r}: must be 'uniform' or 'exponential'")
     out = torch.empty(tuple(shape), dtype=dtype, device=device)
@@ -335,10 +310,8 @@ def random_like_rows(shape: Sequence[int], generators: Sequence[torch.Generator 
 
 def draw_from_probs(probs: Tensor, generators: Sequence[torch.Generator | None]) -> Tensor:
     """One token per row from probs [B, V] (rows need not be normalised) -> tokens [B] long.
-
     Exponential race: argmax_v probs[v] / E_v with E_v ~ Exp(1) picks v with probability
-    probs[v] / sum(probs); zero-probability tokens are never picked (unless a row is all zero).
-    """
+    probs[v] / sum(probs); zero-probability tokens are never picked (unless a row is all zero)."""
     noise = random_like_rows(probs.shape, generators, 'exponential', probs.dtype, probs.device)
     noise.clamp_(min=torch.finfo(probs.dtype).tiny)            # exponential_ may return exactly 0
     return (probs / noise).argmax(-1)
