@@ -129,12 +129,16 @@ def test_a_restored_state_is_the_state_of_a_fresh_prefill(moe, tiny_ckpt):
         assert torch.equal(got, expected)
 
 
-def test_a_thousand_mixed_requests_leak_nothing_and_steal_nothing(tiny_ckpt):
-    """Shared prefixes, aborts and preemption (a tiny block budget) over 1,000 requests: after
+def test_hundreds_of_mixed_requests_leak_nothing_and_steal_nothing(tiny_ckpt):
+    """Shared prefixes, aborts and preemption (a tiny block budget) over 450 requests: after
     every step each block is free, held, or cached and unheld (BlockManager.check), the blocks
     of running sequences are held (never free, never evictable), two running sequences share
-    only cached blocks, and at the end every block is free or cached with nobody holding it."""
+    only cached blocks, and at the end every block is free or cached with nobody holding it.
+    The schedule is a function of the seeded mix alone (ignore_eos, no stop tokens): 450
+    requests run ~575 steps with ~170 preemptions, ~70 aborts (of running and of waiting
+    requests) and ~120 prefix-cache hits, every path the checks below watch."""
     torch.manual_seed(0)
+    n_requests = 450
     cfg = PytorchEngineConfig(dtype='float32', device='cpu', block_size=4, session_len=48,
                               max_batch_size=12, num_gpu_blocks=24, max_prefill_token_num=24)
     engine = build_engine(tiny_ckpt(False, layout='plain'), cfg, progress=False)
@@ -142,8 +146,8 @@ def test_a_thousand_mixed_requests_leak_nothing_and_steal_nothing(tiny_ckpt):
     rng = random.Random(0)
     stems = [[rng.randrange(3, 500) for _ in range(rng.randrange(6, 24))] for _ in range(6)]
     hits, live, submitted = [0], [], 0
-    while submitted < 1000 or engine.has_work:
-        while submitted < 1000 and len(live) < 24:
+    while submitted < n_requests or engine.has_work:
+        while submitted < n_requests and len(live) < 24:
             stem = stems[rng.randrange(len(stems))]
             prompt = stem[:rng.randrange(1, len(stem) + 1)] + [
                 rng.randrange(3, 500) for _ in range(rng.randrange(0, 6))]
