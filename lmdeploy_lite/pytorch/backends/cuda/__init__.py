@@ -1,10 +1,8 @@
-"""CUDA ops: Triton kernels checked against `backends/default` (tests/pytorch/backends/cuda).
-
-Prefill gated delta rule uses fla-core's chunk kernel for chunks longer than
-`gated_delta_rule.SHORT_PREFILL_TOKENS` where fla is installed (imported lazily; optional);
-everything else is ours. Decode-path ops keep the decode-step contract of
-`backends/__init__.py`, so `graph_runner.py` can capture them. Ops without a kernel here are
-the default backend's.
+"""CUDA ops: Triton kernels checked against `backends/default` (tests/pytorch/backends/cuda), and
+fla-core's chunk kernel for prefill gated delta rule chunks longer than
+`gated_delta_rule.SHORT_PREFILL_TOKENS` where fla is installed (imported lazily; optional).
+Decode-path ops keep the decode-step contract of `backends/__init__.py`, so `graph_runner.py` can
+capture them. Ops without a kernel here are the default backend's.
 """
 from __future__ import annotations
 
@@ -24,7 +22,6 @@ def cuda_backend():
     from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating
     from .norm import add_rms_norm, gated_rms_norm, rms_norm, silu_mul
     from .paged_attention import paged_attention, store_kv
-
     ops = (add_rms_norm, causal_conv1d_prefill, causal_conv1d_update, fused_moe, fused_moe_masked,
            gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating, gated_rms_norm, rms_norm,
            silu_mul, paged_attention, store_kv)

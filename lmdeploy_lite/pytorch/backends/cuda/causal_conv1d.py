@@ -1,6 +1,5 @@
-"""Causal depthwise conv1d + SiLU on CUDA: a Triton kernel for decode/verify; prefill is the default
-op. Shapes, the conv window buffer and the pure-torch reference:
-`backends/default/causal_conv1d.py`.
+"""Causal depthwise conv1d + SiLU on CUDA: a Triton kernel for decode/verify, the default op for
+prefill. Shapes, conv window buffer and pure-torch reference: `backends/default/causal_conv1d.py`.
 """
 from __future__ import annotations
 
@@ -10,10 +9,8 @@ import triton.language as tl
 
 from ...model_inputs import ModelInputs
 from ..default import causal_conv1d as reference
-from ..default.causal_conv1d import causal_conv1d_prefill
 
-__all__ = ['causal_conv1d_prefill', 'causal_conv1d_update']
-
+causal_conv1d_prefill = reference.causal_conv1d_prefill
 BLOCK_C = 256      # channels per program; >= 32 * num_warps, so no channel is held by two threads
 
 

@@ -1,6 +1,5 @@
-"""Triton fused MoE (routed experts); reference in `backends/default/moe.py`.
-
-Two grouped-GEMM kernels over "blocks" of (token, slot) pairs that share one expert:
+"""Triton fused MoE (routed experts; reference `backends/default/moe.py`): two grouped-GEMM
+kernels over "blocks" of (token, slot) pairs that share one expert:
   1. `inter[p] = silu(gate_e x_t) * up_e x_t`   (gate_up_proj [E, 2I, H], silu*mul fused)
   2. `pair_out[p] = w_p * down_e inter[p]`       (down_proj [E, H, I], fp32 out)
 and `out[t] = sum_j pair_out[t, j]` (torch sum over k, fp32, then cast). Each block reads its
@@ -27,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..default.moe import fused_moe as reference_fused_moe
-from ..default.moe import fused_moe_masked as reference_fused_moe_masked
+from ..default import moe as reference
 
 UNSORTED_MAX_PAIRS = 64
 MASKED_BLOCK_M = 16             # fused_moe_masked: decode has few rows per expert; tl.dot min
@@ -216,7 +214,7 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     [T, k] (x.dtype or fp32); topk_ids [T, k] in 0..E-1 or -1 (contributes 0) -> [T, H] in x.dtype,
     `out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)` with e = topk_ids[t, j]."""
     if x.dtype == torch.float64:        # no fp64 tl.dot worth having; float64 models are CPU tests
-        return reference_fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+        return reference.fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
     num_experts, inter_size = gate_up_proj.shape[0], down_proj.shape[2]
     hidden, num_pairs = x.shape[1], num_tokens * top_k
@@ -259,7 +257,7 @@ def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.
     counts[e] of x are not read, nor those of out written. Grid (E * cdiv(C, BLOCK_M),
     cdiv(N, BLOCK_N)); no host reads, shapes from shapes only: capturable."""
     if x.dtype == torch.float64:        # as fused_moe: the reference
-        return reference_fused_moe_masked(x, counts, gate_up_proj, down_proj, out)
+        return reference.fused_moe_masked(x, counts, gate_up_proj, down_proj, out)
     (num_experts, capacity, hidden), inter_size = x.shape, down_proj.shape[2]
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -16,11 +16,10 @@ from ...model_inputs import ModelInputs
 from ..default import gated_delta_rule as reference
 
 
-# A prefill step of at most this many tokens per sequence runs `_recurrent_prefill_kernel`, not
-# fla's chunk function: fla costs ~1-2 ms of host time per layer call whatever the length, while
-# the kernel walks the tokens one after another, ~1.5 us each at 9B heads on an H100 (0.2 ms at
-# 128). Longer chunks go to fla, whose host time a long step's GEMMs hide (BENCHMARKS.md,
-# "Short prefills").
+# Prefill steps of at most this many tokens per sequence run `_recurrent_prefill_kernel`, not
+# fla's chunk function: fla costs ~1-2 ms of host time per layer call whatever the length; the
+# kernel walks the tokens in order, ~1.5 us each at 9B heads on an H100 (0.2 ms at 128). Longer
+# chunks go to fla, whose host time a long step's GEMMs hide (BENCHMARKS.md, "Short prefills").
 SHORT_PREFILL_TOKENS = 128
 
 
@@ -152,8 +151,7 @@ def decode_tiling(dv: int) -> tuple[int, int]:
 def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor, state_cache: torch.Tensor, inputs: ModelInputs, *seq_ptrs,
             **constexprs) -> torch.Tensor:
-    """Run a recurrent kernel over grid (B, nv, dv blocks) with the tiling of `decode_tiling`;
-    `seq_ptrs`: its per-sequence tensors after history_lens -> o [T, nv, dv] in v.dtype."""
+    """Grid (B, nv, dv / BV) as `decode_tiling`; `seq_ptrs` after history_lens -> o [T, nv, dv]."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     dk, (nv, dv) = q.shape[-1], v.shape[1:]
     block_v, num_warps = decode_tiling(dv)
@@ -189,9 +187,8 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     states to slot 0. No host sync (the lengths are read on the device)."""
     if v.shape[0] == 0:
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    q_start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
-    return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, q_start_loc,
-                   inputs.q_lens)
+    return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs,
+                   inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc), inputs.q_lens)
 
 
 @functools.cache

@@ -18,10 +18,9 @@ appended on each replay: the per-step trace check sees the same sequence either 
 forbids unsafe CUDA calls only on its own thread (`capture_error_mode='thread_local'`): NCCL's
 watchdog thread keeps polling its events. Padding sequences are an idle rank's dummy inputs
 (history 0, the reserved block 0 and state row 0): their writes land where no real sequence
-reads, and attention/recurrence are per sequence, so real rows are unaffected.
-
-On a CPU device nothing is captured and a call runs `fn` eagerly on the padded static buffers
-(static-buffer mode): the padding logic is tested on CPU.
+reads, and attention/recurrence are per sequence, so real rows are unaffected. On a CPU device
+nothing is captured and a call runs `fn` eagerly on the padded static buffers (static-buffer
+mode): the padding logic is tested on CPU.
 """
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 class GraphRunner:
     """One decode forward with `q_len` tokens per sequence, captured for each batch bucket.
-
     max_blocks: block-table width of the static buffers (the most blocks a sequence can use);
     extras: (row shape, dtype) of each extra per-token input."""
 

@@ -1,11 +1,9 @@
 """Triton RMSNorm variants (plain, residual add + norm, gated) and the SwiGLU activation;
-references in `backends/default/norm.py`.
-
-One program per row (the whole row in registers: D up to 8192, e.g. the hidden size or a 128-wide
-head of the gated delta net's output norm). Math in float32 (float64 for float64 inputs), rounded
-once at the end except where the reference rounds in between (`gated_rms_norm`: the norm to x.dtype
-before the weight; `add_rms_norm`: the sum before the norm). No host reads, no data-dependent
-shapes: safe inside a captured decode step.
+references in `backends/default/norm.py`. One program per row (the whole row in registers: D up to
+8192, e.g. the hidden size or a 128-wide head of the gated delta net's output norm). Math in
+float32 (float64 for float64 inputs), rounded once at the end except where the reference rounds in
+between (`gated_rms_norm`: the norm to x.dtype before the weight; `add_rms_norm`: the sum before
+the norm). No host reads, no data-dependent shapes: safe inside a captured decode step.
 
 `add_rms_norm` fuses the residual add into the next norm (one launch, the sum not read back) and
 writes the sum into `residual` in place. Under CUDA graphs that is safe because `residual` is the

@@ -1,19 +1,14 @@
-"""Paged causal attention (GQA) over a block-table KV cache, in Triton.
-
-Semantics (cache layout, which positions a query sees) are those of
-`backends/default/paged_attention.py`, the reference the tests compare with. Softmax statistics,
-the accumulator and the dot products' outputs are fp32 (fp32 inputs multiply in IEEE fp32, not
-tf32).
-
-Kernels:
+"""Paged causal attention (GQA) over a block-table KV cache, in Triton. Semantics (cache layout,
+which positions a query sees) are those of `backends/default/paged_attention.py`, the reference the
+tests compare with. Softmax statistics, the accumulator and the dots' outputs are fp32 (fp32 inputs
+multiply in IEEE fp32, not tf32). Kernels:
   * `_store_kv_kernel`: the step's k/v into their cache slots, one program per (token, KV head).
   * decode/verify (`inputs.is_decoding` with `uniform_q_len = n`): split-KV flash decoding.
     Program (b, KV head x row tile, split) takes the n * (nq / n_kv) query rows of one KV head
-    (rows padded to >= 16 for tl.dot) over its share of the sequence's cache; the share
-    `ceil(kv_len / num_splits)`, rounded up to the KV tile, is computed in the kernel from the
-    device `history_lens`, and `num_splits` depends only on shapes and the SM count, so the
-    launch reads nothing on the host and can be captured in a CUDA graph. `_combine_kernel`
-    merges the splits by their log-sum-exp.
+    (rows padded to >= 16 for tl.dot) over its share of the sequence's cache, `ceil(kv_len /
+    num_splits)` rounded up to the KV tile, computed in the kernel from the device `history_lens`;
+    `num_splits` depends only on shapes and the SM count, so the launch reads nothing on the host
+    and can be captured in a CUDA graph. `_combine_kernel` merges the splits by log-sum-exp.
   * prefill (every other step): varlen flash attention, one program per (query tile of a
     sequence, q head); the tile -> sequence map is built on the host. Scores never exceed one
     `[BLOCK_M, BLOCK_N]` tile.
@@ -271,12 +266,11 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k.dtype == torch.float64:          # float64 (reference runs): the plain-PyTorch op
         return default_fill_kv_cache(k, v, k_cache, v_cache, inputs)
     num_tokens, n_kv, head_dim = k.shape
-    block_size = k_cache.shape[1]
     _store_kv_kernel[(num_tokens, n_kv)](
         k, v, k_cache, v_cache, inputs.token_seq_idx, inputs.token_offsets, inputs.history_lens,
         inputs.block_tables, *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         *inputs.block_tables.stride(),
-        HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_D=_block_d(head_dim))
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_D=_block_d(head_dim))
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -12,10 +12,9 @@ bytes, default 1 MiB, NCCL above; start-up fails if it cannot be set up). Inside
 graphs on two H100s (NV18, 0.8B shape, bf16; BENCHMARKS.md "More GPUs, more speed") the one-shot
 kernel took 1.88 / 3.01 ms per step at batch 1 / 64 against NCCL's 1.81 / 2.69, so it stays an
 option to measure on other machines. With two ranks a sum is one addition whichever kernel adds,
-so the bits are NCCL's; with more ranks the order of the additions may differ.
-
-Supported: bfloat16 and float32 tensors of a CUDA group of 2, 4 or 8 ranks; other tensors go
-to NCCL per call (`can_reduce`).
+so the bits are NCCL's; with more ranks the order of the additions may differ. Supported:
+bfloat16 and float32 tensors of a CUDA group of 2, 4 or 8 ranks; other tensors go to NCCL per
+call (`can_reduce`).
 """
 from __future__ import annotations
 

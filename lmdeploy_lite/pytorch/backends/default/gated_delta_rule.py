@@ -58,8 +58,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     g, beta [B, n, h]; state [B, h, dk, dv] (prepared inputs). Returns o [B, n, h, dv] and the
     final states [B, h, dk, dv]. Tokens with g = beta = 0 and k = 0 (padding) leave the state
     unchanged, so sequences of different lengths can share one call, zero-padded at the end."""
-    n = q.shape[1]
-    pad = (chunk_size - n % chunk_size) % chunk_size
+    n, pad = q.shape[1], -q.shape[1] % chunk_size
     q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(1, 2) for x in (q, k, v))  # [B, h, N, d]
     g, beta = (F.pad(x, (0, 0, 0, pad)).transpose(1, 2) for x in (g, beta))       # [B, h, N]
     bsz, h = q.shape[:2]
@@ -71,9 +70,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     # (I + strictly_lower(beta_i k_i.k_j decay_ij)) u = v_beta ; same system for w
     system = (k_beta @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False,
-                                      unitriangular=True)
+    u, w = (torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+            for rhs in (v_beta, k_beta * cum.exp()[..., None]))
     intra = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * cum.exp()[..., None]
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]

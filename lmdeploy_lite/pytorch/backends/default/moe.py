@@ -14,20 +14,18 @@ from .norm import cast, silu_mul
 
 @dataclass
 class GroupedRows:
-    """Rows grouped by expert, as `fused_moe_masked` takes them (an EP dispatcher's `routing`,
-    nn/token_dispatcher.py): counts [E_local] int, on the device (never read on the host:
-    capturable); out [E_local, C, W >= H] or None: where the experts should write their outputs
-    (columns :H), so that the dispatcher's combine sends it as is."""
+    """`fused_moe_masked`'s rows grouped by expert (an EP dispatcher's `routing`): counts [E_local]
+    int on the device (never read on the host: capturable); out [E_local, C, W >= H] or None: where
+    the experts write their outputs (columns :H), for the dispatcher's combine to send as is."""
     counts: torch.Tensor
     out: torch.Tensor | None = None
 
 
 @dataclass
 class TopKRows:
-    """Rows with their top-k routing, as `fused_moe` takes them (DeepEP normal mode with fixed
-    shapes hands its received tokens over this way): ids [N, k] local expert ids (-1: an expert
-    elsewhere, or a padding row), weights [N, k]; the experts return each row's weighted sum
-    over its local experts [N, H]."""
+    """`fused_moe`'s rows with their top-k routing (DeepEP normal mode with fixed shapes): ids
+    [N, k] local expert ids (-1: an expert elsewhere, or a padding row), weights [N, k]; the
+    experts return each row's weighted sum over its local experts [N, H]."""
     ids: torch.Tensor
     weights: torch.Tensor
 
@@ -61,8 +59,7 @@ def _experts_by_pair_list(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
     """`fused_moe`'s expert outputs for a few pairs (decode): the ids read once and grouped by
     expert in Python, a lone row sliced rather than gathered -> pairs [T * k, H], row i =
     expert(x[i // k]) (zeros for id -1)."""
-    top_k = topk_ids.shape[1]
-    ids = topk_ids.reshape(-1).tolist()
+    top_k, ids = topk_ids.shape[1], topk_ids.reshape(-1).tolist()
     by_expert: dict[int, list[int]] = {}
     for pair, expert in enumerate(ids):
         if expert >= 0:

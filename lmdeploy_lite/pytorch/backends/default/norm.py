@@ -1,10 +1,9 @@
-"""RMSNorm variants of Qwen3.5 and the SwiGLU activation, in plain PyTorch.
-
-Norms compute in float32 (float64 for float64 inputs) and cast back, with the very ops (so the
-very bits) `F.rms_norm` runs on a CPU, without its two extra copies; on the CPU the constants
-(1, eps) are cached 0-dim tensors rather than Python scalars that each op would wrap anew. Both
-save ~7 of ~19 us per decode-row norm on one core (~50 norms in a speculative step).
-`add_rms_norm` is unfused here: the reference the CUDA kernel is checked against.
+"""RMSNorm variants of Qwen3.5 and the SwiGLU activation, in plain PyTorch. Norms compute in
+float32 (float64 for float64 inputs) and cast back, with the very ops (so the very bits)
+`F.rms_norm` runs on a CPU, without its two extra copies; on the CPU the constants (1, eps) are
+cached 0-dim tensors rather than Python scalars that each op would wrap anew. Both save ~7 of
+~19 us per decode-row norm on one core (~50 norms in a speculative step). `add_rms_norm` is
+unfused here: the reference the CUDA kernel is checked against.
 """
 from __future__ import annotations
 
@@ -47,9 +46,8 @@ def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., D], weight [D] -> `x * rsqrt(mean(x^2) + eps) * (1 + w)` [..., D] in x.dtype."""
     acc = compute_dtype(x.dtype)
-    x_acc, weight = cast(x, acc), cast(weight, acc)
-    out = _normalized(x_acc, eps).mul_(weight + constant(1.0, weight))
-    return cast(out, x.dtype)
+    weight = cast(weight, acc)
+    return cast(_normalized(cast(x, acc), eps).mul_(weight + constant(1.0, weight)), x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

@@ -1,8 +1,7 @@
-"""Paged causal attention (GQA) over a block-table KV cache.
-
-Caches are `[num_blocks, block_size, num_kv_heads, head_dim]`. The token at cache position p of
-sequence b lives in slot `block_tables[b, p // block_size] * block_size + p % block_size`; this
-step's tokens take cache positions `history_lens[b] .. history_lens[b] + q_lens[b] - 1`.
+"""Paged causal attention (GQA) over a block-table KV cache. Caches are `[num_blocks, block_size,
+num_kv_heads, head_dim]`; the token at cache position p of sequence b lives in slot
+`block_tables[b, p // block_size] * block_size + p % block_size`; this step's tokens take cache
+positions `history_lens[b] .. history_lens[b] + q_lens[b] - 1`.
 """
 from __future__ import annotations
 

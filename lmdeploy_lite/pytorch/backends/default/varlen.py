@@ -1,10 +1,8 @@
-"""Batching sequences of different lengths for the plain-PyTorch ops.
-
-The step's tokens are flat (`[T, ...]`, sequence after sequence). Ops pad them to `[n, L, ...]`
-(L = the longest new-token run), run one batched computation, and take the real tokens back out.
-Padding costs memory, so `seq_groups` splits a step into runs of consecutive sequences whose
-padded intermediates stay under `MAX_PADDED_ELEMENTS`; a decode step, or a prefill of similar
-lengths, is one group.
+"""Batching sequences of different lengths for the plain-PyTorch ops: the step's tokens are flat
+(`[T, ...]`, sequence after sequence); ops pad them to `[n, L, ...]` (L = the longest new-token
+run), run one batched computation, and take the real tokens back out. Padding costs memory, so
+`seq_groups` splits a step into runs of consecutive sequences whose padded intermediates stay
+under `MAX_PADDED_ELEMENTS`; a decode step, or a prefill of similar lengths, is one group.
 """
 from __future__ import annotations
 
@@ -23,6 +21,7 @@ class SeqGroup:
     """Sequences `seqs` of the step (n of them) and their tokens `tokens` of the flat batch (t).
     Token j of the group is new token `offsets[j]` of group sequence `seq_idx[j]`."""
     seqs: slice
+    num_seqs: int
     tokens: slice
     max_q_len: int
     max_kv_len: int
@@ -30,10 +29,6 @@ class SeqGroup:
     history_lens: torch.Tensor    # [n] long
     seq_idx: torch.Tensor         # [t] long, in 0..n-1
     offsets: torch.Tensor         # [t] long
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seqs.stop - self.seqs.start
 
     @property
     def is_dense(self) -> bool:
@@ -86,7 +81,8 @@ def seq_groups(inputs: ModelInputs, cost: Callable[[int, int, int], int]) -> lis
         tokens = slice(token_start, token_start + sum(q_lens[start:stop]))
         token_start = tokens.stop
         groups.append(SeqGroup(
-            seqs=slice(start, stop), tokens=tokens, max_q_len=max_q, max_kv_len=max_kv,
-            q_lens=inputs.q_lens[start:stop], history_lens=inputs.history_lens[start:stop],
+            seqs=slice(start, stop), num_seqs=stop - start, tokens=tokens, max_q_len=max_q,
+            max_kv_len=max_kv, q_lens=inputs.q_lens[start:stop],
+            history_lens=inputs.history_lens[start:stop],
             seq_idx=inputs.token_seq_idx[tokens] - start, offsets=inputs.token_offsets[tokens]))
     return groups
