@@ -107,13 +107,16 @@ class Pipeline:
     def __init__(self, model_path: str | None = None,
                  backend_config: PytorchEngineConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, progress: bool = True,
-                 engine_process: bool = False, reasoning_parser: str | None = None):
+                 engine_process: bool = False, reasoning_parser: str | None = None,
+                 chat_template: str | None = None):
         """`engine_process`: run a one-rank engine in a process of its own (the mp executor's
         rank), as a multi-rank one always does, instead of in a thread of this one. The server
         does so on CUDA: its event loop spends ~0.1 ms of Python per streamed chunk, and in one
         process that time holds the GIL that the engine's thread needs between its CUDA steps.
         `reasoning_parser` ('qwen3'; 'auto': when the chat template thinks; None or 'none':
-        off): a chat reply's `<think>` block goes to Response.reasoning_content (reasoning.py)."""
+        off): a chat reply's `<think>` block goes to Response.reasoning_content (reasoning.py).
+        `chat_template`: a Jinja template (a file, or the template itself) instead of the
+        model's (lmdeploy's --chat-template)."""
         if reasoning_parser not in PARSERS + (None,):
             raise ValueError(f'reasoning_parser={reasoning_parser!r}: must be one of '
                              f'{PARSERS} or None')
@@ -122,6 +125,13 @@ class Pipeline:
                                              backend_config.download_dir)
         self._name = model_path if self.model_path != model_path and model_path else None
         self.tokenizer = load_tokenizer(self.model_path) if os.path.isdir(self.model_path) else None
+        if chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError(f'chat_template: {self.model_path} has no tokenizer to use it')
+            if os.path.isfile(chat_template):
+                with open(chat_template) as f:
+                    chat_template = f.read()
+            self.tokenizer.chat_template = chat_template
         self.reasoning = reasoning_parser == 'qwen3' or (
             reasoning_parser == 'auto' and self.tokenizer is not None
             and template_thinks(getattr(self.tokenizer, 'chat_template', None)))
@@ -427,6 +437,8 @@ class Pipeline:
 
 def pipeline(model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
              speculative_config: SpeculativeConfig | None = None, progress: bool = True,
-             engine_process: bool = False, reasoning_parser: str | None = None) -> Pipeline:
+             engine_process: bool = False, reasoning_parser: str | None = None,
+             chat_template: str | None = None) -> Pipeline:
     return Pipeline(model_path, backend_config, speculative_config, progress=progress,
-                    engine_process=engine_process, reasoning_parser=reasoning_parser)
+                    engine_process=engine_process, reasoning_parser=reasoning_parser,
+                    chat_template=chat_template)

@@ -70,3 +70,14 @@ def test_server_defaults_fill_only_what_a_request_omits():
     assert (config.do_sample, config.top_p, config.top_k) == (False, 0.95, 5)
     plain = ChatCompletionRequest(messages=messages).generation_config(100, 4096)
     assert (plain.temperature, plain.top_p, plain.top_k) == (1.0, 1.0, 0)
+
+
+def test_a_chat_template_given_as_a_file_or_text_replaces_the_models(tmp_path):
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant] {% endif %}")
+    (tmp_path / 'chat.jinja').write_text(template)
+    messages = [{'role': 'user', 'content': 'hi'}]
+    for given in (str(tmp_path / 'chat.jinja'), template):
+        with pipeline(None, PytorchEngineConfig(device='cpu', session_len=64), progress=False,
+                      chat_template=given) as pipe:
+            assert pipe.tokenizer.decode(pipe.encode(messages)) == '[user] hi\n[assistant] '

@@ -4,204 +4,28 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import os
 import signal
 import sys
 import time
 
-LOG_LEVELS = ('CRITICAL', 'ERROR', 'WARNING', 'INFO', 'DEBUG')
-
-
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each option's default, unless its help says it already or there is none."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is False or 'default' in (action.help or ''):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _engine_args(p: argparse.ArgumentParser):
-    p.add_argument('model', nargs='?', default=None,
-                   help='HF model directory or Hugging Face repo id (default: the embedded model)')
-    p.add_argument('--revision', help='a repo id: the branch, tag or commit')
-    p.add_argument('--download-dir', help="a repo id: the hub cache (default: huggingface_hub's)")
-    p.add_argument('--dtype', default='auto',
-                   choices=['auto', 'float32', 'float64', 'bfloat16', 'float16'],
-                   help='weights/activations dtype (auto: float32 on CPU, the checkpoint dtype on CUDA)')
-    p.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'],
-                   help='where to run (auto: CUDA when present)')
-    p.add_argument('--max-batch-size', type=int, default=64, help='sequences per step')
-    p.add_argument('--session-len', '--max-model-len', type=int, default=None,
-                   help='max tokens per sequence, prompt included (default: the model maximum)')
-    p.add_argument('--cache-max-entry-count', type=float, default=0.8,
-                   help='fraction of free memory for the KV cache')
-    p.add_argument('--speculative-algorithm', default=None,
-                   choices=['qwen3_5_mtp', 'ngram', 'extract_hidden_states'],
-                   help='speculative decoding method (default qwen3_5_mtp when a draft count '
-                        'is given); extract_hidden_states decodes plainly and writes each '
-                        "request's hidden states at --speculative-aux-hidden-state-layer-ids to "
-                        '--hidden-states-dir')
-    p.add_argument('--speculative-num-draft-tokens', type=int, default=None,
-                   help='drafts per step, 1..8 (enables speculative decoding)')
-    p.add_argument('--speculative-draft-model', default=None,
-                   help='directory with the mtp.* tensors (default: the target model)')
-    p.add_argument('--speculative-tp', type=int, default=None,
-                   help="the MTP draft's tp: a divisor of --tp (default: the target's tp)")
-    p.add_argument('--speculative-ep', type=int, default=None,
-                   help="the MTP draft's ep: 1 (experts on every rank) or --ep (the default)")
-    p.add_argument('--speculative-token-map', default=None, metavar='PATH',
-                   help="token ids the MTP draft may propose: a JSON list or a safetensors file "
-                        "with an int64 tensor 'token_map', most frequent first (build one with "
-                        "tools/build_token_map.py); output is unchanged, drafting is cheaper")
-    p.add_argument('--speculative-aux-hidden-state-layer-ids', default=None, metavar='IDS',
-                   help='extract_hidden_states: comma-separated layer ids, e.g. 2,18,34 (id i is '
-                        "transformers' output_hidden_states[i]: 0 the embedding output, "
-                        'num_hidden_layers the final-normed hidden state)')
-    p.add_argument('--hidden-states-dir', default=None, metavar='DIR',
-                   help='extract_hidden_states: where each finished request\'s '
-                        '<request id>.safetensors goes (created if missing)')
-    p.add_argument('--speculative-dynamic', action=argparse.BooleanOptionalAction, default=True,
-                   help='pick each step\'s draft count (0 .. --speculative-num-draft-tokens) '
-                        'from the batch size and the measured acceptance; '
-                        '--no-speculative-dynamic: always draft the full count (benchmarks)')
-    p.add_argument('--distributed-executor-backend', default='mp', choices=['uni', 'mp', 'ray'],
-                   help='how tp * dp > 1 ranks run: mp (processes on this host) or ray (one '
-                        'actor per rank across a ray cluster)')
-    p.add_argument('--ray-address', default=None,
-                   help="ray cluster to join with the ray backend, e.g. 'auto' or HEAD:6379 "
-                        '(sets RAY_ADDRESS; default: RAY_ADDRESS, else a local cluster)')
-    p.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
-                   help='prepare the next decode step while the device runs the current one '
-                        '(default: on with CUDA, off on CPU)')
-    p.add_argument('--eager-mode', action='store_true', help='no CUDA graphs for decode steps')
-    p.add_argument('--load-format', default='auto', choices=['auto', 'dummy'],
-                   help="'dummy': random weights of the checkpoint's shapes (config.json only; "
-                        "benchmarks)")
-    p.add_argument('--ssm-state-dtype', default='auto', choices=['auto', 'float32', 'bfloat16'],
-                   help="storage dtype of the linear-attention recurrent state (auto: the "
-                        "checkpoint's mamba_ssm_dtype, float32 for Qwen3.5; bfloat16 halves "
-                        "the state memory at some cost in exactness)")
-    p.add_argument('--enable-prefix-caching', action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks and linear-attention states of earlier requests' "
-                        'prompt prefixes (a hit never changes a token); '
-                        '--no-enable-prefix-caching: prefill every prompt whole')
-    p.add_argument('--sequence-parallel', action='store_true',
-                   help='sequence parallelism inside each TP group: between the TP linear '
-                        'layers each rank keeps 1/tp of the tokens (norms, residual adds and '
-                        'the MoE dispatch on that share); needs --tp > 1')
-    p.add_argument('--max-prefill-token-num', type=int, default=4096,
-                   help='tokens one prefill step carries at most while nothing decodes')
-    p.add_argument('--max-mixed-token-num', type=int, default=4096,
-                   help='tokens a step carries at most while sequences decode: their decode rows '
-                        'plus a prefill chunk (0: prefill steps apart, running streams wait)')
-    p.add_argument('--log-level', default='WARNING', type=str.upper, choices=LOG_LEVELS,
-                   help='python logging level')
-
-
-def _sampling_args(p: argparse.ArgumentParser):
-    p.add_argument('--max-new-tokens', type=int, default=128, help='tokens to generate at most')
-    p.add_argument('--temperature', type=float, default=0.0, help='0 = greedy')
-    p.add_argument('--top-p', type=float, default=1.0, help='nucleus sampling mass')
-    p.add_argument('--top-k', type=int, default=0, help='0 = off')
-    p.add_argument('--repetition-penalty', type=float, default=1.0,
-                   help='a token of the prompt or output: logit / P if positive, else x P '
-                        '(1.0 = off)')
-    p.add_argument('--presence-penalty', type=float, default=0.0,
-                   help='logit -= P for each token the output holds (0.0 = off)')
-    p.add_argument('--frequency-penalty', type=float, default=0.0,
-                   help='logit -= P x the times the output holds the token (0.0 = off)')
-    p.add_argument('--seed', type=int, default=None, help='random seed for sampling')
-
-
-def speculative_config(args):
-    from lmdeploy_lite import SpeculativeConfig
-    if args.speculative_algorithm == 'extract_hidden_states':
-        return SpeculativeConfig(method='extract_hidden_states',
-                                 aux_hidden_state_layer_ids=_layer_ids(
-                                     args.speculative_aux_hidden_state_layer_ids),
-                                 hidden_states_dir=args.hidden_states_dir)
-    _refuse(args, ('speculative_aux_hidden_state_layer_ids', 'hidden_states_dir'),
-            'needs --speculative-algorithm extract_hidden_states')
-    if args.speculative_algorithm is None and args.speculative_num_draft_tokens is None:
-        _refuse(args, ('speculative_tp', 'speculative_ep', 'speculative_draft_model',
-                       'speculative_token_map'),
-                'speculative decoding is off; add --speculative-num-draft-tokens K to turn it on')
-        return None
-    return SpeculativeConfig(method=args.speculative_algorithm or 'qwen3_5_mtp',
-                             num_speculative_tokens=args.speculative_num_draft_tokens or 3,
-                             model=args.speculative_draft_model, tp=args.speculative_tp,
-                             ep=args.speculative_ep, dynamic=args.speculative_dynamic,
-                             draft_token_map=args.speculative_token_map)
-
-
-def _refuse(args, flags: tuple[str, ...], why: str):
-    for flag in flags:
-        if getattr(args, flag) is not None:
-            raise ValueError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: {why}")
-
-
-def _layer_ids(text: str | None) -> tuple[int, ...] | None:
-    """'2,18,34' -> (2, 18, 34); the ranges are SpeculativeConfig's to check."""
-    if text is None:
-        return None
-    try:
-        return tuple(int(part) for part in text.split(','))
-    except ValueError:
-        raise ValueError(f'--speculative-aux-hidden-state-layer-ids={text!r}: must be '
-                         'comma-separated layer ids, e.g. 2,18,34') from None
-
-
-def executor_args(args) -> dict:
-    """The executor part of PytorchEngineConfig (and RAY_ADDRESS, which ray.init() reads)."""
-    if args.ray_address:
-        os.environ['RAY_ADDRESS'] = args.ray_address
-    return dict(distributed_executor_backend=args.distributed_executor_backend,
-                async_scheduling=args.async_scheduling, eager_mode=args.eager_mode,
-                load_format=args.load_format)
-
-
-def leave_a_core_to_the_front_end(device: str):
-    """On CPU (no OMP_NUM_THREADS), torch leaves one core to the front-end, whose wake-ups each
-    step otherwise stall a parallel region (2 cores, embedded model, pipeline(): batch 64 at 928
-    tokens/s with 2 threads, 1,526 with 1; batch 1 ~100 and ~123; BENCHMARKS.md)."""
-    import torch
-    if ('OMP_NUM_THREADS' not in os.environ and torch.get_num_threads() >= 2
-            and not _on_cuda(device)):
-        torch.set_num_threads(torch.get_num_threads() - 1)
-
-
-def _on_cuda(device: str) -> bool:
-    import torch
-    return device == 'cuda' or (device == 'auto' and torch.cuda.is_available())
-
-
-def _engine_config(args, **parallel):
-    from lmdeploy_lite import PytorchEngineConfig
-    return PytorchEngineConfig(dtype=args.dtype, device=args.device, revision=args.revision,
-                               download_dir=args.download_dir, session_len=args.session_len,
-                               max_batch_size=args.max_batch_size,
-                               cache_max_entry_count=args.cache_max_entry_count,
-                               ssm_state_dtype=args.ssm_state_dtype,
-                               max_prefill_token_num=args.max_prefill_token_num,
-                               max_mixed_token_num=args.max_mixed_token_num,
-                               enable_prefix_caching=args.enable_prefix_caching,
-                               sequence_parallel=args.sequence_parallel, **parallel,
-                               **executor_args(args))
+from lmdeploy_lite.cli.args import (DefaultsFormatter, build_engine_config, engine_args,
+                                    leave_a_core_to_the_front_end, on_cuda, sampling_args,
+                                    speculative_config)
 
 
 def _build(args):
     from lmdeploy_lite import GenerationConfig, pipeline
     leave_a_core_to_the_front_end(args.device)
     logging.basicConfig(level=args.log_level.upper())
-    engine_config = _engine_config(args)
+    engine_config = build_engine_config(args)
     gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
                                   do_sample=args.temperature > 0, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k, random_seed=args.seed,
                                   repetition_penalty=args.repetition_penalty,
                                   presence_penalty=args.presence_penalty,
                                   frequency_penalty=args.frequency_penalty)
-    return pipeline(args.model, engine_config, speculative_config(args)), gen_config
+    return pipeline(args.model, engine_config, speculative_config(args),
+                    chat_template=args.chat_template), gen_config
 
 
 def cmd_generate(args) -> int:
@@ -395,16 +219,17 @@ def _load_and_serve(args) -> int:
                              **({} if args.max_connections is None
                                 else {'max_connections': args.max_connections}))
     api_keys = load_api_keys(args.api_keys, args.api_keys_file)
-    engine_config = _engine_config(args, tp=args.tp, dp=args.dp, ep=args.ep)
+    engine_config = build_engine_config(args, tp=args.tp, dp=args.dp, ep=args.ep)
     spec = speculative_config(args)
     engine_process = args.engine_process
     if engine_process is None:       # auto: where a step is faster than the loop's streaming
-        engine_process = _on_cuda(args.device)
+        engine_process = on_cuda(args.device)
     print(f'lmdeploy_lite: loading {args.model or "the embedded model"} (tp={args.tp}, '
           f'dp={args.dp}, ep={args.ep})', flush=True)
     start = time.perf_counter()
     pipe = pipeline(args.model, engine_config, spec, progress=True,   # a repo id: fetched
-                    engine_process=engine_process, reasoning_parser=args.reasoning_parser)
+                    engine_process=engine_process, reasoning_parser=args.reasoning_parser,
+                    chat_template=args.chat_template)
     print(f'lmdeploy_lite: loaded in {time.perf_counter() - start:.1f} s', flush=True)
     return serve(pipe, args.model_name or pipe.model_name, args.server_name,
                  args.server_port, api_keys, args.log_level,
@@ -421,23 +246,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
     sub = parser.add_subparsers(dest='command', required=True)
     gen = sub.add_parser('generate', help='generate text for one prompt',
-                         formatter_class=_DefaultsFormatter)
-    _engine_args(gen)
-    _sampling_args(gen)
+                         formatter_class=DefaultsFormatter)
+    engine_args(gen)
+    sampling_args(gen)
     gen.add_argument('--prompt', required=True, help='prompt text')
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser('chat', help='interactive chat through the chat template',
-                          formatter_class=_DefaultsFormatter)
-    _engine_args(chat)
-    _sampling_args(chat)
+                          formatter_class=DefaultsFormatter)
+    engine_args(chat)
+    sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
     serve = sub.add_parser('serve', help='serve the model over HTTP')
     serve_sub = serve.add_subparsers(dest='server', required=True)
     api_server = serve_sub.add_parser(
         'api_server', help='OpenAI-compatible server: /v1/models, /v1/completions, '
         '/v1/chat/completions (streaming), /tokenize, /detokenize, /health, /metrics '
-        '(Prometheus)', formatter_class=_DefaultsFormatter)
-    _engine_args(api_server)
+        '(Prometheus)', formatter_class=DefaultsFormatter)
+    engine_args(api_server)
     _serve_args(api_server)
     api_server.set_defaults(func=cmd_serve)
     return parser
