@@ -1,13 +1,10 @@
-"""Qwen3.5 gated full attention.
+"""Qwen3.5 gated full attention: `q_proj` gives per head `[q_h | gate_h]` (2 * head_dim); q/k get
+a per-head zero-centred RMSNorm, then partial RoPE; paged causal GQA attention (scale
+head_dim^-0.5); the result is multiplied by `sigmoid(gate)` and projected by `o_proj`.
 
-`q_proj` gives per head `[q_h | gate_h]` (2 * head_dim); q/k get a per-head zero-centred RMSNorm,
-then partial RoPE; paged causal GQA attention (scale head_dim^-0.5); the result is multiplied by
-`sigmoid(gate)` and projected by `o_proj`.
-
-Tensor parallel: each rank keeps num_heads / tp query heads (q_proj rows cut on whole per-head
-`[q_h | gate_h]` blocks, which are contiguous) and num_kv_heads / tp KV heads (its KV cache holds
-only those); o_proj is row-parallel and all-reduces (sequence-parallel: [Tp, H] in, o_proj's
-reduce-scattered [Tp / tp, H] out; nn/sequence_parallel.py).
+Tensor parallel: each rank keeps num_heads / tp query heads (whole `[q_h | gate_h]` blocks of
+q_proj) and num_kv_heads / tp KV heads (its KV cache holds only those); o_proj is row-parallel
+(sequence-parallel: [Tp, H] in, [Tp / tp, H] out; nn/sequence_parallel.py).
 """
 from __future__ import annotations
 

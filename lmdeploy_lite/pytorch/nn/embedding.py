@@ -1,9 +1,8 @@
-"""Vocab-parallel token embedding and LM head (they may share one weight: tied embeddings).
-
-Each TP rank holds rows `[rank * Vp, (rank + 1) * Vp)` of the `[V, H]` table, Vp = ceil(V / tp)
-(the last rank's missing rows are zeros). The embedding looks up the ids it owns, zeroes the
-others and all-reduces (sequence-parallel: reduce-scatters, `scatter_rows`); the LM head scores
-its rows and all-gathers, so every rank gets the full `[N, V]` logits.
+"""Vocab-parallel token embedding and LM head (they may share one weight: tied embeddings). Each
+TP rank holds rows `[rank * Vp, (rank + 1) * Vp)` of the `[V, H]` table, Vp = ceil(V / tp) (the
+last rank's missing rows are zeros). The embedding looks up the ids it owns, zeroes the others
+and all-reduces (sequence-parallel: reduce-scatters); the LM head scores its rows and
+all-gathers, so every rank gets the full `[N, V]` logits.
 """
 from __future__ import annotations
 
@@ -29,9 +28,8 @@ class _VocabParallel(nn.Module):
 
 class VocabParallelEmbedding(_VocabParallel):
     def forward(self, input_ids: torch.Tensor, scatter_rows: int | None = None) -> torch.Tensor:
-        """input_ids [T] long -> [T, H]. `scatter_rows` (sequence parallelism, tp > 1): the
-        plan's padded token count Tp; returns this TP rank's share [Tp / tp, H] of the rows
-        (zero rows past T) by a reduce-scatter instead of the all-reduce."""
+        """input_ids [T] long -> [T, H]; `scatter_rows` (sequence-parallel, tp > 1: the plan's
+        Tp) -> this rank's share [Tp / tp, H] (zero rows past T), reduce-scattered."""
         if self.tp == 1:
             return F.embedding(input_ids, self.weight)
         local_ids = input_ids - self.vocab_start

@@ -1,17 +1,14 @@
-"""Qwen3.5 Gated DeltaNet (linear attention) mixer.
-
-in_proj_qkv -> causal depthwise conv (kernel K) + SiLU over `[q | k | v]` -> split into q, k
-(nk heads x dk) and v (nv heads x dv); beta = sigmoid(in_proj_b); log decay
-g = -exp(A_log) * softplus(in_proj_a + dt_bias); gated delta rule; per-head gated RMSNorm with
-silu(in_proj_z); out_proj. Per-sequence state lives in the layer's state cache
+"""Qwen3.5 Gated DeltaNet (linear attention) mixer: in_proj_qkv -> causal depthwise conv (kernel
+K) + SiLU over `[q | k | v]` -> q, k (nk heads x dk) and v (nv heads x dv); beta =
+sigmoid(in_proj_b); log decay g = -exp(A_log) * softplus(in_proj_a + dt_bias); gated delta rule;
+per-head gated RMSNorm with silu(in_proj_z); out_proj. Per-sequence state cache:
 `(conv [slots, conv_dim, K-1+num_spec], recurrent [slots, 1+num_spec, nv, dk, dv])`.
 
 Tensor parallel (qwen3_5.md section 2): in_proj_qkv and conv1d are split by their q, k and v
-sections separately (each rank keeps `[q_r | k_r | v_r]`, nk/tp key and nv/tp value heads, so value
-head j still uses key head j // (nv/nk)); z, b, a, A_log and dt_bias by value heads; the gated
-norm's weight is per channel of a head and replicated; out_proj is row-parallel. The state caches
-hold only this rank's channels / heads (conv_dim and nv above are per rank). Sequence-parallel
-as GatedAttention (nn/attention.py).
+sections separately (each rank keeps `[q_r | k_r | v_r]`: nk/tp key and nv/tp value heads, so
+value head j still uses key head j // (nv/nk)); z, b, a, A_log and dt_bias by value heads; the
+gated norm's weight (per channel of a head) is replicated; out_proj is row-parallel. The state
+caches hold only this rank's channels / heads. Sequence-parallel as GatedAttention.
 """
 from __future__ import annotations
 

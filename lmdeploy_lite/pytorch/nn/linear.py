@@ -110,9 +110,8 @@ class FusedColumnLinear(nn.Module):
 
 
 def fuse_projections(model: nn.Module, keep_parts: bool = False) -> nn.Module:
-    """Replace each module's same-input projections by one GEMM (`module.fuse_projections()`;
-    what small-batch decode needs, on GPU and CPU alike). Call after loading; idempotent.
-    `keep_parts`: see `FusedColumnLinear`."""
+    """Replace each module's same-input projections by one GEMM (`module.fuse_projections()`, what
+    small-batch decode needs). Call after loading; idempotent. `keep_parts`: `FusedColumnLinear`."""
     for module in list(model.modules()):
         if hasattr(module, 'fuse_projections'):
             module.fuse_projections(keep_parts)

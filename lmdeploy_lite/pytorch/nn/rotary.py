@@ -1,7 +1,5 @@
-"""Partial NeoX rotary embedding (Qwen3.5 text: mRoPE with equal positions == 1-D RoPE).
-
-Only the first `rotary_dim` channels of each head are rotated (rotate_half style); the rest pass.
-"""
+"""Partial NeoX rotary embedding (Qwen3.5 text: mRoPE with equal positions == 1-D RoPE): only
+the first `rotary_dim` channels of each head are rotated (rotate_half style); the rest pass."""
 from __future__ import annotations
 
 import torch
@@ -18,9 +16,8 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer(name, (1.0 / theta ** exponent).to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] long -> (cos, sin), each [T, rotary_dim] in `dtype`, sin with its first
-        half negated (the sign of rotate_half folded in: what `apply_rotary` multiplies the
-        half-swapped x by)."""
+        """positions [T] long -> (cos, sin), each [T, rotary_dim] in `dtype`, sin's first half
+        negated (rotate_half's sign folded in: what `apply_rotary` multiplies the rolled x by)."""
         inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq32
         freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
@@ -30,9 +27,9 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, rotary_dim] from `RotaryEmbedding`; rotates
-    x[..., :rotary_dim]: `x * cos + rotate_half(x) * sin` with rotate_half(x) = [-x2, x1], here
-    [x2, x1] (a roll) times the sign-folded sin, the very same products."""
+    """x [T, heads, head_dim]; cos/sin [T, rotary_dim] from `RotaryEmbedding`. `x * cos +
+    rotate_half(x) * sin` on x[..., :rotary_dim], rotate_half(x) = [-x2, x1] as the roll [x2, x1]
+    times the sign-folded sin: the very same products."""
     rotary_dim = cos.shape[-1]
     x_rot = x[..., :rotary_dim]
     rotated = x_rot * cos[:, None, :] + x_rot.roll(rotary_dim // 2, -1) * sin[:, None, :]

@@ -1,7 +1,6 @@
-"""Which piece of a full checkpoint tensor a tensor-parallel rank holds.
-
-A sharded parameter carries `param.shard` (a `Shard`); the loader checks the checkpoint tensor
-against `shard.full_shape(...)` (the shape config.json implies) and copies `shard.narrow(full)`.
+"""Which piece of a full checkpoint tensor a tensor-parallel rank holds: a sharded parameter
+carries `param.shard` (a `Shard`); the loader checks the checkpoint tensor against
+`shard.full_shape(...)` (the shape config.json implies) and copies `shard.narrow(full)`.
 Parameters without `shard` are replicated. With tp == 1 nothing is sharded.
 """
 from __future__ import annotations
@@ -20,11 +19,9 @@ def tp_layout(dist_ctx) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Shard:
-    """Rank `rank` of `parts` along `dim`. The full dim is the concatenation of `sections`
-    (e.g. `(Dk, Dk, Dv)` for in_proj_qkv's [q | k | v], `(I, I)` for fused [gate | up]); each
-    section is cut into `parts` pieces of ceil(size / parts) rows and the rank keeps its piece of
-    every section, in order. A piece that runs past its section (a vocab not divisible by tp) is
-    zero padded, so every rank's tensor has the same shape."""
+    """Rank `rank` of `parts` along `dim`, the concatenation of `sections` (`(Dk, Dk, Dv)` for
+    in_proj_qkv's [q | k | v]): the rank keeps piece `rank` (ceil(size / parts) rows) of every
+    section, in order, zero padded past the section's end (a vocab not divisible by tp)."""
     dim: int
     rank: int
     parts: int
@@ -61,9 +58,8 @@ class Shard:
 def sharded_parameter(full_shape: tuple[int, ...], dim: int, dist_ctx, dtype: torch.dtype,
                       device: torch.device | str, sections: tuple[int, ...] | None = None,
                       init=torch.empty) -> nn.Parameter:
-    """A parameter holding this TP rank's piece of a `full_shape` tensor split along `dim`
-    (`sections` default: one section, the whole dim). `init(shape, dtype=, device=)` fills it
-    until the weights are loaded. tp == 1: the full tensor and no `shard` attribute."""
+    """This TP rank's piece of a `full_shape` tensor split along `dim` (`sections` default: the
+    whole dim), filled by `init` until loaded. tp == 1: the full tensor, no `shard` attribute."""
     tp, rank = tp_layout(dist_ctx)
     if tp == 1:
         return nn.Parameter(init(full_shape, dtype=dtype, device=device), requires_grad=False)

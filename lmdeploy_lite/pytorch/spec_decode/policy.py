@@ -17,9 +17,9 @@ invariant 1).
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 from collections import Counter
-from itertools import accumulate
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -37,7 +37,7 @@ class DraftCountPolicy:
                  revisit_every: int = 200, switch_margin: float = 0.03):
         self.max_k = max_k
         self.dynamic = dynamic and max_k > 0
-        self.cycle = tuple(min(max(k, 0), max_k) for k in cycle) if cycle else None
+        self.cycle = itertools.cycle([min(max(k, 0), max_k) for k in cycle]) if cycle else None
         self.prior_acceptance, self.prior_draft_cost = prior_acceptance, prior_draft_cost
         self.decay, self.time_alpha, self.explore_steps = decay, time_alpha, explore_steps
         self.revisit_every, self.switch_margin = revisit_every, switch_margin
@@ -50,7 +50,6 @@ class DraftCountPolicy:
         self._steps: dict[int, int] = {}                  # steps proposed per bucket
         self._choice: dict[int, int] = {}                 # the running choice per bucket
         self._last: tuple[int, int] | None = None         # (bucket, k) of the last recorded step
-        self._num_proposed = 0
 
     @classmethod
     def from_config(cls, max_k: int, dynamic: bool) -> 'DraftCountPolicy':
@@ -104,13 +103,12 @@ class DraftCountPolicy:
             lo, hi = ks[i - 1], ks[i]
             slope = (known[hi] - known[lo]) / (hi - lo)
             return max(known[lo] + slope * (k - lo), 1e-9)
-        j = ks[0]
-        base = known[j] / (1.0 + self.prior_draft_cost * j)  # the k = 0 time it implies
-        return base * (1.0 + self.prior_draft_cost * k)
+        j, cost = ks[0], self.prior_draft_cost       # scaled by the k = 0 time that j's implies
+        return known[j] / (1.0 + cost * j) * (1.0 + cost * k)
 
     def rates(self, bucket: int) -> list[float]:
         """Estimated tokens per second per sequence for each k in 0..max_k."""
-        tokens = accumulate(self.acceptance(), initial=1.0)         # E(k) for k in 0..max_k
+        tokens = itertools.accumulate(self.acceptance(), initial=1.0)   # E(k), k in 0..max_k
         return [t / self.step_time(bucket, k) for k, t in enumerate(tokens)]
 
     def best(self, batch_size: int) -> int:
@@ -120,9 +118,7 @@ class DraftCountPolicy:
     def propose(self, batch_size: int) -> int:
         """This rank's k for a step of `batch_size` sequences (prefill or decode)."""
         if self.cycle is not None:
-            k = self.cycle[self._num_proposed % len(self.cycle)]
-            self._num_proposed += 1
-            return k
+            return next(self.cycle)
         if not self.dynamic:
             return self.max_k
         k, left = self._hold
