@@ -5,6 +5,7 @@ import math
 import os
 import numbers
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from typing import Literal
 
 DTYPES = ('auto', 'float32', 'float64', 'bfloat16', 'float16')
@@ -61,8 +62,7 @@ def _check_int(field_name: str, value, low: int, high: int = INT32_MAX) -> int:
 
 def _check_float(field_name: str, value, low: float, high: float, allowed: str,
                  low_open: bool = False) -> float:
-    """A finite real number (not a bool) in [low, high] ((low, high] with low_open), returned
-    as a float."""
+    """A finite real number (not a bool) in [low, high] ((low, high] with low_open), as a float."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     try:
         number = float(value) if ok else math.nan
@@ -90,20 +90,17 @@ class GenerationConfig:
     """`stop_words`: one str or a list of them; `stop_token_ids`: one int or a list of them
     (stored as tuples). Greedy when do_sample is False, temperature < GREEDY_TEMPERATURE or
     top_p < GREEDY_TOP_P. max_new_tokens past the session ends at session_len ('length').
-
     Penalties change the target's raw logits before temperature, top-k and top-p, for greedy
     and sampled requests alike (and speculation does not change what they do):
     `repetition_penalty` p (HF/lmdeploy): the logit x of a token found in the prompt or the
     output so far becomes x * p if x < 0, else x / p (1.0: off); `presence_penalty` and
     `frequency_penalty` (OpenAI, as vLLM): logit -= presence * (count > 0) + frequency * count,
     count = the token's occurrences in the output so far (0.0: off).
-
     `n`: choices per prompt (1..MAX_N), sampled independently from one shared prefill of the
     prompt; `pipeline()` then returns every prompt's n responses, flattened, Response.index =
     prompt_index * n + i. With `random_seed`, choice i draws from seed (random_seed + i) mod
     2**64 (choice 0 from random_seed itself, as with n=1), so a repeated call gives the same n
     choices and choice i equals the request run alone with that seed.
-
     `logprobs`: None (off), or N in 0..MAX_LOGPROBS: each generated token comes back with its
     log-probability and the N most likely tokens' (Response.logprobs), from the target's raw
     logits (before penalties, temperature, top-k and top-p, as vLLM's default)."""
@@ -196,7 +193,6 @@ def is_unicode(text: str) -> bool:
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`model=None` drafts with the target checkpoint's own `mtp.*` head.
-
     The draft's own layout (DESIGN.md invariant 6; dp is always the target's, and the draft
     shares the target's embedding, LM head and block table):
       `tp`: None for the target's tp, else a divisor of it (1: the MTP layer whole on every
@@ -207,7 +203,6 @@ class SpeculativeConfig:
     Ranges are checked here; the cross-check against the target's layout (a divisor of its tp,
     its ep) is `spec_decode.build.check_speculative_config`, run before any rank starts.
     Only the 'qwen3_5_mtp' method has a draft model to lay out.
-
     `num_speculative_tokens`: the most drafts a step verifies. `dynamic`: the engine picks each
     step's draft count in 0..num_speculative_tokens from the batch size and the measured
     acceptance (0: a plain decode step), so speculation never runs slower than plain decoding;
@@ -216,7 +211,6 @@ class SpeculativeConfig:
     safetensors file with an int64 tensor `token_map`), most frequent first; the draft's LM head
     then scores only those ids. Verification is unchanged: output is still exactly the
     target's. The file itself is checked at start-up (`check_speculative_config`).
-
     method='extract_hidden_states' drafts nothing (decoding is plain; num_speculative_tokens
     is unused): each finished request's hidden states at `aux_hidden_state_layer_ids` go to
     `hidden_states_dir/<request id>.safetensors` (README "Extracting hidden states"). Layer id
@@ -262,8 +256,7 @@ class SpeculativeConfig:
 
     def _check_extraction(self):
         """The layer ids (a non-empty list of distinct ints >= 0, stored as a tuple; the upper
-        bound needs the model) and the directory, given with method='extract_hidden_states'
-        only."""
+        bound needs the model) and the directory, given with method='extract_hidden_states' only."""
         extract = self.method == 'extract_hidden_states'
         for name in ('aux_hidden_state_layer_ids', 'hidden_states_dir'):
             value = getattr(self, name)
@@ -316,10 +309,9 @@ class PytorchEngineConfig:
     # prepare decode step N+1 while step N runs on the device; None: on with CUDA, off on CPU
     # (where host and device share the cores, so there is nothing to overlap)
     async_scheduling: bool | None = None
-    # storage dtype of the gated-delta recurrent state (computed in fp32, fp64 for a float64
-    # model, whatever it is stored in): 'auto' is the checkpoint's mamba_ssm_dtype (fp32 when
-    # absent; fp64 for a float64 model); 'bfloat16' halves the state bytes and rounds the state
-    # once per token
+    # storage dtype of the gated-delta recurrent state (always computed in fp32, fp64 for a
+    # float64 model): 'auto' is fp64 for a float64 model, else the checkpoint's mamba_ssm_dtype
+    # (fp32 when absent); 'bfloat16' halves the state bytes and rounds the state once per token
     ssm_state_dtype: str = 'auto'
     # reuse the KV blocks and linear-attention states of earlier requests' prompt prefixes
     # (README "Prefix caching"); a hit never changes a token
@@ -332,10 +324,9 @@ class PytorchEngineConfig:
     def __post_init__(self):
         _check_choice('dtype', self.dtype, DTYPES)
         _check_choice('device', self.device, DEVICES)
-        _check_int('max_batch_size', self.max_batch_size, 1)
-        _check_int('max_prefill_token_num', self.max_prefill_token_num, 1)
-        _check_int('max_mixed_token_num', self.max_mixed_token_num, 0)
-        _check_int('block_size', self.block_size, 1)
+        for name, low in (('max_batch_size', 1), ('max_prefill_token_num', 1),
+                          ('max_mixed_token_num', 0), ('block_size', 1)):
+            _check_int(name, getattr(self, name), low)
         _check_float('cache_max_entry_count', self.cache_max_entry_count, 0, 1,
                      'a number in (0, 1]', low_open=True)
         _check_int('num_gpu_blocks', self.num_gpu_blocks, 0)
@@ -402,19 +393,12 @@ class SpecDecodeStats:
                                    [1] * num_draft_tokens))
 
     def merge(self, other: 'SpecDecodeStats'):
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self.accepted_per_position = _add_lists(self.accepted_per_position,
-                                                other.accepted_per_position)
-        self.drafted_per_position = _add_lists(self.drafted_per_position,
-                                               other.drafted_per_position)
-
-
-def _add_lists(a: list[int], b: list[int]) -> list[int]:
-    """Element-wise sum, the shorter list padded with zeros."""
-    n = max(len(a), len(b))
-    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+        """Add `other`'s counters (per-position lists: element-wise, the shorter padded with 0)."""
+        for name in ('num_drafts', 'num_draft_tokens', 'num_accepted_tokens'):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ('accepted_per_position', 'drafted_per_position'):
+            setattr(self, name, [x + y for x, y in zip_longest(getattr(self, name),
+                                                               getattr(other, name), fillvalue=0)])
 
 
 class TokenLogprobs(dict):
