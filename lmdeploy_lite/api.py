@@ -60,8 +60,7 @@ class _AsyncFanout:
     results once; on the loop they are detokenized in bulk and put on each request's queue."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, decode):
-        self.loop = loop
-        self.decode = decode
+        self.loop, self.decode = loop, decode
         self.channel = Channel(self._post)
 
     def _post(self, items: list):                  # the engine's thread
@@ -92,10 +91,8 @@ class _AsyncRequest:
 
     def __init__(self, gen_config: GenerationConfig, stream_text: bool, index: int,
                  news: asyncio.Queue):
-        self.inbox: asyncio.Queue = asyncio.Queue()
-        self.text = TextStream(gen_config, stream_text)
-        self.index = index
-        self.news = news
+        self.inbox, self.text = asyncio.Queue(), TextStream(gen_config, stream_text)
+        self.index, self.news = index, news
 
     def put(self, item):
         self.inbox.put_nowait(item)
@@ -110,9 +107,9 @@ class Pipeline:
                  engine_process: bool = False, reasoning_parser: str | None = None,
                  chat_template: str | None = None):
         """`engine_process`: run a one-rank engine in a process of its own (the mp executor's
-        rank), as a multi-rank one always does, instead of in a thread of this one. The server
-        does so on CUDA: its event loop spends ~0.1 ms of Python per streamed chunk, and in one
-        process that time holds the GIL that the engine's thread needs between its CUDA steps.
+        rank, as a multi-rank one always is), not in a thread of this one. The server does so on
+        CUDA: the ~0.1 ms of Python its event loop spends per streamed chunk would hold the GIL
+        that the engine's thread needs between its CUDA steps.
         `reasoning_parser` ('qwen3'; 'auto': when the chat template thinks; None or 'none':
         off): a chat reply's `<think>` block goes to Response.reasoning_content (reasoning.py).
         `chat_template`: a Jinja template (a file, or the template itself) instead of the
@@ -151,8 +148,7 @@ class Pipeline:
 
     @property
     def engine(self):
-        """The engine when it runs in a thread of this process (tests and benchmarks look
-        inside it), else None."""
+        """The engine if it runs in a thread of this process (tests look inside it), else None."""
         return getattr(self._client, 'engine', None)
 
     @property
@@ -243,13 +239,11 @@ class Pipeline:
         """A request that fails in the engine comes back with finish_reason 'error' and the
         reason in Response.error (the other prompts are unaffected); a stopped or closed engine
         raises RuntimeError. `tools`, `chat_template_kwargs`: for every prompt, see `encode`.
-        With gen_config.n > 1:
-        every prompt's n choices, flattened (Response.index = prompt_index * n + i), a list
-        even for a single prompt."""
+        With gen_config.n > 1: every prompt's n choices, flattened (Response.index =
+        prompt_index * n + i), a list even for a single prompt."""
         single, batch = as_batch(prompts)
-        final: dict[int, Response] = {}
-        for r in self._stream(batch, gen_config, True, tools, chat_template_kwargs):
-            final[r.index] = r
+        final = {r.index: r for r in self._stream(batch, gen_config, True, tools,
+                                                  chat_template_kwargs)}
         n = 1 if gen_config is None else gen_config.n
         responses = [final[i] for i in range(len(batch) * n)]
         return responses[0] if single and n == 1 else responses
@@ -304,10 +298,8 @@ class Pipeline:
                 for (i, item), delta in zip(items, deltas):
                     remaining -= item.finished
                     s = streams[i]
-                    logprobs = None
-                    if asked:
-                        logprobs = (list(entries[i]) if cumulative else
-                                    token_logprobs(item.new_token_ids, item.logprobs))
+                    logprobs = (None if not asked else list(entries[i]) if cumulative
+                                else token_logprobs(item.new_token_ids, item.logprobs))
                     r = self._response(i, item, token_lists[i // n],
                                        s.text[:s.sent] if cumulative else delta,
                                        s.token_ids if cumulative else item.new_token_ids, logprobs)
@@ -392,10 +384,8 @@ class Pipeline:
         n, news = gen_config.n, asyncio.Queue()       # news: indexes of requests with items
         requests = [_AsyncRequest(gen_config, stream_text, i, news)
                     for i in range(len(prompts) * n)]
-        if request_id is None or len(requests) == 1:
-            names = [request_id] * len(requests)
-        else:
-            names = [f'{request_id}-{i}' for i in range(len(requests))]
+        names = ([request_id] * len(requests) if request_id is None or len(requests) == 1
+                 else [f'{request_id}-{i}' for i in range(len(requests))])
         handles = [h for p, ids in enumerate(prompts) for h in self._client.submit_group(
             ids, gen_config, fanout.channel, tags=requests[p * n:(p + 1) * n],
             request_ids=names[p * n:(p + 1) * n])]
@@ -435,10 +425,6 @@ class Pipeline:
         self.close()
 
 
-def pipeline(model_path: str | None = None, backend_config: PytorchEngineConfig | None = None,
-             speculative_config: SpeculativeConfig | None = None, progress: bool = True,
-             engine_process: bool = False, reasoning_parser: str | None = None,
-             chat_template: str | None = None) -> Pipeline:
-    return Pipeline(model_path, backend_config, speculative_config, progress=progress,
-                    engine_process=engine_process, reasoning_parser=reasoning_parser,
-                    chat_template=chat_template)
+def pipeline(*args, **kwargs) -> Pipeline:
+    """`Pipeline(*args, **kwargs)`: every argument as Pipeline takes it."""
+    return Pipeline(*args, **kwargs)
