@@ -10,13 +10,11 @@ Every backend provides (see `backends/default` for shapes and semantics):
     gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
     gdn_gating(a, b, A_log, dt_bias) -> (g, beta)   (log decay and write strength, [T, nv])
     rms_norm(x, weight, eps) -> x.shape          (zero-centred: x / rms(x) * (1 + w))
-    add_rms_norm(x, residual, weight, eps) -> (rms_norm(s), s), s = residual + x
-                                                 (`residual` consumed: may be overwritten by s)
+    add_rms_norm(x, residual, weight, eps) -> (rms_norm(s), s), s = residual + x; residual consumed
     gated_rms_norm(x, gate, weight, eps) -> x.shape   (w * x / rms(x) * silu(gate))
     silu_mul(gate_up) -> [..., I]                (silu(gate_up[..., :I]) * gate_up[..., I:])
     fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids) -> [T, H]
-    fused_moe_masked(x, counts, gate_up_proj, down_proj, out=None) -> [E, C, H]
-                                                 (rows grouped by expert: x[e, :counts[e]])
+    fused_moe_masked(x, counts, gate_up_proj, down_proj, out=None) -> [E, C, H]  (x[e, :counts[e]])
 
 Decode-step contract (what lets `graph_runner` capture a step in a CUDA graph): when
 `inputs.is_decoding`, an op reads no device value on the host (no `.item()`, `.tolist()`,

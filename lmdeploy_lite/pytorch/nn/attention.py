@@ -25,9 +25,7 @@ class GatedAttention(nn.Module):
                  eps: float, backend, dtype: torch.dtype, device: torch.device | str,
                  dist_ctx=None):
         super().__init__()
-        self.head_dim = head_dim
-        self.backend = backend
-        self.scale = head_dim ** -0.5
+        self.head_dim, self.backend, self.scale = head_dim, backend, head_dim ** -0.5
         column = partial(ColumnParallelLinear, hidden_size, dtype=dtype, device=device,
                          dist_ctx=dist_ctx)
         self.q_proj = column(num_heads * head_dim * 2)

@@ -67,7 +67,6 @@ class GatedDeltaNet(nn.Module):
         num_rows = hidden.shape[0]
         hidden = real_rows(hidden, inputs)
         num_tokens = hidden.shape[0]
-        conv_cache, recurrent_cache = state_cache
         if self.in_proj is not None:
             mixed, z, b, a = self.in_proj(hidden)
         else:
@@ -76,12 +75,12 @@ class GatedDeltaNet(nn.Module):
         z = z.view(num_tokens, -1, self.value_head_dim)
         backend, decoding = self.backend, inputs.is_decoding
         conv = backend.causal_conv1d_update if decoding else backend.causal_conv1d_prefill
-        mixed = conv(mixed, self.conv1d.weight[:, 0], conv_cache, inputs)
+        mixed = conv(mixed, self.conv1d.weight[:, 0], state_cache[0], inputs)
         q, k, v = mixed.split_with_sizes([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k = (x.view(num_tokens, -1, self.key_head_dim) for x in (q, k))
         v = v.view(num_tokens, -1, self.value_head_dim)
         g, beta = backend.gdn_gating(a, b, self.A_log, self.dt_bias)
         rule = backend.gated_delta_rule_decode if decoding else backend.gated_delta_rule_prefill
-        out = rule(q, k, v, g, beta, recurrent_cache, inputs)
+        out = rule(q, k, v, g, beta, state_cache[1], inputs)
         out = self.norm(out, z).reshape(num_tokens, -1)
         return self.out_proj(restore_rows(out, num_rows), splits_rows(inputs))

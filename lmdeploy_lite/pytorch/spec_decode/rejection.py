@@ -84,9 +84,8 @@ def _accepted(target_argmax: Tensor, target_probs: Tensor, safe_drafts: Tensor,
     return torch.where(sampling.do_sample[:, None], sampled_accept, accept)
 
 
-def _after_rejection(p_next: Tensor, num_accepted: Tensor, num_drafts: Tensor,
-                     safe_drafts: Tensor, draft_probs: Tensor | None,
-                     token_map: Tensor | None) -> Tensor:
+def _after_rejection(p_next: Tensor, num_accepted: Tensor, num_drafts: Tensor, safe_drafts: Tensor,
+                     draft_probs: Tensor | None, token_map: Tensor | None) -> Tensor:
     """[B, V]: what a sampled row draws its next token from. After a rejection,
     norm(max(p - q, 0)) (falling back to p if that is all zero, i.e. p == q); after all
     accepts, the bonus comes from p at the next position (`p_next` as given)."""

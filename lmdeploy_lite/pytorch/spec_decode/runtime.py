@@ -1,7 +1,6 @@
 """All the engine knows of speculation (the only module of spec_decode/ engine/ imports): the
-checked `SpecPlan` and one `SpecRuntime` (agent, strategy, draft-count policy) asked per step
-`choose_k`, `with_draft_count`, `observe_time` and `observe_acceptance`. Without speculation it
-runs plain decoding (k = 0, no policy)."""
+checked `SpecPlan` and one `SpecRuntime` (agent, strategy, draft-count policy) it asks each step;
+without speculation it runs plain decoding (k = 0, no policy)."""
 from __future__ import annotations
 
 import dataclasses

@@ -37,11 +37,10 @@ def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
     num_tokens = sum(q_lens)
     input_ids, positions, q, hist, slots, index, table = buffer.split(
         [num_tokens, num_tokens, batch, batch, batch, batch, batch * width])
-    return ModelInputs(
-        input_ids=input_ids, positions=positions, q_lens=q, history_lens=hist,
-        block_tables=table.view(batch, width), state_slots=slots, state_index=index,
-        is_decoding=is_decoding,
-        uniform_q_len=q_lens[0] if is_decoding and q_lens and len(set(q_lens)) == 1 else None)
+    uniform = q_lens[0] if is_decoding and q_lens and len(set(q_lens)) == 1 else None
+    return ModelInputs(input_ids=input_ids, positions=positions, q_lens=q, history_lens=hist,
+                       block_tables=table.view(batch, width), state_slots=slots,
+                       state_index=index, is_decoding=is_decoding, uniform_q_len=uniform)
 
 
 class Strategy:
@@ -76,13 +75,11 @@ class Strategy:
         width = max(len(s.blocks) for s in batch.seqs)
         table = to_device(torch.tensor([s.blocks + [0] * (width - len(s.blocks))
                                         for s in batch.seqs], dtype=torch.long), device)
+        q_lens = prev.q_lens if n == prev.uniform_q_len else torch.full_like(prev.q_lens, n)
         return ModelInputs(input_ids=self.next_input_ids(prev_result, n), positions=positions,
-                           q_lens=(prev.q_lens if n == prev.uniform_q_len
-                                   else torch.full_like(prev.q_lens, n)),
-                           history_lens=history, block_tables=table,
-                           state_slots=prev.state_slots,
-                           state_index=torch.zeros_like(prev.state_slots), is_decoding=True,
-                           uniform_q_len=n)
+                           q_lens=q_lens, history_lens=history, block_tables=table,
+                           state_slots=prev.state_slots, is_decoding=True, uniform_q_len=n,
+                           state_index=torch.zeros_like(prev.state_slots))
 
     def emitted_per_row(self, result) -> torch.Tensor:
         """[B] long on the device: tokens each row added to its sequence in `result`'s step."""

@@ -19,8 +19,7 @@ class MTPProposer:
 
     def __init__(self, mtp, caches, compute_logits, num_spec_tokens: int,
                  token_map: torch.Tensor | None = None):
-        self.mtp = mtp
-        self.caches = caches
+        self.mtp, self.caches = mtp, caches
         self.compute_logits = compute_logits          # the target's LM head (or ReducedLMHead)
         self.token_map = token_map    # [M] long: logits index it (token_map.py); None: full vocab
         self.num_spec_tokens = num_spec_tokens
@@ -53,13 +52,11 @@ class MTPProposer:
 
     def _greedy_chain(self, first: ModelInputs, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """Greedy drafts [B, k] from the head's output `hidden` [B, H]; `first`: draft 2's step."""
-        token = self._greedy_token(hidden)
-        drafts = [token]
+        drafts = [self._greedy_token(hidden)]
         for i in range(1, k):
-            step = self._draft_step_inputs(first, token, first.positions + (i - 1))
-            hidden = self.mtp(token, hidden, step, self.caches)
-            token = self._greedy_token(hidden)
-            drafts.append(token)
+            step = self._draft_step_inputs(first, drafts[-1], first.positions + (i - 1))
+            hidden = self.mtp(drafts[-1], hidden, step, self.caches)
+            drafts.append(self._greedy_token(hidden))
         return torch.stack(drafts, 1)
 
     def _greedy_token(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -74,8 +71,7 @@ class MTPProposer:
                            history_lens=positions, block_tables=inputs.block_tables,
                            state_slots=inputs.state_slots, state_index=inputs.state_index,
                            is_decoding=True, is_dummy=inputs.is_dummy, uniform_q_len=1,
-                           padded_batch_size=inputs.padded_batch_size,
-                           graphable=inputs.graphable,
+                           padded_batch_size=inputs.padded_batch_size, graphable=inputs.graphable,
                            sizes=inputs.sizes and inputs.sizes.one_token_per_seq())
 
     def _write_kv(self, inputs: ModelInputs, input_ids: torch.Tensor, hidden: torch.Tensor
@@ -98,9 +94,8 @@ class MTPProposer:
         """inputs/target_hidden [T, H]: the target step just run; next_ids [T] long: the token
         after each position (any valid id where unknown: that KV entry is rewritten later);
         rows [B] long: each sequence's row whose successor is the first draft; num_drafts: k
-        (default the maximum; 0: write the head's KV only).
-        Returns drafts [B, k] long and, if any row samples, q [B, k, V] (the draft distribution;
-        [B, k, M] over token_map's ids with a reduced vocabulary)."""
+        (default the maximum; 0: write the head's KV only). Returns drafts [B, k] long and, if
+        any row samples, q [B, k, V] ([B, k, M] over token_map's ids with a reduced vocabulary)."""
         k = self.num_spec_tokens if num_drafts is None else num_drafts
         if k == 0:
             self._run(self.kv_graphs, self._write_kv, inputs, next_ids, target_hidden)

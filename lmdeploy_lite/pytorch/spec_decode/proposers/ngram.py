@@ -21,9 +21,8 @@ class NgramProposer:
 
     def _match_end(self, tokens: np.ndarray) -> int | None:
         """Index just after the most recent earlier occurrence of the longest matching suffix."""
-        length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(tokens[:-1], n)          # starts 0 .. length-1-n
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            windows = sliding_window_view(tokens[:-1], n)          # starts 0 .. len-1-n
             hits = np.flatnonzero((windows == tokens[-n:]).all(-1))
             if hits.size:
                 return int(hits[-1]) + n
