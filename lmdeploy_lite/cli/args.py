@@ -151,15 +151,6 @@ def _layer_ids(text: str | None) -> tuple[int, ...] | None:
                          'comma-separated layer ids, e.g. 2,18,34') from None
 
 
-def executor_args(args) -> dict:
-    """The executor part of PytorchEngineConfig (and RAY_ADDRESS, which ray.init() reads)."""
-    if args.ray_address:
-        os.environ['RAY_ADDRESS'] = args.ray_address
-    return dict(distributed_executor_backend=args.distributed_executor_backend,
-                async_scheduling=args.async_scheduling, eager_mode=args.eager_mode,
-                load_format=args.load_format)
-
-
 def leave_a_core_to_the_front_end(device: str):
     """On CPU (no OMP_NUM_THREADS), torch leaves one core to the front-end, whose wake-ups each
     step otherwise stall a parallel region (2 cores, embedded model, pipeline(): batch 64 at 928
@@ -175,15 +166,16 @@ def on_cuda(device: str) -> bool:
     return device == 'cuda' or (device == 'auto' and torch.cuda.is_available())
 
 
+# the flags that set the PytorchEngineConfig field of the same name
+ENGINE_FLAGS = ('dtype', 'device', 'revision', 'download_dir', 'session_len', 'max_batch_size',
+                'cache_max_entry_count', 'ssm_state_dtype', 'max_prefill_token_num',
+                'max_mixed_token_num', 'enable_prefix_caching', 'sequence_parallel',
+                'distributed_executor_backend', 'async_scheduling', 'eager_mode', 'load_format')
+
+
 def build_engine_config(args, **parallel):
+    """PytorchEngineConfig from the flags (and RAY_ADDRESS, which ray.init() reads)."""
     from lmdeploy_lite import PytorchEngineConfig
-    return PytorchEngineConfig(dtype=args.dtype, device=args.device, revision=args.revision,
-                               download_dir=args.download_dir, session_len=args.session_len,
-                               max_batch_size=args.max_batch_size,
-                               cache_max_entry_count=args.cache_max_entry_count,
-                               ssm_state_dtype=args.ssm_state_dtype,
-                               max_prefill_token_num=args.max_prefill_token_num,
-                               max_mixed_token_num=args.max_mixed_token_num,
-                               enable_prefix_caching=args.enable_prefix_caching,
-                               sequence_parallel=args.sequence_parallel, **parallel,
-                               **executor_args(args))
+    if args.ray_address:
+        os.environ['RAY_ADDRESS'] = args.ray_address
+    return PytorchEngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS}, **parallel)

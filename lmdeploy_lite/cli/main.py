@@ -245,17 +245,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog='lmdeploy_lite', description=__doc__)
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
     sub = parser.add_subparsers(dest='command', required=True)
-    gen = sub.add_parser('generate', help='generate text for one prompt',
-                         formatter_class=DefaultsFormatter)
-    engine_args(gen)
-    sampling_args(gen)
-    gen.add_argument('--prompt', required=True, help='prompt text')
-    gen.set_defaults(func=cmd_generate)
-    chat = sub.add_parser('chat', help='interactive chat through the chat template',
-                          formatter_class=DefaultsFormatter)
-    engine_args(chat)
-    sampling_args(chat)
-    chat.set_defaults(func=cmd_chat)
+    for name, about, func in (('generate', 'generate text for one prompt', cmd_generate),
+                              ('chat', 'interactive chat through the chat template', cmd_chat)):
+        command = sub.add_parser(name, help=about, formatter_class=DefaultsFormatter)
+        engine_args(command)
+        sampling_args(command)
+        command.set_defaults(func=func)
+    sub.choices['generate'].add_argument('--prompt', required=True, help='prompt text')
     serve = sub.add_parser('serve', help='serve the model over HTTP')
     serve_sub = serve.add_subparsers(dest='server', required=True)
     api_server = serve_sub.add_parser(
