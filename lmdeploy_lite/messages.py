@@ -103,7 +103,11 @@ class GenerationConfig:
     choices and choice i equals the request run alone with that seed.
     `logprobs`: None (off), or N in 0..MAX_LOGPROBS: each generated token comes back with its
     log-probability and the N most likely tokens' (Response.logprobs), from the target's raw
-    logits (before penalties, temperature, top-k and top-p, as vLLM's default)."""
+    logits (before penalties, temperature, top-k and top-p, as vLLM's default).
+    `min_p` (vLLM): sampled rows keep the tokens of probability >= min_p x the top one's (after
+    temperature, top-k, top-p). `min_tokens`: no stop id (eos, `stop_token_ids`) before this
+    many tokens. `logit_bias` (OpenAI): {token id: [-100, 100]} added after the penalties. All
+    act on the target's logits at each emitted position: speculation does not change them."""
     max_new_tokens: int = 512
     do_sample: bool = False
     temperature: float = 1.0
@@ -119,6 +123,9 @@ class GenerationConfig:
     frequency_penalty: float = 0.0
     n: int = 1
     logprobs: int | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self):
         self.validate()
@@ -146,6 +153,14 @@ class GenerationConfig:
                                           MAX_OPENAI_PENALTY,
                                           f'a number in [-{MAX_OPENAI_PENALTY:g}, '
                                           f'{MAX_OPENAI_PENALTY:g}] (0.0: off)'))
+        _set(self, 'min_p', _check_float('min_p', self.min_p, 0, 1, 'a number in [0, 1] (0: off)'))
+        _set(self, 'min_tokens', _check_int('min_tokens', self.min_tokens, 0, self.max_new_tokens))
+        if (bias := self.logit_bias) is not None:
+            _check(isinstance(bias, dict) and all(_is_int(t) and 0 <= t <= INT32_MAX and type(v)
+                                                  in (int, float) and -100 <= v <= 100
+                                                  for t, v in bias.items()),
+                   'logit_bias', bias, 'a dict of token id -> a number in [-100, 100]')
+            _set(self, 'logit_bias', {int(t): float(v) for t, v in bias.items()} or None)
         if self.logprobs is not None:
             _check(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, 'logprobs',
                    self.logprobs, f'None (off) or an integer in 0..{MAX_LOGPROBS} (the top '
@@ -177,8 +192,9 @@ class GenerationConfig:
 
     @property
     def has_penalties(self) -> bool:
+        """Logits changed by the host's per-step tables (sampling.Penalties)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logit_bias))
 
 
 def is_unicode(text: str) -> bool:
@@ -414,8 +430,7 @@ class TokenLogprobs(dict):
         self.token_id, self.logprob, self.top_logprobs = token_id, logprob, top_logprobs
 
     def __repr__(self) -> str:
-        return (f'TokenLogprobs(token_id={self.token_id}, logprob={self.logprob!r}, '
-                f'top_logprobs={self.top_logprobs!r})')
+        return f'TokenLogprobs({self.token_id}, {self.logprob!r}, {self.top_logprobs!r})'
 
 
 @dataclass
@@ -430,10 +445,6 @@ class Response:
     error: str | None = None           # why the request failed, with finish_reason 'error'
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     num_preemptions: int = 0           # times the scheduler preempted it (then recomputed)
-    # extract_hidden_states: the file this request's hidden states were written to (set on the
-    # finished response)
-    hidden_states_path: str | None = None
-    # GenerationConfig(logprobs=N): one TokenLogprobs per token of token_ids; else None
-    logprobs: list[TokenLogprobs] | None = None
-    # pipeline(reasoning_parser=...): the thought (`<think>` block), `text` the rest
-    reasoning_content: str | None = None
+    hidden_states_path: str | None = None   # extract_hidden_states: the file (last response)
+    logprobs: list[TokenLogprobs] | None = None     # logprobs=N: one per token of token_ids
+    reasoning_content: str | None = None    # reasoning_parser: the <think> block; text: the rest

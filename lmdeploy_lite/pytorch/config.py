@@ -5,6 +5,7 @@ fields under `text_config`); `CacheConfig` is the cache layout the engine alloca
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -113,7 +114,29 @@ class ModelConfig:
         if not os.path.isfile(path):
             raise ValueError(f'model_path={model_dir!r}: no config.json in the directory')
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            config = cls.from_dict(json.load(f))
+        eos = read_generation_config(model_dir).get('eos_token_id')     # stop ids too (vLLM)
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+        return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(
+            config.eos_token_ids + eos)))
+
+
+SAMPLING_FIELDS = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty')
+
+
+def read_generation_config(model_dir: str) -> dict:
+    """The model's generation_config.json ({} without one): its eos ids, its sampling
+    defaults (`SAMPLING_FIELDS`, what the server applies to fields a request omits)."""
+    path = os.path.join(model_dir, 'generation_config.json')
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def sampling_defaults(model_dir: str) -> dict:
+    found = read_generation_config(model_dir)
+    return {k: found[k] for k in SAMPLING_FIELDS if k in found}
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,13 @@ class Penalties:
     output_ids: Tensor
     any_repetition: bool = True            # host-side: some row's repetition penalty is not 1
     any_additive: bool = True              # host-side: some row's presence or frequency is not 0
+    # logit_bias: (row, token id) [2, N] long and the values [N]; None: no row has one
+    bias_ids: Tensor | None = None
+    bias_values: Tensor | None = None
+    # min_tokens: (row, stop id) [2, S] long of rows still short of it, and each row's count of
+    # positions (from the step's first) whose stop ids are blocked [B] long; None: none
+    stop_ids: Tensor | None = None
+    stop_blocked: Tensor | None = None
 
     @classmethod
     def from_values(cls, repetition: Sequence[float], presence: Sequence[float],
@@ -71,6 +78,25 @@ class Penalties:
                    any_repetition=any(r != 1.0 for r in repetition),
                    any_additive=any(v != 0.0 for v in (*presence, *frequency)))
 
+    def with_bias_and_min_tokens(self, logit_bias: Sequence[dict | None],
+                                 blocked: Sequence[int], stop_ids: Sequence[Sequence[int]],
+                                 device: torch.device | str = 'cpu') -> Penalties:
+        """These penalties plus each row's logit_bias ({token id: value}, None) and min_tokens:
+        `blocked[b]` positions from the step's first (min_tokens - tokens generated) where the
+        row's `stop_ids` cannot be emitted."""
+        bias = [(b, t, v) for b, row in enumerate(logit_bias) for t, v in (row or {}).items()]
+        stops = [(b, t) for b, ids in enumerate(stop_ids) if blocked[b] > 0 for t in ids]
+        changes = {}
+        if bias:
+            rows, ids, values = zip(*bias)
+            changes.update(bias_ids=_to_device(torch.tensor([rows, ids]), device),
+                           bias_values=_to_device(torch.tensor(values, dtype=torch.float64),
+                                                  device))
+        if stops:
+            changes.update(stop_ids=_to_device(torch.tensor(stops).T.contiguous(), device),
+                           stop_blocked=_to_device(torch.tensor(list(blocked)), device))
+        return dataclasses.replace(self, **changes)
+
 
 def _to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
     """A fresh host tensor to `device`: pinned and not blocking the host on a GPU."""
@@ -92,10 +118,30 @@ def apply_penalties(logits: Tensor, penalties: Penalties, drafts: Tensor | None 
     with the drafts before each position added, so no [B, P, V] count table is made."""
     squeeze = logits.dim() == 2
     raw = logits.to(probs_dtype(logits.dtype))
-    if not (penalties.any_repetition or penalties.any_additive):
-        return raw.clone()                   # every row neutral: still a new tensor
     if squeeze:
         raw = raw[:, None]
+    out = _penalised(raw, penalties, drafts)
+    _bias_and_min_tokens(out, penalties)
+    return out[:, 0] if squeeze else out
+
+
+def _bias_and_min_tokens(logits: Tensor, penalties: Penalties):
+    """logits [B, P, V] in place: += each row's logit_bias, then -inf at the stop ids of the
+    positions that min_tokens blocks (position j is the step's (j + 1)-th token)."""
+    if penalties.bias_ids is not None:
+        rows, ids = penalties.bias_ids
+        logits[rows, :, ids] += penalties.bias_values.to(logits.dtype)[:, None]
+    if penalties.stop_ids is not None:
+        rows, ids = penalties.stop_ids
+        positions = torch.arange(logits.size(1), device=logits.device)
+        blocked = positions < penalties.stop_blocked[rows, None]              # [S, P]
+        logits[rows, :, ids] = logits[rows, :, ids].masked_fill(blocked, float('-inf'))
+
+
+def _penalised(raw: Tensor, penalties: Penalties, drafts: Tensor | None) -> Tensor:
+    """`apply_penalties` before logit_bias and min_tokens: raw [B, P, V] -> a new tensor."""
+    if not (penalties.any_repetition or penalties.any_additive):
+        return raw.clone()                   # every row neutral: still a new tensor
     batch, num_positions, vocab_size = raw.shape
     counts = raw.new_zeros(batch, vocab_size)                      # output tokens per row
     rows, ids = penalties.output_ids
@@ -104,7 +150,7 @@ def apply_penalties(logits: Tensor, penalties: Penalties, drafts: Tensor | None 
     seen[penalties.prompt_ids[0], penalties.prompt_ids[1]] = True
     out = _penalise(raw, counts[:, None], seen[:, None], penalties)
     if drafts is None or drafts.shape[1] == 0:
-        return out[:, 0] if squeeze else out
+        return out
     # token t = drafts[:, i] at position j: its count gains the drafts before j equal to t
     # (every (j, i) pair is recomputed, so entries of one token written twice agree)
     k, device = drafts.shape[1], raw.device
@@ -154,6 +200,7 @@ class SamplingInputs:
     needs_filter: bool | None = None       # any sampled row with top-k or top-p on
     penalties: Penalties | None = None
     logprobs: int | None = None
+    min_p: Tensor | None = None            # [B] float; None: no sampled row has one
 
     def __post_init__(self):
         if self.all_greedy is None:
@@ -206,8 +253,8 @@ class SamplingTables:
     """A step's SamplingInputs from its rows' configs: cached for all-greedy batches (one per
     size) and a dummy forward's one greedy row, built for the others."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, stop_ids=lambda seq: ()):
+        self.device, self.stop_ids = device, stop_ids         # stop_ids(seq): min_tokens blocks
         self.idle = SamplingInputs.greedy(1, device)
         self._greedy: dict[int, SamplingInputs] = {}
 
@@ -243,7 +290,14 @@ class SamplingTables:
                             for s, p in zip(seqs, penalised)],
                 output_ids=[s.token_ids[s.num_prompt:] if p else ()
                             for s, p in zip(seqs, penalised)],
-                device=self.device)
+                device=self.device).with_bias_and_min_tokens(
+                [c.logit_bias if p else None for c, p in zip(cfgs, penalised)],
+                [c.min_tokens - s.num_generated if p else 0
+                 for c, s, p in zip(cfgs, seqs, penalised)],
+                [self.stop_ids(s) if p and c.min_tokens else ()
+                 for c, s, p in zip(cfgs, seqs, penalised)], self.device)
+        if any(c.min_p > 0 and m and not c.is_greedy for c, m in zip(cfgs, mask)):
+            changes['min_p'] = _to_device(torch.tensor([c.min_p for c in cfgs]), self.device)
         asked = [c.logprobs for c in cfgs if c.logprobs is not None]
         if asked:
             changes['logprobs'] = max(asked)
@@ -287,6 +341,9 @@ def probs_from_logits(logits: Tensor, sampling: SamplingInputs) -> Tensor:
     scaled = logits / temperature.view(shape)
     if sampling.needs_filter:
         scaled = _filter_top_k_top_p(scaled, sampling.top_k.view(shape), sampling.top_p.view(shape))
+    if sampling.min_p is not None:        # p < min_p * p_max, as logits: below max + log(min_p)
+        floor = scaled.amax(-1, keepdim=True) + sampling.min_p.to(scaled.dtype).log().view(shape)
+        scaled = scaled.masked_fill(scaled < floor, float('-inf'))
     probs = scaled.softmax(-1)
     one_hot = torch.nn.functional.one_hot(logits.argmax(-1), logits.size(-1)).to(probs.dtype)
     return torch.where(sampling.do_sample.view(shape), probs, one_hot)

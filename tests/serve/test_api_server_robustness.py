@@ -230,7 +230,10 @@ UNSUPPORTED = [    # (endpoint, extra fields, param, message)
     ('chat', {'functions': [{'name': 'f'}]}, 'functions', 'the legacy function-calling API'),
     ('chat', {'response_format': {'type': 'json_object'}}, 'response_format',
      'accepted only as null or {"type": "text"}'),
-    ('chat', {'logit_bias': {'5': 10}}, 'logit_bias', 'accepted only as null or {}'),
+    ('chat', {'logit_bias': {'5': 101}}, 'logit_bias.5', 'logit_bias.5=101: input should be '
+                                                         'less than or equal to 100'),
+    ('chat', {'min_tokens': 50, 'max_tokens': 8}, 'min_tokens',
+     'min_tokens=50: must be an integer in 0..8'),
     ('chat', {'guided_json': {}}, 'guided_json', 'guided_json: unknown field'),
     ('chat', {'messages': [{'role': 'user', 'content': 'hi', 'nmae': 'bob'}]},
      'messages.0.nmae', 'messages.0.nmae: unknown field'),

@@ -207,7 +207,6 @@ STILL_UNSUPPORTED = [      # (fields, the parameter named, a piece of the messag
     ({'response_format': {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {}}}},
      'response_format', 'no guided decoding'),
     ({'response_format': {'type': 'json_object'}}, 'response_format', 'no guided decoding'),
-    ({'logit_bias': {'5': 10}}, 'logit_bias', 'not supported'),
     ({'tool_choice': 'required', 'tools': [TINY_TOOL]}, 'tool_choice', 'forcing a tool call'),
     ({'tool_choice': {'type': 'function', 'function': {'name': 'f'}}, 'tools': [TINY_TOOL]},
      'tool_choice', 'forcing a tool call'),
@@ -253,3 +252,21 @@ def test_each_of_n_choices_parses_its_own_tool_calls(scripted):
                                          if c.choices and c.choices[0].index == index])
         assert (content, finish) == ('Let me look.', 'tool_calls')
         assert [c[2:] for c in calls] == [c[2:] for c in calls_of(whole.choices[index].message)]
+
+
+@pytest.mark.timeout(60)
+def test_logit_bias_min_p_and_min_tokens_are_honoured(spec_client):
+    """Through the client: a +100 bias makes a token the greedy choice at every position (the
+    speculative server verifies with the bias); min_tokens holds off a biased eos; min_p is
+    taken."""
+    forced = spec_client.completions.create(model='embedded', prompt='def f(', max_tokens=4,
+                                            temperature=0, extra_body={'logit_bias': {'7': 100},
+                                                                       'ignore_eos': True})
+    assert forced.choices[0].finish_reason == 'length'
+    tokens = httpx.post(str(spec_client.base_url).replace('/v1/', '') + '/tokenize', json={
+        'prompt': forced.choices[0].text}, timeout=30).json()['tokens']
+    assert set(tokens) == {7}
+    held = spec_client.completions.create(
+        model='embedded', prompt='def f(', max_tokens=10, temperature=0.7, seed=3,
+        extra_body={'logit_bias': {'2': 100}, 'min_tokens': 5, 'min_p': 0.1})
+    assert held.choices[0].finish_reason == 'stop' and held.usage.completion_tokens == 6

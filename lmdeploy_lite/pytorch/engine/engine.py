@@ -44,7 +44,7 @@ class Engine:
         # extract_hidden_states feeds every choice its prompt (a fork's file would lack its rows)
         self.share_prefill = not spec.plan.aux_hidden_state_layer_ids
         self.async_scheduling = async_scheduling
-        self.sampling = SamplingTables(device)
+        self.sampling = SamplingTables(device, scheduler.stop_checker.stop_ids)
         self._next_seq_id = 0
         self.num_steps = 0
         self.num_prefill_tokens = 0        # tokens fed in prefill rows (prompts, recomputes)

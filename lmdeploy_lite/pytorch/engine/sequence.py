@@ -47,7 +47,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)
     state_slot: int | None = None
     finish_reason: str | None = None
-    error: str | None = None              # why, when finish_reason == 'error' (set once, at the end)
+    error: str | None = None              # why, when finish_reason == 'error' (set at the end)
     generator: torch.Generator | None = None
     spec_stats: SpecDecodeStats = field(default_factory=SpecDecodeStats)
     drafts_ready: int = 0                 # drafts its last step made (the next verify's at most)
@@ -65,11 +65,6 @@ class Sequence:
     @property
     def generated_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt:]
-
-    @property
-    def num_uncomputed(self) -> int:
-        """Tokens to feed before the next sample: 1 in decode, more in (re)prefill."""
-        return len(self.token_ids) - self.num_computed
 
     @property
     def is_decoding(self) -> bool:
@@ -101,6 +96,10 @@ def validate_request(token_ids: list[int], gen_config: GenerationConfig, vocab_s
         raise ValueError(f'prompt: {type(token_ids).__name__} given; token ids are a list of int')
     if len(token_ids) == 0:
         raise ValueError('prompt: empty; give at least one token')
+    far = [t for t in gen_config.logit_bias or () if t >= vocab_size]
+    if far:
+        raise ValueError(f'logit_bias: token ids {short_repr(far[:5])} are outside '
+                         f'0..{vocab_size - 1}')
     bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool)
            or not 0 <= t < vocab_size]
     if bad:

@@ -123,7 +123,13 @@ class SamplingRequest(RequestModel):
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY,
                                       description='a token of the prompt or output: logit / p '
                                                   'if positive, else logit x p; 1: off')
-    logit_bias: no_op({}) = None
+    logit_bias: dict[Annotated[str, Field(pattern=r'^[0-9]{1,10}$')],
+                     Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description='{"token id": bias in [-100, 100]} added to those logits')
+    min_p: float = Field(0.0, ge=0, le=1, description="sampling keeps tokens with at least "
+                                                      "min_p x the top token's probability")
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32, description='no stop id before this many '
+                                                               'tokens')
 
     default_max_tokens: ClassVar[int | None] = None     # None: what the session leaves
 
@@ -167,7 +173,9 @@ class SamplingRequest(RequestModel):
             stop_words=stop or None, ignore_eos=self.ignore_eos, random_seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, n=self.n, logprobs=self.num_logprobs)
+            frequency_penalty=self.frequency_penalty, n=self.n, logprobs=self.num_logprobs,
+            min_p=self.min_p, min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias and {int(t): v for t, v in self.logit_bias.items()})
 
 
 class CompletionRequest(SamplingRequest):
