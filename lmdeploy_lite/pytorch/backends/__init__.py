@@ -4,10 +4,8 @@ device backend (`backends/cuda`, Triton kernels) can replace the plain-PyTorch o
 Every backend provides (see `backends/default` for shapes and semantics):
     paged_attention(q, k, v, k_cache, v_cache, inputs, scale) -> [T, nq, head_dim]
     store_kv(k, v, k_cache, v_cache, inputs) -> None   (the step's k/v into the paged caches only)
-    causal_conv1d_prefill(x, weight, conv_cache, inputs) -> [T, C]
-    causal_conv1d_update(x, weight, conv_cache, inputs) -> [T, C]
-    gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
-    gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
+    causal_conv1d_prefill | _update(x, weight, conv_cache, inputs) -> [T, C]
+    gated_delta_rule_prefill | _decode(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
     gdn_gating(a, b, A_log, dt_bias) -> (g, beta)   (log decay and write strength, [T, nv])
     rms_norm(x, weight, eps) -> x.shape          (zero-centred: x / rms(x) * (1 + w))
     add_rms_norm(x, residual, weight, eps) -> (rms_norm(s), s), s = residual + x; residual consumed

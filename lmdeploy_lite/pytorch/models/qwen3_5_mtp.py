@@ -45,8 +45,7 @@ class Qwen3_5MTP(nn.Module):
             for _ in range(num_layers))
         self.norm = RMSNorm(hidden, eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(model_config.rotary_dim, model_config.rope_theta, device)
-        self.dist_ctx = dist_ctx
-        self.sequence_parallel = is_sequence_parallel(dist_ctx)
+        self.dist_ctx, self.sequence_parallel = dist_ctx, is_sequence_parallel(dist_ctx)
         # shared with the target, deliberately not registered (not this module's weights)
         self.__dict__.update(embed_tokens=embed_tokens, lm_head=lm_head)
 

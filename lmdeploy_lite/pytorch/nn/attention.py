@@ -29,8 +29,7 @@ class GatedAttention(nn.Module):
         column = partial(ColumnParallelLinear, hidden_size, dtype=dtype, device=device,
                          dist_ctx=dist_ctx)
         self.q_proj = column(num_heads * head_dim * 2)
-        self.k_proj = column(num_kv_heads * head_dim)
-        self.v_proj = column(num_kv_heads * head_dim)
+        self.k_proj, self.v_proj = column(num_kv_heads * head_dim), column(num_kv_heads * head_dim)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, dtype, device,
                                         dist_ctx=dist_ctx)
         self.q_norm = RMSNorm(head_dim, eps, dtype, device)

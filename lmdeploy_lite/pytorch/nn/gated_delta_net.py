@@ -41,8 +41,7 @@ class GatedDeltaNet(nn.Module):
                          dist_ctx=dist_ctx)
         self.in_proj_qkv = column(sum(qkv_sections), sections=qkv_sections)
         self.in_proj_z = column(value_dim)
-        self.in_proj_b = column(num_value_heads)
-        self.in_proj_a = column(num_value_heads)
+        self.in_proj_b, self.in_proj_a = column(num_value_heads), column(num_value_heads)
         self.conv1d = nn.Module()   # keeps the checkpoint name `conv1d.weight` [conv_dim, 1, K]
         self.conv1d.weight = sharded_parameter((sum(qkv_sections), 1, conv_kernel), 0, dist_ctx,
                                                dtype, device, qkv_sections)

@@ -16,8 +16,7 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.eps = eps
-        self.backend = get_backend(device)
+        self.eps, self.backend = eps, get_backend(device)
         self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -34,8 +33,7 @@ class GatedRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.eps = eps
-        self.backend = get_backend(device)
+        self.eps, self.backend = eps, get_backend(device)
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

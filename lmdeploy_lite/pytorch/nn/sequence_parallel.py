@@ -1,8 +1,7 @@
-"""Sequence parallelism inside a TP group (PytorchEngineConfig.sequence_parallel; Megatron's).
-
-The residual stream between the TP linear layers is this rank's share `[Tp / tp, H]` of the
-step's tokens, Tp the StepPlan's padded token count (`ModelInputs.sizes.tokens`, or `.seqs` for
-a one-token-per-sequence draft step; a multiple of tp): TP rank r holds rows
+"""Sequence parallelism inside a TP group (PytorchEngineConfig.sequence_parallel; Megatron's): the
+residual stream between the TP linear layers is this rank's share `[Tp / tp, H]` of the step's
+tokens, Tp the StepPlan's padded token count (`ModelInputs.sizes.tokens`, or `.seqs` for a
+one-token-per-sequence draft step; a multiple of tp): TP rank r holds rows
 `[r * Tp / tp, (r + 1) * Tp / tp)`; rows past the real T are zeros, never read back.
   * the embedding reduce-scatters its vocab-parallel partial rows (nn/embedding.py);
   * right after the norm before a sub-layer's column-parallel projections (attention qkv,

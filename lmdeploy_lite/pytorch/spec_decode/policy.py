@@ -1,18 +1,17 @@
-"""How many drafts each step verifies and makes: the k in 0..max_k with the most tokens per
-second, E(k) / t(b, k), where E(k) = 1 + c_0 + ... + c_{k-1} (c_i = P(more than i drafts
-accepted)) and t(b, k) is the step time at batch-size bucket b; so speculation is never slower
-than plain decoding (k = 0) by more than what it costs to keep measuring. Measured on the host:
-c_i as decayed counts of rows that drafted and accepted position i (drafts do not depend on k:
-any step with more than i drafts measures it); t(b, k) as a moving average, recorded only when
-the step before ran the same (b, k) (with async scheduling a step's wall time is its
-predecessor's device time). Unmeasured cells are estimated (`prior_acceptance` per position,
-`prior_draft_cost` of a k = 0 step per draft; else the measured ks around them) and tried: at a
-new bucket each k runs `explore_steps` steps once, best estimate first (cost is not linear in k:
-the first draft carries the verify width and the head's pass over it), and every `revisit_every`
-steps k + 1 (which measures c_k) and k - 1 run again. The running choice changes only for a k
-estimated `switch_margin` faster (a switch up costs a step of fewer drafts; near-ties flap).
-Every rank proposes; the StepPlan runs the smallest proposal of a working rank (DESIGN.md
-invariant 1).
+"""How many drafts each step verifies and makes: the k in 0..max_k with the most tokens per second,
+E(k) / t(b, k), where E(k) = 1 + c_0 + ... + c_{k-1} (c_i = P(more than i drafts accepted)) and
+t(b, k) is the step time at batch-size bucket b; so speculation is never slower than plain
+decoding (k = 0) by more than what it costs to keep measuring. Measured on the host: c_i as
+decayed counts of rows that drafted and accepted position i (drafts do not depend on k: any step
+with more than i drafts measures it); t(b, k) as a moving average, recorded only when the step
+before ran the same (b, k) (with async scheduling a step's wall time is its predecessor's device
+time). Unmeasured cells are estimated (`prior_acceptance` per position, `prior_draft_cost` of a
+k = 0 step per draft; else the measured ks around them) and tried: at a new bucket each k runs
+`explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
+the verify width and the head's pass over it), and every `revisit_every` steps k + 1 (which
+measures c_k) and k - 1 run again. The running choice changes only for a k estimated
+`switch_margin` faster (a switch up costs a step of fewer drafts; near-ties flap). Every rank
+proposes; the StepPlan runs the smallest proposal of a working rank (DESIGN.md invariant 1).
 """
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class DraftCountPolicy:
                  prior_acceptance: float = 0.7, prior_draft_cost: float = 0.25,
                  decay: float = 0.98, time_alpha: float = 0.2, explore_steps: int = 2,
                  revisit_every: int = 200, switch_margin: float = 0.03):
-        self.max_k = max_k
-        self.dynamic = dynamic and max_k > 0
+        self.max_k, self.dynamic = max_k, dynamic and max_k > 0
         self.cycle = itertools.cycle([min(max(k, 0), max_k) for k in cycle]) if cycle else None
         self.prior_acceptance, self.prior_draft_cost = prior_acceptance, prior_draft_cost
         self.decay, self.time_alpha, self.explore_steps = decay, time_alpha, explore_steps

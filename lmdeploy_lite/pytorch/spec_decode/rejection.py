@@ -1,9 +1,8 @@
-"""Verify k draft tokens against the target: greedy matching or exact rejection sampling.
-
-Sampled rows follow Leviathan et al. (2023): every emitted token is distributed exactly as if
-sampled from the target alone. Penalties apply to the target's logits first, position j counting
-drafts 1..j as emitted, so each token is verified against the distribution plain decoding would
-have sampled it from (q is whatever the draft used).
+"""Verify k draft tokens against the target: greedy matching or exact rejection sampling (Leviathan
+et al. 2023: every emitted token is distributed exactly as if sampled from the target alone).
+Penalties apply to the target's logits first, position j counting drafts 1..j as emitted, so each
+token is verified against the distribution plain decoding would have sampled it from (q is
+whatever the draft used).
 """
 from __future__ import annotations
 
@@ -26,9 +25,8 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
         draft); num_drafts [B] long in 0..k: real drafts per row (default k), later positions are
         never accepted; token_map [M] long (a reduced draft vocabulary, spec_decode/token_map.py):
         draft_probs is then [B, k, M], q at token_map[j], and q is zero at every other id.
-    Returns output_tokens [B, k+1] long (accepted drafts, then one correction / bonus token, then
-    -1 padding) and num_accepted_drafts [B] long in 0..num_drafts. Row b emits
-    num_accepted_drafts[b] + 1 tokens.
+    Returns output_tokens [B, k+1] long (accepted drafts, one correction / bonus token, -1 padding)
+    and num_accepted_drafts [B] long in 0..num_drafts; row b emits num_accepted_drafts[b] + 1.
     Randomness: each sampled row draws k uniforms and V exponentials from its own generator.
     """
     if sampling.penalties is not None:     # position i counts drafts 0..i-1 as emitted
@@ -72,8 +70,7 @@ def _accepted(target_argmax: Tensor, target_probs: Tensor, safe_drafts: Tensor,
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
     elif token_map is not None:     # q at each draft's entry in the map (0 if it has none)
-        in_map = token_map == safe_drafts[..., None]                            # [B, k, M]
-        q_draft = (draft_probs.to(p_draft.dtype) * in_map).sum(-1)
+        q_draft = (draft_probs.to(p_draft.dtype) * (token_map == safe_drafts[..., None])).sum(-1)
     else:
         q_draft = draft_probs.to(p_draft.dtype).gather(-1, safe_drafts[..., None])[..., 0]
     uniform = random_like_rows((batch_size, k), sampling.generators, 'uniform', p_draft.dtype,

@@ -78,12 +78,11 @@ def rows_per_rank(token_map: torch.Tensor, vocab_size: int, tp: int) -> int:
 
 class ReducedLMHead:
     """The shared (vocab-parallel) LM head restricted to a token map: logits [N, M] at the map's
-    ids, in map order, equal to the full head's there. Built after the target's weights load
-    (it reads whatever `lm_head.weight` is, tied too). TP rank r (vocab shard [r * Vp,
-    (r + 1) * Vp)) copies its shard's map rows in map order, padded with its row 0 to
-    R = rows_per_rank: `weight` [R, H]. A forward all-gathers [tp, N, R] over `tp` and reorders
-    [N, tp * R] to map order by `order` [M] (entry j, held by rank s at local position p, is
-    column s * R + p; pad columns dropped). At tp = 1 the rows are in map order already."""
+    ids, in map order, equal to the full head's there. Built after the target's weights load (it
+    reads whatever `lm_head.weight` is, tied too). TP rank r (vocab shard [r * Vp, (r + 1) * Vp))
+    copies its shard's map rows in map order, padded with its row 0 to R = rows_per_rank: `weight`
+    [R, H]. A forward all-gathers [tp, N, R] and reorders [N, tp * R] to map order by `order` [M]
+    (entry j, at rank s's local position p, is column s * R + p; pad columns dropped)."""
 
     def __init__(self, lm_head, token_map: torch.Tensor, out_dtype: torch.dtype):
         self.dist_ctx, self.tp, self.out_dtype = lm_head.dist_ctx, lm_head.tp, out_dtype

@@ -1,8 +1,7 @@
-"""Autoregressive decoding with k drafts per step. Prefill: plain AR's chunks plus
-`next_token_ids` (the prompt token after each chunk, when known) so the draft head runs over every
-prompt position. Decode: each sequence feeds `[last accepted token, d1..dk]`; with a device
-proposer those ids are built on the device (DESIGN.md invariant 7) and the host sends -1
-placeholders, a host proposer (ngram) sends real ids and `draft_tokens`.
+"""Autoregressive decoding with k drafts per step. Prefill: plain AR's chunks plus `next_token_ids`
+(the prompt token after each chunk, when known) so the draft head runs over every prompt position.
+Decode: each sequence feeds `[last accepted token, d1..dk]`: -1 placeholders the device fills in
+with a device proposer (DESIGN.md invariant 7), real ids and `draft_tokens` with a host one (ngram).
 """
 from __future__ import annotations
 
