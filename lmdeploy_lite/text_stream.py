@@ -31,17 +31,6 @@ class TextStream:
         self.sent = 0                     # characters handed out
         self.prefix = self.read = 0       # token offsets of the decode window
 
-    def window(self) -> tuple[list[int], list[int]]:
-        """(the tokens already turned into text that give context, those plus the new ones)."""
-        return self.token_ids[self.prefix:self.read], self.token_ids[self.prefix:]
-
-    def advance(self, before: str, after: str):
-        """`window()` decoded: the new text is what `after` adds to `before`, once it does not
-        end in an incomplete character."""
-        if len(after) > len(before) and not after.endswith('\ufffd'):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(self.token_ids)
-
     def delta(self, finished: bool) -> str:
         """The text not handed out yet that can be: before the first stop word, and (while
         running) short of a suffix that may still grow into one."""
@@ -87,29 +76,29 @@ def detokenize(decode, updates: list[tuple[TextStream, list[int], bool]]) -> lis
     the finished streams' whole outputs together."""
     for s, ids, _ in updates:
         s.token_ids += ids
-    deltas = [''] * len(updates)
     if decode is None:
-        return deltas
+        return [''] * len(updates)
     windows: dict[bool, list] = {}          # skip_special_tokens -> [(update index, ...)]
     for i, (s, ids, finished) in enumerate(updates):
         if finished or (s.stream and ids):
             windows.setdefault(s.gen_config.skip_special_tokens, []).append(i)
     for skip, indices in windows.items():
         batch = []
-        for i in indices:
+        for i in indices:                    # a window: the tokens already text, then all of them
             s, _, finished = updates[i]
-            batch += [s.token_ids] if finished else list(s.window())
+            batch += ([s.token_ids] if finished else
+                      [s.token_ids[s.prefix:s.read], s.token_ids[s.prefix:]])
         texts = iter(decode(batch, skip))
         for i in indices:
             s, _, finished = updates[i]
             if finished:                     # the whole output once: exactly decode()'s text
                 s.text = next(texts)
-            else:
-                s.advance(next(texts), next(texts))
-    for i, (s, _, finished) in enumerate(updates):
-        if s.stream or finished:
-            deltas[i] = s.delta(finished)
-    return deltas
+                continue
+            before, after = next(texts), next(texts)   # new text: once no character is cut
+            if len(after) > len(before) and not after.endswith('\ufffd'):
+                s.text += after[len(before):]
+                s.prefix, s.read = s.read, len(s.token_ids)
+    return [s.delta(finished) if s.stream or finished else '' for s, _, finished in updates]
 
 
 def token_logprobs(token_ids: list[int], logprobs: list[tuple] | None) -> list[TokenLogprobs]:
