@@ -23,14 +23,12 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, num_state_slots: int,
                  num_snapshots: int = 0, lookahead: bool = False):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_state_slots = num_state_slots
+        self.num_blocks, self.block_size, self.num_state_slots = (num_blocks, block_size,
+                                                                  num_state_slots)
         self.free_blocks = list(range(num_blocks - 1, 0, -1))      # pop() hands out 1, 2, ...
         self.free_slots = list(range(num_state_slots - 1, 0, -1))
         self.ref = [0] * num_blocks
-        self.caching = num_snapshots > 0
-        self.lookahead = lookahead
+        self.caching, self.lookahead = num_snapshots > 0, lookahead
         self.key_of: dict[int, int] = {}                  # cached block -> key
         self.block_of: dict[int, int] = {}                # key -> cached block
         self.evictable: OrderedDict[int, None] = OrderedDict()     # cached, ref 0; LRU first
@@ -60,33 +58,26 @@ class BlockManager:
         """Allocate so that `seq` covers `num_tokens` positions; the caller checked can_hold."""
         if seq.state_slot is None:
             seq.state_slot = self.free_slots.pop()
-        need = blocks_needed(num_tokens, self.block_size) - len(seq.blocks)
-        for _ in range(max(need, 0)):
-            block = self._allocate()
-            self.ref[block] = 1
-            seq.blocks.append(block)
+        for _ in range(blocks_needed(num_tokens, self.block_size) - len(seq.blocks)):
+            self._allocate(seq)
 
-    def _allocate(self) -> int:
+    def _allocate(self, seq: Sequence) -> int:
+        """A new block at the end of `seq`'s, the free list first, else the LRU cached one."""
         if self.free_blocks:
-            return self.free_blocks.pop()
-        block, _ = self.evictable.popitem(last=False)
-        key = self.key_of.pop(block)
-        del self.block_of[key]
-        self.snapshots.drop(key)              # the snapshot at its end can no longer be reached
+            block = self.free_blocks.pop()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            key = self.key_of.pop(block)
+            del self.block_of[key]
+            self.snapshots.drop(key)          # the snapshot at its end can no longer be reached
+        self.ref[block] = 1
+        seq.blocks.append(block)
         return block
 
     def free(self, seq: Sequence):
         """Release `seq`'s blocks and slot; its complete blocks stay cached (last evicted first)."""
         self.register(seq, seq.num_computed)
-        for block in reversed(seq.blocks):
-            self.ref[block] -= 1
-            if self.ref[block]:
-                continue
-            if block in self.key_of:
-                self.evictable[block] = None
-            else:
-                self.free_blocks.append(block)
-        seq.blocks = []
+        self.release(seq)
         if seq.state_slot is not None:
             self.free_slots.append(seq.state_slot)
             seq.state_slot = None
@@ -112,10 +103,7 @@ class BlockManager:
         seq.state_slot = self.free_slots.pop()
         if parent.num_computed % self.block_size == 0:
             return None
-        block = self._allocate()
-        self.ref[block] = 1
-        seq.blocks.append(block)
-        return parent.blocks[shared], block
+        return parent.blocks[shared], self._allocate(seq)
 
     def keys(self, seq: Sequence) -> list[int]:
         """The keys of `seq`'s full blocks (kept on the sequence, extended as it grows)."""
@@ -165,11 +153,16 @@ class BlockManager:
         return self.snapshots.touch(keys[num_blocks - 1])
 
     def release(self, seq: Sequence):
-        """Undo `acquire` (admission fell through): the blocks go back unheld."""
+        """Unhold `seq`'s blocks: a block no one holds is cached (evictable) or free. Also undoes
+        `acquire` when admission falls through."""
         for block in reversed(seq.blocks):
             self.ref[block] -= 1
-            if not self.ref[block]:
+            if self.ref[block]:
+                continue
+            if block in self.key_of:
                 self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
         seq.blocks = []
 
     def check(self):

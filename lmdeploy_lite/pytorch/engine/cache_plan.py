@@ -66,8 +66,16 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
         per_block += num_draft_layers * CacheEngine.bytes_per_block(
             model_config, block_size, dtype, layer_types=('full_attention',), tp=draft_tp)
         num_blocks = min(int(budget // per_block), engine_config.max_batch_size * per_seq + 1)
-        if budget < per_seq * per_block:
-            _raise_state_too_large(engine_config, state_bytes, budget + state_bytes)
+        total = budget + state_bytes
+        if budget < per_seq * per_block and state_bytes >= total / 2:
+            # the state rows, not one session's KV, leave no room: the fix is a smaller batch
+            raise ValueError(
+                f'max_batch_size={engine_config.max_batch_size}: the linear-attention state (and '
+                f'the draft\'s distributions kept for sampling) of {num_slots} sequence slots '
+                f'takes {state_bytes / 2**30:.1f} GiB of the {total / 2**30:.1f} GiB cache budget '
+                f'and leaves too little for the KV cache; lower max_batch_size, use '
+                f'ssm_state_dtype=\'bfloat16\' (half the recurrent state), fewer speculative '
+                f'tokens (each keeps its own state copy) or raise cache_max_entry_count')
     if num_blocks - 1 < per_seq:
         session_len = engine_config.session_len or model_config.max_position_embeddings
         raise ValueError(
@@ -76,17 +84,3 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
             f'raise num_gpu_blocks / cache_max_entry_count')
     return CacheConfig(block_size=block_size, num_blocks=num_blocks, num_state_slots=num_slots,
                        num_spec_tokens=num_spec_tokens, num_snapshots=num_snapshots)
-
-
-def _raise_state_too_large(engine_config: PytorchEngineConfig, state_bytes: int, budget: int):
-    """When the state rows leave no room for one sequence's KV, the fix is a smaller batch."""
-    if state_bytes < budget / 2:
-        return                          # the KV of one session is what does not fit
-    gib = 2**30
-    raise ValueError(
-        f'max_batch_size={engine_config.max_batch_size}: the linear-attention state (and the '
-        f'draft\'s distributions kept for sampling) of {engine_config.max_batch_size + 1} sequence '
-        f'slots takes {state_bytes / gib:.1f} GiB of the {budget / gib:.1f} GiB cache budget and '
-        f'leaves too little for the KV cache; lower '
-        f'max_batch_size, use ssm_state_dtype=\'bfloat16\' (half the recurrent state), fewer '
-        f'speculative tokens (each keeps its own state copy) or raise cache_max_entry_count')

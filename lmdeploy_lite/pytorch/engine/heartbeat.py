@@ -13,15 +13,9 @@ class Heartbeats:
     in memory shared with rank processes (`ctx`'s), or plain lists (ctx None)."""
 
     def __init__(self, world_size: int, ctx=None):
-        now = time.monotonic()
-        if ctx is None:
-            self.times, self.counts, self.waiting = ([now] * world_size, [0.0] * world_size,
-                                                     [0.0] * world_size)
-        else:
-            self.times, self.counts, self.waiting = (ctx.RawArray('d', world_size)
-                                                     for _ in range(3))
-            for rank in range(world_size):
-                self.times[rank] = now
+        self.times, self.counts, self.waiting = (
+            [0.0] * world_size if ctx is None else ctx.RawArray('d', world_size) for _ in range(3))
+        self.times[:] = [time.monotonic()] * world_size
 
     def beat(self, rank: int, waiting: bool = False):
         self.times[rank] = time.monotonic()

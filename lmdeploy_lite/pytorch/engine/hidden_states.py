@@ -73,19 +73,14 @@ class HiddenStatesWriter(DirectOutputs):
     finished sequences' files; every other method runs in the engine's thread."""
 
     def __init__(self, directory: str, layer_ids: tuple[int, ...]):
-        self.directory = directory
-        self.layer_ids = layer_ids
+        self.directory, self.layer_ids = directory, layer_ids
         self._rows: dict[object, list[torch.Tensor]] = {}      # Sequence -> chunks in order
         self._count: dict[object, int] = {}                     # Sequence -> rows held
-        self._jobs: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
+        self._jobs, self._done = queue.Queue(), queue.Queue()       # to / from the writer
         self.pending = 0                    # finished sequences whose file is being written
         self._thread = threading.Thread(target=self._run, name='lmdeploy_lite-hidden-states',
                                         daemon=True)
         self._thread.start()
-
-    def path(self, seq) -> str:
-        return os.path.join(self.directory, f'{seq.request_id}.safetensors')
 
     def add(self, seq, start: int, rows: torch.Tensor):
         """`rows` [n, len(ids), H]: the hidden states of `seq`'s positions start..start+n-1. A
@@ -99,14 +94,11 @@ class HiddenStatesWriter(DirectOutputs):
         if start > held:
             raise RuntimeError(f'hidden states of request {seq.request_id}: rows from position '
                                f'{start} arrived with only {held} held')
-        if start < held:
-            kept, total = [], 0
-            for chunk in chunks:
-                if total >= start:
-                    break
-                kept.append(chunk[:start - total])
-                total += kept[-1].shape[0]
-            chunks[:] = kept
+        while held > start:                     # drop the rows from `start` on
+            held -= chunks[-1].shape[0]
+            chunks[-1] = chunks[-1][:max(start - held, 0)]
+            if not chunks[-1].shape[0]:
+                chunks.pop()
         chunks.append(rows)
         self._count[seq] = start + rows.shape[0]
 
@@ -115,38 +107,30 @@ class HiddenStatesWriter(DirectOutputs):
         self._count.pop(seq, None)
 
     def emit(self, seq, output) -> list:
-        """A finished sequence's last output waits for its file (`take_done`)."""
-        if seq.is_finished:
-            self.finish(seq, output)
-            return []
-        return [output]
-
-    def finish(self, seq, output):
-        """Queue `seq`'s file; `output` comes back from `take_done` once written (or 'error')."""
-        chunks = self._rows.pop(seq, [])
-        count = self._count.pop(seq, 0)
+        """A finished sequence's last output waits for its file: it comes back from `take_done`
+        once written (or 'error')."""
+        if not seq.is_finished:
+            return [output]
+        chunks, count = self._rows.pop(seq, []), self._count.pop(seq, 0)
+        path = os.path.join(self.directory, f'{seq.request_id}.safetensors')
         self.pending += 1
-        self._jobs.put((seq, output, self.path(seq), chunks, seq.token_ids[:count]))
+        self._jobs.put((seq, output, path, chunks, seq.token_ids[:count]))
+        return []
 
     def take_done(self, wait_s: float = 0.0) -> list:
         """Outputs of the files written since the last call (`wait_s` for a first one)."""
-        done = []
-        try:
-            done.append(self._done.get(timeout=wait_s) if wait_s and self.pending
-                        else self._done.get_nowait())
-            while True:
-                done.append(self._done.get_nowait())
-        except queue.Empty:
-            pass
-        outputs = []
-        for seq, output, error in done:
-            self.pending -= 1
+        outputs, wait_s = [], wait_s if self.pending else 0
+        while True:
+            try:
+                seq, output, error = self._done.get(timeout=wait_s)
+            except queue.Empty:
+                return outputs
+            self.pending, wait_s = self.pending - 1, 0
             if error is not None:
                 logger.warning('request %s failed: %s', seq.request_id, error)
                 seq.finish_reason, seq.error = 'error', error
                 output.finish_reason, output.error = 'error', error
             outputs.append(output)
-        return outputs
 
     def _run(self):
         while True:

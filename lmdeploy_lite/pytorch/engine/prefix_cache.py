@@ -98,11 +98,9 @@ class SnapshotPool:
 def longest_cached(keys: list[int], snapshot_keys, num_tokens: int, block_size: int) -> int:
     """Tokens of the longest prefix whose last block's key is in `snapshot_keys`, leaving one to
     compute: the DP front-end's routing hint (it does not see every eviction; the rank decides)."""
-    limit = (num_tokens - 1) // block_size
-    for j in range(min(limit, len(keys)) - 1, -1, -1):
-        if keys[j] in snapshot_keys:
-            return (j + 1) * block_size
-    return 0
+    usable = keys[:(num_tokens - 1) // block_size]
+    return block_size * max((j + 1 for j, key in enumerate(usable) if key in snapshot_keys),
+                            default=0)
 
 
 # ---- the scheduler's side: what a sequence takes from the cache and gives back ----------------

@@ -57,14 +57,11 @@ class Scheduler:
                  max_prefill_token_num: int, session_len: int, num_spec_tokens: int = 0,
                  num_draft_extra: int = 0, stop_checker: StopChecker | None = None,
                  max_mixed_token_num: int = 0):
-        self.bm = block_manager
-        self.max_batch_size = max_batch_size
+        self.bm, self.max_batch_size, self.session_len = block_manager, max_batch_size, session_len
         self.max_prefill_token_num = max_prefill_token_num
         self.max_mixed_token_num = max_mixed_token_num
         self._prefill_turn = False      # speculation: the next step with both kinds is a prefill
-        self.session_len = session_len
-        self.num_spec_tokens = num_spec_tokens
-        self.num_draft_extra = num_draft_extra
+        self.num_spec_tokens, self.num_draft_extra = num_spec_tokens, num_draft_extra
         self.stop_checker = stop_checker or StopChecker(())
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -124,16 +121,12 @@ class Scheduler:
 
     def _schedule_alternating(self, budget: int) -> ScheduledBatch | None:
         """Speculation: a chunk step of `budget` tokens after each decode step, if there is one."""
-        if self._prefill_turn:
-            self._prefill_turn = False
-            prefill = self._schedule_prefill(budget)
-            if prefill is not None:
-                return prefill
-        decode = self._schedule_decode()
-        if decode is not None:
-            self._prefill_turn = True
-            return decode
-        return self._schedule_prefill(budget)
+        batch = self._schedule_prefill(budget) if self._prefill_turn else None
+        self._prefill_turn = False
+        if batch is None:
+            batch = self._schedule_decode()
+            self._prefill_turn = batch is not None
+        return batch or self._schedule_prefill(budget)
 
     def _schedule_prefill(self, budget: int) -> ScheduledBatch | None:
         seqs, q_lens = [], []
@@ -193,9 +186,8 @@ class Scheduler:
                 continue
             self.bm.grow(seq, need)
             seqs.append(seq)
-        if not seqs:
-            return None
-        return ScheduledBatch(seqs, [1 + self.num_spec_tokens] * len(seqs), is_decoding=True)
+        return (ScheduledBatch(seqs, [1 + self.num_spec_tokens] * len(seqs), is_decoding=True)
+                if seqs else None)
 
     def reserve_ahead(self, seqs: list[Sequence], num_steps: int) -> bool:
         """Async scheduling: grow each sequence's blocks for `num_steps` more decode steps past
@@ -214,29 +206,22 @@ class Scheduler:
         """Free later arrivals (recompute later) until `seq` fits; False if `seq` was the victim."""
         while not self.bm.can_hold(seq, num_tokens):
             victim = max(self.running, key=lambda s: s.arrival)
-            self._preempt(victim)
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+            self.running.remove(victim)
+            self.bm.free(victim)
+            victim.num_computed, victim.prefilled = 0, False
+            victim.status = SeqStatus.WAITING
+            self.waiting.appendleft(victim)
             if victim is seq:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence):
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.running.remove(seq)
-        self.bm.free(seq)
-        seq.num_computed = 0
-        seq.prefilled = False
-        seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
-
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """`seq`'s next chunk: the budget's share, ending at its next snapshot or fork point."""
-        n = min(seq.num_uncomputed, budget)
         points = seq.prefix.snapshot_points + forking.chunk_end(seq)
-        for point in sorted(points):
-            if point > seq.num_computed:
-                return min(n, point - seq.num_computed)
-        return n
+        ahead = [p - seq.num_computed for p in points if p > seq.num_computed]
+        return min(len(seq.token_ids) - seq.num_computed, budget, *ahead)
 
     def update(self, seq: Sequence, num_new_computed: int, new_tokens: list[int]) -> list[int]:
         """Record a step's result; returns the tokens emitted (a stop truncates `new_tokens`)."""

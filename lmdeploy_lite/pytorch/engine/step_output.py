@@ -54,8 +54,7 @@ class StepOutput:
                           'num_cached_tokens': 0, 'num_preemptions': 0})
         return out
 
-    def __getstate__(self) -> dict:
-        """Pickled without the live Sequence."""
+    def __getstate__(self) -> dict:          # without the live Sequence
         return {name: getattr(self, name) for name in self.__slots__ if name != 'seq'}
 
     def __setstate__(self, state: dict):
@@ -64,7 +63,6 @@ class StepOutput:
             setattr(self, name, value)
 
     def response_fields(self) -> dict:
-        """RESPONSE_FIELDS by name, for the request's Response."""
         return {name: getattr(self, name) for name in self.RESPONSE_FIELDS}
 
     @property

@@ -41,6 +41,10 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _any(field: int) -> property:
+    return property(lambda self: any(self._columns[field]))
+
+
 @dataclass(frozen=True)
 class StepPlan:
     rows: torch.Tensor          # [dist_ctx.plan.size, len(FIELDS)] int64
@@ -68,41 +72,31 @@ class StepPlan:
         """One tuple of ints per field, read once (the properties are on the critical path)."""
         return list(zip(*self.rows.tolist()))
 
-    @property
-    def any_work(self) -> bool:
-        return any(self._columns[_WORK])
+    any_work = _any(_WORK)
+    shutdown = _any(_SHUTDOWN)
+    any_sampled = _any(_SAMPLED)
+    any_decoding = _any(_DECODING)
 
-    @property
-    def shutdown(self) -> bool:
-        return any(self._columns[_SHUTDOWN])
-
-    @property
-    def any_sampled(self) -> bool:
-        return any(self._columns[_SAMPLED])
-
-    @property
-    def any_decoding(self) -> bool:
-        return any(self._columns[_DECODING])
+    def _of_working(self, field: int) -> list[int]:
+        return [v for w, v in zip(self._columns[_WORK], self._columns[field]) if w]
 
     @property
     def all_decoding(self) -> bool:
         """Every rank with work decodes (EP may use DeepEP's fixed-capacity low-latency mode)."""
-        busy = [d for w, d in zip(self._columns[_WORK], self._columns[_DECODING]) if w]
+        busy = self._of_working(_DECODING)
         return bool(busy) and all(busy)
 
     @cached_property
     def num_spec(self) -> int:
         """The smallest draft count a working rank proposed (0 without speculation)."""
-        proposals = [k for w, k in zip(self._columns[_WORK], self._columns[_NUM_SPEC]) if w]
-        return min(proposals, default=0)
+        return min(self._of_working(_NUM_SPEC), default=0)
 
     @cached_property
     def max_tokens(self) -> int:
         """The largest per-rank token count (EP dispatch capacity), decode rows at `num_spec`."""
         k, tp = self.num_spec, self.tp
-        return max(round_up((1 + k) * b, tp) if d else n for n, b, d in
-                   zip(self._columns[_NUM_TOKENS], self._columns[_BATCH],
-                       self._columns[_DECODING]))
+        return max(round_up((1 + k) * b, tp) if d else n
+                   for n, b, d in zip(*self._columns[_NUM_TOKENS:_DECODING + 1]))
 
     @property
     def max_batch_size(self) -> int:
@@ -113,14 +107,11 @@ class StepPlan:
                       ) -> ForwardSizes:
         """Tp-aligned sizes of this rank's forward (its batch or dummy), the maxima covering an
         idle rank's dummy; `sequence_parallel`: rows split over the TP ranks."""
-        max_tokens, max_seqs = self.max_tokens, self.max_batch_size
-        if not all(self._columns[_WORK]):
-            max_tokens = max(max_tokens, self.dummy_tokens_per_seq)
-            max_seqs = max(max_seqs, 1)
-        tp = self.tp
-        return ForwardSizes(round_up(num_tokens, tp), round_up(max_tokens, tp),
-                            round_up(num_seqs, tp), round_up(max_seqs, tp), self.all_decoding,
-                            sequence_parallel)
+        idle = not all(self._columns[_WORK])
+        max_tokens = max(self.max_tokens, self.dummy_tokens_per_seq if idle else 0)
+        max_seqs = max(self.max_batch_size, int(idle))
+        sizes = (round_up(n, self.tp) for n in (num_tokens, max_tokens, num_seqs, max_seqs))
+        return ForwardSizes(*sizes, self.all_decoding, sequence_parallel)
 
     @property
     def dummy_tokens_per_seq(self) -> int:

@@ -18,5 +18,5 @@ def connect(model_path: str, engine_config: PytorchEngineConfig,
         return MPEngineLoop(model_path, engine_config, speculative_config)
     from lmdeploy_lite.pytorch.engine.build import build_engine
     from lmdeploy_lite.pytorch.engine.executor.thread import EngineLoop
-    return EngineLoop(build_engine(model_path, engine_config, speculative_config, tokenizer=tokenizer,
-                             progress=progress))
+    return EngineLoop(build_engine(model_path, engine_config, speculative_config,
+                                   tokenizer=tokenizer, progress=progress))

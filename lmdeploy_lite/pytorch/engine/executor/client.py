@@ -2,11 +2,10 @@
 implementations differ only in where the ranks run: a thread (thread.py), one process per rank
 (mp.py), one ray actor per rank (ray.py). Every rank runs `rank_loop` and sends one report per
 step; `RankClient` does the rest: validation, request ids, DP routing, delivery, liveness, stats.
-Requests of one `Channel` get one `post` per step with all their outputs (64 streams: one queue
-put, one wake-up); a callable sink gets one call per output.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -32,12 +31,12 @@ STARTUP_TIMEOUT_S = float(os.environ.get('LMDEPLOY_LITE_STARTUP_TIMEOUT', '600')
 Item = StepOutput | BaseException      # a request's output, or the exception that ended it
 
 
+@dataclass(eq=False)
 class Channel:
-    """A front-end's inbox: `post([(tag, item), ...])` once per step for its requests with news
-    (in the engine's order). It must not block for long; raising aborts those requests."""
-
-    def __init__(self, post: Callable[[list[tuple[object, Item]]], None]):
-        self.post = post
+    """A front-end's inbox: `post([(tag, item), ...])` once per step for its requests with news,
+    in the engine's order (64 streams: one queue put, one wake-up; a callable sink gets one call
+    per output). It must not block for long; raising aborts those requests."""
+    post: Callable[[list[tuple[object, Item]]], None]
 
 
 Sink = Callable[[Item], None] | Channel
@@ -70,18 +69,13 @@ class EngineStats:
         scheduler, bm = engine.scheduler, engine.scheduler.bm
         return cls(engine.num_prefill_tokens, bm.num_cached_blocks, len(scheduler.running),
                    len(scheduler.waiting), bm.num_usable_blocks - bm.num_free_blocks,
-                   bm.num_usable_blocks, dataclasses.replace(
-                       engine.spec_stats,
-                       accepted_per_position=list(engine.spec_stats.accepted_per_position),
-                       drafted_per_position=list(engine.spec_stats.drafted_per_position)))
+                   bm.num_usable_blocks, copy.deepcopy(engine.spec_stats))
 
     @classmethod
     def total(cls, parts: list['EngineStats']) -> 'EngineStats':
-        out = cls()
+        out = cls(**{f.name: sum(getattr(part, f.name) for part in parts)
+                     for f in dataclasses.fields(cls) if f.name != 'spec'})
         for part in parts:
-            for f in dataclasses.fields(cls):
-                if f.name != 'spec':
-                    setattr(out, f.name, getattr(out, f.name) + getattr(part, f.name))
             out.spec.merge(part.spec)
         return out
 
@@ -93,17 +87,12 @@ class EngineClient(Protocol):
     error: BaseException | None      # why the engine stopped for good, else None
 
     def validate_request(self, token_ids: list[int], gen_config: GenerationConfig): ...
-
     def submit_group(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
                      tags: list, request_ids: list[str | None] | None = None
                      ) -> list[RequestHandle]: ...
-
     def abort(self, handle: RequestHandle): ...
-
     def stats(self) -> EngineStats: ...
-
     def stalled(self, limit_s: float) -> str | None: ...
-
     def close(self, timeout_s: float = 30.0): ...
 
 
@@ -305,23 +294,18 @@ class RankClient:
             self._fail(RuntimeError(self._describe_failure(rank, *payload)))
             return False
         reports, news = payload
-        if news is not None:
-            self._note(rank, *news)
+        if news is not None:                # (snapshot (key, kept) events, EngineStats or None)
+            events, stats = news
+            dp_rank = rank // self.dist_config.tp
+            if stats is not None:
+                self._stats[dp_rank] = stats
+            held = self._snapshot_keys[dp_rank]
+            with self._lock:
+                for key, kept in events:
+                    (held.add if kept else held.discard)(key)
         if reports:
             self._deliver(reports)
         return True
-
-    def _note(self, rank: int, events: list[tuple[int, bool]], stats: EngineStats | None):
-        dp_rank = rank // self.dist_config.tp
-        if stats is not None:
-            self._stats[dp_rank] = stats
-        held = self._snapshot_keys[dp_rank]
-        with self._lock:
-            for key, kept in events:
-                if kept:
-                    held.add(key)
-                else:
-                    held.discard(key)
 
     def _deliver(self, reports: list[tuple[int, StepOutput]]):
         """One step's (request id, StepOutput) of one rank to their sinks."""
@@ -367,10 +351,13 @@ class RankClient:
     def _fail(self, error: BaseException):
         logger.error('engine stopped: %s', error)
         self.error = error
+        self._end_live(error)
+        self._kill()
+
+    def _end_live(self, error: BaseException):
         with self._lock:
             handles, self._live = list(self._live.values()), {}
         hand_out([(handle, error) for handle in handles])
-        self._kill()
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self, timeout_s: float = 30.0):
@@ -382,10 +369,7 @@ class RankClient:
         if self._collector is not None and threading.current_thread() is not self._collector:
             self._collector.join(5)         # a failing collector may be in _kill: one at a time
         self._kill()
-        with self._lock:
-            handles, self._live = list(self._live.values()), {}
-        closed = RuntimeError('the engine was closed')
-        hand_out([(handle, closed) for handle in handles])
+        self._end_live(RuntimeError('the engine was closed'))
         self._release()
 
 

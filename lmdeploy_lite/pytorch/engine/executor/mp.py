@@ -12,12 +12,19 @@ SIGKILL') or the first line of what it raised (tracebacks go to the log), every 
 it and the other ranks are ended. Ranks die with the front-end (lifeline.py) and ignore SIGINT
 (Ctrl-C reaches the whole process group). `worker_hook`: a picklable top-level function called
 with each rank's Engine before it serves (tests break engines with it).
+
+The ranks meet without a network listener: torch.distributed's store is a file (FileStore) in a
+private temporary directory, not a TCP store (which listens on every interface, unauthenticated),
+and the collectives' own TCP links (gloo's pairs, the bootstrap of NCCL and NVSHMEM) are pinned to
+the loopback interface unless the user named one. (ray.py, multi-node, keeps TCP.)
 """
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 
 import torch
@@ -28,7 +35,6 @@ from lmdeploy_lite.pytorch.engine.executor.client import RankClient
 from lmdeploy_lite.pytorch.engine.executor.lifeline import make_lifeline
 from lmdeploy_lite.pytorch.engine.executor.rank_worker import (NUM_THREADS_ENV, uses_cuda,
                                                                worker_main)
-from lmdeploy_lite.pytorch.engine.executor.rendezvous import FileRendezvous, loopback_env
 from lmdeploy_lite.pytorch.engine.heartbeat import Heartbeats
 
 
@@ -41,6 +47,18 @@ def worker_num_threads(world_size: int, requested: str | None = None) -> int:
         raise ValueError(f'{NUM_THREADS_ENV}={requested!r}: must be a positive integer '
                          f'(torch threads per rank)')
     return int(requested)
+
+
+SOCKET_IFNAME_VARS = ('GLOO_SOCKET_IFNAME', 'NCCL_SOCKET_IFNAME',
+                      'NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME')
+
+
+def loopback_env() -> dict[str, str]:
+    """The loopback interface ('lo' on Linux, 'lo0' on macOS) for each socket-interface variable
+    the user has not set."""
+    names = [name for _, name in socket.if_nameindex()]
+    lo = next((n for n in ('lo', 'lo0') if n in names), None)
+    return {name: lo for name in SOCKET_IFNAME_VARS if lo and name not in os.environ}
 
 
 def free_port() -> int:
@@ -79,7 +97,7 @@ def rank_env(env: dict | None, world_size: int) -> dict:
 class MPEngineLoop(RankClient):
     _procs: tuple | list = ()                 # set by _start; empty until then
     _lifeline_writer = None                   # the pipe end whose closing tells workers to end
-    _rendezvous = None                        # the ranks' FileRendezvous, until released
+    _rendezvous_dir = None                    # the ranks' FileStore's, until released
 
     def _start(self, model_path: str, cfg: PytorchEngineConfig,
                spec_config: SpeculativeConfig | None, env: dict):
@@ -87,8 +105,8 @@ class MPEngineLoop(RankClient):
         if uses_cuda(cfg.device):           # rank r on cuda:r of this machine
             self.dist_config.validate(self.model_config, num_devices=torch.cuda.device_count())
         ctx = rank_context()
-        self._rendezvous = FileRendezvous()        # no network listener on one host
-        init_method = self._rendezvous.init_method
+        self._rendezvous_dir = tempfile.mkdtemp(prefix='lmdeploy_lite_rendezvous_')    # 0700
+        init_method = 'file://' + os.path.join(self._rendezvous_dir, 'store')
         env = {**os.environ, **loopback_env(), **rank_env(env, world)}   # as spawn passes
         self._inboxes = [ctx.Queue() for _ in range(world)]
         self._outbox = ctx.Queue()
@@ -144,9 +162,9 @@ class MPEngineLoop(RankClient):
         if self._lifeline_writer is not None:
             self._lifeline_writer.close()
             self._lifeline_writer = None
-        if self._rendezvous is not None:
-            self._rendezvous.close()
-            self._rendezvous = None
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None
 
 
 def describe_exit(exitcode: int | None) -> str:

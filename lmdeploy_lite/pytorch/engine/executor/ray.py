@@ -109,17 +109,15 @@ class RayEngineLoop(RankClient):
                 f'the ray cluster cannot place {world} ranks ({world} x {bundle}, {strategy}) '
                 f'within {RAY_PG_TIMEOUT_S:.0f} s: it has {_describe(nodes)}; add nodes or '
                 f'{next(iter(bundle))}s, or use fewer ranks (tp * dp = {world})') from None
-        queue_options = {'actor_options': {'num_cpus': 0}}      # outside the placement group
-        self._queues = [Queue(**queue_options) for _ in range(world + 1)]
+        # the queues' actors sit outside the placement group
+        self._queues = [Queue(actor_options={'num_cpus': 0}) for _ in range(world + 1)]
         self._inboxes = [_FrontEndQueue(q) for q in self._queues[:world]]
         self._outbox = _FrontEndQueue(self._queues[world])
         actor_cls = ray.remote(RankActor)
-        self._actors = [
-            actor_cls.options(
-                num_cpus=bundle.get('CPU', 0), num_gpus=bundle.get('GPU', 0),
-                name=None, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=r)).remote()
+        self._actors = [actor_cls.options(
+            num_cpus=bundle.get('CPU', 0), num_gpus=bundle.get('GPU', 0), name=None, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=r)).remote()
             for r in range(world)]
         where = ray.get([a.node.remote() for a in self._actors], timeout=PLACE_ACTORS_TIMEOUT_S)
         self.node_ids = [node_id for node_id, _ in where]
@@ -136,14 +134,13 @@ class RayEngineLoop(RankClient):
         import ray
         done, _ = ray.wait(self._runs, num_returns=len(self._runs), timeout=0)
         dead = {}
-        for r, ref in enumerate(self._runs):
-            if ref in done:
-                try:
-                    ray.get(ref, timeout=RAY_CALL_TIMEOUT_S)      # done: returns at once
-                    dead[r] = f'rank {r} (ray actor on node {self.node_ids[r]}) exited'
-                except Exception as e:
-                    dead[r] = (f'rank {r} (ray actor on node {self.node_ids[r]}) died: '
-                               f'{type(e).__name__}: {str(e).splitlines()[0]}')
+        for r in [r for r, ref in enumerate(self._runs) if ref in done]:
+            dead[r] = f'rank {r} (ray actor on node {self.node_ids[r]}) '
+            try:
+                ray.get(self._runs[r], timeout=RAY_CALL_TIMEOUT_S)      # done: returns at once
+                dead[r] += 'exited'
+            except Exception as e:
+                dead[r] += f'died: {type(e).__name__}: {str(e).splitlines()[0]}'
         return dead
 
     def _join(self, timeout_s: float):

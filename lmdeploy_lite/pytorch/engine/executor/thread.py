@@ -20,12 +20,10 @@ class EngineLoop(RankClient):
 
     def __init__(self, engine):
         self.engine = engine
-        model = engine.model_config
-        self._engine_args = (model, engine.session_len, engine.engine_config)
         super().__init__(None, engine.engine_config)
 
     def _configure(self, model_path, engine_config, speculative_config):
-        self.model_config, self.session_len, _ = self._engine_args
+        self.model_config, self.session_len = self.engine.model_config, self.engine.session_len
 
     def _start(self, model_path, cfg, spec_config, env):
         self._inboxes = [queue.Queue()]
@@ -58,10 +56,9 @@ class EngineLoop(RankClient):
 
     def _kill(self):
         """Free the caches of requests still running (the thread has ended)."""
-        if self._thread.is_alive():
-            return
-        for seq in list(self.engine.scheduler.running) + list(self.engine.scheduler.waiting):
-            self.engine.abort(seq)
+        if not self._thread.is_alive():
+            for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
+                self.engine.abort(seq)
 
     def _release(self):
         """The engine is the caller's again, usable in its own thread (tests, benchmarks)."""
