@@ -64,13 +64,6 @@ def state_shapes(model_config: ModelConfig, num_state_slots: int, num_spec_token
     return conv, rec
 
 
-def snapshot_shapes(model_config: ModelConfig, num_snapshots: int, tp: int = 1
-                    ) -> tuple[tuple, tuple]:
-    """(conv, recurrent) snapshot rows of one linear-attention layer on one TP rank."""
-    conv, rec = state_shapes(model_config, num_snapshots, 0, tp)
-    return conv, rec[:1] + rec[2:]
-
-
 class CacheEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
                  device: torch.device | str, layer_types: tuple[str, ...] | None = None,
@@ -80,24 +73,23 @@ class CacheEngine:
         self.layer_types = tuple(layer_types or model_config.layer_types)
         self.state_dtype = state_dtype(dtype, ssm_state_dtype, model_config)
         cc = cache_config
+
+        def zeros(shape: tuple, state: bool = False) -> torch.Tensor:
+            return torch.zeros(shape, dtype=self.state_dtype if state else dtype, device=device)
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer_type in self.layer_types:
             if layer_type == 'full_attention':
                 shape = kv_shape(model_config, cc.num_blocks, cc.block_size, tp)
-                self.caches.append((torch.zeros(shape, dtype=dtype, device=device),
-                                    torch.zeros(shape, dtype=dtype, device=device)))
+                self.caches.append((zeros(shape), zeros(shape)))
             else:
                 conv, rec = state_shapes(model_config, cc.num_state_slots, cc.num_spec_tokens, tp)
-                self.caches.append((torch.zeros(conv, dtype=dtype, device=device),
-                                    torch.zeros(rec, dtype=self.state_dtype, device=device)))
-        # layer index -> (conv, recurrent) snapshot rows
+                self.caches.append((zeros(conv), zeros(rec, state=True)))
+        # layer index -> (conv, recurrent) snapshot rows: a state row without its spec slots
         self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if cc.num_snapshots:
-            conv, rec = snapshot_shapes(model_config, cc.num_snapshots, tp)
-            for i, layer_type in enumerate(self.layer_types):
-                if layer_type == 'linear_attention':
-                    self.snapshots[i] = (torch.zeros(conv, dtype=dtype, device=device),
-                                         torch.zeros(rec, dtype=self.state_dtype, device=device))
+            conv, rec = state_shapes(model_config, cc.num_snapshots, 0, tp)
+            self.snapshots = {i: (zeros(conv), zeros(rec[:1] + rec[2:], state=True))
+                              for i, t in enumerate(self.layer_types) if t == 'linear_attention'}
 
     def save(self, slots: torch.Tensor, rows: torch.Tensor):
         """Snapshot rows `rows` = the state a prefill left in state slots `slots`."""

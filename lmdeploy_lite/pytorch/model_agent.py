@@ -113,6 +113,5 @@ class ModelAgent:
         hidden, aux = self._forward(inputs, self.hidden_state_layer_ids)
         self.set_state_index(inputs.state_slots, 0)    # prefill and 1-token decode write slot 0
         logits = self.last_logits(inputs, hidden)
-        tokens = sample(logits, sampling)
-        return StepResult(tokens[:, None], hidden_states=aux).with_logprobs(logits[:, None],
-                                                                            sampling)
+        tokens = sample(logits, sampling)[:, None]
+        return StepResult(tokens, hidden_states=aux).with_logprobs(logits[:, None], sampling)
