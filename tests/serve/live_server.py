@@ -55,7 +55,7 @@ class Server:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.05)     # a refused connect costs ~1 ms: poll often, start sooner
         pytest.fail(f'server not healthy within {deadline_s} s:\n{self.output()}')
 
     def output(self) -> str:
