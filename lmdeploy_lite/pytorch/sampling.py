@@ -105,8 +105,7 @@ def _to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
     return tensor.to(device)
 
 
-def apply_penalties(logits: Tensor, penalties: Penalties, drafts: Tensor | None = None
-                    ) -> Tensor:
+def apply_penalties(logits: Tensor, penalties: Penalties, drafts: Tensor | None = None) -> Tensor:
     """Penalised logits (a new tensor of probs_dtype).
     logits [B, V], or [B, P, V] over the P = k + 1 positions of a verify; drafts [B, k] long
     (with [B, P, V]): position j counts drafts[:, :j] as generated tokens too (the tokens it
@@ -282,20 +281,15 @@ class SamplingTables:
         changes = {}
         penalised = [c.has_penalties and m for c, m in zip(cfgs, mask)]
         if any(penalised):
+            neutral = (1.0, 0.0, 0.0, (), (), None, 0, ())          # a row without any
+            rows = [(c.repetition_penalty, c.presence_penalty, c.frequency_penalty,
+                     s.token_ids[:s.num_prompt], s.token_ids[s.num_prompt:], c.logit_bias,
+                     c.min_tokens - s.num_generated, self.stop_ids(s) if c.min_tokens else ())
+                    if p else neutral for c, s, p in zip(cfgs, seqs, penalised)]
+            *values, bias, blocked, stop_ids = zip(*rows)
             changes['penalties'] = Penalties.from_values(
-                repetition=[c.repetition_penalty if p else 1.0 for c, p in zip(cfgs, penalised)],
-                presence=[c.presence_penalty if p else 0.0 for c, p in zip(cfgs, penalised)],
-                frequency=[c.frequency_penalty if p else 0.0 for c, p in zip(cfgs, penalised)],
-                prompt_ids=[s.token_ids[:s.num_prompt] if p else ()
-                            for s, p in zip(seqs, penalised)],
-                output_ids=[s.token_ids[s.num_prompt:] if p else ()
-                            for s, p in zip(seqs, penalised)],
-                device=self.device).with_bias_and_min_tokens(
-                [c.logit_bias if p else None for c, p in zip(cfgs, penalised)],
-                [c.min_tokens - s.num_generated if p else 0
-                 for c, s, p in zip(cfgs, seqs, penalised)],
-                [self.stop_ids(s) if p and c.min_tokens else ()
-                 for c, s, p in zip(cfgs, seqs, penalised)], self.device)
+                *values, device=self.device).with_bias_and_min_tokens(
+                bias, blocked, stop_ids, self.device)
         if any(c.min_p > 0 and m and not c.is_greedy for c, m in zip(cfgs, mask)):
             changes['min_p'] = _to_device(torch.tensor([c.min_p for c in cfgs]), self.device)
         asked = [c.logprobs for c in cfgs if c.logprobs is not None]
