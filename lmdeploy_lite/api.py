@@ -348,14 +348,12 @@ class Pipeline:
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
                        stream_text: bool = True, tools: list[dict] | None = None,
                        request_id: str | None = None) -> AsyncIterator[Response]:
-        """Async stream of one request; cancelling the consumer aborts the request. A request
-        that fails in the engine ends with a Response whose finish_reason is 'error' (reason in
-        Response.error); a stopped or closed engine raises RuntimeError. `stream_text=False`:
-        the chunks carry token ids only and the last one the whole text (a caller that joins
-        the text at the end saves the incremental decoding). `request_id`: names the request's
-        hidden-states file under extract_hidden_states (unique; None: a random one). With
-        gen_config.n > 1 the n choices' responses interleave, each with its Response.index i
-        (and its file named `request_id-i`)."""
+        """Async stream of one request; cancelling the consumer aborts the request. Errors as in
+        `__call__`. `stream_text=False`: the chunks carry token ids only and the last one the whole
+        text (a caller that joins the text at the end saves the incremental decoding). `request_id`:
+        names the request's hidden-states file under extract_hidden_states (unique; None: a random
+        one). With gen_config.n > 1 the n choices' responses interleave, each with its
+        Response.index i (and its file named `request_id-i`)."""
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
         ids = self.encode(prompt, tools)

@@ -18,12 +18,10 @@ def _build(args):
     leave_a_core_to_the_front_end(args.device)
     logging.basicConfig(level=args.log_level.upper())
     engine_config = build_engine_config(args)
-    gen_config = GenerationConfig(max_new_tokens=args.max_new_tokens,
-                                  do_sample=args.temperature > 0, temperature=args.temperature,
-                                  top_p=args.top_p, top_k=args.top_k, random_seed=args.seed,
-                                  repetition_penalty=args.repetition_penalty,
-                                  presence_penalty=args.presence_penalty,
-                                  frequency_penalty=args.frequency_penalty)
+    sampling = ('max_new_tokens', 'temperature', 'top_p', 'top_k', 'repetition_penalty',
+                'presence_penalty', 'frequency_penalty')       # flags named as the fields
+    gen_config = GenerationConfig(do_sample=args.temperature > 0, random_seed=args.seed,
+                                  **{name: getattr(args, name) for name in sampling})
     return pipeline(args.model, engine_config, speculative_config(args),
                     chat_template=args.chat_template), gen_config
 
@@ -231,13 +229,12 @@ def _load_and_serve(args) -> int:
                     engine_process=engine_process, reasoning_parser=args.reasoning_parser,
                     chat_template=args.chat_template)
     print(f'lmdeploy_lite: loaded in {time.perf_counter() - start:.1f} s', flush=True)
-    return serve(pipe, args.model_name or pipe.model_name, args.server_name,
-                 args.server_port, api_keys, args.log_level,
-                 num_spec_tokens=num_draft_tokens(spec), limits=limits,
+    return serve(pipe, args.model_name or pipe.model_name, args.server_name, args.server_port,
+                 api_keys, args.log_level, num_spec_tokens=num_draft_tokens(spec), limits=limits,
                  allowed_hosts=tuple(args.allowed_hosts or ()), http_limits=http_limits,
-                 allow_origins=tuple(args.allow_origins or ()), sock=sock,
-                 sampling_defaults=args.generation_config == 'auto' and
-                 sampling_defaults(pipe.model_path) or None)
+                 allow_origins=tuple(args.allow_origins or ()), sock=sock, sampling_defaults=(
+                     args.generation_config == 'auto' and sampling_defaults(pipe.model_path)
+                     or None))
 
 
 def build_parser() -> argparse.ArgumentParser:
