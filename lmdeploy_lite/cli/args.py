@@ -27,7 +27,8 @@ def engine_args(p: argparse.ArgumentParser):
     p.add_argument('--download-dir', help="a repo id: the hub cache (default: huggingface_hub's)")
     p.add_argument('--dtype', default='auto',
                    choices=['auto', 'float32', 'float64', 'bfloat16', 'float16'],
-                   help='weights/activations dtype (auto: float32 on CPU, the checkpoint dtype on CUDA)')
+                   help='weights/activations dtype (auto: float32 on CPU, the checkpoint dtype '
+                        'on CUDA)')
     p.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'],
                    help='where to run (auto: CUDA when present)')
     p.add_argument('--max-batch-size', type=int, default=64, help='sequences per step')

@@ -4,10 +4,9 @@ owning model's `tp` (the draft's own tp for its cache); counts from `plan_cache`
   full-attention:   (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads / tp,
                     head_dim], model dtype;
   linear-attention: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num_spec], model dtype,
-                     recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv], `state_dtype`).
+                     recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv], state_dtype).
 `snapshots`: `num_snapshots` rows per linear-attention layer of what a prefill leaves in a state
-slot (recurrent slot 0, conv columns 0..K-2) for the prefix cache.
-"""
+slot (recurrent slot 0, conv columns 0..K-2) for the prefix cache."""
 from __future__ import annotations
 
 import math

@@ -1,8 +1,7 @@
 """Internal configs derived from a checkpoint and from the user's engine config.
 
 `ModelConfig` is read from a HF `config.json` (released Qwen3.5 checkpoints nest the text model's
-fields under `text_config`); `CacheConfig` is the cache layout the engine allocates.
-"""
+fields under `text_config`); `CacheConfig` is the cache layout the engine allocates."""
 from __future__ import annotations
 
 import dataclasses

@@ -3,8 +3,7 @@
 They are the target's own: the log-softmax of its raw logits at the position that emitted each
 token (before penalties, temperature, top-k and top-p: vLLM's default "raw" logprobs). Under
 speculation that is the verify pass's logits at each accepted draft and at the correction or
-bonus token, so a token's logprob does not depend on whether it was drafted.
-"""
+bonus token, so a token's logprob does not depend on whether it was drafted."""
 from __future__ import annotations
 
 import torch

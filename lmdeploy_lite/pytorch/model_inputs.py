@@ -22,8 +22,7 @@ Sizes that other ranks must agree on (DESIGN.md invariant 1) are not derived her
 from the step's StepPlan as `ForwardSizes` (`sizes`, set by the engine; see engine/step_plan.py).
 
 Derived values marked "computed once" are cached on first use (ops call them in every layer);
-`q_lens` and `history_lens` must not change after that (`state_index` may be reassigned).
-"""
+`q_lens` and `history_lens` must not change after that (`state_index` may be reassigned)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
@@ -38,7 +37,6 @@ class ForwardSizes:
     """The sizes of one forward that the other ranks must agree on, all from the step's StepPlan
     (`StepPlan.forward_sizes`). Token counts are multiples of the target's tp (so of any tp that
     divides it, e.g. the draft's).
-
     tokens:      this rank's tokens rounded up to a multiple of tp: the rows an EP MoE pads to
                  (each TP rank dispatches tokens / tp) and sequence parallelism splits;
     max_tokens:  the largest `tokens` of any rank in this forward (an idle rank's dummy
@@ -48,8 +46,7 @@ class ForwardSizes:
     low_latency: DeepEP's mode for the step: low-latency (fixed capacity, CUDA graphs) when
                  every rank with work decodes, else normal.
     sequence_parallel: this forward splits its rows over the TP ranks: prefill and mixed steps,
-                 not decode steps (nn/sequence_parallel.py says why).
-    """
+                 not decode steps (nn/sequence_parallel.py says why)."""
     tokens: int
     max_tokens: int
     seqs: int

@@ -9,8 +9,7 @@ Penalties (repetition, presence, frequency; GenerationConfig says what each does
 target's raw logits before anything else here, greedy rows included: `sample` applies them to
 [B, V] logits, the rejection sampler to a verify's [B, k + 1, V] (`apply_penalties` with the
 drafts: position j, 0-based, counts the j drafts before it as emitted). A batch without a
-penalised row carries `penalties=None` and pays nothing.
-"""
+penalised row carries `penalties=None` and pays nothing."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -32,7 +31,6 @@ def make_generator(seed: int | None, device: torch.device | str = 'cpu') -> torc
 class Penalties:
     """The penalties of a batch of B rows (tensors on the logits' device; a row without one has
     repetition 1.0, presence and frequency 0.0 and no ids).
-
     repetition, presence, frequency [B] float; prompt_ids [2, N] long: (row, token id) of every
     prompt token of the rows with a repetition penalty; output_ids [2, M] long: (row, token id)
     of every token the rows with a penalty generated so far (repeats included: they count).
@@ -182,7 +180,6 @@ def _penalise(logits: Tensor, counts: Tensor, seen: Tensor, penalties: Penalties
 @dataclass
 class SamplingInputs:
     """Per-row sampling parameters of a batch of B sequences (tensors on the logits' device).
-
     do_sample [B] bool, temperature [B] float, top_k [B] long (0 = off), top_p [B] float (1.0 =
     off), generators: B entries, None = default RNG. The bool flags are host-side summaries that
     let the sampler skip work without a device sync; None means "compute from the tensors".
