@@ -3,8 +3,7 @@
 A block is in exactly one of three places: the free list, held by running sequences (`ref` > 0;
 a cached block may have several holders), or cached and unheld (`ref` == 0, in `evictable`, LRU
 first: taken only when the free list is empty). Cached blocks are named by their key
-(engine/prefix_cache.py); a held cached block is never handed to another allocation.
-"""
+(engine/prefix_cache.py); a held cached block is never handed to another allocation."""
 from __future__ import annotations
 
 from collections import OrderedDict

@@ -9,8 +9,7 @@
   * the cap: max_batch_size sequences of `max_positions`, plus the reserved block 0.
 Prefix caching keeps state snapshots beside the blocks: SNAPSHOT_SHARE of the budget (after the
 state slots), at most SNAPSHOTS_PER_SEQ x max_batch_size; the blocks get the rest, unless
-num_gpu_blocks fixes them. All ranks then take the minimum (engine/build.py).
-"""
+num_gpu_blocks fixes them. All ranks then take the minimum (engine/build.py)."""
 from __future__ import annotations
 
 import torch

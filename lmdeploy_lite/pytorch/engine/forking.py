@@ -1,12 +1,11 @@
-"""Forking: the n choices of one prompt of P tokens share one prefill, (P - 1) + n tokens
-instead of n * P. The leader (choice 0) prefills all but the last prompt token while its members
-wait (admission passes them over). The step that schedules that token forks the members that fit
-(a state slot and blocks for P positions): each shares the leader's full blocks, gets copies of
-the partial block past them and of the leader's state after P - 1 tokens (on the device before
-the forward, target and draft: `ScheduledBatch.block_copies` / `state_copies`) and feeds the last
-prompt token as an ordinary final chunk, sampling from its own generator. Members that do not fit
-then, or whose leader went away, prefill alone; a forked member is an ordinary sequence after.
-"""
+"""Forking: the n choices of one prompt of P tokens share one prefill, (P - 1) + n tokens instead of
+n * P. The leader (choice 0) prefills all but the last prompt token while its members wait
+(admission passes them over). The step that schedules that token forks the members that fit (a state
+slot and blocks for P positions): each shares the leader's full blocks, gets copies of the partial
+block past them and of the leader's state after P - 1 tokens (on the device before the forward,
+target and draft: `ScheduledBatch.block_copies` / `state_copies`) and feeds the last prompt token as
+an ordinary final chunk, sampling from its own generator. Members that do not fit then, or whose
+leader went away, prefill alone; a forked member is an ordinary sequence after."""
 from __future__ import annotations
 
 from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence

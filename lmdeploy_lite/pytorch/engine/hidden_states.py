@@ -7,8 +7,7 @@ a DP group keeps rows). The rows reach the host with the step's tokens and are f
     token_ids     [T] int64                   the prompt, then the generated tokens but the last
 (T: every token fed) and the ids in its metadata (`aux_hidden_state_layer_ids`, e.g. '2,18,34').
 A background thread writes it; the request's last output waits for it and carries the path, or
-finish_reason 'error' and why (the engine goes on).
-"""
+finish_reason 'error' and why (the engine goes on)."""
 from __future__ import annotations
 
 import logging

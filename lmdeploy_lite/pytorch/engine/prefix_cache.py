@@ -11,8 +11,7 @@ columns) named by the key of the block that ends there. A hit is the longest run
 blocks from the start that ends at a snapshot. Snapshots are taken at block-aligned chunk ends:
 the prompt's last full block, where a request's cached blocks run out (a branch point), and a
 long prefill's chunk ends; a fixed LRU pool (`CacheConfig.num_snapshots`, cache_plan.py), a
-snapshot going with the block it ends at.
-"""
+snapshot going with the block it ends at."""
 from __future__ import annotations
 
 import hashlib

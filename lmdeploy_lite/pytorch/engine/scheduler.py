@@ -10,8 +10,7 @@ the whole budget). A verify row keeps per-token states for rollback and cannot s
 with a chunk: under speculation decode and chunk steps alternate instead. Blocks cover every
 position a step writes, the `num_draft_extra` a draft writes past the fed tokens included (k - 1
 for the MTP head); a sequence near its end still feeds k + 1, so it holds session_len + k +
-num_draft_extra positions. Prefix caching and forking: prefix_cache.py, forking.py.
-"""
+num_draft_extra positions. Prefix caching and forking: prefix_cache.py, forking.py."""
 from __future__ import annotations
 
 from collections import deque

@@ -1,7 +1,6 @@
-"""What a step hands back: device results on their way to the host (`InFlight`), and each
-sequence's result (`StepOutput`), copied off the live Sequence so that a consumer a step or more
-behind the engine (async scheduling, mp/ray reports) reads the step as it stood.
-"""
+"""What a step hands back: device results on their way to the host (`InFlight`), and each sequence's
+result (`StepOutput`), copied off the live Sequence so that a consumer a step or more behind the
+engine (async scheduling, mp/ray reports) reads the step as it stood."""
 from __future__ import annotations
 
 import dataclasses

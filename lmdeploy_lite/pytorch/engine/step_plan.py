@@ -22,8 +22,7 @@ Where each size comes from:
     every step makes): each rank proposes one (spec_decode/policy.py), the plan takes the
     smallest proposal of a working rank, so every rank runs the same shapes and draft loop.
 Whether a step ships extra data is in the plan too (`any_sampled`: TP rank 0's sampled drafts'
-distributions go to its peers), so every rank of the group runs the same collectives.
-"""
+distributions go to its peers), so every rank of the group runs the same collectives."""
 from __future__ import annotations
 
 from dataclasses import dataclass

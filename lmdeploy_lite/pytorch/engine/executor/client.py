@@ -1,8 +1,7 @@
 """The one seam between the engine and everything that drives it: `EngineClient`, whose
 implementations differ only in where the ranks run: a thread (thread.py), one process per rank
-(mp.py), one ray actor per rank (ray.py). Every rank runs `rank_loop` and sends one report per
-step; `RankClient` does the rest: validation, request ids, DP routing, delivery, liveness, stats.
-"""
+(mp.py), one ray actor per rank (ray.py). Every rank runs `rank_loop` and sends one report per step;
+`RankClient` does the rest: validation, request ids, DP routing, delivery, liveness, stats."""
 from __future__ import annotations
 
 import copy

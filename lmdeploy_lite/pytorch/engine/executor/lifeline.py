@@ -5,8 +5,7 @@ first thing in the worker:
   started from the parent's main thread; a fork server's children (mp's) always: it forks from
   its main thread and exits with the front-end.
 - Everywhere: a watchdog thread ends the worker within WATCH_INTERVAL_S once its parent pid
-  changes or the lifeline pipe breaks (the front-end holds the only write end).
-"""
+  changes or the lifeline pipe breaks (the front-end holds the only write end)."""
 from __future__ import annotations
 
 import ctypes

@@ -16,8 +16,7 @@ with each rank's Engine before it serves (tests break engines with it).
 The ranks meet without a network listener: torch.distributed's store is a file (FileStore) in a
 private temporary directory, not a TCP store (which listens on every interface, unauthenticated),
 and the collectives' own TCP links (gloo's pairs, the bootstrap of NCCL and NVSHMEM) are pinned to
-the loopback interface unless the user named one. (ray.py, multi-node, keeps TCP.)
-"""
+the loopback interface unless the user named one. (ray.py, multi-node, keeps TCP.)"""
 from __future__ import annotations
 
 import os

@@ -1,11 +1,10 @@
-"""The `ray` executor: one Ray actor per rank running `worker_main` (ranks advance and fail as
-mp.py says) over `ray.util.queue.Queue`s with the mp queue's interface. A placement group of
-{'GPU': 1} (CUDA) or {'CPU': 1} bundles, STRICT_SPREAD when the cluster has one node per rank,
-else SPREAD; rank r takes bundle r; torch.distributed meets at rank 0's node. The cluster is
-`ray.init()`'s (RAY_ADDRESS) unless connected. Unplaceable within RAY_PG_TIMEOUT_S: an error
-naming what is missing. Every call into ray is bounded (RAY_CALL_TIMEOUT_S). No lifeline: ray
-kills a (non-detached) actor, queues too, when its owner, this driver, ends, SIGKILL included.
-"""
+"""The `ray` executor: one Ray actor per rank running `worker_main` (ranks advance and fail as mp.py
+says) over `ray.util.queue.Queue`s with the mp queue's interface. A placement group of {'GPU': 1}
+(CUDA) or {'CPU': 1} bundles, STRICT_SPREAD when the cluster has one node per rank, else SPREAD;
+rank r takes bundle r; torch.distributed meets at rank 0's node. The cluster is `ray.init()`'s
+(RAY_ADDRESS) unless connected. Unplaceable within RAY_PG_TIMEOUT_S: an error naming what is
+missing. Every call into ray is bounded (RAY_CALL_TIMEOUT_S). No lifeline: ray kills a
+(non-detached) actor, queues too, when its owner, this driver, ends, SIGKILL included."""
 from __future__ import annotations
 
 import asyncio
