@@ -53,8 +53,7 @@ class GatedAttention(nn.Module):
             q_gate, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         q_gate = q_gate.view(num_tokens, -1, 2 * self.head_dim)
         k = apply_rotary(self.k_norm(k.view(num_tokens, -1, self.head_dim)), *rope)
-        return (q_gate[..., :self.head_dim], q_gate[..., self.head_dim:], k,
-                v.view(num_tokens, -1, self.head_dim))
+        return (*q_gate.split(self.head_dim, -1), k, v.view(num_tokens, -1, self.head_dim))
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs) -> torch.Tensor:

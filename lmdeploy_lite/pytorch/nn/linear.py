@@ -1,6 +1,6 @@
-"""Linear layers, shaped for tensor parallelism: with `dist_ctx=None` or tp=1 they hold the full
-weight and skip the collective. Weights are `[out_features, in_features]`, as in HF checkpoints;
-sharded ones carry `weight.shard` (nn/sharding.py).
+"""Linear layers (no bias: Qwen3.5 has none), shaped for tensor parallelism: with `dist_ctx=None`
+or tp=1 they hold the full weight and skip the collective. Weights are `[out_features,
+in_features]`, as in HF checkpoints; sharded ones carry `weight.shard` (nn/sharding.py).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class ColumnParallelLinear(nn.Module):
     split separately (`(Dk, Dk, Dv)` for `[q | k | v]`: each rank keeps its piece of each)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device | str, bias: bool = False, dist_ctx=None,
+                 device: torch.device | str, dist_ctx=None,
                  sections: tuple[int, ...] | None = None):
         super().__init__()
         tp, _ = tp_layout(dist_ctx)
@@ -34,14 +34,12 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features // tp
         self.weight = sharded_parameter((out_features, in_features), 0, dist_ctx, dtype, device,
                                         sections)
-        self.bias = (sharded_parameter((out_features,), 0, dist_ctx, dtype, device, sections,
-                                       init=torch.zeros) if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight)
 
     def extra_repr(self) -> str:
-        return f'in={self.in_features}, out={self.out_features} (local), bias={self.bias is not None}'
+        return f'in={self.in_features}, out={self.out_features} (local)'
 
 
 class ReplicatedLinear(ColumnParallelLinear):
@@ -54,8 +52,7 @@ class RowParallelLinear(nn.Module):
     Sequence-parallel: x [N, in / tp] -> this rank's rows [N / tp, out] by a reduce-scatter."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 device: torch.device | str, bias: bool = False, dist_ctx=None,
-                 reduce_output: bool = True):
+                 device: torch.device | str, dist_ctx=None, reduce_output: bool = True):
         super().__init__()
         self.tp, self.tp_rank = tp_layout(dist_ctx)
         check_divisible('in_features', (in_features,), self.tp)
@@ -63,24 +60,19 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = self.tp > 1 and is_sequence_parallel(dist_ctx)
         self.in_features, self.out_features = in_features // self.tp, out_features
         self.weight = sharded_parameter((out_features, in_features), 1, dist_ctx, dtype, device)
-        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
-                                  requires_grad=False) if bias else None)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        """`sequence_parallel`: this forward splits its rows (nn/sequence_parallel.splits_rows);
-        a layer built for it then reduce-scatters instead of all-reducing."""
+        """`sequence_parallel`: this forward splits its rows (`splits_rows`); see the class."""
         out = F.linear(x, self.weight)
         if self.tp > 1 and self.reduce_output:
             if self.sequence_parallel and sequence_parallel:
                 out = self.dist_ctx.tp.reduce_scatter(out)
             else:
                 out = self.dist_ctx.tp.all_reduce(out)
-        if self.bias is not None and (self.reduce_output or self.tp_rank == 0):
-            out = out + self.bias           # counted once in the (possibly later) sum
         return out
 
     def extra_repr(self) -> str:
-        return f'in={self.in_features} (local), out={self.out_features}, bias={self.bias is not None}'
+        return f'in={self.in_features} (local), out={self.out_features}'
 
 
 class FusedColumnLinear(nn.Module):
@@ -92,8 +84,6 @@ class FusedColumnLinear(nn.Module):
     def __init__(self, parts: list[nn.Module], keep_parts: bool = False,
                  outputs: list[int] | None = None):
         super().__init__()
-        if any(getattr(p, 'bias', None) is not None for p in parts):
-            raise ValueError('FusedColumnLinear: parts with a bias are not fused')
         part_sizes = [p.weight.shape[0] for p in parts]
         weight = torch.cat([p.weight.data for p in parts])
         if keep_parts:

@@ -9,7 +9,6 @@ from torch import nn
 class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float, device: torch.device | str):
         super().__init__()
-        self.rotary_dim = rotary_dim
         # float32 exactly as transformers computes it; float64 for float64 models
         for name, dtype in (('inv_freq64', torch.float64), ('inv_freq32', torch.float32)):
             exponent = torch.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim

@@ -41,8 +41,7 @@ def padded_tokens(inputs) -> int:
 
 
 def shard(x: torch.Tensor, num_rows: int, dist_ctx) -> torch.Tensor:
-    """Whole rows x [T, ...] -> this TP rank's share [num_rows / tp, ...] of x zero-padded to
-    `num_rows` (the plan's Tp); no communication."""
+    """x [T, ...] zero-padded to `num_rows` (Tp) -> this rank's rows [Tp / tp, ...]; no comms."""
     tp, rank = dist_ctx.config.tp, dist_ctx.tp_rank
     share = num_rows // tp
     if x.shape[0] < num_rows:
@@ -61,6 +60,5 @@ def real_rows(hidden: torch.Tensor, inputs) -> torch.Tensor:
 
 
 def restore_rows(out: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """A mixer's output [T, D] -> [num_rows, D] (zero rows appended), the rows its row-parallel
-    projection reduce-scatters."""
+    """A mixer's output [T, D] -> [num_rows, D], zero rows appended (its projection's input)."""
     return out if out.shape[0] == num_rows else F.pad(out, (0, 0, 0, num_rows - out.shape[0]))

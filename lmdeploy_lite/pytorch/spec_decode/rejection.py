@@ -77,8 +77,7 @@ def _accepted(target_argmax: Tensor, target_probs: Tensor, safe_drafts: Tensor,
                                safe_drafts.device)
     # Sampled rows: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)), i.e. u * q < p
     # for u ~ U[0, 1); p(d) = 0 (e.g. outside top-k/top-p) never accepts.
-    sampled_accept = uniform * q_draft < p_draft
-    return torch.where(sampling.do_sample[:, None], sampled_accept, accept)
+    return torch.where(sampling.do_sample[:, None], uniform * q_draft < p_draft, accept)
 
 
 def _after_rejection(p_next: Tensor, num_accepted: Tensor, num_drafts: Tensor, safe_drafts: Tensor,

@@ -65,11 +65,10 @@ class SpecAgent:
 
     @torch.inference_mode()
     def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
-        if inputs.is_decoding:
-            if inputs.num_spec == 0:
-                return self._plain_step(inputs, sampling)
-            return self._verify_and_draft(inputs, sampling)
-        return self._prefill_and_draft(inputs, sampling)
+        if not inputs.is_decoding:
+            return self._prefill_and_draft(inputs, sampling)
+        step = self._verify_and_draft if inputs.num_spec else self._plain_step
+        return step(inputs, sampling)
 
     def _plain_step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
         """k = 0: plain decoding, then the draft head writes only its KV there. Greedy with CUDA

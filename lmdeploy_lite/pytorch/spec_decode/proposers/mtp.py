@@ -74,8 +74,7 @@ class MTPProposer:
                            padded_batch_size=inputs.padded_batch_size, graphable=inputs.graphable,
                            sizes=inputs.sizes and inputs.sizes.one_token_per_seq())
 
-    def _write_kv(self, inputs: ModelInputs, input_ids: torch.Tensor, hidden: torch.Tensor
-                  ) -> torch.Tensor:
+    def _write_kv(self, inputs: ModelInputs, input_ids: torch.Tensor, hidden: torch.Tensor):
         self.mtp.write_kv(input_ids, hidden, inputs, self.caches)
         return hidden[:, :0]                  # a graph runner returns a tensor; nothing to read
 

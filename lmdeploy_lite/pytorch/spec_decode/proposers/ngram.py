@@ -42,5 +42,4 @@ class NgramProposer:
     def propose_batch(self, batch_token_ids: list[list[int]]) -> torch.Tensor:
         """B sequences -> draft tokens LongTensor [B, k]."""
         proposals = [self.propose(ids) for ids in batch_token_ids]
-        return torch.tensor(proposals, dtype=torch.long).view(len(proposals),
-                                                            self.num_speculative_tokens)
+        return torch.tensor(proposals, dtype=torch.long).view(-1, self.num_speculative_tokens)
