@@ -1,15 +1,14 @@
 """The OpenAI-compatible HTTP server: /v1/models (and /v1/models/{id}), /v1/completions,
-/v1/chat/completions (SSE streaming), /tokenize and /detokenize (vLLM's), /health, /metrics.
-Each route is a function of one ServerContext (checks.py) and the request; checking a request
-is checks.py, running it (to the end or streamed) streaming.py, writing what it sends
-responses.py.
+/v1/chat/completions (SSE streaming), /tokenize and /detokenize (vLLM's), /health, /metrics. Each
+route is a function of one ServerContext (checks.py) and the request; checks.py checks a request,
+streaming.py runs it (to the end or streamed), responses.py writes what it sends.
 
-A request travels: API key (middleware) -> body read against the size limit (413) -> off the
-event loop: JSON, validation, tokenization and the length checks (400 naming the field) -> the
-engine. Nothing a request holds can reach the engine unchecked, and no failure answers with a
-traceback. A streaming client that goes away cancels its generator, which aborts the request and
-frees its cache (`Pipeline.generate`). If the engine dies for good, every open request ends with
-an error and the server shuts itself down (`serve` returns 1).
+A request travels: API key (middleware) -> body read against the size limit (413) -> off the event
+loop: JSON, validation, tokenization, the length checks (400 naming the field) -> the engine.
+Nothing a request holds reaches the engine unchecked, and no failure answers with a traceback. A
+streaming client that goes away cancels its generator, which aborts the request and frees its
+cache (`Pipeline.generate`). If the engine dies for good, every open request ends with an error
+and the server shuts itself down (`serve` returns 1).
 """
 from __future__ import annotations
 
@@ -91,25 +90,23 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     if allow_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allow_origins),
                            allow_methods=['*'], allow_headers=['*'])
-    _document_request_bodies(app, p.CompletionRequest, p.ChatCompletionRequest,
-                             TokenizeRequest, DetokenizeRequest)
+    posts = {'/v1/completions': (completions, p.CompletionRequest),   # path: (endpoint, body)
+             '/v1/chat/completions': (chat_completions, p.ChatCompletionRequest),
+             '/tokenize': (tokenize, TokenizeRequest),
+             '/detokenize': (detokenize, DetokenizeRequest)}
+    _document_request_bodies(app, *(body for _, body in posts.values()))
     get = ['GET', 'HEAD']                   # HEAD wherever GET is (uptime probes send it)
     app.api_route('/health', methods=get)(_bound(health, ctx))
     app.api_route('/metrics', methods=get)(_bound(prometheus, ctx))
     app.api_route('/v1/models', methods=get, response_model=p.ModelList)(_bound(models, ctx))
     app.api_route('/v1/models/{model_id:path}', methods=get, response_model=p.ModelCard)(
         _bound(model, ctx))
-    app.post('/v1/completions', openapi_extra=_json_body(p.CompletionRequest))(
-        _bound(completions, ctx))
-    app.post('/v1/chat/completions', openapi_extra=_json_body(p.ChatCompletionRequest))(
-        _bound(chat_completions, ctx))
-    app.post('/tokenize', openapi_extra=_json_body(TokenizeRequest))(_bound(tokenize, ctx))
-    app.post('/detokenize', openapi_extra=_json_body(DetokenizeRequest))(_bound(detokenize, ctx))
+    for path, (endpoint, body) in posts.items():
+        app.post(path, openapi_extra=_json_body(body))(_bound(endpoint, ctx))
     return app
 
 
 def _bound(endpoint, ctx: ServerContext):
-    """`endpoint(ctx, request)` as a route handler of `request` alone."""
     async def handler(request: Request):
         return await endpoint(ctx, request)
     handler.__name__ = endpoint.__name__
@@ -117,7 +114,6 @@ def _bound(endpoint, ctx: ServerContext):
 
 
 async def watch_engine(app: FastAPI, on_engine_failure: Callable[[], None] | None):
-    """Wait for the engine to die for good; then mark the app and call `on_engine_failure`."""
     pipe = app.state.pipe
     while pipe.error is None:
         await asyncio.sleep(ENGINE_POLL_S)
@@ -133,8 +129,7 @@ async def health(ctx: ServerContext, request: Request):
     `--health-stall-timeout` while requests are pending (naming the rank the others wait for)."""
     if ctx.pipe.error is not None:
         return JSONResponse({'status': 'error', 'error': ENGINE_STOPPED}, status_code=503)
-    stalled = ctx.pipe.stalled(ctx.limits.stall_s)
-    if stalled is not None:
+    if (stalled := ctx.pipe.stalled(ctx.limits.stall_s)) is not None:
         return JSONResponse({'status': 'stalled', 'error': stalled}, status_code=503)
     return {'status': 'ok'}
 
@@ -193,9 +188,8 @@ async def chat_completions(ctx: ServerContext, request: Request):
 
 
 async def off_the_loop(build, *args) -> HTTPResponse:
-    """A whole JSON response, `build(*args)`, written in a worker thread: a response of many
-    choices and logprobs takes time in proportion to its size, which must not hold up the
-    event loop (every other stream, /health)."""
+    """A whole JSON response, `build(*args)`, written in a worker thread: its time grows with its
+    size (choices, logprobs) and must not hold up the event loop (every other stream, /health)."""
     return HTTPResponse(await asyncio.to_thread(build, *args), media_type='application/json')
 
 
@@ -249,16 +243,16 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           http_limits: HttpLimits | None = None, allow_origins: tuple[str, ...] = (),
           sock: socket.socket | None = None, sampling_defaults: dict | None = None) -> int:
     """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
-    `limits`: what requests may ask (checks.py; a concurrency limit not given is sized from
-    the engine's capacity); `http_limits`: what one connection may hold (connections.py; None:
-    the defaults); `allow_origins`, `sampling_defaults`: see create_app; `sock`: host:port already bound
-    (`bind_socket`, which the CLI calls before it loads the model; None: bound here).
+    `limits`: what requests may ask (checks.py; a concurrency limit not given is sized from the
+    engine's capacity); `http_limits`: what one connection may hold (connections.py; None: the
+    defaults); `allow_origins`, `sampling_defaults`: see create_app; `sock`: host:port already
+    bound (`bind_socket`, which the CLI calls before it loads the model; None: bound here).
 
     Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
-    finish_reason 'abort' (their requests aborted), and whatever is left after
-    `graceful_timeout_s` is cancelled, which aborts it. Then the pipeline closes (its workers
-    exit). Returns 0 after a signal, 1 when the engine died (every open request has ended with an
-    error), 3 when the server could not start (as uvicorn)."""
+    finish_reason 'abort' (their requests aborted), what is left after `graceful_timeout_s` is
+    cancelled (aborted), then the pipeline closes (its workers exit). Returns 0 after a signal, 1
+    when the engine died (every open request ended with an error), 3 when the server could not
+    start (as uvicorn)."""
     server: _Server | None = None
     app = create_app(pipe, model_name, api_keys, num_spec_tokens,
                      lambda: setattr(server, 'should_exit', True),

@@ -24,27 +24,28 @@ def load_api_keys(keys: list[str] | None = None, keys_file: str | None = None,
     starting with # skipped) and in LMDEPLOY_LITE_API_KEYS (comma-separated), which is removed
     from the environment once read so that worker processes do not inherit it."""
     environ = os.environ if environ is None else environ
-    found = [k.strip() for k in keys or () if k.strip()]
+    found = _stripped(keys or ())
     if keys_file is not None:
         try:
             with open(keys_file, encoding='utf-8') as f:
-                in_file = [line.strip() for line in f
-                           if line.strip() and not line.strip().startswith('#')]
+                in_file = [key for key in _stripped(f) if not key.startswith('#')]
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f'api_keys_file={keys_file!r}: cannot be read ({e})') from None
         if not in_file:
             raise ValueError(f'api_keys_file={keys_file!r}: holds no key (one key per line)')
         found += in_file
-    found += [k.strip() for k in environ.pop(API_KEYS_ENV, '').split(',') if k.strip()]
-    return list(dict.fromkeys(found))
+    return list(dict.fromkeys(found + _stripped(environ.pop(API_KEYS_ENV, '').split(','))))
+
+
+def _stripped(keys) -> list[str]:
+    return [key.strip() for key in keys if key.strip()]
 
 
 class APIKeyMiddleware:
     """401 for a request to any path but OPEN_PATHS without "Authorization: Bearer <key>"."""
 
     def __init__(self, app, api_keys: list[str]):
-        self.app = app
-        self.keys = [k.encode() for k in api_keys]
+        self.app, self.keys = app, [k.encode() for k in api_keys]
 
     async def __call__(self, scope, receive, send):
         if scope['type'] == 'http' and scope['path'] not in OPEN_PATHS \
@@ -63,16 +64,12 @@ class APIKeyMiddleware:
                                                   for k in self.keys)
 
 
-LOOPBACK_NAMES = ('localhost',)
-
-
 def is_loopback(host: str) -> bool:
     """A loopback address or name ('127.0.0.1', '::1', 'localhost', '[::1]')."""
     host = host.strip('[]').lower()
-    if host in LOOPBACK_NAMES or host.endswith('.localhost'):
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return (host == 'localhost' or host.endswith('.localhost')
+                or ipaddress.ip_address(host).is_loopback)
     except ValueError:
         return False
 
@@ -90,18 +87,16 @@ class HostGuardMiddleware:
     a server bound to a loopback address (`create_app`'s `bound_host`)."""
 
     def __init__(self, app, allowed_hosts: tuple[str, ...] = ()):
-        self.app = app
-        self.allowed = {h.strip().lower() for h in allowed_hosts if h.strip()}
+        self.app, self.allowed = app, set(_stripped(h.lower() for h in allowed_hosts))
 
     async def __call__(self, scope, receive, send):
         if scope['type'] == 'http':
             host = host_name(Headers(scope=scope).get('host', ''))
             if not (is_loopback(host) or host in self.allowed):
-                error = RequestError(
+                await error_response(RequestError(
                     f'Host: {host!r}: this server listens on a loopback address and answers only '
                     f'requests for a loopback host (localhost, 127.0.0.1, ::1); start it with '
                     f'--allowed-hosts {host or "NAME"} to accept this one',
-                    code='misdirected_request', status=421)
-                await error_response(error)(scope, receive, send)
+                    code='misdirected_request', status=421))(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -1,10 +1,7 @@
-"""From the bytes of a request body to a validated request model, or a RequestError naming what
-is wrong: 413 for a body over the limit, 400 for anything else.
-
-`read_body` counts bytes as they arrive, so an oversized body is refused before it is read
-whole; `parse_request` (JSON, the Unicode check, validation) is CPU work, which the server runs
-off the event loop.
-"""
+"""From the bytes of a request body to a validated request model, or a RequestError naming what is
+wrong: 413 for a body over the limit, 400 for anything else. `read_body` counts bytes as they
+arrive, so an oversized body is refused before it is read whole; `parse_request` (JSON, the
+Unicode check, validation) is CPU work, which the server runs off the event loop."""
 from __future__ import annotations
 
 import json
@@ -36,8 +33,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     post sends text/plain, application/x-www-form-urlencoded or multipart/form-data; none is
     read); 413 as soon as it is known to exceed `limit` bytes: from Content-Length before
     reading anything, else counted as the chunks of a chunked upload arrive."""
-    media = request.headers.get('content-type')
-    if media is not None and not is_json_media(media):
+    if (media := request.headers.get('content-type')) is not None and not is_json_media(media):
         raise RequestError(f'Content-Type: {render(media)}: the request body must be JSON; send '
                            f'"Content-Type: application/json"', status=415,
                            type='invalid_request_error', code='unsupported_media_type')
@@ -77,8 +73,7 @@ def parse_request(body: bytes, model: type[Model]) -> Model:
         raise RequestError('the request body is not UTF-8 text') from None
     except ValueError:               # Python reads integers of at most 4300 digits
         raise RequestError('the request body holds a number too long to read') from None
-    where = find_lone_surrogate(data)
-    if where is not None:
+    if (where := find_lone_surrogate(data)) is not None:
         raise RequestError(f'{where or "the request body"}: a string holds a lone UTF-16 '
                            f'surrogate (such as "\\ud800"), which is not Unicode text',
                            where or None)
@@ -98,14 +93,10 @@ def find_lone_surrogate(data) -> str | None:
         items = (value.items() if isinstance(value, dict) else enumerate(value)
                  if isinstance(value, list) else ())
         for key, item in items:
-            key_text = printable(str(key))
-            child = f'{path}.{key_text}' if path else key_text
-            if isinstance(key, str) and not is_unicode(key):
+            child = f'{path}.{printable(str(key))}' if path else printable(str(key))
+            if any(isinstance(x, str) and not is_unicode(x) for x in (key, item)):
                 return child
-            if isinstance(item, str):
-                if not is_unicode(item):
-                    return child
-            elif isinstance(item, (dict, list)):
+            if isinstance(item, (dict, list)):
                 todo.append((child, item))
         if isinstance(value, str) and not is_unicode(value):
             return path

@@ -4,9 +4,8 @@ the API's spelling. What passes is (request, prompts' token ids, GenerationConfi
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import Request
 
@@ -41,20 +40,18 @@ class ServerLimits:
     def __post_init__(self):
         for name, flag in (('max_request_bytes', 'max-request-bytes'),
                            ('max_sequences', 'max-sequences-per-request'),
-                           ('max_tokens', 'max-tokens-per-request')):
-            if getattr(self, name) < 1:
+                           ('max_tokens', 'max-tokens-per-request'),
+                           ('max_concurrent', 'max-concurrent-requests')):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f'--{flag}={getattr(self, name)}: must be >= 1')
-        if self.max_concurrent is not None and self.max_concurrent < 1:
-            raise ValueError(f'--max-concurrent-requests={self.max_concurrent}: must be >= 1')
         if not self.stall_s > 0:
             raise ValueError(f'--health-stall-timeout={self.stall_s}: must be > 0')
 
     def sized_for(self, capacity: int) -> 'ServerLimits':
         """These limits, the concurrency one (when not set) sized from the sequences the engine
         runs at once (`Pipeline.capacity`): QUEUE_FACTOR batches, queued or running."""
-        if self.max_concurrent is not None:
-            return self
-        return dataclasses.replace(self, max_concurrent=max(16, QUEUE_FACTOR * capacity))
+        return self if self.max_concurrent is not None else replace(
+            self, max_concurrent=max(16, QUEUE_FACTOR * capacity))
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,6 @@ class ServerContext:
 
 
 async def read_checked(ctx: ServerContext, request: Request, check):
-    """The body read against the size limit (413), then `check(ctx, body)` in a worker thread."""
     body = await read_body(request, ctx.limits.max_request_bytes)
     return await asyncio.to_thread(check, ctx, body)
 
@@ -129,8 +125,7 @@ def check_sequences(ctx: ServerContext, num_prompts: int, req: p.SamplingRequest
 def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,
             tools: list[dict] | None = None, template_kwargs: dict | None = None
             ) -> tuple[list[int], GenerationConfig]:
-    """One prompt's token ids and GenerationConfig (`req.generation_config`). `param`: the
-    prompt's field name."""
+    """One prompt's token ids and GenerationConfig (`req.generation_config`); `param`: its field."""
     check_model(ctx, req.model)
     ids = encode(ctx, prompt, param, tools, template_kwargs)
     session_len, (max_tokens_param, max_tokens) = ctx.session_len, req.length_field
@@ -143,21 +138,17 @@ def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,
         gen_config = req.generation_config(room, ctx.pipe.vocab_size, ctx.sampling_defaults)
         ctx.pipe.validate_request(ids, gen_config)
     except ValueError as e:              # 'field=value: reason' or 'prompt: reason'
-        message = str(e)
-        field = re.match(r'\w*', message).group()
-        if field in API_FIELD_NAMES:
-            message = API_FIELD_NAMES[field] + message[len(field):]
-            field = API_FIELD_NAMES[field]
-        raise RequestError(message, param if field == 'prompt' else field or None) from None
+        field = re.match(r'\w*', str(e)).group()
+        name = API_FIELD_NAMES.get(field, field)
+        raise RequestError(name + str(e)[len(field):],
+                           param if field == 'prompt' else name or None) from None
     return ids, gen_config
 
 
 def check_model(ctx: ServerContext, model: str | None, status: int = 400):
-    """A request's `model` (None: not given) must be the served one."""
     if model is not None and model != ctx.model_name:
-        raise RequestError(f'model={render(model)}: unknown; this server serves '
-                           f'{ctx.model_name!r} (see GET /v1/models)', 'model', 'model_not_found',
-                           status=status)
+        raise RequestError(f'model={render(model)}: unknown; this server serves {ctx.model_name!r} '
+                           '(see GET /v1/models)', 'model', 'model_not_found', status=status)
 
 
 def encode(ctx: ServerContext, prompt, param: str, tools: list[dict] | None,

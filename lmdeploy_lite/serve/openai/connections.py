@@ -4,15 +4,14 @@ slow or silent (slowloris), and a cap on open connections.
 
 - A new connection, and one between requests (keep-alive), is closed after `idle_timeout_s`
   without a byte.
-- A request's headers must arrive in full within `header_timeout_s` of its first byte (408,
-  then closed): a deadline, not an inactivity timer, so a byte every second does not extend it.
+- A request's headers must arrive in full within `header_timeout_s` of its first byte (408, then
+  closed): a deadline, not an inactivity timer, so a byte every second does not extend it.
 - Its body must arrive in full within `body_timeout_s` of its headers; past that the connection
   closes and the request ends as a client that went away.
-- Past `max_connections` open connections, a new one is closed at once; the deadlines above
-  close the idle and slow ones within seconds, so a flood cannot lock the others out for long.
+- Past `max_connections` open connections, a new one is closed at once; the deadlines above close
+  the idle and slow ones within seconds, so a flood cannot lock the others out for long.
 
-And the listening address itself: `bind_socket` takes host:port before the model loads, so a
-taken port fails in a second, not after the load.
+`bind_socket` takes host:port before the model loads, so a taken port fails in a second, not after.
 """
 from __future__ import annotations
 
@@ -30,8 +29,6 @@ logger = logging.getLogger('lmdeploy_lite.serve')
 REQUEST_TIMEOUT = (b'HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n'
                    b'connection: close\r\ncontent-length: %d\r\n\r\n%s')
 RESERVED_FDS = 128            # file descriptors kept for the engine, the model files, the logs
-
-
 BIND_HINTS = {errno.EADDRINUSE: 'another process listens there; stop it or choose another '
                                 'port (--server-port)',
               errno.EADDRNOTAVAIL: 'not an address of this host (--server-name)',
@@ -60,12 +57,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def default_max_connections() -> int:
-    """Open connections the process can hold besides what it needs itself (its soft limit on
-    file descriptors, less a reserve), at most 1024."""
+    """Open connections the process can hold: its file-descriptor soft limit less a reserve."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return 1024
-    return max(16, min(1024, soft - RESERVED_FDS))
+    return 1024 if soft == resource.RLIM_INFINITY else max(16, min(1024, soft - RESERVED_FDS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +77,7 @@ class HttpLimits:
             raise ValueError(f'max_connections={self.max_connections}: must be >= 1')
 
     def protocol(self) -> type:
-        """uvicorn's `http` protocol class with these limits (uvicorn builds one per
-        connection)."""
+        """uvicorn's `http` protocol class with these limits (uvicorn builds one per connection)."""
         return type('LimitedH11Protocol', (LimitedH11Protocol,), {'limits': self})
 
 

@@ -12,8 +12,6 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 logger = logging.getLogger('lmdeploy_lite.serve')
-
-
 CLIENT_DISCONNECTED = 'client_disconnected'     # the body's upload did not finish (499)
 
 
@@ -45,9 +43,8 @@ def error_response(e: RequestError) -> ErrorJSONResponse:
 
 
 def install_error_handlers(app: FastAPI, count: Callable[[str], None]):
-    """`count(outcome)` is called for every request rejected as invalid (400, 413: 'invalid')
-    and for one whose client left before its body was in ('abort', as a client that leaves
-    later)."""
+    """`count(outcome)` is called for every request rejected as invalid (400, 413: 'invalid') and
+    for one whose client left before its body was in ('abort', as a client that leaves later)."""
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, e: RequestError):

@@ -1,16 +1,16 @@
 """Response.logprobs (TokenLogprobs per generated token) in the OpenAI wire formats: chat's
-`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}` and the completions'
-legacy `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
+`{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}` and the completions' legacy
+`{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`.
 
 A token's string is the tokenizer's decoding of that token alone (special tokens spelled out; a
-piece of a multi-byte character decodes to U+FFFD); its `bytes` are the token's own bytes where
-the tokenizer is byte-level BPE (Qwen's: a piece of a character included), else the string's
-UTF-8 bytes. Without a tokenizer (a model served on token ids) a token's string is
-`token_id:<id>`.
+piece of a multi-byte character decodes to U+FFFD); its `bytes` are the token's own bytes where the
+tokenizer is byte-level BPE (Qwen's: a piece of a character included), else the string's UTF-8
+bytes. Without a tokenizer (a model served on token ids) a token's string is `token_id:<id>`.
 """
 from __future__ import annotations
 
 import codecs
+import functools
 import json
 import math
 
@@ -23,9 +23,8 @@ class TokenStrings:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.special_ids = frozenset(getattr(tokenizer, 'all_special_ids', ()) or ())
-        self._strings: dict[int, str] = {}
-        self._bytes: dict[int, bytes] = {}
-        self._heads: dict[int, str] = {}
+        self.text, self.bytes = functools.cache(self._text), functools.cache(self._bytes)
+        self.json_head = functools.cache(self._json_head)
         backend = getattr(tokenizer, 'backend_tokenizer', None)
         self._byte_of = None                # byte-level BPE: the alphabet's char -> byte
         if backend is not None and type(backend.decoder).__name__ == 'ByteLevel':
@@ -33,35 +32,21 @@ class TokenStrings:
             self._byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
             self._added = frozenset(getattr(tokenizer, 'added_tokens_decoder', {}) or {})
 
-    def text(self, token_id: int) -> str:
-        text = self._strings.get(token_id)
-        if text is None:
-            text = self._strings[token_id] = (
-                f'token_id:{token_id}' if self.tokenizer is None else
-                self.tokenizer.decode([token_id], skip_special_tokens=False))
-        return text
+    def _text(self, token_id: int) -> str:
+        return (f'token_id:{token_id}' if self.tokenizer is None
+                else self.tokenizer.decode([token_id], skip_special_tokens=False))
 
-    def bytes(self, token_id: int) -> bytes:
-        raw = self._bytes.get(token_id)
-        if raw is None:
-            raw = None
-            if self._byte_of is not None and token_id not in self._added:
-                piece = self.tokenizer.convert_ids_to_tokens(token_id)
-                if piece and all(c in self._byte_of for c in piece):
-                    raw = bytes(self._byte_of[c] for c in piece)
-            if raw is None:
-                raw = self.text(token_id).encode('utf-8')
-            self._bytes[token_id] = raw
-        return raw
+    def _bytes(self, token_id: int) -> bytes:
+        if self._byte_of is not None and token_id not in self._added:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if piece and all(c in self._byte_of for c in piece):
+                return bytes(self._byte_of[c] for c in piece)
+        return self.text(token_id).encode('utf-8')
 
-    def json_head(self, token_id: int) -> str:
-        """`{"token":...,"bytes":[...],"logprob":` of this token, as JSON text (cached)."""
-        head = self._heads.get(token_id)
-        if head is None:
-            head = self._heads[token_id] = (
-                f'{{"token":{json.dumps(self.text(token_id), ensure_ascii=False)},'
+    def _json_head(self, token_id: int) -> str:
+        """`{"token":...,"bytes":[...],"logprob":` of this token, as JSON text."""
+        return (f'{{"token":{json.dumps(self.text(token_id), ensure_ascii=False)},'
                 f'"bytes":{json.dumps(list(self.bytes(token_id)))},"logprob":')
-        return head
 
 
 def chat_logprobs_json(strings: TokenStrings, entries: list[TokenLogprobs]) -> str:
@@ -92,26 +77,22 @@ class CompletionLogprobs:
     the request skips them)."""
 
     def __init__(self, strings: TokenStrings, skip_special_tokens: bool):
-        self.strings = strings
-        self.skip_special_tokens = skip_special_tokens
+        self.strings, self.skip_special_tokens, self.offset = strings, skip_special_tokens, 0
         self.decoder = codecs.getincrementaldecoder('utf-8')('replace')
-        self.offset = 0
 
     def add(self, entries: list[TokenLogprobs]) -> dict:
         """These entries (the next tokens of the completion) in the legacy format; the top
         dicts hold the top-N and the chosen token, most likely first (-inf: null, as JSON has
         no infinity)."""
-        strings, tokens, offsets = self.strings, [], []
+        strings, offsets, top = self.strings, [], []
         for entry in entries:
-            tokens.append(strings.text(entry.token_id))
             offsets.append(self.offset)
             if not (self.skip_special_tokens and entry.token_id in strings.special_ids):
                 self.offset += len(self.decoder.decode(strings.bytes(entry.token_id)))
-        top = []
-        for entry in entries:           # two ids may share a string: the likelier one's
-            tops: dict[str, float] = {}
+            tops = {}                   # two ids may share a string: the likelier one's
             for token_id, logprob in sorted(entry.items(), key=lambda item: -item[1]):
                 tops.setdefault(strings.text(token_id), _finite(logprob))
             top.append(tops)
-        return {'tokens': tokens, 'token_logprobs': [_finite(e.logprob) for e in entries],
-                'top_logprobs': top, 'text_offset': offsets}
+        return {'tokens': [strings.text(e.token_id) for e in entries],
+                'token_logprobs': [_finite(e.logprob) for e in entries], 'top_logprobs': top,
+                'text_offset': offsets}

@@ -1,85 +1,106 @@
 """Prometheus metrics of the server: per-request figures measured here, engine-wide figures read at
-scrape time.
-
-Engine-wide sources: with the single-process engine, the scheduler (running/waiting, KV blocks,
-cached prefix blocks) and `engine.spec_stats` (every verify step, aborted requests' included). With
-the mp executor (dp > 1) the engine lives in other processes, so the speculative counters add up
-the per-request figures that arrive with every response, and the scheduler gauges are not exported
-rather than guessed; `lmdeploy_lite_num_requests_in_flight` (admitted, not finished) and the
-prefix-cache token counters (from each request's responses) are exact in both modes.
+scrape time. Engine-wide sources: with the single-process engine, the scheduler (running/waiting,
+KV blocks, cached prefix blocks) and `engine.spec_stats` (every verify step, aborted requests'
+included). With the mp executor (dp > 1) the engine lives in other processes, so the speculative
+counters add up the per-request figures that arrive with every response, and the scheduler gauges
+are not exported rather than guessed; `lmdeploy_lite_num_requests_in_flight` (admitted, not
+finished) and the prefix-cache token counters (from each request's responses) are exact in both.
 """
 from __future__ import annotations
 
 import threading
 import time
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram,
-                               disable_created_metrics)
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from lmdeploy_lite.messages import Response, SpecDecodeStats
+from lmdeploy_lite.messages import Response
 
 PREFIX = 'lmdeploy_lite_'
 OUTCOMES = ('stop', 'length', 'abort', 'error', 'invalid')
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+ENGINE_GAUGES = {'num_requests_running': ('num_running', 'Sequences holding KV blocks'),
+                 'num_requests_waiting': ('num_waiting', 'Sequences queued for prefill'),
+                 'kv_blocks_used': ('kv_blocks_used', 'KV cache blocks allocated'),
+                 'kv_blocks_total': ('kv_blocks_total', 'KV cache blocks usable by sequences')}
+SPEC_COUNTERS = {'num_drafts': 'Verify steps with drafts', 'num_draft_tokens':
+                 'Draft tokens proposed', 'num_accepted_tokens': 'Draft tokens accepted'}
 
 
 class ServerMetrics:
+    """Its registry's collector too: `collect` reads the engine-wide figures at scrape time."""
 
     def __init__(self, pipe, num_spec_tokens: int = 0):
-        self.pipe = pipe
-        self.num_spec_tokens = num_spec_tokens
+        self.pipe, self.num_spec_tokens = pipe, num_spec_tokens
         disable_created_metrics()                    # no `_created` series next to each counter
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(PREFIX + 'requests', 'Finished requests by outcome '
-                                '(stop, length, abort: client left or server shut down, error: '
-                                'engine failure, invalid: rejected with 400)', ['outcome'],
-                                registry=r)
+
+        def metric(kind, name: str, text: str, **kwargs):
+            return kind(PREFIX + name, text, registry=self.registry, **kwargs)
+        self.requests = metric(Counter, 'requests', 'Finished requests by outcome (stop, length, '
+                               'abort: client left or server shut down, error: engine failure, '
+                               'invalid: rejected with 400)', labelnames=['outcome'])
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
-        self.prompt_tokens = Counter(PREFIX + 'prompt_tokens', 'Prompt tokens of admitted '
-                                     'requests', registry=r)
-        self.generation_tokens = Counter(PREFIX + 'generation_tokens', 'Generated tokens sent '
-                                         '(counted as each request ends)', registry=r)
-        self.prefix_queried_tokens = Counter(PREFIX + 'prefix_cache_queried_tokens',
-                                             'Prompt tokens looked up in the prefix cache '
-                                             "(counted at each request's first token)", registry=r)
-        self.prefix_hit_tokens = Counter(PREFIX + 'prefix_cache_hit_tokens', 'Prompt tokens '
-                                         'served from the prefix cache', registry=r)
-        self.ttft = Histogram(PREFIX + 'time_to_first_token_seconds', 'Request arrival to first '
-                              'generated token', buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(PREFIX + 'time_per_output_token_seconds', 'Mean time per output '
-                              'token after the first, per request', buckets=TPOT_BUCKETS,
-                              registry=r)
-        self.e2e = Histogram(PREFIX + 'e2e_request_latency_seconds', 'Request arrival to its '
-                             'last token', buckets=TTFT_BUCKETS, registry=r)
-        self._lock = threading.Lock()
-        self.in_flight = 0
-        r.register(_EngineCollector(self))
+        self.prompt_tokens = metric(Counter, 'prompt_tokens', 'Prompt tokens of admitted requests')
+        self.generation_tokens = metric(Counter, 'generation_tokens', 'Generated tokens sent '
+                                        '(counted as each request ends)')
+        self.prefix_queried_tokens = metric(Counter, 'prefix_cache_queried_tokens', 'Prompt '
+                                            'tokens looked up in the prefix cache (counted at '
+                                            "each request's first token)")
+        self.prefix_hit_tokens = metric(Counter, 'prefix_cache_hit_tokens',
+                                        'Prompt tokens served from the prefix cache')
+        self.ttft = metric(Histogram, 'time_to_first_token_seconds', 'Request arrival to first '
+                           'generated token', buckets=TTFT_BUCKETS)
+        self.tpot = metric(Histogram, 'time_per_output_token_seconds', 'Mean time per output '
+                           'token after the first, per request', buckets=TPOT_BUCKETS)
+        self.e2e = metric(Histogram, 'e2e_request_latency_seconds', 'Request arrival to its last '
+                          'token', buckets=TTFT_BUCKETS)
+        self._lock, self.in_flight = threading.Lock(), 0
+        self.registry.register(self)
 
     def track(self, num_prompt_tokens: int) -> 'RequestTracker':
         """One request, or one choice of a request with n choices: its prompt is counted with
         its choice 0 only (the others are tracked with num_prompt_tokens 0)."""
         return RequestTracker(self, num_prompt_tokens)
 
-    def spec_totals(self, stats: SpecDecodeStats) -> SpecDecodeStats:
-        """The engine's counters, one accepted count per draft position up to k."""
-        k = max(self.num_spec_tokens, len(stats.accepted_per_position))
-        stats.accepted_per_position += [0] * (k - len(stats.accepted_per_position))
-        return stats
+    def collect(self):
+        """The gauges and counters read from the engine (or the front-end's sums)."""
+        yield GaugeMetricFamily(PREFIX + 'num_requests_in_flight',
+                                'Requests admitted and not finished', value=self.in_flight)
+        engine = self.pipe.stats()                       # every DP rank, as last reported
+        for name, (attr, text) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(PREFIX + name, text, value=getattr(engine, attr))
+        yield GaugeMetricFamily(PREFIX + 'prefix_cache_cached_blocks', 'KV blocks in the prefix '
+                                'cache', value=engine.num_cached_blocks)
+        yield CounterMetricFamily(PREFIX + 'prefill_tokens', 'Tokens the engine fed in prefill '
+                                  'rows (prompts less what the prefix cache and forked choices '
+                                  'share; recomputes after preemption)',
+                                  value=engine.num_prefill_tokens)
+        stats, per_position = engine.spec, engine.spec.accepted_per_position
+        per_position += [0] * (self.num_spec_tokens - len(per_position))   # one per position to k
+        for attr, text in SPEC_COUNTERS.items():
+            yield CounterMetricFamily(PREFIX + 'spec_decode_' + attr, text,
+                                      value=getattr(stats, attr))
+        accepted = CounterMetricFamily(PREFIX + 'spec_decode_num_accepted_tokens_per_pos', 'Draft '
+                                       'tokens accepted at each draft position (0-based)',
+                                       labels=['position'])
+        for position, count in enumerate(per_position):
+            accepted.add_metric([str(position)], count)
+        yield accepted
+        yield GaugeMetricFamily(PREFIX + 'spec_decode_mean_accepted_length', 'Tokens emitted per '
+                                'verify step, bonus included (1 + accepted / drafts; 0 before the '
+                                'first draft)', value=stats.mean_accepted_length)
 
 
 class RequestTracker:
     """One admitted request: its timing and token counts."""
 
     def __init__(self, metrics: ServerMetrics, num_prompt_tokens: int):
-        self.metrics = metrics
-        self.arrival = time.perf_counter()
+        self.metrics, self.arrival = metrics, time.perf_counter()
         self.first_token_time: float | None = None
-        self.num_generated = 0
-        self.done = False
+        self.num_generated, self.done = 0, False
         self.counts_prompt = num_prompt_tokens > 0
         metrics.prompt_tokens.inc(num_prompt_tokens)
         with metrics._lock:
@@ -111,47 +132,3 @@ class RequestTracker:
             if self.num_generated > 1:
                 m.tpot.observe((self.last_token_time - self.first_token_time)
                                / (self.num_generated - 1))
-
-
-ENGINE_GAUGES = {'num_requests_running': ('num_running', 'Sequences holding KV blocks'),
-                 'num_requests_waiting': ('num_waiting', 'Sequences queued for prefill'),
-                 'kv_blocks_used': ('kv_blocks_used', 'KV cache blocks allocated'),
-                 'kv_blocks_total': ('kv_blocks_total', 'KV cache blocks usable by sequences')}
-
-
-class _EngineCollector:
-    """Gauges and counters read from the engine (or the front-end's sums) at scrape time."""
-
-    def __init__(self, metrics: ServerMetrics):
-        self.metrics = metrics
-
-    def collect(self):
-        m = self.metrics
-        yield GaugeMetricFamily(PREFIX + 'num_requests_in_flight',
-                                'Requests admitted and not finished', value=m.in_flight)
-        engine = m.pipe.stats()                          # every DP rank, as last reported
-        for name, (attr, text) in ENGINE_GAUGES.items():
-            yield GaugeMetricFamily(PREFIX + name, text, value=getattr(engine, attr))
-        yield GaugeMetricFamily(PREFIX + 'prefix_cache_cached_blocks', 'KV blocks in the prefix '
-                                'cache', value=engine.num_cached_blocks)
-        yield CounterMetricFamily(PREFIX + 'prefill_tokens', 'Tokens the engine fed in prefill '
-                                  'rows (prompts less what the prefix cache and forked choices '
-                                  'share; recomputes after preemption)',
-                                  value=engine.num_prefill_tokens)
-        stats = m.spec_totals(engine.spec)
-        yield CounterMetricFamily(PREFIX + 'spec_decode_num_drafts', 'Verify steps with drafts',
-                                  value=stats.num_drafts)
-        yield CounterMetricFamily(PREFIX + 'spec_decode_num_draft_tokens', 'Draft tokens proposed',
-                                  value=stats.num_draft_tokens)
-        yield CounterMetricFamily(PREFIX + 'spec_decode_num_accepted_tokens',
-                                  'Draft tokens accepted', value=stats.num_accepted_tokens)
-        per_position = CounterMetricFamily(PREFIX + 'spec_decode_num_accepted_tokens_per_pos',
-                                           'Draft tokens accepted at each draft position '
-                                           '(0-based)', labels=['position'])
-        for position, count in enumerate(stats.accepted_per_position):
-            per_position.add_metric([str(position)], count)
-        yield per_position
-        yield GaugeMetricFamily(PREFIX + 'spec_decode_mean_accepted_length',
-                                'Tokens emitted per verify step, bonus included '
-                                '(1 + accepted / drafts; 0 before the first draft)',
-                                value=stats.mean_accepted_length)

@@ -1,13 +1,12 @@
-"""OpenAI wire format (the subset we serve), as pydantic models.
-
-Every request field is checked here, once, before anything else sees the request: types are
-strict (`"yes"` is not a bool, `1.5` not an int), numbers finite and inside the range declared on
-their Field, `null` means the default. Each field of OpenAI's request schemas (openai-python's
-CompletionCreateParams, ChatCompletionCreateParams and the message params) is one of three kinds:
-honoured; `no_effect` (it changes nothing we generate: `metadata`, `store`, `user`, ...), type-
-checked and then ignored; or `no_op`, which would change the answer in a way we cannot, accepted
-only at a value that asks for nothing and otherwise a 400 naming it. A field in no schema (a typo)
-is a 400 naming it (`extra='forbid'`).
+"""OpenAI wire format (the subset we serve), as pydantic models. Every request field is checked
+here, once, before anything else sees the request: types are strict (`"yes"` is not a bool, `1.5`
+not an int), numbers finite and inside the range declared on their Field, `null` means the default.
+Each field of OpenAI's request schemas (openai-python's CompletionCreateParams,
+ChatCompletionCreateParams and the message params) is one of three kinds: honoured; `no_effect`
+(it changes nothing we generate: `metadata`, `store`, `user`, ...), type-checked and then ignored;
+or `no_op`, which would change the answer in a way we cannot, accepted only at a value that asks
+for nothing and otherwise a 400 naming it. A field in no schema (a typo) is a 400 naming it
+(`extra='forbid'`).
 """
 import json
 import time
@@ -37,8 +36,7 @@ def random_id(prefix: str) -> str:
 
 def allowed_range(model: type[BaseModel], name: str) -> str | None:
     """'[0, 2]', '(0, 1]', ...: the interval a numeric field's Field(ge/gt/le/lt) allows."""
-    info = model.model_fields.get(name)
-    if info is None:
+    if (info := model.model_fields.get(name)) is None:
         return None
     bounds = {type(bound): bound for bound in info.metadata}
     low = f'[{bounds[Ge].ge}' if Ge in bounds else f'({bounds[Gt].gt}' if Gt in bounds else '(-inf'
@@ -53,17 +51,15 @@ def _json_equal(a, b) -> bool:
 
 
 def no_op(*values, hint: str = '') -> Any:
-    """The type of a field this server does not implement: only null and `values` (which ask
-    for nothing) are accepted, anything else is a 400 naming the field (and `hint`: why, or
-    what to send instead)."""
+    """The type of a field this server does not implement: only null and `values` (which ask for
+    nothing) pass, anything else is a 400 naming the field (and `hint`: why, or what to send)."""
     allowed = ' or '.join(json.dumps(v) for v in (None, *values))
     hint = f'; {hint}' if hint else ''
 
     def check(value):
         if not any(_json_equal(value, v) for v in values):
-            raise PydanticCustomError('unsupported', 'not supported by this server (accepted '
-                                      'only as {allowed}){hint}',
-                                      {'allowed': allowed, 'hint': hint})
+            raise PydanticCustomError('unsupported', 'not supported by this server (accepted only '
+                                      'as {allowed}){hint}', {'allowed': allowed, 'hint': hint})
         return value
     return Annotated[Any, AfterValidator(check),
                      Field(description=f'not supported: accepted only as {allowed} (no effect)')]
@@ -154,11 +150,9 @@ class SamplingRequest(RequestModel):
 
     def generation_config(self, room: int, vocab_size: int, defaults: dict | None = None
                           ) -> GenerationConfig:
-        """The engine's GenerationConfig for this request, `room`: the tokens the session leaves
+        """The engine's GenerationConfig for this request; `room`: the tokens the session leaves
         after the prompt; `defaults`: values for the sampling fields the request omits (the
-        model's generation_config.json). Temperature or top_p under the greedy thresholds mean
-        greedy, a top_k of the vocabulary size or more means off; the logprobs asked for are
-        `num_logprobs`. Raises ValueError ('field=value: reason', the engine's names) as
+        model's generation_config.json). Raises ValueError ('field=value: reason') as
         GenerationConfig does."""
         if defaults:
             self = self.model_copy(update={k: v for k, v in defaults.items()
@@ -211,9 +205,6 @@ class ContentPart(RequestModel):
             raise PydanticCustomError('content_part', "a 'text' part has text, a 'refusal' part "
                                       "has refusal")
         return self
-
-    def value(self) -> str:
-        return self.refusal if self.type == 'refusal' else self.text
 
 
 FunctionName = Annotated[str, Field(pattern=r'^[A-Za-z0-9_.:-]{1,64}$',
@@ -281,23 +272,21 @@ class ChatMessage(RequestModel):
             raise PydanticCustomError('role', message)
         return value
 
-    def template_role(self) -> str:
-        return 'system' if self.role == 'developer' else self.role
-
     def template_message(self) -> dict:
         """As the chat template takes it: text content, tool call arguments as dicts."""
         calls = [{'id': call.id, 'type': 'function', 'function': {
             'name': call.function.name, 'arguments': json.loads(call.function.arguments)}}
             for call in self.tool_calls or ()]
-        message = {'role': self.template_role(), 'content': self.text(), 'name': self.name,
-                   'tool_calls': calls or None, 'tool_call_id': self.tool_call_id}
+        message = {'role': 'system' if self.role == 'developer' else self.role,
+                   'content': self.text(), 'name': self.name, 'tool_calls': calls or None,
+                   'tool_call_id': self.tool_call_id}
         return {key: value for key, value in message.items() if value is not None}
 
     def text(self) -> str:
         """Content as one string (a list of parts joins their text); no content: the refusal."""
         if self.content is None or isinstance(self.content, str):
             return self.content or self.refusal or ''
-        return ''.join(part.value() for part in self.content)
+        return ''.join(p.refusal if p.type == 'refusal' else p.text for p in self.content)
 
 
 class FunctionDefinition(RequestModel):
@@ -324,15 +313,14 @@ class Tool(RequestModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32, description='default: what '
-                                   'session_len leaves after the prompt; more than that is '
-                                   'rejected')
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32, description='default: what session_'
+                                   'len leaves after the prompt; more than that is rejected')
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32,
                                               description='max_tokens by its newer name')
     logprobs: bool = Field(False, description="each output token's log-probability")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
-                                     description='the most likely tokens returned with each '
-                                                 'output token (needs logprobs: true)')
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description='the most likely '
+                                     'tokens returned with each output token (needs logprobs: '
+                                     'true)')
     tools: list[Tool] | None = Field(None, description='shown to the model by the chat template')
     tool_choice: Literal['none', 'auto'] | None = Field(
         None, description='"auto" (the default with tools): calls in the output come back as '
@@ -378,7 +366,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     @property
     def num_logprobs(self) -> int | None:
-        """GenerationConfig.logprobs: the top-N to return, None for no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator('tool_choice', mode='before')

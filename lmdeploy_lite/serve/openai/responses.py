@@ -1,12 +1,11 @@
 """What the server sends, as JSON text written without pydantic: the OpenAI documents of
-/v1/completions and /v1/chat/completions, whole or as stream chunks, field for field in the
-order OpenAI's reference (and pydantic) writes them, every field present, null included
-(tests/serve/test_responses.py pins each shape).
-
-A response is one template per request (`Document`: id, object, created, model) around its
-choices and usage, so a streamed chunk costs a few string joins and one C-level escape of its
-text, not a tree of models built and dumped per token (~1 us a chunk with its SSE framing and
-metrics, where pydantic's path took ~16; `benchmarks/bench_serve.py --frontend-cpu`).
+/v1/completions and /v1/chat/completions, whole or as stream chunks, field for field in the order
+OpenAI's reference (and pydantic) writes them, every field present, null included
+(tests/serve/test_responses.py pins each shape). A response is one template per request
+(`Document`: id, object, created, model) around its choices and usage, so a streamed chunk costs a
+few string joins and one C-level escape of its text, not a tree of models built and dumped per
+token (~1 us a chunk with its SSE framing and metrics, where pydantic's path took ~16;
+`benchmarks/bench_serve.py --frontend-cpu`).
 """
 from __future__ import annotations
 
@@ -35,9 +34,8 @@ def event(data: str) -> bytes:
 
 
 class Document:
-    """The JSON text of one response or chunk of request `rid`: `object` names its kind
-    ('text_completion', 'chat.completion', 'chat.completion.chunk'); `created` is the
-    request's, on every chunk."""
+    """The JSON text of one response or chunk of request `rid`, of kind `object` ('text_completion',
+    'chat.completion', 'chat.completion.chunk'); `created` is the request's, on every chunk."""
 
     def __init__(self, object: str, rid: str, model: str):
         self.head = (f'{{"id":{dumps(rid)},"object":"{object}","created":{int(time.time())},'
@@ -50,10 +48,8 @@ class Document:
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None = None,
-                      logprobs: dict | None = None, hidden_states_path: str | None = None
-                      ) -> str:
-    """`hidden_states_path` (extension, extract_hidden_states): the file holding the choice's
-    hidden states, on its last response."""
+                      logprobs: dict | None = None, hidden_states_path: str | None = None) -> str:
+    """`hidden_states_path` (extract_hidden_states): the choice's hidden-states file, last chunk."""
     return (f'{{"index":{index},"text":{dumps(text)},'
             f'"logprobs":{"null" if logprobs is None else dumps(logprobs)},'
             f'"finish_reason":{string(finish_reason)},'
@@ -95,16 +91,13 @@ def usage(lasts: list[Response | None], prompts: list[list[int]]) -> dict:
     n, done = len(lasts) // len(prompts), [r for r in lasts if r is not None]
     num_prompt = sum(len(ids) for ids in prompts)
     completion = sum(r.generate_token_len for r in done)
-    spec = None
-    if any(r.spec_stats is not None for r in done):
-        s = SpecDecodeStats()
-        for r in done:
-            if r.spec_stats is not None:
-                s.merge(r.spec_stats)
-        spec = {'num_drafts': s.num_drafts, 'num_draft_tokens': s.num_draft_tokens,
-                'num_accepted_tokens': s.num_accepted_tokens,
-                'accepted_per_position': list(s.accepted_per_position),
-                'mean_accepted_length': s.mean_accepted_length}
+    spec_stats, s = [r.spec_stats for r in done if r.spec_stats is not None], SpecDecodeStats()
+    for stats in spec_stats:
+        s.merge(stats)
+    spec = {'num_drafts': s.num_drafts, 'num_draft_tokens': s.num_draft_tokens,
+            'num_accepted_tokens': s.num_accepted_tokens,
+            'accepted_per_position': list(s.accepted_per_position),
+            'mean_accepted_length': s.mean_accepted_length} if spec_stats else None
     cached = sum(r.num_cached_tokens for r in lasts[::n] if r is not None)
     return {'prompt_tokens': num_prompt, 'completion_tokens': completion,
             'total_tokens': num_prompt + completion,

@@ -1,10 +1,9 @@
 """Running one checked request: its choices through the pipeline with their metrics, to the end
-(`run_to_end`) or as server-sent events (`stream`, written by responses.py).
-
-A request runs n choices of each of its prompts (chat: one prompt); choice `index` =
-prompt_index * n + i, as OpenAI numbers them. Each choice has its own RequestTracker (the prompt
-counted once, with its choice 0). A client that goes away ends its generator, which aborts every
-unfinished choice and frees its cache (`Pipeline.generate_ids`).
+(`run_to_end`) or as server-sent events (`stream`, written by responses.py). A request runs n
+choices of each of its prompts (chat: one prompt); choice `index` = prompt_index * n + i, as
+OpenAI numbers them. Each choice has its own RequestTracker (the prompt counted once, with its
+choice 0). A client that goes away ends its generator, which aborts every unfinished choice and
+frees its cache (`Pipeline.generate_ids`).
 """
 from __future__ import annotations
 
@@ -25,19 +24,17 @@ from lmdeploy_lite.serve.openai.responses import CompletionChunks, dumps, event,
 
 logger = logging.getLogger('lmdeploy_lite.serve')
 
-STREAM_SHUTDOWN_GRACE_S = 5.0          # a stream's time to end itself once shutdown begins
-DISCONNECT_CHECK_S = 0.25             # how often a non-streamed request asks whether its client left
+STREAM_SHUTDOWN_GRACE_S = 5.0        # a stream's time to end itself once shutdown begins
+DISCONNECT_CHECK_S = 0.25           # how often a non-streamed request asks whether its client left
 GENERATION_FAILED = 'generation failed for this request; the server log has the details'
 ENGINE_STOPPED = 'the engine stopped after an error; the server is shutting down'
-
 
 
 def engine_error(e: Exception | None = None) -> RequestError:
     """What a client is told when its generation failed (the details go to the log only)."""
     if e is not None:
         logger.error('generation failed: %s', e)
-    return RequestError(GENERATION_FAILED, status=500, type='internal_error',
-                        code='generation_failed')
+    return RequestError(GENERATION_FAILED, None, 'generation_failed', 500, 'internal_error')
 
 
 def track(ctx: ServerContext, prompts: list[list[int]], n: int) -> list[RequestTracker]:
@@ -53,8 +50,7 @@ async def generate(ctx: ServerContext, prompts: list[list[int]], gen_config: Gen
     (looked at most every DISCONNECT_CHECK_S). Closing or cancelling this generator aborts
     every unfinished choice (aclosing makes that immediate). An engine failure raises
     RequestError (500, or 503 once the engine is dead)."""
-    outcomes = ['abort'] * len(trackers)
-    next_check = 0.0
+    outcomes, next_check = ['abort'] * len(trackers), 0.0
     try:
         async with aclosing(ctx.pipe.generate_ids(prompts, gen_config, stream_text,
                                                   request_id)) as responses:
@@ -71,8 +67,7 @@ async def generate(ctx: ServerContext, prompts: list[list[int]], gen_config: Gen
     except Exception as e:
         outcomes = ['error' if o == 'abort' else o for o in outcomes]
         if ctx.pipe.error is not None:
-            raise RequestError(ENGINE_STOPPED, status=503, type='internal_error',
-                               code='engine_stopped') from e
+            raise RequestError(ENGINE_STOPPED, None, 'engine_stopped', 503, 'internal_error') from e
         raise engine_error(e) from e
     finally:
         for tracker, outcome in zip(trackers, outcomes):
@@ -82,14 +77,11 @@ async def generate(ctx: ServerContext, prompts: list[list[int]], gen_config: Gen
 async def run_to_end(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
                      request: Request, request_id: str
                      ) -> tuple[list[str], list[Response | None], list[list]]:
-    """Every choice's text, last response and logprobs (TokenLogprobs of every token: empty
-    unless asked)."""
-    num_choices = len(prompts) * gen_config.n
-    texts, lasts = [''] * num_choices, [None] * num_choices
-    logprobs = [[] for _ in range(num_choices)]
+    """Every choice's text, last response and logprobs (each token's TokenLogprobs, if asked)."""
+    choices = len(prompts) * gen_config.n
+    texts, lasts, logprobs = [''] * choices, [None] * choices, [[] for _ in range(choices)]
     async with aclosing(generate(ctx, prompts, gen_config, track(ctx, prompts, gen_config.n),
-                                 request, stream_text=False,
-                                 request_id=request_id)) as responses:
+                                 request, stream_text=False, request_id=request_id)) as responses:
         async for r in responses:
             texts[r.index] += r.text
             logprobs[r.index] += r.logprobs or ()
@@ -100,19 +92,14 @@ async def run_to_end(ctx: ServerContext, prompts: list[list[int]], gen_config: G
 
 
 def stream(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
-           chunks: CompletionChunks, include_usage: bool, request_id: str
-           ) -> EventSourceResponse:
-    """The request's chunks as server-sent events, written by `chunks` (responses.py: each
-    choice's opening, its deltas, the usage chunk when `include_usage`). A choice's chunk
-    carries every token of the engine steps since its last one: one per step while the client
-    keeps up, the steps it missed in one once it falls behind (`Pipeline.generate_ids`
-    coalesces what waits, and this generator is pulled only when the last event was sent), so
-    a slow client holds no backlog of events. Logprobs (a request that asked for them) go with
-    the chunk that carries their tokens' text; a choice's last chunk carries its hidden-states
-    file's path (extract_hidden_states; `request_id` names it, see Pipeline.generate_ids). On
-    server shutdown the stream is aborted and each unfinished choice ends with finish_reason
-    'abort', then [DONE]; a failed generation ends with finish_reason 'error', an error event
-    and [DONE]."""
+           chunks: CompletionChunks, include_usage: bool, request_id: str) -> EventSourceResponse:
+    """The request's chunks as server-sent events, written by `chunks` (responses.py: openings,
+    deltas, usage when `include_usage`). A chunk carries a choice's tokens of every engine step
+    since its last one (`Pipeline.generate_ids` coalesces what waits while the client is behind),
+    so a slow client holds no backlog; logprobs go with their tokens' text, the last chunk
+    carries the hidden-states path (`request_id` names the file). Shutdown: each unfinished choice
+    ends with finish_reason 'abort', then [DONE]; a failed generation: finish_reason 'error', an
+    error event, [DONE]."""
     shutdown = anyio.Event()                 # set by sse-starlette when uvicorn shuts down
     events = _events(ctx, prompts, gen_config, chunks, include_usage, request_id, shutdown)
     return EventSourceResponse(events, sep='\n', shutdown_event=shutdown,
@@ -122,12 +109,11 @@ def stream(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationC
 async def _events(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
                   chunks: CompletionChunks, include_usage: bool, request_id: str,
                   shutdown: anyio.Event) -> AsyncIterator[bytes]:
-    """The events of `stream`."""
     num_choices = len(prompts) * gen_config.n
     lasts: list[Response | None] = [None] * num_choices
     trackers = track(ctx, prompts, gen_config.n)
     asked = gen_config.logprobs is not None
-    unsent = [[] if asked else None for _ in range(num_choices)]     # logprobs
+    unsent = [[] for _ in range(num_choices)]     # each choice's logprobs not sent yet
     try:
         for opening in map(chunks.opening, range(num_choices)):
             if opening is not None:
@@ -136,14 +122,13 @@ async def _events(ctx: ServerContext, prompts: list[list[int]], gen_config: Gene
                                      request_id=request_id)) as responses:
             async for r in responses:
                 lasts[r.index] = r
-                if asked:
-                    unsent[r.index] += r.logprobs or ()
+                unsent[r.index] += r.logprobs or ()
                 if r.text or r.finish_reason:
-                    chunk = chunks.delta(r.index, r.text, r.finish_reason, unsent[r.index],
-                                         r.hidden_states_path)
+                    chunk = chunks.delta(r.index, r.text, r.finish_reason,
+                                         unsent[r.index] if asked else None, r.hidden_states_path)
                     if chunk is not None:           # None: all its text held back
                         yield event(chunk)
-                        unsent[r.index] = [] if asked else None
+                        unsent[r.index] = []
                 if shutdown.is_set() and r.finish_reason is None:
                     break
         for index, last in enumerate(lasts):

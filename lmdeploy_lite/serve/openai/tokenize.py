@@ -10,15 +10,9 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmdeploy_lite.serve.openai.body import parse_request, render
-from lmdeploy_lite.serve.openai.checks import ServerContext, check_model, encode
+from lmdeploy_lite.serve.openai.checks import ServerContext, TemplateError, check_model, encode
 from lmdeploy_lite.serve.openai.errors import RequestError
 from lmdeploy_lite.serve.openai.protocol import MAX_INT32, ChatMessage, RequestModel, Tool
-
-try:
-    from jinja2 import TemplateError
-except ImportError:
-    class TemplateError(Exception):
-        """Never raised: without jinja2 there are no chat templates."""
 
 
 class TokenizeRequest(RequestModel):

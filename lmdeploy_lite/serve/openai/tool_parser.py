@@ -1,7 +1,5 @@
-"""Qwen3.5's tool calls in generated text -> OpenAI `tool_calls`.
-
-The block is the one Qwen3.5's chat template teaches the model (and writes back for the calls in
-the history):
+"""Qwen3.5's tool calls in generated text -> OpenAI `tool_calls`. The block is the one Qwen3.5's
+chat template teaches the model (and writes back for the calls in the history):
 
     <tool_call>
     <function=get_weather>
@@ -12,19 +10,17 @@ the history):
     </tool_call>
 
 A parameter's value is the text between its tags less one newline at each end, read by the type
-the tool's JSON schema declares for it: `string` as it is; `integer`, `number`, `boolean`, `null`,
-`object` and `array` (and a schema without a type) as JSON, `True`/`False`/`None` too (the
-template writes non-JSON values with Python's spelling); text that does not read as the declared
-type stays a string, and so do parameters the schema does not declare (as vLLM's qwen3_coder
-parser). That is the template's inverse: it writes strings as they are and the rest as JSON.
+its tool's JSON schema declares: `string` as it is; the other types (and a schema without a type)
+as JSON, `True`/`False`/`None` too (the template writes non-JSON values with Python's spelling);
+text that does not read as the declared type stays a string, as do parameters the schema does not
+declare (as vLLM's qwen3_coder parser): the template's inverse, which writes strings as they are.
 
 A block without exactly that shape (no function, text between the parameters, a parameter left
 open or given twice, a block left open when the output ends) stays in the text. Parsed blocks
-leave the text with the whitespace around them: the text before and after them is joined by the
-whitespace that preceded the first of them, and none is left at the start or the end (the
-template puts "\\n\\n" before the first call and "\\n" between calls). `ToolCallParser` works
-incrementally and hands out only what is final, so any split of the output into chunks gives the
-same content and calls as the whole output at once.
+leave with the whitespace around them: the text before and after is joined by the whitespace
+that preceded the first of them, none left at the start or the end (the template puts "\\n\\n"
+before the first call and "\\n" between calls). `ToolCallParser` is incremental and hands out
+only what is final, so any split of the output into chunks gives the same as the whole at once.
 """
 from __future__ import annotations
 
@@ -50,10 +46,6 @@ class ToolCall:
     arguments: str             # a JSON object
 
 
-def new_call_id() -> str:
-    return f'call_{uuid.uuid4().hex[:24]}'
-
-
 def parameter_schemas(tools: list[dict] | None) -> dict[str, dict]:
     """{function name: {parameter name: its JSON schema}} of OpenAI tool definitions."""
     schemas = {}
@@ -72,8 +64,7 @@ def read_value(text: str, schema: dict | None):
     kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
     if 'string' in kinds:
         return text
-    spelled = PYTHON_SPELLINGS.get(text.strip())
-    if spelled is not None and spelled[0] in kinds:
+    if (spelled := PYTHON_SPELLINGS.get(text.strip())) is not None and spelled[0] in kinds:
         return spelled[1]
     try:
         value = json.loads(text)
@@ -94,22 +85,17 @@ def read_value(text: str, schema: dict | None):
 
 
 def _is_finite(value) -> bool:
-    """False for JSON holding what Python reads as inf or nan (1e999, NaN): json.dumps would
-    write them as invalid JSON."""
+    """False for JSON Python reads as inf or nan (1e999, NaN): json.dumps would write bad JSON."""
     if isinstance(value, float):
         return math.isfinite(value)
-    if isinstance(value, dict):
-        return all(_is_finite(v) for v in value.values())
-    if isinstance(value, list):
-        return all(_is_finite(v) for v in value)
-    return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return all(_is_finite(v) for v in items)
 
 
 def parse_block(inner: str, schemas: dict[str, dict]) -> tuple[str, dict] | None:
     """(function name, arguments) of the text between <tool_call> and </tool_call>, or None
     when it is not one well-formed function call."""
-    match = FUNCTION.fullmatch(inner)
-    if match is None or OPEN in inner:
+    if (match := FUNCTION.fullmatch(inner)) is None or OPEN in inner:
         return None
     name, body = match.groups()
     properties = schemas.get(name, {})
@@ -121,9 +107,7 @@ def parse_block(inner: str, schemas: dict[str, dict]) -> tuple[str, dict] | None
         arguments[key] = read_value(text.removeprefix('\n').removesuffix('\n'),
                                     properties.get(key))
         pos = parameter.end()
-    if body[pos:].strip():
-        return None
-    return name, arguments
+    return None if body[pos:].strip() else (name, arguments)
 
 
 class ToolCallParser:
@@ -133,9 +117,7 @@ class ToolCallParser:
     false, as vLLM)."""
 
     def __init__(self, tools: list[dict] | None, max_calls: int | None = None):
-        self.schemas = parameter_schemas(tools)
-        self.max_calls = max_calls
-        self.num_calls = 0
+        self.schemas, self.max_calls, self.num_calls = parameter_schemas(tools), max_calls, 0
         self.text = ''                 # the output from the first character not handed out
         self.search = 0                # where the next block start may be in self.text
         self.after_call = False        # no text since the last parsed block
@@ -145,8 +127,7 @@ class ToolCallParser:
     def feed(self, text: str, final: bool = False) -> tuple[str, list[ToolCall]]:
         """`final`: the output ends here; whatever is held back comes out as text."""
         self.text += text
-        out, calls, pos = [], [], 0
-        waiting = -1                   # the start of a block not closed yet
+        out, calls, pos, waiting = [], [], 0, -1      # waiting: the start of a block not closed
         while (start := self.text.find(OPEN, self.search)) >= 0:
             end = self.text.find(CLOSE, start + len(OPEN))
             if end < 0:
@@ -166,7 +147,7 @@ class ToolCallParser:
             pos, self.after_call, self.space = self.search, True, space
             if self.max_calls is None or self.num_calls < self.max_calls:
                 name, arguments = parsed
-                calls.append(ToolCall(self.num_calls, new_call_id(), name,
+                calls.append(ToolCall(self.num_calls, f'call_{uuid.uuid4().hex[:24]}', name,
                                       json.dumps(arguments, ensure_ascii=False)))
                 self.num_calls += 1
         if final:
@@ -193,10 +174,8 @@ class ToolCallParser:
 
 def _partial_open(text: str) -> int:
     """The length of the longest end of `text` that is a proper prefix of OPEN."""
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:n]):
-            return n
-    return 0
+    return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1)
+                 if text.endswith(OPEN[:n])), 0)
 
 
 def parse_tool_calls(text: str, tools: list[dict] | None, max_calls: int | None = None
