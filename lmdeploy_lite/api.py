@@ -286,23 +286,18 @@ class Pipeline:
                 for _, item in items:
                     if isinstance(item, BaseException):
                         raise item
-                if cumulative:
-                    for i, item in items:
-                        streams[i].token_ids += item.new_token_ids
-                        if asked:
-                            entries[i] += token_logprobs(item.new_token_ids, item.logprobs)
-                    items = [(i, item) for i, item in items if item.finished]
-                deltas = detokenize(self._decode, [
-                    (streams[i], [] if cumulative else item.new_token_ids, item.finished)
-                    for i, item in items])
-                for (i, item), delta in zip(items, deltas):
+                deltas = detokenize(self._decode, [(streams[i], item.new_token_ids, item.finished)
+                                                   for i, item in items])
+                for (i, item), delta in zip(items, deltas):     # cumulative: text at the end only
                     remaining -= item.finished
-                    s = streams[i]
-                    logprobs = (None if not asked else list(entries[i]) if cumulative
-                                else token_logprobs(item.new_token_ids, item.logprobs))
-                    r = self._response(i, item, token_lists[i // n],
-                                       s.text[:s.sent] if cumulative else delta,
-                                       s.token_ids if cumulative else item.new_token_ids, logprobs)
+                    ids = item.new_token_ids
+                    logprobs = token_logprobs(ids, item.logprobs) if asked else None
+                    if cumulative:
+                        entries[i] += logprobs or []
+                        if not item.finished:
+                            continue
+                        ids, logprobs = streams[i].token_ids, list(entries[i]) if asked else None
+                    r = self._response(i, item, token_lists[i // n], delta, ids, logprobs)
                     if thoughts[i] is not None:
                         r.reasoning_content, r.text = thoughts[i].feed(r.text, item.finished)
                     yield r
