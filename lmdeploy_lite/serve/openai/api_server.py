@@ -13,13 +13,12 @@ and the server shuts itself down (`serve` returns 1).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 import socket
 import sys
 import threading
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Callable
 
 import uvicorn
@@ -57,14 +56,13 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                allowed_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
                sampling_defaults: dict | None = None) -> FastAPI:
     """The app of one pipeline: its routes are the functions below over one ServerContext.
-    `on_engine_failure()` is called once the engine has died for good (serve: shut down);
-    `limits`: what requests may ask (checks.py; max_concurrent None: no limit, admission.py);
-    `bound_host`: the address the server listens on: a loopback one turns the Host guard on
-    (auth.py), which lets `allowed_hosts` through besides loopback hosts; `allow_origins`: the
-    web origins whose pages may call the server (CORS; '*': any), outermost, so that a
-    preflight needs no API key and every answer, errors included, carries the headers.
-    `sampling_defaults`: what a request that omits a sampling field gets (the model's
-    generation_config.json; None: the OpenAI defaults)."""
+    `on_engine_failure()` is called once the engine has died for good (serve: shut down); `limits`:
+    what requests may ask (checks.py; max_concurrent None: no limit, admission.py); `bound_host`:
+    the address the server listens on: a loopback one turns the Host guard on (auth.py), which lets
+    `allowed_hosts` through besides loopback hosts; `allow_origins`: the web origins whose pages may
+    call the server (CORS; '*': any), outermost, so that a preflight needs no API key and every
+    answer, errors included, carries the headers. `sampling_defaults`: what a request that omits a
+    sampling field gets (the model's generation_config.json; None: the OpenAI defaults)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -216,7 +214,7 @@ class _Server(uvicorn.Server):
     """uvicorn's server, except that it does not re-raise SIGINT/SIGTERM once it has shut down:
     both signals mean the same graceful shutdown, after which `serve` returns 0."""
 
-    @contextlib.contextmanager
+    @contextmanager
     def capture_signals(self):
         main = threading.current_thread() is threading.main_thread()
         saved = {sig: signal.signal(sig, self.handle_exit)
@@ -238,15 +236,15 @@ def server_config(app, host: str, port: int, log_level: str, graceful_timeout_s:
 
 def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
-          num_spec_tokens: int = 0, graceful_timeout_s: float = 10.0,
-          limits: ServerLimits = ServerLimits(), allowed_hosts: tuple[str, ...] = (),
-          http_limits: HttpLimits | None = None, allow_origins: tuple[str, ...] = (),
-          sock: socket.socket | None = None, sampling_defaults: dict | None = None) -> int:
+          graceful_timeout_s: float = 10.0, limits: ServerLimits = ServerLimits(),
+          http_limits: HttpLimits | None = None, sock: socket.socket | None = None,
+          **app_options) -> int:
     """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
     `limits`: what requests may ask (checks.py; a concurrency limit not given is sized from the
     engine's capacity); `http_limits`: what one connection may hold (connections.py; None: the
-    defaults); `allow_origins`, `sampling_defaults`: see create_app; `sock`: host:port already
-    bound (`bind_socket`, which the CLI calls before it loads the model; None: bound here).
+    defaults); `sock`: host:port already bound (`bind_socket`, which the CLI calls before it loads
+    the model; None: bound here); `app_options`: create_app's (num_spec_tokens, allowed_hosts,
+    allow_origins, sampling_defaults).
 
     Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
     finish_reason 'abort' (their requests aborted), what is left after `graceful_timeout_s` is
@@ -254,11 +252,9 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
     when the engine died (every open request ended with an error), 3 when the server could not
     start (as uvicorn)."""
     server: _Server | None = None
-    app = create_app(pipe, model_name, api_keys, num_spec_tokens,
-                     lambda: setattr(server, 'should_exit', True),
-                     limits.sized_for(pipe.capacity), bound_host=host,
-                     allowed_hosts=allowed_hosts, allow_origins=allow_origins,
-                     sampling_defaults=sampling_defaults)
+    app = create_app(pipe, model_name, api_keys, limits=limits.sized_for(pipe.capacity),
+                     on_engine_failure=lambda: setattr(server, 'should_exit', True),
+                     bound_host=host, **app_options)
     server = _Server(server_config(app, host, port, log_level, graceful_timeout_s,
                                    http_limits or HttpLimits()))
     try:

@@ -124,8 +124,7 @@ class SamplingRequest(RequestModel):
         None, description='{"token id": bias in [-100, 100]} added to those logits')
     min_p: float = Field(0.0, ge=0, le=1, description="sampling keeps tokens with at least "
                                                       "min_p x the top token's probability")
-    min_tokens: int = Field(0, ge=0, le=MAX_INT32, description='no stop id before this many '
-                                                               'tokens')
+    min_tokens: int = Field(0, ge=0, le=MAX_INT32, description='no stop id before this many tokens')
 
     default_max_tokens: ClassVar[int | None] = None     # None: what the session leaves
 
