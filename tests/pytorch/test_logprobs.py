@@ -82,7 +82,17 @@ def test_float64_logprobs_are_transformers_log_softmax(tiny_ckpt):
         for chunk in pipe.stream_infer(PROMPTS, greedy):
             assert len(chunk.logprobs) == len(chunk.token_ids)
             streamed[chunk.index] += chunk.logprobs
-        assert streamed == [r.logprobs for r in pipe(PROMPTS, greedy)]
+        # the same tokens and logprobs; float64 values within 1e-9, as against transformers: a
+        # stream's prompts may be admitted over two steps under load, and a different batch
+        # composition changes float64 GEMMs in the last bits
+        batched = [r.logprobs for r in pipe(PROMPTS, greedy)]
+        for mine, theirs in zip(streamed, batched, strict=True):
+            assert [(e.token_id, list(e.top_logprobs)) for e in mine] == \
+                [(e.token_id, list(e.top_logprobs)) for e in theirs]
+            for a, b in zip(mine, theirs):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-9, rel=0)
+                assert list(a.top_logprobs.values()) == pytest.approx(
+                    list(b.top_logprobs.values()), abs=1e-9, rel=0)
         assert pipe(PROMPTS[0], GenerationConfig(max_new_tokens=2)).logprobs is None
 
 
