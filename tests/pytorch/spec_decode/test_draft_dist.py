@@ -26,6 +26,7 @@ from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext, DraftDistContext
 from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.engine.cache_plan import plan_cache
+from lmdeploy_lite.pytorch.engine.executor.mp import rank_context
 from lmdeploy_lite.pytorch.models.loader import load_mtp_state_dict
 from lmdeploy_lite.pytorch.spec_decode.build import (check_speculative_config, draft_dist_config,
                                                      draft_footprint)
@@ -86,7 +87,9 @@ def _sub_group_rank(rank: int, init_file: str, results):
 @pytest.mark.timeout(90)
 def test_draft_tp_sub_groups_of_a_tp4_group():
     start = time.monotonic()
-    mp = multiprocessing.get_context('spawn')
+    # the mp executor's fork server (torch imported once): a spawned rank spends seconds
+    # importing torch, four of them on two cores most of this test's time
+    mp = rank_context()
     results = mp.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, 'init')
