@@ -22,12 +22,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.cache_engine import CacheEngine
-from lmdeploy_lite.pytorch.engine.executor.mp import free_port
+from lmdeploy_lite.pytorch.engine.executor.mp import free_port, rank_context
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.models.loader import build_model
@@ -176,12 +175,14 @@ def _rank_main(rank: int, ports: dict, path: str, results):
 
 @pytest.fixture(scope='module')
 def rank_results(tmp_path_factory):
-    """{layout: {rank: run_rank result}} from two spawned ranks, and the checkpoint path."""
+    """{layout: {rank: run_rank result}} from two rank processes, and the checkpoint path. The
+    processes come from the mp executor's fork server (torch imported once): a spawned one
+    spends seconds importing torch."""
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp('ep_sizes')), moe=True)
-    spawn = mp.get_context('spawn')
-    results = spawn.Queue()
+    ctx = rank_context()
+    results = ctx.Queue()
     ports = {name: free_port() for name in LAYOUTS}
-    procs = [spawn.Process(target=_rank_main, args=(r, ports, path, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(r, ports, path, results), daemon=True)
              for r in range(2)]
     for p in procs:
         p.start()
