@@ -18,11 +18,11 @@ import traceback
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from lmdeploy_lite.messages import SpeculativeConfig
 from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
+from lmdeploy_lite.pytorch.engine.executor.mp import rank_context
 from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.models.loader import build_model, load_mtp_weights, load_weights
@@ -144,21 +144,23 @@ def _pool_worker(inbox, outbox):
 
 
 class RankPool:
-    """Processes (spawn, gloo) that run the ranks of one layout after another, each layout in a
-    fresh process group: a new process spends seconds importing torch, a layout's steps a tenth
-    of one. Process r runs rank r. A layout whose ranks raise leaves the pool usable; one that
-    hangs or loses a process ends it (killed), and the next layout starts a new one."""
+    """Processes (gloo) that run the ranks of one layout after another, each layout in a fresh
+    process group: a new process spends seconds importing torch, a layout's steps a tenth of
+    one (so they come from the mp executor's fork server, which imported torch once, rather
+    than being spawned). Process r runs rank r. A layout whose ranks raise leaves the pool
+    usable; one that hangs or loses a process ends it (killed), and the next layout starts a
+    new one."""
 
     def __init__(self):
         self.procs, self.inboxes, self.outbox = [], [], None
 
     def _grow(self, size: int):
-        spawn = mp.get_context('spawn')
+        ctx = rank_context()
         if self.outbox is None:
-            self.outbox = spawn.Queue()
+            self.outbox = ctx.Queue()
         while len(self.procs) < size:
-            inbox = spawn.Queue()
-            proc = spawn.Process(target=_pool_worker, args=(inbox, self.outbox), daemon=True)
+            inbox = ctx.Queue()
+            proc = ctx.Process(target=_pool_worker, args=(inbox, self.outbox), daemon=True)
             proc.start()
             self.procs.append(proc)
             self.inboxes.append(inbox)
