@@ -172,13 +172,16 @@ def test_embedded_mtp_draft_kv_from_the_cache_is_a_fresh_prefills():
 
     answers = {}
 
-    def answer_of(prompt):
-        if tuple(prompt) not in answers:
-            answers[tuple(prompt)] = plain.generate([list(prompt)],
-                                                    accepting.GREEDY)[0].generated_ids
-        return answers[tuple(prompt)]
+    def answer_of(*prompts):
+        """Plain greedy answers, the prompts not yet answered run together in one batch (the
+        tokens a prompt gets alone: test_engine.py's alone-vs-batched check)."""
+        todo = list(dict.fromkeys(tuple(p) for p in prompts if tuple(p) not in answers))
+        if todo:
+            seqs = plain.generate([list(p) for p in todo], accepting.GREEDY)
+            answers.update((p, s.generated_ids) for p, s in zip(todo, seqs))
+        return [answers[tuple(p)] for p in prompts]
     p0, p1, p2, p3 = (list(p) for p in accepting.prompts())
-    a0, a3 = answer_of(p0), answer_of(p3)
+    a0, a3 = answer_of(p0, p3)
     chat = p0 + a0 + p1                                     # 40 tokens, prompt end point 36
     sequential = [
         p0, chat, p0 + a0[:13] + p2, list(chat),
@@ -187,10 +190,11 @@ def test_embedded_mtp_draft_kv_from_the_cache_is_a_fresh_prefills():
         # 12 tokens of the one before, then another: a block key without the next token would
         # reuse a draft KV entry computed from a3[4] (and its accepted counts would differ)
         p3 + a3[:4] + p0,
-        chat + answer_of(chat)[:9],
     ]
     batch = [p0 + a0[:13] + p3, list(chat), p3 + a3[:6] + p1, p0[:8] + p1]
-    want = [answer_of(p) for p in sequential + batch]
+    answer_of(*sequential, *batch)
+    sequential.append(chat + answer_of(chat)[0][:9])
+    want = answer_of(*sequential, *batch)
     runs = {}
     for caching in (True, False):
         engine = build_engine(accepting.model_dir(),
