@@ -34,7 +34,11 @@ def test_greedy_equals_transformers_generate(moe, reference):
 
 
 @pytest.mark.parametrize('moe', [False, True])
-@pytest.mark.parametrize('layout', ['plain', 'multimodal'])
+# the multimodal layout is not a case of its own here (strictly redundant): `reference` is the
+# engine on the multimodal layout (batched), so the plain layout's alone, chunked and preempted
+# runs equal to it show both layouts give the same tokens, and what follows the load does not
+# depend on the layout (both layouts against transformers: tests/pytorch/models/test_qwen3_5.py)
+@pytest.mark.parametrize('layout', ['plain'])
 def test_same_tokens_alone_batched_chunked_preempted(moe, layout, tiny_ckpt, reference):
     path = tiny_ckpt(moe, layout=layout)
     expected = reference(moe)
