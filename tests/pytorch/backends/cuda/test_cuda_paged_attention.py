@@ -92,18 +92,26 @@ def kernel_dtypes(device):
     return [torch.float32] + ([torch.bfloat16] if device == 'cuda' else [])
 
 
-@pytest.mark.parametrize('q_len,nq,n_kv,block_size,num_splits', [
-    (1, 4, 4, 4, None),       # decode, GQA 1
-    (1, 8, 2, 8, None),       # decode, GQA 4
-    (4, 8, 2, 4, None),       # verify k + 1 = 4, GQA 4
-    (4, 4, 4, 16, 3),         # verify, GQA 1, three splits
-    (1, 8, 2, 16, 4),         # decode, four splits (some empty for short sequences)
-    (4, 8, 2, 8, 1),          # verify, one split
-    (16, 8, 1, 16, 2),        # 16 tokens x GQA 8 = 128 rows: two row tiles per KV head
-])
-def test_decode_matches_default(kernel_device, q_len, nq, n_kv, block_size, num_splits):
+HISTORY_LENS = [0, 7, 50, 29, 23]           # a history-0 padding row; not block multiples
+DECODE_CASES = [   # q_len, nq, n_kv, block_size, num_splits, history_lens
+    (1, 4, 4, 4, None, HISTORY_LENS),       # decode, GQA 1
+    (1, 8, 2, 8, None, HISTORY_LENS),       # decode, GQA 4
+    (4, 8, 2, 4, None, HISTORY_LENS),       # verify k + 1 = 4, GQA 4
+    (4, 4, 4, 16, 3, HISTORY_LENS),         # verify, GQA 1, three splits
+    (1, 8, 2, 16, 4, HISTORY_LENS),         # decode, four splits (some empty for short sequences)
+    (4, 8, 2, 8, 1, HISTORY_LENS),          # verify, one split
+    # 16 tokens x GQA 8 = 128 rows: two row tiles per KV head (four of fp32's 32 rows); three
+    # sequences (the padding row, whose second split is empty, a long and a mid one) keep that
+    # at half the interpreter's time; the other lengths are the cases above
+    (16, 8, 1, 16, 2, [0, 50, 23]),
+]
+
+
+@pytest.mark.parametrize('q_len,nq,n_kv,block_size,num_splits,history_lens', DECODE_CASES,
+                         ids=['-'.join(map(str, case[:5])) for case in DECODE_CASES])
+def test_decode_matches_default(kernel_device, q_len, nq, n_kv, block_size, num_splits,
+                                history_lens):
     gen = torch.Generator().manual_seed(q_len * 100 + nq + block_size)
-    history_lens = [0, 7, 50, 29, 23]           # a history-0 padding row; not block multiples
     for dtype in kernel_dtypes(kernel_device):
         caches = random_caches(len(history_lens), 70, block_size, n_kv, 16, dtype, kernel_device, gen)
         compare_step([q_len] * len(history_lens), history_lens, caches, nq, True, dtype,
