@@ -96,7 +96,8 @@ def test_a_slow_reader_gets_what_it_missed_in_one_chunk_and_holds_no_backlog(mod
             rest = [e async for e in events]
             return [json.loads(e[6:]) for e in [first] + rest[:-1]], rest
         fast, _ = asyncio.run(read(0))
-        slow, rest = asyncio.run(read(3.0))
+        # 12 tiny-model steps take tens of milliseconds: a 1 s lag outlasts them many times
+        slow, rest = asyncio.run(read(1.0))
     for chunks in fast, slow:
         choices = [c['choices'][0] for c in chunks if c['choices']]
         assert all(len(c['logprobs']['tokens']) >= 1 for c in choices)   # >= 1 token a chunk
