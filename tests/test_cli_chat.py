@@ -27,8 +27,10 @@ class Chat:
                                                                       OMP_NUM_THREADS='1'))
         self.out: queue.Queue = queue.Queue()
         self.text = {'stdout': '', 'stderr': ''}
-        for name in ('stdout', 'stderr'):
-            threading.Thread(target=self._read, args=(name,), daemon=True).start()
+        self.readers = [threading.Thread(target=self._read, args=(name,), daemon=True)
+                        for name in ('stdout', 'stderr')]
+        for reader in self.readers:
+            reader.start()
 
     def _read(self, name: str):
         stream = getattr(self.proc, name)
@@ -57,7 +59,8 @@ class Chat:
     def finish(self, timeout_s: float = 60) -> int:
         self.proc.stdin.close()
         code = self.proc.wait(timeout_s)
-        time.sleep(0.2)
+        for reader in self.readers:                # both pipes at EOF: all output is queued
+            reader.join(5)
         while not self.out.empty():
             which, chunk = self.out.get()
             self.text[which] += chunk
