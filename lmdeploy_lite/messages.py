@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import Literal
 
+from lmdeploy_lite.structured import check_response_format
+
 DTYPES = ('auto', 'float32', 'float64', 'bfloat16', 'float16')
 DEVICES = ('auto', 'cpu', 'cuda')
 EXECUTOR_BACKENDS = ('uni', 'mp', 'ray')
@@ -107,7 +109,9 @@ class GenerationConfig:
     `min_p` (vLLM): sampled rows keep the tokens of probability >= min_p x the top one's (after
     temperature, top-k, top-p). `min_tokens`: no stop id (eos, `stop_token_ids`) before this
     many tokens. `logit_bias` (OpenAI): {token id: [-100, 100]} added after the penalties. All
-    act on the target's logits at each emitted position: speculation does not change them."""
+    act on the target's logits at each emitted position: speculation does not change them.
+    `response_format`: the output's grammar (structured.py: JSON, a JSON schema, a structural
+    tag; needs xgrammar), masking the target's logits at each emitted position too."""
     max_new_tokens: int = 512
     do_sample: bool = False
     temperature: float = 1.0
@@ -126,6 +130,7 @@ class GenerationConfig:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
+    response_format: dict | None = None
 
     def __post_init__(self):
         self.validate()
@@ -161,6 +166,8 @@ class GenerationConfig:
                                                   for t, v in bias.items()),
                    'logit_bias', bias, 'a dict of token id -> a number in [-100, 100]')
             _set(self, 'logit_bias', {int(t): float(v) for t, v in bias.items()} or None)
+        if self.response_format is not None:
+            _set(self, 'response_format', check_response_format(self.response_format))
         if self.logprobs is not None:
             _check(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, 'logprobs',
                    self.logprobs, f'None (off) or an integer in 0..{MAX_LOGPROBS} (the top '
@@ -199,11 +206,7 @@ class GenerationConfig:
 
 def is_unicode(text: str) -> bool:
     """False for a str holding a lone surrogate (it cannot be encoded or ever be generated)."""
-    try:
-        text.encode('utf-8')
-    except UnicodeEncodeError:
-        return False
-    return True
+    return text.encode('utf-8', 'surrogatepass').decode('utf-8', 'replace') == text
 
 
 @dataclass(frozen=True)
@@ -227,13 +230,10 @@ class SpeculativeConfig:
     safetensors file with an int64 tensor `token_map`), most frequent first; the draft's LM head
     then scores only those ids. Verification is unchanged: output is still exactly the
     target's. The file itself is checked at start-up (`check_speculative_config`).
-    method='extract_hidden_states' drafts nothing (decoding is plain; num_speculative_tokens
-    is unused): each finished request's hidden states at `aux_hidden_state_layer_ids` go to
-    `hidden_states_dir/<request id>.safetensors` (README "Extracting hidden states"). Layer id
-    i is transformers' `output_hidden_states[i]`: 0 the embedding output, 1..L-1 the residual
-    stream entering decoder layer i, L (num_hidden_layers) the final-normed hidden state. The
-    upper bound and the directory (created, written) are checked at start-up
-    (`check_speculative_config`)."""
+    method='extract_hidden_states' drafts nothing: each finished request's hidden states at
+    `aux_hidden_state_layer_ids` (transformers' `output_hidden_states[i]`: 0 the embedding
+    output, L the final-normed state) go to `hidden_states_dir/<request id>.safetensors` (README
+    "Extracting hidden states"); the upper bound and the directory are checked at start-up."""
     method: str = 'qwen3_5_mtp'
     num_speculative_tokens: int = 3
     model: str | None = None

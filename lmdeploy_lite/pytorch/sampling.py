@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P, INT32_MAX
+from lmdeploy_lite.pytorch.grammar import TokenMasks
 
 
 def make_generator(seed: int | None, device: torch.device | str = 'cpu') -> torch.Generator | None:
@@ -197,6 +198,7 @@ class SamplingInputs:
     penalties: Penalties | None = None
     logprobs: int | None = None
     min_p: Tensor | None = None            # [B] float; None: no sampled row has one
+    masks: TokenMasks | None = None        # grammar.py: the constrained rows' token masks
 
     def __post_init__(self):
         if self.all_greedy is None:
@@ -287,6 +289,9 @@ class SamplingTables:
             changes['penalties'] = Penalties.from_values(
                 *values, device=self.device).with_bias_and_min_tokens(
                 bias, blocked, stop_ids, self.device)
+        matchers = [s.grammar if m else None for s, m in zip(seqs, mask)]
+        if any(g is not None for g in matchers):
+            changes['masks'] = TokenMasks(matchers)
         if any(c.min_p > 0 and m and not c.is_greedy for c, m in zip(cfgs, mask)):
             changes['min_p'] = _to_device(torch.tensor([c.min_p for c in cfgs]), self.device)
         asked = [c.logprobs for c in cfgs if c.logprobs is not None]
@@ -370,6 +375,8 @@ def sample(logits: Tensor, sampling: SamplingInputs) -> Tensor:
     torch.argmax; sampled rows: a draw from probs_from_logits with the row's generator."""
     if sampling.penalties is not None:
         logits = apply_penalties(logits, sampling.penalties)
+    if sampling.masks is not None:
+        logits = sampling.masks.apply(logits)
     greedy_tokens = logits.argmax(-1)
     if sampling.all_greedy:
         return greedy_tokens

@@ -18,6 +18,7 @@ from lmdeploy_lite.pytorch.engine.sequence import Sequence, request_error, valid
 from lmdeploy_lite.pytorch.engine.step_output import (InFlight, StepOutput, host_logprobs,
                                                      row_logprobs)
 from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
+from lmdeploy_lite.pytorch.grammar import Grammars, advance
 from lmdeploy_lite.pytorch.model_agent import StepResult
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, SamplingTables
@@ -45,6 +46,8 @@ class Engine:
         self.share_prefill = not spec.plan.aux_hidden_state_layer_ids
         self.async_scheduling = async_scheduling
         self.sampling = SamplingTables(device, scheduler.stop_checker.stop_ids)
+        self.grammars = Grammars(scheduler.stop_checker.tokenizer, model_config.vocab_size,
+                                 model_config.eos_token_ids)
         self._next_seq_id = 0
         self.num_steps = 0
         self.num_prefill_tokens = 0        # tokens fed in prefill rows (prompts, recomputes)
@@ -91,6 +94,10 @@ class Engine:
                                  num_prompt=len(token_ids), gen_config=gen_config, arrival=0,
                                  generator=generator, request_id=request_ids[i]))
             self._next_seq_id += 1
+        if gen_config.response_format is not None:     # an invalid one leaves nothing behind
+            for seq in seqs:
+                seq.grammar = self.grammars.matcher(gen_config.response_format, token_ids,
+                                                    self.scheduler.stop_checker.stop_ids(seq))
         if self.share_prefill:
             forking.link_group(seqs)
         for seq in seqs:
@@ -150,12 +157,14 @@ class Engine:
 
     def _can_continue(self, pending: InFlight) -> bool:
         """When nothing else could be scheduled (no waiting or chunked request, no finished
-        sequence, room for two more steps). Never with a penalised row: its penalties count the
-        tokens emitted so far, which the host would not know yet."""
+        sequence, room for two more steps). Never with a penalised or constrained row: its
+        penalties or grammar mask need the tokens emitted so far, which the host would not know
+        yet."""
         seqs = pending.batch.seqs
         if (not self.async_scheduling or not pending.batch.is_decoding or self.stop_requested
                 or self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
-                or any(s.is_finished or s.gen_config.has_penalties for s in seqs)):
+                or any(s.is_finished or s.gen_config.has_penalties or s.grammar is not None
+                       for s in seqs)):
             return False
         return self.scheduler.reserve_ahead(seqs, num_steps=2)
 
@@ -229,6 +238,8 @@ class Engine:
                 computed, emitted = self.strategy.emitted(seq, q_len, samples, row, num_accepted,
                                                           num_drafts)
                 emitted = self.scheduler.update(seq, computed, emitted)
+                if seq.grammar is not None:
+                    advance(seq.grammar, emitted)
                 if emitted or seq.is_finished:     # a non-final prefill chunk has no news
                     entries = row_logprobs(logprobs, i, len(emitted), seq.gen_config.logprobs)
                     outputs += self.output_stage.emit(seq, StepOutput(seq, emitted, entries))

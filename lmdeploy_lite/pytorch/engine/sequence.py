@@ -55,6 +55,7 @@ class Sequence:
     num_cached_tokens: int = 0            # prompt tokens its first admission found cached
     num_preemptions: int = 0              # times the scheduler preempted it (recomputed)
     request_id: str | None = None         # the front-end's name for it (hidden-states files)
+    grammar: object | None = None         # response_format's matcher (pytorch/grammar.py)
     prefix: PrefixState = field(default_factory=PrefixState)
     fork: ForkState = field(default_factory=ForkState)
 

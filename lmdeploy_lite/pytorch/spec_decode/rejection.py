@@ -1,7 +1,7 @@
 """Verify k draft tokens against the target: greedy matching or exact rejection sampling (Leviathan
 et al. 2023: every emitted token is distributed exactly as if sampled from the target alone).
-Penalties apply to the target's logits first, position j counting drafts 1..j as emitted, so each
-token is verified against the distribution plain decoding would have sampled it from (q is
+Penalties and grammar masks apply to the target's logits first, position j counting drafts 1..j
+as emitted, so each token is verified against the distribution plain decoding would have sampled it from (q is
 whatever the draft used).
 """
 from __future__ import annotations
@@ -31,6 +31,8 @@ def rejection_sample(target_logits: Tensor, draft_tokens: Tensor, draft_probs: T
     """
     if sampling.penalties is not None:     # position i counts drafts 0..i-1 as emitted
         target_logits = apply_penalties(target_logits, sampling.penalties, draft_tokens)
+    if sampling.masks is not None:         # position i: the grammar after drafts 0..i-1
+        target_logits = sampling.masks.apply(target_logits, draft_tokens)
     if sampling.all_greedy:
         return greedy_verify(target_logits, draft_tokens, num_drafts)
     batch_size, k = draft_tokens.shape

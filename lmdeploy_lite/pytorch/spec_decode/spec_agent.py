@@ -78,7 +78,7 @@ class SpecAgent:
             inputs.input_ids = self.last_token[slots]
         # the graph returns argmax tokens only: no sampling, penalties or logprobs
         runner = (self.plain_graph if sampling.all_greedy and sampling.penalties is None
-                  and sampling.logprobs is None else None)
+                  and sampling.masks is None and sampling.logprobs is None else None)
         logits = None
         if runner is not None and runner.can_run(inputs):
             inputs.state_index = self.target.state_index[slots]
