@@ -95,5 +95,5 @@ def tool_call_format(tools: list[dict], tool_choice, parallel_tool_calls: bool =
     least, to any of `tools`) or {"type": "function", "function": {"name": ...}} (that one)."""
     tag = _xgrammar().get_model_structural_tag(
         'qwen_3_5', tools=tools, tool_choice=tool_choice, reasoning='disabled',
-        parallel_tool_calls=parallel_tool_calls)
+        parallel_tool_calls=parallel_tool_calls, max_whitespace_cnt=MAX_WHITESPACE)
     return json.loads(tag.model_dump_json())

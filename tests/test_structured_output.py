@@ -133,3 +133,18 @@ def test_bad_response_formats_are_refused_naming_the_field():
     with pytest.raises(ValueError, match=r'^response_format: must be an object whose type'):
         GenerationConfig(response_format={'type': 'xml'})
     assert GenerationConfig(response_format={'type': 'text'}).response_format is None
+
+
+def test_a_prompt_that_opens_a_thought_gets_the_thought_first():
+    """Qwen3.5's template opens `<think>` in the prompt when thinking: the reply thinks freely up
+    to `</think>`, then follows the format; with a closed block the format starts at once."""
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
+    grammars = Grammars(tokenizer, 4096, [0])
+    fmt = {'type': 'json_schema', 'json_schema': {'schema': SCHEMAS[0]}}
+    reply = '{"kind": "cat"}'
+    for prompt, text, ok in (('<think>\n', 'hmm, a pet</think>\n\n' + reply, True),
+                             ('<think>\n\n</think>\n\n', reply, True),
+                             ('<think>\n', reply, False)):
+        matcher = grammars.matcher(fmt, tokenizer.encode('user: hi\nassistant: ' + prompt), [0])
+        accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text))
+        assert (accepted and matcher.is_completed()) == ok, (prompt, text)   # a JSON in thought

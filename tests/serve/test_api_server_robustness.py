@@ -222,14 +222,11 @@ UNSUPPORTED = [    # (endpoint, extra fields, param, message)
     ('chat', {'logprobs': True, 'top_logprobs': 21}, 'top_logprobs',
      'top_logprobs=21: must be in [0, 20]'),
     ('chat', {'top_logprobs': 3}, 'top_logprobs', 'top_logprobs=3: needs "logprobs": true'),
-    ('chat', {'tools': [{'type': 'function', 'function': {'name': 'f', 'strict': True}}]},
-     'tools.0.function.strict', 'strict=true: not supported by this server (accepted only as '
-                                'null or false); this server has no guided decoding'),
     ('chat', {'tool_choice': 'required'}, 'tool_choice',
-     'tool_choice="required": forcing a tool call is not supported'),
+     'tool_choice="required": forcing a call needs "tools"'),
     ('chat', {'functions': [{'name': 'f'}]}, 'functions', 'the legacy function-calling API'),
-    ('chat', {'response_format': {'type': 'json_object'}}, 'response_format',
-     'accepted only as null or {"type": "text"}'),
+    ('chat', {'response_format': {'type': 'json'}}, 'response_format',
+     'response_format={"type": "json"}: must be an object whose type is one of'),
     ('chat', {'logit_bias': {'5': 101}}, 'logit_bias.5', 'logit_bias.5=101: input should be '
                                                          'less than or equal to 100'),
     ('chat', {'min_tokens': 50, 'max_tokens': 8}, 'min_tokens',

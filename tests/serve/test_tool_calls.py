@@ -5,7 +5,8 @@ The tiny model's random weights never write a tool call, so the output side runs
 app in this process on a stand-in pipeline: its prompts go through the real `Pipeline.encode`
 (the tiny tokenizer's chat template, which lays tools out as Qwen3.5's does) and its "model"
 writes a fixed text. The real server checks that tools and a tool-call history reach the
-template, and refuses what it cannot do."""
+template, forces calls and JSON through a grammar (the output is then well formed whatever the
+weights), and refuses what it cannot do."""
 import asyncio
 import json
 from types import SimpleNamespace
@@ -203,15 +204,15 @@ def test_a_template_without_tools_gets_400_naming_tools(spec_client):
                                                max_tokens=1).usage.completion_tokens == 1
 
 
-STILL_UNSUPPORTED = [      # (fields, the parameter named, a piece of the message)
-    ({'response_format': {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {}}}},
-     'response_format', 'no guided decoding'),
-    ({'response_format': {'type': 'json_object'}}, 'response_format', 'no guided decoding'),
-    ({'tool_choice': 'required', 'tools': [TINY_TOOL]}, 'tool_choice', 'forcing a tool call'),
-    ({'tool_choice': {'type': 'function', 'function': {'name': 'f'}}, 'tools': [TINY_TOOL]},
-     'tool_choice', 'forcing a tool call'),
-    ({'tools': [{'type': 'function', 'function': {'name': 'f', 'strict': True}}]},
-     'tools.0.function.strict', 'no guided decoding'),
+REFUSED = [      # (fields, the parameter named, a piece of the message)
+    ({'response_format': {'type': 'json_schema', 'json_schema': {'name': 'x', 'schema': {
+        'type': 'nonsense'}}}}, 'response_format', 'json_schema.schema: xgrammar cannot compile'),
+    ({'response_format': {'type': 'xml'}}, 'response_format', 'must be an object whose type'),
+    ({'tool_choice': 'required'}, 'tool_choice', 'forcing a call needs "tools"'),
+    ({'tool_choice': {'type': 'function', 'function': {'name': 'g'}}, 'tools': [TINY_TOOL]},
+     'tool_choice', 'names no function of "tools" (f)'),
+    ({'tool_choice': 'required', 'tools': [TINY_TOOL], 'response_format': {'type': 'json_object'}},
+     'tool_choice', 'cannot both hold the output'),
     ({'functions': [TINY_TOOL['function']]}, 'functions', 'send tools instead'),
     ({'function_call': 'auto'}, 'function_call', 'send tool_choice instead'),
     ({'messages': HISTORY[:1] + [{'role': 'tool', 'content': 'x'}]}, 'messages.1.tool_call_id',
@@ -223,8 +224,8 @@ STILL_UNSUPPORTED = [      # (fields, the parameter named, a piece of the messag
 
 
 @pytest.mark.timeout(60)
-def test_still_unsupported_parameters_get_400_naming_them(client):
-    for fields, param, fragment in STILL_UNSUPPORTED:
+def test_refused_parameters_get_400_naming_them(client):
+    for fields, param, fragment in REFUSED:
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{'model': MODEL, 'messages': chat('hi'),
                                               'max_tokens': 1, **fields})
@@ -270,3 +271,66 @@ def test_logit_bias_min_p_and_min_tokens_are_honoured(spec_client):
         model='embedded', prompt='def f(', max_tokens=10, temperature=0.7, seed=3,
         extra_body={'logit_bias': {'2': 100}, 'min_tokens': 5, 'min_p': 0.1})
     assert held.choices[0].finish_reason == 'stop' and held.usage.completion_tokens == 6
+
+
+
+FORECAST = {'type': 'function', 'function': {       # every argument bounded: a call always ends
+    'name': 'g', 'parameters': {'type': 'object', 'properties': {
+        'unit': {'enum': ['c', 'f']}, 'days': {'type': 'integer', 'minimum': 1, 'maximum': 7}},
+        'required': ['unit', 'days']}}}
+
+
+@pytest.fixture(scope='module')
+def real(model_dir):
+    """call(**request) -> (the non-streamed completion, the streamed chunks): the server's app in
+    this process on a real pipeline (the tiny model, MTP k=2, a session long enough for tools)."""
+    pytest.importorskip('xgrammar')
+    from lmdeploy_lite.api import pipeline
+    from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
+    from lmdeploy_lite.serve.openai.api_server import create_app
+    pipe = pipeline(model_dir, PytorchEngineConfig(device='cpu', dtype='float32', session_len=512,
+                                                   distributed_executor_backend='uni'),
+                    speculative_config=SpeculativeConfig(num_speculative_tokens=2))
+    app = create_app(pipe, MODEL)
+
+    async def both(request: dict):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url='http://test') as http:
+            client = openai.AsyncOpenAI(base_url='http://test/v1', api_key='-', http_client=http,
+                                        max_retries=0)
+            whole = await client.chat.completions.create(model=MODEL, **request)
+            chunks = [c async for c in await client.chat.completions.create(
+                model=MODEL, stream=True, **request)]
+        return whole, chunks
+    yield lambda **request: asyncio.run(both(request))
+    pipe.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize('choice', ['required', {'type': 'function', 'function': {'name': 'g'}}])
+def test_a_forced_call_comes_back_well_formed(real, choice):
+    jsonschema = pytest.importorskip('jsonschema')
+    whole, chunks = real(messages=chat('hi'), max_tokens=120, temperature=0,
+                         tools=[TINY_TOOL, FORECAST], tool_choice=choice,
+                         parallel_tool_calls=False)
+    calls = calls_of(whole.choices[0].message)
+    assert whole.choices[0].finish_reason == 'tool_calls' and len(calls) == 1, whole
+    assert [c[2:] for c in joined(chunks)[1]] == [c[2:] for c in calls]
+    name, arguments = calls[0][2], json.loads(calls[0][3])
+    assert name == 'g' or choice == 'required' and name == 'f', calls
+    if name == 'g':
+        jsonschema.validate(arguments, FORECAST['function']['parameters'])
+
+
+@pytest.mark.timeout(120)
+def test_response_format_json_schema_holds_through_the_server(real):
+    jsonschema = pytest.importorskip('jsonschema')
+    schema = FORECAST['function']['parameters']
+    fmt = {'type': 'json_schema', 'json_schema': {'name': 'forecast', 'schema': schema}}
+    whole, chunks = real(messages=chat('hi'), max_tokens=64, n=2, temperature=1, seed=3,
+                         response_format=fmt)
+    for choice in whole.choices:
+        assert choice.finish_reason == 'stop', choice
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    jsonschema.validate(json.loads(joined([c for c in chunks if c.choices[0].index == 0])[0]),
+                        schema)

@@ -23,11 +23,11 @@ from lmdeploy_lite.messages import UINT64_MAX as MAX_SEED
 from lmdeploy_lite.messages import (GREEDY_TEMPERATURE, GREEDY_TOP_P, MAX_LOGPROBS,  # the engine's
                                     MAX_N, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,  # ranges
                                     MIN_REPETITION_PENALTY, GenerationConfig)
+from lmdeploy_lite.structured import check_response_format, tool_call_format
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256              # stop words are matched against the text at every step
 MAX_COMPLETION_LOGPROBS = 5            # the legacy completions API's limit
-NO_GUIDED_DECODING = 'this server has no guided decoding'
 
 
 def random_id(prefix: str) -> str:
@@ -125,6 +125,10 @@ class SamplingRequest(RequestModel):
     min_p: float = Field(0.0, ge=0, le=1, description="sampling keeps tokens with at least "
                                                       "min_p x the top token's probability")
     min_tokens: int = Field(0, ge=0, le=MAX_INT32, description='no stop id before this many tokens')
+    response_format: dict[str, Any] | None = Field(
+        None, description='{"type": "json_object"}, {"type": "json_schema", "json_schema": '
+                          '{"name", "schema", "strict"}} or xgrammar\'s {"type": '
+                          '"structural_tag", "format": {...}}: the output follows it (xgrammar)')
 
     default_max_tokens: ClassVar[int | None] = None     # None: what the session leaves
 
@@ -135,6 +139,20 @@ class SamplingRequest(RequestModel):
             raise PydanticCustomError('stream', 'only allowed with "stream": true (as OpenAI '
                                       'and vLLM)')
         return value
+
+    @field_validator('response_format')
+    @classmethod
+    def _compiles(cls, value):
+        try:
+            return check_response_format(value)
+        except ValueError as e:        # 'response_format[.sub.field]: reason'
+            reason = str(e).removeprefix('response_format').removeprefix(': ').lstrip('.')
+            raise PydanticCustomError('response_format', '{reason}', {'reason': reason}) from None
+
+    @property
+    def output_format(self) -> dict | None:
+        """The grammar the output follows (GenerationConfig.response_format); None: free."""
+        return self.response_format
 
     @property
     def includes_usage(self) -> bool:
@@ -168,7 +186,8 @@ class SamplingRequest(RequestModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, n=self.n, logprobs=self.num_logprobs,
             min_p=self.min_p, min_tokens=self.min_tokens,
-            logit_bias=self.logit_bias and {int(t): v for t, v in self.logit_bias.items()})
+            logit_bias=self.logit_bias and {int(t): v for t, v in self.logit_bias.items()},
+            response_format=self.output_format)
 
 
 class CompletionRequest(SamplingRequest):
@@ -292,7 +311,8 @@ class FunctionDefinition(RequestModel):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description='a JSON schema')
-    strict: no_op(False, hint=f'{NO_GUIDED_DECODING} to hold arguments to the schema') = None
+    strict: bool | None = Field(None, description='true: calls to it follow its schema '
+                                                  '(xgrammar), with tool_choice "auto" too')
 
 
 class PromptCacheOptions(RequestModel):
@@ -310,6 +330,15 @@ class Tool(RequestModel):
     function: FunctionDefinition
 
 
+class NamedFunction(RequestModel):
+    name: FunctionName
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal['function']
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32, description='default: what session_'
@@ -321,17 +350,16 @@ class ChatCompletionRequest(SamplingRequest):
                                      'tokens returned with each output token (needs logprobs: '
                                      'true)')
     tools: list[Tool] | None = Field(None, description='shown to the model by the chat template')
-    tool_choice: Literal['none', 'auto'] | None = Field(
+    tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = Field(
         None, description='"auto" (the default with tools): calls in the output come back as '
-                          'tool_calls; "none": the output is text. "required" and a named '
-                          f'function are refused: {NO_GUIDED_DECODING} to force a call')
+                          'tool_calls; "none": the output is text; "required" or {"type": '
+                          '"function", "function": {"name": ...}}: the output is calls (to that '
+                          'function), following their schemas (xgrammar)')
     parallel_tool_calls: bool = Field(True, description='false: calls after the first are '
                                                         'dropped (as vLLM)')
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description='more chat-template variables (vLLM, SGLang): {"enable_thinking": '
                           'false} turns thinking off')
-    response_format: no_op({'type': 'text'},
-                           hint=f'{NO_GUIDED_DECODING} for structured output') = None
     functions: no_op(hint='the legacy function-calling API; send tools instead') = None
     function_call: no_op(hint='the legacy function-calling API; send tool_choice instead') = None
     # standard fields that change nothing generated here
@@ -367,15 +395,34 @@ class ChatCompletionRequest(SamplingRequest):
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    @field_validator('tool_choice', mode='before')
+    @field_validator('tool_choice')
     @classmethod
-    def _no_forced_call(cls, value):
-        if value == 'required' or isinstance(value, dict):
-            raise PydanticCustomError(
-                'unsupported', 'forcing a tool call is not supported: {reason}, which forcing '
-                'one takes; send "auto" to let the model decide (with only that function in '
-                'tools, it has no other to call)', {'reason': NO_GUIDED_DECODING})
+    def _forced_call(cls, value, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get('tools') or ()]
+        if value in ('none', 'auto', None):
+            return value
+        if not names:
+            raise PydanticCustomError('tools', 'forcing a call needs "tools"')
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise PydanticCustomError('tools', 'names no function of "tools" ({names})',
+                                      {'names': ', '.join(names)})
+        if info.data.get('response_format'):
+            raise PydanticCustomError('response_format', 'forcing a call and response_format '
+                                      'cannot both hold the output; send one of them')
         return value
+
+    @property
+    def output_format(self) -> dict | None:
+        """A forced call (tool_choice "required" or named), or calls to `strict` functions, as a
+        grammar (Qwen3.5's tool-call blocks); else the response_format."""
+        strict = any(t.function.strict for t in self.tools or ())
+        if self.tool_choice not in (None, 'none', 'auto') or (
+                strict and self.tool_choice != 'none' and not self.response_format):
+            tools = [t.model_dump(exclude_none=True) for t in self.tools]
+            choice = self.tool_choice or 'auto'
+            return tool_call_format(tools, choice if isinstance(choice, str)
+                                    else choice.model_dump(), self.parallel_tool_calls)
+        return self.response_format
 
     @property
     def length_field(self) -> tuple[str, int | None]:

@@ -11,7 +11,7 @@ chat template teaches the model (and writes back for the calls in the history):
 
 A parameter's value is the text between its tags less one newline at each end, read by the type
 its tool's JSON schema declares: `string` as it is; the other types (and a schema without a type)
-as JSON, `True`/`False`/`None` too (the template writes non-JSON values with Python's spelling);
+as JSON less the blanks around it, `True`/`False`/`None` too (the template writes non-JSON values with Python's spelling);
 text that does not read as the declared type stays a string, as do parameters the schema does not
 declare (as vLLM's qwen3_coder parser): the template's inverse, which writes strings as they are.
 
@@ -64,7 +64,8 @@ def read_value(text: str, schema: dict | None):
     kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
     if 'string' in kinds:
         return text
-    if (spelled := PYTHON_SPELLINGS.get(text.strip())) is not None and spelled[0] in kinds:
+    text = text.strip()           # layout, for any other type (a grammar may leave blanks there)
+    if (spelled := PYTHON_SPELLINGS.get(text)) is not None and spelled[0] in kinds:
         return spelled[1]
     try:
         value = json.loads(text)
@@ -76,7 +77,7 @@ def read_value(text: str, schema: dict | None):
         return value
     for kind in kinds:
         if (kind == 'null' and value is None or kind == 'boolean' and isinstance(value, bool)
-                or kind == 'integer' and INTEGER.fullmatch(text.strip())
+                or kind == 'integer' and INTEGER.fullmatch(text)
                 or kind == 'number' and type(value) in (int, float)
                 or kind == 'object' and isinstance(value, dict)
                 or kind == 'array' and isinstance(value, list)):
