@@ -1,11 +1,16 @@
 """How many drafts each step verifies and makes: the k in 0..max_k with the most tokens per second,
 E(k) / t(b, k), where E(k) = 1 + c_0 + ... + c_{k-1} (c_i = P(more than i drafts accepted)) and
 t(b, k) is the step time at batch-size bucket b; so speculation is never slower than plain
-decoding (k = 0) by more than what it costs to keep measuring. Measured on the host: c_i as
-decayed counts of rows that drafted and accepted position i (drafts do not depend on k: any step
-with more than i drafts measures it); t(b, k) as a moving average, recorded only when the step
+decoding (k = 0) by more than what it costs to keep measuring. Measured on the host: c_i as the
+product of conditional acceptances a_j = P(draft j accepted | drafts before it accepted), each
+from decayed counts of the rows that reached and accepted position j (drafts do not depend on k:
+any step with more than j drafts measures it) plus a prior of `PRIOR_ROWS` rows that does not
+decay, centred on a_{j-1} (`prior_acceptance` for j = 0): a position not drafted lately drifts
+back to the one before it rather than keeping what a few early drafts said (the start of an
+output, harder to draft, once held a CPU run at k=1 where k=3 was 12% faster); t(b, k) as a
+moving average, recorded only when the step
 before ran the same (b, k) (with async scheduling a step's wall time is its predecessor's device
-time). Unmeasured cells are estimated (`prior_acceptance` per position, `prior_draft_cost` of a
+time). Unmeasured cells are estimated (`prior_acceptance` for position 0, `prior_draft_cost` of a
 k = 0 step per draft; else the measured ks around them) and tried: at a new bucket each k runs
 `explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
 the verify width and the head's pass over it), and every `revisit_every` steps k + 1 (which
@@ -19,6 +24,8 @@ import bisect
 import itertools
 import os
 from collections import Counter
+
+PRIOR_ROWS = 2.0          # the prior's weight, in rows, of each position's acceptance
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -39,9 +46,9 @@ class DraftCountPolicy:
         self.prior_acceptance, self.prior_draft_cost = prior_acceptance, prior_draft_cost
         self.decay, self.time_alpha, self.explore_steps = decay, time_alpha, explore_steps
         self.revisit_every, self.switch_margin = revisit_every, switch_margin
-        # decayed counts per draft position, starting from a weak prior (2 rows' worth)
-        self.drafted = [2.0] * max_k
-        self.accepted = [2.0 * prior_acceptance ** (i + 1) for i in range(max_k)]
+        # decayed counts per draft position: rows that reached it, rows that accepted it
+        self.reached = [0.0] * max_k
+        self.accepted = [0.0] * max_k
         self.times: dict[int, dict[int, float]] = {}      # bucket -> k -> seconds per step
         self.samples: dict[tuple[int, int], int] = {}
         self._hold: tuple[int, int] = (0, 0)              # (k, steps left) of an exploration
@@ -57,20 +64,25 @@ class DraftCountPolicy:
         return cls(max_k, dynamic)
 
     def acceptance(self) -> list[float]:
-        """c_i for i < max_k: the measured P(more than i drafts accepted)."""
-        return [a / d if d > 0 else 0.0 for a, d in zip(self.accepted, self.drafted)]
+        """c_i for i < max_k: the estimated P(more than i drafts accepted)."""
+        out, prior, c = [], self.prior_acceptance, 1.0
+        for reached, accepted in zip(self.reached, self.accepted):
+            prior = (accepted + PRIOR_ROWS * prior) / (reached + PRIOR_ROWS)     # a_i
+            c *= prior
+            out.append(c)
+        return out
 
     def observe_acceptance(self, num_drafts: list[int], num_accepted: list[int]):
         """One verify step's rows: real drafts each verified and how many it accepted."""
         if not self.dynamic:
             return
-        # rows with more than i drafts (accepted) drafted (accepted) i: a suffix sum of counts
-        drafts_hist, accepted_hist = Counter(num_drafts), Counter(num_accepted)
-        decay, more_drafted, more_accepted = self.decay, 0, 0
-        for i in range(self.max_k - 1, -1, -1):
-            more_drafted += drafts_hist[i + 1]
+        # a row reaches position i with more than i drafts and i accepted, accepts it with more
+        reached = Counter(min(d - 1, a) for d, a in zip(num_drafts, num_accepted) if d > 0)
+        accepted_hist, decay, more_reached, more_accepted = Counter(num_accepted), self.decay, 0, 0
+        for i in range(self.max_k - 1, -1, -1):          # suffix sums of the counts
+            more_reached += reached[i]
             more_accepted += accepted_hist[i + 1]
-            self.drafted[i] = self.drafted[i] * decay + more_drafted
+            self.reached[i] = self.reached[i] * decay + more_reached
             self.accepted[i] = self.accepted[i] * decay + more_accepted
 
     def observe_time(self, batch_size: int, k: int, seconds: float):
