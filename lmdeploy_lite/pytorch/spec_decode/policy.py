@@ -13,8 +13,8 @@ before ran the same (b, k) (with async scheduling a step's wall time is its pred
 time). Unmeasured cells are estimated (`prior_acceptance` for position 0, `prior_draft_cost` of a
 k = 0 step per draft; else the measured ks around them) and tried: at a new bucket each k runs
 `explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
-the verify width and the head's pass over it), and every `revisit_every` steps k + 1 (which
-measures c_k) and k - 1 run again. The running choice changes only for a k estimated
+the verify width and the head's pass over it), and every `revisit_every` steps (early on more
+often) k + 1 (which measures c_k) and k - 1 run again. The running choice changes only for a k estimated
 `switch_margin` faster (a switch up costs a step of fewer drafts; near-ties flap). Every rank
 proposes; the StepPlan runs the smallest proposal of a working rank (DESIGN.md invariant 1).
 """
@@ -92,9 +92,9 @@ class DraftCountPolicy:
         if not self.dynamic or last != cell or seconds <= 0:
             return
         times = self.times.setdefault(cell[0], {})
-        old = times.get(k)
-        times[k] = seconds if old is None else old + self.time_alpha * (seconds - old)
-        self.samples[cell] = self.samples.get(cell, 0) + 1
+        n = self.samples[cell] = self.samples.get(cell, 0) + 1
+        old = times.get(k, seconds)      # the plain mean of the first samples, then a moving one
+        times[k] = old + max(self.time_alpha, 1 / n) * (seconds - old)
 
     def break_sequence(self):
         """A non-decode step ran: the next decode step's wall time is not its own."""
@@ -143,15 +143,27 @@ class DraftCountPolicy:
         for j in sorted(range(len(rates)), key=lambda j: -rates[j]):
             if self.samples.get((bucket, j), 0) == 0:
                 return self._explore(j)
-        if steps % self.revisit_every == 0:
+        revisit = self._revisit(steps)
+        if revisit == 'up':
             return self._explore(min(best + 1, self.max_k))
-        if steps % self.revisit_every == self.revisit_every // 2 and best > 0:
+        if revisit == 'down' and best > 0:
             return self._explore(best - 1)
         current = self._choice.get(bucket)
         if current is not None and rates[best] < rates[current] * (1 + self.switch_margin):
             return current
         self._choice[bucket] = best
         return best
+
+    def _revisit(self, steps: int) -> str | None:
+        """'up' (k + 1) or 'down' (k - 1) at this bucket's step `steps`: every revisit_every
+        steps, and k + 1 early on too, at 1/8, 1/4 and 1/2 of it: a bucket's first measurements
+        are the least reliable (few noisy step times, the start of an output), and only k + 1
+        measures c_k (running at a k measures every position below it, so a k too high
+        corrects itself)."""
+        every = self.revisit_every
+        if steps % every == 0 or steps in (every // 8, every // 4, every // 2):
+            return 'up'
+        return 'down' if steps % every == every // 2 and steps > every else None
 
     def _explore(self, k: int) -> int:
         # explore_steps + 1: the first step after a switch is not timed (nor fully drafted)

@@ -115,10 +115,10 @@ def test_policy_turns_speculation_off_when_nothing_is_accepted(tiny_ckpt):
 
 def test_policy_drafts_deep_when_drafts_are_accepted():
     """The embedded model accepts ~60-80% per position: with drafts costing 10% of a step each,
-    the policy settles on k >= 2; the cost model of 60% per draft pushes it to k <= 1."""
+    the policy settles on k >= 2; the cost model of 100% per draft pushes it to k <= 1."""
     prompts = [list(p) for p in accepting.many_prompts(4)]
     gen = GenerationConfig(max_new_tokens=100, ignore_eos=True)
-    for cost, allowed in ((0.1, {2, 3}), (0.6, {0, 1})):
+    for cost, allowed in ((0.1, {2, 3}), (1.0, {0, 1})):
         engine = build_engine(accepting.model_dir(), PytorchEngineConfig(
             **{**accepting.BASE, 'session_len': 160}),
             SpeculativeConfig(num_speculative_tokens=3), progress=False)
