@@ -28,7 +28,7 @@ from ..nn.moe import SparseMoeBlock
 from ..nn.norm import RMSNorm
 from ..nn.token_dispatcher import AllToAllDispatcher
 from ..nn.rotary import RotaryEmbedding
-from ..nn.sequence_parallel import gather, is_sequence_parallel, padded_tokens, splits_rows
+from ..nn.sequence_parallel import is_sequence_parallel, padded_tokens, splits_rows
 
 
 def build_mlp(config: ModelConfig, dtype: torch.dtype, device, dist_ctx=None) -> nn.Module:
@@ -82,14 +82,14 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         if split:                       # whole rows for the column-parallel projections
-            normed = gather(normed, self.dist_ctx)
+            normed = self.dist_ctx.tp.gather_rows(normed)
         if self.layer_type == 'linear_attention':
             mixed = self.linear_attn(normed, cache, inputs)
         else:
             mixed = self.self_attn(normed, rope, cache, inputs)
         normed, residual = self.post_attention_layernorm(mixed, residual)
         if split:
-            normed = gather(normed, self.dist_ctx)
+            normed = self.dist_ctx.tp.gather_rows(normed)
         if self.mlp_takes_sizes:
             return self.mlp(normed, inputs.sizes), residual
         return self.mlp(normed, split), residual
@@ -132,7 +132,7 @@ class Qwen3_5Model(nn.Module):
             hidden, residual = layer(hidden, residual, rope, caches[idx], inputs)
         out = self.norm(hidden, residual)[0]
         if split:                       # whole rows for the LM head and the draft
-            out = gather(out, self.dist_ctx)[:inputs.num_tokens]
+            out = self.dist_ctx.tp.gather_rows(out)[:inputs.num_tokens]
         if not aux_layer_ids:
             return out
         captured[len(self.layers)] = out

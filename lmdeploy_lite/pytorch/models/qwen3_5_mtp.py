@@ -24,7 +24,7 @@ from ..model_inputs import ModelInputs
 from ..nn.linear import ReplicatedLinear
 from ..nn.norm import RMSNorm
 from ..nn.rotary import RotaryEmbedding
-from ..nn.sequence_parallel import gather, is_sequence_parallel, padded_tokens, shard, splits_rows
+from ..nn.sequence_parallel import is_sequence_parallel, padded_tokens, shard, splits_rows
 from .qwen3_5 import Qwen3_5DecoderLayer
 
 
@@ -62,7 +62,7 @@ class Qwen3_5MTP(nn.Module):
         hidden, residual = self.layers[layer_idx](hidden, None, rope, caches[layer_idx], inputs)
         out = self.norm(hidden, residual)[0]
         if split:                       # whole rows for the LM head and the next draft step
-            out = gather(out, self.dist_ctx)[:inputs.num_tokens]
+            out = self.dist_ctx.tp.gather_rows(out)[:inputs.num_tokens]
         return out
 
     def _layer_input(self, input_ids: torch.Tensor, target_hidden: torch.Tensor,

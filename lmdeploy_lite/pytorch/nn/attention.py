@@ -17,7 +17,7 @@ from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rotary import apply_rotary
-from .sequence_parallel import real_rows, restore_rows, splits_rows
+from .sequence_parallel import restore_rows, splits_rows
 
 
 class GatedAttention(nn.Module):
@@ -60,7 +60,7 @@ class GatedAttention(nn.Module):
         """hidden [T, H] ([Tp, H] sequence-parallel: T real rows, then padding); rope (cos, sin)
         [T, rotary_dim]; kv_cache (k_cache, v_cache) with this rank's KV heads."""
         num_rows = hidden.shape[0]
-        hidden = real_rows(hidden, inputs)
+        hidden = hidden[:inputs.num_tokens]        # the real rows of the Tp
         num_tokens = hidden.shape[0]
         q, gate, k, v = self._project(hidden, rope)
         q = apply_rotary(self.q_norm(q), *rope)

@@ -20,7 +20,7 @@ from torch import nn
 from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear, check_divisible
 from .norm import GatedRMSNorm
-from .sequence_parallel import real_rows, restore_rows, splits_rows
+from .sequence_parallel import restore_rows, splits_rows
 from .sharding import sharded_parameter, tp_layout
 
 
@@ -64,7 +64,7 @@ class GatedDeltaNet(nn.Module):
         """hidden [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H]); state_cache
         slots as in model_inputs.py."""
         num_rows = hidden.shape[0]
-        hidden = real_rows(hidden, inputs)
+        hidden = hidden[:inputs.num_tokens]        # the real rows of the Tp
         num_tokens = hidden.shape[0]
         if self.in_proj is not None:
             mixed, z, b, a = self.in_proj(hidden)

@@ -13,8 +13,7 @@ tokens. Either way every TP rank ends with a partial sum of routed + shared, and
 all-reduces that sum exactly once over TP. Sequence-parallel (nn/sequence_parallel.py): x is the
 gathered [Tp, H] (Tp = `sizes.tokens`), the one reduction is a reduce-scatter to this rank's
 [Tp / tp, H], and with EP the rows TP rank r dispatches are exactly its own token shard.
-Every size of an EP forward comes from `ModelInputs.sizes` (`_routed_by_ep`,
-nn/token_dispatcher.py), never from module state.
+Every size of an EP forward comes from `ModelInputs.sizes`, never from module state.
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from torch import nn
 
 from ..backends import get_backend
 from ..model_inputs import ForwardSizes
-from .linear import FusedColumnLinear, ReplicatedLinear
+from .linear import FusedColumnLinear, ReplicatedLinear, check_divisible
 from .mlp import SwiGLUMLP
 from .norm import compute_dtype
 from .sequence_parallel import is_sequence_parallel
@@ -63,11 +62,7 @@ class FusedExperts(nn.Module):
                  num_local: int | None = None, dist_ctx=None):
         super().__init__()
         num_local = num_experts if num_local is None else num_local
-        tp, _ = tp_layout(dist_ctx)
-        if intermediate_size % tp:
-            raise ValueError(f'moe_intermediate_size={intermediate_size}: must be divisible by '
-                             f'tp={tp}')
-        self.num_experts, self.intermediate_size = num_experts, intermediate_size // tp
+        check_divisible('moe_intermediate_size', (intermediate_size,), tp_layout(dist_ctx)[0])
         self.backend = get_backend(device)
         inter = intermediate_size
         self.gate_up_proj = sharded_parameter((num_local, 2 * inter, hidden_size), 1, dist_ctx,

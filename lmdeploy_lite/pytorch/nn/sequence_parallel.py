@@ -6,15 +6,15 @@ one-token-per-sequence draft step; a multiple of tp): TP rank r holds rows
   * the embedding reduce-scatters its vocab-parallel partial rows (nn/embedding.py);
   * right after the norm before a sub-layer's column-parallel projections (attention qkv,
     gated-DeltaNet in_proj, MLP gate/up, MoE router and experts) the decoder layer all-gathers
-    the normed shard to `[Tp, H]` (`gather`);
+    the normed shard to `[Tp, H]` (`dist_ctx.tp.gather_rows`);
   * the row-parallel layers (o_proj, out_proj, down_proj, the MoE block's output)
     reduce-scatter their partial sums to `[Tp / tp, H]` instead of all-reducing them;
   * norms and residual adds run on the shard, the final norm too; its rows are then gathered.
 Only prefill and mixed steps split rows (`splits_rows`); decode steps run plain TP: at a few rows
 per sequence two collectives per sub-layer cost more than one all-reduce (BENCHMARKS.md, 9B at
 tp=2). The bytes on the wire equal plain TP's; the element-wise work and, with EP, the MoE
-dispatch are 1 / tp of it. Mixers run their kernels on the first T rows (`real_rows` /
-`restore_rows`). Nothing here decides a size: Tp comes with the inputs, from the plan.
+dispatch are 1 / tp of it. Mixers run their kernels on the first T rows (`restore_rows` pads
+their output back). Nothing here decides a size: Tp comes with the inputs, from the plan.
 """
 from __future__ import annotations
 
@@ -47,16 +47,6 @@ def shard(x: torch.Tensor, num_rows: int, dist_ctx) -> torch.Tensor:
     if x.shape[0] < num_rows:
         x = F.pad(x, (0, 0) * (x.dim() - 1) + (0, num_rows - x.shape[0]))
     return x[rank * share:(rank + 1) * share]
-
-
-def gather(x: torch.Tensor, dist_ctx) -> torch.Tensor:
-    """This rank's rows [Tp / tp, ...] -> every rank's [Tp, ...] (all-gather over `tp`)."""
-    return dist_ctx.tp.gather_rows(x)
-
-
-def real_rows(hidden: torch.Tensor, inputs) -> torch.Tensor:
-    """A mixer's input [Tp, H] -> its T real rows (all of them without sequence parallelism)."""
-    return hidden[:inputs.num_tokens]
 
 
 def restore_rows(out: torch.Tensor, num_rows: int) -> torch.Tensor:

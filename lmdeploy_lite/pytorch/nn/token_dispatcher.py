@@ -3,37 +3,17 @@
 Interface: `dispatch(x, topk_ids, topk_weights, capacity, low_latency) -> (expert_x, routing,
 handle)` sends every (token, chosen expert) pair to the expert's rank (ids -1: a padding token,
 sent nowhere); the caller runs its local experts on `expert_x` (`FusedExperts.run(expert_x,
-routing)`) and `combine(expert_out, handle) -> [T, H]` brings the results home and sums them with
-the router weights. `routing` says how the rows are laid out:
-  * local expert ids [R] (a tensor): expert_x [R, H], row r for expert routing[r]; -1 marks a
-    padding row, whose output is ignored; expert_out [R, H].
-  * `GroupedRows` (DeepEP low-latency, bf16): expert_x [E_local, C, H], expert e's rows are
-    expert_x[e, :counts[e]] (the rest is garbage, never read); expert_out [E_local, C, H], rows
-    past the counts undefined. The experts run as one masked grouped GEMM (`fused_moe_masked`)
-    with cost following the counts, and write into `GroupedRows.out`, the buffer combine sends.
-  * `TopKRows` (DeepEP normal mode with fixed shapes, bf16): expert_x [N, H] received tokens
-    with their local top-k ids and weights; expert_out [N, H] is each token's weighted sum over
-    its local experts (`fused_moe`), which is what the combine adds up.
+routing)`, which says what each `routing` type means) and `combine(expert_out, handle) -> [T, H]`
+brings the results home and sums them with the router weights.
 
-Two implementations. Models build every EP layer with `AllToAllDispatcher` below
-(torch.distributed, gloo or NCCL; anywhere). At start-up `EPTransport` (one per EP group, made
-by build_engine) decides once, for target and draft, whether DeepEP carries their tokens
-(backends/cuda/token_dispatcher.py; CUDA with `deep_ep` importable;
-LMDEPLOY_LITE_EP_DISPATCHER=auto|alltoall|deepep, default auto), and if so gives each layer a
-DeepEP dispatcher over the one buffer it owns.
-
-Where each size comes from (DESIGN.md invariant 1; nothing inside a forward reads a device
-value on the host to size anything):
-  * `capacity`, the most tokens any rank of the EP group dispatches in this call, the same on
-    every rank: the StepPlan's `ForwardSizes.max_tokens / tp` (model_inputs.py).
-  * the all-to-all sends each rank a fixed block of rows (`block_rows`), unused rows with
-    expert id -1: equal splits, no counts exchanged or read on the host.
-  * DeepEP's mode, `low_latency`: `ForwardSizes.low_latency`, passed to each call; nothing
-    holds a mode.
-  * DeepEP's low-latency capacity is a start-up value, as the CUDA graphs that hold its kernels
-    need: `dispatch_capacity`, given to the EPTransport that sizes the buffer. A step whose plan
-    needs more raises on every rank, naming rank and step (`EPTransport.prepare` before the
-    step; each low-latency dispatch).
+Models build every EP layer with `AllToAllDispatcher` (torch.distributed, anywhere); at start-up
+`EPTransport` may give them DeepEP dispatchers instead (backends/cuda/token_dispatcher.py).
+Every size comes from the StepPlan (DESIGN.md invariant 1; nothing inside a forward reads a device
+value on the host to size anything): `capacity`, the most tokens any rank of the EP group
+dispatches in this call, is `ForwardSizes.max_tokens / tp` (model_inputs.py), the same on every
+rank; DeepEP's mode is `ForwardSizes.low_latency`, passed to each call (nothing holds a mode);
+its low-latency capacity is a start-up value (`dispatch_capacity`), as the CUDA graphs that hold
+its kernels need.
 """
 from __future__ import annotations
 
@@ -149,7 +129,8 @@ class DispatchHandle:
 
 
 class AllToAllDispatcher:
-    """torch.distributed all_to_all_single (gloo or NCCL) of fixed, equal blocks."""
+    """torch.distributed all_to_all_single (gloo or NCCL) of fixed, equal blocks (`block_rows`,
+    unused rows with expert id -1): no counts exchanged or read on the host."""
 
     def __init__(self, dist_ctx, num_experts: int):
         self.dist, self.group = dist_ctx, dist_ctx.ep
