@@ -30,6 +30,24 @@ REPO_ID = re.compile(r'^[\w.-]+/[\w.-]+$')          # 'Qwen/Qwen3.5-0.8B'
 MODEL_FILES = ['*.json', '*.safetensors', '*.jinja', '*.model', '*.txt', '*.tiktoken']
 
 
+_CORE_LEFT = []            # use_cpu_threads has left this process's core to the front-end
+
+
+def use_cpu_threads(device: str, num_threads: int | None = None):
+    """torch's CPU threads for this process (mp ranks split them): `num_threads`; else, on CPU
+    with OMP_NUM_THREADS unset, all but one core, once per process. The core left serves the
+    front-end (the caller's thread, a server's event loop), whose wake-ups each step otherwise
+    stall a parallel region of the engine (2 cores, embedded model: batch 64 at 928 tokens/s with
+    2 threads, 1,526 with 1; batch 1 ~100 and ~123; BENCHMARKS.md)."""
+    import torch
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    elif not _CORE_LEFT and 'OMP_NUM_THREADS' not in os.environ and torch.get_num_threads() >= 2 \
+            and not (device == 'cuda' or device == 'auto' and torch.cuda.is_available()):
+        torch.set_num_threads(torch.get_num_threads() - 1)
+        _CORE_LEFT.append(True)
+
+
 def resolve_model_path(model_path: str | None, revision: str | None = None,
                        download_dir: str | None = None) -> str:
     """None: the embedded default model shipped inside the package; a directory: itself; a
@@ -105,7 +123,7 @@ class Pipeline:
                  backend_config: PytorchEngineConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, progress: bool = True,
                  engine_process: bool = False, reasoning_parser: str | None = None,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, num_threads: int | None = None):
         """`engine_process`: run a one-rank engine in a process of its own (the mp executor's
         rank, as a multi-rank one always is), not in a thread of this one. The server does so on
         CUDA: the ~0.1 ms of Python its event loop spends per streamed chunk would hold the GIL
@@ -113,11 +131,13 @@ class Pipeline:
         `reasoning_parser` ('qwen3'; 'auto': when the chat template thinks; None or 'none':
         off): a chat reply's `<think>` block goes to Response.reasoning_content (reasoning.py).
         `chat_template`: a Jinja template (a file, or the template itself) instead of the
-        model's (lmdeploy's --chat-template)."""
+        model's (lmdeploy's --chat-template). `num_threads`: torch's CPU threads (None: on CPU,
+        every core but one, left to the caller's thread: `use_cpu_threads`)."""
         if reasoning_parser not in PARSERS + (None,):
             raise ValueError(f'reasoning_parser={reasoning_parser!r}: must be one of '
                              f'{PARSERS} or None')
         backend_config = backend_config or PytorchEngineConfig()
+        use_cpu_threads(backend_config.device, num_threads)
         self.model_path = resolve_model_path(model_path, backend_config.revision,
                                              backend_config.download_dir)
         self._name = model_path if self.model_path != model_path and model_path else None

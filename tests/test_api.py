@@ -385,3 +385,27 @@ def test_a_request_failing_in_a_step_ends_alone(plain_pipe, monkeypatch):
     assert [r.token_ids for r in p([[5, 6, 7], [8, 9]], GEN)] == [r.token_ids for r in alone]
     bm = p.engine.scheduler.bm
     assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_pipeline_leaves_a_core_to_the_caller_once_unless_told(monkeypatch):
+    """On CPU, torch's threads drop by one once per process (the caller's thread gets a core);
+    not with OMP_NUM_THREADS or on CUDA; `num_threads` sets them."""
+    import torch
+    from lmdeploy_lite import api
+    threads = [4]
+    monkeypatch.setattr(torch, 'get_num_threads', lambda: threads[0])
+    monkeypatch.setattr(torch, 'set_num_threads', lambda n: threads.__setitem__(0, n))
+    monkeypatch.setattr(api, '_CORE_LEFT', [])
+    monkeypatch.delenv('OMP_NUM_THREADS', raising=False)
+    api.use_cpu_threads('cuda')
+    assert threads == [4]
+    for _ in range(2):
+        api.use_cpu_threads('cpu')
+        assert threads == [3]
+    api.use_cpu_threads('cpu', num_threads=2)
+    assert threads == [2]
+    monkeypatch.setattr(api, '_CORE_LEFT', [])
+    monkeypatch.setenv('OMP_NUM_THREADS', '4')
+    threads[0] = 4
+    api.use_cpu_threads('cpu')
+    assert threads == [4]
