@@ -56,10 +56,9 @@ class ForwardSizes:
 
     @classmethod
     def captured(cls, num_tokens: int, num_seqs: int, tp: int = 1) -> 'ForwardSizes':
-        """A CUDA-graph bucket's forward (every rank of the plan replays the same bucket):
-        its counts rounded up to a multiple of tp as the plan rounds them; EP runs DeepEP's
-        low-latency kernels on its start-up capacity (checked per step against the plan:
-        nn/token_dispatcher.prepare_dispatch); no sequence parallelism (a decode step)."""
+        """A CUDA-graph bucket's forward (every rank replays the same bucket): counts rounded up
+        to a multiple of tp as the plan rounds them; DeepEP low-latency, on its start-up capacity
+        (checked per step: `EPTransport.prepare`); no sequence parallelism (a decode step)."""
         tokens, seqs = -(-num_tokens // tp) * tp, -(-num_seqs // tp) * tp
         return cls(tokens, tokens, seqs, seqs, low_latency=True)
 
@@ -117,11 +116,6 @@ class ModelInputs:
         """[B] long, offset of each sequence's first token in the flat batch."""
         return torch.cumsum(self.q_lens, 0) - self.q_lens
 
-    @property
-    def kv_lens(self) -> torch.Tensor:
-        """[B] long, tokens in the KV cache after this step's tokens are written."""
-        return self.history_lens + self.q_lens
-
     @cached_property
     def _host_lens(self) -> tuple[list[int], list[int]]:
         q_lens, history_lens = torch.stack([self.q_lens, self.history_lens]).tolist()
@@ -166,15 +160,15 @@ class ModelInputs:
 
     @cached_property
     def op_cache(self) -> dict:
-        """Index tensors an op derives from this step's lengths, positions and block tables
-        (e.g. the KV cache slots of the new tokens), keyed by the op, computed by the first layer
-        that needs them and reused by the others (`derived`)."""
+        """Values ops derive once per forward, by key (`derived`)."""
         return {}
 
     def derived(self, key, make: Callable[[], Any], from_state_index: bool = False) -> Any:
-        """`make()` computed once for all the layers of a forward that ask for `key`
-        (`op_cache`). `from_state_index`: the value depends on `state_index` too; it is made
-        again once `state_index` has been reassigned (the agents set it before each forward)."""
+        """`make()` computed by the first layer of a forward that asks for `key` and reused by the
+        others: index tensors an op derives from this step's lengths, positions and block tables
+        (e.g. the KV cache slots of the new tokens). `from_state_index`: the value depends on
+        `state_index` too; it is made again once `state_index` has been reassigned (the agents
+        set it before each forward)."""
         tag = self.state_index if from_state_index else None
         hit = self.op_cache.get(key)
         if hit is None or hit[0] is not tag:

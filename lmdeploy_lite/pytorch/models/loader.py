@@ -10,9 +10,8 @@ Sharded models (a DistContext): a parameter with `expert_range` holds a slice of
 (EP); one with `shard` (nn/sharding.py) holds this TP rank's piece. Either way the checkpoint
 tensor is checked against the FULL shape config.json implies and then narrowed to this rank's part.
 
-`load_format='dummy'` (as in vLLM) reads no tensor: `init_dummy_weights` fills the parameters in
-place, on their device, with random values that keep bf16 activations sane (benchmarks of real
-shapes from a config.json alone).
+`load_format='dummy'` (as in vLLM, for benchmarks of real shapes from a config.json alone) reads
+no tensor: `init_dummy_weights` fills the parameters with random values.
 """
 from __future__ import annotations
 
@@ -145,7 +144,7 @@ def _load_expert(params: dict, match: re.Match, path: str, name: str, shape: tup
     if pname not in params:
         raise ValueError(f'{path}: unexpected tensor {name!r} (no parameter {pname!r})')
     param = params[pname]
-    first, num_local, num_experts = _expert_range(param)
+    first, num_local, num_experts = param.expert_range
     inter = param.shape[2] if proj == 'down_proj' else param.shape[1] // 2   # this rank's
     if expert >= num_experts:
         raise ValueError(f'{path}: tensor {name!r}: expert {expert} out of range, '
@@ -160,11 +159,6 @@ def _load_expert(params: dict, match: re.Match, path: str, name: str, shape: tup
     _check_shape(path, name, shape, piece.full_shape(dest.shape) if piece else tuple(dest.shape))
     dest.copy_(piece.narrow(load()) if piece else load())
     expert_parts.setdefault(pname, set()).add((expert, proj))
-
-
-def _expert_range(param) -> tuple[int, int, int]:
-    """(first expert, experts on this rank, experts in the checkpoint) of a fused-expert param."""
-    return getattr(param, 'expert_range', (0, param.shape[0], param.shape[0]))
 
 
 def _full_shape(param) -> tuple:
@@ -210,17 +204,15 @@ def load_mtp_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
 def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True,
                      load_format: str = 'auto', seed: int = 0) -> None:
     """Load `mtp.*` into the draft head (`Qwen3_5MTP`); its shared embed/lm_head are not loaded.
-    `load_format='dummy'`: random weights instead (`init_dummy_weights`, names `mtp.*`).
-    Off CUDA the projections are then fused with their parts kept, as `build_model` does (on
-    CUDA the caller fuses)."""
+    `load_format='dummy'`: random weights instead (`init_dummy_weights`, names `mtp.*`). Then
+    the projections are fused as `build_model` fuses them."""
     if load_format == 'dummy':
         init_dummy_weights(mtp, seed, prefix='mtp.')
     else:
         load_module_weights(mtp, model_dir, {'mtp.': ''},
                             allow_missing=('embed_tokens.', 'lm_head.'), progress=progress,
                             desc='Loading MTP weights')
-    if next(mtp.parameters()).device.type != 'cuda':
-        fuse_projections(mtp, keep_parts=True)
+    fuse_projections(mtp, keep_parts=next(mtp.parameters()).device.type != 'cuda')
 
 
 DUMMY_STD = 0.02                  # matrices, conv kernels, embeddings, experts: normal(0, 0.02)
@@ -229,11 +221,11 @@ _DUMMY_DT_RANGE = (1e-3, 1e-1)    # gated delta net time step, log-uniform (Mamb
 
 @torch.no_grad()
 def init_dummy_weights(module: nn.Module, seed: int = 0, prefix: str = '') -> None:
-    """Fill every parameter of `module` in place, on its own device (no host round trip).
-
-    Rules: zero-centred `RMSNorm` weights 0 (scale 1 + w = 1); `GatedRMSNorm` weights 1; `A_log`
-    = log(uniform(1, 16)); `dt_bias` = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]; biases 0;
-    every other (>= 2-D) tensor normal(0, DUMMY_STD). A 1-D parameter matching no rule raises.
+    """Fill every parameter of `module` in place, on its own device (no host round trip), with
+    values that keep bf16 activations sane. Rules: zero-centred `RMSNorm` weights 0 (scale
+    1 + w = 1); `GatedRMSNorm` weights 1; `A_log` = log(uniform(1, 16)); `dt_bias` =
+    softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]; biases 0; every other (>= 2-D) tensor
+    normal(0, DUMMY_STD). A 1-D parameter matching no rule raises.
     Each parameter draws from its own generator seeded by `seed` and its name (`prefix` + name,
     the checkpoint name), so values do not depend on construction order and replicated
     parameters are equal on every rank; a TP shard gets the same stream on every rank (not a

@@ -146,10 +146,8 @@ class Qwen3_5ForCausalLM(nn.Module):
     def __init__(self, model_config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = 'cpu', dist_ctx=None):
         super().__init__()
-        self.config = model_config
-        self.dtype = dtype
-        self.backend = get_backend(device)
-        self.model = Qwen3_5Model(model_config, self.backend, dtype, device, dist_ctx)
+        self.config, self.dtype = model_config, dtype
+        self.model = Qwen3_5Model(model_config, get_backend(device), dtype, device, dist_ctx)
         self.lm_head = ParallelLMHead(model_config.vocab_size, model_config.hidden_size, dtype,
                                       device, dist_ctx)
         if model_config.tie_word_embeddings:
@@ -168,8 +166,7 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def forward_with_hidden_states(self, inputs: ModelInputs, caches,
                                    layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` plus [T, len(layer_ids), H]: transformers' output_hidden_states at those
-        ids (`Qwen3_5Model.forward`)."""
+        """`forward` plus the hidden states at `layer_ids` (`Qwen3_5Model.forward`)."""
         return self.model(inputs, caches, layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from ..nn.linear import ReplicatedLinear
 from ..nn.norm import RMSNorm
 from ..nn.rotary import RotaryEmbedding
 from ..nn.sequence_parallel import is_sequence_parallel, padded_tokens, shard, splits_rows
-from .qwen3_5 import Qwen3_5DecoderLayer
+from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM
 
 
 class Qwen3_5MTP(nn.Module):
@@ -86,7 +86,4 @@ class Qwen3_5MTP(nn.Module):
         layer = self.layers[0]
         layer.self_attn.store_kv(layer.input_layernorm(hidden), rope, caches[0], inputs)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> [N, V] through the shared LM head (float32, float64 if the model is)."""
-        logits = self.lm_head(hidden)
-        return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)
+    compute_logits = Qwen3_5ForCausalLM.compute_logits      # the same, on the shared LM head

@@ -24,7 +24,6 @@ from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.model_agent import ModelAgent
 from lmdeploy_lite.pytorch.models.loader import has_mtp_weights
-from lmdeploy_lite.pytorch.nn.linear import fuse_projections
 from lmdeploy_lite.pytorch.sampling import probs_dtype
 from lmdeploy_lite.pytorch.spec_decode.proposers.ngram import NgramProposer
 from lmdeploy_lite.pytorch.spec_decode.spec_agent import SpecAgent
@@ -194,8 +193,6 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
                          target_model.lm_head, layer_ctx)
         load_mtp_weights(mtp, draft_model_dir(spec, model_path), progress=progress,
                          load_format=load_format, seed=seed)
-        if device.type == 'cuda':
-            fuse_projections(mtp)
         mtp.eval()
         caches = CacheEngine(model_config, cache_config, dtype, device,
                              layer_types=('full_attention',), tp=layout.tp)
