@@ -152,21 +152,6 @@ def _layer_ids(text: str | None) -> tuple[int, ...] | None:
                          'comma-separated layer ids, e.g. 2,18,34') from None
 
 
-def leave_a_core_to_the_front_end(device: str):
-    """On CPU (no OMP_NUM_THREADS), torch leaves one core to the front-end, whose wake-ups each
-    step otherwise stall a parallel region (2 cores, embedded model, pipeline(): batch 64 at 928
-    tokens/s with 2 threads, 1,526 with 1; batch 1 ~100 and ~123; BENCHMARKS.md)."""
-    import torch
-    if ('OMP_NUM_THREADS' not in os.environ and torch.get_num_threads() >= 2
-            and not on_cuda(device)):
-        torch.set_num_threads(torch.get_num_threads() - 1)
-
-
-def on_cuda(device: str) -> bool:
-    import torch
-    return device == 'cuda' or (device == 'auto' and torch.cuda.is_available())
-
-
 # the flags that set the PytorchEngineConfig field of the same name
 ENGINE_FLAGS = ('dtype', 'device', 'revision', 'download_dir', 'session_len', 'max_batch_size',
                 'cache_max_entry_count', 'ssm_state_dtype', 'max_prefill_token_num',

@@ -9,13 +9,11 @@ import sys
 import time
 
 from lmdeploy_lite.cli.args import (DefaultsFormatter, build_engine_config, engine_args,
-                                    leave_a_core_to_the_front_end, on_cuda, sampling_args,
-                                    speculative_config)
+                                    sampling_args, speculative_config)
 
 
 def _build(args):
     from lmdeploy_lite import GenerationConfig, pipeline
-    leave_a_core_to_the_front_end(args.device)
     logging.basicConfig(level=args.log_level.upper())
     engine_config = build_engine_config(args)
     sampling = ('max_new_tokens', 'temperature', 'top_p', 'top_k', 'repetition_penalty',
@@ -203,7 +201,7 @@ def _load_and_serve(args) -> int:
         print(f'error: {e}', file=sys.stderr)
         return 3
     from lmdeploy_lite import pipeline
-    leave_a_core_to_the_front_end(args.device)
+    from lmdeploy_lite.pytorch.engine.executor.rank_worker import uses_cuda
     from lmdeploy_lite.serve.openai.api_server import serve
     from lmdeploy_lite.pytorch.config import sampling_defaults
     from lmdeploy_lite.serve.openai.auth import load_api_keys
@@ -221,7 +219,7 @@ def _load_and_serve(args) -> int:
     spec = speculative_config(args)
     engine_process = args.engine_process
     if engine_process is None:       # auto: where a step is faster than the loop's streaming
-        engine_process = on_cuda(args.device)
+        engine_process = uses_cuda(args.device)
     print(f'lmdeploy_lite: loading {args.model or "the embedded model"} (tp={args.tp}, '
           f'dp={args.dp}, ep={args.ep})', flush=True)
     start = time.perf_counter()
