@@ -23,10 +23,11 @@ def template_thinks(template: str | None) -> bool:
     return bool(template) and OPEN in template
 
 
-def _held(text: str, tag: str) -> int:
-    """How many trailing characters of `text` could begin `tag` (held until the next text)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
+def held_back(text: str, words) -> int:
+    """How many trailing characters of `text` could begin one of `words` (held until the next
+    text shows whether they do)."""
+    for n in range(min(max(map(len, words)) - 1, len(text)), 0, -1):
+        if any(len(w) > n and w.startswith(text[-n:]) for w in words):
             return n
     return 0
 
@@ -55,7 +56,7 @@ class ReasoningParser:
         if self.state == 'thought':
             end = self.pending.find(CLOSE)
             if end < 0:
-                keep = 0 if final else _held(self.pending, CLOSE)
+                keep = 0 if final else held_back(self.pending, (CLOSE,))
                 reasoning = self.pending[:len(self.pending) - keep]
                 self.pending = self.pending[len(self.pending) - keep:]
                 return reasoning, ''

@@ -3,11 +3,11 @@ stop words held back), coalesced chunks, logprobs entries; and the checks of a p
 from __future__ import annotations
 
 import asyncio
-import functools
 import numbers
 
 from lmdeploy_lite.messages import GenerationConfig, TokenLogprobs, short_repr
 from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
+from lmdeploy_lite.reasoning import held_back
 
 MESSAGE_ROLES = ('system', 'user', 'assistant', 'tool')
 
@@ -36,22 +36,12 @@ class TextStream:
         running) short of a suffix that may still grow into one."""
         text, words = self.text, self.gen_config.stop_words
         if words:
-            longest, prefixes = _stop_word_prefixes(tuple(words))
-            text = truncate_at_stop_word(text, words, max(0, self.sent - longest))
+            text = truncate_at_stop_word(text, words, max(0, self.sent - max(map(len, words))))
             if not finished:
-                for n in range(min(longest - 1, len(text)), 0, -1):
-                    if text[-n:] in prefixes:
-                        text = text[:-n]
-                        break
+                text = text[:len(text) - held_back(text, words)]
         out = text[self.sent:]
         self.sent = max(self.sent, len(text))
         return out
-
-
-@functools.lru_cache(maxsize=256)
-def _stop_word_prefixes(words: tuple[str, ...]) -> tuple[int, frozenset[str]]:
-    """(the longest stop word's length, every proper prefix of a stop word)."""
-    return max(map(len, words)), frozenset(w[:n] for w in words for n in range(1, len(w)))
 
 
 def batch_decoder(tokenizer):
