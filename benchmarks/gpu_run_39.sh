@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session of 2026-11-27 (issues 33, 36, 39) on one H100. PART=tests: every one-GPU test on the
+# working tree (structured output on CUDA included); PART=pipe: bench_pipeline 0.8B batch 1 and 64
+# before ($BEFORE, an export of ad64105, this session's start) and after (the working tree), twice
+# each, alternating (issue 33: speed unchanged by the trims); PART=spec: the dynamic-k grid after
+# the policy's new estimator (issue 39: dyn against every fixed k, 0.8B, acceptance 0.8/0.6/0.5
+# and 0, 32k token map).
+source .whl/gpu-env.sh
+for d in _gpu/*/lmdeploy_lite; do [ -d $d/assets ] || cp -r lmdeploy_lite/assets $d/; done   # exports lack the model
+OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
+F="grep -v ^USDT\|IBGDA\|^$\|warn"
+case ${PART:-tests} in
+tests)
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu --ignore=tests/gpu/test_multi_gpu_graphs.py \
+    --ignore=tests/gpu/test_two_gpus.py 2>&1 | $F | tail -8 ;;
+pipe)
+  P="benchmarks/bench_pipeline.py --preset qwen3_5_0_8b --device cuda --dtype bfloat16 --new-tokens 256 --prompt-len 128 --repeats 2 --batch-sizes 1,64"
+  for i in 1 2; do for side in after before; do
+    dir=.; [ $side = before ] && dir=${BEFORE:-_gpu/before}
+    echo "== pipeline $side $i"
+    (cd $dir && PYTHONPATH=/tmp/site:$PWD timeout 150 python3 $P --out $OUT/pipe_${side}_$i.json > $OUT/pipe_${side}_$i.log 2>&1)
+    tail -3 $OUT/pipe_${side}_$i.log | cut -c1-160
+  done; done ;;
+spec)
+  S="benchmarks/bench_spec.py --preset qwen3_5_0_8b --device cuda --dtype bfloat16 --batch-sizes 1,8,32,64,128 --ks 1,2,3 --dynamic --token-map-size 32768 --decode-steps 24"
+  for acc in 0.8,0.6,0.5 0.0; do
+    echo "== bench_spec 0.8B acceptance $acc"
+    timeout 250 python3 $S --synthetic-acceptance $acc --out $OUT/spec_0_8b_$acc.json > $OUT/spec_0_8b_$acc.log 2>&1
+    tail -${TAILN:-8} $OUT/spec_0_8b_$acc.log | cut -c1-160
+  done ;;
+esac
