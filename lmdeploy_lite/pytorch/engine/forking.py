@@ -33,8 +33,7 @@ def fork_members(scheduler, leader: Sequence, seqs: list[Sequence], q_lens: list
         return
     members, leader.fork.members = leader.fork.members, []
     bm = scheduler.bm
-    whole = min(leader.num_prompt + scheduler.num_draft_extra,
-                scheduler.max_positions(scheduler.session_len))
+    whole = min(leader.num_prompt + scheduler.num_draft_extra, scheduler.max_positions)
     for seq in members:
         seq.fork.leader = None
         if len(scheduler.running) >= scheduler.max_batch_size or not bm.can_fork(leader, whole):

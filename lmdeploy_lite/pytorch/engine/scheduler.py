@@ -66,16 +66,17 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0          # every preemption so far (each sequence counts its own)
         self._arrivals = 0
-        need = blocks_needed(self.max_positions(session_len), block_manager.block_size)
+        need = blocks_needed(self.max_positions, block_manager.block_size)
         if need > block_manager.num_usable_blocks:
             raise ValueError(
                 f'the KV cache holds {block_manager.num_usable_blocks} blocks of '
                 f'{block_manager.block_size} tokens, but one sequence of session_len={session_len} '
                 f'needs {need}: lower session_len or raise cache_max_entry_count/num_gpu_blocks')
 
-    def max_positions(self, session_len: int) -> int:
+    @property
+    def max_positions(self) -> int:
         """Cache positions one sequence may touch: the session plus speculative overhang."""
-        return session_len + self.num_spec_tokens + self.num_draft_extra
+        return self.session_len + self.num_spec_tokens + self.num_draft_extra
 
     def add(self, seq: Sequence):
         seq.arrival = self._arrivals
@@ -155,8 +156,7 @@ class Scheduler:
             # admit only with room for the whole prompt: a sequence admitted on a first chunk
             # that then cannot grow preempts itself and is re-admitted, forever (a livelock
             # when it is the newest and the cache is full)
-            whole = min(len(seq.token_ids) + self.num_draft_extra,
-                        self.max_positions(self.session_len))
+            whole = min(len(seq.token_ids) + self.num_draft_extra, self.max_positions)
             if not self.bm.can_hold(seq, max(need, whole)):
                 prefix_cache.drop_cached_prefix(self.bm, seq)
                 break
@@ -193,10 +193,9 @@ class Scheduler:
         what the host knows; False (the caller catches up) when a sequence would pass its
         session or the cache has no room without preempting."""
         per_step = 1 + self.num_spec_tokens
-        limit = self.max_positions(self.session_len)
         for seq in seqs:
             need = seq.num_computed + num_steps * per_step + self.num_draft_extra
-            if need > limit or not self.bm.can_hold(seq, need):
+            if need > self.max_positions or not self.bm.can_hold(seq, need):
                 return False
             self.bm.grow(seq, need)
         return True
