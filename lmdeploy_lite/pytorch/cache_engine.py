@@ -125,9 +125,6 @@ class CacheEngine:
     def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.caches[layer_idx]
 
-    def __len__(self) -> int:
-        return len(self.caches)
-
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
                         layer_types: tuple[str, ...] | None = None, tp: int = 1) -> int:

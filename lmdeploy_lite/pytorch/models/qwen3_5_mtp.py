@@ -50,16 +50,15 @@ class Qwen3_5MTP(nn.Module):
         self.__dict__.update(embed_tokens=embed_tokens, lm_head=lm_head)
 
     def forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, inputs: ModelInputs,
-                caches, layer_idx: int = 0) -> torch.Tensor:
+                caches) -> torch.Tensor:
         """input_ids [T]: the token after each position; target_hidden [T, H]: the target's
         post-norm hidden (or this head's previous output when drafting recursively);
-        `caches[layer_idx]`: this head's (k, v) cache. Returns the post-`norm` hidden [T, H]."""
+        `caches[0]`: layer 0's (k, v) cache. Returns the post-`norm` hidden [T, H]."""
         split = self.sequence_parallel and splits_rows(inputs)
         num_rows = padded_tokens(inputs) if split else None
         hidden = self._layer_input(input_ids, target_hidden, num_rows)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
-        layer_idx %= len(self.layers)
-        hidden, residual = self.layers[layer_idx](hidden, None, rope, caches[layer_idx], inputs)
+        hidden, residual = self.layers[0](hidden, None, rope, caches[0], inputs)
         out = self.norm(hidden, residual)[0]
         if split:                       # whole rows for the LM head and the next draft step
             out = self.dist_ctx.tp.gather_rows(out)[:inputs.num_tokens]

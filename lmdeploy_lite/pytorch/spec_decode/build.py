@@ -3,7 +3,6 @@ the executors read (only this package and strategies/ar_spec/ know the methods),
 and strategy. The plan's sizes:
   * num_draft_extra: the MTP head writes its own KV k - 1 positions past the k + 1 a verify step
     feeds (it drafts k from the last accepted position); a host proposer (ngram) none;
-  * draft (DraftFootprint): the MTP head's KV layers at its own tp and its weights per rank;
   * draft_probs_bytes_per_slot: q [k, vocab] per state slot for verifying sampled drafts
     (SpecAgent.draft_probs): k x vocab x 4 bytes in float32, 8 in float64; ~194 MB at
     max_batch_size 64, k = 3 and Qwen3.5's 248k vocabulary; k x M with a token map of M ids,
@@ -125,10 +124,9 @@ def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
 
 @dataclass(frozen=True)
 class SpecPlan:
-    """(module docstring)"""
     num_spec_tokens: int = 0               # k drafts verified per decode step (0: no speculation)
     num_draft_extra: int = 0               # KV positions the draft writes past the k + 1 fed
-    draft: DraftFootprint = DraftFootprint(0, 1, 0)
+    draft: DraftFootprint = DraftFootprint(0, 1, 0)     # the MTP head's KV and weights per rank
     draft_probs_bytes_per_slot: int = 0    # q [k, vocab or M] per state slot for sampled drafts
     needs_host_tokens: bool = False        # proposals read accepted tokens on the host
     proposer: str = ''                     # the method's name, for messages only
@@ -155,14 +153,14 @@ def uses_draft_model(spec: SpeculativeConfig | None) -> bool:
 
 def spec_plan(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: torch.dtype,
               target: DistConfig) -> SpecPlan:
+    draft = draft_footprint(spec, model_config, dtype, target)
     if spec is None:
-        return SpecPlan(draft=DraftFootprint(0, target.tp, 0))
+        return SpecPlan(draft=draft)
     if spec.method == 'extract_hidden_states':      # plain decoding: no draft, no proposer
-        return SpecPlan(draft=DraftFootprint(0, target.tp, 0), proposer=spec.method,
+        return SpecPlan(draft=draft, proposer=spec.method,
                         aux_hidden_state_layer_ids=spec.aux_hidden_state_layer_ids,
                         hidden_states_dir=spec.hidden_states_dir)
     k = spec.num_speculative_tokens
-    draft = draft_footprint(spec, model_config, dtype, target)
     if not uses_draft_model(spec):
         return SpecPlan(k, draft=draft, needs_host_tokens=True, proposer=spec.method,
                         dynamic=spec.dynamic)

@@ -8,15 +8,15 @@ any step with more than j drafts measures it) plus a prior of `PRIOR_ROWS` rows 
 decay, centred on a_{j-1} (`prior_acceptance` for j = 0): a position not drafted lately drifts
 back to the one before it rather than keeping what a few early drafts said (the start of an
 output, harder to draft, once held a CPU run at k=1 where k=3 was 12% faster); t(b, k) as a
-moving average, recorded only when the step
-before ran the same (b, k) (with async scheduling a step's wall time is its predecessor's device
-time). Unmeasured cells are estimated (`prior_acceptance` for position 0, `prior_draft_cost` of a
-k = 0 step per draft; else the measured ks around them) and tried: at a new bucket each k runs
-`explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
-the verify width and the head's pass over it), and every `revisit_every` steps (early on more
-often) k + 1 (which measures c_k) and k - 1 run again. The running choice changes only for a k estimated
-`switch_margin` faster (a switch up costs a step of fewer drafts; near-ties flap). Every rank
-proposes; the StepPlan runs the smallest proposal of a working rank (DESIGN.md invariant 1).
+moving average, recorded only when the step before ran the same (b, k) (with async scheduling a
+step's wall time is its predecessor's device time). Unmeasured cells are estimated
+(`prior_acceptance` for position 0, `prior_draft_cost` of a k = 0 step per draft; else the
+measured ks around them) and tried: at a new bucket each k runs `explore_steps` steps once, best
+estimate first (cost is not linear in k: the first draft carries the verify width and the head's
+pass over it), and now and then k + 1 and k - 1 run again (`_revisit`). The running choice changes
+only for a k estimated `switch_margin` faster (a switch up costs a step of fewer drafts; near-ties
+flap). Every rank proposes; the StepPlan runs the smallest proposal of a working rank (DESIGN.md
+invariant 1).
 """
 from __future__ import annotations
 
