@@ -9,10 +9,9 @@ collective inside a step and run as independent engines); the check group spans 
 The MTP draft's own layout (SpeculativeConfig tp / ep) gets a `DraftDistContext` (`draft_context`).
 
 On CUDA every multi-rank group also has an NCCL twin: a collective of a CUDA tensor runs on it,
-of a CPU tensor on gloo. So the StepPlan gather, the inbox broadcast and the trace check stay on
-gloo; TP all-reduces (sequence-parallel: `reduce_scatter` / `gather_rows`) and EP all-to-alls go
-over NCCL (small TP sums over a one-shot peer-memory all-reduce instead with
-LMDEPLOY_LITE_TP_ALLREDUCE=oneshot: backends/cuda/peer_all_reduce.py).
+of a CPU tensor on gloo (the StepPlan gather, the inbox broadcast, the trace check). With
+LMDEPLOY_LITE_TP_ALLREDUCE=oneshot small TP sums take a one-shot peer-memory all-reduce instead
+(backends/cuda/peer_all_reduce.py).
 
 Each collective is recorded per step as (op, group, shape, dtype), variable first dimensions
 (all-to-all payloads) as -1, so that ranks can compare what they did (DESIGN.md invariant 2): with
@@ -75,9 +74,8 @@ class Topology:
         world, tp, ep = self.config.world_size, self.config.tp, self.config.ep
         if name == 'dp':
             return [tuple(range(t, world, tp)) for t in range(tp)]
-        plan = world if ep > 1 else tp                      # DistContext.plan
         return self.runs({'world': world, 'tp': tp, 'ep': world if ep > 1 else 1,
-                          'plan': plan}[name])
+                          'plan': world if ep > 1 else tp}[name])      # plan: DistContext.plan
 
     def ranks(self, name: str, rank: int) -> tuple[int, ...]:
         return next(ranks for ranks in self.rank_sets(name) if rank in ranks)
@@ -105,26 +103,23 @@ class Group:
 
     def traced(self, op: str, tensor: torch.Tensor, fn, variable: bool = False):
         """`DistContext.traced` on this group (also for collectives outside torch.distributed,
-        DeepEP's, which ignore the process group `fn` gets)."""
+        DeepEP's, which ignore the process group `fn` gets): what `fn` returns."""
         if self.gloo is None:
             raise RuntimeError(f'rank {self.ctx.rank}: {op} on the one-rank {self.name} group')
-        self.ctx.traced(op, self, tensor, fn, variable)
+        return self.ctx.traced(op, self, tensor, fn, variable)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = 'sum') -> torch.Tensor:
         """The group's reduction of `tensor`: `tensor` itself, reduced in place (gloo, NCCL),
         or a new tensor (a small CUDA sum on the one-shot peer-memory all-reduce): use the
         returned one."""
-        reduce_op = {'sum': dist.ReduceOp.SUM, 'min': dist.ReduceOp.MIN,
-                     'max': dist.ReduceOp.MAX}[op]
         if self.gloo is None:
             return tensor
-        peer, out = self.peer, [tensor]
+        peer = self.peer
         if peer is not None and op == 'sum' and tensor.is_cuda and peer.can_reduce(tensor):
-            self.traced('all_reduce', tensor, lambda g: out.append(peer.all_reduce(tensor)))
-        else:
-            self.traced('all_reduce', tensor,
-                        lambda g: dist.all_reduce(tensor, op=reduce_op, group=g))
-        return out[-1]
+            return self.traced('all_reduce', tensor, lambda g: peer.all_reduce(tensor))
+        reduce_op = {'sum': dist.ReduceOp.SUM, 'min': dist.ReduceOp.MIN}[op]
+        self.traced('all_reduce', tensor, lambda g: dist.all_reduce(tensor, op=reduce_op, group=g))
+        return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """[size, *tensor.shape]: every rank's tensor, in rank order of the group."""
@@ -306,7 +301,7 @@ class DistContext:
 
     # ---- the trace ------------------------------------------------------------------------
     def traced(self, op: str, group: Group, tensor: torch.Tensor, fn, variable: bool = False):
-        """Record (op, group name, shape of `tensor`, dtype) and run `fn(process_group)`: the
+        """Record (op, group name, shape of `tensor`, dtype) and return `fn(process_group)`: the
         group's NCCL twin for a CUDA tensor, else its gloo group. Errors raised by `fn` become
         CollectiveTimeout naming rank, step and operation."""
         shape = (-1,) + tuple(tensor.shape[1:]) if variable else tuple(tensor.shape)
@@ -321,7 +316,7 @@ class DistContext:
         process_group = group.nccl if tensor.is_cuda and group.nccl is not None else group.gloo
         start = time.monotonic()
         try:
-            fn(process_group)
+            return fn(process_group)
         except RuntimeError as e:
             raise self._failure(entry, time.monotonic() - start, e) from e
         finally:
@@ -358,13 +353,12 @@ class DistContext:
 
     def compare_traces(self, failed: tuple | None = None, before: bool = False):
         """Compare this step's collective sequences across the plan group (on the check group);
-        raise CollectiveMismatch on the first difference. Every rank must agree on the
-        cross-DP collectives (`_cross_dp`); TP peers (same DP rank) on everything. `failed`:
-        this rank's collective that just failed (marks its trace). `before`: the comparison
-        that precedes a cross-DP collective (the trace's last entry), so that a rank about to
-        post another one is named before the backend sees it; a rank at another point of its
-        step is a difference too (every comparison exchanges the same [3] tensor: where,
-        cross-DP digest, full digest)."""
+        raise CollectiveMismatch on the first difference: every rank must agree on the cross-DP
+        collectives (`_cross_dp`), TP peers (same DP rank) on everything. `failed`: this rank's
+        collective that just failed (marks its trace). `before`: the check before a cross-DP
+        collective (the trace's last entry), so that a rank about to post another one is named
+        before the backend sees it; a rank at another point of its step differs too (every
+        comparison exchanges [where, cross-DP digest, full digest])."""
         ranks = self.plan.ranks
         if len(ranks) == 1:
             return

@@ -202,7 +202,7 @@ class SharedBuffer:
                 f'{self.capacity} per rank (DEEPEP_MAX_TOKENS_PER_RANK, default max_batch_size '
                 f'x (1 + num_speculative_tokens)); raise it or lower max_batch_size')
 
-    def clean_low_latency(self, dist_ctx=None):
+    def clean_low_latency(self, dist_ctx):
         """Clean the low-latency region if normal kernels dirtied it (every rank at the same
         point: they run the same dispatches). A traced collective (allocates the buffer if
         needed) whose GPU-side wait is bounded where the host next waits for the step (Engine's
@@ -213,13 +213,8 @@ class SharedBuffer:
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError('DeepEP: the low-latency region must be clean before a CUDA graph '
                                'is captured (EPTransport.prepare first)')
-
-        def clean(_):
-            buffer.clean_low_latency_buffer(self.ll_capacity, self.width, self.num_experts)
-        if dist_ctx is None:
-            clean(None)
-        else:
-            dist_ctx.ep.traced('deepep_clean', torch.empty(0, dtype=torch.uint8), clean)
+        dist_ctx.ep.traced('deepep_clean', torch.empty(0, dtype=torch.uint8), lambda _: (
+            buffer.clean_low_latency_buffer(self.ll_capacity, self.width, self.num_experts)))
         self.ll_dirty = False
 
 
@@ -313,17 +308,16 @@ class DeepEPDispatcher:
         send = x.contiguous() if self.exact else x.to(torch.bfloat16)
         worst = capacity * self.ep_size if self.shared.fixed_normal_rows() else 0
         fixed = {'num_worst_tokens': worst} if worst else {}
-        out = {}
 
         def run(_):
             per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(
                 topk_idx, self.num_experts)
-            out['recv'] = buffer.dispatch(
+            return buffer.dispatch(
                 send, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
                 topk_weights=topk_weights.float(), **fixed)
-        self.group.traced('deepep_dispatch', send, run, variable=True)
-        recv_x, recv_idx, recv_weights, _, deep_ep_handle, _ = out['recv']
+        recv_x, recv_idx, recv_weights, _, deep_ep_handle, _ = self.group.traced(
+            'deepep_dispatch', send, run, variable=True)
         if worst:
             return self._fixed_rows(recv_x, recv_idx, recv_weights, deep_ep_handle, x.dtype,
                                     topk_weights)
@@ -364,12 +358,9 @@ class DeepEPDispatcher:
                 partial.index_add_(0, handle.token[rows],
                                    expert_out[rows].float() * handle.weight[rows, None])
             send = partial.to(torch.bfloat16)
-        out = {}
-        self.group.traced('deepep_combine', send,
-                          lambda _: out.setdefault('x', buffer.combine(send,
-                                                                       handle.deep_ep_handle)),
-                          variable=True)
-        combined = out['x'][0]
+        combined = self.group.traced(
+            'deepep_combine', send, lambda _: buffer.combine(send, handle.deep_ep_handle),
+            variable=True)[0]
         if not self.exact:
             return combined.to(expert_out.dtype)
         pairs = join_bf16(combined.view(-1, self.top_k, self.parts, self.hidden),
@@ -385,13 +376,10 @@ class DeepEPDispatcher:
         else:
             payload = x.to(torch.bfloat16)
         send = F.pad(payload, (0, width - payload.shape[1]))
-        out = {}
-        self.group.traced('deepep_ll_dispatch', send,
-                          lambda _: out.setdefault('recv', buffer.low_latency_dispatch(
-                              send, topk_idx, self.shared.ll_capacity, self.num_experts,
-                              use_fp8=False)),
-                          variable=True)
-        recv_x, recv_count, deep_ep_handle, _, _ = out['recv']
+        recv_x, recv_count, deep_ep_handle, _, _ = self.group.traced(
+            'deepep_ll_dispatch', send, lambda _: buffer.low_latency_dispatch(
+                send, topk_idx, self.shared.ll_capacity, self.num_experts, use_fp8=False),
+            variable=True)
         if not self.exact:    # bf16: the experts read and write [E, C, *] as DeepEP keeps it
             send = torch.empty_like(recv_x)                          # [E, C, W]
             return (recv_x[..., :self.hidden], GroupedRows(recv_count, send),
@@ -420,12 +408,10 @@ class DeepEPDispatcher:
             send, weights = handle.send, handle.topk_weights.float()
             if expert_out.data_ptr() != send.data_ptr():
                 send[..., :self.hidden].copy_(expert_out)
-        out = {}
-        self.group.traced('deepep_ll_combine', send,
-                          lambda _: out.setdefault('x', buffer.low_latency_combine(
-                              send, handle.topk_ids, weights, handle.deep_ep_handle)),
-                          variable=True)
-        combined = out['x'][0]
+        combined = self.group.traced(
+            'deepep_ll_combine', send, lambda _: buffer.low_latency_combine(
+                send, handle.topk_ids, weights, handle.deep_ep_handle),
+            variable=True)[0]
         if not self.exact:
             return combined[:, :self.hidden].to(expert_out.dtype)
         columns = self.top_k * self.parts * self.hidden
