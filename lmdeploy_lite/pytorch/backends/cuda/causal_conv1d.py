@@ -69,10 +69,8 @@ def _conv_update_kernel(
 
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
                          inputs: ModelInputs) -> torch.Tensor:
-    """Decode/verify with `inputs.uniform_q_len` = n tokens per sequence: x [T, C] raw inputs,
-    weight [C, K] -> silu(causal conv) [T, C] in x.dtype. Writes `cat(window, x_0..x_{n-1})[:, 1:]`
-    to conv columns 0..K-3+n of the sequence's row. No host sync. Steps whose sequences have
-    different lengths (no `uniform_q_len`) use the default op."""
+    """The default op with no host sync when every sequence has `inputs.uniform_q_len` tokens
+    (decode, verify); steps whose sequences have different lengths take the default op."""
     if inputs.uniform_q_len is None:
         return reference.causal_conv1d_update(x, weight, conv_cache, inputs)
     num_channels = x.shape[1]

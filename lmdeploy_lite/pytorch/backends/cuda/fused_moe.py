@@ -51,11 +51,12 @@ def _block_rows(block, pair_ids_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, 
 
 
 @triton.jit
-def _gate_up_dot(x_rows, row_ok, w_gate, w_up, w_cols_ok, stride_wk, HIDDEN: tl.constexpr,
+def _gate_up_act(x_rows, row_ok, w_gate, w_up, w_cols_ok, stride_wk, HIDDEN: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
     """x_rows [BLOCK_M, 1] row pointers (row_ok [BLOCK_M]), w_gate / w_up [1, BLOCK_N] column
-    pointers of the expert's gate and up rows (w_cols_ok [BLOCK_N]) -> fp32 (gate, up)."""
+    pointers of the expert's gate and up rows (w_cols_ok [BLOCK_N]) -> fp32
+    `silu(gate) * up`, gate and up rounded to x's dtype first like the reference."""
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
@@ -67,7 +68,9 @@ def _gate_up_dot(x_rows, row_ok, w_gate, w_up, w_cols_ok, stride_wk, HIDDEN: tl.
         wu = tl.load(w_up + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
         gate = tl.dot(xb, wg, gate, input_precision=DOT_PRECISION)
         up = tl.dot(xb, wu, up, input_precision=DOT_PRECISION)
-    return gate, up
+    gate = gate.to(x_rows.dtype.element_ty).to(tl.float32)
+    up = up.to(x_rows.dtype.element_ty).to(tl.float32)
+    return gate / (1.0 + tl.exp(-gate)) * up
 
 
 @triton.jit
@@ -99,12 +102,9 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, pair_ids_ptr, block_expert_ptr, top
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
     w_gate = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
-    gate, up = _gate_up_dot(x_ptr + token[:, None] * stride_x, store & valid, w_gate,
-                            w_gate + INTER * stride_wn, n_ok & valid, stride_wk, HIDDEN,
-                            DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    gate = gate.to(inter_ptr.dtype.element_ty).to(tl.float32)   # rounded like the reference
-    up = up.to(inter_ptr.dtype.element_ty).to(tl.float32)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = _gate_up_act(x_ptr + token[:, None] * stride_x, store & valid, w_gate,
+                       w_gate + INTER * stride_wn, n_ok & valid, stride_wk, HIDDEN,
+                       DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     tl.store(inter_ptr + pair[:, None] * stride_inter + offs_n[None, :],
              act.to(inter_ptr.dtype.element_ty), mask=store[:, None] & n_ok[None, :])
 
@@ -153,12 +153,9 @@ def _masked_gate_up_kernel(x_ptr, counts_ptr, w_ptr, inter_ptr, capacity, stride
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
     w_gate = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
-    gate, up = _gate_up_dot(x_ptr + expert * stride_xe + offs_m[:, None] * stride_xc, rows,
-                            w_gate, w_gate + INTER * stride_wn, n_ok, stride_wk, HIDDEN,
-                            DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    gate = gate.to(inter_ptr.dtype.element_ty).to(tl.float32)   # rounded like the reference
-    up = up.to(inter_ptr.dtype.element_ty).to(tl.float32)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = _gate_up_act(x_ptr + expert * stride_xe + offs_m[:, None] * stride_xc, rows,
+                       w_gate, w_gate + INTER * stride_wn, n_ok, stride_wk, HIDDEN,
+                       DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     tl.store(inter_ptr + expert * stride_ie + offs_m[:, None] * stride_ic + offs_n[None, :],
              act.to(inter_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 

@@ -167,13 +167,11 @@ def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                             beta: torch.Tensor, state_cache: torch.Tensor,
                             inputs: ModelInputs) -> torch.Tensor:
-    """Decode/verify with `inputs.uniform_q_len` = n tokens per sequence: q, k [T, nk, dk];
-    v [T, nv, dv]; g (log decay), beta [T, nv] -> o [T, nv, dv] in v.dtype. Writes the state
-    after token t to slot t of the sequence's row. No host sync. Steps whose sequences have
-    different lengths (no `uniform_q_len`), and a float64 model with a narrower stored state,
-    use the default op."""
+    """The default op with no host sync when every sequence has `inputs.uniform_q_len` tokens;
+    steps whose sequences have different lengths take the default op, as does a float64 model
+    with a narrower stored state."""
     if inputs.uniform_q_len is None or (v.dtype == torch.float64) != (
-            state_cache.dtype == torch.float64):         # fp64 math, narrower state: torch's
+            state_cache.dtype == torch.float64):
         return reference.gated_delta_rule_decode(q, k, v, g, beta, state_cache, inputs)
     return _launch(_recurrent_decode_kernel, q, k, v, g, beta, state_cache, inputs,
                    NUM_TOKENS=inputs.uniform_q_len)
@@ -183,8 +181,7 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       beta: torch.Tensor, state_cache: torch.Tensor,
                       inputs: ModelInputs) -> torch.Tensor:
     """`gated_delta_rule_prefill` by `_recurrent_prefill_kernel`: token by token, so for short
-    chunks only (`SHORT_PREFILL_TOKENS`). Shapes as in decode; any lengths (0 included); final
-    states to slot 0. No host sync (the lengths are read on the device)."""
+    chunks only (`SHORT_PREFILL_TOKENS`); any lengths (0 included), read on the device."""
     if v.shape[0] == 0:
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs,
@@ -204,13 +201,12 @@ def _fla_chunk_gated_delta_rule():
 def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                              beta: torch.Tensor, state_cache: torch.Tensor,
                              inputs: ModelInputs) -> torch.Tensor:
-    """Prefill (chunked continuation allowed); shapes as in decode. Writes each sequence's final
-    state to slot 0 of its row. On CUDA with an fp32 or bf16 state: `recurrent_prefill` when no
-    sequence has more than `SHORT_PREFILL_TOKENS` new tokens (the host lengths are the step's,
-    read once per forward), else fla's varlen chunk kernel (fla normalises q/k in the kernel and
-    maps value head j to key head j // (nv / nk) itself; it starts from an fp32 copy of the rows
-    and returns fp32 final states, stored back in the cache's dtype); otherwise the default op
-    (CPU, fp64 models, long chunks without fla)."""
+    """The default op's prefill, on CUDA with an fp32 or bf16 state by `recurrent_prefill` when
+    no sequence has more than `SHORT_PREFILL_TOKENS` new tokens (the host lengths are the step's,
+    read once per forward), else by fla's varlen chunk kernel (fla normalises q/k in the kernel and maps value
+    head j to key head j // (nv / nk) itself; it starts from an fp32 copy of the rows and returns
+    fp32 final states, stored back in the cache's dtype); otherwise the default op (CPU, fp64
+    models, long chunks without fla)."""
     if not q.is_cuda or v.dtype == torch.float64 or state_cache.dtype not in (torch.float32,
                                                                               torch.bfloat16):
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)

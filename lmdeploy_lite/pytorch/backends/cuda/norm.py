@@ -104,15 +104,13 @@ def _norm(kernel, rows: list[torch.Tensor], weight: torch.Tensor, eps: float) ->
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D], weight [D] -> `x * rsqrt(mean(x^2) + eps) * (1 + w)` [..., D] in x.dtype."""
     return _norm(_rms_norm_kernel, [_rows(x)], weight, eps).view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual [..., D] (same dtype), weight [D] -> (rms_norm(s), s) with s = residual + x
-    rounded to x.dtype. `s` is written into `residual` in place (see the module docstring): use
-    the returned tensor, not `residual`, afterwards."""
+    """The default op's (rms_norm(s), s), s = residual + x, with `s` written into `residual` in
+    place (module docstring): use the returned tensor, not `residual`, afterwards."""
     if residual.shape != x.shape or residual.dtype != x.dtype:
         raise ValueError(f'add_rms_norm: residual {tuple(residual.shape)} {residual.dtype} must '
                          f'match x {tuple(x.shape)} {x.dtype}')
@@ -123,13 +121,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
-    """x, gate [..., D], weight [D] -> `w * norm(x).to(x.dtype) * silu(gate)` [..., D] in
-    x.dtype."""
     return _norm(_gated_rms_norm_kernel, [_rows(x), _rows(gate)], weight, eps).view(x.shape)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [..., 2I] (gate first) -> `silu(gate) * up` [..., I] in gate_up.dtype."""
     rows = _rows(gate_up)
     inter = rows.shape[1] // 2
     out = torch.empty(rows.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)

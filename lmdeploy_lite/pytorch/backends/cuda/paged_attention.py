@@ -261,8 +261,7 @@ def decode_num_splits(num_programs: int, max_kv_tiles: int, num_sms: int) -> int
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              inputs: ModelInputs) -> None:
-    """Write k, v `[T, n_kv, head_dim]` into the caches at the step's slots (no host sync when
-    `inputs.uniform_q_len` is set)."""
+    """The default `fill_kv_cache` in one kernel (no host sync when `uniform_q_len` is set)."""
     if k.dtype == torch.float64:          # float64 (reference runs): the plain-PyTorch op
         return default_fill_kv_cache(k, v, k_cache, v_cache, inputs)
     num_tokens, n_kv, head_dim = k.shape
@@ -340,11 +339,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, inputs: ModelInputs, scale: float) -> torch.Tensor:
-    """Store the step's k/v, then attend each sequence's new queries over its whole cached prefix.
-
-    q [T, nq, d], k/v [T, n_kv, d] -> [T, nq, d]. Decode/verify steps (`is_decoding` with
-    `uniform_q_len`) take the split-KV kernel and keep the decode-step contract; others the
-    varlen prefill kernel."""
+    """The default op. Decode/verify steps (`is_decoding` with `uniform_q_len`) take the split-KV
+    kernel and keep the decode-step contract; others the varlen prefill kernel."""
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if q.dtype == torch.float64:          # float64 (reference runs): the plain-PyTorch op
