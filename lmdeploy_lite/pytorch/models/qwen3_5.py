@@ -116,13 +116,10 @@ class Qwen3_5Model(nn.Module):
         the final-normed output). Sequence-parallel: the layers run on this rank's share of the
         plan's padded rows (`inputs.sizes.tokens`); the output is gathered whole."""
         split = self.sequence_parallel and splits_rows(inputs)
-        if split:
-            if aux_layer_ids:
-                raise ValueError('extract_hidden_states with sequence_parallel=True: not '
-                                 'supported (the captured rows must be whole)')
-            hidden = self.embed_tokens(inputs.input_ids, scatter_rows=padded_tokens(inputs))
-        else:
-            hidden = self.embed_tokens(inputs.input_ids)
+        if split and aux_layer_ids:
+            raise ValueError('extract_hidden_states with sequence_parallel=True: not '
+                             'supported (the captured rows must be whole)')
+        hidden = self.embed_tokens(inputs.input_ids, padded_tokens(inputs) if split else None)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         residual = None
         captured = {}
@@ -170,7 +167,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.model(inputs, caches, layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model); the full
-        vocab on every TP rank (the LM head all-gathers)."""
+        """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model), every rank."""
         logits = self.lm_head(hidden)
         return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)

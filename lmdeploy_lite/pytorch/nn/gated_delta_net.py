@@ -1,8 +1,7 @@
 """Qwen3.5 Gated DeltaNet (linear attention) mixer: in_proj_qkv -> causal depthwise conv (kernel
 K) + SiLU over `[q | k | v]` -> q, k (nk heads x dk) and v (nv heads x dv); beta =
 sigmoid(in_proj_b); log decay g = -exp(A_log) * softplus(in_proj_a + dt_bias); gated delta rule;
-per-head gated RMSNorm with silu(in_proj_z); out_proj. Per-sequence state cache:
-`(conv [slots, conv_dim, K-1+num_spec], recurrent [slots, 1+num_spec, nv, dk, dv])`.
+per-head gated RMSNorm with silu(in_proj_z); out_proj. Per-sequence state: cache_engine.py.
 
 Tensor parallel (qwen3_5.md section 2): in_proj_qkv and conv1d are split by their q, k and v
 sections separately (each rank keeps `[q_r | k_r | v_r]`: nk/tp key and nv/tp value heads, so
@@ -61,8 +60,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, hidden: torch.Tensor, state_cache: tuple[torch.Tensor, torch.Tensor],
                 inputs: ModelInputs) -> torch.Tensor:
-        """hidden [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H]); state_cache
-        slots as in model_inputs.py."""
+        """hidden [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H])."""
         num_rows = hidden.shape[0]
         hidden = hidden[:inputs.num_tokens]        # the real rows of the Tp
         num_tokens = hidden.shape[0]
