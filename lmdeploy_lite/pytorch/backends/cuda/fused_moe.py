@@ -207,9 +207,7 @@ def _sort_pairs(flat_ids: torch.Tensor, num_experts: int, block_m: int):
 
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; gate_up_proj [E, 2I, H] (gate rows first); down_proj [E, H, I]; topk_weights
-    [T, k] (x.dtype or fp32); topk_ids [T, k] in 0..E-1 or -1 (contributes 0) -> [T, H] in x.dtype,
-    `out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)` with e = topk_ids[t, j]."""
+    """The default op's routed experts, with no host reads (module docstring)."""
     if x.dtype == torch.float64:        # no fp64 tl.dot worth having; float64 models are CPU tests
         return reference.fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids)
     num_tokens, top_k = topk_ids.shape
@@ -247,12 +245,10 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
 def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
                      down_proj: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Experts on rows grouped by expert (module docstring). x [E, C, H] (stride(-1) == 1; e.g.
-    the first H columns of a [E, C, W] buffer); counts [E] int on the device: expert e's rows are
-    x[e, :counts[e]]; out: optional [E, C, >= H] in x.dtype (stride(-1) == 1) to write into ->
-    [E, C, H] in x.dtype (`out[..., :H]` when given), unweighted expert outputs. Rows c >=
-    counts[e] of x are not read, nor those of out written. Grid (E * cdiv(C, BLOCK_M),
-    cdiv(N, BLOCK_N)); no host reads, shapes from shapes only: capturable."""
+    """The default op's experts on rows grouped by expert (module docstring); x and out need
+    stride(-1) == 1 only (x may be the first H columns of a [E, C, W] buffer). Rows c >= counts[e]
+    of x are not read, nor those of out written. Grid (E * cdiv(C, BLOCK_M), cdiv(N, BLOCK_N));
+    no host reads, shapes from shapes only: capturable."""
     if x.dtype == torch.float64:        # as fused_moe: the reference
         return reference.fused_moe_masked(x, counts, gate_up_proj, down_proj, out)
     (num_experts, capacity, hidden), inter_size = x.shape, down_proj.shape[2]

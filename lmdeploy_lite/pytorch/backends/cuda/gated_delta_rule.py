@@ -203,10 +203,10 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              inputs: ModelInputs) -> torch.Tensor:
     """The default op's prefill, on CUDA with an fp32 or bf16 state by `recurrent_prefill` when
     no sequence has more than `SHORT_PREFILL_TOKENS` new tokens (the host lengths are the step's,
-    read once per forward), else by fla's varlen chunk kernel (fla normalises q/k in the kernel and maps value
-    head j to key head j // (nv / nk) itself; it starts from an fp32 copy of the rows and returns
-    fp32 final states, stored back in the cache's dtype); otherwise the default op (CPU, fp64
-    models, long chunks without fla)."""
+    read once per forward), else by fla's varlen chunk kernel (fla normalises q/k in the kernel
+    and maps value head j to key head j // (nv / nk) itself; it starts from an fp32 copy of the
+    rows and returns fp32 final states, stored back in the cache's dtype); otherwise the default
+    op itself (CPU, fp64 models, long chunks without fla)."""
     if not q.is_cuda or v.dtype == torch.float64 or state_cache.dtype not in (torch.float32,
                                                                               torch.bfloat16):
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
@@ -216,14 +216,12 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if chunk is None:
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
     initial = reference.initial_states(state_cache, inputs).float()              # [B, nv, dk, dv]
-    if 'fla_cu_seqlens' not in inputs.op_cache:
-        # the same tensors for every layer: fla caches what it derives from them (chunk
-        # indices, via .tolist()) by identity; new ones per layer cost ~2.5 ms of host time
-        # per layer call (measured: a mixed step of 0.8B spent ~50 ms on the host in fla)
-        inputs.op_cache['fla_cu_seqlens'] = (
-            F.pad(inputs.q_lens.cumsum(0), (1, 0)),
-            torch.tensor([0, *itertools.accumulate(inputs.host_q_lens)]))
-    cu_seqlens, cu_seqlens_cpu = inputs.op_cache['fla_cu_seqlens']
+    # the same tensors for every layer: fla caches what it derives from them (chunk indices,
+    # via .tolist()) by identity; new ones per layer cost ~2.5 ms of host time per layer call
+    # (measured: a mixed step of 0.8B spent ~50 ms on the host in fla)
+    cu_seqlens, cu_seqlens_cpu = inputs.derived('fla_cu_seqlens', lambda: (
+        F.pad(inputs.q_lens.cumsum(0), (1, 0)),
+        torch.tensor([0, *itertools.accumulate(inputs.host_q_lens)])))
     out, final = chunk(q[None], k[None], v[None], g[None].float(), beta[None],
                        scale=q.shape[-1] ** -0.5, initial_state=initial, output_final_state=True,
                        use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens,
