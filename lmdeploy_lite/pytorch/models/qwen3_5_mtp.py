@@ -66,8 +66,7 @@ class Qwen3_5MTP(nn.Module):
 
     def _layer_input(self, input_ids: torch.Tensor, target_hidden: torch.Tensor,
                      num_rows: int | None = None) -> torch.Tensor:
-        """fc's output [T, H]; sequence-parallel (`num_rows`: the plan's Tp), this rank's share
-        [Tp / tp, H] of it, computed from that share of the inputs only."""
+        """fc's output [T, H] (sequence-parallel, `num_rows` = Tp: this rank's [Tp / tp, H])."""
         embeds = self.embed_tokens(input_ids)
         if num_rows is not None:
             embeds = shard(embeds, num_rows, self.dist_ctx)
