@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import os
 from collections import Counter
 
@@ -63,12 +64,19 @@ class DraftCountPolicy:
             return cls(max_k, cycle=tuple(int(k) for k in cycle.split(',')))
         return cls(max_k, dynamic)
 
-    def acceptance(self) -> list[float]:
-        """c_i for i < max_k: the estimated P(more than i drafts accepted)."""
+    def acceptance(self, optimistic: bool = False) -> list[float]:
+        """c_i for i < max_k: the estimated P(more than i drafts accepted); `optimistic`: each
+        a_i at the upper end of its ~95% interval (Wilson's, over the rows behind it)."""
         out, prior, c = [], self.prior_acceptance, 1.0
         for reached, accepted in zip(self.reached, self.accepted):
-            prior = (accepted + PRIOR_ROWS * prior) / (reached + PRIOR_ROWS)     # a_i
-            c *= prior
+            rows = reached + PRIOR_ROWS
+            prior = a = (accepted + PRIOR_ROWS * prior) / rows                   # a_i
+            if optimistic:
+                z2 = 4.0                                                         # z = 2
+                a = (a + z2 / (2 * rows) + math.sqrt(z2 * a * (1 - a) / rows
+                                                     + z2 * z2 / (4 * rows * rows))
+                     ) / (1 + z2 / rows)
+            c *= a
             out.append(c)
         return out
 
@@ -116,9 +124,9 @@ class DraftCountPolicy:
         j, cost = ks[0], self.prior_draft_cost       # scaled by the k = 0 time that j's implies
         return known[j] / (1.0 + cost * j) * (1.0 + cost * k)
 
-    def rates(self, bucket: int) -> list[float]:
+    def rates(self, bucket: int, optimistic: bool = False) -> list[float]:
         """Estimated tokens per second per sequence for each k in 0..max_k."""
-        tokens = itertools.accumulate(self.acceptance(), initial=1.0)   # E(k), k in 0..max_k
+        tokens = itertools.accumulate(self.acceptance(optimistic), initial=1.0)   # E(k)
         return [t / self.step_time(bucket, k) for k, t in enumerate(tokens)]
 
     def best(self, batch_size: int) -> int:
@@ -144,7 +152,8 @@ class DraftCountPolicy:
             if self.samples.get((bucket, j), 0) == 0:
                 return self._explore(j)
         revisit = self._revisit(steps)
-        if revisit == 'up':
+        if revisit == 'up' or revisit == 'early' and best < self.max_k and (
+                self.rates(bucket, optimistic=True)[best + 1] > rates[best]):
             return self._explore(min(best + 1, self.max_k))
         if revisit == 'down' and best > 0:
             return self._explore(best - 1)
@@ -155,13 +164,15 @@ class DraftCountPolicy:
         return best
 
     def _revisit(self, steps: int) -> str | None:
-        """'up' (k + 1) or 'down' (k - 1) at this bucket's step `steps`: every revisit_every
-        steps, and k + 1 early on too, at 1/8, 1/4 and 1/2 of it: a bucket's first measurements
-        are the least reliable (few noisy step times, the start of an output), and only k + 1
-        measures c_k (running at a k measures every position below it, so a k too high
-        corrects itself)."""
+        """'up' (k + 1) or 'down' (k - 1) at this bucket's step `steps`, every revisit_every
+        steps; 'early' at 1/8, 1/4 and 1/2 of it: k + 1 again if it could still win, its c_k
+        at the optimistic end (a bucket's first drafts are few and the start of an output is
+        harder to draft, and only k + 1 measures c_k; running at a k measures every position
+        below it, so a k too high corrects itself)."""
         every = self.revisit_every
-        if steps % every == 0 or steps in (every // 8, every // 4, every // 2):
+        if steps in (every // 8, every // 4, every // 2):
+            return 'early'
+        if steps % every == 0:
             return 'up'
         return 'down' if steps % every == every // 2 and steps > every else None
 
