@@ -21,6 +21,7 @@ data; `inputs.uniform_q_len` (a host int) and tensor shapes are allowed.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
@@ -30,9 +31,9 @@ def get_backend(device: torch.device | str):
     """The CUDA backend (Triton kernels) on a CUDA device when Triton imports; else the default.
     `LMDEPLOY_LITE_BACKEND=default` forces the plain-PyTorch ops on CUDA (for comparisons)."""
     if (torch.device(device).type == 'cuda'
-            and os.environ.get('LMDEPLOY_LITE_BACKEND', 'auto') != 'default'):
-        from .cuda import cuda_backend, is_available
-        if is_available():
-            return cuda_backend()
+            and os.environ.get('LMDEPLOY_LITE_BACKEND', 'auto') != 'default'
+            and importlib.util.find_spec('triton') is not None):
+        from .cuda import cuda_backend
+        return cuda_backend()
     from .default import DefaultBackend
     return DefaultBackend

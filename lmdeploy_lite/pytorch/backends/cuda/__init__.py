@@ -7,11 +7,6 @@ capture them. Ops without a kernel here are the default backend's.
 from __future__ import annotations
 
 import functools
-import importlib.util
-
-
-def is_available() -> bool:
-    return importlib.util.find_spec('triton') is not None
 
 
 @functools.cache
@@ -25,5 +20,4 @@ def cuda_backend():
     ops = (add_rms_norm, causal_conv1d_prefill, causal_conv1d_update, fused_moe, fused_moe_masked,
            gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating, gated_rms_norm, rms_norm,
            silu_mul, paged_attention, store_kv)
-    return type('CudaBackend', (DefaultBackend,),
-                {'name': 'cuda', **{fn.__name__: staticmethod(fn) for fn in ops}})
+    return type('CudaBackend', (DefaultBackend,), {fn.__name__: staticmethod(fn) for fn in ops})

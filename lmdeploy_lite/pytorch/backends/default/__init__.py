@@ -9,5 +9,4 @@ _OPS = (paged_attention, causal_conv1d_prefill, causal_conv1d_update, gated_delt
         gated_delta_rule_decode, gdn_gating, rms_norm, add_rms_norm, gated_rms_norm, silu_mul,
         fused_moe, fused_moe_masked)
 DefaultBackend = type('DefaultBackend', (), {
-    'name': 'default', 'store_kv': staticmethod(fill_kv_cache),
-    **{fn.__name__: staticmethod(fn) for fn in _OPS}})
+    'store_kv': staticmethod(fill_kv_cache), **{fn.__name__: staticmethod(fn) for fn in _OPS}})
