@@ -28,12 +28,10 @@ def cmd_generate(args) -> int:
     pipe, gen_config = _build(args)
     with pipe:
         start = time.perf_counter()
-        n = 0
-        for r in pipe.stream_infer(args.prompt, gen_config):
-            print(r.text, end='', flush=True)
-            n = r.generate_token_len
-            last = r
+        for last in pipe.stream_infer(args.prompt, gen_config):
+            print(last.text, end='', flush=True)
         elapsed = time.perf_counter() - start
+        n = last.generate_token_len
         print()
         print(f'[{n} tokens in {elapsed:.2f} s, {n / elapsed:.1f} tokens/s, '
               f'finish_reason={last.finish_reason}]', file=sys.stderr)

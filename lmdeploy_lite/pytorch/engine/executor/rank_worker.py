@@ -63,18 +63,17 @@ def worker_main(rank: int, dist_config: DistConfig, model_path: str,
     try:
         device = rank_device(engine_config.device, local_rank)
         dist_ctx = DistContext.init(dist_config, rank, init_method, device)
-        beat = heartbeats.beater(rank) if heartbeats is not None else _no_beat
         if heartbeats is not None:
-            dist_ctx.heartbeat = beat
+            dist_ctx.heartbeat = heartbeats.beater(rank)
         from lmdeploy_lite.tokenizer import load_tokenizer     # stop words need it
         tokenizer = load_tokenizer(model_path)
         engine = build_engine(model_path, engine_config, spec_config, tokenizer=tokenizer,
-                        progress=False, dist_ctx=dist_ctx)
+                              progress=False, dist_ctx=dist_ctx)
         if worker_hook is not None:
             worker_hook(engine)
         bm = engine.scheduler.bm          # how the front-end names this rank's cached prefixes
         outbox.put(('ready', rank, (bm.block_size, bm.lookahead, bm.caching)))
-        rank_loop(rank, engine, inbox, outbox.put, beat)
+        rank_loop(rank, engine, inbox, outbox.put, dist_ctx.heartbeat)
     except BaseException as e:
         outbox.put(('error', rank, (summarize(rank, e), traceback.format_exc())))
     finally:
@@ -91,12 +90,8 @@ def summarize(rank: int, error: BaseException) -> str:
     return f'rank {rank} failed: {type(error).__name__}' + (f': {line}' if line else '')
 
 
-def _no_beat(waiting: bool = False):
-    pass
-
-
 def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
-              beat: Callable[..., None] = _no_beat):
+              beat: Callable[..., None] | None = None):
     """Every rank's loop, in its own process or a front-end thread: read the inbox, step, `send`
     one report per step. TP rank 0 reads the inbox and shares it with its TP peers (so their
     schedulers decide alike); only it reports."""
@@ -106,7 +101,8 @@ def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
     route_by_prefix = engine.dist.config.dp > 1      # the front-end routes by cached prefixes
     last_seen = None                                 # what the figures last reported showed
     while not engine.stopped:
-        beat()
+        if beat is not None:
+            beat()
         # an idle rank of a busy plan group must reach the next plan gather at once
         wait = None if engine.has_work or engine.plan_busy else IDLE_WAIT_S
         events = _drain(inbox, wait) if leader else None
