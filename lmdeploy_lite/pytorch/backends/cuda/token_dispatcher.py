@@ -121,11 +121,6 @@ def slot_blocks(values: torch.Tensor, slot: torch.Tensor, top_k: int, parts: int
     return out.view(num_rows, top_k * parts * hidden)
 
 
-def weighted_sum(pairs: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """pairs [T, k, H], weights [T, k] -> [T, H]: the all-to-all dispatcher's arithmetic."""
-    return (pairs * topk_weights[..., None]).sum(1)
-
-
 # ---- the shared buffer ----------------------------------------------------------------------
 ENV_QP_DEPTH = 'NVSHMEM_QP_DEPTH'
 
@@ -363,9 +358,7 @@ class DeepEPDispatcher:
             variable=True)[0]
         if not self.exact:
             return combined.to(expert_out.dtype)
-        pairs = join_bf16(combined.view(-1, self.top_k, self.parts, self.hidden),
-                          expert_out.dtype)
-        return weighted_sum(pairs, handle.topk_weights)
+        return self._weighted_sum(combined, expert_out.dtype, handle.topk_weights)
 
     # ---- low-latency mode -----------------------------------------------------------------
     def _dispatch_low_latency(self, x, topk_ids, topk_weights):
@@ -414,7 +407,12 @@ class DeepEPDispatcher:
             variable=True)[0]
         if not self.exact:
             return combined[:, :self.hidden].to(expert_out.dtype)
+        return self._weighted_sum(combined, expert_out.dtype, handle.topk_weights)
+
+    def _weighted_sum(self, combined, dtype: torch.dtype, topk_weights: torch.Tensor):
+        """Exact mode: combined [T, >= k * parts * H] bf16 (each slot's parts in its own block)
+        -> [T, H] in `dtype`, weighted and summed in the all-to-all dispatcher's order."""
         columns = self.top_k * self.parts * self.hidden
-        pairs = join_bf16(combined[:, :columns].reshape(-1, self.top_k, self.parts,
-                                                        self.hidden), expert_out.dtype)
-        return weighted_sum(pairs, handle.topk_weights)
+        pairs = join_bf16(combined[:, :columns].reshape(-1, self.top_k, self.parts, self.hidden),
+                          dtype)
+        return (pairs * topk_weights[..., None]).sum(1)
