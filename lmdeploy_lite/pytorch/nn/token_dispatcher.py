@@ -52,12 +52,10 @@ def dispatch_capacity(max_batch_size: int, num_speculative_tokens: int, tp: int 
 
 class EPTransport:
     """How the MoE layers on one EP group move tokens: all-to-all, or DeepEP over one buffer
-    that this transport owns, sized from `capacity` (`dispatch_capacity(...)`, the plan's most
-    tokens per rank of a low-latency call). `num_experts`, `hidden_size`, `top_k`, `dtype`: the
-    MoE layers' (target and MTP draft alike). `attach(module)` gives the module's all-to-all
-    layers on this group DeepEP dispatchers; `prepare(sizes)` runs before each step's forwards.
-    LMDEPLOY_LITE_EP_DISPATCHER=alltoall forces all-to-all; =deepep raises instead of falling
-    back."""
+    that this transport owns, sized from `capacity` (`dispatch_capacity(...)`). `num_experts`,
+    `hidden_size`, `top_k`, `dtype`: the MoE layers' (target and MTP draft alike).
+    LMDEPLOY_LITE_EP_DISPATCHER=auto (default) | alltoall (forces all-to-all) | deepep (raises
+    instead of falling back)."""
 
     def __init__(self, dist_ctx, num_experts: int, hidden_size: int, top_k: int, capacity: int,
                  device: torch.device | str, dtype: torch.dtype):

@@ -22,7 +22,7 @@ from lmdeploy_lite.messages import SpeculativeConfig
 from lmdeploy_lite.pytorch.config import CacheConfig, DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.model_agent import ModelAgent
-from lmdeploy_lite.pytorch.models.loader import has_mtp_weights
+from lmdeploy_lite.pytorch.models.loader import has_mtp_weights, load_mtp_weights
 from lmdeploy_lite.pytorch.sampling import probs_dtype
 from lmdeploy_lite.pytorch.spec_decode.proposers.ngram import NgramProposer
 from lmdeploy_lite.pytorch.spec_decode.spec_agent import SpecAgent
@@ -179,7 +179,6 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
     k = spec.num_speculative_tokens
     proposer, host_proposer, token_map = None, None, None
     if uses_draft_model(spec):
-        from lmdeploy_lite.pytorch.models.loader import load_mtp_weights
         from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
         from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import MTPProposer
         target_model = target.model
