@@ -29,3 +29,12 @@ spec)
     tail -${TAILN:-8} $OUT/spec_0_8b_${acc//,/_}.log | cut -c1-160
   done ;;
 esac
+case ${PART:-tests} in
+profile)   # issue 39 item 4: where a k=3 step's time goes next to a plain one (9B and 0.8B, batch 1 and 8)
+  for preset in qwen3_5_9b qwen3_5_0_8b; do for b in 1 8; do for k in 0 3; do
+    echo "== profile $preset batch $b k $k"
+    timeout 200 python3 benchmarks/profile_step.py --preset $preset --device cuda --dtype bfloat16 \
+      --batch $b --spec $k --steps 40 > $OUT/profile_${preset}_b${b}_k$k.log 2>&1
+    grep "^step:" $OUT/profile_${preset}_b${b}_k$k.log
+  done; done; done ;;
+esac

@@ -24,11 +24,13 @@ def main():
     parser.add_argument('--eager', action='store_true')
     parser.add_argument('--shapes', action='store_true',
                         help='torch.profiler table grouped by op and input shapes')
-    parser.add_argument('--spec', type=int, default=0, help='MTP draft tokens (0: plain decode)')
+    parser.add_argument('--spec', type=int, default=0, help='MTP draft tokens, every step (0: '
+                        'plain decode)')
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)
-    spec_kwargs = ({'speculative_config': SpeculativeConfig(num_speculative_tokens=args.spec)}
-                   if args.spec else {})
+    spec_kwargs = ({'speculative_config': SpeculativeConfig(num_speculative_tokens=args.spec,
+                                                            dynamic=False)}
+                   if args.spec else {})                   # a fixed k: the step profiled is k's
     engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch, 2), session_len=2048,
         load_format=load_format, seed=args.seed, eager_mode=args.eager), progress=False,
