@@ -6,7 +6,6 @@ import asyncio
 import numbers
 
 from lmdeploy_lite.messages import GenerationConfig, TokenLogprobs, short_repr
-from lmdeploy_lite.pytorch.engine.stopping import truncate_at_stop_word
 from lmdeploy_lite.reasoning import held_back
 
 MESSAGE_ROLES = ('system', 'user', 'assistant', 'tool')
@@ -35,8 +34,10 @@ class TextStream:
         """The text not handed out yet that can be: before the first stop word, and (while
         running) short of a suffix that may still grow into one."""
         text, words = self.text, self.gen_config.stop_words
-        if words:
-            text = truncate_at_stop_word(text, words, max(0, self.sent - max(map(len, words))))
+        if words:               # cut before the first stop word (none ends in the text sent)
+            start = max(0, self.sent - max(map(len, words)))
+            cuts = [i for i in (text.find(w, start) for w in words) if i >= 0]
+            text = text[:min(cuts, default=len(text))]
             if not finished:
                 text = text[:len(text) - held_back(text, words)]
         out = text[self.sent:]

@@ -49,9 +49,3 @@ class StopChecker:
             if any(w in now and w not in before for w in words):
                 return i + 1
         return None
-
-
-def truncate_at_stop_word(text: str, stop_words, start: int = 0) -> str:
-    """`text` cut before its first stop word; `start`: none begins before this offset."""
-    cut = min((i for i in (text.find(w, start) for w in stop_words or ()) if i >= 0), default=-1)
-    return text if cut < 0 else text[:cut]
