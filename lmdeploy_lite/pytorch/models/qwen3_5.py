@@ -28,7 +28,7 @@ from ..nn.moe import SparseMoeBlock
 from ..nn.norm import RMSNorm
 from ..nn.token_dispatcher import AllToAllDispatcher
 from ..nn.rotary import RotaryEmbedding
-from ..nn.sequence_parallel import is_sequence_parallel, padded_tokens, splits_rows
+from ..nn.sequence_parallel import is_sequence_parallel, splits_rows
 
 
 def build_mlp(config: ModelConfig, dtype: torch.dtype, device, dist_ctx=None) -> nn.Module:
@@ -119,7 +119,7 @@ class Qwen3_5Model(nn.Module):
         if split and aux_layer_ids:
             raise ValueError('extract_hidden_states with sequence_parallel=True: not '
                              'supported (the captured rows must be whole)')
-        hidden = self.embed_tokens(inputs.input_ids, padded_tokens(inputs) if split else None)
+        hidden = self.embed_tokens(inputs.input_ids, inputs.sizes.tokens if split else None)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         residual = None
         captured = {}

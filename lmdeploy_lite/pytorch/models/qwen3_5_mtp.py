@@ -24,7 +24,7 @@ from ..model_inputs import ModelInputs
 from ..nn.linear import ReplicatedLinear
 from ..nn.norm import RMSNorm
 from ..nn.rotary import RotaryEmbedding
-from ..nn.sequence_parallel import is_sequence_parallel, padded_tokens, shard, splits_rows
+from ..nn.sequence_parallel import is_sequence_parallel, shard, splits_rows
 from .qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5ForCausalLM
 
 
@@ -55,7 +55,7 @@ class Qwen3_5MTP(nn.Module):
         post-norm hidden (or this head's previous output when drafting recursively);
         `caches[0]`: layer 0's (k, v) cache. Returns the post-`norm` hidden [T, H]."""
         split = self.sequence_parallel and splits_rows(inputs)
-        num_rows = padded_tokens(inputs) if split else None
+        num_rows = inputs.sizes.tokens if split else None
         hidden = self._layer_input(input_ids, target_hidden, num_rows)
         rope = self.rotary_emb(inputs.positions, hidden.dtype)
         hidden, residual = self.layers[0](hidden, None, rope, caches[0], inputs)

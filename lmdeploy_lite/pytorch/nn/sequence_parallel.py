@@ -32,14 +32,6 @@ def splits_rows(inputs) -> bool:
     return inputs.sizes is not None and inputs.sizes.sequence_parallel
 
 
-def padded_tokens(inputs) -> int:
-    """Tp of this forward: the StepPlan's tp-aligned token count (`ModelInputs.sizes`)."""
-    if inputs.sizes is None:
-        raise ValueError('a sequence-parallel forward needs ModelInputs.sizes (the StepPlan\'s '
-                         'ForwardSizes, engine/step_plan.py), got None')
-    return inputs.sizes.tokens
-
-
 def shard(x: torch.Tensor, num_rows: int, dist_ctx) -> torch.Tensor:
     """x [T, ...] zero-padded to `num_rows` (Tp) -> this rank's rows [Tp / tp, ...]; no comms."""
     tp, rank = dist_ctx.config.tp, dist_ctx.tp_rank
