@@ -5,8 +5,7 @@ prompt when thinking (`<|im_start|>assistant\\n<think>\\n`) and write a closed, 
 (`<think>\\n\\n</think>\\n\\n`), so the reply may carry no opening tag: where it starts is read from
 the rendered prompt (`starts_in_thought`), not guessed from the reply. (vLLM's qwen3 parser takes a
 reply with no tags for reasoning, and so returns a non-thinking answer as reasoning: vllm#53284.)
-A reply that opens its own block (a template that adds nothing) is handled too.
-"""
+A reply that opens its own block (a template that adds nothing) is handled too."""
 from __future__ import annotations
 
 OPEN, CLOSE = '<think>', '</think>'

@@ -5,8 +5,7 @@
 A token's string is the tokenizer's decoding of that token alone (special tokens spelled out; a
 piece of a multi-byte character decodes to U+FFFD); its `bytes` are the token's own bytes where the
 tokenizer is byte-level BPE (Qwen's: a piece of a character included), else the string's UTF-8
-bytes. Without a tokenizer (a model served on token ids) a token's string is `token_id:<id>`.
-"""
+bytes. Without a tokenizer (a model served on token ids) a token's string is `token_id:<id>`."""
 from __future__ import annotations
 
 import codecs

@@ -4,8 +4,7 @@ KV blocks, cached prefix blocks) and `engine.spec_stats` (every verify step, abo
 included). With the mp executor (dp > 1) the engine lives in other processes, so the speculative
 counters add up the per-request figures that arrive with every response, and the scheduler gauges
 are not exported rather than guessed; `lmdeploy_lite_num_requests_in_flight` (admitted, not
-finished) and the prefix-cache token counters (from each request's responses) are exact in both.
-"""
+finished) and the prefix-cache token counters (from each request's responses) are exact in both."""
 from __future__ import annotations
 
 import threading

@@ -3,8 +3,7 @@
 choices of each of its prompts (chat: one prompt); choice `index` = prompt_index * n + i, as
 OpenAI numbers them. Each choice has its own RequestTracker (the prompt counted once, with its
 choice 0). A client that goes away ends its generator, which aborts every unfinished choice and
-frees its cache (`Pipeline.generate_ids`).
-"""
+frees its cache (`Pipeline.generate_ids`)."""
 from __future__ import annotations
 
 import logging

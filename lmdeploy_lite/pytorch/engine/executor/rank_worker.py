@@ -1,6 +1,5 @@
 """The rank side of every executor: `worker_main` joins the world, builds the rank's Engine and
-runs `rank_loop` (mp.py tells how the ranks advance and fail).
-"""
+runs `rank_loop` (mp.py tells how the ranks advance and fail)."""
 from __future__ import annotations
 
 import os
