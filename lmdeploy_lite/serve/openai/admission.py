@@ -14,9 +14,7 @@ RETRY_AFTER_S = 1
 class ConcurrencyLimitMiddleware:
     """429 for a POST to a generation path while `limit` of them are in flight."""
 
-    def __init__(self, app, limit: int):
-        if limit < 1:
-            raise ValueError(f'max_concurrent_requests={limit}: must be >= 1')
+    def __init__(self, app, limit: int):                 # ServerLimits checked limit >= 1
         self.app, self.limit = app, limit
         self.in_flight = 0                   # one event loop: no lock needed
 
