@@ -37,8 +37,7 @@ def block_keys(token_ids: list[int], block_size: int, lookahead: bool,
 
 @dataclass
 class PrefixCacheStats:
-    """Prompt tokens looked up at admission, and those served from the cache."""
-    queried_tokens: int = 0
+    """Prompt tokens served from the cache at admission."""
     hit_tokens: int = 0
 
 
@@ -129,7 +128,6 @@ def count_lookup(bm, seq, hit: int):
     """An admitted sequence's lookup, counted (its first one's hit: Response.num_cached_tokens)."""
     if not bm.caching:
         return
-    bm.stats.queried_tokens += len(seq.token_ids)
     bm.stats.hit_tokens += hit
     if not seq.num_generated:
         seq.num_cached_tokens = hit
