@@ -90,12 +90,10 @@ def iter_tensors(model_dir: str, select, progress: bool = True,
 def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str, str],
                         skip: tuple[str, ...] = (), allow_missing: tuple[str, ...] = (),
                         progress: bool = True, desc: str = 'Loading weights') -> None:
-    """Copy checkpoint tensors into `module`'s parameters, matched by name.
-
-    prefix_map: checkpoint prefix -> module prefix (first match wins); tensors matching no prefix
-    or starting with a `skip` prefix are ignored. Per-expert MoE tensors are fused into
-    `experts.gate_up_proj` / `experts.down_proj`. Raises ValueError naming the file, tensor and
-    shapes on a shape mismatch, and listing what is missing at the end."""
+    """Copy checkpoint tensors into `module`'s parameters, matched by name: prefix_map maps a
+    checkpoint prefix to a module prefix (first match wins); tensors matching no prefix or
+    starting with a `skip` prefix are ignored. ValueErrors name the file, tensor and shapes on a
+    mismatch, and list what is missing at the end."""
     params = dict(module.named_parameters(remove_duplicate=False))
     filled: set[str] = set()
     expert_parts: dict[str, set] = {}
