@@ -93,12 +93,11 @@ async def run_to_end(ctx: ServerContext, prompts: list[list[int]], gen_config: G
 def stream(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
            chunks: CompletionChunks, include_usage: bool, request_id: str) -> EventSourceResponse:
     """The request's chunks as server-sent events, written by `chunks` (responses.py: openings,
-    deltas, usage when `include_usage`). A chunk carries a choice's tokens of every engine step
-    since its last one (`Pipeline.generate_ids` coalesces what waits while the client is behind),
-    so a slow client holds no backlog; logprobs go with their tokens' text, the last chunk
-    carries the hidden-states path (`request_id` names the file). Shutdown: each unfinished choice
-    ends with finish_reason 'abort', then [DONE]; a failed generation: finish_reason 'error', an
-    error event, [DONE]."""
+    deltas, usage when `include_usage`). A chunk carries every engine step since its choice's last
+    one (text_stream.coalesce: a slow client holds no backlog), logprobs with their tokens' text;
+    the last one carries the hidden-states path (`request_id` names the file). Shutdown: each
+    unfinished choice ends with finish_reason 'abort', then [DONE]; a failed generation:
+    finish_reason 'error', an error event, [DONE]."""
     shutdown = anyio.Event()                 # set by sse-starlette when uvicorn shuts down
     events = _events(ctx, prompts, gen_config, chunks, include_usage, request_id, shutdown)
     return EventSourceResponse(events, sep='\n', shutdown_event=shutdown,
