@@ -38,3 +38,4 @@ profile)   # issue 39 item 4: where a k=3 step's time goes next to a plain one (
     grep "^step:" $OUT/profile_${preset}_b${b}_k$k.log
   done; done; done ;;
 esac
+[ ${PART:-tests} = gemm ] && python3 benchmarks/bench_small_m_gemm.py 2>&1 | tee $OUT/small_m_gemm.log
