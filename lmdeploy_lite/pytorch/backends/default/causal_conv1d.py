@@ -33,7 +33,6 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, input
         full = torch.cat([windows[seqs], padded], dim=2)
         conv = F.conv1d(full.to(weight.dtype), weight[:, None, :], groups=weight.shape[0])
         out[group.tokens] = group.unpad(F.silu(conv).transpose(1, 2)).to(x.dtype)
-        # store: column c <- full[:, :, store_from + c] where c < store_count
         src = (store_from[seqs, None] + cols).clamp(max=full.shape[2] - 1)           # [n, W]
         new = torch.gather(full, 2, src[:, None, :].expand(-1, full.shape[1], -1))
         keep = (cols[None, :] >= store_count[seqs, None]) | (group.q_lens == 0)[:, None]
