@@ -9,6 +9,8 @@ which a graph cannot hold: a step with any sampled row drafts step by step.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
@@ -48,20 +50,27 @@ class MTPProposer:
             self.kv_graphs[1] = capture(self._write_kv, 'mtp kv')
         for k in [k for k in counts if k]:
             self.chain_graphs[k] = capture(
-                lambda inputs, ids, h, k=k: self._greedy_chain(inputs, h, k), f'mtp chain k={k}')
+                lambda inputs, ids, h, k=k: self._draft(inputs, h, k, self._head)[0],
+                f'mtp chain k={k}')
 
-    def _greedy_chain(self, first: ModelInputs, hidden: torch.Tensor, k: int) -> torch.Tensor:
-        """Greedy drafts [B, k] from the head's output `hidden` [B, H]; `first`: draft 2's step."""
-        drafts = [self._greedy_token(hidden)]
-        for i in range(1, k):
-            step = self._draft_step_inputs(first, drafts[-1], first.positions + (i - 1))
-            hidden = self.mtp(drafts[-1], hidden, step, self.caches)
-            drafts.append(self._greedy_token(hidden))
-        return torch.stack(drafts, 1)
-
-    def _greedy_token(self, hidden: torch.Tensor) -> torch.Tensor:
-        token = self.compute_logits(hidden).argmax(-1)
-        return token if self.token_map is None else self.token_map[token]
+    def _draft(self, first: ModelInputs, hidden: torch.Tensor, k: int, head,
+               sampling: SamplingInputs | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`propose`'s drafts and q (`sampling` None: greedy) from the head's output `hidden`
+        [B, H], the head run again by `head(step, ids, hidden)`; `first`: draft 2's step."""
+        drafts, probs = [], []
+        for i in range(k):
+            if i > 0:   # the same layer again, one position on, fed its own output
+                step = self._draft_step_inputs(first, drafts[-1], first.positions + (i - 1))
+                hidden = head(step, drafts[-1], hidden)
+            logits = self.compute_logits(hidden)
+            token = logits.argmax(-1)
+            if sampling is not None and not sampling.all_greedy:  # sampled: draw, keep q to verify
+                q = probs_from_logits(logits, sampling)
+                token = torch.where(sampling.do_sample, draw_from_probs(q, sampling.generators),
+                                    token)
+                probs.append(q)
+            drafts.append(token if self.token_map is None else self.token_map[token])
+        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
     @staticmethod
     def _draft_step_inputs(inputs: ModelInputs, ids: torch.Tensor, positions: torch.Tensor
@@ -101,22 +110,8 @@ class MTPProposer:
             return rows.new_empty((rows.numel(), 0)), None
         hidden = self._run(self.graphs, self._head, inputs, next_ids, target_hidden)[rows]
         positions = inputs.positions[rows]
+        first = self._draft_step_inputs(inputs, positions, positions + 1)
         chain = self.chain_graphs.get(k) if sampling.all_greedy else None
-        if chain is not None:
-            first = self._draft_step_inputs(inputs, positions, positions + 1)
-            if chain.can_run(first):
-                return chain(first, positions, hidden), None
-        drafts, probs = [], []
-        for i in range(k):
-            if i > 0:   # the same layer again, one position on, fed its own output
-                step = self._draft_step_inputs(inputs, drafts[-1], positions + i)
-                hidden = self._run(self.graphs, self._head, step, drafts[-1], hidden)
-            logits = self.compute_logits(hidden)
-            token = logits.argmax(-1)
-            if not sampling.all_greedy:     # sampled rows draw from q and keep it for verify
-                q = probs_from_logits(logits, sampling)
-                token = torch.where(sampling.do_sample, draw_from_probs(q, sampling.generators),
-                                    token)
-                probs.append(q)
-            drafts.append(token if self.token_map is None else self.token_map[token])
-        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
+        if chain is not None and chain.can_run(first):
+            return chain(first, positions, hidden), None
+        return self._draft(first, hidden, k, partial(self._run, self.graphs, self._head), sampling)
