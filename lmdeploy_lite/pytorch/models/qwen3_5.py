@@ -62,7 +62,6 @@ class Qwen3_5DecoderLayer(nn.Module):
         else:
             raise ValueError(f'layer_type={layer_type!r}: must be linear_attention or full_attention')
         self.mlp = build_mlp(config, dtype, device, dist_ctx)
-        self.mlp_takes_sizes = config.is_moe        # an EP MoE needs the step's ForwardSizes
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype,
                                                 device)
@@ -90,9 +89,7 @@ class Qwen3_5DecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm(mixed, residual)
         if split:
             normed = self.dist_ctx.tp.gather_rows(normed)
-        if self.mlp_takes_sizes:
-            return self.mlp(normed, inputs.sizes), residual
-        return self.mlp(normed, split), residual
+        return self.mlp(normed, inputs.sizes), residual
 
 
 class Qwen3_5Model(nn.Module):

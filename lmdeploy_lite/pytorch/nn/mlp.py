@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backends import get_backend
+from ..model_inputs import ForwardSizes
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 
 
@@ -35,8 +36,9 @@ class SwiGLUMLP(nn.Module):
         """The MLP from its `[gate | up]` projection (computed by the caller's GEMM)."""
         return self.down_proj(self.backend.silu_mul(gate_up), sequence_parallel)
 
-    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
-        """`sequence_parallel`: this forward splits its rows (RowParallelLinear.forward)."""
+    def forward(self, x: torch.Tensor, sizes: ForwardSizes | None = None) -> torch.Tensor:
+        """`sizes`: the step's (ModelInputs.sizes), says whether this forward splits its rows."""
+        split = sizes is not None and sizes.sequence_parallel
         if self.gate_up_proj is not None:       # [gate | up] from one GEMM, one fused kernel
-            return self.forward_fused(F.linear(x, self.gate_up_proj.weight), sequence_parallel)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), sequence_parallel)
+            return self.forward_fused(F.linear(x, self.gate_up_proj.weight), split)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), split)
