@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..backends import get_backend
+from ..backends.default.norm import compute_dtype
 from ..model_inputs import ForwardSizes
 from .linear import FusedColumnLinear, ReplicatedLinear, check_divisible
 from .mlp import SwiGLUMLP
-from .norm import compute_dtype
 from .sequence_parallel import is_sequence_parallel
 from .sharding import sharded_parameter, tp_layout
 from .token_dispatcher import GroupedRows, TopKRows

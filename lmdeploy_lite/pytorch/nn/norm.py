@@ -6,9 +6,6 @@ import torch
 from torch import nn
 
 from ..backends import get_backend
-from ..backends.default.norm import compute_dtype
-
-__all__ = ['RMSNorm', 'GatedRMSNorm', 'compute_dtype']
 
 
 class RMSNorm(nn.Module):
