@@ -19,10 +19,9 @@ class RotaryEmbedding(nn.Module):
         negated (rotate_half's sign folded in: what `apply_rotary` multiplies the rolled x by)."""
         inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq32
         freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        sin = emb.sin()
-        half = freqs.shape[-1]
-        return emb.cos().to(dtype), torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).to(dtype)
+        sin = freqs.sin()
+        return (torch.cat([freqs, freqs], dim=-1).cos().to(dtype),
+                torch.cat([-sin, sin], dim=-1).to(dtype))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
