@@ -18,9 +18,6 @@ A step with n new tokens for a sequence writes:
     a of the n tokens (1 <= a <= n), the next index = a - 1.
 Reads happen before writes, so reading slot j while writing slot 0 is safe.
 
-Sizes that other ranks must agree on (DESIGN.md invariant 1) are not derived here: they come
-from the step's StepPlan as `ForwardSizes` (`sizes`, set by the engine; see engine/step_plan.py).
-
 Derived values marked "computed once" are cached on first use (ops call them in every layer);
 `q_lens` and `history_lens` must not change after that (`state_index` may be reassigned)."""
 from __future__ import annotations
@@ -34,9 +31,9 @@ import torch
 
 @dataclass(frozen=True)
 class ForwardSizes:
-    """The sizes of one forward that the other ranks must agree on, all from the step's StepPlan
-    (`StepPlan.forward_sizes`). Token counts are multiples of the target's tp (so of any tp that
-    divides it, e.g. the draft's).
+    """The sizes of one forward that the other ranks must agree on (DESIGN.md invariant 1), all
+    from the step's StepPlan (`StepPlan.forward_sizes`), never derived here; token counts are
+    multiples of the target's tp (so of any tp that divides it, e.g. the draft's).
     tokens:      this rank's tokens rounded up to a multiple of tp: the rows an EP MoE pads to
                  (each TP rank dispatches tokens / tp) and sequence parallelism splits;
     max_tokens:  the largest `tokens` of any rank in this forward (an idle rank's dummy

@@ -1,14 +1,7 @@
 """A SpeculativeConfig turned into the engine's pieces: `SpecPlan`, plain sizes that engine/ and
 the executors read (only this package and strategies/ar_spec/ know the methods), then the agent
-and strategy. The plan's sizes:
-  * num_draft_extra: the MTP head writes its own KV k - 1 positions past the k + 1 a verify step
-    feeds (it drafts k from the last accepted position); a host proposer (ngram) none;
-  * draft_probs_bytes_per_slot: q [k, vocab] per state slot for verifying sampled drafts
-    (SpecAgent.draft_probs): k x vocab x 4 bytes in float32, 8 in float64; ~194 MB at
-    max_batch_size 64, k = 3 and Qwen3.5's 248k vocabulary; k x M with a token map of M ids,
-    ~25 MB at M = 32k; none for host proposers, whose drafts are deterministic;
-  * needs_host_tokens: a host proposer drafts from the accepted tokens (no async scheduling).
-extract_hidden_states drafts nothing (k = 0): it names the layers each request's file holds.
+and strategy. extract_hidden_states drafts nothing (k = 0): it names the layers each request's
+file holds.
 """
 from __future__ import annotations
 
@@ -125,10 +118,16 @@ def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
 @dataclass(frozen=True)
 class SpecPlan:
     num_spec_tokens: int = 0               # k drafts verified per decode step (0: no speculation)
-    num_draft_extra: int = 0               # KV positions the draft writes past the k + 1 fed
+    # KV positions the MTP head writes past the k + 1 a verify feeds: k - 1 (it drafts k from the
+    # last accepted position); none for a host proposer (ngram)
+    num_draft_extra: int = 0
     draft: DraftFootprint = DraftFootprint(0, 1, 0)     # the MTP head's KV and weights per rank
-    draft_probs_bytes_per_slot: int = 0    # q [k, vocab or M] per state slot for sampled drafts
-    needs_host_tokens: bool = False        # proposals read accepted tokens on the host
+    # q [k, vocab] per state slot for verifying sampled drafts (SpecAgent.draft_probs), 4 bytes
+    # each in float32, 8 in float64: ~194 MB at max_batch_size 64, k = 3 and Qwen3.5's 248k
+    # vocabulary; [k, M] with a token map of M ids (~25 MB at M = 32k); 0 for host proposers,
+    # whose drafts are deterministic
+    draft_probs_bytes_per_slot: int = 0
+    needs_host_tokens: bool = False        # host drafts read accepted tokens: no async scheduling
     proposer: str = ''                     # the method's name, for messages only
     dynamic: bool = False                  # each step's draft count chosen in 0..k (policy.py)
     # extract_hidden_states (k = 0): output_hidden_states ids kept per token, the files' dir
