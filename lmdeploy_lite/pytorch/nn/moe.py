@@ -128,8 +128,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, sizes: ForwardSizes | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H]); `sizes`: the
-        step's (ModelInputs.sizes), required with EP; says whether this forward splits its rows
-        (`ForwardSizes.sequence_parallel`)."""
+        step's (ModelInputs.sizes), required with EP, says whether this forward splits its rows."""
         if self.in_proj is not None:
             logits, shared_gate, shared_gate_up = self.in_proj(x)
             weights, ids = self.gate.route(logits)
@@ -142,12 +141,11 @@ class SparseMoeBlock(nn.Module):
         else:
             routed = self._routed_by_ep(x, weights, ids, sizes)
         out = routed + torch.sigmoid(shared_gate) * shared
+        # the one reduction (routed and shared partial sums together), to this rank's token
+        # shard when the rows are split
         if self.sequence_parallel and sizes is not None and sizes.sequence_parallel:
-            # the one reduction, to this rank's token shard
             return self.dist_ctx.tp.reduce_scatter(out)
-        if self.tp > 1:     # the one reduction: routed and shared partial sums together
-            out = self.dist_ctx.tp.all_reduce(out)
-        return out
+        return self.dist_ctx.tp.all_reduce(out) if self.tp > 1 else out
 
     def _routed_by_ep(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       sizes: ForwardSizes | None) -> torch.Tensor:
