@@ -223,11 +223,11 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, prefix: str = '') -> No
     values that keep bf16 activations sane. Rules: zero-centred `RMSNorm` weights 0 (scale
     1 + w = 1); `GatedRMSNorm` weights 1; `A_log` = log(uniform(1, 16)); `dt_bias` =
     softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]; biases 0; every other (>= 2-D) tensor
-    normal(0, DUMMY_STD). A 1-D parameter matching no rule raises.
-    Each parameter draws from its own generator seeded by `seed` and its name (`prefix` + name,
-    the checkpoint name), so values do not depend on construction order and replicated
-    parameters are equal on every rank; a TP shard gets the same stream on every rank (not a
-    slice of one full tensor). Tied weights are filled once."""
+    normal(0, DUMMY_STD); a 1-D parameter matching no rule raises. Each parameter draws from
+    its own generator seeded by `seed` and its name (`prefix` + name, the checkpoint name), so
+    values do not depend on construction order and replicated parameters are equal on every
+    rank; a TP shard gets the same stream on every rank (not a slice of one full tensor). Tied
+    weights are filled once."""
     seen: set[int] = set()
     for module_name, sub in module.named_modules():
         for param_name, param in sub.named_parameters(recurse=False):

@@ -164,6 +164,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         return self.model(inputs, caches, layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model), every rank."""
+        """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model) on every rank."""
         logits = self.lm_head(hidden)
         return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)

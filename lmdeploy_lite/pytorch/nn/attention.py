@@ -60,7 +60,7 @@ class GatedAttention(nn.Module):
         """hidden [T, H] ([Tp, H] sequence-parallel: T real rows, then padding); rope (cos, sin)
         [T, rotary_dim]; kv_cache (k_cache, v_cache) with this rank's KV heads."""
         num_rows = hidden.shape[0]
-        hidden = hidden[:inputs.num_tokens]        # the real rows of the Tp
+        hidden = hidden[:inputs.num_tokens]        # its T real rows (of Tp, sequence-parallel)
         num_tokens = hidden.shape[0]
         q, gate, k, v = self._project(hidden, rope)
         q = apply_rotary(self.q_norm(q), *rope)

@@ -62,7 +62,7 @@ class GatedDeltaNet(nn.Module):
                 inputs: ModelInputs) -> torch.Tensor:
         """hidden [T, H] -> [T, H] (sequence-parallel: [Tp, H] -> [Tp / tp, H])."""
         num_rows = hidden.shape[0]
-        hidden = hidden[:inputs.num_tokens]        # the real rows of the Tp
+        hidden = hidden[:inputs.num_tokens]        # its T real rows (of Tp, sequence-parallel)
         num_tokens = hidden.shape[0]
         if self.in_proj is not None:
             mixed, z, b, a = self.in_proj(hidden)
