@@ -39,3 +39,10 @@ profile)   # issue 39 item 4: where a k=3 step's time goes next to a plain one (
   done; done; done ;;
 esac
 [ ${PART:-tests} = gemm ] && python3 benchmarks/bench_small_m_gemm.py 2>&1 | tee $OUT/small_m_gemm.log
+# PART=multi (2 GPUs): the multi-GPU tests after this session's trims of distributed.py, the DeepEP
+# dispatcher and nn/token_dispatcher
+if [ ${PART:-tests} = multi ]; then
+  timeout 540 python3 -m pytest -q -p no:cacheprovider -rs -s tests/gpu/test_multi_gpu_graphs.py -k "not four_gpus" \
+    tests/gpu/test_two_gpus.py tests/gpu/test_sequence_parallel_cuda.py tests/pytorch/test_deepep_dispatcher.py 2>&1 \
+    | grep -v "^USDT\|IBGDA\|^$" | grep "replays\|identical\|passed\|failed\|Error\|SKIP" | tail -24
+fi
