@@ -100,7 +100,9 @@ def test_greedy_outputs_follow_their_schemas_and_mtp_changes_nothing(engines):
 @pytest.mark.parametrize('k', [0, K])
 def test_sampled_outputs_follow_their_schemas(engines, k):
     tokenizer, by_k = engines
+    by_k[k].spec_stats = type(by_k[k].spec_stats)()
     check_valid(run(by_k[k], tokenizer, do_sample=True, temperature=1.0, random_seed=5))
+    assert k == 0 or by_k[k].spec_stats.num_accepted_tokens > 0, by_k[k].spec_stats
 
 
 def test_a_verify_masks_each_position_after_the_drafts_before_it():
