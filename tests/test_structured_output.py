@@ -128,6 +128,19 @@ def test_a_verify_masks_each_position_after_the_drafts_before_it():
     assert matcher.accept_token(valid[0])                      # rolled back to the start
 
 
+def test_a_complete_output_may_stop_even_when_min_tokens_blocks_its_stop_ids():
+    """Once the JSON is complete the grammar allows only stop ids; min_tokens (-inf there) must
+    not leave a row with nothing to sample (NaN) or a token the grammar refuses."""
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
+    matcher = Grammars(tokenizer, 4096, [0, 2]).matcher(formats()[0], [], [0, 2])
+    assert matcher.accept_string('{"kind": "cat"}')
+    logits = torch.randn(1, 4096, dtype=torch.float64)
+    logits[0, [0, 2]] = float('-inf')                       # what min_tokens does to stop ids
+    masked = TokenMasks([matcher]).apply(logits)[0]
+    assert masked.isfinite().nonzero().flatten().tolist() == [0, 2]
+    assert not masked.isnan().any() and int(masked.argmax()) == 0
+
+
 def test_bad_response_formats_are_refused_naming_the_field():
     with pytest.raises(ValueError, match=r'^response_format.json_schema.schema: xgrammar cannot'):
         GenerationConfig(response_format={'type': 'json_schema',

@@ -86,4 +86,8 @@ class TokenMasks:
         bits = torch.arange(32, dtype=torch.int32)
         allowed = ((bitmask[..., None] >> bits) & 1).bool().flatten(1)[:, :logits.size(-1)]
         allowed = allowed.to(logits.device, non_blocking=True).view(logits.shape)
-        return logits.masked_fill(~allowed, float('-inf'))
+        masked = logits.masked_fill(~allowed, float('-inf'))
+        # min_tokens can block all the grammar allows (its stop ids, once the output is
+        # complete): the grammar wins, its tokens alike (greedy: the lowest id)
+        stuck = torch.isneginf(masked).all(-1, keepdim=True)
+        return torch.where(stuck & allowed, 0.0, masked)
