@@ -91,8 +91,18 @@ def scripted(model_dir):
     """call(**request) -> (the non-streamed completion, the streamed chunks, the prompt)."""
     from lmdeploy_lite.serve.openai.api_server import create_app
     pipe = ScriptedPipe(model_dir)
-    app = create_app(pipe, MODEL)
+    ask = asker(create_app(pipe, MODEL))
 
+    def call(**request):
+        whole, chunks = ask(**request)
+        assert pipe.prompts[-1] == pipe.prompts[-2]
+        return whole, chunks, pipe.prompts[-1]
+    return call
+
+
+def asker(app):
+    """ask(**request) -> (the non-streamed completion, the streamed chunks) from `app`, through
+    the official client in this process."""
     async def both(request: dict):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url='http://test') as http:
@@ -101,8 +111,7 @@ def scripted(model_dir):
             whole = await client.chat.completions.create(model=MODEL, **request)
             chunks = [c async for c in await client.chat.completions.create(
                 model=MODEL, stream=True, **request)]
-        assert pipe.prompts[-1] == pipe.prompts[-2]
-        return whole, chunks, pipe.prompts[-1]
+        return whole, chunks
     return lambda **request: asyncio.run(both(request))
 
 
@@ -291,18 +300,7 @@ def real(model_dir):
     pipe = pipeline(model_dir, PytorchEngineConfig(device='cpu', dtype='float32', session_len=512,
                                                    distributed_executor_backend='uni'),
                     speculative_config=SpeculativeConfig(num_speculative_tokens=2))
-    app = create_app(pipe, MODEL)
-
-    async def both(request: dict):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url='http://test') as http:
-            client = openai.AsyncOpenAI(base_url='http://test/v1', api_key='-', http_client=http,
-                                        max_retries=0)
-            whole = await client.chat.completions.create(model=MODEL, **request)
-            chunks = [c async for c in await client.chat.completions.create(
-                model=MODEL, stream=True, **request)]
-        return whole, chunks
-    yield lambda **request: asyncio.run(both(request))
+    yield asker(create_app(pipe, MODEL))
     pipe.close()
 
 
