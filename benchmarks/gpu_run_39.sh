@@ -22,11 +22,12 @@ pipe)
     tail -3 $OUT/pipe_${side}_$i.log | cut -c1-160
   done; done ;;
 spec)
-  S="benchmarks/bench_spec.py --preset qwen3_5_0_8b --device cuda --dtype bfloat16 --batch-sizes 1,8,32,64,128 --ks 1,2,3 --dynamic --token-map-size 32768 --decode-steps 24"
+  P=${PRESET:-qwen3_5_0_8b}      # PRESET=qwen3_5_9b for the 9B grid
+  S="benchmarks/bench_spec.py --preset $P --device cuda --dtype bfloat16 --batch-sizes 1,8,32,64,128 --ks 1,2,3 --dynamic --token-map-size 32768 --decode-steps 24"
   for acc in 0.8,0.6,0.5 0.0; do
-    echo "== bench_spec 0.8B acceptance $acc"
-    timeout 250 python3 $S --synthetic-acceptance $acc --out $OUT/spec_0_8b_${acc//,/_}.json > $OUT/spec_0_8b_${acc//,/_}.log 2>&1
-    tail -${TAILN:-8} $OUT/spec_0_8b_${acc//,/_}.log | cut -c1-160
+    echo "== bench_spec $P acceptance $acc"
+    timeout 280 python3 $S --synthetic-acceptance $acc --out $OUT/spec_${P}_${acc//,/_}.json > $OUT/spec_${P}_${acc//,/_}.log 2>&1
+    tail -${TAILN:-8} $OUT/spec_${P}_${acc//,/_}.log | cut -c1-160
   done ;;
 esac
 case ${PART:-tests} in
