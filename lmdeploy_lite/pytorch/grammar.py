@@ -83,9 +83,10 @@ class TokenMasks:
                     break                           # later positions are never reached
                 advanced += 1
             matcher.rollback(advanced)
-        bits = torch.arange(32, dtype=torch.int32)
+        bitmask = bitmask.to(logits.device, non_blocking=True)   # unpacked there: 1/32 the bytes
+        bits = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((bitmask[..., None] >> bits) & 1).bool().flatten(1)[:, :logits.size(-1)]
-        allowed = allowed.to(logits.device, non_blocking=True).view(logits.shape)
+        allowed = allowed.view(logits.shape)
         masked = logits.masked_fill(~allowed, float('-inf'))
         # min_tokens can block all the grammar allows (its stop ids, once the output is
         # complete): the grammar wins, its tokens alike (greedy: the lowest id)
