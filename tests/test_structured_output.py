@@ -128,6 +128,20 @@ def test_a_verify_masks_each_position_after_the_drafts_before_it():
     assert matcher.accept_token(valid[0])                      # rolled back to the start
 
 
+def test_a_drafted_stop_that_completes_the_output_leaves_the_later_positions_free():
+    """Drafts that finish the JSON and then draft eos: the grammar accepts the stop and is done;
+    the position after it is free (never emitted), and the matcher rolls back as usual."""
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
+    grammars = Grammars(tokenizer, 4096, [0, 2])
+    ids = tokenizer.encode('{"kind": "cat"}')
+    matcher = grammars.matcher(formats()[0], [], [0, 2])
+    assert all(matcher.accept_token(t) for t in ids[:-2])
+    masked = TokenMasks([matcher]).apply(torch.zeros(1, 4, 4096), torch.tensor([ids[-2:] + [0]]))
+    assert masked[0, 2].isfinite().nonzero().flatten().tolist() == [0, 2]     # stop ids only
+    assert masked[0, 3].isfinite().all() and not matcher.is_terminated()
+    assert all(matcher.accept_token(t) for t in ids[-2:] + [0]) and matcher.is_terminated()
+
+
 def test_a_complete_output_may_stop_even_when_min_tokens_blocks_its_stop_ids():
     """Once the JSON is complete the grammar allows only stop ids; min_tokens (-inf there) must
     not leave a row with nothing to sample (NaN) or a token the grammar refuses."""

@@ -78,6 +78,8 @@ class TokenMasks:
                 continue
             advanced = 0
             for j in range(num_positions):
+                if matcher.is_terminated():         # a drafted stop ended the output: free
+                    break
                 matcher.fill_next_token_bitmask(bitmask, b * num_positions + j)
                 if j == len(row) or row[j] < 0 or not matcher.accept_token(row[j]):
                     break                           # later positions are never reached
