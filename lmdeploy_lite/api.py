@@ -13,7 +13,7 @@ from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Respo
 from lmdeploy_lite.pytorch.engine.executor import connect
 from lmdeploy_lite.pytorch.engine.executor.client import Channel, EngineStats
 from lmdeploy_lite.pytorch.engine.step_output import StepOutput
-from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, starts_in_thought, template_thinks
+from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_in_thought, template_thinks
 from lmdeploy_lite.text_stream import (TextStream, as_batch, coalesce, is_token_id,
                                        batch_decoder, check_prompt, check_template_kwargs,
                                        check_tools, detokenize, token_logprobs)
@@ -21,7 +21,6 @@ from lmdeploy_lite.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | list[dict]
 POLL_S = 1.0               # how often a wait for results checks that the engine still runs
-THOUGHT_TAIL = 32          # prompt tokens read to know whether the reply starts in a thought
 
 EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(__file__), 'assets', 'qwen3_5_moe_tiny')
 
@@ -237,7 +236,7 @@ class Pipeline:
 
     def reasoning_parser(self, prompt_ids: list[int]) -> ReasoningParser:
         """A parser for the reply to this (rendered chat) prompt."""
-        return ReasoningParser(starts_in_thought(self.tokenizer.decode(prompt_ids[-THOUGHT_TAIL:])))
+        return ReasoningParser(reply_in_thought(self.tokenizer.decode, prompt_ids))
 
     def _check_template_renders(self, messages: list[dict], tools: list[dict] | None):
         """A template that never looks at tools or tool_calls would drop them without a word."""

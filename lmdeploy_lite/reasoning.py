@@ -12,9 +12,18 @@ OPEN, CLOSE = '<think>', '</think>'
 PARSERS = ('auto', 'qwen3', 'none')
 
 
+THOUGHT_TAIL = 32          # prompt tokens read to know whether the reply starts in a thought
+
+
 def starts_in_thought(prompt_text: str) -> bool:
     """The reply starts inside a think block: the prompt opened one it did not close."""
     return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
+
+
+def reply_in_thought(decode, prompt_ids: list[int]) -> bool:
+    """`starts_in_thought` of a prompt given as token ids (`decode`: ids -> text), from its tail:
+    what the reasoning parser and the structured-output grammar both go by."""
+    return starts_in_thought(decode(prompt_ids[-THOUGHT_TAIL:]))
 
 
 def template_thinks(template: str | None) -> bool:

@@ -49,6 +49,10 @@ PROMPT = 'def to_json(value):\n    return '
 K = 3
 
 
+def new_matcher(grammars, fmt, prompt_ids, stop_ids):
+    return grammars.matcher(grammars.compile(fmt, prompt_ids), stop_ids)
+
+
 def formats():
     return [{'type': 'json_schema', 'json_schema': {'name': f's{i}', 'schema': s}}
             for i, s in enumerate(SCHEMAS)] + [{'type': 'json_object'}]
@@ -111,11 +115,11 @@ def test_a_verify_masks_each_position_after_the_drafts_before_it():
     tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
     grammars = Grammars(tokenizer, 4096, [0])
     fmt = {'type': 'json_schema', 'json_schema': {'schema': SCHEMAS[0]}}
-    matcher = grammars.matcher(fmt, tokenizer.encode(PROMPT), [0])
+    matcher = new_matcher(grammars, fmt, tokenizer.encode(PROMPT), [0])
     valid = tokenizer.encode('{"kind"')
     drafts = torch.tensor([valid[:2] + [tokenizer.encode('}')[0]]])     # the third is refused
     masked = TokenMasks([matcher]).apply(torch.zeros(1, 4, 4096), drafts)[0]
-    reference = grammars.matcher(fmt, tokenizer.encode(PROMPT), [0])
+    reference = new_matcher(grammars, fmt, tokenizer.encode(PROMPT), [0])
     for j in range(3):
         bitmask = xgr.allocate_token_bitmask(1, 4096)
         reference.fill_next_token_bitmask(bitmask)
@@ -134,7 +138,7 @@ def test_a_drafted_stop_that_completes_the_output_leaves_the_later_positions_fre
     tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
     grammars = Grammars(tokenizer, 4096, [0, 2])
     ids = tokenizer.encode('{"kind": "cat"}')
-    matcher = grammars.matcher(formats()[0], [], [0, 2])
+    matcher = new_matcher(grammars, formats()[0], [], [0, 2])
     assert all(matcher.accept_token(t) for t in ids[:-2])
     masked = TokenMasks([matcher]).apply(torch.zeros(1, 4, 4096), torch.tensor([ids[-2:] + [0]]))
     assert masked[0, 2].isfinite().nonzero().flatten().tolist() == [0, 2]     # stop ids only
@@ -146,7 +150,7 @@ def test_a_complete_output_may_stop_even_when_min_tokens_blocks_its_stop_ids():
     """Once the JSON is complete the grammar allows only stop ids; min_tokens (-inf there) must
     not leave a row with nothing to sample (NaN) or a token the grammar refuses."""
     tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
-    matcher = Grammars(tokenizer, 4096, [0, 2]).matcher(formats()[0], [], [0, 2])
+    matcher = new_matcher(Grammars(tokenizer, 4096, [0, 2]), formats()[0], [], [0, 2])
     assert matcher.accept_string('{"kind": "cat"}')
     logits = torch.randn(1, 4096, dtype=torch.float64)
     logits[0, [0, 2]] = float('-inf')                       # what min_tokens does to stop ids
@@ -174,6 +178,7 @@ def test_a_prompt_that_opens_a_thought_gets_the_thought_first():
     for prompt, text, ok in (('<think>\n', 'hmm, a pet</think>\n\n' + reply, True),
                              ('<think>\n\n</think>\n\n', reply, True),
                              ('<think>\n', reply, False)):
-        matcher = grammars.matcher(fmt, tokenizer.encode('user: hi\nassistant: ' + prompt), [0])
+        ids = tokenizer.encode('user: hi\nassistant: ' + prompt)
+        matcher = new_matcher(grammars, fmt, ids, [0])
         accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text))
         assert (accepted and matcher.is_completed()) == ok, (prompt, text)   # a JSON in thought

@@ -21,23 +21,21 @@ import json
 import torch
 from torch import Tensor
 
-from lmdeploy_lite.reasoning import starts_in_thought
+from lmdeploy_lite.reasoning import reply_in_thought
 from lmdeploy_lite.structured import _xgrammar, structural_tag
 
-THOUGHT_TAIL = 8          # prompt tokens decoded to see whether it leaves a think block open
-
-
 class Grammars:
-    """Compiles response formats for the model's vocabulary (xgrammar caches the compiled ones)
-    and makes each constrained sequence's matcher. Needs the tokenizer; xgrammar is imported at
-    the first constrained request."""
+    """Compiles a request's response format for the model's vocabulary (xgrammar caches the
+    compiled ones) and makes each of its sequences' matchers. Needs the tokenizer; xgrammar is
+    imported at the first constrained request."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids):
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
         self._compiler = None
 
-    def matcher(self, response_format: dict, prompt_ids: list[int], stop_ids):
-        """A fresh matcher for one sequence; `stop_ids`: the tokens that may end its output."""
+    def compile(self, response_format: dict, prompt_ids: list[int]):
+        """The grammar of one request (its prompt says whether the reply starts in a thought);
+        ValueError if it cannot be had."""
         if self.tokenizer is None:
             raise ValueError('response_format: this engine has no tokenizer to compile it with')
         xgr = _xgrammar()
@@ -45,10 +43,13 @@ class Grammars:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.eos_ids)
             self._compiler = xgr.GrammarCompiler(info)
-        in_thought = starts_in_thought(self.tokenizer.decode(prompt_ids[-THOUGHT_TAIL:]))
-        tag = structural_tag(response_format, in_thought)
-        compiled = self._compiler.compile_structural_tag(json.dumps(tag))
-        return xgr.GrammarMatcher(compiled, override_stop_tokens=sorted(stop_ids) or self.eos_ids)
+        tag = structural_tag(response_format, reply_in_thought(self.tokenizer.decode, prompt_ids))
+        return self._compiler.compile_structural_tag(json.dumps(tag))
+
+    def matcher(self, compiled, stop_ids):
+        """A fresh matcher for one sequence; `stop_ids`: the tokens that may end its output."""
+        return _xgrammar().GrammarMatcher(compiled,
+                                          override_stop_tokens=sorted(stop_ids) or self.eos_ids)
 
 
 def advance(matcher, tokens: list[int]):

@@ -83,6 +83,8 @@ class Engine:
             raise ValueError(f'n={gen_config.n}: {len(request_ids)} request ids given, one per '
                              f'choice needed')
         request_ids = [uuid.uuid4().hex if r is None else check_request_id(r) for r in request_ids]
+        grammar = (None if gen_config.response_format is None
+                   else self.grammars.compile(gen_config.response_format, token_ids))
         seqs = []
         for i in range(gen_config.n):
             if gen_config.random_seed is not None:
@@ -94,10 +96,10 @@ class Engine:
                                  num_prompt=len(token_ids), gen_config=gen_config, arrival=0,
                                  generator=generator, request_id=request_ids[i]))
             self._next_seq_id += 1
-        if gen_config.response_format is not None:     # an invalid one leaves nothing behind
+        if grammar is not None:
+            stop_ids = self.scheduler.stop_checker.stop_ids
             for seq in seqs:
-                seq.grammar = self.grammars.matcher(gen_config.response_format, token_ids,
-                                                    self.scheduler.stop_checker.stop_ids(seq))
+                seq.grammar = self.grammars.matcher(grammar, stop_ids(seq))
         if self.share_prefill:
             forking.link_group(seqs)
         for seq in seqs:
