@@ -133,6 +133,7 @@ def summarize(results: list[dict], duration: float, concurrency: int, rate: floa
             for r in results if r['usage']['completion_tokens'] > 1]
     return {'concurrency': concurrency, 'request_rate': 'inf' if math.isinf(rate) else rate,
             'requests': len(results), 'duration_s': duration,
+            'chunks': sum(len(r['itl']) + 1 for r in results),
             'request_throughput': len(results) / duration,
             'output_throughput': output_tokens / duration,
             'total_token_throughput': (prompt_tokens + output_tokens) / duration,

@@ -334,12 +334,15 @@ class Pipeline:
                 self._check_engine()
 
     async def _next_async(self, inbox: asyncio.Queue):
-        """The next result, in asyncio; never waits forever on an engine that has stopped."""
-        while True:
+        """The next result, in asyncio; never waits forever on an engine that has stopped. One
+        that is waiting is taken at once (`wait_for` would start a task per result)."""
+        while inbox.empty():
             try:
-                return await asyncio.wait_for(inbox.get(), POLL_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(POLL_S):
+                    return await inbox.get()
+            except TimeoutError:
                 self._check_engine()
+        return inbox.get_nowait()
 
     def _check_engine(self):
         if self._client.error is not None:

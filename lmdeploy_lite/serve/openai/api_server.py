@@ -78,6 +78,7 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     ctx = ServerContext(pipe, model_name, metrics, TokenStrings(pipe.tokenizer), limits,
                         sampling_defaults)
     app.state.pipe, app.state.metrics, app.state.engine_failed = pipe, metrics, False
+    app.state.shutdown = ctx.shutdown
     install_error_handlers(app, lambda outcome: metrics.requests.labels(outcome).inc())
     if limits.max_concurrent is not None:   # innermost: only authorized requests count
         app.add_middleware(ConcurrencyLimitMiddleware, limit=limits.max_concurrent)
@@ -212,7 +213,16 @@ def _document_request_bodies(app: FastAPI, *models):
 # ---- running the server ---------------------------------------------------------------------
 class _Server(uvicorn.Server):
     """uvicorn's server, except that it does not re-raise SIGINT/SIGTERM once it has shut down:
-    both signals mean the same graceful shutdown, after which `serve` returns 0."""
+    both signals mean the same graceful shutdown, after which `serve` returns 0. Its shutdown
+    first sets `shutdown` (ServerContext.shutdown: open streams end with 'abort')."""
+
+    def __init__(self, config: uvicorn.Config, shutdown: threading.Event):
+        super().__init__(config)
+        self.shutdown_begins = shutdown
+
+    async def shutdown(self, sockets=None):
+        self.shutdown_begins.set()
+        await super().shutdown(sockets)
 
     @contextmanager
     def capture_signals(self):
@@ -256,7 +266,7 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
                      on_engine_failure=lambda: setattr(server, 'should_exit', True),
                      bound_host=host, **app_options)
     server = _Server(server_config(app, host, port, log_level, graceful_timeout_s,
-                                   http_limits or HttpLimits()))
+                                   http_limits or HttpLimits()), app.state.shutdown)
     try:
         sock = sock or bind_socket(host, port)
         print(f'lmdeploy_lite: serving {model_name!r} on http://{host}:{port}', flush=True)

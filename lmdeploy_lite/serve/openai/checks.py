@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass, replace
+import threading
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 
@@ -63,6 +64,8 @@ class ServerContext:
     token_strings: TokenStrings        # logprobs' token strings
     limits: ServerLimits = ServerLimits()
     sampling_defaults: dict | None = None   # --generation-config auto: the model's
+    # set once the server begins to shut down (serve's signal handler): streams end with 'abort'
+    shutdown: threading.Event = field(default_factory=threading.Event)
 
     @property
     def session_len(self) -> int:

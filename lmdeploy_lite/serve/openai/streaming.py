@@ -6,14 +6,14 @@ choice 0). A client that goes away ends its generator, which aborts every unfini
 frees its cache (`Pipeline.generate_ids`)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from contextlib import aclosing
 from typing import AsyncIterator
 
-import anyio
 from fastapi import Request
-from sse_starlette.sse import EventSourceResponse
+from starlette.responses import Response as HTTPResponse
 
 from lmdeploy_lite.messages import GenerationConfig, Response
 from lmdeploy_lite.serve.openai.checks import ServerContext
@@ -23,7 +23,8 @@ from lmdeploy_lite.serve.openai.responses import CompletionChunks, dumps, event,
 
 logger = logging.getLogger('lmdeploy_lite.serve')
 
-STREAM_SHUTDOWN_GRACE_S = 5.0        # a stream's time to end itself once shutdown begins
+SSE_HEADERS = [(b'content-type', b'text/event-stream; charset=utf-8'),
+               (b'cache-control', b'no-store'), (b'x-accel-buffering', b'no')]
 DISCONNECT_CHECK_S = 0.25           # how often a non-streamed request asks whether its client left
 GENERATION_FAILED = 'generation failed for this request; the server log has the details'
 ENGINE_STOPPED = 'the engine stopped after an error; the server is shutting down'
@@ -91,22 +92,58 @@ async def run_to_end(ctx: ServerContext, prompts: list[list[int]], gen_config: G
 
 
 def stream(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
-           chunks: CompletionChunks, include_usage: bool, request_id: str) -> EventSourceResponse:
+           chunks: CompletionChunks, include_usage: bool, request_id: str) -> 'EventStream':
     """The request's chunks as server-sent events, written by `chunks` (responses.py: openings,
     deltas, usage when `include_usage`). A chunk carries every engine step since its choice's last
     one (text_stream.coalesce: a slow client holds no backlog), logprobs with their tokens' text;
     the last one carries the hidden-states path (`request_id` names the file). Shutdown: each
     unfinished choice ends with finish_reason 'abort', then [DONE]; a failed generation:
     finish_reason 'error', an error event, [DONE]."""
-    shutdown = anyio.Event()                 # set by sse-starlette when uvicorn shuts down
-    events = _events(ctx, prompts, gen_config, chunks, include_usage, request_id, shutdown)
-    return EventSourceResponse(events, sep='\n', shutdown_event=shutdown,
-                               shutdown_grace_period=STREAM_SHUTDOWN_GRACE_S)
+    return EventStream(_events(ctx, prompts, gen_config, chunks, include_usage, request_id))
+
+
+class EventStream(HTTPResponse):
+    """An ASGI response of server-sent events: each item of `events` (bytes) is one body message,
+    sent as it comes. A client that disconnects cancels the stream, which closes `events` (the
+    request is aborted). Per event it costs one `send`: no cancel scope, task or lock per chunk
+    as in sse-starlette (~20 us a chunk on the 2-core CPU, at 64 streams a fifth of the
+    front-end's time)."""
+
+    status_code, media_type = 200, 'text/event-stream'
+
+    def __init__(self, events: AsyncIterator[bytes]):
+        self.body_iterator, self.background = events, None
+
+    async def __call__(self, scope, receive, send):
+        stream, left = asyncio.current_task(), False
+
+        async def watch():                         # the client's disconnect, read in the background
+            nonlocal left
+            while (await receive())['type'] != 'http.disconnect':
+                pass
+            left = True
+            stream.cancel()
+        watcher = asyncio.create_task(watch())
+        try:
+            async with aclosing(self.body_iterator) as events:
+                await send({'type': 'http.response.start', 'status': 200, 'headers': SSE_HEADERS})
+                async for data in events:
+                    await send({'type': 'http.response.body', 'body': data, 'more_body': True})
+            await send({'type': 'http.response.body', 'body': b'', 'more_body': False})
+            if self.background is not None:
+                await self.background()
+        except asyncio.CancelledError:
+            if not left:
+                raise
+            stream.uncancel()                      # the client left: nothing is owed to anyone
+            logger.info('client disconnected; its stream is aborted')
+        finally:
+            watcher.cancel()
 
 
 async def _events(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
-                  chunks: CompletionChunks, include_usage: bool, request_id: str,
-                  shutdown: anyio.Event) -> AsyncIterator[bytes]:
+                  chunks: CompletionChunks, include_usage: bool, request_id: str
+                  ) -> AsyncIterator[bytes]:
     num_choices = len(prompts) * gen_config.n
     lasts: list[Response | None] = [None] * num_choices
     trackers = track(ctx, prompts, gen_config.n)
@@ -127,7 +164,7 @@ async def _events(ctx: ServerContext, prompts: list[list[int]], gen_config: Gene
                     if chunk is not None:           # None: all its text held back
                         yield event(chunk)
                         unsent[r.index] = []
-                if shutdown.is_set() and r.finish_reason is None:
+                if ctx.shutdown.is_set() and r.finish_reason is None:
                     break
         for index, last in enumerate(lasts):
             if last is None or last.finish_reason is None:
