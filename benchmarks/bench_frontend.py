@@ -14,6 +14,7 @@ import os
 import queue
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -131,7 +132,7 @@ def in_process(args) -> dict:
     pipe = api.Pipeline(preset_model_dir(args.preset), num_threads=1)
     app = create_app(pipe, 'synthetic')
     prompts = make_prompts(args.num_prompts, args.input_words, 0)
-    chunks = 0
+    chunks, ttfts = 0, []
 
     async def one(prompt: str):
         nonlocal chunks
@@ -143,7 +144,7 @@ def in_process(args) -> dict:
                  'headers': [(b'host', b'127.0.0.1'), (b'content-type', b'application/json'),
                              (b'content-length', str(len(body)).encode())],
                  'client': ('127.0.0.1', 1), 'server': ('127.0.0.1', 2), 'state': {}}
-        sent, done = [False], asyncio.Event()
+        sent, done, start = [False], asyncio.Event(), time.perf_counter()
 
         async def receive():
             if not sent[0]:
@@ -155,7 +156,11 @@ def in_process(args) -> dict:
         async def send(message):
             nonlocal chunks
             if message['type'] == 'http.response.body' and message.get('body'):
+                if not chunks_of_this[0]:
+                    ttfts.append(time.perf_counter() - start)
+                chunks_of_this[0] += 1
                 chunks += message['body'].count(b'data: ')
+        chunks_of_this = [0]
         await app(scope, receive, send)
         done.set()
 
@@ -166,6 +171,7 @@ def in_process(args) -> dict:
             async with limit:
                 await one(prompt)
         await one(prompts[0])                    # warm-up
+        ttfts.clear()
         start_cpu, start = time.process_time(), time.perf_counter()
         await asyncio.gather(*map(limited, prompts))
         return time.process_time() - start_cpu, time.perf_counter() - start
@@ -175,7 +181,8 @@ def in_process(args) -> dict:
     n = chunks - before
     return {'concurrency': args.concurrency, 'requests': len(prompts), 'chunks': n,
             'wall_s': wall, 'cpu_s': cpu, 'cpu_us_per_chunk': 1e6 * cpu / n,
-            'tokens_per_chunk': len(prompts) * args.output_len / n}
+            'tokens_per_chunk': len(prompts) * args.output_len / n,
+            'ttft_median_ms': 1e3 * statistics.median(ttfts), 'ttft_max_ms': 1e3 * max(ttfts)}
 
 
 def cpu_seconds(pid: int) -> float:

@@ -14,7 +14,7 @@ from lmdeploy_lite.pytorch.engine.executor import connect
 from lmdeploy_lite.pytorch.engine.executor.client import Channel, EngineStats
 from lmdeploy_lite.pytorch.engine.step_output import StepOutput
 from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_in_thought, template_thinks
-from lmdeploy_lite.text_stream import (TextStream, as_batch, coalesce, is_token_id,
+from lmdeploy_lite.text_stream import (Backlog, TextStream, as_batch, is_token_id,
                                        batch_decoder, check_prompt, check_template_kwargs,
                                        check_tools, detokenize, token_logprobs)
 from lmdeploy_lite.tokenizer import load_tokenizer
@@ -74,7 +74,7 @@ def resolve_model_path(model_path: str | None, revision: str | None = None,
 
 class _AsyncFanout:
     """The async front-end of one event loop (the server): the engine thread posts a step's
-    results once; on the loop they are detokenized in bulk and put on each request's queue."""
+    results once; on the loop they are detokenized in bulk and added to each request's backlog."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, decode):
         self.loop, self.decode = loop, decode
@@ -102,18 +102,32 @@ class _AsyncFanout:
 
 
 class _AsyncRequest:
-    """One choice of a `generate_ids` call: its inbox and text; `news` (shared by the call's
-    choices) learns the index of each choice whose inbox got an item."""
-    __slots__ = ('inbox', 'text', 'index', 'news')
+    """One choice of a `generate_ids` call: its text and what its consumer has not taken yet
+    (one Backlog, and an error that came after it); `news` (shared by the call's choices) learns
+    the index of a choice once it has something to take, not once per step."""
+    __slots__ = ('text', 'index', 'news', 'backlog', 'error')
 
     def __init__(self, gen_config: GenerationConfig, stream_text: bool, index: int,
                  news: asyncio.Queue):
-        self.inbox, self.text = asyncio.Queue(), TextStream(gen_config, stream_text)
-        self.index, self.news = index, news
+        self.text, self.index, self.news = TextStream(gen_config, stream_text), index, news
+        self.backlog: Backlog | None = None
+        self.error: BaseException | None = None
 
     def put(self, item):
-        self.inbox.put_nowait(item)
-        self.news.put_nowait(self.index)
+        idle = self.backlog is None and self.error is None
+        if isinstance(item, BaseException):
+            self.error = item
+        elif self.backlog is None:
+            self.backlog = Backlog(*item)
+        else:
+            self.backlog.add(*item)
+        if idle:
+            self.news.put_nowait(self.index)
+
+    def take(self) -> tuple[Backlog | None, BaseException | None]:
+        taken = self.backlog, self.error
+        self.backlog = self.error = None
+        return taken
 
 
 class Pipeline:
@@ -408,17 +422,15 @@ class Pipeline:
         try:
             while unfinished:
                 request = requests[await self._next_async(news)]
-                if request.inbox.empty():             # sent with an earlier response
-                    continue
-                item = request.inbox.get_nowait()
-                if isinstance(item, BaseException):
-                    raise item
-                item, delta, token_ids, logprobs, error = coalesce(request.inbox, item)
-                if item.finished:
-                    unfinished.discard(request.index)
-                yield self._response(request.index, item, prompts[request.index // n], delta,
-                                     token_ids, None if gen_config.logprobs is None else
-                                     token_logprobs(token_ids, logprobs))
+                backlog, error = request.take()
+                if backlog is not None:
+                    item, token_ids = backlog.last, backlog.token_ids
+                    if item.finished:
+                        unfinished.discard(request.index)
+                    yield self._response(request.index, item, prompts[request.index // n],
+                                         backlog.text, token_ids,
+                                         None if gen_config.logprobs is None else
+                                         token_logprobs(token_ids, backlog.logprobs))
                 if error is not None:
                     raise error
         finally:

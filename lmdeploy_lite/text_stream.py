@@ -1,5 +1,5 @@
 """What a request's outputs become on the way to its caller: text (incremental detokenization,
-stop words held back), coalesced chunks, logprobs entries; and the checks of a prompt."""
+stop words held back), the backlog of a consumer, logprobs entries; and the checks of a prompt."""
 from __future__ import annotations
 
 import asyncio
@@ -98,23 +98,22 @@ def token_logprobs(token_ids: list[int], logprobs: list[tuple] | None) -> list[T
             for t, (chosen, ids, values) in zip(token_ids, logprobs or ())]
 
 
-def coalesce(inbox: asyncio.Queue, first: tuple) -> tuple:
-    """`first` and every result already waiting behind it as one: (last StepOutput, joined
-    text, joined token ids, joined logprobs (StepOutput's), an error that came after them or
-    None). A consumer that keeps up gets one response per engine step; one that fell behind (a
-    server streaming to many clients: each chunk costs the event loop ~0.1 ms) gets the steps
-    it missed in one response instead of a backlog that grows every step."""
-    item, delta = first
-    token_ids, logprobs = item.new_token_ids, item.logprobs or []
-    while not item.finished and not inbox.empty():
-        more = inbox.get_nowait()
-        if isinstance(more, BaseException):
-            return item, delta, token_ids, logprobs, more
-        item, more_text = more
-        token_ids = token_ids + item.new_token_ids
-        logprobs = logprobs + (item.logprobs or [])
-        delta += more_text
-    return item, delta, token_ids, logprobs, None
+class Backlog:
+    """What a request's consumer has not taken yet, merged as it arrives: the last StepOutput,
+    the text, token ids and logprobs (StepOutput's) of every step since the last take. However
+    many engine steps a consumer misses (a server streaming to a client that fell behind), it
+    holds one such item, and takes the steps it missed as one response."""
+    __slots__ = ('last', 'text', 'token_ids', 'logprobs')
+
+    def __init__(self, out, text: str):
+        self.last, self.text = out, text
+        self.token_ids, self.logprobs = list(out.new_token_ids), list(out.logprobs or ())
+
+    def add(self, out, text: str):
+        self.last = out
+        self.text += text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.logprobs or ()
 
 
 def is_token_id(value) -> bool:

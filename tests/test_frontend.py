@@ -187,34 +187,36 @@ def test_text_stream_matches_whole_decode_token_by_token():
 
 
 def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
-    """The server's event loop can fall behind the engine (each SSE chunk costs it ~0.1 ms);
-    what waits in a request's inbox goes out as one response, text and ids joined in order,
-    ending where the first finished item is, and an error after them is raised after them."""
-    import asyncio
+    """The server's event loop can fall behind the engine, or a stream's client behind it: what
+    a request's consumer has not taken is one Backlog (text, ids and logprobs joined in order)
+    however many steps it missed, its consumer is told once, and an error that comes after it
+    is raised after it."""
     from types import SimpleNamespace
 
-    from lmdeploy_lite.text_stream import coalesce
+    from lmdeploy_lite.api import _AsyncRequest
 
     def out(ids, finished=False):
         return SimpleNamespace(new_token_ids=ids, finished=finished,
                                logprobs=[(-t, [t], [-t]) for t in ids])
 
     async def run():
-        inbox = asyncio.Queue()
-        for item in [(out([3, 4]), 'b'), (out([5], True), 'c'), (out([9]), 'x')]:
-            inbox.put_nowait(item)
-        last, text, ids, logprobs, error = coalesce(inbox, (out([1, 2]), 'a'))
-        assert (text, ids, last.finished, error) == ('abc', [1, 2, 3, 4, 5], True, None)
-        assert logprobs == out([1, 2, 3, 4, 5]).logprobs
-        assert inbox.qsize() == 1                 # nothing past the finished item is taken
-        inbox.get_nowait()
+        news = asyncio.Queue()
+        request = _AsyncRequest(GenerationConfig(), True, 3, news)
+        for step in range(200):                       # the consumer misses 200 steps
+            request.put((out([step]), 'ab'[step % 2]))
+        assert news.qsize() == 1 and news.get_nowait() == 3       # told once
+        backlog, error = request.take()
+        assert (backlog.text, backlog.token_ids, error) == ('ab' * 100, list(range(200)), None)
+        assert backlog.logprobs == out(list(range(200))).logprobs
+        assert request.take() == (None, None) and news.empty()
         failure = RuntimeError('engine stopped')
-        inbox.put_nowait((out([2]), 'b'))
-        inbox.put_nowait(failure)
-        last, text, ids, _, error = coalesce(inbox, (out([1]), 'a'))
-        assert (text, ids, last.finished, error) == ('ab', [1, 2], False, failure)
-        last, text, ids, _, error = coalesce(inbox, (out([7]), 'z'))      # nothing waiting
-        assert (text, ids, error) == ('z', [7], None)
+        request.put((out([1]), 'a'))
+        request.put((out([2], True), 'b'))
+        request.put(failure)
+        backlog, error = request.take()
+        assert (backlog.text, backlog.token_ids, backlog.last.finished, error) == \
+            ('ab', [1, 2], True, failure)
+        assert news.qsize() == 1
     asyncio.run(run())
 
 
