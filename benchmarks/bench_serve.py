@@ -165,13 +165,17 @@ def preset_model_dir(name: str) -> str:
     return path
 
 
-def launch(model: str | None, server_args: str) -> tuple[subprocess.Popen, str]:
+def launch(model: str | None, server_args: str, server_root: str = ROOT
+           ) -> tuple[subprocess.Popen, str]:
+    """A server of the package found at `server_root` (another checkout: before/after runs)."""
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'serve', 'api_server',
            *([model] if model else []), '--server-port', str(port), *shlex.split(server_args)]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    path = os.pathsep.join([os.path.abspath(server_root)]
+                           + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p])
+    proc = subprocess.Popen(cmd, cwd=server_root, env={**os.environ, 'PYTHONPATH': path})
     url = f'http://127.0.0.1:{port}'
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -187,7 +191,8 @@ def launch(model: str | None, server_args: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError('server did not become healthy within 300 s')
 
 
-COLUMNS = ['concurrency', 'request_rate', 'requests', 'request_throughput', 'output_throughput',
+COLUMNS = ['concurrency', 'client_procs', 'request_rate', 'requests', 'request_throughput',
+           'output_throughput',
            'total_token_throughput', 'ttft_mean_ms', 'ttft_median_ms', 'ttft_p99_ms',
            'tpot_mean_ms', 'tpot_median_ms', 'tpot_p99_ms', 'itl_mean_ms', 'itl_median_ms',
            'itl_p99_ms', 'mean_accepted_length']
@@ -239,8 +244,11 @@ def main():
     parser.add_argument('--concurrency', default='1,8', help='comma list of max in-flight requests')
     parser.add_argument('--request-rate', default='inf', help='comma list of requests/s (Poisson)')
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--client-procs', type=int, default=1,
-                        help='client processes sharing the requests (a fast server outruns one)')
+    parser.add_argument('--client-procs', default='1',
+                        help='comma list: client processes sharing the requests (a fast server '
+                             'outruns one)')
+    parser.add_argument('--server-root', default=ROOT,
+                        help='with --launch: the checkout whose server runs (before/after runs)')
     parser.add_argument('--out', default=os.path.join(ROOT, 'out', 'bench_serve.json'))
     args = parser.parse_args()
     if args.frontend_cpu:
@@ -253,12 +261,14 @@ def main():
             parser.error('--preset goes with --launch and without --model')
         args.model = preset_model_dir(args.preset)
         args.server_args += ' --load-format dummy'
-    proc, url = launch(args.model, args.server_args) if args.launch else (None, args.base_url)
+    proc, url = (launch(args.model, args.server_args, args.server_root) if args.launch
+                 else (None, args.base_url))
     try:
         prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
-        rows = [run(url, prompts, args.output_len, int(c), float(rate), args.api_key, args.seed,
-                    args.client_procs)
-                for c in args.concurrency.split(',') for rate in args.request_rate.split(',')]
+        rows = [dict(run(url, prompts, args.output_len, int(c), float(rate), args.api_key,
+                         args.seed, int(procs)), client_procs=int(procs))
+                for c in args.concurrency.split(',') for rate in args.request_rate.split(',')
+                for procs in args.client_procs.split(',')]
     finally:
         if proc is not None:
             proc.terminate()

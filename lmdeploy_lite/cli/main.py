@@ -108,7 +108,7 @@ def cmd_chat(args) -> int:
     return 0
 
 
-SERVE_MODULES = ('fastapi', 'uvicorn', 'sse_starlette', 'pydantic', 'prometheus_client')
+SERVE_MODULES = ('fastapi', 'uvicorn', 'pydantic', 'prometheus_client')
 
 
 def _serve_args(p: argparse.ArgumentParser):

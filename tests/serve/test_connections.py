@@ -25,11 +25,13 @@ def serve():
     from tests.serve.test_api_server_robustness import FakePipe
     servers = []
 
-    def start(max_connections: int = 1000) -> tuple[str, int]:
+    def start(max_connections: int = 1000, parser: str = 'auto') -> tuple[str, int]:
         port = free_port()
         limits = HttpLimits(HEADER_S, BODY_S, IDLE_S, max_connections)
         app = create_app(FakePipe(), 'fake', bound_host='127.0.0.1')
-        server = uvicorn.Server(server_config(app, '127.0.0.1', port, 'error', 1.0, limits))
+        config = server_config(app, '127.0.0.1', port, 'error', 1.0, limits)
+        config.http = limits.protocol(parser)
+        server = uvicorn.Server(config)
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         servers.append((server, thread))
@@ -72,11 +74,15 @@ def healthy(url: str) -> bool:
 
 
 @pytest.mark.timeout(60)
-def test_slowloris_headers_a_stalled_body_and_idle_connections_are_closed(serve):
+@pytest.mark.parametrize('parser', ['h11', 'httptools'])
+def test_slowloris_headers_a_stalled_body_and_idle_connections_are_closed(serve, parser):
     """Headers sent a byte every 0.1 s get 408 and are closed at the header deadline (not
     extended by the bytes); a body that stops half-way is closed at the body deadline; 200 idle
-    connections are closed after the idle timeout; normal requests succeed throughout."""
-    url, port = serve()
+    connections are closed after the idle timeout; normal requests succeed throughout. Over
+    either HTTP parser the server may run on."""
+    if parser == 'httptools':
+        pytest.importorskip('httptools')
+    url, port = serve(parser=parser)
     idle = [connect(port) for _ in range(200)]
     slow, stalled = connect(port), connect(port)
     stalled.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n'

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
+for _module in ('fastapi', 'uvicorn', 'prometheus_client'):
     pytest.importorskip(_module, reason="needs the 'serve' extra")
 httpx = pytest.importorskip('httpx')
 

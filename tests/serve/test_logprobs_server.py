@@ -5,7 +5,7 @@ what the whole response does, drafts really get accepted and the logprobs equal 
 (in this process, float32: within 1e-4), and out-of-range values are 400s naming the field."""
 import pytest
 
-for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
+for _module in ('fastapi', 'uvicorn', 'prometheus_client'):
     pytest.importorskip(_module, reason="needs the 'serve' extra")
 openai = pytest.importorskip('openai')
 

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
+for _module in ('fastapi', 'uvicorn', 'prometheus_client'):
     pytest.importorskip(_module, reason="needs the 'serve' extra")
 openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')

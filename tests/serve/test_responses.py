@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-pytest.importorskip('sse_starlette', reason="needs the 'serve' extra")
+pytest.importorskip('fastapi', reason="needs the 'serve' extra")
 
 from lmdeploy_lite.messages import Response, SpecDecodeStats  # noqa: E402
 from lmdeploy_lite.serve.openai import responses as w  # noqa: E402

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
+for _module in ('fastapi', 'uvicorn', 'prometheus_client'):
     pytest.importorskip(_module, reason="needs the 'serve' extra")
 openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')

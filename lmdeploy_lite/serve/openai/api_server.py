@@ -238,7 +238,8 @@ class _Server(uvicorn.Server):
 
 def server_config(app, host: str, port: int, log_level: str, graceful_timeout_s: float,
                   limits: HttpLimits) -> uvicorn.Config:
-    """uvicorn's settings: h11 with the connection limits; keep-alive is the idle timeout."""
+    """uvicorn's settings: its HTTP protocol with the connection limits; keep-alive is the idle
+    timeout. (uvicorn runs on uvloop where it is installed.)"""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                           timeout_graceful_shutdown=graceful_timeout_s, http=limits.protocol(),
                           timeout_keep_alive=limits.idle_timeout_s)

@@ -29,7 +29,7 @@ def string(value: str | None) -> str:
 
 def event(data: str) -> bytes:
     """One server-sent event; JSON text holds no newline, so it is one `data:` line
-    (sse-starlette sends bytes as they are)."""
+    (EventStream sends bytes as they are)."""
     return f'data: {data}\n\n'.encode()
 
 
