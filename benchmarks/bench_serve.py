@@ -145,6 +145,40 @@ def summarize(results: list[dict], duration: float, concurrency: int, rate: floa
                                      if drafts else None)}
 
 
+def pipeline_reference(model: str | None, server_args: str, prompts: list[str], output_len: int,
+                       concurrency: int, engine_process: bool = False) -> dict:
+    """What `pipeline()` delivers on the same workload: the same prompts, output length and
+    engine flags, at most `concurrency` sequences at once (max_batch_size), all submitted at
+    once; output tokens over the whole call (prefills included, as the server's figure)."""
+    from lmdeploy_lite import GenerationConfig, pipeline
+    from lmdeploy_lite.cli.args import build_engine_config
+    from lmdeploy_lite.cli.main import build_parser
+    args = build_parser().parse_args(['serve', 'api_server', *([model] if model else []),
+                                      *shlex.split(server_args)])
+    args.max_batch_size = concurrency
+    gen = GenerationConfig(max_new_tokens=output_len, ignore_eos=True)
+    with pipeline(args.model, build_engine_config(args), progress=False,
+                  engine_process=engine_process) as pipe:
+        pipe(prompts[:2], GenerationConfig(max_new_tokens=4, ignore_eos=True))     # warm-up
+        start = time.perf_counter()
+        outputs = pipe(prompts, gen)
+        seconds = time.perf_counter() - start
+    tokens = sum(o.generate_token_len for o in outputs)
+    return {'concurrency': concurrency, 'engine_process': engine_process,
+            'output_throughput': tokens / seconds, 'duration_s': seconds}
+
+
+def _reference_main(argv: list[str]):
+    """`--reference-worker MODEL ARGS OUTPUT_LEN CONCURRENCY ENGINE_PROCESS PROMPTS_FILE`: one
+    pipeline_reference row as JSON on the last line (its own process: the GPU is free after)."""
+    model, server_args, output_len, concurrency, engine_process, prompts = argv
+    with open(prompts) as f:
+        prompts = json.load(f)
+    row = pipeline_reference(model or None, server_args, prompts, int(output_len),
+                             int(concurrency), engine_process == '1')
+    print(json.dumps(row))
+
+
 def preset_model_dir(name: str) -> str:
     """A preset's model directory (config.json, for `--load-format dummy`) with a word-level
     tokenizer of the preset's vocabulary (token i is the word `t<i>`), so that a random-weight
@@ -249,7 +283,12 @@ def main():
                              'outruns one)')
     parser.add_argument('--server-root', default=ROOT,
                         help='with --launch: the checkout whose server runs (before/after runs)')
+    parser.add_argument('--pipeline-reference', action='store_true',
+                        help='with --launch: after the server, pipeline() on the same workload '
+                             'at each concurrency (output tokens/s over the whole call)')
     parser.add_argument('--out', default=os.path.join(ROOT, 'out', 'bench_serve.json'))
+    if sys.argv[1:2] == ['--reference-worker']:
+        return _reference_main(sys.argv[2:])
     args = parser.parse_args()
     if args.frontend_cpu:
         print_table(frontend_cpu(), ['endpoint', 'us_per_chunk'])
@@ -274,9 +313,25 @@ def main():
             proc.terminate()
             proc.wait(60)
     print_table(rows, COLUMNS)
+    references = []
+    if args.pipeline_reference and args.launch:
+        import tempfile
+        with tempfile.NamedTemporaryFile('w', suffix='.json', delete=False) as f:
+            json.dump(prompts, f)
+        for c in dict.fromkeys(int(c) for c in args.concurrency.split(',')):
+            out = subprocess.run(
+                [sys.executable, __file__, '--reference-worker', args.model or '', args.server_args,
+                 str(args.output_len), str(c), '0', f.name], cwd=args.server_root,
+                capture_output=True, text=True, check=True).stdout
+            references.append(json.loads(out.strip().splitlines()[-1]))
+            best = max(r['output_throughput'] for r in rows if r['concurrency'] == c)
+            references[-1]['server_best_of_pipeline'] = best / references[-1]['output_throughput']
+        print_table(references, ['concurrency', 'output_throughput', 'duration_s',
+                                 'server_best_of_pipeline'])
     save_json(args.out, {'environment': environment(), 'server': url,
                          'server_args': args.server_args, 'model': args.model,
-                         'output_len': args.output_len, 'results': rows})
+                         'output_len': args.output_len, 'results': rows,
+                         'pipeline_reference': references})
 
 
 if __name__ == '__main__':

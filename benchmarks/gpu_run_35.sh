@@ -3,7 +3,8 @@
 # the 0.8B) on random weights. PART=pipe: bench_pipeline at batch 64 and 256; PART=serve: streamed
 # /v1/completions at 64 and 256 streams with 1, 4 and 8 client processes, the server of $BEFORE
 # (an export of the commit before this work), of the working tree ('after'), and of the working
-# tree with uvloop and httptools installed ('fast', .whl/extra); PART=frontend: the front-end over
+# tree with uvloop and httptools installed ('fast', .whl/extra); REF_SIDE=fast: pipeline() on the
+# same workload after that side's server (bench_serve --pipeline-reference); PART=frontend: the front-end over
 # a synthetic engine (bench_frontend.py: 3 ms steps), after and fast.
 source .whl/gpu-env.sh
 for d in _gpu/*/lmdeploy_lite; do [ -d $d/assets ] || cp -r lmdeploy_lite/assets $d/; done
@@ -26,8 +27,9 @@ serve)
     PYTHONPATH=$pp timeout 290 python3 benchmarks/bench_serve.py --launch --preset $P \
       --server-root $root --input-words 128 --output-len 256 --num-prompts ${NUM:-512} \
       --concurrency ${CONC:-64,256} --client-procs ${PROCS:-1,4,8} --server-args "$SA" \
+      $([ $side = ${REF_SIDE:-none} ] && echo --pipeline-reference) \
       --out $OUT/serve_${P}_$side.json > $OUT/serve_${P}_$side.log 2>&1
-    grep -A12 "^concurrency" $OUT/serve_${P}_$side.log | cut -c1-120
+    grep -A8 "^concurrency" $OUT/serve_${P}_$side.log | cut -c1-120
   done ;;
 frontend)
   for side in after fast; do

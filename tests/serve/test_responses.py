@@ -71,16 +71,24 @@ def test_tool_call_deltas_and_a_whole_chat_response_with_usage():
     assert w.event('[DONE]') == b'data: [DONE]\n\n'
 
 
-def test_a_slow_reader_gets_what_it_missed_in_one_chunk_and_holds_no_backlog(model_dir):
+def test_a_slow_reader_gets_what_it_missed_in_one_chunk_and_holds_no_backlog(model_dir,
+                                                                               monkeypatch):
     """Read as fast as the chunks come, every chunk carries at least one token (none for a
-    step with nothing new); read slowly, the tokens of the steps missed come in one chunk, and
-    however long the reader lagged only that chunk, usage and [DONE] are left."""
-    from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline
+    step with nothing new) and no engine step gives a stream two chunks; read slowly, the
+    tokens of the steps missed come in one chunk, and however long the reader lagged only that
+    chunk, usage and [DONE] are left."""
+    from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, api, pipeline
     from lmdeploy_lite.serve.openai.checks import ServerContext
     from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings
     from lmdeploy_lite.serve.openai.metrics import ServerMetrics
     from lmdeploy_lite.serve.openai.streaming import stream
     config = GenerationConfig(max_new_tokens=12, ignore_eos=True, temperature=0.0, logprobs=0)
+    steps, dispatch = [], api._AsyncFanout._dispatch      # each engine step's results
+
+    def counting(fanout, items):
+        steps.append(sum(bool(item.new_token_ids) for _, item in items))
+        dispatch(fanout, items)
+    monkeypatch.setattr(api._AsyncFanout, '_dispatch', counting)
     with pipeline(model_dir, PytorchEngineConfig(device='cpu', dtype='float32',
                                                  session_len=128), progress=False) as pipe:
         ctx = ServerContext(pipe, 'm', ServerMetrics(pipe), TokenStrings(pipe.tokenizer))
@@ -96,6 +104,7 @@ def test_a_slow_reader_gets_what_it_missed_in_one_chunk_and_holds_no_backlog(mod
             rest = [e async for e in events]
             return [json.loads(e[6:]) for e in [first] + rest[:-1]], rest
         fast, _ = asyncio.run(read(0))
+        fast_steps = sum(steps)
         # 12 tiny-model steps take tens of milliseconds: a 1 s lag outlasts them many times
         slow, rest = asyncio.run(read(1.0))
     for chunks in fast, slow:
@@ -105,6 +114,7 @@ def test_a_slow_reader_gets_what_it_missed_in_one_chunk_and_holds_no_backlog(mod
         assert chunks[-1]['usage']['completion_tokens'] == 12
     assert ''.join(c['choices'][0]['text'] for c in slow if c['choices']) == \
         ''.join(c['choices'][0]['text'] for c in fast if c['choices'])
+    assert len([c for c in fast if c['choices']]) <= fast_steps == 12   # <= one chunk a step
     assert len(rest) == 3 and rest[-1] == b'data: [DONE]\n\n'         # no backlog of events
     missed = len(slow[1]['choices'][0]['logprobs']['tokens'])        # the steps it missed
     assert missed > 1 and missed + len(slow[0]['choices'][0]['logprobs']['tokens']) == 12
