@@ -102,7 +102,10 @@ def run(base_url: str, prompts: list[str], output_len: int, concurrency: int,
     """One row: `client_procs` client processes share the prompts, the concurrency and the
     request rate (one Python client parses ~10k streamed chunks/s at most: a fast server
     streaming 64 sequences would otherwise be measured by its client)."""
-    asyncio.run(collect(base_url, prompts[:1], 4, 1, math.inf, api_key, seed, True))  # warm-up
+    # warm-up at this concurrency: the engine meets the batch sizes of the run (its first steps
+    # at a new size may capture a CUDA graph) before anything is timed
+    warm = prompts[:concurrency]
+    asyncio.run(collect(base_url, warm, 8, len(warm), math.inf, api_key, seed, True))
     n = max(1, min(client_procs, concurrency, len(prompts)))
     jobs = [(base_url, prompts[i::n], output_len, concurrency // n + (i < concurrency % n),
              request_rate / n, api_key, seed + i, False) for i in range(n)]
@@ -159,7 +162,7 @@ def pipeline_reference(model: str | None, server_args: str, prompts: list[str], 
     gen = GenerationConfig(max_new_tokens=output_len, ignore_eos=True)
     with pipeline(args.model, build_engine_config(args), progress=False,
                   engine_process=engine_process) as pipe:
-        pipe(prompts[:2], GenerationConfig(max_new_tokens=4, ignore_eos=True))     # warm-up
+        pipe(prompts[:concurrency], GenerationConfig(max_new_tokens=8, ignore_eos=True))  # warm-up
         start = time.perf_counter()
         outputs = pipe(prompts, gen)
         seconds = time.perf_counter() - start
