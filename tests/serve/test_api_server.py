@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-for _module in ('fastapi', 'uvicorn', 'sse_starlette', 'prometheus_client'):
+for _module in ('fastapi', 'uvicorn', 'prometheus_client'):
     pytest.importorskip(_module, reason="needs the 'serve' extra")
 openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
@@ -406,11 +406,22 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path):
+    """Also the API keys from --api-keys-file, which never show on the command line (the keys
+    from the environment and SIGINT: test_api_server_robustness.py, on one process)."""
+    keys_file = tmp_path / 'keys'
+    keys_file.write_text('# the server keys\nfile-key-1\n\nfile-key-2\n')
+    key = 'file-key-2'
     # a session long enough that the streamed request below is still running when SIGTERM
     # lands, even on a loaded machine (with 128 tokens it could finish first: 'length')
     srv = Server(model_dir, str(tmp_path / 'server_dp2.log'), '--dp', '2',
-                 '--speculative-num-draft-tokens', str(K), '--session-len', '2048')
+                 '--speculative-num-draft-tokens', str(K), '--session-len', '2048',
+                 '--api-keys-file', str(keys_file))
     try:
+        with open(f'/proc/{srv.proc.pid}/cmdline', 'rb') as f:
+            assert key.encode() not in f.read()
+        for path in ('/v1/models', '/metrics', '/openapi.json'):
+            assert httpx.get(srv.url + path, timeout=10).status_code == 401
+            assert httpx.get(srv.url + path, headers=headers(key), timeout=10).status_code == 200
         workers = srv.children()
         assert len(workers) >= 2
         # the ranks meet through a file and loopback links: nothing listens on the network
@@ -418,10 +429,10 @@ def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path)
         assert any(port == srv.port for _, port in sockets)
         assert all(is_loopback_hex(a) for a, _ in sockets), sockets
         r = post(srv, '/v1/completions', {'prompt': 'def main(', 'max_tokens': 6,
-                                          'temperature': 0, 'ignore_eos': True}).json()
+                                          'temperature': 0, 'ignore_eos': True}, key=key).json()
         spec = r['usage']['spec_decode']
         assert r['usage']['num_preemptions'] == 0             # the extension, through the ranks
-        m = scrape(srv.url)
+        m = scrape(srv.url, key)
         assert m['lmdeploy_lite_spec_decode_num_drafts_total'] == spec['num_drafts'] > 0
         assert m['lmdeploy_lite_spec_decode_num_draft_tokens_total'] == spec['num_draft_tokens']
         assert m['lmdeploy_lite_spec_decode_num_accepted_tokens_total'] == \
@@ -438,6 +449,7 @@ def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path)
 
         def read_stream():
             with httpx.stream('POST', srv.url + '/v1/chat/completions', timeout=60,
+                              headers=headers(key),
                               json={'messages': chat('go on'), 'max_tokens': 2000, 'stream': True,
                                     'temperature': 0, 'ignore_eos': True}) as resp:
                 for line in resp.iter_lines():
@@ -479,7 +491,7 @@ def test_serve_without_the_extra_is_a_clear_error(capsys):
 
 def test_importing_the_package_needs_no_server_dependencies():
     code = ('import sys, lmdeploy_lite, lmdeploy_lite.api, lmdeploy_lite.cli.main; '
-            'bad = [m for m in ("fastapi", "uvicorn", "sse_starlette", "prometheus_client") '
+            'bad = [m for m in ("fastapi", "uvicorn", "prometheus_client") '
             'if m in sys.modules]; assert not bad, bad')
     out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
