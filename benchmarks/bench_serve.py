@@ -149,7 +149,8 @@ def summarize(results: list[dict], duration: float, concurrency: int, rate: floa
 
 
 def pipeline_reference(model: str | None, server_args: str, prompts: list[str], output_len: int,
-                       concurrency: int, engine_process: bool = False) -> dict:
+                       concurrency: int, engine_process: bool = False,
+                       synthetic: str | None = None) -> dict:
     """What `pipeline()` delivers on the same workload: the same prompts, output length and
     engine flags, at most `concurrency` sequences at once (max_batch_size), all submitted at
     once; output tokens over the whole call (prefills included, as the server's figure)."""
@@ -160,25 +161,37 @@ def pipeline_reference(model: str | None, server_args: str, prompts: list[str], 
                                       *shlex.split(server_args)])
     args.max_batch_size = concurrency
     gen = GenerationConfig(max_new_tokens=output_len, ignore_eos=True)
-    with pipeline(args.model, build_engine_config(args), progress=False,
-                  engine_process=engine_process) as pipe:
+    rates = [float(r) for r in synthetic.split(',')] if synthetic else None
+    from bench_pipeline import synthetic_acceptance_on_ranks
+    from bench_spec import synthetic_rejection_sampler
+    from lmdeploy_lite.cli.args import speculative_config
+    with synthetic_acceptance_on_ranks(rates):
+        pipe = pipeline(args.model, build_engine_config(args), speculative_config(args),
+                        progress=False, engine_process=engine_process)
+    if rates and pipe.engine is not None:
+        pipe.engine.agent.rejection_sampler = synthetic_rejection_sampler(rates)
+    with pipe:
         pipe(prompts[:concurrency], GenerationConfig(max_new_tokens=8, ignore_eos=True))  # warm-up
         start = time.perf_counter()
         outputs = pipe(prompts, gen)
         seconds = time.perf_counter() - start
     tokens = sum(o.generate_token_len for o in outputs)
+    stats = [o.spec_stats for o in outputs if o.spec_stats is not None]
+    drafts = sum(s.num_drafts for s in stats)
     return {'concurrency': concurrency, 'engine_process': engine_process,
-            'output_throughput': tokens / seconds, 'duration_s': seconds}
+            'output_throughput': tokens / seconds, 'duration_s': seconds,
+            'mean_accepted_length': (1 + sum(s.num_accepted_tokens for s in stats) / drafts
+                                     if drafts else None)}
 
 
 def _reference_main(argv: list[str]):
-    """`--reference-worker MODEL ARGS OUTPUT_LEN CONCURRENCY ENGINE_PROCESS PROMPTS_FILE`: one
+    """`--reference-worker MODEL ARGS OUTPUT_LEN CONCURRENCY ENGINE_PROCESS PROMPTS_FILE RATES`: one
     pipeline_reference row as JSON on the last line (its own process: the GPU is free after)."""
-    model, server_args, output_len, concurrency, engine_process, prompts = argv
+    model, server_args, output_len, concurrency, engine_process, prompts, synthetic = argv
     with open(prompts) as f:
         prompts = json.load(f)
     row = pipeline_reference(model or None, server_args, prompts, int(output_len),
-                             int(concurrency), engine_process == '1')
+                             int(concurrency), engine_process == '1', synthetic or None)
     print(json.dumps(row))
 
 
@@ -202,13 +215,16 @@ def preset_model_dir(name: str) -> str:
     return path
 
 
-def launch(model: str | None, server_args: str, server_root: str = ROOT
-           ) -> tuple[subprocess.Popen, str]:
-    """A server of the package found at `server_root` (another checkout: before/after runs)."""
+def launch(model: str | None, server_args: str, server_root: str = ROOT,
+           synthetic: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A server of the package found at `server_root` (another checkout: before/after runs);
+    `synthetic`: draft acceptance rates (serve_synthetic.py; this checkout's server only)."""
     with socket.socket() as s:
         s.bind(('127.0.0.1', 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'serve', 'api_server',
+    runner = (['-m', 'lmdeploy_lite.cli.main'] if synthetic is None else
+              [os.path.join(ROOT, 'benchmarks', 'serve_synthetic.py'), synthetic])
+    cmd = [sys.executable, *runner, 'serve', 'api_server',
            *([model] if model else []), '--server-port', str(port), *shlex.split(server_args)]
     path = os.pathsep.join([os.path.abspath(server_root)]
                            + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p])
@@ -286,6 +302,9 @@ def main():
                              'outruns one)')
     parser.add_argument('--server-root', default=ROOT,
                         help='with --launch: the checkout whose server runs (before/after runs)')
+    parser.add_argument('--synthetic-acceptance', default=None, metavar='RATES',
+                        help='with --launch and MTP: draft position i accepted at rate i '
+                             '(e.g. 0.8,0.6,0.5; random weights accept nothing)')
     parser.add_argument('--pipeline-reference', action='store_true',
                         help='with --launch: after the server, pipeline() on the same workload '
                              'at each concurrency (output tokens/s over the whole call)')
@@ -303,8 +322,8 @@ def main():
             parser.error('--preset goes with --launch and without --model')
         args.model = preset_model_dir(args.preset)
         args.server_args += ' --load-format dummy'
-    proc, url = (launch(args.model, args.server_args, args.server_root) if args.launch
-                 else (None, args.base_url))
+    proc, url = (launch(args.model, args.server_args, args.server_root,
+                        args.synthetic_acceptance) if args.launch else (None, args.base_url))
     try:
         prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
         rows = [dict(run(url, prompts, args.output_len, int(c), float(rate), args.api_key,
@@ -324,13 +343,14 @@ def main():
         for c in dict.fromkeys(int(c) for c in args.concurrency.split(',')):
             out = subprocess.run(
                 [sys.executable, __file__, '--reference-worker', args.model or '', args.server_args,
-                 str(args.output_len), str(c), '0', f.name], cwd=args.server_root,
+                 str(args.output_len), str(c), '0', f.name, args.synthetic_acceptance or ''],
+                cwd=args.server_root,
                 capture_output=True, text=True, check=True).stdout
             references.append(json.loads(out.strip().splitlines()[-1]))
             best = max(r['output_throughput'] for r in rows if r['concurrency'] == c)
             references[-1]['server_best_of_pipeline'] = best / references[-1]['output_throughput']
         print_table(references, ['concurrency', 'output_throughput', 'duration_s',
-                                 'server_best_of_pipeline'])
+                                 'mean_accepted_length', 'server_best_of_pipeline'])
     save_json(args.out, {'environment': environment(), 'server': url,
                          'server_args': args.server_args, 'model': args.model,
                          'output_len': args.output_len, 'results': rows,

@@ -12,6 +12,8 @@ OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_fast .whl/extra/*.whl
 P=${PRESET:-qwen3_5_0_8b}
 SA="--device cuda --dtype bfloat16 --session-len 4096 --max-batch-size 256"
+SYN=""                 # SPEC=3: MTP k=3 drafts accepted at 0.8/0.6/0.5 (this checkout's server)
+[ -n "$SPEC" ] && SA="$SA --speculative-num-draft-tokens $SPEC" && SYN="--synthetic-acceptance 0.8,0.6,0.5"
 for part in ${PART:-pipe serve}; do case $part in
 pipe)
   echo "== pipeline $P"
@@ -27,9 +29,9 @@ serve)
     PYTHONPATH=$pp timeout 290 python3 benchmarks/bench_serve.py --launch --preset $P \
       --server-root $root --input-words 128 --output-len 256 --num-prompts ${NUM:-512} \
       --concurrency ${CONC:-64,256} --client-procs ${PROCS:-1,4,8} --server-args "$SA" \
-      $([ $side = ${REF_SIDE:-none} ] && echo --pipeline-reference) \
-      --out $OUT/serve_${P}_$side.json > $OUT/serve_${P}_$side.log 2>&1
-    grep -A8 "^concurrency" $OUT/serve_${P}_$side.log | cut -c1-120
+      $([ $side = ${REF_SIDE:-none} ] && echo --pipeline-reference) $SYN \
+      --out $OUT/serve_${P}_$side${SPEC:+_k$SPEC}.json > $OUT/serve_${P}_$side${SPEC:+_k$SPEC}.log 2>&1
+    grep -A8 "^concurrency" $OUT/serve_${P}_$side${SPEC:+_k$SPEC}.log | cut -c1-120
   done ;;
 frontend)
   for side in after fast; do
