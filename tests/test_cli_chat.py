@@ -72,8 +72,21 @@ class Chat:
             self.proc.wait(10)
 
 
-def test_ctrl_c_stops_the_reply_and_the_session_goes_on():
-    chat = Chat('--max-new-tokens', '3000', '--session-len', '4096')
+@pytest.fixture(scope='module')
+def chats():
+    """Each test's chat process, both started at once: a start-up (~6 s of imports and loading)
+    runs on one core, so on two cores the second one's overlaps the first test."""
+    started = {'ctrl_c': Chat('--max-new-tokens', '3000', '--session-len', '4096'),
+               'long': Chat('--max-new-tokens', '16', '--session-len', '96')}
+    try:
+        yield started
+    finally:
+        for chat in started.values():
+            chat.kill()
+
+
+def test_ctrl_c_stops_the_reply_and_the_session_goes_on(chats):
+    chat = chats['ctrl_c']
     try:
         chat.wait_for('user> ')
         chat.say('Write a long Python module.')
@@ -94,8 +107,8 @@ def test_ctrl_c_stops_the_reply_and_the_session_goes_on():
     assert chat.text['stdout'].count('[stopped]') == 2
 
 
-def test_a_long_conversation_drops_old_turns_and_a_too_long_message_is_refused():
-    chat = Chat('--max-new-tokens', '16', '--session-len', '96')
+def test_a_long_conversation_drops_old_turns_and_a_too_long_message_is_refused(chats):
+    chat = chats['long']
     try:
         at = chat.wait_for('user> ')
         for i in range(4):                             # ~25 tokens each with the template
