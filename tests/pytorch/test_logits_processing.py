@@ -32,24 +32,31 @@ def cases(plain: list[list[int]]) -> list[GenerationConfig]:
     return out
 
 
-def hf_greedy(model, prompt: list[int], config: GenerationConfig) -> list[int]:
-    """Greedy over transformers' float64 logits: + logit_bias, eos at -inf before min_tokens,
-    stop after eos unless ignore_eos."""
-    ids, out, generated = torch.tensor([prompt]), None, []
+def hf_greedy(model, prompt: list[int], configs: list[GenerationConfig]) -> list[list[int]]:
+    """Greedy over transformers' float64 logits, one row per config on the same prompt (one
+    batch): + logit_bias, eos at -inf before min_tokens, a row stops after eos unless ignore_eos
+    (the batch runs on until every row has stopped)."""
+    ids = torch.tensor([prompt] * len(configs))
+    generated, done = [[] for _ in configs], [False] * len(configs)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
-        while len(generated) < config.max_new_tokens:
-            scores = out.logits[0, -1].to(torch.float64).clone()
-            for token, bias in (config.logit_bias or {}).items():
-                scores[token] += bias
-            if len(generated) < config.min_tokens:
-                scores[list(EOS)] = -math.inf
-            generated.append(int(scores.argmax()))
-            if generated[-1] in EOS and not config.ignore_eos:
-                break
-            out = model(input_ids=torch.tensor([[generated[-1]]]),
+        while True:
+            next_ids = []
+            for row, config in enumerate(configs):
+                scores = out.logits[row, -1].to(torch.float64).clone()
+                for token, bias in (config.logit_bias or {}).items():
+                    scores[token] += bias
+                if len(generated[row]) < config.min_tokens:
+                    scores[list(EOS)] = -math.inf
+                next_ids.append(int(scores.argmax()))
+                if not done[row]:
+                    generated[row].append(next_ids[-1])
+                    done[row] = len(generated[row]) == config.max_new_tokens or (
+                        next_ids[-1] in EOS and not config.ignore_eos)
+            if all(done):
+                return generated
+            out = model(input_ids=torch.tensor(next_ids)[:, None],
                         past_key_values=out.past_key_values, use_cache=True)
-    return generated
 
 
 def test_mtp_greedy_bias_and_min_tokens_equal_plain_and_transformers(embedded_hf):  # noqa: F811
@@ -67,7 +74,8 @@ def test_mtp_greedy_bias_and_min_tokens_equal_plain_and_transformers(embedded_hf
     assert sum(s.spec_stats.num_accepted_tokens for s in speculative) > 0
     got = [s.generated_ids for s in speculative]
     assert got == [s.generated_ids for s in run(plain_engine, rows, configs)]
-    assert got == [hf_greedy(embedded_hf, p, c) for p, c in zip(rows, configs)]
+    assert got == [ids for i, p in enumerate(prompts)         # a prompt's three rows at once
+                   for ids in hf_greedy(embedded_hf, p, configs[3 * i:3 * i + 3])]
     for ids, config in zip(got, configs):
         if config.logit_bias and 2 in config.logit_bias:     # eos right after min_tokens
             assert ids[:6] == [t for t in ids[:6] if t not in EOS] and ids[6] == 2
