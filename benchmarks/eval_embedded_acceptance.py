@@ -42,10 +42,12 @@ def held_out_prompts(tokenizer, num_prompts: int, prompt_tokens: int) -> list[li
 
 
 def run(model: str, prompts: list[list[int]], new_tokens: int, k: int, dtype: str,
-        dynamic: bool = True):
+        dynamic: bool = True, model_format: str | None = None):
     spec = (SpeculativeConfig(method='qwen3_5_mtp', num_speculative_tokens=k, dynamic=dynamic)
             if k else None)
-    engine = build_engine(model, PytorchEngineConfig(dtype=dtype, device='cpu'), spec, progress=False)
+    engine = build_engine(model, PytorchEngineConfig(dtype=dtype, device='cpu',
+                                                     model_format=model_format),
+                          spec, progress=False)
     start = time.perf_counter()
     seqs = engine.generate(prompts, GenerationConfig(max_new_tokens=new_tokens, ignore_eos=True))
     seconds = time.perf_counter() - start
@@ -61,6 +63,8 @@ def main():
     parser.add_argument('--prompt-tokens', type=int, default=64)
     parser.add_argument('--new-tokens', type=int, default=64)
     parser.add_argument('--dtype', default='float32')
+    parser.add_argument('--model-format', default=None, choices=['fp8'],
+                        help='fp8: the weights quantized block-wise at load (online FP8)')
     parser.add_argument('--fixed-k', action='store_true',
                         help='draft exactly k every decode step (default: dynamic k)')
     parser.add_argument('--json', default=None, help='write the results here')
@@ -68,11 +72,12 @@ def main():
 
     tokenizer = load_tokenizer(args.model)
     prompts = held_out_prompts(tokenizer, args.num_prompts, args.prompt_tokens)
-    plain, _, plain_tps = run(args.model, prompts, args.new_tokens, 0, args.dtype)
+    plain, _, plain_tps = run(args.model, prompts, args.new_tokens, 0, args.dtype,
+                              model_format=args.model_format)
     rows = []
     for k in args.ks:
         outputs, stats, tps = run(args.model, prompts, args.new_tokens, k, args.dtype,
-                                  dynamic=not args.fixed_k)
+                                  dynamic=not args.fixed_k, model_format=args.model_format)
         per_position = [a / stats.num_drafts for a in stats.accepted_per_position]
         rows.append(dict(k=k, mean_accepted_length=stats.mean_accepted_length,
                          acceptance_rate=stats.acceptance_rate, per_position=per_position,
@@ -92,7 +97,8 @@ def main():
         with open(args.json, 'w') as f:
             json.dump(dict(model=args.model, prompts=len(prompts),
                            prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
-                           dtype=args.dtype, fixed_k=args.fixed_k, plain_tokens_per_s=plain_tps,
+                           dtype=args.dtype, fixed_k=args.fixed_k,
+                           model_format=args.model_format, plain_tokens_per_s=plain_tps,
                            rows=rows), f, indent=1)
 
 

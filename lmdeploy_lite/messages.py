@@ -324,6 +324,9 @@ class PytorchEngineConfig:
     seed: int = 0
     distributed_executor_backend: str = 'mp'     # 'uni' (one rank), 'mp' (one host) or 'ray'
     load_format: str = 'auto'
+    # 'fp8': a bf16 checkpoint's linear weights quantized block-wise at load, as Qwen's FP8
+    # releases store them (lmdeploy's name); None: as stored (an FP8 checkpoint is read as FP8)
+    model_format: str | None = None
     eager_mode: bool = False     # True: no CUDA graphs for decode steps (they are used on CUDA)
     # prepare decode step N+1 while step N runs on the device; None: on with CUDA, off on CPU
     # (where host and device share the cores, so there is nothing to overlap)
@@ -368,6 +371,8 @@ class PytorchEngineConfig:
                'distributed_executor_backend', self.distributed_executor_backend,
                f"'mp' or 'ray' for tp * dp = {self.tp * self.dp} ranks ('uni' runs one rank)")
         _check_choice('load_format', self.load_format, LOAD_FORMATS)
+        _check(self.model_format in (None, 'fp8'), 'model_format', self.model_format,
+               "None (as the checkpoint stores its weights) or 'fp8'")
         _check_choice('ssm_state_dtype', self.ssm_state_dtype, SSM_STATE_DTYPES)
         for name in ('enable_prefix_caching', 'sequence_parallel'):
             _check_bool(name, getattr(self, name))

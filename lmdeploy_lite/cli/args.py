@@ -78,6 +78,9 @@ def engine_args(p: argparse.ArgumentParser):
     p.add_argument('--load-format', default='auto', choices=['auto', 'dummy'],
                    help="'dummy': random weights of the checkpoint's shapes (config.json only; "
                         "benchmarks)")
+    p.add_argument('--model-format', default=None, choices=['fp8'],
+                   help="fp8: quantize a bf16 checkpoint's linear weights block-wise at load "
+                        "(an FP8 checkpoint is read as FP8 without it)")
     p.add_argument('--ssm-state-dtype', default='auto', choices=['auto', 'float32', 'bfloat16'],
                    help="storage dtype of the linear-attention recurrent state (auto: the "
                         "checkpoint's mamba_ssm_dtype, float32 for Qwen3.5; bfloat16 halves "
@@ -156,7 +159,8 @@ def _layer_ids(text: str | None) -> tuple[int, ...] | None:
 ENGINE_FLAGS = ('dtype', 'device', 'revision', 'download_dir', 'session_len', 'max_batch_size',
                 'cache_max_entry_count', 'ssm_state_dtype', 'max_prefill_token_num',
                 'max_mixed_token_num', 'enable_prefix_caching', 'sequence_parallel',
-                'distributed_executor_backend', 'async_scheduling', 'eager_mode', 'load_format')
+                'distributed_executor_backend', 'async_scheduling', 'eager_mode', 'load_format',
+                'model_format')
 
 
 def build_engine_config(args, **parallel):

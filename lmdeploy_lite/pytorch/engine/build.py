@@ -69,7 +69,7 @@ def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = No
         cfg = dataclasses.replace(cfg, enable_prefix_caching=False)
     max_positions = session_len + plan.num_spec_tokens + plan.num_draft_extra
     model = build_model(model_path, dtype, device, progress=progress, dist_ctx=dist,
-                        load_format=cfg.load_format, seed=cfg.seed)
+                        load_format=cfg.load_format, seed=cfg.seed, model_format=cfg.model_format)
     ep = EPTransport(dist, model_config.num_experts, model_config.hidden_size,
                      model_config.num_experts_per_tok,
                      dispatch_capacity(cfg.max_batch_size, plan.num_spec_tokens, dist.config.tp),
@@ -82,7 +82,7 @@ def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = No
     output_stage = _output_stage(plan, dist, agent)
     spec = build_spec_runtime(speculative_config, plan, model_path, agent, model_config,
                               cache_config, dtype, device, progress, dist, cfg.load_format,
-                              cfg.seed)
+                              cfg.seed, cfg.model_format)
     for draft in spec.draft_modules():
         ep.attach(draft)
     if device.type == 'cuda' and not cfg.eager_mode:

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..nn.linear import fuse_projections
 from ..nn.norm import GatedRMSNorm, RMSNorm
+from .fp8 import Fp8Weights
 
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
@@ -66,11 +67,16 @@ def has_mtp_weights(model_dir: str) -> bool:
                for name in names)
 
 
-def iter_tensors(model_dir: str, select, progress: bool = True,
-                 desc: str = 'Loading weights') -> Iterator[tuple[str, str, tuple, callable]]:
+def iter_tensors(model_dir: str, select, progress: bool = True, desc: str = 'Loading weights',
+                 model_format: str | None = None) -> Iterator[tuple[str, str, tuple, callable]]:
     """Yield (file, name, shape, load) for checkpoint tensors with `select(name)` true; `load()`
-    reads the tensor. A tqdm bar counts tensors unless `progress=False`."""
+    reads the tensor (an FP8 one dequantized with its scales, which are not yielded; with
+    `model_format='fp8'` a bf16 linear weight quantized and dequantized: fp8.py). A tqdm bar
+    counts tensors unless `progress=False`."""
     files = checkpoint_files(model_dir)
+    fp8 = Fp8Weights.of(model_dir, files, model_format)
+    if fp8 is not None:
+        select = (lambda chosen: lambda n: fp8.wanted(n) and chosen(n))(select)
     total = sum(sum(1 for n in names if select(n)) for names in files.values())
     with tqdm(total=total, desc=desc, unit='tensor', disable=not progress) as bar:
         for path, names in files.items():
@@ -83,13 +89,16 @@ def iter_tensors(model_dir: str, select, progress: bool = True,
                         raise ValueError(f'{path}: tensor {name!r} is listed in the index but '
                                          f'missing from the file')
                     shape = tuple(f.get_slice(name).get_shape())
-                    yield path, name, shape, (lambda f=f, name=name: f.get_tensor(name))
+                    yield path, name, shape, (
+                        (lambda f=f, name=name: f.get_tensor(name)) if fp8 is None else
+                        (lambda f=f, path=path, name=name: fp8.load(f, path, name)))
                     bar.update(1)
 
 
 def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str, str],
                         skip: tuple[str, ...] = (), allow_missing: tuple[str, ...] = (),
-                        progress: bool = True, desc: str = 'Loading weights') -> None:
+                        progress: bool = True, desc: str = 'Loading weights',
+                        model_format: str | None = None) -> None:
     """Copy checkpoint tensors into `module`'s parameters, matched by name: prefix_map maps a
     checkpoint prefix to a module prefix (first match wins); tensors matching no prefix or
     starting with a `skip` prefix are ignored. ValueErrors name the file, tensor and shapes on a
@@ -107,7 +116,7 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
         return None
 
     for path, name, shape, load in iter_tensors(
-            model_dir, lambda n: rename(n) is not None, progress, desc):
+            model_dir, lambda n: rename(n) is not None, progress, desc, model_format):
         target = rename(name)
         match = _PER_EXPERT.match(target)
         if match:
@@ -183,14 +192,16 @@ def _check_shape(path: str, name: str, shape: tuple, expected: tuple) -> None:
                          f'implies {list(expected)}')
 
 
-def load_weights(model: nn.Module, model_dir: str, progress: bool = True) -> None:
+def load_weights(model: nn.Module, model_dir: str, progress: bool = True,
+                 model_format: str | None = None) -> None:
     """Load the target model (`Qwen3_5ForCausalLM`) from either released layout."""
     tied = model.config.tie_word_embeddings
     prefix_map = {'model.language_model.': 'model.', 'model.': 'model.'}
     if not tied:
         prefix_map['lm_head.'] = 'lm_head.'
     load_module_weights(model, model_dir, prefix_map, skip=('model.visual.', 'mtp.'),
-                        allow_missing=('lm_head.',) if tied else (), progress=progress)
+                        allow_missing=('lm_head.',) if tied else (), progress=progress,
+                        model_format=model_format)
 
 
 def load_mtp_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
@@ -200,7 +211,8 @@ def load_mtp_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
 
 
 def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True,
-                     load_format: str = 'auto', seed: int = 0) -> None:
+                     load_format: str = 'auto', seed: int = 0,
+                     model_format: str | None = None) -> None:
     """Load `mtp.*` into the draft head (`Qwen3_5MTP`); its shared embed/lm_head are not loaded.
     `load_format='dummy'`: random weights instead (`init_dummy_weights`, names `mtp.*`). Then
     the projections are fused as `build_model` fuses them."""
@@ -209,7 +221,7 @@ def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True,
     else:
         load_module_weights(mtp, model_dir, {'mtp.': ''},
                             allow_missing=('embed_tokens.', 'lm_head.'), progress=progress,
-                            desc='Loading MTP weights')
+                            desc='Loading MTP weights', model_format=model_format)
     fuse_projections(mtp, keep_parts=next(mtp.parameters()).device.type != 'cuda')
 
 
@@ -265,18 +277,19 @@ def _init_dummy(module: nn.Module, param_name: str, name: str, param: torch.Tens
 def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                 device: torch.device | str = 'cpu', progress: bool = True,
                 dist_ctx=None, load_format: str = 'auto', seed: int = 0,
-                fuse: bool = True) -> nn.Module:
+                fuse: bool = True, model_format: str | None = None) -> nn.Module:
     """ModelConfig from config.json -> Qwen3_5ForCausalLM with weights loaded (this rank's
     shard under a DistContext), in eval mode. `load_format='dummy'`: random weights
     (`init_dummy_weights(model, seed)`), no safetensors read. `fuse`: same-input projections
-    as one GEMM (`fuse_projections`; off CUDA the parts stay, as views)."""
+    as one GEMM (`fuse_projections`; off CUDA the parts stay, as views). `model_format='fp8'`:
+    the linear weights quantized as an FP8 checkpoint stores them (fp8.py)."""
     from .qwen3_5 import Qwen3_5ForCausalLM
     config = ModelConfig.from_pretrained(model_dir)
     model = Qwen3_5ForCausalLM(config, dtype, device, dist_ctx)
     if load_format == 'dummy':
         init_dummy_weights(model, seed)
     else:
-        load_weights(model, model_dir, progress=progress)
+        load_weights(model, model_dir, progress=progress, model_format=model_format)
     if fuse:      # off CUDA the parts stay, so names and state_dict are the checkpoint's
         fuse_projections(model, keep_parts=torch.device(device).type != 'cuda')
     return model.eval()

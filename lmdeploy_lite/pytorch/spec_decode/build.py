@@ -173,7 +173,7 @@ def spec_plan(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: 
 def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelAgent,
                         model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
                         device: torch.device, progress: bool = True, dist_ctx=None,
-                        load_format: str = 'auto', seed: int = 0
+                        load_format: str = 'auto', seed: int = 0, model_format: str | None = None
                         ) -> tuple[SpecAgent, ARSpecStrategy]:
     k = spec.num_speculative_tokens
     proposer, host_proposer, token_map = None, None, None
@@ -188,7 +188,7 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
         mtp = Qwen3_5MTP(model_config, dtype, device, target_model.embed_tokens,
                          target_model.lm_head, layer_ctx)
         load_mtp_weights(mtp, draft_model_dir(spec, model_path), progress=progress,
-                         load_format=load_format, seed=seed)
+                         load_format=load_format, seed=seed, model_format=model_format)
         mtp.eval()
         caches = CacheEngine(model_config, cache_config, dtype, device,
                              layer_types=('full_attention',), tp=layout.tp)

@@ -75,11 +75,12 @@ class SpecRuntime:
 
 def build_spec_runtime(spec: SpeculativeConfig | None, plan: SpecPlan, model_path: str, agent,
                        model_config, cache_config, dtype: torch.dtype, device: torch.device,
-                       progress: bool, dist, load_format: str, seed: int) -> SpecRuntime:
+                       progress: bool, dist, load_format: str, seed: int,
+                       model_format: str | None = None) -> SpecRuntime:
     if not plan.enabled:
         return SpecRuntime(plan, agent, ARStrategy(), None)
     agent, strategy = build_spec_decoding(spec, model_path, agent, model_config, cache_config,
-                                          dtype, device, progress, dist,
-                                          load_format=load_format, seed=seed)
+                                          dtype, device, progress, dist, load_format=load_format,
+                                          seed=seed, model_format=model_format)
     return SpecRuntime(plan, agent, strategy,
                        DraftCountPolicy.from_config(plan.num_spec_tokens, plan.dynamic))

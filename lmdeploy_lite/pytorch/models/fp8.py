@@ -1,0 +1,118 @@
+"""FP8 weights in the layout of Qwen's released `-FP8` checkpoints: block-wise `float8_e4m3fn`
+with one float32 `weight_scale_inv` per 128 x 128 block (the edge blocks may be partial), as
+`quantization_config` = {"quant_method": "fp8", "weight_block_size": [128, 128], ...} declares;
+which modules stay unquantized the tensors themselves tell (no scale, a bf16 dtype).
+
+Reading one (`Fp8Weights.load`), each FP8 tensor is dequantized once, to float32: the weights
+every backend computes with for now, and the reference an FP8 GEMM path is checked against.
+`model_format='fp8'` quantizes a bf16 checkpoint's linear weights at load exactly as a released
+checkpoint stores them (`quantize`), and dequantizes them again: the same numbers as loading the
+pre-quantized checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max                       # 448
+SCALE_SUFFIX = '_scale_inv'
+# never quantized online (Qwen's FP8 releases keep them in bf16): embeddings, the LM head,
+# routers and the small gates, the MTP head's fc, the vision tower
+KEEP = ('embed_tokens.', 'lm_head.', 'mlp.gate.', 'shared_expert_gate.', 'mtp.fc.',
+        'linear_attn.in_proj_a.', 'linear_attn.in_proj_b.', 'visual.')
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., N, K] -> (float8_e4m3fn [..., N, K], float32 scale [..., ceil(N/128), ceil(K/128)]):
+    each 128 x 128 block scaled so that its largest magnitude is FP8's largest (448)."""
+    *lead, n, k = weight.shape
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    padded = torch.zeros(*lead, nb * BLOCK, kb * BLOCK, dtype=torch.float32)
+    padded[..., :n, :k] = weight.float()
+    blocks = padded.view(*lead, nb, BLOCK, kb, BLOCK)
+    scale = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k].contiguous(), scale
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, where: str = '') -> torch.Tensor:
+    """float8 [..., N, K] x its block scales [..., ceil(N/128), ceil(K/128)] -> float32;
+    ValueError naming `where` (file: tensor) when the scales do not fit the weight."""
+    *lead, n, k = weight.shape
+    expected = (*lead, -(-n // BLOCK), -(-k // BLOCK))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f'{where}: scales of shape {list(scale.shape)} for a weight of shape '
+                         f'{list(weight.shape)}; 128 x 128 blocks need {list(expected)}')
+    full = scale.float().repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+    return weight.float() * full[..., :n, :k]
+
+
+class Fp8Weights:
+    """How the tensors of one checkpoint are read when it is FP8 (or quantized online);
+    `of()` is None for a plain checkpoint read as it is."""
+
+    def __init__(self, files: dict[str, list[str]], online: bool):
+        self.online = online
+        self.scales = {name: path for path, names in files.items() for name in names
+                       if name.endswith(SCALE_SUFFIX)}
+
+    @classmethod
+    def of(cls, model_dir: str, files: dict[str, list[str]],
+           model_format: str | None = None) -> 'Fp8Weights | None':
+        """ValueError naming config.json and the field for a quantization this cannot read."""
+        path = os.path.join(model_dir, 'config.json')
+        with open(path) as f:
+            config = json.load(f)
+        quant = config.get('quantization_config') or config.get('text_config', {}).get(
+            'quantization_config')
+        if quant is None:
+            return cls(files, online=True) if model_format == 'fp8' else None
+        kind, block = quant.get('quant_method'), quant.get('weight_block_size')
+        if kind != 'fp8':
+            raise ValueError(f'{path}: quantization_config.quant_method={kind!r}: only "fp8" '
+                             f'(block-wise, as Qwen\'s FP8 releases) is supported')
+        if list(block or ()) != [BLOCK, BLOCK]:
+            raise ValueError(f'{path}: quantization_config.weight_block_size={block!r}: only '
+                             f'[{BLOCK}, {BLOCK}] is supported')
+        if quant.get('fmt', 'e4m3') != 'e4m3':
+            raise ValueError(f'{path}: quantization_config.fmt={quant["fmt"]!r}: only "e4m3" '
+                             f'is supported')
+        return cls(files, online=False)
+
+    def wanted(self, name: str) -> bool:
+        """False for the scales: they are read with their weights."""
+        return not name.endswith(SCALE_SUFFIX)
+
+    def load(self, f, path: str, name: str) -> torch.Tensor:
+        """Tensor `name` of the open file `f` (at `path`), dequantized if FP8."""
+        tensor = f.get_tensor(name)
+        where = f'{path}: tensor {name!r}'
+        if tensor.dtype == FP8:
+            scale_path = self.scales.get(name + SCALE_SUFFIX)
+            if scale_path is None:
+                raise ValueError(f'{where} is float8_e4m3fn but the checkpoint has no '
+                                 f'{name + SCALE_SUFFIX!r}')
+            if scale_path == path:
+                scale = f.get_tensor(name + SCALE_SUFFIX)
+            else:
+                with safe_open(scale_path, 'pt', device='cpu') as other:
+                    scale = other.get_tensor(name + SCALE_SUFFIX)
+            return dequantize(tensor, scale, where)
+        if tensor.dtype.is_floating_point and tensor.element_size() == 1:
+            raise ValueError(f'{where} is {tensor.dtype}; only float8_e4m3fn weights are read')
+        if self.online and quantizable(name, tensor):
+            return dequantize(*quantize(tensor))
+        return tensor
+
+
+def quantizable(name: str, tensor: torch.Tensor) -> bool:
+    """A linear weight that Qwen's FP8 releases store in FP8 (online quantization's rule)."""
+    linear = name.endswith('_proj.weight') or name.endswith(('experts.gate_up_proj',
+                                                             'experts.down_proj'))
+    return linear and tensor.dim() >= 2 and not any(k in name for k in KEEP)

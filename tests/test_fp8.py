@@ -1,0 +1,202 @@
+"""FP8 weights on CPU (lmdeploy_lite/pytorch/models/fp8.py): a tiny Qwen3.5-MoE checkpoint
+written here in the released FP8 layout (block scales with partial edge blocks, per-expert or
+fused experts, modules_to_not_convert) gives transformers' greedy output on the dequantized
+weights (float64); online `model_format='fp8'` loads exactly what the pre-quantized checkpoint
+holds; MTP k=3 on the quantized embedded model accepts drafts and changes no token; tp=2 and
+dp=2 ep=2 give the single process's tokens; a bad quantization is a ValueError naming the file
+and the tensor or field."""
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from helpers.accepting import assert_real_acceptance, prompts
+from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
+from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
+from lmdeploy_lite.pytorch.models.fp8 import (BLOCK, FP8, FP8_MAX, SCALE_SUFFIX, dequantize,
+                                              quantizable, quantize)
+from lmdeploy_lite.pytorch.models.loader import build_model, checkpoint_files
+
+QUANT = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
+         'weight_block_size': [BLOCK, BLOCK]}
+KEEP = ('mlp.shared_expert.down_proj',)          # modules_to_not_convert of the test checkpoint
+GREEDY = GenerationConfig(max_new_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 17, 42, 8, 99, 3], [7, 7, 300, 12]]
+
+
+def tensors_of(model_dir: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for path, names in checkpoint_files(model_dir).items():
+        with safe_open(path, 'pt') as f:
+            out.update({n: f.get_tensor(n) for n in names})
+    return out
+
+
+def write_fp8(src: str, dst: str, config: dict | None = None, keep: tuple = KEEP
+              ) -> dict[str, torch.Tensor]:
+    """`src` in the released FP8 layout at `dst` (one file; quantization_config, or `config`),
+    the modules in `keep` unquantized; returns the tensors a reader must end up with (the
+    dequantized ones, the rest as stored)."""
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        if not name.endswith(('.safetensors', '.index.json')):
+            shutil.copy(os.path.join(src, name), dst)
+    with open(os.path.join(dst, 'config.json')) as f:
+        cfg = json.load(f)
+    cfg['quantization_config'] = config or {**QUANT, 'modules_to_not_convert': list(keep)}
+    with open(os.path.join(dst, 'config.json'), 'w') as f:
+        json.dump(cfg, f)
+    stored, expected = {}, {}
+    for name, tensor in tensors_of(src).items():
+        if quantizable(name, tensor) and not any(k in name for k in keep):
+            q, scale = quantize(tensor)
+            stored[name], stored[name + SCALE_SUFFIX] = q, scale
+            expected[name] = dequantize(q, scale)
+        else:
+            stored[name] = expected[name] = tensor
+    save_file(stored, os.path.join(dst, 'model.safetensors'))
+    return expected
+
+
+def fused(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors fused back into transformers' experts.gate_up_proj / down_proj."""
+    out, experts = {}, {}
+    for name, tensor in tensors.items():
+        m = re.match(r'^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$', name)
+        if m:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = tensor
+        else:
+            out[name] = tensor
+    for base, parts in experts.items():
+        n = max(e for e, _ in parts) + 1
+        out[f'{base}.gate_up_proj'] = torch.stack(
+            [torch.cat([parts[(e, 'gate')], parts[(e, 'up')]]) for e in range(n)])
+        out[f'{base}.down_proj'] = torch.stack([parts[(e, 'down')] for e in range(n)])
+    return out
+
+
+def transformers_greedy(state: dict[str, torch.Tensor], prompt: list[int]) -> list[int]:
+    from tests.helpers.tiny_models import make_tiny_hf_model
+    model = make_tiny_hf_model(True)
+    model.load_state_dict({k: v for k, v in state.items() if not k.startswith('mtp.')})
+    model = model.to(torch.float64).eval()
+    model.set_experts_implementation('eager')
+    model.generation_config.eos_token_id = None
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def greedy(model_dir: str, **cfg) -> list[list[int]]:
+    cfg = {'device': 'cpu', 'dtype': 'float64', 'session_len': 128, **cfg}
+    with pipeline(model_dir, PytorchEngineConfig(**cfg), progress=False) as pipe:
+        return [r.token_ids for r in pipe(PROMPTS, GREEDY)]
+
+
+def test_block_scales_partial_edge_blocks_and_bad_scales():
+    """Each 128 x 128 block (edge blocks partial, leading dims per expert) is scaled to FP8's
+    largest value; dequantizing multiplies every element by its own block's scale."""
+    torch.manual_seed(0)
+    for shape in ((300, 200), (3, 130, 257), (64, 96)):
+        weight = torch.randn(shape) * torch.rand(shape[:-2] + (1, 1)) * 5
+        q, scale = quantize(weight)
+        assert q.dtype == FP8 and q.shape == weight.shape
+        assert scale.shape == (*shape[:-2], -(-shape[-2] // BLOCK), -(-shape[-1] // BLOCK))
+        back = dequantize(q, scale)
+        for i in range(scale.shape[-2]):
+            for j in range(scale.shape[-1]):
+                block = (..., slice(i * BLOCK, (i + 1) * BLOCK), slice(j * BLOCK, (j + 1) * BLOCK))
+                assert torch.equal(scale[..., i, j], weight[block].abs().amax((-2, -1)) / FP8_MAX)
+                assert torch.equal(back[block], q[block].float() * scale[..., i, j, None, None])
+                # rounding: at most half FP8's step at its top (16 of 448) times the scale
+                error = (back[block] - weight[block]).abs().amax((-2, -1))
+                assert (error <= scale[..., i, j] * 16).all()
+    with pytest.raises(ValueError, match=r"w.safetensors: tensor 'a': scales of shape \[2, 2\] "
+                                         r"for a weight of shape \[64, 96\]; .* need \[1, 1\]"):
+        dequantize(q, torch.ones(2, 2), "w.safetensors: tensor 'a'")
+
+
+@pytest.mark.parametrize('per_expert', [False, True], ids=['fused', 'per_expert'])
+def test_fp8_checkpoint_gives_transformers_greedy_on_the_dequantized_weights(
+        tiny_ckpt, tmp_path, per_expert):
+    src = tiny_ckpt(True, per_expert=per_expert)
+    expected = write_fp8(src, str(tmp_path / 'fp8'))
+    stored = tensors_of(str(tmp_path / 'fp8'))
+    assert stored['model.layers.0.mlp.shared_expert.down_proj.weight'].dtype != FP8   # kept
+    assert stored['model.layers.0.mlp.shared_expert.up_proj.weight'].dtype == FP8
+    assert stored['lm_head.weight'].dtype != FP8 and stored['mtp.fc.weight'].dtype != FP8
+    got = greedy(str(tmp_path / 'fp8'))
+    want = [transformers_greedy(fused(expected), p) for p in PROMPTS]
+    assert got == want
+
+
+def test_online_fp8_loads_what_the_prequantized_checkpoint_holds(tiny_ckpt, tmp_path):
+    """model_format='fp8' on the bf16/float32 checkpoint: every parameter equals the one loaded
+    from the same weights quantized ahead (target and MTP head); and it differs from the
+    unquantized model."""
+    from lmdeploy_lite.pytorch.models.loader import load_mtp_state_dict
+    src = tiny_ckpt(True)
+    write_fp8(src, str(tmp_path / 'fp8'), keep=())
+    online = build_model(src, torch.float64, model_format='fp8').state_dict()
+    ahead = build_model(str(tmp_path / 'fp8'), torch.float64).state_dict()
+    plain = build_model(src, torch.float64).state_dict()
+    assert online.keys() == ahead.keys()
+    assert all(torch.equal(online[k], ahead[k]) for k in online)
+    assert not torch.equal(online['model.layers.0.mlp.experts.gate_up_proj'],
+                           plain['model.layers.0.mlp.experts.gate_up_proj'])
+    assert torch.equal(online['lm_head.weight'], plain['lm_head.weight'])
+    from lmdeploy_lite.pytorch.models.fp8 import Fp8Weights
+    assert Fp8Weights.of(str(tmp_path / 'fp8'), checkpoint_files(str(tmp_path / 'fp8')))
+    # the MTP head: read through the same path as the target's weights
+    mtp = {k: v for k, v in tensors_of(str(tmp_path / 'fp8')).items() if k.startswith('mtp.')}
+    assert any(v.dtype == FP8 for v in mtp.values()) and mtp['mtp.fc.weight'].dtype != FP8
+    assert not any(k.endswith(SCALE_SUFFIX) for k in load_mtp_state_dict(str(tmp_path / 'fp8')))
+
+
+def test_mtp_k3_on_the_quantized_embedded_model_accepts_drafts_and_changes_no_token():
+    cfg = PytorchEngineConfig(device='cpu', dtype='float64', model_format='fp8', session_len=256)
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    batch = [list(p) for p in prompts()]
+    with pipeline(EMBEDDED_MODEL_DIR, cfg, progress=False) as pipe:
+        plain = [r.token_ids for r in pipe(batch, gen)]
+    with pipeline(EMBEDDED_MODEL_DIR, cfg, SpeculativeConfig(num_speculative_tokens=3,
+                                                             dynamic=False),
+                  progress=False) as pipe:
+        out = pipe(batch, gen)
+    assert [r.token_ids for r in out] == plain
+    assert_real_acceptance([r.spec_stats for r in out], 3)
+
+
+@pytest.mark.timeout(240)
+def test_tp2_and_dp2_ep2_give_the_single_process_tokens(tiny_ckpt, tmp_path):
+    path = str(tmp_path / 'fp8')
+    write_fp8(tiny_ckpt(True, per_expert=True), path)
+    want = greedy(path)
+    assert greedy(path, tp=2) == want
+    assert greedy(path, dp=2, ep=2) == want
+
+
+def test_a_bad_quantization_names_the_file_and_the_field_or_tensor(tiny_ckpt, tmp_path):
+    src = tiny_ckpt(True)
+    cases = [({**QUANT, 'quant_method': 'awq'}, r"config.json: quantization_config.quant_method="
+              r"'awq': only \"fp8\""),
+             ({**QUANT, 'weight_block_size': [64, 64]}, r"config.json: quantization_config."
+              r"weight_block_size=\[64, 64\]: only \[128, 128\]")]
+    for i, (config, message) in enumerate(cases):
+        write_fp8(src, str(tmp_path / str(i)), config)
+        with pytest.raises(ValueError, match=message):
+            build_model(str(tmp_path / str(i)), torch.float64)
+    path = str(tmp_path / 'no_scale')
+    write_fp8(src, path, {**QUANT})
+    stored = tensors_of(path)
+    name = 'model.layers.3.self_attn.q_proj.weight'
+    del stored[name + SCALE_SUFFIX]
+    save_file(stored, os.path.join(path, 'model.safetensors'))
+    with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{re.escape(name)}' is "
+                                         rf"float8_e4m3fn but the checkpoint has no "):
+        build_model(path, torch.float64)
