@@ -68,3 +68,33 @@ def tiny_ckpt(tmp_path_factory):
             cache[key] = make_tiny_checkpoint(str(root), moe=moe, **kw)
         return cache[key]
     return get
+
+
+def _share_httpx_ssl_context():
+    """httpx makes an SSL context for every client, and every httpx.get / post / stream call
+    makes a client: it reads the CA bundle each time (~33 ms of CPU where SSL_CERT_FILE names
+    the system bundle), also while a test polls a starting server on the two cores it needs.
+    The tests speak plain http to 127.0.0.1; one context per set of arguments serves them all."""
+    import functools
+    try:
+        from httpx._transports import default
+    except ImportError:
+        return
+    create = getattr(default, 'create_ssl_context', None)
+    if create is None or hasattr(create, 'cache_info'):
+        return
+
+    @functools.lru_cache(maxsize=None)
+    def shared(verify=True, cert=None, trust_env=True):
+        return create(verify=verify, cert=cert, trust_env=trust_env)
+
+    def create_ssl_context(verify=True, cert=None, trust_env=True):
+        try:
+            return shared(verify, cert, trust_env)
+        except TypeError:                      # an unhashable argument: as httpx does
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+    create_ssl_context.cache_info = shared.cache_info
+    default.create_ssl_context = create_ssl_context
+
+
+_share_httpx_ssl_context()
