@@ -1,0 +1,125 @@
+"""Block-scaled FP8 GEMM for Hopper (the layout of Qwen's FP8 checkpoints, models/fp8.py):
+`y = x @ dequantize(w, w_scale).T` computed as FP8 x FP8 on the tensor cores. The activations are
+quantized on the fly per token and per group of 128 channels (`quantize_activations`: one scale
+per (row, group), the largest magnitude mapped to FP8's 448); each 128-wide K step of the GEMM
+multiplies its FP8 product by the row's activation scale and the weight block's scale and
+accumulates in fp32 (DeepSeek-V3's and the peers' w8a8 block scheme). No host reads and no
+data-dependent shapes: every call may be captured in a CUDA graph.
+
+Reference: `dequantize` the weights (models/fp8.py) and the quantized activations, multiply in
+float32 (tests/gpu/test_fp8_gemm_cuda.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128                          # the K width of a scale block, activations and weights alike
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_groups,
+                     GROUP_SIZE: tl.constexpr):
+    row, group = tl.program_id(0), tl.program_id(1)
+    cols = group * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+    ok = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    # IEEE divisions (Triton's `/` is approximate), so the values equal models/fp8.quantize's
+    scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), 448.0)
+    q = tl.clamp(tl.div_rn(x, scale), -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * num_groups + group, scale)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, K] -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K / 128)])."""
+    m, k = x.shape
+    groups = triton.cdiv(k, GROUP)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_kernel[(m, groups)](x, q, scales, k, x.stride(0), q.stride(0), groups,
+                                      GROUP_SIZE=GROUP)
+    return q, scales
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, num_groups, groups_per_split,
+                 stride_am, stride_bn, stride_bsn, stride_cs, stride_cm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[split, M, N] = sum over this split's K blocks of (a_blk @ b_blk.T) * a_scale[m, kb] *
+    b_scale[n // 128, kb]; a [M, K] fp8 row-major, b [N, K] fp8 row-major (the weight as
+    stored), BLOCK_K = 128. One split (the whole K) writes the output itself."""
+    pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    a_rows = a_ptr + offs_m[:, None].to(tl.int64) * stride_am
+    b_rows = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn
+    b_s_rows = b_s_ptr + (offs_n // BLOCK_K) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = split * groups_per_split
+    for kb in range(first, tl.minimum(first + groups_per_split, num_groups)):
+        k = kb * BLOCK_K + offs_k
+        k_ok = k < K
+        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_rows + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        a_s = tl.load(a_s_ptr + offs_m * num_groups + kb, mask=m_ok, other=0.0)
+        b_s = tl.load(b_s_rows + kb, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    c = c_ptr + split * stride_cs + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+_SMS: dict[int, int] = {}
+
+
+def _programs_wanted(device: torch.device) -> int:
+    """Two programs per SM: below that a decode GEMM leaves SMs idle."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return 2 * _SMS[index]
+
+
+def fp8_block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
+                     b_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+                     ) -> torch.Tensor:
+    """a [M, K] fp8 with a_scale [M, ceil(K/128)]; b [N, K] fp8 (a weight as an FP8 checkpoint
+    stores it) with b_scale [ceil(N/128), ceil(K/128)] -> [M, N] of `out_dtype`. A grid too
+    small for the GPU (decode: few rows, a narrow N) splits K over programs whose fp32 partial
+    sums are added after (split-K); the choice depends on shapes only."""
+    m, k = a.shape
+    n = b.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 64 else 128
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    groups = triton.cdiv(k, GROUP)
+    per_split = triton.cdiv(groups, max(1, min(groups, _programs_wanted(a.device) // tiles)))
+    splits = triton.cdiv(groups, per_split)
+    target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
+                                                 device=a.device)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), splits)
+    _gemm_kernel[grid](a, a_scale, b, b_scale, target, m, n, k, groups, per_split,
+                       a.stride(0), b.stride(0), b_scale.stride(0),
+                       0 if splits == 1 else target.stride(0), n,
+                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
+                       num_warps=4, num_stages=4)
+    if splits > 1:
+        torch.sum(target, 0, out=out) if out_dtype == torch.float32 else \
+            out.copy_(target.sum(0))
+    return out
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
+               ) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ the FP8 weight [N, K].T -> [..., N] in x's dtype."""
+    lead = x.shape[:-1]
+    q, scales = quantize_activations(x.reshape(-1, x.shape[-1]))
+    return fp8_block_matmul(q, scales, weight, weight_scale, x.dtype).reshape(*lead, -1)
