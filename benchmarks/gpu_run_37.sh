@@ -4,6 +4,7 @@
 # bench_fp8_gemm.py for the 9B and 0.8B shapes (FP8 against bf16 cuBLAS, decode rows 1/16/64).
 source .whl/gpu-env.sh
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
+if [ "${PART:-kernel}" = kernel ]; then
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/pytorch/backends/cuda/test_cuda_fp8_gemm.py \
   2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -12
 for preset in ${PRESETS:-qwen3_5_9b qwen3_5_0_8b}; do
@@ -11,3 +12,7 @@ for preset in ${PRESETS:-qwen3_5_9b qwen3_5_0_8b}; do
     > $OUT/fp8_gemm_$preset.log 2>&1
   tail -${TAILN:-30} $OUT/fp8_gemm_$preset.log | cut -c1-120
 done
+fi
+# PART=engine: the FP8-against-bf16 GPU test (embedded model, 32 sequences, MTP k=3, graphs)
+[ "${PART:-}" = engine ] && timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
+  2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -6

@@ -625,8 +625,8 @@ def test_a_dead_rank_ends_every_stream_with_an_error_and_the_server_exits_1(mode
 def test_sigint_ends_streams_with_abort_and_exit_0(model_dir, tmp_path):
     """Keys from LMDEPLOY_LITE_API_KEYS, which do not show on the command line."""
     key, env = 'env-key-2', {'LMDEPLOY_LITE_API_KEYS': 'env-key-1, env-key-2'}
-    # a stream long enough to outlast the shutdown's detection (uvicorn's exit flag, read by
-    # sse-starlette every 0.5 s): 120 tokens took ~1 s on CPU and could end with 'length'
+    # a stream long enough to be running when the signal arrives (the server's shutdown sets
+    # ServerContext.shutdown at once): 120 tokens took ~1 s on CPU and could end with 'length'
     srv = Server(model_dir, str(tmp_path / 'server.log'), '--session-len', '2048', env=env)
     try:
         with open(f'/proc/{srv.proc.pid}/cmdline', 'rb') as f:
