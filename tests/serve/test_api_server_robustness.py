@@ -209,10 +209,11 @@ def test_a_large_prompt_does_not_stall_other_streams(server, reference):
     begin, end = large['span']
     during = [t for t in stream_times if begin <= t <= end]
     gaps = [b - a for a, b in zip([begin] + during, during + [end])]
-    # on the event loop, the stream stalled for the whole span (3 s here) and so did /health;
-    # in a thread, the tokenizer (which holds the GIL while it encodes 1.5 MB) still slows the
-    # engine's thread on 2 cores: a gap of up to ~half the span, not all of it
-    assert max(gaps) < max(0.5, 0.75 * (end - begin)), (gaps, end - begin)
+    # on the event loop, the stream stalled for the whole span (3 s here) and so did /health
+    # (the sharper check, below); in a thread, the engine's thread still loses CPU on 2 cores:
+    # its longest gap measured 0.51-0.76 of the span (0.76 once in a full run), so the stream's
+    # bound is 0.85, short of a stall of the whole span
+    assert max(gaps) < max(0.5, 0.85 * (end - begin)), (gaps, end - begin)
     assert max(health_latencies) < max(0.5, 0.5 * (end - begin)), health_latencies
     assert_serves_as_before(server, reference)
 
