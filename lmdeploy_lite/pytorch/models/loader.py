@@ -75,15 +75,14 @@ def iter_tensors(model_dir: str, select, progress: bool = True, desc: str = 'Loa
     counts tensors unless `progress=False`."""
     files = checkpoint_files(model_dir)
     fp8 = Fp8Weights.of(model_dir, files, model_format)
-    if fp8 is not None:
-        select = (lambda chosen: lambda n: fp8.wanted(n) and chosen(n))(select)
-    total = sum(sum(1 for n in names if select(n)) for names in files.values())
+    wanted = select if fp8 is None else (lambda n: fp8.wanted(n) and select(n))
+    total = sum(sum(1 for n in names if wanted(n)) for names in files.values())
     with tqdm(total=total, desc=desc, unit='tensor', disable=not progress) as bar:
         for path, names in files.items():
             with safe_open(path, 'pt', device='cpu') as f:
                 available = set(f.keys())
                 for name in names:
-                    if not select(name):
+                    if not wanted(name):
                         continue
                     if name not in available:
                         raise ValueError(f'{path}: tensor {name!r} is listed in the index but '

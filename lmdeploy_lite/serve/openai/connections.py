@@ -1,6 +1,7 @@
-"""What one TCP connection may hold of the server (`HttpLimits`): uvicorn's HTTP protocol (httptools
-where installed, else h11) with deadlines, so that no client can keep a connection, a file descriptor or a request open by being
-slow or silent (slowloris), and a cap on open connections.
+"""What one TCP connection may hold of the server (`HttpLimits`): uvicorn's HTTP protocol
+(httptools where installed, else h11) with deadlines, so that no client can keep a connection, a
+file descriptor or a request open by being slow or silent (slowloris), and a cap on open
+connections.
 
 - A new connection, and one between requests (keep-alive), is closed after `idle_timeout_s`
   without a byte.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import importlib.util
 import logging
 import resource
 import socket
@@ -28,7 +28,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:                    # httptools is not installed: h11 only
-    HttpToolsProtocol = H11Protocol
+    HttpToolsProtocol = None
 
 logger = logging.getLogger('lmdeploy_lite.serve')
 
@@ -87,7 +87,9 @@ class HttpLimits:
         over httptools where it is installed ('auto'; the C parser, and a response body written
         in one call: ~15% of the server's CPU per streamed chunk), else over h11."""
         if parser == 'auto':
-            parser = 'httptools' if importlib.util.find_spec('httptools') else 'h11'
+            parser = 'h11' if HttpToolsProtocol is None else 'httptools'
+        if parser == 'httptools' and HttpToolsProtocol is None:
+            raise ValueError("parser='httptools': httptools is not installed")
         base = {'h11': LimitedH11Protocol, 'httptools': LimitedHttpToolsProtocol}[parser]
         return type(base.__name__, (base,), {'limits': self})
 
@@ -161,7 +163,8 @@ class LimitedH11Protocol(Deadlines, H11Protocol):
         self._enter('header' if state is h11.IDLE else 'body' if state is h11.SEND_BODY else None)
 
 
-class LimitedHttpToolsProtocol(Deadlines, HttpToolsProtocol):
+# without httptools the class is never handed out (`HttpLimits.protocol`): its base is a stand-in
+class LimitedHttpToolsProtocol(Deadlines, HttpToolsProtocol or H11Protocol):
     def on_message_begin(self):
         super().on_message_begin()
         self._enter('header')

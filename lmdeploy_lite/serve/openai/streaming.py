@@ -95,10 +95,10 @@ def stream(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationC
            chunks: CompletionChunks, include_usage: bool, request_id: str) -> 'EventStream':
     """The request's chunks as server-sent events, written by `chunks` (responses.py: openings,
     deltas, usage when `include_usage`). A chunk carries every engine step since its choice's last
-    one (text_stream.Backlog: a slow client's missed steps are held as one), logprobs with their tokens' text;
-    the last one carries the hidden-states path (`request_id` names the file). Shutdown: each
-    unfinished choice ends with finish_reason 'abort', then [DONE]; a failed generation:
-    finish_reason 'error', an error event, [DONE]."""
+    one (text_stream.Backlog: a slow client's missed steps are held as one), logprobs with their
+    tokens' text; the last one carries the hidden-states path (`request_id` names the file).
+    Shutdown: each unfinished choice ends with finish_reason 'abort', then [DONE]; a failed
+    generation: finish_reason 'error', an error event, [DONE]."""
     return EventStream(_events(ctx, prompts, gen_config, chunks, include_usage, request_id))
 
 

@@ -112,8 +112,7 @@ def fp8_block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
                        num_warps=4, num_stages=4)
     if splits > 1:
-        torch.sum(target, 0, out=out) if out_dtype == torch.float32 else \
-            out.copy_(target.sum(0))
+        out.copy_(target.sum(0))
     return out
 
 

@@ -1,10 +1,10 @@
 """backends/cuda/fp8_gemm (the block-scaled FP8 GEMM) against the float32 reference on the
-dequantized weights (models/fp8.py): the activations quantized exactly as models/fp8.quantize
-would, the product within the tensor cores' FP8 accumulation error of the float32 one; within FP8's activation error against the
-unquantized activations. GPU only: Triton's CPU interpreter rounds some values to FP8 wrongly
-(124.3 -> 64 where round-to-nearest gives 128), so it cannot stand for the hardware here. Small
-odd shapes, the linear shapes of every preset (0.8B, 9B, 35B-A3B: attention, gated delta net,
-dense FFN, experts) at 1 to 300 rows, and a call captured in a CUDA graph."""
+dequantized weights (models/fp8.py): the activations quantized exactly as models/fp8.quantize would,
+the product within the tensor cores' FP8 accumulation error of the float32 one; within FP8's
+activation error against the unquantized activations. GPU only: Triton's CPU interpreter rounds some
+values to FP8 wrongly (124.3 -> 64 where round-to-nearest gives 128), so it cannot stand for the
+hardware here. Small odd shapes, the linear shapes of every preset (0.8B, 9B, 35B-A3B: attention,
+gated delta net, dense FFN, experts) at 1 to 300 rows, and a call captured in a CUDA graph."""
 from __future__ import annotations
 
 import importlib
@@ -16,7 +16,7 @@ import torch
 
 from lmdeploy_lite.pytorch.models.fp8 import BLOCK, dequantize, quantize
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', '..', '..', '..', 'benchmarks'))
+BENCHMARKS = os.path.join(os.path.dirname(__file__), '..', '..', '..', '..', 'benchmarks')
 
 
 def ops():
@@ -57,6 +57,8 @@ def test_fp8_gemm_partial_blocks(m, n, k):
 
 def preset_shapes(name: str) -> set[tuple[int, int]]:
     """(N, K) of every quantized linear of a preset (models/fp8.quantizable's set)."""
+    if BENCHMARKS not in sys.path:
+        sys.path.insert(0, BENCHMARKS)
     from presets import preset_config
     c = preset_config(name)
     h, d = c['hidden_size'], c['head_dim']
