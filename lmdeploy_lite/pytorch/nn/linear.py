@@ -1,6 +1,10 @@
 """Linear layers (no bias: Qwen3.5 has none), shaped for tensor parallelism: with `dist_ctx=None`
 or tp=1 they hold the full weight and skip the collective. Weights are `[out_features,
 in_features]`, as in HF checkpoints; sharded ones carry `weight.shard` (nn/sharding.py).
+
+FP8 (`Linear.to_fp8`, after loading, before fusing): the weight becomes float8_e4m3fn with one
+float32 `weight_scale` per 128 x 128 block of this rank's shard, and `matmul` calls the backend's
+block-scaled GEMM. A fused projection keeps FP8 and unquantized parts as separate GEMMs.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from torch import nn
 from .sequence_parallel import is_sequence_parallel
 from .sharding import sharded_parameter, tp_layout
 
+BLOCK = 128                # the FP8 weight block (rows x columns), as Qwen's FP8 checkpoints
+
 
 def check_divisible(what: str, sizes: tuple[int, ...], tp: int) -> None:
     for size in sizes:
@@ -20,7 +26,27 @@ def check_divisible(what: str, sizes: tuple[int, ...], tp: int) -> None:
             raise ValueError(f'{what}={size}: must be divisible by tp={tp}')
 
 
-class ColumnParallelLinear(nn.Module):
+class Linear(nn.Module):
+    """y = x @ weight.T, on the weight as loaded or, after `to_fp8`, on its FP8 blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight_scale = None             # FP8: float32 [ceil(N / 128), ceil(K / 128)]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale is None:
+            return F.linear(x, self.weight)
+        return self.fp8_matmul(x, self.weight, self.weight_scale)
+
+    def to_fp8(self, quantize, fp8_matmul) -> None:
+        """`quantize(weight) -> (fp8 weight, block scales)`; `fp8_matmul(x, weight, scale)`."""
+        weight, scale = quantize(self.weight.data)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.fp8_matmul = fp8_matmul
+
+
+class ColumnParallelLinear(Linear):
     """Output features split over the TP group; no collective. `sections`: parts of the output
     split separately (`(Dk, Dk, Dv)` for `[q | k | v]`: each rank keeps its piece of each)."""
 
@@ -36,7 +62,7 @@ class ColumnParallelLinear(nn.Module):
                                         sections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.matmul(x)
 
     def extra_repr(self) -> str:
         return f'in={self.in_features}, out={self.out_features} (local)'
@@ -46,7 +72,7 @@ class ReplicatedLinear(ColumnParallelLinear):
     """The full weight on every rank (built without a `dist_ctx`)."""
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(Linear):
     """Input features split over the TP group; partial outputs are all-reduced here, unless
     `reduce_output=False` (the caller adds more partial sums first and reduces once).
     Sequence-parallel: x [N, in / tp] -> this rank's rows [N / tp, out] by a reduce-scatter."""
@@ -63,7 +89,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """`sequence_parallel`: this forward splits its rows (`splits_rows`); see the class."""
-        out = F.linear(x, self.weight)
+        out = self.matmul(x)
         if self.tp > 1 and self.reduce_output:
             if self.sequence_parallel and sequence_parallel:
                 out = self.dist_ctx.tp.reduce_scatter(out)
@@ -79,12 +105,22 @@ class FusedColumnLinear(nn.Module):
     """Column-parallel projections of the same input as ONE GEMM (the parts' local weights
     concatenated by rows), built after loading, so checkpoint names and sharding are the parts'.
     `keep_parts=True`: the parts stay, their weights views of the fused one (a non-persistent
-    buffer here). `outputs`: how many consecutive parts each returned piece covers (default 1)."""
+    buffer here). `outputs`: how many consecutive parts each returned piece covers (default 1).
+    FP8 parts (`Linear.to_fp8`): one GEMM per run of parts of one kind (`segments`), a run of
+    FP8 parts broken after a part whose rows are not whole 128-row blocks."""
 
     def __init__(self, parts: list[nn.Module], keep_parts: bool = False,
                  outputs: list[int] | None = None):
         super().__init__()
         part_sizes = [p.weight.shape[0] for p in parts]
+        bounds = [0] + list(itertools.accumulate(outputs or [1] * len(parts)))
+        self.sizes = [sum(part_sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
+        self.segments = None
+        if any(getattr(p, 'weight_scale', None) is not None for p in parts):
+            if keep_parts:
+                raise ValueError('FP8 projections are fused without keep_parts')
+            self._fuse_segments(parts, set(bounds))
+            return
         weight = torch.cat([p.weight.data for p in parts])
         if keep_parts:
             self.register_buffer('weight', weight, persistent=False)
@@ -92,11 +128,48 @@ class FusedColumnLinear(nn.Module):
                 part.weight.data = rows
         else:
             self.weight = nn.Parameter(weight, requires_grad=False)
-        bounds = [0] + list(itertools.accumulate(outputs or [1] * len(parts)))
-        self.sizes = [sum(part_sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+    def _fuse_segments(self, parts: list[nn.Module], bounds: set[int]) -> None:
+        runs = [[parts[0]]]
+        for part in parts[1:]:
+            last = runs[-1][-1]
+            fp8 = getattr(last, 'weight_scale', None) is not None
+            if fp8 == (getattr(part, 'weight_scale', None) is not None) and not (
+                    fp8 and last.weight.shape[0] % BLOCK):
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        self.segments = nn.ModuleList()
+        for run in runs:
+            segment = Linear()
+            segment.weight = nn.Parameter(torch.cat([p.weight.data for p in run]),
+                                          requires_grad=False)
+            if getattr(run[0], 'weight_scale', None) is not None:
+                segment.weight_scale = nn.Parameter(torch.cat([p.weight_scale.data for p in run]),
+                                                    requires_grad=False)
+                segment.fp8_matmul = run[0].fp8_matmul
+            self.segments.append(segment)
+        # each segment's output split by itself where no returned piece spans two segments
+        ends = list(itertools.accumulate(len(run) for run in runs))
+        sizes = [p.weight.shape[0] for p in parts]
+        self.segment_sizes = None
+        if set(ends) <= bounds:
+            edges = [sorted(b for b in bounds if start <= b <= end)
+                     for start, end in zip([0] + ends, ends)]
+            self.segment_sizes = [[sum(sizes[a:b]) for a, b in zip(e, e[1:])] for e in edges]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> every part's output side by side [T, sum(sizes)]."""
+        if self.segments is None:
+            return F.linear(x, self.weight)
+        outs = [segment.matmul(x) for segment in self.segments]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight).split_with_sizes(self.sizes, dim=-1)
+        if self.segments is None or self.segment_sizes is None:
+            return self.matmul(x).split_with_sizes(self.sizes, dim=-1)
+        return tuple(piece for segment, sizes in zip(self.segments, self.segment_sizes)
+                     for piece in segment.matmul(x).split_with_sizes(sizes, dim=-1))
 
 
 def fuse_projections(model: nn.Module, keep_parts: bool = False) -> nn.Module:

@@ -40,5 +40,5 @@ class SwiGLUMLP(nn.Module):
         """`sizes`: the step's (ModelInputs.sizes), says whether this forward splits its rows."""
         split = sizes is not None and sizes.sequence_parallel
         if self.gate_up_proj is not None:       # [gate | up] from one GEMM, one fused kernel
-            return self.forward_fused(F.linear(x, self.gate_up_proj.weight), split)
+            return self.forward_fused(self.gate_up_proj.matmul(x), split)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x), split)
