@@ -17,6 +17,10 @@ TTFT rows: one prompt of that length on an idle engine (one prefill forward up t
 `--max-prefill-tokens`), through `pipeline()`; `mfu_pct` = model FLOPs of the prefill (2 x
 non-embedding parameters x tokens, plus causal attention 2 x L^2 x heads x head_dim per
 full-attention layer; the gated-delta chunks are not counted) / TTFT / `--peak-tflops`.
+`--model-format fp8`: the linears as FP8 blocks (online quantization). `roofline_pct` (dense
+models): the time to read the weights a decode step reads (every parameter but an untied
+embedding table, at their stored size: FP8 blocks and scales included) at `--hbm-tb-s` over
+the bare loop's step time.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from lmdeploy_lite.pytorch.config import ModelConfig
 
 DECODE_COLUMNS = ['layout', 'spec_k', 'batch', 'pipeline_tok_s', 'pipeline_all_tok_s',
                   'loop_tok_s', 'overhead_pct',
-                  'loop_step_ms', 'mean_accepted_len']
+                  'loop_step_ms', 'mean_accepted_len', 'roofline_pct']
 TTFT_COLUMNS = ['spec_k', 'prompt_len', 'ttft_ms', 'prefill_tok_s', 'tflops', 'mfu_pct']
 
 
@@ -126,6 +130,7 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
                               load_format=load_format, seed=args.seed,
                               eager_mode=args.eager_mode, async_scheduling=args.async_scheduling,
                               ssm_state_dtype=args.ssm_state_dtype,
+                              model_format=args.model_format,
                               **({} if args.max_mixed_tokens is None
                                  else {'max_mixed_token_num': args.max_mixed_tokens}))
     spec = (SpeculativeConfig(num_speculative_tokens=k, dynamic=args.dynamic_k,
@@ -137,7 +142,12 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
         engine.agent.rejection_sampler = synthetic_rejection_sampler(rates)
     config = ModelConfig.from_pretrained(model_dir)
     vocab = config.vocab_size
-    layout = f'tp{args.tp} dp{args.dp} ep{args.ep}'
+    layout = f'tp{args.tp} dp{args.dp} ep{args.ep}' + (' fp8' if args.model_format else '')
+    step_bytes = None
+    if engine is not None and not config.num_experts:
+        target = getattr(engine.agent, 'target', engine.agent).model      # (a spec agent's)
+        step_bytes = sum(p.numel() * p.element_size() for name, p in target.named_parameters()
+                         if config.tie_word_embeddings or 'embed_tokens' not in name)
     rows, ttft_rows = [], []
     try:
         pipe([[5] * 16] * 2, GenerationConfig(max_new_tokens=4, ignore_eos=True))   # warm-up
@@ -177,6 +187,9 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
             row.update(loop_tok_s=tokens / seconds, loop_step_ms=1000 * seconds / args.loop_steps,
                        overhead_pct=100 * ((tokens / seconds) / row['pipeline_tok_s'] - 1),
                        mean_accepted_len=engine.spec_stats.mean_accepted_length if k else 1.0)
+            if step_bytes:
+                row.update(weight_gb=step_bytes / 1e9, roofline_pct=100 * step_bytes
+                           / (args.hbm_tb_s * 1e12) / (seconds / args.loop_steps))
     del pipe, engine
     release_memory()
     return rows, ttft_rows
@@ -216,6 +229,9 @@ def main():
     parser.add_argument('--eager-mode', action='store_true', help='no CUDA graphs')
     parser.add_argument('--enable-prefix-caching', action=argparse.BooleanOptionalAction,
                         default=True, help='PytorchEngineConfig.enable_prefix_caching')
+    parser.add_argument('--model-format', default=None, choices=['fp8'])
+    parser.add_argument('--hbm-tb-s', type=float, default=3.35,
+                        help='HBM bandwidth of roofline_pct (H100 SXM: 3.35)')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)

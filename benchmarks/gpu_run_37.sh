@@ -1,18 +1,34 @@
 #!/usr/bin/env bash
-# Issue 37 on one H100: the block-scaled FP8 GEMM's GPU tests (every preset's linear shapes at
-# 1-300 rows against the dequantized float32 reference; a CUDA graph replay), then
+# Issue 37 on one H100. PART=kernel: the block-scaled FP8 GEMM's GPU tests (every preset's linear
+# shapes at 1-300 rows against the dequantized float32 reference; a CUDA graph replay), then
 # bench_fp8_gemm.py for the 9B and 0.8B shapes (FP8 against bf16 cuBLAS, decode rows 1/16/64).
+# PART=engine: the engine-level FP8 GPU test (embedded model, 32 sequences, MTP k=3, graphs).
+# PART=pipe: bench_pipeline.py, bf16 against FP8 (online quantization of random weights) for
+# PRESET (default the 9B), batch BATCHES, draft counts KS (0: AR; k > 0 synthetic 0.8/0.6/0.5).
 source .whl/gpu-env.sh
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
-if [ "${PART:-kernel}" = kernel ]; then
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/pytorch/backends/cuda/test_cuda_fp8_gemm.py \
-  2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -12
-for preset in ${PRESETS:-qwen3_5_9b qwen3_5_0_8b}; do
-  timeout 200 python3 benchmarks/bench_fp8_gemm.py --preset $preset --out $OUT/fp8_gemm_$preset.json \
-    > $OUT/fp8_gemm_$preset.log 2>&1
-  tail -${TAILN:-30} $OUT/fp8_gemm_$preset.log | cut -c1-120
-done
-fi
-# PART=engine: the FP8-against-bf16 GPU test (embedded model, 32 sequences, MTP k=3, graphs)
-[ "${PART:-}" = engine ] && timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
-  2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -6
+case "${PART:-kernel}" in
+kernel)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/pytorch/backends/cuda/test_cuda_fp8_gemm.py \
+    2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -12
+  for preset in ${PRESETS:-qwen3_5_9b qwen3_5_0_8b}; do
+    timeout 200 python3 benchmarks/bench_fp8_gemm.py --preset $preset --out $OUT/fp8_gemm_$preset.json \
+      > $OUT/fp8_gemm_$preset.log 2>&1
+    tail -${TAILN:-30} $OUT/fp8_gemm_$preset.log | cut -c1-120
+  done ;;
+engine)
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
+    2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -6 ;;
+pipe)
+  PRESET=${PRESET:-qwen3_5_9b}
+  for k in ${KS:-0}; do
+    for fmt in ${FORMATS:-bf16 fp8}; do
+      extra=$([ $fmt = fp8 ] && echo "--model-format fp8")
+      spec=$([ $k != 0 ] && echo "--synthetic-acceptance 0.8,0.6,0.5 --no-dynamic-k")
+      timeout ${LIMIT:-240} python3 benchmarks/bench_pipeline.py --preset $PRESET --device cuda \
+        --dtype bfloat16 --new-tokens 256 --prompt-len 128 --repeats 1 --batch-sizes ${BATCHES:-1,16,64} \
+        --spec-ks $k $spec $extra --out $OUT/pipe_${PRESET}_${fmt}_k$k.json > $OUT/pipe_${PRESET}_${fmt}_k$k.log 2>&1
+      echo "== $PRESET $fmt k=$k"; tail -${TAILN:-4} $OUT/pipe_${PRESET}_${fmt}_k$k.log | cut -c1-200
+    done
+  done ;;
+esac

@@ -19,7 +19,8 @@ from helpers.accepting import assert_real_acceptance, prompts
 from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, SpeculativeConfig, pipeline
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
 from lmdeploy_lite.pytorch.models.fp8 import (BLOCK, FP8, FP8_MAX, SCALE_SUFFIX, dequantize,
-                                              quantizable, quantize)
+                                              quantizable, quantize, reference_fp8_linear)
+from lmdeploy_lite.pytorch.nn.linear import ColumnParallelLinear, FusedColumnLinear
 from lmdeploy_lite.pytorch.models.loader import build_model, checkpoint_files
 
 QUANT = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
@@ -200,3 +201,73 @@ def test_a_bad_quantization_names_the_file_and_the_field_or_tensor(tiny_ckpt, tm
     with pytest.raises(ValueError, match=rf"model.safetensors: tensor '{re.escape(name)}' is "
                                          rf"float8_e4m3fn but the checkpoint has no "):
         build_model(path, torch.float64)
+
+
+def test_requantizing_the_dequantized_weights_gives_back_the_checkpoints_blocks():
+    """What `to_fp8` relies on for a released checkpoint (read dequantized, in bf16)."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(300, 260, generator=gen) * torch.rand(300, 1, generator=gen)
+    q, scale = quantize(w)
+    for dtype in (torch.bfloat16, torch.float32):
+        q2, scale2 = quantize(dequantize(q, scale).to(dtype))
+        assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+        torch.testing.assert_close(scale2, scale, rtol=2 ** -8, atol=0)
+
+
+def test_fused_fp8_projections_equal_their_parts():
+    """FP8 parts, one whose rows are not whole blocks, and an unquantized tail: each returned
+    piece is its part's own product."""
+    gen = torch.Generator().manual_seed(0)
+    parts = [ColumnParallelLinear(200, rows, torch.float32, 'cpu') for rows in (256, 130, 128, 3)]
+    for part in parts:
+        part.weight.data = torch.randn(part.weight.shape, generator=gen)
+    for part in parts[:3]:
+        part.to_fp8(quantize, reference_fp8_linear)
+    x = torch.randn(5, 200, generator=gen)
+    expected = [part(x) for part in parts]
+    fused = FusedColumnLinear(parts, outputs=[1, 2, 1])
+    assert len(fused.segments) == 3          # [256 | 130], [128], [3]: a break after 130 rows
+    got = fused(x)
+    torch.testing.assert_close(got[0], expected[0])
+    torch.testing.assert_close(got[1], torch.cat(expected[1:3], -1))
+    torch.testing.assert_close(got[2], expected[3])
+    torch.testing.assert_close(fused.matmul(x), torch.cat(expected, -1))
+    kept = FusedColumnLinear(parts, keep_parts=True, outputs=[1, 2, 1])
+    assert not list(kept.parameters()) and all(p.weight_scale is not None for p in parts[:3])
+    torch.testing.assert_close(kept(x)[1], got[1], rtol=0, atol=0)
+
+
+def test_fp8_gemm_path_with_mtp_k3_accepts_drafts_and_changes_no_token(monkeypatch):
+    """The device path on CPU: a backend with an `fp8_linear` (here the float32 reference of the
+    GPU's) gets the target's and the draft's linears as FP8 blocks, fused in segments; MTP k=3
+    gives the plain tokens with drafts accepted, and nearly those of the dequantized weights."""
+    from lmdeploy_lite.pytorch.backends.default import DefaultBackend
+    cfg = PytorchEngineConfig(device='cpu', dtype='float64', model_format='fp8', session_len=256)
+    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
+    batch = [list(p) for p in prompts()][:4]
+    with pipeline(EMBEDDED_MODEL_DIR, cfg, progress=False) as pipe:
+        dequantized = [r.token_ids for r in pipe(batch, gen)]
+    weights = set()
+
+    def fp8_linear(x, weight, scale):
+        assert weight.dtype == FP8
+        weights.add(weight.data_ptr())
+        return reference_fp8_linear(x, weight, scale)
+
+    monkeypatch.setattr(DefaultBackend, 'fp8_linear', staticmethod(fp8_linear), raising=False)
+    with pipeline(EMBEDDED_MODEL_DIR, cfg, progress=False) as pipe:
+        plain = [r.token_ids for r in pipe(batch, gen)]
+    # per layer: the mixer's fused in-projection (a gated delta net's b/a stay unquantized) and
+    # out-projection, the shared expert's gate/up and down (routed experts: not FP8 GEMMs yet)
+    num_layers = 8
+    assert len(weights) == 4 * num_layers
+    with pipeline(EMBEDDED_MODEL_DIR, cfg, SpeculativeConfig(num_speculative_tokens=3,
+                                                             dynamic=False),
+                  progress=False) as pipe:
+        weights.clear()
+        out = pipe(batch, gen)
+    assert len(weights) == 4 * (num_layers + 1)                # and the draft's layer
+    assert [r.token_ids for r in out] == plain
+    assert_real_acceptance([r.spec_stats for r in out], 3)
+    same = sum(a == b for p, d in zip(plain, dequantized) for a, b in zip(p, d))
+    assert same >= 0.5 * len(batch) * 24, (plain, dequantized)

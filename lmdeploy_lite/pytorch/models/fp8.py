@@ -8,6 +8,12 @@ every backend computes with for now, and the reference an FP8 GEMM path is check
 `model_format='fp8'` quantizes a bf16 checkpoint's linear weights at load exactly as a released
 checkpoint stores them (`quantize`), and dequantizes them again: the same numbers as loading the
 pre-quantized checkpoint.
+
+On a GPU with FP8 tensor cores (the CUDA backend's `fp8_linear`, sm_89+) `to_fp8` then quantizes
+each such linear again, on the device and after TP sharding, before its projections are fused:
+where the shard's blocks are the checkpoint's (every released shape: sections and shards are
+multiples of 128), that gives back the checkpoint's FP8 values exactly (a dequantized value is
+within bf16's 2^-9 of q * s, far inside FP8's 2^-4 half-spacing) and scales within 2^-9 of its.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     each 128 x 128 block scaled so that its largest magnitude is FP8's largest (448)."""
     *lead, n, k = weight.shape
     nb, kb = -(-n // BLOCK), -(-k // BLOCK)
-    padded = torch.zeros(*lead, nb * BLOCK, kb * BLOCK, dtype=torch.float32)
+    padded = torch.zeros(*lead, nb * BLOCK, kb * BLOCK, dtype=torch.float32, device=weight.device)
     padded[..., :n, :k] = weight.float()
     blocks = padded.view(*lead, nb, BLOCK, kb, BLOCK)
     scale = blocks.abs().amax(dim=(-3, -1)) / FP8_MAX
@@ -66,11 +72,7 @@ class Fp8Weights:
     def of(cls, model_dir: str, files: dict[str, list[str]],
            model_format: str | None = None) -> 'Fp8Weights | None':
         """ValueError naming config.json and the field for a quantization this cannot read."""
-        path = os.path.join(model_dir, 'config.json')
-        with open(path) as f:
-            config = json.load(f)
-        quant = config.get('quantization_config') or config.get('text_config', {}).get(
-            'quantization_config')
+        path, quant = _quantization_config(model_dir)
         if quant is None:
             return cls(files, online=True) if model_format == 'fp8' else None
         kind, block = quant.get('quant_method'), quant.get('weight_block_size')
@@ -111,8 +113,56 @@ class Fp8Weights:
         return tensor
 
 
+def fp8_checkpoint(model_dir: str, model_format: str | None) -> bool:
+    """The weights are FP8: quantized online, or a checkpoint declaring FP8 quantization."""
+    return model_format == 'fp8' or _quantization_config(model_dir)[1] is not None
+
+
+def _quantization_config(model_dir: str) -> tuple[str, dict | None]:
+    """(config.json's path, its `quantization_config`, top level or text_config's)."""
+    path = os.path.join(model_dir, 'config.json')
+    with open(path) as f:
+        config = json.load(f)
+    return path, config.get('quantization_config') or config.get('text_config', {}).get(
+        'quantization_config')
+
+
+def to_fp8(module: torch.nn.Module, device: torch.device | str, prefix: str = '',
+           fp8_matmul=None) -> int:
+    """Every linear of `module` (checkpoint names: `prefix` + its own) that `quantizable` picks
+    becomes FP8 blocks multiplied by `fp8_matmul(x, weight, scale)`: by default the device
+    backend's GEMM, and nothing changes where there is none (CPU; GPUs before sm_89). Call
+    before `fuse_projections`. Returns how many linears were converted."""
+    from ..backends import get_backend
+    from ..nn.linear import Linear
+    if fp8_matmul is None:
+        fp8_matmul = getattr(get_backend(device), 'fp8_linear', None)
+        if fp8_matmul is None or (torch.device(device).type == 'cuda'
+                                  and torch.cuda.get_device_capability(device) < (8, 9)):
+            return 0
+    converted = 0
+    for name, sub in module.named_modules():
+        if (isinstance(sub, Linear) and sub.weight_scale is None
+                and quantizable(f'{prefix}{name}.weight', sub.weight)):
+            sub.to_fp8(quantize, fp8_matmul)
+            converted += 1
+    if converted and torch.device(device).type == 'cuda':
+        torch.cuda.empty_cache()        # the bf16 copies' memory, back for the KV plan
+    return converted
+
+
+def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
+                         ) -> torch.Tensor:
+    """What the GPU's `fp8_linear` computes, in float32: x [..., K] quantized per row and group
+    of 128 as `quantize` does, times the dequantized weight; in x's dtype."""
+    k = x.shape[-1]
+    xq, xs = quantize(x.reshape(-1, 1, k))
+    out = dequantize(xq, xs).view(-1, k) @ dequantize(weight, scale).T
+    return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+
 def quantizable(name: str, tensor: torch.Tensor) -> bool:
     """A linear weight that Qwen's FP8 releases store in FP8 (online quantization's rule)."""
-    linear = name.endswith('_proj.weight') or name.endswith(('experts.gate_up_proj',
-                                                             'experts.down_proj'))
+    module = name.rsplit('.', 2)[-2] if name.endswith('.weight') else ''
+    linear = 'proj' in module or name.endswith(('experts.gate_up_proj', 'experts.down_proj'))
     return linear and tensor.dim() >= 2 and not any(k in name for k in KEEP)

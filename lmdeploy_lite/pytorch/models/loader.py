@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..nn.linear import fuse_projections
 from ..nn.norm import GatedRMSNorm, RMSNorm
-from .fp8 import Fp8Weights
+from .fp8 import Fp8Weights, fp8_checkpoint, to_fp8
 
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
@@ -221,7 +221,10 @@ def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True,
         load_module_weights(mtp, model_dir, {'mtp.': ''},
                             allow_missing=('embed_tokens.', 'lm_head.'), progress=progress,
                             desc='Loading MTP weights', model_format=model_format)
-    fuse_projections(mtp, keep_parts=next(mtp.parameters()).device.type != 'cuda')
+    device = next(mtp.parameters()).device
+    if fp8_checkpoint(model_dir, model_format):
+        to_fp8(mtp, device, prefix='mtp.')
+    fuse_projections(mtp, keep_parts=device.type != 'cuda')
 
 
 DUMMY_STD = 0.02                  # matrices, conv kernels, embeddings, experts: normal(0, 0.02)
@@ -281,7 +284,8 @@ def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
     shard under a DistContext), in eval mode. `load_format='dummy'`: random weights
     (`init_dummy_weights(model, seed)`), no safetensors read. `fuse`: same-input projections
     as one GEMM (`fuse_projections`; off CUDA the parts stay, as views). `model_format='fp8'`:
-    the linear weights quantized as an FP8 checkpoint stores them (fp8.py)."""
+    the linear weights quantized as an FP8 checkpoint stores them, and computed in FP8 where
+    the device has an FP8 GEMM (fp8.py)."""
     from .qwen3_5 import Qwen3_5ForCausalLM
     config = ModelConfig.from_pretrained(model_dir)
     model = Qwen3_5ForCausalLM(config, dtype, device, dist_ctx)
@@ -289,6 +293,8 @@ def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
         init_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir, progress=progress, model_format=model_format)
+    if fp8_checkpoint(model_dir, model_format):
+        to_fp8(model, device)
     if fuse:      # off CUDA the parts stay, so names and state_dict are the checkpoint's
         fuse_projections(model, keep_parts=torch.device(device).type != 'cuda')
     return model.eval()

@@ -117,9 +117,7 @@ class FusedColumnLinear(nn.Module):
         self.sizes = [sum(part_sizes[a:b]) for a, b in zip(bounds, bounds[1:])]
         self.segments = None
         if any(getattr(p, 'weight_scale', None) is not None for p in parts):
-            if keep_parts:
-                raise ValueError('FP8 projections are fused without keep_parts')
-            self._fuse_segments(parts, set(bounds))
+            self._fuse_segments(parts, set(bounds), keep_parts)
             return
         weight = torch.cat([p.weight.data for p in parts])
         if keep_parts:
@@ -129,7 +127,9 @@ class FusedColumnLinear(nn.Module):
         else:
             self.weight = nn.Parameter(weight, requires_grad=False)
 
-    def _fuse_segments(self, parts: list[nn.Module], bounds: set[int]) -> None:
+    def _fuse_segments(self, parts: list[nn.Module], bounds: set[int], keep_parts: bool) -> None:
+        """`keep_parts`: the parts keep their weights too, and the segments are not registered
+        (the state_dict stays the checkpoint's)."""
         runs = [[parts[0]]]
         for part in parts[1:]:
             last = runs[-1][-1]
@@ -139,7 +139,7 @@ class FusedColumnLinear(nn.Module):
                 runs[-1].append(part)
             else:
                 runs.append([part])
-        self.segments = nn.ModuleList()
+        segments = []
         for run in runs:
             segment = Linear()
             segment.weight = nn.Parameter(torch.cat([p.weight.data for p in run]),
@@ -148,7 +148,8 @@ class FusedColumnLinear(nn.Module):
                 segment.weight_scale = nn.Parameter(torch.cat([p.weight_scale.data for p in run]),
                                                     requires_grad=False)
                 segment.fp8_matmul = run[0].fp8_matmul
-            self.segments.append(segment)
+            segments.append(segment)
+        self.segments = segments if keep_parts else nn.ModuleList(segments)
         # each segment's output split by itself where no returned piece spans two segments
         ends = list(itertools.accumulate(len(run) for run in runs))
         sizes = [p.weight.shape[0] for p in parts]
