@@ -93,13 +93,8 @@ class Group:
     nccl: object = None         # its NCCL twin (CUDA ranks): runs collectives of CUDA tensors
     peer: object = None         # PeerAllReduce (backends/cuda/peer_all_reduce.py), opt-in
 
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def rank(self) -> int:
-        return self.ranks.index(self.ctx.rank)
+    size = property(lambda self: len(self.ranks))
+    rank = property(lambda self: self.ranks.index(self.ctx.rank))     # position in the group
 
     def traced(self, op: str, tensor: torch.Tensor, fn, variable: bool = False):
         """`DistContext.traced` on this group (also for collectives outside torch.distributed,
@@ -411,8 +406,7 @@ def _cross_dp(record: list) -> list:
 
 
 def _digest(record: list) -> int:
-    return int.from_bytes(hashlib.sha256(repr(record).encode()).digest()[:8], 'little',
-                          signed=True)
+    return int.from_bytes(hashlib.sha256(repr(record).encode()).digest()[:8], 'little', signed=True)
 
 
 class DraftDistContext:

@@ -1,6 +1,8 @@
 """SwiGLU MLP: `down(silu(gate(x)) * up(x))`; gate/up column-parallel, down row-parallel."""
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,10 +17,9 @@ class SwiGLUMLP(nn.Module):
                  device: torch.device | str, dist_ctx=None, reduce_output: bool = True):
         """reduce_output=False: return this TP rank's partial sum (the caller all-reduces)."""
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size, dtype, device,
-                                              dist_ctx=dist_ctx)
-        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, dtype, device,
-                                            dist_ctx=dist_ctx)
+        column = partial(ColumnParallelLinear, hidden_size, intermediate_size, dtype, device,
+                         dist_ctx=dist_ctx)
+        self.gate_proj, self.up_proj = column(), column()
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, dtype, device,
                                            dist_ctx=dist_ctx, reduce_output=reduce_output)
         self.gate_up_proj = None     # gate/up_proj as one GEMM, after `fuse_projections`

@@ -72,8 +72,7 @@ class FusedExperts(nn.Module):
         for param in (self.gate_up_proj, self.down_proj):
             param.expert_range = (first_expert, num_local, num_experts)
 
-    def run(self, x: torch.Tensor, routing: torch.Tensor | GroupedRows | TopKRows
-            ) -> torch.Tensor:
+    def run(self, x: torch.Tensor, routing: torch.Tensor | GroupedRows | TopKRows) -> torch.Tensor:
         """Outputs of the rows a dispatcher hands over: x [R, H] with local expert ids
         `routing [R]` (-1: none, gives 0) -> [R, H] unweighted; x [E_local, C, H] grouped by
         expert (`GroupedRows`) -> [E_local, C, H] unweighted (in `routing.out` when given; rows
@@ -86,8 +85,7 @@ class FusedExperts(nn.Module):
             return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, routing.weights,
                                           routing.ids)
         ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
-        return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, ones,
-                                      routing[:, None])
+        return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, ones, routing[:, None])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> [T, H], summed over k in the same order as EP's

@@ -146,8 +146,7 @@ class GraphRunner:
         for static, value in zip(self.extras, extras):
             static[:tokens].copy_(value)
         if bucket > batch:        # padding sequences: the dummy shape (reserved block and row)
-            for buf in (self.history_lens, self.block_tables, self.state_slots,
-                        self.state_index):
+            for buf in (self.history_lens, self.block_tables, self.state_slots, self.state_index):
                 buf[batch:bucket].zero_()
             self.input_ids[tokens:padded_tokens].zero_()
             self.positions[tokens:padded_tokens].zero_()

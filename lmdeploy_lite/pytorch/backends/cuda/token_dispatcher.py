@@ -102,10 +102,9 @@ def flatten_low_latency(recv_x: torch.Tensor, recv_count: torch.Tensor,
     return recv_x[..., :columns].reshape(num_local * slots, columns), local_ids
 
 
-def unflatten_low_latency(rows: torch.Tensor, num_local_experts: int,
-                          width: int) -> torch.Tensor:
-    """Expert rows [E*C, n] (bf16) -> `[E, C, width]` zero-padded, what
-    `low_latency_combine` takes."""
+def unflatten_low_latency(rows: torch.Tensor, num_local_experts: int, width: int) -> torch.Tensor:
+    """Expert rows [E*C, n] (bf16) -> `[E, C, width]` zero-padded, what `low_latency_combine`
+    takes."""
     rows = rows.view(num_local_experts, -1, rows.shape[-1])
     return F.pad(rows, (0, width - rows.shape[-1])).contiguous()
 
@@ -346,8 +345,7 @@ class DeepEPDispatcher:
             send[handle.token, handle.slot] = split_bf16(expert_out, self.parts)
             send = send.view(handle.num_received, -1)
         else:                 # this rank's weighted partial sums, one slot at a time
-            partial = expert_out.new_zeros((handle.num_received, self.hidden),
-                                           dtype=torch.float32)
+            partial = expert_out.new_zeros((handle.num_received, self.hidden), dtype=torch.float32)
             for k in range(self.top_k):        # one row per token per slot: deterministic
                 rows = (handle.slot == k).nonzero(as_tuple=True)[0]
                 partial.index_add_(0, handle.token[rows],
@@ -384,8 +382,7 @@ class DeepEPDispatcher:
         ids = rows[:, x_words:].contiguous().view(_TOPK_IDX)                 # [R, k]
         expert = local_ids.clamp(min=0) + self.first_expert
         slot = (ids == expert[:, None]).int().argmax(dim=1)                  # padding rows: any
-        return expert_x, local_ids, LowLatencyHandle(deep_ep_handle, topk_idx, topk_weights,
-                                                     slot)
+        return expert_x, local_ids, LowLatencyHandle(deep_ep_handle, topk_idx, topk_weights, slot)
 
     def _combine_low_latency(self, expert_out, handle: LowLatencyHandle):
         buffer, width = self.shared.get(), self.shared.width

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ...model_inputs import ModelInputs
-from .norm import cast, constant
+from .norm import cast, compute_dtype, constant
 from .varlen import seq_groups
 
 
@@ -20,7 +20,7 @@ def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: t
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """a, b [T, nv] (in_proj_a/b outputs) -> g = -exp(A_log) * softplus(a + dt_bias) (log decay,
     float32; float64 for float64 inputs) and beta = sigmoid(b) (b.dtype), both [T, nv]."""
-    acc = torch.float64 if a.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(a.dtype)
     return -cast(A_log, acc).exp() * F.softplus(cast(a, acc) + dt_bias), torch.sigmoid(b)
 
 
@@ -92,7 +92,7 @@ def initial_states(state_cache: torch.Tensor, inputs: ModelInputs) -> torch.Tens
 
 
 def store_states(state_cache: torch.Tensor, rows: torch.Tensor, slots: slice,
-           states: torch.Tensor, write: torch.Tensor) -> None:
+                 states: torch.Tensor, write: torch.Tensor) -> None:
     """state_cache[rows[b], slots][t] = states[b, t] where write[b, t] (else unchanged)."""
     state_cache[rows, slots] = torch.where(write[..., None, None, None],
                                            states.to(state_cache.dtype), state_cache[rows, slots])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...model_inputs import ModelInputs
-from .norm import cast
+from .norm import cast, compute_dtype
 from .varlen import SeqGroup, seq_groups
 
 
@@ -93,7 +93,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     float64 inputs). Sequences are padded to the longest query run and longest KV prefix of their
     group (scores `[n, nq, max_q, max_kv]`); padded queries are computed and dropped."""
     fill_kv_cache(k, v, k_cache, v_cache, inputs)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(q.dtype)
     if inputs.uniform_q_len:
         return cast(_attend_uniform(cast(q, acc), k_cache, v_cache, inputs, scale), q.dtype)
     num_heads = q.shape[1]
