@@ -9,14 +9,14 @@ import re
 from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Response,
-                                    SpeculativeConfig, TokenLogprobs)
+                                    SpeculativeConfig, TokenLogprobs, is_int)
 from lmdeploy_lite.pytorch.engine.executor import connect
 from lmdeploy_lite.pytorch.engine.executor.client import Channel, EngineStats
 from lmdeploy_lite.pytorch.engine.step_output import StepOutput
 from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_in_thought, template_thinks
-from lmdeploy_lite.text_stream import (Backlog, TextStream, as_batch, is_token_id,
-                                       batch_decoder, check_prompt, check_template_kwargs,
-                                       check_tools, detokenize, token_logprobs)
+from lmdeploy_lite.text_stream import (Backlog, TextStream, as_batch, batch_decoder, check_prompt,
+                                       check_template_kwargs, check_tools, detokenize,
+                                       token_logprobs)
 from lmdeploy_lite.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | list[dict]
@@ -229,7 +229,7 @@ class Pipeline:
             if given and not chat:
                 raise ValueError(f'{name}: given with a prompt that is not chat messages; it '
                                  f'reaches the model through the chat template')
-        if isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             return [int(t) for t in prompt]
         check_prompt(prompt)
         if self.tokenizer is None:

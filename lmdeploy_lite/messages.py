@@ -51,15 +51,16 @@ def _check(ok: bool, field_name: str, value, allowed: str):
         raise ValueError(f'{field_name}={short_repr(value)}: must be {allowed}')
 
 
-def _is_int(value) -> bool:
-    """A plain int at once (the ABC check costs ~1 us, and a request checks dozens of fields)."""
+def is_int(value) -> bool:
+    """An integer, not a bool; a plain int at once (the ABC check costs ~1 us, and a request
+    checks dozens of fields)."""
     return type(value) is int or (isinstance(value, numbers.Integral)
                                   and not isinstance(value, bool))
 
 
 def _check_int(field_name: str, value, low: int, high: int = INT32_MAX) -> int:
     """An integer (not a bool) in low..high, returned as a plain int."""
-    _check(_is_int(value) and low <= value <= high, field_name, value,
+    _check(is_int(value) and low <= value <= high, field_name, value,
            f'an integer in {low}..{high}')
     return int(value)
 
@@ -88,6 +89,11 @@ def _check_choice(field_name: str, value, choices: tuple):
 
 def _set(obj, name: str, value):
     object.__setattr__(obj, name, value)          # frozen dataclass: normalise in __post_init__
+
+
+def _normalise(obj, name: str, check, *args, **kwargs):
+    """obj.name = check(name, obj.name, *args): checked, then stored in its normal form."""
+    _set(obj, name, check(name, getattr(obj, name), *args, **kwargs))
 
 
 @dataclass(frozen=True)
@@ -141,30 +147,25 @@ class GenerationConfig:
     def validate(self):
         """Check every field and normalise it (ints, floats, tuples). Runs on construction, and
         again when the engine admits the request (a frozen dataclass can still be changed)."""
-        _set(self, 'max_new_tokens', _check_int('max_new_tokens', self.max_new_tokens, 1))
+        _normalise(self, 'max_new_tokens', _check_int, 1)
         for name in ('do_sample', 'ignore_eos', 'skip_special_tokens'):
             _check_bool(name, getattr(self, name))
-        _set(self, 'temperature', _check_float('temperature', self.temperature, 0, math.inf,
-                                               'a finite number >= 0'))
-        _set(self, 'top_p', _check_float('top_p', self.top_p, 0, 1, 'a number in (0, 1]',
-                                         low_open=True))
-        _set(self, 'top_k', _check_int('top_k', self.top_k, 0))
-        _set(self, 'n', _check_int('n', self.n, 1, MAX_N))
+        _normalise(self, 'temperature', _check_float, 0, math.inf, 'a finite number >= 0')
+        _normalise(self, 'top_p', _check_float, 0, 1, 'a number in (0, 1]', low_open=True)
+        _normalise(self, 'top_k', _check_int, 0)
+        _normalise(self, 'n', _check_int, 1, MAX_N)
         if self.random_seed is not None:
-            _set(self, 'random_seed', _check_int('random_seed', self.random_seed, 0, UINT64_MAX))
-        _set(self, 'repetition_penalty', _check_float(
-            'repetition_penalty', self.repetition_penalty, MIN_REPETITION_PENALTY,
-            MAX_REPETITION_PENALTY, f'a number in [{MIN_REPETITION_PENALTY}, '
-            f'{MAX_REPETITION_PENALTY:g}] (1.0: off; above 1 discourages repeats)'))
+            _normalise(self, 'random_seed', _check_int, 0, UINT64_MAX)
+        _normalise(self, 'repetition_penalty', _check_float, MIN_REPETITION_PENALTY,
+                   MAX_REPETITION_PENALTY, f'a number in [{MIN_REPETITION_PENALTY}, '
+                   f'{MAX_REPETITION_PENALTY:g}] (1.0: off; above 1 discourages repeats)')
         for name in ('presence_penalty', 'frequency_penalty'):
-            _set(self, name, _check_float(name, getattr(self, name), -MAX_OPENAI_PENALTY,
-                                          MAX_OPENAI_PENALTY,
-                                          f'a number in [-{MAX_OPENAI_PENALTY:g}, '
-                                          f'{MAX_OPENAI_PENALTY:g}] (0.0: off)'))
-        _set(self, 'min_p', _check_float('min_p', self.min_p, 0, 1, 'a number in [0, 1] (0: off)'))
-        _set(self, 'min_tokens', _check_int('min_tokens', self.min_tokens, 0, self.max_new_tokens))
+            _normalise(self, name, _check_float, -MAX_OPENAI_PENALTY, MAX_OPENAI_PENALTY,
+                       f'a number in [-{MAX_OPENAI_PENALTY:g}, {MAX_OPENAI_PENALTY:g}] (0.0: off)')
+        _normalise(self, 'min_p', _check_float, 0, 1, 'a number in [0, 1] (0: off)')
+        _normalise(self, 'min_tokens', _check_int, 0, self.max_new_tokens)
         if (bias := self.logit_bias) is not None:
-            _check(isinstance(bias, dict) and all(_is_int(t) and 0 <= t <= INT32_MAX and type(v)
+            _check(isinstance(bias, dict) and all(is_int(t) and 0 <= t <= INT32_MAX and type(v)
                                                   in (int, float) and -100 <= v <= 100
                                                   for t, v in bias.items()),
                    'logit_bias', bias, 'a dict of token id -> a number in [-100, 100]')
@@ -172,7 +173,7 @@ class GenerationConfig:
         if self.response_format is not None:
             _set(self, 'response_format', check_response_format(self.response_format))
         if self.logprobs is not None:
-            _check(_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, 'logprobs',
+            _check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, 'logprobs',
                    self.logprobs, f'None (off) or an integer in 0..{MAX_LOGPROBS} (the top '
                    f'tokens returned with each generated token)')
             _set(self, 'logprobs', int(self.logprobs))
@@ -186,9 +187,9 @@ class GenerationConfig:
             _set(self, 'stop_words', tuple(words))
         ids = self.stop_token_ids
         if ids is not None:
-            ids = (ids,) if _is_int(ids) else ids
+            ids = (ids,) if is_int(ids) else ids
             _check(isinstance(ids, (list, tuple))
-                   and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids),
+                   and all(is_int(t) and 0 <= t <= INT32_MAX for t in ids),
                    'stop_token_ids', self.stop_token_ids,
                    f'a token id or a list of them, each in 0..{INT32_MAX}')
             _set(self, 'stop_token_ids', tuple(int(t) for t in ids))
@@ -287,7 +288,7 @@ class SpeculativeConfig:
             return
         ids = self.aux_hidden_state_layer_ids
         _check(isinstance(ids, (list, tuple)) and len(ids) > 0
-               and all(_is_int(i) and 0 <= i <= INT32_MAX for i in ids)
+               and all(is_int(i) and 0 <= i <= INT32_MAX for i in ids)
                and len(set(ids)) == len(ids), 'aux_hidden_state_layer_ids', ids,
                'a non-empty list of distinct layer ids in 0..num_hidden_layers (0: the '
                'embedding output, num_hidden_layers: the final-normed hidden state)')

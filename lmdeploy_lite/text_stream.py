@@ -2,10 +2,7 @@
 stop words held back), the backlog of a consumer, logprobs entries; and the checks of a prompt."""
 from __future__ import annotations
 
-import asyncio
-import numbers
-
-from lmdeploy_lite.messages import GenerationConfig, TokenLogprobs, short_repr
+from lmdeploy_lite.messages import GenerationConfig, TokenLogprobs, is_int, short_repr
 from lmdeploy_lite.reasoning import held_back
 
 MESSAGE_ROLES = ('system', 'user', 'assistant', 'tool')
@@ -116,10 +113,6 @@ class Backlog:
         self.logprobs += out.logprobs or ()
 
 
-def is_token_id(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def as_batch(prompts) -> tuple[bool, list]:
     """(single, the prompts as a list): a str, a list of token ids or a list of messages is one
     prompt; a list or tuple of those is a batch; anything else is one prompt that
@@ -141,7 +134,7 @@ def check_prompt(prompt):
     if not prompt:
         raise ValueError('prompt: empty; give at least one token')
     if not isinstance(prompt[0], dict):
-        bad = next(i for i, t in enumerate(prompt) if not is_token_id(t))
+        bad = next(i for i, t in enumerate(prompt) if not is_int(t))
         raise ValueError(f'prompt[{bad}]={short_repr(prompt[bad])}: token ids must be ints '
                          f'(a prompt is a str, a list of token ids or a list of chat messages)')
     for i, message in enumerate(prompt):

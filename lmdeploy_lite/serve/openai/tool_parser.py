@@ -11,9 +11,10 @@ chat template teaches the model (and writes back for the calls in the history):
 
 A parameter's value is the text between its tags less one newline at each end, read by the type
 its tool's JSON schema declares: `string` as it is; the other types (and a schema without a type)
-as JSON less the blanks around it, `True`/`False`/`None` too (the template writes non-JSON values with Python's spelling);
-text that does not read as the declared type stays a string, as do parameters the schema does not
-declare (as vLLM's qwen3_coder parser): the template's inverse, which writes strings as they are.
+as JSON less the blanks around it, `True`/`False`/`None` too (the template writes non-JSON values
+with Python's spelling); text that does not read as the declared type stays a string, as do
+parameters the schema does not declare (as vLLM's qwen3_coder parser): the template's inverse,
+which writes strings as they are.
 
 A block without exactly that shape (no function, text between the parameters, a parameter left
 open or given twice, a block left open when the output ends) stays in the text. Parsed blocks
@@ -29,6 +30,8 @@ import math
 import re
 import uuid
 from dataclasses import dataclass
+
+from lmdeploy_lite.reasoning import held_back
 
 OPEN, CLOSE = '<tool_call>', '</tool_call>'
 FUNCTION = re.compile(r'\s*<function=([^\s<>=]+)>(.*)</function>\s*', re.DOTALL)
@@ -154,7 +157,7 @@ class ToolCallParser:
         if final:
             ready = len(self.text)
         else:              # stop before an open block, or before what may still become one
-            ready = waiting if waiting >= 0 else len(self.text) - _partial_open(self.text)
+            ready = waiting if waiting >= 0 else len(self.text) - held_back(self.text, (OPEN,))
             ready = pos + len(self.text[pos:ready].rstrip())
         out.append(self._plain(self.text[pos:ready]))
         self.text = self.text[ready:]
@@ -171,12 +174,6 @@ class ToolCallParser:
                 self.after_call = False
         self.emitted = self.emitted or bool(text)
         return text
-
-
-def _partial_open(text: str) -> int:
-    """The length of the longest end of `text` that is a proper prefix of OPEN."""
-    return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1)
-                 if text.endswith(OPEN[:n])), 0)
 
 
 def parse_tool_calls(text: str, tools: list[dict] | None, max_calls: int | None = None
