@@ -36,8 +36,8 @@ class TopKRouter(nn.Module):
                  device: torch.device | str):
         super().__init__()
         self.top_k = top_k
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype, device=device),
-                                   requires_grad=False)
+        weight = torch.empty(num_experts, hidden_size, dtype=dtype, device=device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x.dtype, expert ids [T, k] long)."""

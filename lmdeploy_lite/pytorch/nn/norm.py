@@ -14,7 +14,8 @@ class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         self.eps, self.backend = eps, get_backend(device)
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype, device=device),
+                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

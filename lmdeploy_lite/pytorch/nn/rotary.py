@@ -14,7 +14,8 @@ class RotaryEmbedding(nn.Module):
             exponent = torch.arange(0, rotary_dim, 2, dtype=dtype) / rotary_dim
             self.register_buffer(name, (1.0 / theta ** exponent).to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] long -> (cos, sin), each [T, rotary_dim] in `dtype`, sin's first half
         negated (rotate_half's sign folded in: what `apply_rotary` multiplies the rolled x by)."""
         inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq32
