@@ -74,8 +74,7 @@ def structural_tag(response_format: dict, in_thought: bool = False) -> dict:
     else:
         schema = ({'type': 'object'} if kind == 'json_object'
                   else response_format['json_schema'].get('schema', True))
-        fmt = {'type': 'json_schema', 'json_schema': schema,
-               'max_whitespace_cnt': MAX_WHITESPACE}
+        fmt = {'type': 'json_schema', 'json_schema': schema, 'max_whitespace_cnt': MAX_WHITESPACE}
     if in_thought:
         fmt = thought_first(fmt)
     return {'type': 'structural_tag', 'format': fmt}

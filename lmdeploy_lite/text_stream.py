@@ -143,8 +143,7 @@ def check_prompt(prompt):
                              f"with 'role' and 'content'")
         role, content = message.get('role'), message.get('content')
         if role not in MESSAGE_ROLES:
-            raise ValueError(f'prompt[{i}].role={short_repr(role)}: must be one of '
-                             f'{MESSAGE_ROLES}')
+            raise ValueError(f'prompt[{i}].role={short_repr(role)}: must be one of {MESSAGE_ROLES}')
         calls = message.get('tool_calls')
         if calls is not None and (role != 'assistant' or not isinstance(calls, list)
                                   or not all(isinstance(c, dict) for c in calls)):

@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from lmdeploy_lite.messages import (DEVICES, DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS,
+                                    SPEC_METHODS, SSM_STATE_DTYPES, PytorchEngineConfig,
+                                    SpeculativeConfig)
+
 LOG_LEVELS = ('CRITICAL', 'ERROR', 'WARNING', 'INFO', 'DEBUG')
 
 
@@ -25,19 +29,17 @@ def engine_args(p: argparse.ArgumentParser):
                    help="a Jinja chat template (a file, or the template itself) instead of the "
                         "model's")
     p.add_argument('--download-dir', help="a repo id: the hub cache (default: huggingface_hub's)")
-    p.add_argument('--dtype', default='auto',
-                   choices=['auto', 'float32', 'float64', 'bfloat16', 'float16'],
+    p.add_argument('--dtype', default='auto', choices=DTYPES,
                    help='weights/activations dtype (auto: float32 on CPU, the checkpoint dtype '
                         'on CUDA)')
-    p.add_argument('--device', default='auto', choices=['auto', 'cpu', 'cuda'],
+    p.add_argument('--device', default='auto', choices=DEVICES,
                    help='where to run (auto: CUDA when present)')
     p.add_argument('--max-batch-size', type=int, default=64, help='sequences per step')
     p.add_argument('--session-len', '--max-model-len', type=int, default=None,
                    help='max tokens per sequence, prompt included (default: the model maximum)')
     p.add_argument('--cache-max-entry-count', type=float, default=0.8,
                    help='fraction of free memory for the KV cache')
-    p.add_argument('--speculative-algorithm', default=None,
-                   choices=['qwen3_5_mtp', 'ngram', 'extract_hidden_states'],
+    p.add_argument('--speculative-algorithm', default=None, choices=SPEC_METHODS,
                    help='speculative decoding method (default qwen3_5_mtp when a draft count '
                         'is given); extract_hidden_states decodes plainly and writes each '
                         "request's hidden states at --speculative-aux-hidden-state-layer-ids to "
@@ -65,7 +67,7 @@ def engine_args(p: argparse.ArgumentParser):
                    help='pick each step\'s draft count (0 .. --speculative-num-draft-tokens) '
                         'from the batch size and the measured acceptance; '
                         '--no-speculative-dynamic: always draft the full count (benchmarks)')
-    p.add_argument('--distributed-executor-backend', default='mp', choices=['uni', 'mp', 'ray'],
+    p.add_argument('--distributed-executor-backend', default='mp', choices=EXECUTOR_BACKENDS,
                    help='how tp * dp > 1 ranks run: mp (processes on this host) or ray (one '
                         'actor per rank across a ray cluster)')
     p.add_argument('--ray-address', default=None,
@@ -75,13 +77,13 @@ def engine_args(p: argparse.ArgumentParser):
                    help='prepare the next decode step while the device runs the current one '
                         '(default: on with CUDA, off on CPU)')
     p.add_argument('--eager-mode', action='store_true', help='no CUDA graphs for decode steps')
-    p.add_argument('--load-format', default='auto', choices=['auto', 'dummy'],
+    p.add_argument('--load-format', default='auto', choices=LOAD_FORMATS,
                    help="'dummy': random weights of the checkpoint's shapes (config.json only; "
                         "benchmarks)")
     p.add_argument('--model-format', default=None, choices=['fp8'],
                    help="fp8: quantize a bf16 checkpoint's linear weights block-wise at load "
                         "(an FP8 checkpoint is read as FP8 without it)")
-    p.add_argument('--ssm-state-dtype', default='auto', choices=['auto', 'float32', 'bfloat16'],
+    p.add_argument('--ssm-state-dtype', default='auto', choices=SSM_STATE_DTYPES,
                    help="storage dtype of the linear-attention recurrent state (auto: the "
                         "checkpoint's mamba_ssm_dtype, float32 for Qwen3.5; bfloat16 halves "
                         "the state memory at some cost in exactness)")
@@ -118,7 +120,6 @@ def sampling_args(p: argparse.ArgumentParser):
 
 
 def speculative_config(args):
-    from lmdeploy_lite import SpeculativeConfig
     if args.speculative_algorithm == 'extract_hidden_states':
         return SpeculativeConfig(method='extract_hidden_states',
                                  aux_hidden_state_layer_ids=_layer_ids(
@@ -165,7 +166,6 @@ ENGINE_FLAGS = ('dtype', 'device', 'revision', 'download_dir', 'session_len', 'm
 
 def build_engine_config(args, **parallel):
     """PytorchEngineConfig from the flags (and RAY_ADDRESS, which ray.init() reads)."""
-    from lmdeploy_lite import PytorchEngineConfig
     if args.ray_address:
         os.environ['RAY_ADDRESS'] = args.ray_address
     return PytorchEngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS}, **parallel)

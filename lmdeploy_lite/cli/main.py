@@ -10,6 +10,7 @@ import time
 
 from lmdeploy_lite.cli.args import (DefaultsFormatter, build_engine_config, engine_args,
                                     sampling_args, speculative_config)
+from lmdeploy_lite.reasoning import PARSERS
 
 
 def _build(args):
@@ -130,7 +131,7 @@ def _serve_args(p: argparse.ArgumentParser):
     p.add_argument('--generation-config', choices=('auto', 'none'), default='auto',
                    help="auto: the model's generation_config.json sampling values are the "
                         "defaults of fields a request omits (vLLM's); none: OpenAI's")
-    p.add_argument('--reasoning-parser', choices=('auto', 'qwen3', 'none'), default='auto',
+    p.add_argument('--reasoning-parser', choices=PARSERS, default='auto',
                    help="qwen3: a chat reply's <think> block goes to reasoning_content (auto: "
                         "when the chat template writes one)")
     p.add_argument('--api-keys-file', default=None, metavar='PATH',

@@ -5,10 +5,8 @@ streaming.py runs it (to the end or streamed), responses.py writes what it sends
 
 A request travels: API key (middleware) -> body read against the size limit (413) -> off the event
 loop: JSON, validation, tokenization, the length checks (400 naming the field) -> the engine.
-Nothing a request holds reaches the engine unchecked, and no failure answers with a traceback. A
-streaming client that goes away cancels its generator, which aborts the request and frees its
-cache (`Pipeline.generate`). If the engine dies for good, every open request ends with an error
-and the server shuts itself down (`serve` returns 1).
+Nothing a request holds reaches the engine unchecked, and no failure answers with a traceback. If
+the engine dies for good, every open request ends with an error and the server shuts down.
 """
 from __future__ import annotations
 
@@ -56,13 +54,11 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                allowed_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
                sampling_defaults: dict | None = None) -> FastAPI:
     """The app of one pipeline: its routes are the functions below over one ServerContext.
-    `on_engine_failure()` is called once the engine has died for good (serve: shut down); `limits`:
-    what requests may ask (checks.py; max_concurrent None: no limit, admission.py); `bound_host`:
-    the address the server listens on: a loopback one turns the Host guard on (auth.py), which lets
-    `allowed_hosts` through besides loopback hosts; `allow_origins`: the web origins whose pages may
-    call the server (CORS; '*': any), outermost, so that a preflight needs no API key and every
-    answer, errors included, carries the headers. `sampling_defaults`: what a request that omits a
-    sampling field gets (the model's generation_config.json; None: the OpenAI defaults)."""
+    `on_engine_failure()`: called once the engine has died for good; `limits`: checks.py (and
+    admission.py; max_concurrent None: no limit); `bound_host`: a loopback one turns on the Host
+    guard (auth.py), which lets `allowed_hosts` through too; `allow_origins`: CORS ('*': any),
+    outermost, so a preflight needs no API key and every answer, errors included, has the headers;
+    `sampling_defaults`: for the sampling fields a request omits (None: OpenAI's defaults)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -98,8 +94,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     app.api_route('/health', methods=get)(_bound(health, ctx))
     app.api_route('/metrics', methods=get)(_bound(prometheus, ctx))
     app.api_route('/v1/models', methods=get, response_model=p.ModelList)(_bound(models, ctx))
-    app.api_route('/v1/models/{model_id:path}', methods=get, response_model=p.ModelCard)(
-        _bound(model, ctx))
+    app.api_route('/v1/models/{model_id:path}', methods=get,
+                  response_model=p.ModelCard)(_bound(model, ctx))
     for path, (endpoint, body) in posts.items():
         app.post(path, openapi_extra=_json_body(body))(_bound(endpoint, ctx))
     return app
@@ -238,8 +234,8 @@ class _Server(uvicorn.Server):
 
 def server_config(app, host: str, port: int, log_level: str, graceful_timeout_s: float,
                   limits: HttpLimits) -> uvicorn.Config:
-    """uvicorn's settings: its HTTP protocol with the connection limits; keep-alive is the idle
-    timeout. (uvicorn runs on uvloop where it is installed.)"""
+    """uvicorn's settings (on uvloop where installed): its HTTP protocol with the connection limits;
+    keep-alive is the idle timeout."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(),
                           timeout_graceful_shutdown=graceful_timeout_s, http=limits.protocol(),
                           timeout_keep_alive=limits.idle_timeout_s)
@@ -250,17 +246,14 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           graceful_timeout_s: float = 10.0, limits: ServerLimits = ServerLimits(),
           http_limits: HttpLimits | None = None, sock: socket.socket | None = None,
           **app_options) -> int:
-    """Serve until SIGINT or SIGTERM (alike) or until the engine dies; returns the exit code.
-    `limits`: what requests may ask (checks.py; a concurrency limit not given is sized from the
-    engine's capacity); `http_limits`: what one connection may hold (connections.py; None: the
-    defaults); `sock`: host:port already bound (`bind_socket`, which the CLI calls before it loads
-    the model; None: bound here); `app_options`: create_app's (num_spec_tokens, allowed_hosts,
-    allow_origins, sampling_defaults).
+    """Serve until SIGINT or SIGTERM (alike) or until the engine dies. `limits`: checks.py (a
+    concurrency limit not given is sized from the engine's capacity); `http_limits`: connections.py
+    (None: the defaults); `sock`: host:port already bound (`bind_socket`, which the CLI calls before
+    it loads the model); `app_options`: create_app's.
 
-    Shutdown: uvicorn stops accepting and lets in-flight requests finish; streams end with
-    finish_reason 'abort' (their requests aborted), what is left after `graceful_timeout_s` is
-    cancelled (aborted), then the pipeline closes (its workers exit). Returns 0 after a signal, 1
-    when the engine died (every open request ended with an error), 3 when the server could not
+    Shutdown: uvicorn stops accepting; streams end with finish_reason 'abort' (their requests
+    aborted), other requests may finish until `graceful_timeout_s`, then are cancelled; then the
+    pipeline closes. Returns 0 after a signal, 1 when the engine died, 3 when the server could not
     start (as uvicorn)."""
     server: _Server | None = None
     app = create_app(pipe, model_name, api_keys, limits=limits.sized_for(pipe.capacity),

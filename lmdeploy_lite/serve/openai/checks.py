@@ -17,12 +17,6 @@ from lmdeploy_lite.serve.openai.errors import RequestError
 from lmdeploy_lite.serve.openai.logprobs import TokenStrings
 from lmdeploy_lite.serve.openai.metrics import ServerMetrics
 
-try:                                   # what a chat template raises for messages it refuses
-    from jinja2 import TemplateError
-except ImportError:
-    class TemplateError(Exception):
-        """Never raised: without jinja2 there are no chat templates."""
-
 # GenerationConfig's field names as the OpenAI API spells them (for error messages)
 API_FIELD_NAMES = {'max_new_tokens': 'max_tokens', 'random_seed': 'seed', 'stop_words': 'stop'}
 QUEUE_FACTOR = 4                       # default requests in flight: batches of the engine's
@@ -163,8 +157,6 @@ def encode(ctx: ServerContext, prompt, param: str, tools: list[dict] | None,
         extra['chat_template_kwargs'] = template_kwargs
     try:
         return ctx.pipe.encode(prompt, **extra)
-    except ValueError as e:
+    except ValueError as e:            # a template's own refusal included (Pipeline.encode)
         named = next((f for f in ('tools', 'chat_template_kwargs') if str(e).startswith(f)), None)
         raise RequestError(str(e), named or param) from None
-    except TemplateError as e:
-        raise RequestError(f'{param}: the chat template refuses them ({e})', param) from None

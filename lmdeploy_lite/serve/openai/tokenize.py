@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmdeploy_lite.serve.openai.body import parse_request, render
-from lmdeploy_lite.serve.openai.checks import ServerContext, TemplateError, check_model, encode
+from lmdeploy_lite.serve.openai.checks import ServerContext, check_model, encode
 from lmdeploy_lite.serve.openai.errors import RequestError
 from lmdeploy_lite.serve.openai.protocol import MAX_INT32, ChatMessage, RequestModel, Tool
 
@@ -62,6 +62,7 @@ def check_tokenize(ctx: ServerContext, body: bytes) -> dict:
         kwargs = req.chat_template_kwargs
         ids = encode(ctx, messages, 'messages', tools, kwargs)   # the chat endpoint's prompt
         if req.add_special_tokens or not req.add_generation_prompt:
+            from jinja2 import TemplateError     # importable: encode rendered the template
             try:
                 text = tokenizer.apply_chat_template(
                     messages, tools=tools or None, tokenize=False,

@@ -108,8 +108,7 @@ def parse_block(inner: str, schemas: dict[str, dict]) -> tuple[str, dict] | None
         key, text = parameter.groups()
         if key in arguments or '<parameter=' in text:
             return None
-        arguments[key] = read_value(text.removeprefix('\n').removesuffix('\n'),
-                                    properties.get(key))
+        arguments[key] = read_value(text.removeprefix('\n').removesuffix('\n'), properties.get(key))
         pos = parameter.end()
     return None if body[pos:].strip() else (name, arguments)
 
