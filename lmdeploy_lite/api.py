@@ -21,14 +21,9 @@ from lmdeploy_lite.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | list[dict]
 POLL_S = 1.0               # how often a wait for results checks that the engine still runs
-
 EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(__file__), 'assets', 'qwen3_5_moe_tiny')
-
-
 REPO_ID = re.compile(r'^[\w.-]+/[\w.-]+$')          # 'Qwen/Qwen3.5-0.8B'
 MODEL_FILES = ['*.json', '*.safetensors', '*.jinja', '*.model', '*.txt', '*.tiktoken']
-
-
 _CORE_LEFT = []            # use_cpu_threads has left this process's core to the front-end
 
 
@@ -55,7 +50,7 @@ def resolve_model_path(model_path: str | None, revision: str | None = None,
     HF_HUB_OFFLINE=1, when a miss is a ValueError naming the id and the cache)."""
     if model_path is not None and (os.path.exists(model_path) or not REPO_ID.match(model_path)):
         return model_path             # a path (ModelConfig names what is missing in it)
-    if model_path is not None:
+    if model_path is not None:        # a repo id
         from huggingface_hub import constants, snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
         try:
@@ -137,15 +132,13 @@ class Pipeline:
                  speculative_config: SpeculativeConfig | None = None, progress: bool = True,
                  engine_process: bool = False, reasoning_parser: str | None = None,
                  chat_template: str | None = None, num_threads: int | None = None):
-        """`engine_process`: run a one-rank engine in a process of its own (the mp executor's
-        rank, as a multi-rank one always is), not in a thread of this one. The server does so on
-        CUDA: the ~0.1 ms of Python its event loop spends per streamed chunk would hold the GIL
-        that the engine's thread needs between its CUDA steps.
-        `reasoning_parser` ('qwen3'; 'auto': when the chat template thinks; None or 'none':
-        off): a chat reply's `<think>` block goes to Response.reasoning_content (reasoning.py).
+        """`engine_process`: run a one-rank engine in a process of its own (an mp executor's
+        rank), not in a thread of this one. The server does so on CUDA: the ~0.1 ms of Python its
+        event loop spends per streamed chunk would hold the GIL the engine's thread needs between
+        its CUDA steps. `reasoning_parser` ('qwen3'; 'auto': when the chat template thinks; None
+        or 'none': off): a chat reply's `<think>` block goes to Response.reasoning_content.
         `chat_template`: a Jinja template (a file, or the template itself) instead of the
-        model's (lmdeploy's --chat-template). `num_threads`: torch's CPU threads (None: on CPU,
-        every core but one, left to the caller's thread: `use_cpu_threads`)."""
+        model's. `num_threads`: torch's CPU threads (None: `use_cpu_threads`)."""
         if reasoning_parser not in PARSERS + (None,):
             raise ValueError(f'reasoning_parser={reasoning_parser!r}: must be one of '
                              f'{PARSERS} or None')
@@ -379,12 +372,9 @@ class Pipeline:
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
                        stream_text: bool = True, tools: list[dict] | None = None,
                        request_id: str | None = None) -> AsyncIterator[Response]:
-        """Async stream of one request; cancelling the consumer aborts the request. Errors as in
-        `__call__`. `stream_text=False`: the chunks carry token ids only and the last one the whole
-        text (a caller that joins the text at the end saves the incremental decoding). `request_id`:
-        names the request's hidden-states file under extract_hidden_states (unique; None: a random
-        one). With gen_config.n > 1 the n choices' responses interleave, each with its
-        Response.index i (and its file named `request_id-i`)."""
+        """Async stream of one request (`generate_ids` of its token ids); errors as in `__call__`.
+        `stream_text=False`: the chunks carry token ids only and the last one the whole text (a
+        caller that joins the text at the end saves the incremental decoding)."""
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
         ids = self.encode(prompt, tools)
@@ -396,11 +386,10 @@ class Pipeline:
     async def generate_ids(self, prompts: list[list[int]], gen_config: GenerationConfig,
                            stream_text: bool = True, request_id: str | None = None
                            ) -> AsyncIterator[Response]:
-        """`generate` over prompts given as token ids, each with gen_config.n choices: the
-        responses of all of them as they come, Response.index = prompt_index * n + i (the
-        server's several prompts and choices of one request). Cancelling the consumer aborts
-        every choice that has not finished. `request_id`: names the hidden-states file of a
-        single choice; of several, choice `index`'s is `request_id-index`."""
+        """Prompts given as token ids, each with gen_config.n choices: the responses of all of
+        them as they come, Response.index = prompt_index * n + i. Cancelling the consumer aborts
+        every choice that has not finished. `request_id` (unique; None: a random one): names the
+        hidden-states file of one choice; of several, choice `index`'s is `request_id-index`."""
         self._check_open()
         loop = asyncio.get_running_loop()
         fanout = self._fanouts.get(loop)

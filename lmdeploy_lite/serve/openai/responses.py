@@ -79,10 +79,11 @@ def tool_calls(calls: list[ToolCall], delta: bool) -> list[dict] | None:
              'function': {'name': c.name, 'arguments': c.arguments}} for c in calls] or None
 
 
-def tool_calls_finish(finish_reason: str | None, num_calls: int) -> str | None:
+def tool_calls_finish(finish_reason: str | None, parser: ToolCallParser | None) -> str | None:
     """'tool_calls' for an output that made calls and stopped by itself (a cut one keeps
     'length')."""
-    return 'tool_calls' if num_calls and finish_reason == 'stop' else finish_reason
+    made_calls = parser is not None and parser.num_calls > 0
+    return 'tool_calls' if made_calls and finish_reason == 'stop' else finish_reason
 
 
 def usage(lasts: list[Response | None], prompts: list[list[int]]) -> dict:
@@ -164,8 +165,7 @@ class ChatChunks(CompletionChunks):
             reasoning, text, parsed = split_reply(text, finish_reason is not None, thought, parser)
             if not text and not parsed and reasoning is None and finish_reason is None:
                 return None                           # all of it held back
-            if parser is not None:
-                finish_reason = tool_calls_finish(finish_reason, parser.num_calls)
+            finish_reason = tool_calls_finish(finish_reason, parser)
         else:
             reasoning, parsed = None, []
         return self.document.write([chat_choice(
@@ -193,10 +193,8 @@ def chat_response(rid: str, model: str, prompts: list[list[int]], texts: list[st
     tool calls parsed out; `logprobs` None when the request asked for none."""
     choices, thoughts = [], thoughts or [None] * len(parsers)
     for index, (text, last, parser, thought) in enumerate(zip(texts, lasts, parsers, thoughts)):
-        finish_reason = last and last.finish_reason
         reasoning, text, calls = split_reply(text, True, thought, parser)
-        if parser is not None:
-            finish_reason = tool_calls_finish(finish_reason, len(calls))
+        finish_reason = tool_calls_finish(last and last.finish_reason, parser)
         choices.append(chat_choice(
             index, 'message', 'assistant', text, tool_calls(calls, delta=False),
             'null' if logprobs is None else chat_logprobs_json(strings, logprobs[index]),

@@ -1,9 +1,7 @@
 """Running one checked request: its choices through the pipeline with their metrics, to the end
 (`run_to_end`) or as server-sent events (`stream`, written by responses.py). A request runs n
 choices of each of its prompts (chat: one prompt); choice `index` = prompt_index * n + i, as
-OpenAI numbers them. Each choice has its own RequestTracker (the prompt counted once, with its
-choice 0). A client that goes away ends its generator, which aborts every unfinished choice and
-frees its cache (`Pipeline.generate_ids`)."""
+OpenAI numbers them. Each choice has its own RequestTracker (the prompt counted with choice 0)."""
 from __future__ import annotations
 
 import asyncio
@@ -47,9 +45,8 @@ async def generate(ctx: ServerContext, prompts: list[list[int]], gen_config: Gen
                    stream_text: bool = True, request_id: str | None = None
                    ) -> AsyncIterator[Response]:
     """`pipe.generate_ids` with bookkeeping; with `request`, stops when the client has gone
-    (looked at most every DISCONNECT_CHECK_S). Closing or cancelling this generator aborts
-    every unfinished choice (aclosing makes that immediate). An engine failure raises
-    RequestError (500, or 503 once the engine is dead)."""
+    (looked at most every DISCONNECT_CHECK_S). Closing or cancelling it aborts every unfinished
+    choice. An engine failure raises RequestError (500, or 503 once the engine is dead)."""
     outcomes, next_check = ['abort'] * len(trackers), 0.0
     try:
         async with aclosing(ctx.pipe.generate_ids(prompts, gen_config, stream_text,
