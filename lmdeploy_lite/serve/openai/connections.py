@@ -125,8 +125,7 @@ class Deadlines:
         if self.transport.is_closing():
             return
         if phase is None:
-            if self._phase is not None:
-                self._disarm()
+            self._disarm()
         elif self._phase != phase:
             self._arm(phase)
 
