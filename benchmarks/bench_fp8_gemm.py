@@ -5,6 +5,11 @@ against the HBM peak, and one decode step's linear layers summed (each shape tim
 that have it, projections fused as the engine fuses them).
 
     python benchmarks/bench_fp8_gemm.py --preset qwen3_5_9b --rows 1,16,64
+    python benchmarks/bench_fp8_gemm.py --preset qwen3_5_9b --rows 1,16,64 --sweep
+
+`--sweep`: every (BLOCK_N, splits, warps, stages) of a grid timed per shape and row count, the
+best beside `gemm_config`'s choice (what the heuristic is tuned from); the GEMM alone, on
+activations quantized before.
 """
 from __future__ import annotations
 
@@ -37,9 +42,42 @@ def step_linears(name: str) -> dict[tuple[int, int], int]:
     return shapes
 
 
-def time_us(fn) -> float:
+def time_us(fn, rep: int = 50) -> float:
     import triton.testing
-    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1000
+    return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1000
+
+
+def sweep(preset: str, rows: list[int]) -> list[dict]:
+    import itertools
+
+    from lmdeploy_lite.pytorch.backends.cuda.fp8_gemm import (fp8_block_matmul, gemm_config,
+                                                              quantize_activations)
+    from lmdeploy_lite.pytorch.models.fp8 import quantize
+    device = torch.device('cuda')
+    out = []
+    for (n, k), count in sorted(step_linears(preset).items()):
+        wq, ws = (t.cuda() for t in quantize(torch.randn(n, k) * 0.02))
+        for m in rows:
+            xq, xs = quantize_activations(torch.randn(m, k, device='cuda', dtype=torch.bfloat16))
+            default = gemm_config(m, n, k, device)
+            block_m = default[0]
+            timed = {}
+            for block_n, splits, warps, stages in itertools.product(
+                    (32, 64, 128, 256), (1, 2, 4, 8), (4,), (3, 4, 6)):
+                config = (block_m, block_n, splits, warps, stages)
+                try:
+                    timed[config] = time_us(lambda: fp8_block_matmul(
+                        xq, xs, wq, ws, torch.bfloat16, config), rep=15)
+                except Exception:                   # out of shared memory, ...
+                    continue
+            best = min(timed, key=timed.get)
+            out.append({'n': n, 'k': k, 'layers': count, 'm': m, 'default': str(default),
+                        'default_us': timed.get(default, float('nan')), 'best': str(best),
+                        'best_us': timed[best], 'best_tb_s': n * k / timed[best] / 1e6})
+            print(out[-1], flush=True)
+    print_table(out, ['n', 'k', 'layers', 'm', 'default', 'default_us', 'best', 'best_us',
+                      'best_tb_s'])
+    return out
 
 
 def main():
@@ -47,8 +85,14 @@ def main():
     parser.add_argument('--preset', default='qwen3_5_9b')
     parser.add_argument('--rows', default='1,16,64')
     parser.add_argument('--hbm-tb-s', type=float, default=3.35, help='HBM peak (H100 SXM)')
+    parser.add_argument('--sweep', action='store_true', help='time a grid of kernel configs')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
+    if args.sweep:
+        rows = sweep(args.preset, [int(m) for m in args.rows.split(',')])
+        save_json(output_path(args.out, f'sweep_fp8_gemm_{args.preset}.json'),
+                  {'environment': environment(), 'preset': args.preset, 'rows': rows})
+        return
     from lmdeploy_lite.pytorch.backends.cuda.fp8_gemm import fp8_linear
     from lmdeploy_lite.pytorch.models.fp8 import quantize
     rows, totals = [], {}

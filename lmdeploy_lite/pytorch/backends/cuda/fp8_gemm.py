@@ -7,7 +7,7 @@ accumulates in fp32 (DeepSeek-V3's and the peers' w8a8 block scheme). No host re
 data-dependent shapes: every call may be captured in a CUDA graph.
 
 Reference: `dequantize` the weights (models/fp8.py) and the quantized activations, multiply in
-float32 (tests/gpu/test_fp8_gemm_cuda.py).
+float32 (tests/pytorch/backends/cuda/test_cuda_fp8_gemm.py).
 """
 from __future__ import annotations
 
@@ -51,7 +51,9 @@ def _gemm_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, num_groups, gro
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """c[split, M, N] = sum over this split's K blocks of (a_blk @ b_blk.T) * a_scale[m, kb] *
     b_scale[n // 128, kb]; a [M, K] fp8 row-major, b [N, K] fp8 row-major (the weight as
-    stored), BLOCK_K = 128. One split (the whole K) writes the output itself."""
+    stored), BLOCK_K = 128. One split (the whole K) writes the output itself. (Quantizing a
+    inside this loop instead of in `_quantize_kernel` measured 1.7-2.8x slower at one row on an
+    H100: the converted operand breaks the loads' pipelining.)"""
     pid_n, pid_m, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,34 +76,53 @@ def _gemm_kernel(a_ptr, a_s_ptr, b_ptr, b_s_ptr, c_ptr, M, N, K, num_groups, gro
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _sum_splits_kernel(src_ptr, dst_ptr, size, splits, BLOCK: tl.constexpr):
+    """dst[i] = sum over s of src[s, i] (fp32), in dst's dtype: split-K's partial sums."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < size
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for split in range(splits):
+        acc += tl.load(src_ptr + split * size + offs, mask=ok, other=0.0)
+    tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
 _SMS: dict[int, int] = {}
 
 
-def _programs_wanted(device: torch.device) -> int:
-    """Two programs per SM: below that a decode GEMM leaves SMs idle."""
+def _num_sms(device: torch.device) -> int:
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return 2 * _SMS[index]
+    return _SMS[index]
+
+
+def gemm_config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, splits, num_warps, num_stages) for an [m, k] x [n, k].T product: a
+    function of the shapes only. A grid of fewer than two programs per SM (decode: few rows, a
+    narrow N) splits K over programs whose fp32 partial sums are added after (split-K)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 64 if m <= 64 else 128
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    groups = triton.cdiv(k, GROUP)
+    per_split = triton.cdiv(groups, max(1, min(groups, 2 * _num_sms(device) // tiles)))
+    return block_m, block_n, triton.cdiv(groups, per_split), 4, 4
 
 
 def fp8_block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
-                     b_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
-                     ) -> torch.Tensor:
+                     b_scale: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+                     config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """a [M, K] fp8 with a_scale [M, ceil(K/128)]; b [N, K] fp8 (a weight as an FP8 checkpoint
-    stores it) with b_scale [ceil(N/128), ceil(K/128)] -> [M, N] of `out_dtype`. A grid too
-    small for the GPU (decode: few rows, a narrow N) splits K over programs whose fp32 partial
-    sums are added after (split-K); the choice depends on shapes only."""
+    stores it) with b_scale [ceil(N/128), ceil(K/128)] -> [M, N] of `out_dtype`. `config`:
+    `gemm_config`'s (for benchmarks)."""
     m, k = a.shape
     n = b.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if m <= 64 else 128
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    block_m, block_n, splits, warps, stages = config or gemm_config(m, n, k, a.device)
     groups = triton.cdiv(k, GROUP)
-    per_split = triton.cdiv(groups, max(1, min(groups, _programs_wanted(a.device) // tiles)))
+    per_split = triton.cdiv(groups, splits)
     splits = triton.cdiv(groups, per_split)
     target = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32,
                                                  device=a.device)
@@ -110,9 +131,9 @@ def fp8_block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
                        a.stride(0), b.stride(0), b_scale.stride(0),
                        0 if splits == 1 else target.stride(0), n,
                        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=GROUP,
-                       num_warps=4, num_stages=4)
+                       num_warps=warps, num_stages=stages)
     if splits > 1:
-        out.copy_(target.sum(0))
+        _sum_splits_kernel[(triton.cdiv(m * n, 1024),)](target, out, m * n, splits, BLOCK=1024)
     return out
 
 
