@@ -141,10 +141,3 @@ class CacheEngine:
         conv, rec = state_shapes(model_config, 1, num_spec_tokens, tp)
         rec_dtype = state_dtype(dtype, ssm_state_dtype, model_config)
         return num_linear * (math.prod(conv) * dtype.itemsize + math.prod(rec) * rec_dtype.itemsize)
-
-    @staticmethod
-    def bytes_per_snapshot(model_config: ModelConfig, dtype: torch.dtype, tp: int = 1,
-                           ssm_state_dtype: str = 'auto') -> int:
-        """One prefix-cache snapshot on one TP rank: a state slot without speculative copies."""
-        return CacheEngine.bytes_per_state_slot(model_config, 0, dtype, tp=tp,
-                                                ssm_state_dtype=ssm_state_dtype)

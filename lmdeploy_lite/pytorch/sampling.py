@@ -69,8 +69,8 @@ class Penalties:
         ids = [t for row in prompt_ids for t in row] + [t for row in output_ids for t in row]
         values = [float(v) for v in (*repetition, *presence, *frequency)]
         # one host-to-device copy each for the ids and the values (pinned on a GPU)
-        packed_ids = _to_device(torch.tensor([rows, ids], dtype=torch.long).view(2, -1), device)
-        packed_values = _to_device(torch.tensor(values, dtype=torch.float64), device)
+        packed_ids = to_device(torch.tensor([rows, ids], dtype=torch.long).view(2, -1), device)
+        packed_values = to_device(torch.tensor(values, dtype=torch.float64), device)
         num_prompt = len(rows) - sum(len(o) for o in output_ids)
         return cls(*packed_values.view(3, batch), prompt_ids=packed_ids[:, :num_prompt],
                    output_ids=packed_ids[:, num_prompt:],
@@ -88,17 +88,18 @@ class Penalties:
         changes = {}
         if bias:
             rows, ids, values = zip(*bias)
-            changes.update(bias_ids=_to_device(torch.tensor([rows, ids]), device),
-                           bias_values=_to_device(torch.tensor(values, dtype=torch.float64),
+            changes.update(bias_ids=to_device(torch.tensor([rows, ids]), device),
+                           bias_values=to_device(torch.tensor(values, dtype=torch.float64),
                                                   device))
         if stops:
-            changes.update(stop_ids=_to_device(torch.tensor(stops).T.contiguous(), device),
-                           stop_blocked=_to_device(torch.tensor(list(blocked)), device))
+            changes.update(stop_ids=to_device(torch.tensor(stops).T.contiguous(), device),
+                           stop_blocked=to_device(torch.tensor(list(blocked)), device))
         return dataclasses.replace(self, **changes)
 
 
-def _to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
-    """A fresh host tensor to `device`: pinned and not blocking the host on a GPU."""
+def to_device(tensor: Tensor, device: torch.device | str) -> Tensor:
+    """A fresh host tensor to `device`; to a GPU through pinned memory without blocking (the
+    caching host allocator keeps the pinned block until the copy has run)."""
     if torch.device(device).type == 'cuda':
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
@@ -183,7 +184,7 @@ class SamplingInputs:
     """Per-row sampling parameters of a batch of B sequences (tensors on the logits' device).
     do_sample [B] bool, temperature [B] float, top_k [B] long (0 = off), top_p [B] float (1.0 =
     off), generators: B entries, None = default RNG. The bool flags are host-side summaries that
-    let the sampler skip work without a device sync; None means "compute from the tensors".
+    let the sampler skip work without a device sync.
     `penalties`: None when no row has one (greedy fast paths, CUDA graphs that end in an argmax
     and the cached greedy tables all need None).
     `logprobs`: the top-N logprobs the step computes for its emitted tokens (the batch's
@@ -193,19 +194,12 @@ class SamplingInputs:
     top_k: Tensor
     top_p: Tensor
     generators: list[torch.Generator | None]
-    all_greedy: bool | None = None
-    needs_filter: bool | None = None       # any sampled row with top-k or top-p on
+    all_greedy: bool
+    needs_filter: bool                     # any sampled row with top-k or top-p on
     penalties: Penalties | None = None
     logprobs: int | None = None
     min_p: Tensor | None = None            # [B] float; None: no sampled row has one
     masks: TokenMasks | None = None        # grammar.py: the constrained rows' token masks
-
-    def __post_init__(self):
-        if self.all_greedy is None:
-            self.all_greedy = not bool(self.do_sample.any())
-        if self.needs_filter is None:
-            filtered = (self.top_k > 0) | (self.top_p < 1.0)
-            self.needs_filter = bool((filtered & self.do_sample).any())
 
     @property
     def batch_size(self) -> int:
@@ -234,7 +228,7 @@ class SamplingInputs:
         do_sample = [bool(s) and t >= GREEDY_TEMPERATURE and p >= GREEDY_TOP_P
                      for s, t, p in zip(do_sample, temperature, top_p)]
         # one host-to-device copy, split there
-        packed = _to_device(torch.tensor([do_sample, temperature, top_k, top_p],
+        packed = to_device(torch.tensor([do_sample, temperature, top_k, top_p],
                                          dtype=torch.float64).reshape(4, -1), device)
         return cls(packed[0].bool(), packed[1].float(), packed[2].long(), packed[3].float(),
                    list(generators), all_greedy=not any(do_sample),
@@ -293,16 +287,11 @@ class SamplingTables:
         if any(g is not None for g in matchers):
             changes['masks'] = TokenMasks(matchers)
         if any(c.min_p > 0 and m and not c.is_greedy for c, m in zip(cfgs, mask)):
-            changes['min_p'] = _to_device(torch.tensor([c.min_p for c in cfgs]), self.device)
+            changes['min_p'] = to_device(torch.tensor([c.min_p for c in cfgs]), self.device)
         asked = [c.logprobs for c in cfgs if c.logprobs is not None]
         if asked:
             changes['logprobs'] = max(asked)
         return dataclasses.replace(sampling, **changes) if changes else sampling   # cached: kept
-
-
-def _row_shape(logits: Tensor) -> tuple[int, ...]:
-    """[B, 1, ..., 1]: broadcasts a per-row value over logits [B, ..., V]."""
-    return (logits.size(0),) + (1,) * (logits.dim() - 1)
 
 
 def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -331,7 +320,7 @@ def probs_from_logits(logits: Tensor, sampling: SamplingInputs) -> Tensor:
     """The distribution each row samples from: logits [B, ..., V] -> probs [B, ..., V]
     (probs_dtype). Sampled rows: softmax of logits / temperature after top-k then top-p
     filtering (renormalised). Greedy rows: one-hot of argmax (first max on ties)."""
-    shape = _row_shape(logits)
+    shape = (logits.size(0),) + (1,) * (logits.dim() - 1)       # [B, 1, ..., 1]: per row
     logits = logits.to(probs_dtype(logits.dtype))
     temperature = torch.where(sampling.do_sample, sampling.temperature, 1.0).to(logits.dtype)
     scaled = logits / temperature.view(shape)

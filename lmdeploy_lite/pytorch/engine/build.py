@@ -38,7 +38,8 @@ def resolve_device(device: str) -> torch.device:
     if device == 'auto':
         device = 'cuda' if torch.cuda.is_available() else 'cpu'
     if device == 'cuda' and not torch.cuda.is_available():
-        raise ValueError("device='cuda': CUDA is not available on this machine; use 'cpu' or 'auto'")
+        raise ValueError("device='cuda': CUDA is not available on this machine; use 'cpu' or "
+                         "'auto'")
     return torch.device(device)
 
 

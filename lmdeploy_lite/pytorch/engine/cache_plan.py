@@ -51,8 +51,8 @@ def plan_cache(model_config: ModelConfig, engine_config: PytorchEngineConfig, ma
               - state_bytes)
     num_snapshots, snapshot_bytes = 0, 0
     if engine_config.enable_prefix_caching:
-        per_snapshot = CacheEngine.bytes_per_snapshot(
-            model_config, dtype, tp=tp, ssm_state_dtype=engine_config.ssm_state_dtype)
+        per_snapshot = CacheEngine.bytes_per_state_slot(        # a slot without spec copies
+            model_config, 0, dtype, tp=tp, ssm_state_dtype=engine_config.ssm_state_dtype)
         num_snapshots = SNAPSHOTS_PER_SEQ * engine_config.max_batch_size
         if per_snapshot:
             num_snapshots = min(num_snapshots, max(int(budget * SNAPSHOT_SHARE // per_snapshot), 0))

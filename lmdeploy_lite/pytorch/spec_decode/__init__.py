@@ -1,1 +1,1 @@
-"""Speculative decoding: proposers (draft tokens), verification (rejection sampling), the spec agent."""
+"""Speculative decoding: draft proposers, verification (rejection sampling), the spec agent."""

@@ -24,10 +24,6 @@ from lmdeploy_lite.pytorch.spec_decode.token_map import (ReducedLMHead, load_tok
 from lmdeploy_lite.pytorch.strategies.ar_spec import ARSpecStrategy
 
 
-def draft_model_dir(spec: SpeculativeConfig, model_path: str) -> str:
-    return spec.model or model_path
-
-
 def draft_dist_config(spec: SpeculativeConfig, target: DistConfig) -> DistConfig:
     """SpeculativeConfig.tp / .ep where given, else the target's; the target's dp; sequence
     parallelism the target's where the draft's tp > 1."""
@@ -39,34 +35,32 @@ def draft_dist_config(spec: SpeculativeConfig, target: DistConfig) -> DistConfig
 def check_speculative_config(spec: SpeculativeConfig, model_path: str,
                              target: DistConfig | None = None, load_format: str = 'auto'):
     """Errors a user can act on, raised before any rank starts (`target`: default one rank)."""
-    target = target or DistConfig()
+    target, model_config = target or DistConfig(), ModelConfig.from_pretrained(model_path)
     if spec.method == 'extract_hidden_states':
         if target.sequence_parallel:
             raise ValueError("SpeculativeConfig(method='extract_hidden_states') with "
                              'PytorchEngineConfig(sequence_parallel=True): not supported (the '
                              'captured rows are whole, sequence parallelism splits them over '
                              'the TP ranks); set sequence_parallel=False to extract')
-        check_extraction(spec, ModelConfig.from_pretrained(model_path).num_layers)
+        check_extraction(spec, model_config.num_layers)
     if spec.method != 'qwen3_5_mtp':
         return
     if spec.tp is not None and target.tp % spec.tp:
         divisors = [d for d in range(1, target.tp + 1) if target.tp % d == 0]
         raise ValueError(f"SpeculativeConfig.tp={spec.tp}: must divide the target's "
                          f"tp={target.tp} (one of {divisors}, or None for the target's)")
-    path = draft_model_dir(spec, model_path)
+    path = spec.model or model_path                  # the draft's checkpoint
     if not os.path.isdir(path):
         raise ValueError(f'SpeculativeConfig.model={path!r}: no such directory')
     if spec.ep is not None and spec.ep not in (1, target.ep):
-        dense = not ModelConfig.from_pretrained(model_path).is_moe
+        dense = '' if model_config.is_moe else ' (the model is dense: its MTP layer has no experts)'
         raise ValueError(f"SpeculativeConfig.ep={spec.ep}: must be 1 (the MTP layer's experts "
-                         f"replicated on every rank), the target's ep={target.ep}, or None"
-                         + (' (the model is dense: its MTP layer has no experts)' if dense
-                            else ''))
+                         f"replicated on every rank), the target's ep={target.ep}, or None{dense}")
     if load_format != 'dummy' and not has_mtp_weights(path):
         raise ValueError(f"SpeculativeConfig(method='qwen3_5_mtp'): {path} has no mtp.* tensors; "
                          f"use a Qwen3.5 checkpoint that ships its MTP head, or method='ngram'")
     if spec.draft_token_map is not None:     # the draft shares the target's LM head and vocab
-        load_token_map(spec.draft_token_map, ModelConfig.from_pretrained(model_path).vocab_size)
+        load_token_map(spec.draft_token_map, model_config.vocab_size)
 
 
 def check_extraction(spec: SpeculativeConfig, num_layers: int):
@@ -187,7 +181,7 @@ def build_spec_decoding(spec: SpeculativeConfig, model_path: str, target: ModelA
         layer_ctx = dist_ctx.draft_context(layout) if dist_ctx is not None else None
         mtp = Qwen3_5MTP(model_config, dtype, device, target_model.embed_tokens,
                          target_model.lm_head, layer_ctx)
-        load_mtp_weights(mtp, draft_model_dir(spec, model_path), progress=progress,
+        load_mtp_weights(mtp, spec.model or model_path, progress=progress,
                          load_format=load_format, seed=seed, model_format=model_format)
         mtp.eval()
         caches = CacheEngine(model_config, cache_config, dtype, device,

@@ -1,12 +1,12 @@
 """Verify k draft tokens against the target: greedy matching or exact rejection sampling (Leviathan
 et al. 2023: every emitted token is distributed exactly as if sampled from the target alone).
 Penalties and grammar masks apply to the target's logits first, position j counting drafts 1..j
-as emitted, so each token is verified against the distribution plain decoding would have sampled it from (q is
-whatever the draft used).
-"""
+as emitted: each token is verified against the distribution plain decoding samples it from (q is
+whatever the draft used)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from lmdeploy_lite.pytorch.sampling import (SamplingInputs, apply_penalties, draw_from_probs,
@@ -92,7 +92,7 @@ def _after_rejection(p_next: Tensor, num_accepted: Tensor, num_drafts: Tensor, s
     rejected = num_accepted < num_drafts
     at = num_accepted.clamp(max=k - 1)
     if draft_probs is None:
-        q_next = torch.nn.functional.one_hot(safe_drafts[rows, at], p_next.size(-1)).to(p_next.dtype)
+        q_next = F.one_hot(safe_drafts[rows, at], p_next.size(-1)).to(p_next.dtype)
     else:
         q_next = draft_probs[rows, at].to(p_next.dtype)
         if token_map is not None:                         # [B, M] -> [B, V], 0 off the map
@@ -116,7 +116,8 @@ def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_drafts: Tenso
     return target_argmax.masked_fill_(~emitted, -1), num_accepted
 
 
-def acceptance_by_position(num_accepted_drafts: Tensor, num_drafts: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def acceptance_by_position(num_accepted_drafts: Tensor, num_drafts: Tensor, k: int
+                           ) -> tuple[Tensor, Tensor]:
     """(accepted [k], drafted [k]) long from num_accepted_drafts, num_drafts [B]: position i is
     drafted where num_drafts > i, accepted where num_accepted_drafts > i."""
     positions = torch.arange(k, device=num_drafts.device)

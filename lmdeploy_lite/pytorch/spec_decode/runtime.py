@@ -10,14 +10,13 @@ import torch
 from lmdeploy_lite.messages import SpeculativeConfig
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
 from lmdeploy_lite.pytorch.spec_decode.build import (SpecPlan, build_spec_decoding,
-                                                     check_speculative_config, num_draft_tokens,
-                                                     spec_plan)
+                                                     check_speculative_config, spec_plan)
 from lmdeploy_lite.pytorch.spec_decode.policy import DraftCountPolicy
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
 
 
 __all__ = ['SpecPlan', 'SpecRuntime', 'build_spec_runtime', 'check_speculative_config',
-           'num_draft_tokens', 'plan_speculation']
+           'plan_speculation']
 
 
 def plan_speculation(spec: SpeculativeConfig | None, model_path: str, model_config: ModelConfig,

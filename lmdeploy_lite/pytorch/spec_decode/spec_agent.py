@@ -25,7 +25,7 @@ class SpecAgent:
         self.target = target
         # the draft counts a step may run (graphs are captured for each)
         self.draft_counts = list(range(num_spec_tokens + 1)) if dynamic else [num_spec_tokens]
-        self.proposer = proposer          # MTPProposer (drafts on the device), or None (host drafts)
+        self.proposer = proposer          # MTPProposer (device drafts), or None (host drafts)
         device = target.device
         self.last_token = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         self.drafts = torch.zeros(num_state_slots, num_spec_tokens, dtype=torch.long, device=device)
@@ -40,14 +40,12 @@ class SpecAgent:
         if token_map is not None:
             self.rejection_sampler = partial(rejection_sample, token_map=token_map)
 
-    def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None,
-                      draft_counts: list[int] | None = None):
+    def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None):
         """CUDA graphs of the verify forward and the draft steps for each of `draft_counts`."""
-        counts = sorted(set(draft_counts or self.draft_counts))
-        self.target.enable_graphs(buckets, max_blocks, q_lens=[k + 1 for k in counts],
-                                  recorder=recorder)
+        counts = self.draft_counts
+        self.target.enable_graphs(buckets, max_blocks, [k + 1 for k in counts], recorder)
         if self.proposer is not None:
-            self.proposer.enable_graphs(buckets, max_blocks, counts, recorder=recorder)
+            self.proposer.enable_graphs(buckets, max_blocks, counts, recorder)
         if 0 in counts:
             from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
             self.plain_graph = GraphRunner(self._greedy_plain_step, 'plain step', 1, buckets,

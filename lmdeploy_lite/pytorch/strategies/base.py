@@ -6,14 +6,7 @@ import torch
 
 from lmdeploy_lite.messages import SpecDecodeStats
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
-
-
-def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
-    """To a GPU through pinned memory without blocking (the caching host allocator keeps the
-    pinned block until the copy has run)."""
-    if torch.device(device).type != 'cuda':
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+from lmdeploy_lite.pytorch.sampling import to_device
 
 
 def dummy_table_width(num_tokens_per_seq: int) -> int:

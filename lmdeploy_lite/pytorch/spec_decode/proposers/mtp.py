@@ -29,12 +29,12 @@ class MTPProposer:
         # `kv_graphs`: the KV-only pass of k = 0; `chain_graphs`: k -> the greedy draft chain
         self.graphs, self.kv_graphs, self.chain_graphs = {}, {}, {}
 
-    def enable_graphs(self, buckets: list[int], max_blocks: int,
-                      draft_counts: list[int] | None = None, recorder=None):
+    def enable_graphs(self, buckets: list[int], max_blocks: int, draft_counts: list[int],
+                      recorder=None):
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
         weight = self.mtp.fc.weight
         extras = [((), torch.long), ((weight.shape[0],), weight.dtype)]
-        counts = sorted(set(draft_counts or [self.num_spec_tokens]), reverse=True)
+        counts = sorted(draft_counts, reverse=True)
         pool = None
 
         def capture(fn, name: str, q_len: int = 1):
