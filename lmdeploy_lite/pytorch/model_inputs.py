@@ -80,11 +80,9 @@ class ModelInputs:
                                    # at least this (the largest batch of any rank in the step)
     graphable: bool = True         # False: run eagerly even where a CUDA graph fits (EP steps
                                    # in DeepEP's normal mode: graphs hold its low-latency kernels)
-    sizes: ForwardSizes | None = None   # from the StepPlan (the engine sets it); required by
-                                        # an EP or sequence-parallel forward, unused otherwise
+    sizes: ForwardSizes | None = None   # the StepPlan's: EP and sequence-parallel forwards need it
     # speculative decoding (strategies/ar_spec) only:
-    draft_tokens: torch.Tensor | None = None    # [B, k] long, drafts proposed on the host (ngram);
-                                                # None: the drafts are on the device already
+    draft_tokens: torch.Tensor | None = None    # [B, k] long, host (ngram) drafts; None: on device
     next_token_ids: torch.Tensor | None = None  # [B] long, prefill: the token after each chunk if
                                                 # the host knows it (a later prompt chunk), else -1
     num_spec: int = 0              # the StepPlan's draft count: drafts a decode step verifies

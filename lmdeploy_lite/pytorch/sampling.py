@@ -1,15 +1,11 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with one RNG per request.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, with one RNG per request.
 
-Reproducibility: a request with a seed owns one `torch.Generator` for its whole life, and every
-random draw for its row comes from that generator only, in a fixed amount per step (V exponentials
-per sampled token, plus k uniforms per verify step in the rejection sampler). So a seed gives the
-same output whatever else is in the batch.
-
-Penalties (repetition, presence, frequency; GenerationConfig says what each does) change the
-target's raw logits before anything else here, greedy rows included: `sample` applies them to
-[B, V] logits, the rejection sampler to a verify's [B, k + 1, V] (`apply_penalties` with the
-drafts: position j, 0-based, counts the j drafts before it as emitted). A batch without a
-penalised row carries `penalties=None` and pays nothing."""
+Reproducibility: a seeded request owns one `torch.Generator` for its whole life, and every random
+draw for its row comes from it only, a fixed amount per step (V exponentials per sampled token,
+plus k uniforms per verify step in the rejection sampler): a seed gives the same output whatever
+else is in the batch. Penalties, logit_bias and min_tokens (`apply_penalties`) change the target's
+raw logits first, greedy rows included; a batch without any carries `penalties=None` and pays
+nothing."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -24,7 +20,6 @@ from lmdeploy_lite.pytorch.grammar import TokenMasks
 
 
 def make_generator(seed: int | None, device: torch.device | str = 'cpu') -> torch.Generator | None:
-    """A generator seeded with `seed`, or None (use the default RNG) when seed is None."""
     return None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
 
@@ -201,10 +196,6 @@ class SamplingInputs:
     min_p: Tensor | None = None            # [B] float; None: no sampled row has one
     masks: TokenMasks | None = None        # grammar.py: the constrained rows' token masks
 
-    @property
-    def batch_size(self) -> int:
-        return self.do_sample.numel()
-
     @classmethod
     def from_values(cls, do_sample: Sequence[bool], temperature: Sequence[float],
                     top_k: Sequence[int], top_p: Sequence[float],
@@ -339,8 +330,6 @@ def random_like_rows(shape: Sequence[int], generators: Sequence[torch.Generator 
                      device: torch.device | str = 'cpu') -> Tensor:
     """Random tensor [B, ...]: row b drawn only from generators[b] (default RNG where None);
     kind: 'uniform' ([0, 1)) or 'exponential' (rate 1)."""
-    if kind not in ('uniform', 'exponential'):
-        raise ValueError(f"kind={kind!r}: must be 'uniform' or 'exponential'")
     out = torch.empty(tuple(shape), dtype=dtype, device=device)
     if any(g is None for g in generators):
         getattr(out, kind + '_')()
