@@ -61,9 +61,6 @@ class Engine:
     def draft_policy(self):
         return self.spec.policy
 
-    def validate_request(self, token_ids: list[int], gen_config: GenerationConfig):
-        validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
-
     def add_request(self, token_ids: list[int], gen_config: GenerationConfig,
                     request_id: str | None = None) -> Sequence:
         """One sequence (gen_config.n == 1); `request_id` names its hidden-states file."""
@@ -77,7 +74,7 @@ class Engine:
         """The gen_config.n choices of one prompt, sharing its prefill (engine/forking.py); choice
         i seeded with (random_seed + i) mod 2**64, else from the engine's seed and its sequence
         id. An invalid request raises ValueError and leaves the engine unchanged."""
-        self.validate_request(token_ids, gen_config)
+        validate_request(token_ids, gen_config, self.model_config.vocab_size, self.session_len)
         request_ids = [None] * gen_config.n if request_ids is None else request_ids
         if len(request_ids) != gen_config.n:
             raise ValueError(f'n={gen_config.n}: {len(request_ids)} request ids given, one per '
@@ -109,12 +106,6 @@ class Engine:
     def abort(self, seq: Sequence):
         self.scheduler.abort(seq)
         self.output_stage.drop(seq)
-
-    def fail_request(self, seq: Sequence, error: BaseException):
-        """End one request with finish_reason 'error' and the reason (its cache freed)."""
-        logger.warning('request %d failed: %s', seq.seq_id, error)
-        self.abort(seq)
-        seq.finish_reason, seq.error = 'error', request_error(error)
 
     @property
     def has_work(self) -> bool:
@@ -247,7 +238,9 @@ class Engine:
                     outputs += self.output_stage.emit(seq, StepOutput(seq, emitted, entries))
             except Exception as e:
                 del seq.token_ids[num_tokens:]   # what it emitted before this step stands
-                self.fail_request(seq, e)
+                logger.warning('request %d failed: %s', seq.seq_id, e)
+                self.abort(seq)
+                seq.finish_reason, seq.error = 'error', request_error(e)
                 outputs.append(StepOutput(seq, []))
         return outputs
 
