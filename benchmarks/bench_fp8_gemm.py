@@ -52,7 +52,7 @@ def sweep(preset: str, rows: list[int]) -> list[dict]:
 
     from lmdeploy_lite.pytorch.backends.cuda.fp8_gemm import (fp8_block_matmul, gemm_config,
                                                               quantize_activations)
-    from lmdeploy_lite.pytorch.models.fp8 import quantize
+    from lmdeploy_lite.pytorch.models.fp8 import dequantize, quantize
     device = torch.device('cuda')
     out = []
     for (n, k), count in sorted(step_linears(preset).items()):
@@ -62,21 +62,25 @@ def sweep(preset: str, rows: list[int]) -> list[dict]:
             default = gemm_config(m, n, k, device)
             block_m = default[0]
             timed = {}
-            for block_n, splits, warps, stages in itertools.product(
-                    (32, 64, 128, 256), (1, 2, 4, 8), (4,), (3, 4, 6)):
-                config = (block_m, block_n, splits, warps, stages)
+            grid = (itertools.product((block_m,), (32, 64, 128, 256), (1, 2, 4, 8), (4,),
+                                      (3, 4, 6)) if m <= 64 else
+                    itertools.product((64, 128), (64, 128, 256), (1,), (4, 8), (3, 4)))
+            for config in grid:
                 try:
                     timed[config] = time_us(lambda: fp8_block_matmul(
                         xq, xs, wq, ws, torch.bfloat16, config), rep=15)
                 except Exception:                   # out of shared memory, ...
                     continue
             best = min(timed, key=timed.get)
-            out.append({'n': n, 'k': k, 'layers': count, 'm': m, 'default': str(default),
+            wb = dequantize(wq, ws).to(torch.bfloat16)
+            x = torch.randn(m, k, device='cuda', dtype=torch.bfloat16)
+            out.append({'n': n, 'k': k, 'layers': count, 'm': m,
+                        'bf16_us': time_us(lambda: x @ wb.T, rep=15), 'default': str(default),
                         'default_us': timed.get(default, float('nan')), 'best': str(best),
                         'best_us': timed[best], 'best_tb_s': n * k / timed[best] / 1e6})
             print(out[-1], flush=True)
-    print_table(out, ['n', 'k', 'layers', 'm', 'default', 'default_us', 'best', 'best_us',
-                      'best_tb_s'])
+    print_table(out, ['n', 'k', 'layers', 'm', 'bf16_us', 'default', 'default_us', 'best',
+                      'best_us', 'best_tb_s'])
     return out
 
 
