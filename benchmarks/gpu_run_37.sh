@@ -4,7 +4,8 @@
 # bench_fp8_gemm.py for the 9B and 0.8B shapes (FP8 against bf16 cuBLAS, decode rows 1/16/64).
 # PART=engine: the engine-level FP8 GPU test (embedded model, 32 sequences, MTP k=3, graphs).
 # PART=pipe: bench_pipeline.py, bf16 against FP8 (online quantization of random weights) for
-# PRESET (default the 9B), batch BATCHES, draft counts KS (0: AR; k > 0 synthetic 0.8/0.6/0.5).
+# PRESET (default the 9B), batch BATCHES, draft counts KS (0: AR; k > 0 synthetic 0.8/0.6/0.5),
+# TTFT rows at prompt lengths TTFT (e.g. 128,2048,8192).
 source .whl/gpu-env.sh
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 case "${PART:-kernel}" in
@@ -27,7 +28,7 @@ pipe)
       spec=$([ $k != 0 ] && echo "--synthetic-acceptance 0.8,0.6,0.5 --no-dynamic-k")
       timeout ${LIMIT:-240} python3 benchmarks/bench_pipeline.py --preset $PRESET --device cuda \
         --dtype bfloat16 --new-tokens 256 --prompt-len 128 --repeats 1 --batch-sizes ${BATCHES:-1,16,64} \
-        --spec-ks $k $spec $extra --out $OUT/pipe_${PRESET}_${fmt}_k$k.json > $OUT/pipe_${PRESET}_${fmt}_k$k.log 2>&1
+        --spec-ks $k $spec $extra ${TTFT:+--ttft-lens $TTFT} --out $OUT/pipe_${PRESET}_${fmt}_k$k.json > $OUT/pipe_${PRESET}_${fmt}_k$k.log 2>&1
       echo "== $PRESET $fmt k=$k"; tail -${TAILN:-4} $OUT/pipe_${PRESET}_${fmt}_k$k.log | cut -c1-200
     done
   done ;;

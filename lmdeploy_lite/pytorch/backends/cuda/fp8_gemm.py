@@ -101,15 +101,19 @@ def gemm_config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int,
     """(BLOCK_M, BLOCK_N, splits, num_warps, num_stages) for an [m, k] x [n, k].T product: a
     function of the shapes only. A grid of tiles for fewer than half the SMs (decode: few rows,
     a narrow N) splits K over up to two programs per SM, at least 4 K blocks each, whose fp32
-    partial sums are added after (split-K). Tuned with `bench_fp8_gemm.py --sweep` on an H100
-    at the 0.8B and 9B shapes (the best of a grid was within 12% of this everywhere)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if m <= 64 else 128
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    groups = triton.cdiv(k, GROUP)
+    partial sums are added after (split-K). Above 64 rows, 128 x 128 tiles with 8 warps where
+    they give two per SM, else 64 x 64. Tuned with `bench_fp8_gemm.py --sweep` on an H100 at the
+    0.8B and 9B shapes (at 1-64 rows the best of a grid was within 12% of this everywhere)."""
     sms = _num_sms(device)
+    if m > 64:
+        if triton.cdiv(n, 128) * triton.cdiv(m, 128) >= 2 * sms:
+            return 128, 128, 1, 8, 4
+        return 64, 64, 1, 4, 3
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
+    groups = triton.cdiv(k, GROUP)
     splits = 1 if 2 * tiles > sms else min(2 * sms // tiles, max(1, groups // 4))
-    return block_m, block_n, triton.cdiv(groups, triton.cdiv(groups, splits)), 4, 4
+    return block_m, 64, triton.cdiv(groups, triton.cdiv(groups, splits)), 4, 4
 
 
 def fp8_block_matmul(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor,
