@@ -92,7 +92,7 @@ class ModelInputs:
     # [S, 2] long (state slot, snapshot row) copied out after it
     state_restores: torch.Tensor | None = None
     state_saves: torch.Tensor | None = None
-    # forking (n choices, engine/scheduler.py), prefill steps only, applied before the forward
+    # forking (n choices, engine/forking.py), prefill steps only, applied before the forward
     # after the restores: [C, 2] long (block, its copy) in every full-attention layer of the
     # target and the draft; [S, 2] long (state slot, its copy) of the linear-attention state
     block_copies: torch.Tensor | None = None
