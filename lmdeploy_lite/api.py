@@ -297,8 +297,9 @@ class Pipeline:
         inbox: queue.Queue = queue.Queue()
         channel = Channel(inbox.put)
         n = gen_config.n
-        handles = [h for i, ids in enumerate(token_lists) for h in self._client.submit_group(
-            ids, gen_config, channel, tags=list(range(i * n, (i + 1) * n)))]
+        handles = [h for group in self._client.submit_groups(
+            token_lists, gen_config, channel,
+            tags=[list(range(i * n, (i + 1) * n)) for i in range(len(token_lists))]) for h in group]
         streams = [TextStream(gen_config, stream=not cumulative) for _ in handles]
         thoughts = [self.reasoning_parser(token_lists[i // n]) if self.reasoning and
                     isinstance(prompts[i // n], list) and isinstance(prompts[i // n][0], dict)
@@ -391,22 +392,23 @@ class Pipeline:
         every choice that has not finished. `request_id` (unique; None: a random one): names the
         hidden-states file of one choice; of several, choice `index`'s is `request_id-index`."""
         self._check_open()
+        for ids in prompts:                           # validate all before any work starts
+            self._client.validate_request(ids, gen_config)
         loop = asyncio.get_running_loop()
         fanout = self._fanouts.get(loop)
         if fanout is None:
             if len(self._fanouts) > 8:                # loops that ended (tests, asyncio.run)
                 self._fanouts = {lp: f for lp, f in self._fanouts.items() if not lp.is_closed()}
             fanout = self._fanouts[loop] = _AsyncFanout(loop, self._decode)
-        for ids in prompts:                           # validate all before any work starts
-            self._client.validate_request(ids, gen_config)
         n, news = gen_config.n, asyncio.Queue()       # news: indexes of requests with items
         requests = [_AsyncRequest(gen_config, stream_text, i, news)
                     for i in range(len(prompts) * n)]
         names = ([request_id] * len(requests) if request_id is None or len(requests) == 1
                  else [f'{request_id}-{i}' for i in range(len(requests))])
-        handles = [h for p, ids in enumerate(prompts) for h in self._client.submit_group(
-            ids, gen_config, fanout.channel, tags=requests[p * n:(p + 1) * n],
-            request_ids=names[p * n:(p + 1) * n])]
+        handles = [h for group in self._client.submit_groups(
+            prompts, gen_config, fanout.channel,
+            tags=[requests[p * n:(p + 1) * n] for p in range(len(prompts))],
+            request_ids=[names[p * n:(p + 1) * n] for p in range(len(prompts))]) for h in group]
         unfinished = set(range(len(requests)))
         try:
             while unfinished:

@@ -89,6 +89,9 @@ class EngineClient(Protocol):
     def submit_group(self, token_ids: list[int], gen_config: GenerationConfig, sink: Sink,
                      tags: list, request_ids: list[str | None] | None = None
                      ) -> list[RequestHandle]: ...
+    def submit_groups(self, prompts: list[list[int]], gen_config: GenerationConfig, sink: Sink,
+                      tags: list[list], request_ids: list[list[str | None]] | None = None
+                      ) -> list[list[RequestHandle]]: ...
     def abort(self, handle: RequestHandle): ...
     def stats(self) -> EngineStats: ...
     def stalled(self, limit_s: float) -> str | None: ...
@@ -210,34 +213,52 @@ class RankClient:
         """The gen_config.n choices of one prompt, to one DP rank (they share its prefill):
         choice i tagged `tags[i]`, its hidden-states file `request_ids[i]` (None: random). A bad
         request raises ValueError and touches nothing; RuntimeError once stopped or closing."""
+        return self.submit_groups([token_ids], gen_config, sink, [tags],
+                                  None if request_ids is None else [request_ids])[0]
+
+    def submit_groups(self, prompts: list[list[int]], gen_config: GenerationConfig, sink: Sink,
+                      tags: list[list], request_ids: list[list[str | None]] | None = None
+                      ) -> list[list[RequestHandle]]:
+        """`submit_group` for each prompt (`tags[p]`, `request_ids[p]` its choices'), all
+        validated before any is submitted, and each rank told in one inbox message: a batch that
+        arrives together is admitted by one step."""
         if self.error is not None:
             raise RuntimeError(f'the engine stopped after an error: {self.error}')
         if self._closing:
             raise RuntimeError('the engine is closed')
         n = getattr(gen_config, 'n', 1)
-        request_ids = [None] * len(tags) if request_ids is None else request_ids
-        if len(tags) != n or len(request_ids) != n:
-            raise ValueError(f'n={n}: {len(tags)} request tags and {len(request_ids)} request '
-                             f'ids given, one of each per choice needed')
-        self.validate_request(token_ids, gen_config)
-        request_ids = [uuid.uuid4().hex if r is None else check_request_id(r) for r in request_ids]
-        cached = self._cached_tokens(token_ids)
-        with self._lock:
-            # the rank that holds the longest cached prefix, unless it is a whole batch busier
-            # than the least loaded; ties: the least loaded
-            least = min(self._load)
-            dp_rank = min(range(len(self._load)), key=lambda r: (
-                -cached[r] if self._load[r] - least < self._max_batch_size else 0, self._load[r]))
-            self._load[dp_rank] += len(tags)
-            rids = list(range(self._next_rid, self._next_rid + len(tags)))
-            self._next_rid += len(tags)
-            handles = [RequestHandle(rid, dp_rank, sink, tag) for rid, tag in zip(rids, tags)]
-            if not self._live:
-                self._busy_since = time.monotonic()
-            self._live.update(zip(rids, handles))
-        self._inboxes[dp_rank * self.dist_config.tp].put(('add', (rids, list(token_ids),
-                                                                  gen_config, request_ids)))
-        return handles
+        request_ids = [[None] * len(t) for t in tags] if request_ids is None else request_ids
+        for token_ids, choice_tags, ids in zip(prompts, tags, request_ids, strict=True):
+            if len(choice_tags) != n or len(ids) != n:
+                raise ValueError(f'n={n}: {len(choice_tags)} request tags and {len(ids)} request '
+                                 f'ids given, one of each per choice needed')
+            self.validate_request(token_ids, gen_config)
+        request_ids = [[uuid.uuid4().hex if r is None else check_request_id(r) for r in ids]
+                       for ids in request_ids]
+        groups, events = [], {}
+        for token_ids, choice_tags, ids in zip(prompts, tags, request_ids):
+            cached = self._cached_tokens(token_ids)
+            with self._lock:
+                # the rank that holds the longest cached prefix, unless it is a whole batch
+                # busier than the least loaded; ties: the least loaded
+                least = min(self._load)
+                dp_rank = min(range(len(self._load)), key=lambda r: (
+                    -cached[r] if self._load[r] - least < self._max_batch_size else 0,
+                    self._load[r]))
+                self._load[dp_rank] += n
+                rids = list(range(self._next_rid, self._next_rid + n))
+                self._next_rid += n
+                handles = [RequestHandle(rid, dp_rank, sink, tag)
+                           for rid, tag in zip(rids, choice_tags)]
+                if not self._live:
+                    self._busy_since = time.monotonic()
+                self._live.update(zip(rids, handles))
+            groups.append(handles)
+            events.setdefault(dp_rank * self.dist_config.tp, []).append(
+                ('add', (rids, list(token_ids), gen_config, ids)))
+        for inbox, items in events.items():
+            self._inboxes[inbox].put(items[0] if len(items) == 1 else ('batch', items))
+        return groups
 
     def abort(self, handle: RequestHandle):
         self._inboxes[handle.dp_rank * self.dist_config.tp].put(('abort', handle.rid))

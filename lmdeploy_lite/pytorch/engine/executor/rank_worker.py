@@ -149,11 +149,13 @@ def _admit(engine, kind: str, payload, request_of: dict, seq_of: dict) -> list:
 
 
 def _drain(inbox, wait: float | None) -> list:
+    """The inbox's events, a batch's (`('batch', events)`: one message) in its order."""
     items = []
     try:
-        items.append(inbox.get(timeout=wait) if wait else inbox.get_nowait())
+        item = inbox.get(timeout=wait) if wait else inbox.get_nowait()
         while True:
-            items.append(inbox.get_nowait())
+            items += item[1] if item[0] == 'batch' else [item]
+            item = inbox.get_nowait()
     except queue.Empty:
         pass
     return items
