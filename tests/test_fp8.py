@@ -271,3 +271,23 @@ def test_fp8_gemm_path_with_mtp_k3_accepts_drafts_and_changes_no_token(monkeypat
     assert_real_acceptance([r.spec_stats for r in out], 3)
     same = sum(a == b for p, d in zip(plain, dequantized) for a, b in zip(p, d))
     assert same >= 0.5 * len(batch) * 24, (plain, dequantized)
+
+
+def test_the_kv_plan_charges_an_fp8_draft_at_its_size():
+    """The draft's bytes in the plan: its quantizable linears at one byte a weight plus a
+    float32 scale per 128 x 128 block, the rest (norms, the MTP fc, routed experts) as built."""
+    from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
+    from lmdeploy_lite.pytorch.distributed import DistContext
+    from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
+    from lmdeploy_lite.pytorch.nn.linear import Linear
+    from lmdeploy_lite.pytorch.spec_decode.build import spec_plan
+    model, spec = ModelConfig.from_pretrained(EMBEDDED_MODEL_DIR), SpeculativeConfig(
+        num_speculative_tokens=3)
+    bf16 = spec_plan(spec, model, torch.bfloat16, DistConfig()).draft.weight_bytes
+    fp8 = spec_plan(spec, model, torch.bfloat16, DistConfig(), fp8=True).draft.weight_bytes
+    mtp = Qwen3_5MTP(model, torch.bfloat16, 'meta', None, None, DistContext(DistConfig(), 0))
+    saved = [(n * k * 2) - (n * k + -(-n // BLOCK) * -(-k // BLOCK) * 4)
+             for name, sub in mtp.named_modules() if isinstance(sub, Linear)
+             and quantizable(f'mtp.{name}.weight', sub.weight)
+             for n, k in [sub.weight.shape]]
+    assert len(saved) == 7 and fp8 == bf16 - sum(saved)     # q, k, v, o; shared gate, up, down

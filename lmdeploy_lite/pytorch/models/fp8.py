@@ -127,18 +127,28 @@ def _quantization_config(model_dir: str) -> tuple[str, dict | None]:
         'quantization_config')
 
 
-def to_fp8(module: torch.nn.Module, device: torch.device | str, prefix: str = '',
-           fp8_matmul=None) -> int:
-    """Every linear of `module` (checkpoint names: `prefix` + its own) that `quantizable` picks
-    becomes FP8 blocks multiplied by `fp8_matmul(x, weight, scale)`: by default the device
-    backend's GEMM, and nothing changes where there is none (CPU; GPUs before sm_89). Call
-    before `fuse_projections`. Returns how many linears were converted."""
+def fp8_matmul_for(device: torch.device | str):
+    """The device backend's block-scaled FP8 GEMM, or None where there is none (CPU, GPUs before
+    sm_89: the weights stay dequantized there)."""
     from ..backends import get_backend
+    matmul = getattr(get_backend(device), 'fp8_linear', None)
+    if matmul is not None and torch.device(device).type == 'cuda' and \
+            torch.cuda.get_device_capability(device) < (8, 9):
+        return None
+    return matmul
+
+
+def to_fp8(module: torch.nn.Module, device: torch.device | str, prefix: str = '',
+           fp8_matmul=None, sizes_only: bool = False) -> int:
+    """Every linear of `module` (checkpoint names: `prefix` + its own) that `quantizable` picks
+    becomes FP8 blocks multiplied by `fp8_matmul(x, weight, scale)`: by default the device's
+    (`fp8_matmul_for`), and nothing changes where there is none. `sizes_only`: convert anyway
+    (a module on the meta device, for its bytes). Call before `fuse_projections`. Returns how
+    many linears were converted."""
     from ..nn.linear import Linear
-    if fp8_matmul is None:
-        fp8_matmul = getattr(get_backend(device), 'fp8_linear', None)
-        if fp8_matmul is None or (torch.device(device).type == 'cuda'
-                                  and torch.cuda.get_device_capability(device) < (8, 9)):
+    if fp8_matmul is None and not sizes_only:
+        fp8_matmul = fp8_matmul_for(device)
+        if fp8_matmul is None:
             return 0
     converted = 0
     for name, sub in module.named_modules():
