@@ -21,7 +21,8 @@ from lmdeploy_lite.api import EMBEDDED_MODEL_DIR
 from lmdeploy_lite.pytorch.models.fp8 import (BLOCK, FP8, FP8_MAX, SCALE_SUFFIX, dequantize,
                                               quantizable, quantize, reference_fp8_linear)
 from lmdeploy_lite.pytorch.nn.linear import ColumnParallelLinear, FusedColumnLinear
-from lmdeploy_lite.pytorch.models.loader import build_model, checkpoint_files
+from lmdeploy_lite.pytorch.models.fp8 import to_fp8
+from lmdeploy_lite.pytorch.models.loader import build_model, checkpoint_files, fp8_linears
 
 QUANT = {'quant_method': 'fp8', 'fmt': 'e4m3', 'activation_scheme': 'dynamic',
          'weight_block_size': [BLOCK, BLOCK]}
@@ -131,6 +132,14 @@ def test_fp8_checkpoint_gives_transformers_greedy_on_the_dequantized_weights(
     assert stored['model.layers.0.mlp.shared_expert.down_proj.weight'].dtype != FP8   # kept
     assert stored['model.layers.0.mlp.shared_expert.up_proj.weight'].dtype == FP8
     assert stored['lm_head.weight'].dtype != FP8 and stored['mtp.fc.weight'].dtype != FP8
+    # on a device with an FP8 GEMM, exactly the linears the checkpoint stores in FP8 become so
+    which = fp8_linears(str(tmp_path / 'fp8'), None)
+    model = build_model(str(tmp_path / 'fp8'), torch.float64, progress=False, fuse=False)
+    to_fp8(model, 'cpu', which, fp8_matmul=reference_fp8_linear)
+    fp8 = {n[:-len('_scale')] for n, _ in model.named_parameters() if n.endswith('weight_scale')}
+    assert fp8 == {n for n in stored if n.startswith('model.') and stored[n].dtype == FP8
+                   and 'experts.' not in n}                # routed experts: not FP8 GEMMs yet
+    assert 'model.layers.0.mlp.shared_expert.down_proj.weight' not in fp8
     got = greedy(str(tmp_path / 'fp8'))
     want = [transformers_greedy(fused(expected), p) for p in PROMPTS]
     assert got == want
@@ -284,10 +293,10 @@ def test_the_kv_plan_charges_an_fp8_draft_at_its_size():
     model, spec = ModelConfig.from_pretrained(EMBEDDED_MODEL_DIR), SpeculativeConfig(
         num_speculative_tokens=3)
     bf16 = spec_plan(spec, model, torch.bfloat16, DistConfig()).draft.weight_bytes
-    fp8 = spec_plan(spec, model, torch.bfloat16, DistConfig(), fp8=True).draft.weight_bytes
+    fp8 = spec_plan(spec, model, torch.bfloat16, DistConfig(), fp8=quantizable).draft.weight_bytes
     mtp = Qwen3_5MTP(model, torch.bfloat16, 'meta', None, None, DistContext(DistConfig(), 0))
     saved = [(n * k * 2) - (n * k + -(-n // BLOCK) * -(-k // BLOCK) * 4)
              for name, sub in mtp.named_modules() if isinstance(sub, Linear)
-             and quantizable(f'mtp.{name}.weight', sub.weight)
+             and quantizable(f'mtp.{name}.weight')
              for n, k in [sub.weight.shape]]
     assert len(saved) == 7 and fp8 == bf16 - sum(saved)     # q, k, v, o; shared gate, up, down

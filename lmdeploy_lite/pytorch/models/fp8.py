@@ -72,7 +72,7 @@ class Fp8Weights:
     def of(cls, model_dir: str, files: dict[str, list[str]],
            model_format: str | None = None) -> 'Fp8Weights | None':
         """ValueError naming config.json and the field for a quantization this cannot read."""
-        path, quant = _quantization_config(model_dir)
+        path, quant = quantization_config(model_dir)
         if quant is None:
             return cls(files, online=True) if model_format == 'fp8' else None
         kind, block = quant.get('quant_method'), quant.get('weight_block_size')
@@ -113,12 +113,7 @@ class Fp8Weights:
         return tensor
 
 
-def fp8_checkpoint(model_dir: str, model_format: str | None) -> bool:
-    """The weights are FP8: quantized online, or a checkpoint declaring FP8 quantization."""
-    return model_format == 'fp8' or _quantization_config(model_dir)[1] is not None
-
-
-def _quantization_config(model_dir: str) -> tuple[str, dict | None]:
+def quantization_config(model_dir: str) -> tuple[str, dict | None]:
     """(config.json's path, its `quantization_config`, top level or text_config's)."""
     path = os.path.join(model_dir, 'config.json')
     with open(path) as f:
@@ -138,9 +133,9 @@ def fp8_matmul_for(device: torch.device | str):
     return matmul
 
 
-def to_fp8(module: torch.nn.Module, device: torch.device | str, prefix: str = '',
+def to_fp8(module: torch.nn.Module, device: torch.device | str, which, prefix: str = '',
            fp8_matmul=None, sizes_only: bool = False) -> int:
-    """Every linear of `module` (checkpoint names: `prefix` + its own) that `quantizable` picks
+    """Every linear of `module` whose weight `which(prefix + its name)` picks (loader.fp8_linears)
     becomes FP8 blocks multiplied by `fp8_matmul(x, weight, scale)`: by default the device's
     (`fp8_matmul_for`), and nothing changes where there is none. `sizes_only`: convert anyway
     (a module on the meta device, for its bytes). Call before `fuse_projections`. Returns how
@@ -153,7 +148,7 @@ def to_fp8(module: torch.nn.Module, device: torch.device | str, prefix: str = ''
     converted = 0
     for name, sub in module.named_modules():
         if (isinstance(sub, Linear) and sub.weight_scale is None
-                and quantizable(f'{prefix}{name}.weight', sub.weight)):
+                and which(f'{prefix}{name}.weight')):
             sub.to_fp8(quantize, fp8_matmul)
             converted += 1
     if converted and torch.device(device).type == 'cuda':
@@ -171,8 +166,10 @@ def reference_fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Ten
     return out.to(x.dtype).view(*x.shape[:-1], -1)
 
 
-def quantizable(name: str, tensor: torch.Tensor) -> bool:
-    """A linear weight that Qwen's FP8 releases store in FP8 (online quantization's rule)."""
+def quantizable(name: str, tensor: torch.Tensor | None = None) -> bool:
+    """A linear weight that Qwen's FP8 releases store in FP8 (online quantization's rule);
+    `tensor`: the checkpoint's, a matrix or a stack of them."""
     module = name.rsplit('.', 2)[-2] if name.endswith('.weight') else ''
     linear = 'proj' in module or name.endswith(('experts.gate_up_proj', 'experts.down_proj'))
-    return linear and tensor.dim() >= 2 and not any(k in name for k in KEEP)
+    return (linear and (tensor is None or tensor.dim() >= 2)
+            and not any(k in name for k in KEEP))

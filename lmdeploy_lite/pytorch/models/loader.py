@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..config import ModelConfig
 from ..nn.linear import fuse_projections
 from ..nn.norm import GatedRMSNorm, RMSNorm
-from .fp8 import Fp8Weights, fp8_checkpoint, to_fp8
+from .fp8 import SCALE_SUFFIX, Fp8Weights, quantizable, quantization_config, to_fp8
 
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
@@ -92,6 +92,22 @@ def iter_tensors(model_dir: str, select, progress: bool = True, desc: str = 'Loa
                         (lambda f=f, name=name: f.get_tensor(name)) if fp8 is None else
                         (lambda f=f, path=path, name=name: fp8.load(f, path, name)))
                     bar.update(1)
+
+
+def fp8_linears(model_dir: str, model_format: str | None, load_format: str = 'auto'):
+    """Which linear weights, by the model's names (`model.layers...`, the draft's `mtp.`...), are
+    FP8: None for a bf16 checkpoint read as it is; a released FP8 checkpoint's, those it stores
+    in FP8 (what it keeps in bf16, its modules_to_not_convert, stays so); else (online
+    quantization, dummy weights) the names `quantizable` picks."""
+    quant = quantization_config(model_dir)[1]
+    if quant is None and model_format != 'fp8':
+        return None
+    if quant is None or load_format == 'dummy':
+        return quantizable
+    stored = {name[:-len(SCALE_SUFFIX)].replace('model.language_model.', 'model.', 1)
+              for names in checkpoint_files(model_dir).values() for name in names
+              if name.endswith(SCALE_SUFFIX)}
+    return stored.__contains__
 
 
 def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str, str],
@@ -222,8 +238,9 @@ def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True,
                             allow_missing=('embed_tokens.', 'lm_head.'), progress=progress,
                             desc='Loading MTP weights', model_format=model_format)
     device = next(mtp.parameters()).device
-    if fp8_checkpoint(model_dir, model_format):
-        to_fp8(mtp, device, prefix='mtp.')
+    which = fp8_linears(model_dir, model_format, load_format)
+    if which is not None:
+        to_fp8(mtp, device, which, prefix='mtp.')
     fuse_projections(mtp, keep_parts=device.type != 'cuda')
 
 
@@ -293,8 +310,9 @@ def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
         init_dummy_weights(model, seed)
     else:
         load_weights(model, model_dir, progress=progress, model_format=model_format)
-    if fp8_checkpoint(model_dir, model_format):
-        to_fp8(model, device)
+    which = fp8_linears(model_dir, model_format, load_format)
+    if which is not None:
+        to_fp8(model, device, which)
     if fuse:      # off CUDA the parts stay, so names and state_dict are the checkpoint's
         fuse_projections(model, keep_parts=torch.device(device).type != 'cuda')
     return model.eval()

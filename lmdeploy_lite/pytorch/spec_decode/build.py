@@ -93,18 +93,18 @@ class DraftFootprint:
 
 
 def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
-                    dtype: torch.dtype, target: DistConfig, fp8: bool = False) -> DraftFootprint:
-    """Weight bytes from the head built on the meta device with the draft's layout (`fp8`: its
-    linears as the device will hold them, FP8 blocks and their scales: models/fp8.to_fp8)."""
+                    dtype: torch.dtype, target: DistConfig, fp8=None) -> DraftFootprint:
+    """Weight bytes from the head built on the meta device with the draft's layout (`fp8`: which
+    of its linears the device will hold as FP8 blocks and scales, loader.fp8_linears)."""
     if not uses_draft_model(spec):
         return DraftFootprint(0, target.tp, 0)
     from lmdeploy_lite.pytorch.distributed import DistContext
     from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
     layout = draft_dist_config(spec, target)
     mtp = Qwen3_5MTP(model_config, dtype, 'meta', None, None, DistContext(layout, rank=0))
-    if fp8:
+    if fp8 is not None:
         from lmdeploy_lite.pytorch.models.fp8 import to_fp8
-        to_fp8(mtp, 'meta', prefix='mtp.', fp8_matmul=None, sizes_only=True)
+        to_fp8(mtp, 'meta', fp8, prefix='mtp.', sizes_only=True)
     weight_bytes = sum(p.numel() * p.element_size() for p in mtp.parameters())
     if spec.draft_token_map is not None:
         token_map = load_token_map(spec.draft_token_map, model_config.vocab_size)
@@ -149,7 +149,7 @@ def uses_draft_model(spec: SpeculativeConfig | None) -> bool:
 
 
 def spec_plan(spec: SpeculativeConfig | None, model_config: ModelConfig, dtype: torch.dtype,
-              target: DistConfig, fp8: bool = False) -> SpecPlan:
+              target: DistConfig, fp8=None) -> SpecPlan:
     draft = draft_footprint(spec, model_config, dtype, target, fp8)
     if spec is None:
         return SpecPlan(draft=draft)

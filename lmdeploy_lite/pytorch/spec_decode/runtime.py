@@ -21,9 +21,9 @@ __all__ = ['SpecPlan', 'SpecRuntime', 'build_spec_runtime', 'check_speculative_c
 
 def plan_speculation(spec: SpeculativeConfig | None, model_path: str, model_config: ModelConfig,
                      dtype: torch.dtype, target: DistConfig, load_format: str,
-                     fp8: bool = False) -> SpecPlan:
-    """The SpecPlan of `spec` (None: no speculation), its config checked first; `fp8`: the
-    draft's linears will be FP8 GEMMs."""
+                     fp8=None) -> SpecPlan:
+    """The SpecPlan of `spec` (None: no speculation), its config checked first; `fp8`: which
+    linears the device holds as FP8 (loader.fp8_linears)."""
     if spec is not None:
         check_speculative_config(spec, model_path, target, load_format)
     return spec_plan(spec, model_config, dtype, target, fp8)
