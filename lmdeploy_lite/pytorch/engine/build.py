@@ -23,7 +23,7 @@ from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 from lmdeploy_lite.pytorch.model_agent import ModelAgent
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 from lmdeploy_lite.pytorch.models.fp8 import fp8_matmul_for
-from lmdeploy_lite.pytorch.models.loader import build_model, fp8_linears
+from lmdeploy_lite.pytorch.models.loader import build_model
 from lmdeploy_lite.pytorch.nn.token_dispatcher import EPTransport, dispatch_capacity
 from lmdeploy_lite.pytorch.spec_decode.runtime import (SpecPlan, build_spec_runtime,
                                                        plan_speculation)
@@ -64,10 +64,8 @@ def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = No
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, model_config, device)
     session_len = cfg.session_len or model_config.max_position_embeddings
-    fp8 = (fp8_linears(model_path, cfg.model_format, cfg.load_format)
-           if fp8_matmul_for(device) is not None else None)       # the draft's, for the plan
     plan = plan_speculation(speculative_config, model_path, model_config, dtype, dist.config,
-                            cfg.load_format, fp8)
+                            cfg.load_format, cfg.model_format, fp8_matmul_for(device) is not None)
     if plan.aux_hidden_state_layer_ids and cfg.enable_prefix_caching:  # a cached prefix: no rows
         logger.info('extract_hidden_states: prefix caching off (every prompt token is fed)')
         cfg = dataclasses.replace(cfg, enable_prefix_caching=False)

@@ -9,8 +9,10 @@ import torch
 
 from lmdeploy_lite.messages import SpeculativeConfig
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
+from lmdeploy_lite.pytorch.models.loader import fp8_linears
 from lmdeploy_lite.pytorch.spec_decode.build import (SpecPlan, build_spec_decoding,
-                                                     check_speculative_config, spec_plan)
+                                                     check_speculative_config, spec_plan,
+                                                     uses_draft_model)
 from lmdeploy_lite.pytorch.spec_decode.policy import DraftCountPolicy
 from lmdeploy_lite.pytorch.strategies.ar import ARStrategy
 
@@ -21,11 +23,15 @@ __all__ = ['SpecPlan', 'SpecRuntime', 'build_spec_runtime', 'check_speculative_c
 
 def plan_speculation(spec: SpeculativeConfig | None, model_path: str, model_config: ModelConfig,
                      dtype: torch.dtype, target: DistConfig, load_format: str,
-                     fp8=None) -> SpecPlan:
-    """The SpecPlan of `spec` (None: no speculation), its config checked first; `fp8`: which
-    linears the device holds as FP8 (loader.fp8_linears)."""
+                     model_format: str | None = None, fp8_gemm: bool = False) -> SpecPlan:
+    """The SpecPlan of `spec` (None: no speculation), its config checked first. `fp8_gemm`: the
+    device computes FP8 linears, so the draft's are planned at the size its checkpoint (with
+    `model_format`) gives them (loader.fp8_linears)."""
+    fp8 = None
     if spec is not None:
         check_speculative_config(spec, model_path, target, load_format)
+        if fp8_gemm and uses_draft_model(spec):
+            fp8 = fp8_linears(spec.model or model_path, model_format, load_format)
     return spec_plan(spec, model_config, dtype, target, fp8)
 
 
