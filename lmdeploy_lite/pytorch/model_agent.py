@@ -42,6 +42,7 @@ class ModelAgent:
         self.state_index = torch.zeros(num_state_slots, dtype=torch.long, device=device)
         # q_len -> GraphRunner for decode steps: 1, or each verify width k + 1
         self.graphs = {}
+        self.prefill_graph = None        # PrefillGraphRunner of short prefill and mixed steps
         self.graph_pool = None
         # extract_hidden_states: output_hidden_states ids every forward keeps (then eagerly)
         self.hidden_state_layer_ids: tuple[int, ...] = ()
@@ -52,19 +53,26 @@ class ModelAgent:
         return self.graphs[max(self.graphs)] if self.graphs else None
 
     def enable_graphs(self, buckets: list[int], max_blocks: int, q_lens: list[int] = (1,),
-                      recorder=None):
-        """Capture the decode forward of each width in `q_lens` for each batch bucket, in one
-        memory pool (a step's output is read before the next replay); `recorder`: the
-        DistContext whose collective trace replays extend."""
-        from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
+                      recorder=None, prefill_buckets: list[int] = (), max_prefill_q_len: int = 0):
+        """Capture the decode forward of each width in `q_lens` for each batch bucket and, given
+        `prefill_buckets`, prefill and mixed steps of up to that many tokens (at most
+        `max_prefill_q_len` per sequence), in one memory pool (a step's output is read before the
+        next replay); `recorder`: the DistContext whose collective trace replays extend."""
+        from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner, PrefillGraphRunner
         pool = self.graph_pool
+        forward = lambda inputs: self.model(inputs, self.caches)   # noqa: E731
         for q_len in sorted(q_lens, reverse=True):
-            runner = GraphRunner(lambda inputs: self.model(inputs, self.caches), 'target', q_len,
-                                 buckets, max_blocks, [], self.device, pool=pool,
-                                 recorder=recorder)
+            runner = GraphRunner(forward, 'target', q_len, buckets, max_blocks, [], self.device,
+                                 pool=pool, recorder=recorder)
             runner.capture()
             pool = runner.pool
             self.graphs[q_len] = runner
+        if prefill_buckets:
+            self.prefill_graph = PrefillGraphRunner(
+                forward, 'target prefill', prefill_buckets, max(buckets), max_prefill_q_len,
+                max_blocks, self.device, pool=pool, recorder=recorder)
+            self.prefill_graph.capture()
+            pool = self.prefill_graph.pool
         self.graph_pool = pool           # shared with other graphs of this model's forward
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -84,11 +92,11 @@ class ModelAgent:
             self.caches.copy_states(inputs.state_copies)
             self.state_index[inputs.state_copies[:, 1]] = 0
         inputs.state_index = self.state_index[inputs.state_slots]
-        runner = (self.graphs.get(inputs.uniform_q_len) if inputs.is_decoding and not layer_ids
-                  else None)
+        runner = (None if layer_ids else self.graphs.get(inputs.uniform_q_len)
+                  if inputs.is_decoding else self.prefill_graph)
         if runner is not None and runner.can_run(inputs):
-            return runner(inputs), None
-        if layer_ids:
+            hidden, aux = runner(inputs), None
+        elif layer_ids:
             hidden, aux = self.model.forward_with_hidden_states(inputs, self.caches, layer_ids)
         else:
             hidden, aux = self.model(inputs, self.caches), None

@@ -80,6 +80,11 @@ class ModelInputs:
                                    # at least this (the largest batch of any rank in the step)
     graphable: bool = True         # False: run eagerly even where a CUDA graph fits (EP steps
                                    # in DeepEP's normal mode: graphs hold its low-latency kernels)
+    # the host's copies of (q_lens, history_lens + q_lens), where whoever built the step knew
+    # them (no device sync to read them back); None: read from the device when an op asks
+    host_lens: tuple[list[int], list[int]] | None = None
+    sync_free: bool = False        # a captured prefill or mixed step (graph_runner.py): ops keep
+                                   # the decode-step contract although lengths are not uniform
     sizes: ForwardSizes | None = None   # the StepPlan's: EP and sequence-parallel forwards need it
     # speculative decoding (strategies/ar_spec) only:
     draft_tokens: torch.Tensor | None = None    # [B, k] long, host (ngram) drafts; None: on device
@@ -113,6 +118,8 @@ class ModelInputs:
 
     @cached_property
     def _host_lens(self) -> tuple[list[int], list[int]]:
+        if self.host_lens is not None:
+            return self.host_lens
         q_lens, history_lens = torch.stack([self.q_lens, self.history_lens]).tolist()
         return q_lens, [h + n for h, n in zip(history_lens, q_lens)]
 
@@ -137,7 +144,7 @@ class ModelInputs:
         if self.uniform_q_len is not None:
             return torch.arange(self.num_tokens, device=self.q_lens.device) // self.uniform_q_len
         batch = torch.arange(self.batch_size, device=self.q_lens.device)
-        return torch.repeat_interleave(batch, self.q_lens, output_size=sum(self.host_q_lens))
+        return torch.repeat_interleave(batch, self.q_lens, output_size=self.num_tokens)
 
     @cached_property
     def token_offsets(self) -> torch.Tensor:

@@ -88,8 +88,7 @@ def build_engine(model_path: str, engine_config: PytorchEngineConfig | None = No
     for draft in spec.draft_modules():
         ep.attach(draft)
     if device.type == 'cuda' and not cfg.eager_mode:
-        _enable_graphs(spec.agent, dist, ep, dtype, plan, cache_config, cfg.max_batch_size,
-                       max_positions)
+        _enable_graphs(spec.agent, dist, ep, dtype, plan, cache_config, cfg, max_positions)
     scheduler = _scheduler(cfg, cache_config, plan, session_len, model_config, tokenizer)
     engine = Engine(dist, model_config, cfg, device, dtype, session_len, cache_config, spec,
                     scheduler, output_stage, _async_scheduling(cfg, device, plan), ep)
@@ -145,11 +144,13 @@ def _async_scheduling(cfg: PytorchEngineConfig, device: torch.device, plan: Spec
 
 
 def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype,
-                   plan: SpecPlan, cache_config: CacheConfig, max_batch_size: int,
+                   plan: SpecPlan, cache_config: CacheConfig, cfg: PytorchEngineConfig,
                    max_positions: int):
     """CUDA graphs for decode steps, their device collectives captured with them (TP on NCCL or
     the peer-memory all-reduce; EP through DeepEP's low-latency kernels, in steps where every
-    rank decodes). The all-to-all dispatcher (host-side counts) runs eagerly."""
+    rank decodes). The all-to-all dispatcher (host-side counts) runs eagerly. The target's short
+    prefill and mixed steps too, except under EP (DeepEP's normal mode) and where sequence
+    parallelism splits every prefill's rows."""
     layout = dist.config
     if dtype == torch.float64:     # float64 runs the plain-PyTorch ops, not capturable
         logger.info('CUDA graphs off: float64 runs decode steps eagerly')
@@ -162,10 +163,14 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
         logger.info('CUDA graphs off: ep=%d dispatches by all-to-all (host-side counts); '
                     'decode steps run eagerly', layout.ep)
         return
-    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
+    from lmdeploy_lite.pytorch.backends.cuda.gated_delta_rule import SHORT_PREFILL_TOKENS
+    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets, prefill_buckets
     num_spec = plan.num_spec_tokens
     max_blocks = max(-(-max_positions // cache_config.block_size), dummy_table_width(1 + num_spec))
     if deep_ep:             # every rank captures the same buckets in the same order
-        most = max_batch_size * (1 + num_spec)
+        most = cfg.max_batch_size * (1 + num_spec)
         ep.prepare(ForwardSizes.captured(most, most, layout.tp))
-    agent.enable_graphs(batch_buckets(max_batch_size), max_blocks, recorder=dist)
+    prefill = {} if layout.ep > 1 or layout.sequence_parallel else dict(
+        prefill_buckets=prefill_buckets(cfg.max_prefill_token_num),
+        max_prefill_q_len=SHORT_PREFILL_TOKENS)
+    agent.enable_graphs(batch_buckets(cfg.max_batch_size), max_blocks, recorder=dist, **prefill)

@@ -40,10 +40,12 @@ class SpecAgent:
         if token_map is not None:
             self.rejection_sampler = partial(rejection_sample, token_map=token_map)
 
-    def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None):
-        """CUDA graphs of the verify forward and the draft steps for each of `draft_counts`."""
+    def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None, **prefill):
+        """CUDA graphs of the verify forward and the draft steps for each of `draft_counts`
+        (`prefill`: the target's prefill graphs, ModelAgent.enable_graphs)."""
         counts = self.draft_counts
-        self.target.enable_graphs(buckets, max_blocks, [k + 1 for k in counts], recorder)
+        self.target.enable_graphs(buckets, max_blocks, [k + 1 for k in counts], recorder,
+                                  **prefill)
         if self.proposer is not None:
             self.proposer.enable_graphs(buckets, max_blocks, counts, recorder)
         if 0 in counts:

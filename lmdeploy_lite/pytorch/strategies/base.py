@@ -33,7 +33,8 @@ def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
     uniform = q_lens[0] if is_decoding and q_lens and len(set(q_lens)) == 1 else None
     return ModelInputs(input_ids=input_ids, positions=positions, q_lens=q, history_lens=hist,
                        block_tables=table.view(batch, width), state_slots=slots,
-                       state_index=index, is_decoding=is_decoding, uniform_q_len=uniform)
+                       state_index=index, is_decoding=is_decoding, uniform_q_len=uniform,
+                       host_lens=(q_lens, [h + n for h, n in zip(history_lens, q_lens)]))
 
 
 class Strategy:

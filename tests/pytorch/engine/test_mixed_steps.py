@@ -25,11 +25,15 @@ def _prompts() -> list[list[int]]:
     return short[:2] + [long] + short[2:]
 
 
-def _run(k: int, **cfg):
+def _run(k: int, graphs: dict | None = None, **cfg):
     """Add the prompts at ARRIVE_AT_STEP and run to the end. Returns the sequences, and per step
-    (rows that had finished their prefill, rows) as scheduled and the sequences that emitted."""
+    (rows that had finished their prefill, rows) as scheduled and the sequences that emitted.
+    `graphs`: the agent's graph runners are enabled with these arguments (CPU: static buffers)."""
     config = PytorchEngineConfig(**{**accepting.BASE, **CFG, **cfg})
     engine = build_engine(accepting.model_dir(), config, accepting.spec(k), progress=False)
+    if graphs is not None:
+        engine.agent.enable_graphs([2, 4, 8], **graphs)
+        _run.engine = engine
     scheduled, schedule = [], engine.scheduler.schedule
 
     def recording():
@@ -86,3 +90,27 @@ def test_without_mixing_the_long_prompt_stalls_the_streams():
     assert not any(0 < d < n for d, n in scheduled)
     with pytest.raises(AssertionError, match='waited'):
         _assert_no_stall(seqs[:2], emitted, max_gap=1)
+
+
+@pytest.mark.parametrize('k', [0, 3])
+def test_prefill_graph_buffers_change_no_token(k):
+    """Prefill and mixed steps through the prefill graph runner's static buffers (CPU: the same
+    copies and padding as the CUDA graphs, run eagerly): token buckets 8 and 16, chunks of at
+    most 8 or 10 tokens a sequence (longer ones run eagerly), spare tokens on dummy sequences. Whole
+    sequences and draft counts equal the reference's; both paths ran."""
+    # a cap that some chunks pass (k = 3: chunk steps carry no decode rows, so longer chunks)
+    cap = 10 if k else 8
+    seqs, scheduled, _ = _run(k, dict(max_blocks=20, prefill_buckets=[8, 16],
+                                      max_prefill_q_len=cap), max_mixed_token_num=12)
+    agent = _run.engine.agent.target if k else _run.engine.agent
+    runner = agent.prefill_graph
+    assert runner.num_replays >= 3 and agent.graphs[1 + k].num_replays > 0
+    prefill_steps = sum(d < n for d, n in scheduled)
+    assert prefill_steps > runner.num_replays, (prefill_steps, runner.num_replays)
+    everything_at_once = reference(k, _prompts(), **CFG)
+    assert [s.generated_ids for s in seqs] == everything_at_once.token_ids
+    if k:
+        assert_real_acceptance([s.spec_stats for s in seqs], k)
+        assert [counts(s.spec_stats) for s in seqs] == everything_at_once.counts
+    else:
+        assert sum(0 < d < n for d, n in scheduled) >= 4, scheduled

@@ -210,7 +210,7 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if not q.is_cuda or v.dtype == torch.float64 or state_cache.dtype not in (torch.float32,
                                                                               torch.bfloat16):
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
-    if inputs.max_q_len <= SHORT_PREFILL_TOKENS:
+    if inputs.sync_free or inputs.max_q_len <= SHORT_PREFILL_TOKENS:   # captured: always short
         return recurrent_prefill(q, k, v, g, beta, state_cache, inputs)
     chunk = _fla_chunk_gated_delta_rule()
     if chunk is None:

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: the one owner of capture and replay.
+"""CUDA graphs for decode steps and short prefill steps: the one owner of capture and replay.
 
 A `GraphRunner` wraps one decode forward `fn(inputs, *extras) -> Tensor [T, ...]` whose sequences
 all feed `q_len` new tokens (the target: 1, or k + 1 under speculation; the MTP draft: k + 1 over
@@ -21,6 +21,9 @@ watchdog thread keeps polling its events. Padding sequences are an idle rank's d
 reads, and attention/recurrence are per sequence, so real rows are unaffected. On a CPU device
 nothing is captured and a call runs `fn` eagerly on the padded static buffers (static-buffer
 mode): the padding logic is tested on CPU.
+
+A `PrefillGraphRunner` does the same for the target's prefill and mixed steps of up to a few
+hundred tokens, bucketed by token count (its class says how it pads).
 """
 from __future__ import annotations
 
@@ -41,63 +44,48 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return [b for b in _BUCKET_STEPS if b < max_batch_size] + [max_batch_size]
 
 
-class GraphRunner:
-    """One decode forward with `q_len` tokens per sequence, captured for each batch bucket.
-    max_blocks: block-table width of the static buffers (the most blocks a sequence can use);
-    extras: (row shape, dtype) of each extra per-token input."""
+_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
-    def __init__(self, fn, name: str, q_len: int, buckets: list[int], max_blocks: int,
-                 extras: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
-                 pool=None, recorder=None):
-        self.fn, self.name, self.q_len = fn, name, q_len
+
+def prefill_buckets(max_prefill_tokens: int) -> list[int]:
+    """Captured token counts of prefill and mixed steps: powers of two to 512 (a step of more
+    tokens spends its time in GEMMs, not launches), no more than a step may hold."""
+    return [t for t in _PREFILL_BUCKETS if t <= max_prefill_tokens] or [max_prefill_tokens]
+
+
+class _Captured:
+    """One forward `fn(inputs, *extras)` captured per bucket into one memory pool: the capture,
+    its collective trace and the replay, for both runners below."""
+
+    def __init__(self, fn, name: str, buckets: list[int], device: torch.device, pool, recorder):
+        self.fn, self.name = fn, name
         # the DistContext (or None): `.trace`, the collective-trace entries replays extend,
         # and `.config.tp`, the multiple the captured token counts are rounded up to
         self.recorder = recorder
         self.tp = recorder.config.tp if recorder is not None else 1
         self.traces: dict[int, list] = {}  # bucket -> the entries its capture recorded
-        self.buckets, self.max_blocks, self.device = sorted(buckets), max_blocks, device
+        self.buckets, self.device = sorted(buckets), device
         self.use_graphs, self.pool = device.type == 'cuda', pool
-        max_batch = self.buckets[-1]
-        max_tokens = max_batch * q_len
-        long = dict(dtype=torch.long, device=device)
-        self.input_ids, self.positions = (torch.zeros(max_tokens, **long) for _ in range(2))
-        self.q_lens = torch.full((max_batch,), q_len, **long)
-        self.history_lens, self.state_slots, self.state_index = (
-            torch.zeros(max_batch, **long) for _ in range(3))
-        self.block_tables = torch.zeros(max_batch, max_blocks, **long)
-        self.extras = [torch.zeros((max_tokens,) + tuple(shape), dtype=dtype, device=device)
-                       for shape, dtype in extras]
         self.num_replays = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.static_inputs: dict[int, ModelInputs] = {}
 
-    def _bucket_inputs(self, batch: int) -> ModelInputs:
-        tokens = batch * self.q_len
-        return ModelInputs(
-            input_ids=self.input_ids[:tokens], positions=self.positions[:tokens],
-            q_lens=self.q_lens[:batch], history_lens=self.history_lens[:batch],
-            block_tables=self.block_tables[:batch], state_slots=self.state_slots[:batch],
-            state_index=self.state_index[:batch], is_decoding=True, uniform_q_len=self.q_len,
-            sizes=ForwardSizes.captured(tokens, batch, self.tp))
-
-    def _run_static(self, batch: int) -> torch.Tensor:
-        # graphs: inputs built once (their cached derived values are functions of shapes only);
-        # static-buffer mode: fresh each call, since the default ops cache host copies of lengths
-        inputs = self.static_inputs[batch] if self.use_graphs else self._bucket_inputs(batch)
-        return self.fn(inputs, *(x[:batch * self.q_len] for x in self.extras))
+    def _run_static(self, bucket: int) -> torch.Tensor:
+        """`fn` on the static buffers of `bucket`. The inputs are built anew for each run, so a
+        capture records what ops derive from them (op_cache) and replays derive it again."""
+        raise NotImplementedError
 
     @torch.inference_mode()
     def capture(self):
         """Capture every bucket, largest first (smaller graphs reuse the pool's memory)."""
         if not self.use_graphs:
             return
-        for batch in reversed(self.buckets):
-            self.static_inputs[batch] = self._bucket_inputs(batch)
+        for bucket in reversed(self.buckets):
+            self._before_capture(bucket)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):          # warm-up: Triton compiles, lazy inits
-                self._run_static(batch)
+                self._run_static(bucket)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             start = len(self.recorder.trace) if self.recorder is not None else 0
@@ -108,18 +96,68 @@ class GraphRunner:
             gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode='thread_local'):
-                    self.outputs[batch] = self._run_static(batch)
+                    self.outputs[bucket] = self._run_static(bucket)
             finally:
                 if collecting:
                     gc.enable()
             if self.recorder is not None:
-                self.traces[batch] = list(self.recorder.trace[start:])
+                self.traces[bucket] = list(self.recorder.trace[start:])
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[batch] = graph
+            self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        logger.info('%s: captured CUDA graphs for batches %s (q_len %d)', self.name,
-                    self.buckets, self.q_len)
+        logger.info('%s: captured CUDA graphs for %s', self.name, self.describe())
+
+    def describe(self) -> str:
+        return f'buckets {self.buckets}'
+
+    def _before_capture(self, bucket: int):
+        pass
+
+    def _replay(self, bucket: int, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the bucket's output, once the static buffers are filled."""
+        self.num_replays += 1
+        if not self.use_graphs:
+            return self._run_static(bucket)[:rows]
+        self.graphs[bucket].replay()
+        if self.recorder is not None:
+            self.recorder.trace.extend(self.traces[bucket])
+        return self.outputs[bucket][:rows]
+
+
+class GraphRunner(_Captured):
+    """One decode forward with `q_len` tokens per sequence, captured for each batch bucket.
+    max_blocks: block-table width of the static buffers (the most blocks a sequence can use);
+    extras: (row shape, dtype) of each extra per-token input."""
+
+    def __init__(self, fn, name: str, q_len: int, buckets: list[int], max_blocks: int,
+                 extras: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device,
+                 pool=None, recorder=None):
+        super().__init__(fn, name, buckets, device, pool, recorder)
+        self.q_len, self.max_blocks = q_len, max_blocks
+        max_batch = self.buckets[-1]
+        max_tokens = max_batch * q_len
+        long = dict(dtype=torch.long, device=device)
+        self.input_ids, self.positions = (torch.zeros(max_tokens, **long) for _ in range(2))
+        self.q_lens = torch.full((max_batch,), q_len, **long)
+        self.history_lens, self.state_slots, self.state_index = (
+            torch.zeros(max_batch, **long) for _ in range(3))
+        self.block_tables = torch.zeros(max_batch, max_blocks, **long)
+        self.extras = [torch.zeros((max_tokens,) + tuple(shape), dtype=dtype, device=device)
+                       for shape, dtype in extras]
+
+    def describe(self) -> str:
+        return f'batches {self.buckets} (q_len {self.q_len})'
+
+    def _run_static(self, batch: int) -> torch.Tensor:
+        tokens = batch * self.q_len
+        inputs = ModelInputs(
+            input_ids=self.input_ids[:tokens], positions=self.positions[:tokens],
+            q_lens=self.q_lens[:batch], history_lens=self.history_lens[:batch],
+            block_tables=self.block_tables[:batch], state_slots=self.state_slots[:batch],
+            state_index=self.state_index[:batch], is_decoding=True, uniform_q_len=self.q_len,
+            sizes=ForwardSizes.captured(tokens, batch, self.tp))
+        return self.fn(inputs, *(x[:tokens] for x in self.extras))
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:
         """The bucket this step replays, or None when it must run eagerly."""
@@ -150,11 +188,80 @@ class GraphRunner:
                 buf[batch:bucket].zero_()
             self.input_ids[tokens:padded_tokens].zero_()
             self.positions[tokens:padded_tokens].zero_()
-        self.num_replays += 1
-        if not self.use_graphs:
-            return self._run_static(bucket)[:tokens]
-        self.graphs[bucket].replay()
-        if self.recorder is not None:
-            self.recorder.trace.extend(self.traces[bucket])
-        return self.outputs[bucket][:tokens]
+        return self._replay(bucket, tokens)
 
+
+class PrefillGraphRunner(_Captured):
+    """The target's prefill and mixed steps (any lengths, at most `max_q_len` new tokens per
+    sequence), captured per token bucket: a step of T tokens and B sequences replays the
+    smallest bucket >= T, whose static buffers hold `min(bucket, max_seqs) + 1` sequences. The
+    bucket's spare tokens are spread over its spare sequences (at least one), which are idle
+    ranks' dummies (history 0, the reserved block 0 and state row 0): per-sequence ops keep
+    them apart from the real ones, whose rows the replay returns. Inside, ops read no length
+    on the host (`ModelInputs.sync_free`: the attention builds its tile map on the device, the
+    gated delta rule takes the recurrent kernel, hence `max_q_len`)."""
+
+    def __init__(self, fn, name: str, buckets: list[int], max_seqs: int, max_q_len: int,
+                 max_blocks: int, device: torch.device, pool=None, recorder=None):
+        super().__init__(fn, name, buckets, device, pool, recorder)
+        self.max_q_len, self.max_blocks = max_q_len, max_blocks
+        self.seqs = {tokens: min(tokens, max_seqs) + 1 for tokens in self.buckets}
+        max_tokens, most = self.buckets[-1], max(self.seqs.values())
+        long = dict(dtype=torch.long, device=device)
+        self.input_ids, self.positions = (torch.zeros(max_tokens, **long) for _ in range(2))
+        self.q_lens, self.history_lens, self.state_slots, self.state_index = (
+            torch.zeros(most, **long) for _ in range(4))
+        self.block_tables = torch.zeros(most, max_blocks, **long)
+
+    def _before_capture(self, bucket: int):
+        self._pad(bucket, 0, 0)              # capture-time lengths: every token a spare one
+
+    def _pad(self, bucket: int, tokens: int, batch: int):
+        """Spare sequences batch.. of the bucket take its tokens after `tokens`, evenly."""
+        spare, extra = self.seqs[bucket] - batch, bucket - tokens
+        for buf in (self.history_lens, self.block_tables, self.state_slots, self.state_index):
+            buf[batch:self.seqs[bucket]].zero_()
+        self.q_lens[batch:self.seqs[bucket]].fill_(extra // spare)
+        self.q_lens[batch:batch + extra % spare] += 1
+        self.input_ids[tokens:bucket].zero_()
+        self.positions[tokens:bucket].zero_()
+
+    def _run_static(self, bucket: int) -> torch.Tensor:
+        seqs = self.seqs[bucket]
+        inputs = ModelInputs(
+            input_ids=self.input_ids[:bucket], positions=self.positions[:bucket],
+            q_lens=self.q_lens[:seqs], history_lens=self.history_lens[:seqs],
+            block_tables=self.block_tables[:seqs], state_slots=self.state_slots[:seqs],
+            state_index=self.state_index[:seqs], is_decoding=False, sync_free=True,
+            sizes=ForwardSizes(*(-(-n // self.tp) * self.tp for n in (bucket, bucket, seqs,
+                                                                           seqs))))
+        return self.fn(inputs)
+
+    def bucket_for(self, inputs: ModelInputs) -> int | None:
+        """The bucket this step replays, or None when it must run eagerly (a decode step, too
+        many tokens or sequences, a longer chunk, rows split over TP ranks, lengths the host
+        does not know)."""
+        if (inputs.is_decoding or not inputs.graphable or inputs.host_lens is None
+                or inputs.block_tables.shape[1] > self.max_blocks
+                or (inputs.sizes is not None and inputs.sizes.sequence_parallel)
+                or inputs.max_q_len > self.max_q_len):
+            return None
+        tokens, batch = inputs.num_tokens, inputs.batch_size
+        return next((b for b in self.buckets if b >= tokens and self.seqs[b] > batch), None)
+
+    def can_run(self, inputs: ModelInputs) -> bool:
+        return self.bucket_for(inputs) is not None
+
+    @torch.inference_mode()
+    def __call__(self, inputs: ModelInputs) -> torch.Tensor:
+        bucket = self.bucket_for(inputs)
+        tokens, batch, width = inputs.num_tokens, inputs.batch_size, inputs.block_tables.shape[1]
+        self.input_ids[:tokens].copy_(inputs.input_ids)
+        self.positions[:tokens].copy_(inputs.positions)
+        self.q_lens[:batch].copy_(inputs.q_lens)
+        self.history_lens[:batch].copy_(inputs.history_lens)
+        self.block_tables[:batch, :width].copy_(inputs.block_tables)
+        self.state_slots[:batch].copy_(inputs.state_slots)
+        self.state_index[:batch].copy_(inputs.state_index)
+        self._pad(bucket, tokens, batch)
+        return self._replay(bucket, tokens)

@@ -10,7 +10,8 @@ multiply in IEEE fp32, not tf32). Kernels:
     `num_splits` depends only on shapes and the SM count, so the launch reads nothing on the host
     and can be captured in a CUDA graph. `_combine_kernel` merges the splits by log-sum-exp.
   * prefill (every other step): varlen flash attention, one program per (query tile of a
-    sequence, q head); the tile -> sequence map is built on the host. Scores never exceed one
+    sequence, q head); the tile -> sequence map is built on the host, or on the device in a
+    captured prefill (`inputs.sync_free`). Scores never exceed one
     `[BLOCK_M, BLOCK_N]` tile.
 """
 from __future__ import annotations
@@ -182,14 +183,15 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, ti
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     """Grid (num_tiles, nq). tiles [2, num_tiles]: (sequence, first new-token index) of each
-    query tile. Cache positions before the tile's first query are visible to all its rows (no
+    query tile; a tile whose first index is past its sequence's new tokens does nothing. Cache positions before the tile's first query are visible to all its rows (no
     causal mask); the rest, up to the tile's last query, are masked."""
     seq = tl.load(tiles_ptr + tl.program_id(0))
     first = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
     head = tl.program_id(1)
     kv_head = head // GROUP
     q_len = tl.load(q_lens_ptr + seq)
-    history = tl.load(history_lens_ptr + seq)
+    live = first < q_len                   # False: a spare tile of a captured step's map
+    history = tl.where(live, tl.load(history_lens_ptr + seq), 0)
     rows = first + tl.arange(0, BLOCK_M)
     row_valid = rows < q_len
     token = tl.load(q_start_loc_ptr + seq) + rows
@@ -205,14 +207,14 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, ti
     block_table_ptr = block_tables_ptr + seq * stride_btb
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
-    seen_by_all = history + first
+    seen_by_all = tl.where(live, history + first, 0)
     unmasked_end = (seen_by_all // BLOCK_N) * BLOCK_N
     for tile_start in range(0, unmasked_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile_start, seen_by_all, block_table_ptr, stride_btn,
             k_head_ptr, stride_kb, stride_ks, stride_kd, v_head_ptr, stride_vb, stride_vs,
             stride_vd, qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
-    end = tl.minimum(history + q_len, seen_by_all + BLOCK_M)
+    end = tl.where(live, tl.minimum(history + q_len, seen_by_all + BLOCK_M), 0)
     for tile_start in range(unmasked_end, end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile_start, end, block_table_ptr, stride_btn,
@@ -311,13 +313,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      inputs: ModelInputs, scale: float) -> torch.Tensor:
-    """q [T, nq, d] (any q_lens and history_lens; the step's k/v already in the caches) ->
-    [T, nq, d]. Reads `inputs.host_q_lens` / `host_kv_lens` to build the query-tile map."""
-    num_heads, head_dim = q.shape[1:]
-    block_size, n_kv = k_cache.shape[1:3]
-    (block_m, block_n), block_d = _tile_sizes(q), _block_d(head_dim)
+def _host_tiles(inputs: ModelInputs, block_m: int) -> torch.Tensor:
+    """[2, n] (sequence, first new-token index) of every query tile, longest KV first (the
+    programs that run longest start first), from the host lengths."""
     q_lens = torch.tensor(inputs.host_q_lens)
     histories = torch.tensor(inputs.host_kv_lens) - q_lens
     tiles_per_seq = (q_lens + block_m - 1) // block_m
@@ -325,7 +323,36 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     first = (torch.arange(seq.numel()) - (torch.cumsum(tiles_per_seq, 0) - tiles_per_seq)[seq])
     first = first * block_m
     longest_first = torch.argsort(histories[seq] + first, descending=True)
-    tiles = torch.stack([seq, first])[:, longest_first].contiguous().to(q.device)
+    return torch.stack([seq, first])[:, longest_first].contiguous()
+
+
+def _device_tiles(inputs: ModelInputs, block_m: int, num_tokens: int) -> torch.Tensor:
+    """`_host_tiles` in sequence order, built on the device with shapes from T and B alone (a
+    captured step): T / block_m + B tiles, the spare ones pointing past their sequence."""
+    q_lens = inputs.q_lens
+    tiles_per_seq = (q_lens + block_m - 1) // block_m
+    ends = torch.cumsum(tiles_per_seq, 0)
+    index = torch.arange(triton.cdiv(num_tokens, block_m) + q_lens.numel(), device=q_lens.device)
+    seq = torch.searchsorted(ends, index, right=True).clamp_(max=q_lens.numel() - 1)
+    first = (index - ends[seq] + tiles_per_seq[seq]) * block_m
+    first = torch.where(index < ends[-1], first, 1 << 30)
+    return torch.stack([seq, first])
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      inputs: ModelInputs, scale: float) -> torch.Tensor:
+    """q [T, nq, d] (any q_lens and history_lens; the step's k/v already in the caches) ->
+    [T, nq, d]. The query-tile map comes from the host lengths, or is built on the device when
+    the step is captured (`inputs.sync_free`); the same for every layer of a forward."""
+    num_heads, head_dim = q.shape[1:]
+    block_size, n_kv = k_cache.shape[1:3]
+    (block_m, block_n), block_d = _tile_sizes(q), _block_d(head_dim)
+    if inputs.sync_free:
+        tiles = inputs.derived(('attention_tiles', block_m),
+                               lambda: _device_tiles(inputs, block_m, q.shape[0]))
+    else:
+        tiles = inputs.derived(('attention_tiles', block_m),
+                               lambda: _host_tiles(inputs, block_m).to(q.device))
     out = torch.empty_like(q)
     num_tiles = tiles.shape[1]
     _prefill_kernel[(num_tiles, num_heads)](

@@ -59,9 +59,11 @@ def random_caches(batch, max_kv_len, block_size, n_kv, head_dim, dtype, device, 
     return k_cache, torch.randn(*shape, generator=gen).to(device, dtype)
 
 
-def compare_step(q_lens, history_lens, caches, nq, decoding, dtype, device, gen, num_splits=None):
+def compare_step(q_lens, history_lens, caches, nq, decoding, dtype, device, gen, num_splits=None,
+                 sync_free=False):
     """Run one step with both backends on equal copies of `caches` (updated in place with the
-    default's result) and compare outputs and caches."""
+    default's result) and compare outputs and caches. `sync_free`: a captured prefill's inputs
+    (no host lengths)."""
     ops = cuda_ops()
     k_cache, v_cache = caches
     n_kv, head_dim = k_cache.shape[2:]
@@ -69,8 +71,10 @@ def compare_step(q_lens, history_lens, caches, nq, decoding, dtype, device, gen,
     tables = shuffled_block_tables(batch, (k_cache.shape[0] - 1) // batch, seed=batch)
     inputs = make_inputs([[0] * n for n in q_lens], history_lens, tables, list(range(batch)),
                          is_decoding=decoding).to(device)
-    if decoding:
-        inputs = HostReadsForbidden(**{f.name: getattr(inputs, f.name) for f in fields(inputs)})
+    if decoding or sync_free:
+        inputs = HostReadsForbidden(**{f.name: getattr(inputs, f.name) for f in fields(inputs)
+                                       if f.name not in ('host_lens', 'sync_free')},
+                                    sync_free=sync_free)
     q = torch.randn(total, nq, head_dim, generator=gen).to(device, dtype)
     k = torch.randn(total, n_kv, head_dim, generator=gen).to(device, dtype)
     v = torch.randn(total, n_kv, head_dim, generator=gen).to(device, dtype)
@@ -118,15 +122,19 @@ def test_decode_matches_default(kernel_device, q_len, nq, n_kv, block_size, num_
                      kernel_device, gen, num_splits)
 
 
-@pytest.mark.parametrize('nq,n_kv', [(2, 2), (8, 2)])
-def test_prefill_and_chunked_continuation_match_default(kernel_device, nq, n_kv):
+@pytest.mark.parametrize('nq,n_kv,sync_free', [(2, 2, False), (8, 2, False), (8, 2, True)],
+                         ids=['gqa1', 'gqa4', 'gqa4-device-tiles'])
+def test_prefill_and_chunked_continuation_match_default(kernel_device, nq, n_kv, sync_free):
+    """`sync_free`: the query-tile map built on the device (a captured step), with a sequence of
+    no new tokens among them."""
     gen = torch.Generator().manual_seed(nq)
-    schedule = [[5, 40, 1, 17], [3, 34, 9, 1]]     # mixed lengths, then a chunk after each
+    schedule = [[5, 40, 1, 17], [3, 34, 0 if sync_free else 9, 1]]   # then a chunk after each
     for dtype in kernel_dtypes(kernel_device):
         caches = random_caches(4, 80, 8, n_kv, 32, dtype, kernel_device, gen)
         history_lens = [0] * 4
         for q_lens in schedule:
-            compare_step(q_lens, history_lens, caches, nq, False, dtype, kernel_device, gen)
+            compare_step(q_lens, history_lens, caches, nq, False, dtype, kernel_device, gen,
+                         sync_free=sync_free)
             history_lens = [h + n for h, n in zip(history_lens, q_lens)]
 
 
