@@ -129,6 +129,7 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
                               max_prefill_token_num=args.max_prefill_tokens,
                               load_format=load_format, seed=args.seed,
                               eager_mode=args.eager_mode, async_scheduling=args.async_scheduling,
+                              max_prefill_graph_tokens=args.max_prefill_graph_tokens,
                               ssm_state_dtype=args.ssm_state_dtype,
                               model_format=args.model_format,
                               **({} if args.max_mixed_tokens is None
@@ -227,6 +228,8 @@ def main():
     parser.add_argument('--max-mixed-tokens', type=int, default=None,
                         help="max_mixed_token_num (default: the engine's)")
     parser.add_argument('--eager-mode', action='store_true', help='no CUDA graphs')
+    parser.add_argument('--max-prefill-graph-tokens', type=int, default=512,
+                        help='prefill steps of up to this many tokens replay CUDA graphs (0: none)')
     parser.add_argument('--enable-prefix-caching', action=argparse.BooleanOptionalAction,
                         default=True, help='PytorchEngineConfig.enable_prefix_caching')
     parser.add_argument('--model-format', default=None, choices=['fp8'])

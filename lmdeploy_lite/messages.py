@@ -328,7 +328,10 @@ class PytorchEngineConfig:
     # 'fp8': a bf16 checkpoint's linear weights quantized block-wise at load, as Qwen's FP8
     # releases store them (lmdeploy's name); None: as stored (an FP8 checkpoint is read as FP8)
     model_format: str | None = None
-    eager_mode: bool = False     # True: no CUDA graphs for decode steps (they are used on CUDA)
+    eager_mode: bool = False     # True: no CUDA graphs at all (they are used on CUDA)
+    # prefill and mixed steps of up to this many tokens (chunks of up to 128 tokens a sequence)
+    # replay CUDA graphs, captured per token count 16, 32, .. up to it; 0: they run eagerly
+    max_prefill_graph_tokens: int = 512
     # prepare decode step N+1 while step N runs on the device; None: on with CUDA, off on CPU
     # (where host and device share the cores, so there is nothing to overlap)
     async_scheduling: bool | None = None
@@ -348,7 +351,8 @@ class PytorchEngineConfig:
         _check_choice('dtype', self.dtype, DTYPES)
         _check_choice('device', self.device, DEVICES)
         for name, low in (('max_batch_size', 1), ('max_prefill_token_num', 1),
-                          ('max_mixed_token_num', 0), ('block_size', 1)):
+                          ('max_mixed_token_num', 0), ('block_size', 1),
+                          ('max_prefill_graph_tokens', 0)):
             _check_int(name, getattr(self, name), low)
         _check_float('cache_max_entry_count', self.cache_max_entry_count, 0, 1,
                      'a number in (0, 1]', low_open=True)

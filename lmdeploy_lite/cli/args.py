@@ -76,7 +76,10 @@ def engine_args(p: argparse.ArgumentParser):
     p.add_argument('--async-scheduling', action=argparse.BooleanOptionalAction, default=None,
                    help='prepare the next decode step while the device runs the current one '
                         '(default: on with CUDA, off on CPU)')
-    p.add_argument('--eager-mode', action='store_true', help='no CUDA graphs for decode steps')
+    p.add_argument('--eager-mode', action='store_true', help='no CUDA graphs at all')
+    p.add_argument('--max-prefill-graph-tokens', type=int, default=512,
+                   help='prefill and mixed steps of up to this many tokens replay CUDA graphs '
+                        '(0: eagerly)')
     p.add_argument('--load-format', default='auto', choices=LOAD_FORMATS,
                    help="'dummy': random weights of the checkpoint's shapes (config.json only; "
                         "benchmarks)")
@@ -161,7 +164,7 @@ ENGINE_FLAGS = ('dtype', 'device', 'revision', 'download_dir', 'session_len', 'm
                 'cache_max_entry_count', 'ssm_state_dtype', 'max_prefill_token_num',
                 'max_mixed_token_num', 'enable_prefix_caching', 'sequence_parallel',
                 'distributed_executor_backend', 'async_scheduling', 'eager_mode', 'load_format',
-                'model_format')
+                'model_format', 'max_prefill_graph_tokens')
 
 
 def build_engine_config(args, **parallel):

@@ -170,7 +170,7 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
     if deep_ep:             # every rank captures the same buckets in the same order
         most = cfg.max_batch_size * (1 + num_spec)
         ep.prepare(ForwardSizes.captured(most, most, layout.tp))
-    prefill = {} if layout.ep > 1 or layout.sequence_parallel else dict(
-        prefill_buckets=prefill_buckets(cfg.max_prefill_token_num),
-        max_prefill_q_len=SHORT_PREFILL_TOKENS)
+    most_tokens = min(cfg.max_prefill_graph_tokens, cfg.max_prefill_token_num)
+    prefill = {} if layout.ep > 1 or layout.sequence_parallel or not most_tokens else dict(
+        prefill_buckets=prefill_buckets(most_tokens), max_prefill_q_len=SHORT_PREFILL_TOKENS)
     agent.enable_graphs(batch_buckets(cfg.max_batch_size), max_blocks, recorder=dist, **prefill)

@@ -44,13 +44,10 @@ def batch_buckets(max_batch_size: int) -> list[int]:
     return [b for b in _BUCKET_STEPS if b < max_batch_size] + [max_batch_size]
 
 
-_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
-
-
-def prefill_buckets(max_prefill_tokens: int) -> list[int]:
-    """Captured token counts of prefill and mixed steps: powers of two to 512 (a step of more
-    tokens spends its time in GEMMs, not launches), no more than a step may hold."""
-    return [t for t in _PREFILL_BUCKETS if t <= max_prefill_tokens] or [max_prefill_tokens]
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Captured token counts of prefill and mixed steps: powers of two from 16, and the max."""
+    return [t for t in (2 ** i for i in range(4, max_tokens.bit_length())) if t < max_tokens] + [
+        max_tokens]
 
 
 class _Captured:

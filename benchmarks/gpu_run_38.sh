@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Issue 38 on one H100. PART=tests: the GPU tests of prefill graphs and the kernels they use.
+# PART=steps: bench_prefill_step.py (host and wall time of prefill, prefix-hit and mixed steps,
+# prefill graphs off against on) for PRESETS. PART=ttft: bench_pipeline.py TTFT rows (TTFT
+# lengths, AR, best of 2) with graphs off (GRAPH=0) and on (512) for PRESETS.
+# PART=prefix: bench_prefix.py on the 9B. PART=itl: bench_itl.py (32 streams + an 8k prompt).
+source .whl/gpu-env.sh
+OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
+filter() { grep -v "^USDT\|IBGDA\|^$"; }
+for part in ${PART:-tests}; do
+case "$part" in
+tests)
+  timeout ${LIMIT:-400} python3 -m pytest -q -p no:cacheprovider -rs -x ${TESTS:-tests/gpu/test_prefill_graphs_cuda.py \
+    tests/pytorch/backends/cuda/test_cuda_causal_conv1d.py tests/pytorch/backends/cuda/test_cuda_paged_attention.py} \
+    2>&1 | filter | tail -${TAILN:-15} ;;
+steps)
+  for preset in ${PRESETS:-qwen3_5_0_8b qwen3_5_9b}; do
+    timeout ${LIMIT:-300} python3 benchmarks/bench_prefill_step.py --preset $preset --out $OUT/steps_$preset.json \
+      > $OUT/steps_$preset.log 2>&1
+    echo "== $preset"; tail -${TAILN:-12} $OUT/steps_$preset.log | cut -c1-150
+  done ;;
+ttft)
+  for preset in ${PRESETS:-qwen3_5_0_8b qwen3_5_9b}; do
+    for graph in ${GRAPHS:-0 512}; do
+      timeout ${LIMIT:-300} python3 benchmarks/bench_pipeline.py --preset $preset --device cuda --dtype bfloat16 \
+        --batch-sizes 1 --new-tokens 16 --repeats 2 --no-enable-prefix-caching --ttft-lens ${TTFT:-128,512,2048,8192} \
+        --max-prefill-graph-tokens $graph --out $OUT/ttft_${preset}_g$graph.json > $OUT/ttft_${preset}_g$graph.log 2>&1
+      echo "== $preset graphs<=$graph"; tail -${TAILN:-6} $OUT/ttft_${preset}_g$graph.log | cut -c1-150
+    done
+  done ;;
+prefix)
+  timeout ${LIMIT:-300} python3 benchmarks/bench_prefix.py --preset qwen3_5_9b --device cuda --dtype bfloat16 \
+    ${PREFIX_ARGS:-} --out $OUT/prefix_9b.json > $OUT/prefix_9b.log 2>&1
+  tail -${TAILN:-12} $OUT/prefix_9b.log | cut -c1-150 ;;
+itl)
+  timeout ${LIMIT:-300} python3 benchmarks/bench_itl.py --preset ${PRESET:-qwen3_5_0_8b} --device cuda --dtype bfloat16 \
+    ${ITL_ARGS:-} --out $OUT/itl.json > $OUT/itl.log 2>&1
+  tail -${TAILN:-12} $OUT/itl.log | cut -c1-150 ;;
+esac
+done
