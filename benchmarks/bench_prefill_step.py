@@ -22,7 +22,7 @@ from common import (add_model_args, print_table, release_memory, resolve_model, 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig  # noqa: E402
 from lmdeploy_lite.pytorch.engine.build import build_engine  # noqa: E402
 
-COLUMNS = ['shape', 'graph_tokens', 'host_ms', 'step_ms', 'replays']
+COLUMNS = ['shape', 'graph_tokens', 'host_ms', 'step_ms', 'replays', 'graph_mib']
 
 
 def measure(args, path, load_format, graph_tokens: int) -> list[dict]:
@@ -62,6 +62,8 @@ def measure(args, path, load_format, graph_tokens: int) -> list[dict]:
         while engine.has_work:
             engine.step()
 
+    # what capturing the prefill graphs added to the reserved memory (decode graphs: before)
+    graph_mib = agent.prefill_graph.reserved_bytes / 2**20 if agent.prefill_graph else 0
     rows = []
     prefix = tokens(1500)
     for shape in args.shapes.split(','):
@@ -88,7 +90,7 @@ def measure(args, path, load_format, graph_tokens: int) -> list[dict]:
             drain()
         after = agent.prefill_graph.num_replays if agent.prefill_graph else 0
         rows.append({'shape': shape, 'graph_tokens': graph_tokens, 'host_ms': best[0],
-                     'step_ms': best[1], 'replays': after - before})
+                     'step_ms': best[1], 'replays': after - before, 'graph_mib': graph_mib})
     del engine
     release_memory()
     return rows

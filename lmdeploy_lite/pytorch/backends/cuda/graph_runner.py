@@ -64,6 +64,7 @@ class _Captured:
         self.buckets, self.device = sorted(buckets), device
         self.use_graphs, self.pool = device.type == 'cuda', pool
         self.num_replays = 0
+        self.reserved_bytes = 0            # what capturing them added to the reserved memory
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -77,6 +78,7 @@ class _Captured:
         """Capture every bucket, largest first (smaller graphs reuse the pool's memory)."""
         if not self.use_graphs:
             return
+        reserved = torch.cuda.memory_reserved(self.device)
         for bucket in reversed(self.buckets):
             self._before_capture(bucket)
             stream = torch.cuda.Stream(self.device)
@@ -103,7 +105,9 @@ class _Captured:
                 self.pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        logger.info('%s: captured CUDA graphs for %s', self.name, self.describe())
+        self.reserved_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        logger.info('%s: captured CUDA graphs for %s (%.0f MiB more reserved)', self.name,
+                    self.describe(), self.reserved_bytes / 2**20)
 
     def describe(self) -> str:
         return f'buckets {self.buckets}'
