@@ -1,5 +1,6 @@
-"""Causal depthwise conv1d + SiLU on CUDA: a Triton kernel for decode/verify, the default op for
-prefill. Shapes, conv window buffer and pure-torch reference: `backends/default/causal_conv1d.py`.
+"""Causal depthwise conv1d + SiLU on CUDA: Triton kernels for prefill (any lengths, read on the
+device: no host sync, capturable in a CUDA graph) and decode/verify (uniform lengths). Shapes, conv
+window buffer and pure-torch reference: `backends/default/causal_conv1d.py`.
 """
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import triton.language as tl
 from ...model_inputs import ModelInputs
 from ..default import causal_conv1d as reference
 
-causal_conv1d_prefill = reference.causal_conv1d_prefill
 BLOCK_C = 256      # channels per program; >= 32 * num_warps, so no channel is held by two threads
+PREFILL_BLOCK_T, PREFILL_BLOCK_C = 16, 128     # the prefill body kernel's tile (tokens, channels)
 
 
 @triton.jit
@@ -82,4 +83,105 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_cache: torc
         num_channels, NUM_TOKENS=inputs.uniform_q_len,
         KERNEL=weight.shape[1], BLOCK=BLOCK_C, num_warps=4,
         ACC=tl.float64 if conv_cache.dtype == torch.float64 else tl.float32)
+    return out
+
+
+@triton.jit
+def _prefill_body_kernel(
+        x_ptr, weight_ptr, out_ptr, cache_ptr, token_offsets_ptr, num_tokens,
+        stride_xt, stride_xc, stride_wc, stride_wk, stride_ot, stride_oc, num_channels,
+        KERNEL: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """One program: tokens [BLOCK_T * pid_t, +BLOCK_T) x channels [BLOCK_C * pid_c, +BLOCK_C),
+    the tokens at offset >= K-1 in their sequence, whose K taps are all new inputs (the first
+    K-1 read the window: `_prefill_head_kernel`)."""
+    pid_t, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BLOCK_T)
+    t = pid_t * BLOCK_T + rows
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    offset = tl.load(token_offsets_ptr + t, mask=t < num_tokens, other=0)
+    mask = ((t < num_tokens) & (offset >= KERNEL - 1))[:, None] & (offs_c < num_channels)[None, :]
+    # int32 offsets from the tile's first row (64-bit addresses per element cost registers)
+    x_tile = x_ptr + (pid_t * BLOCK_T).to(tl.int64) * stride_xt
+    x_offs = rows[:, None] * stride_xt + offs_c[None, :] * stride_xc
+    conv = tl.zeros([BLOCK_T, BLOCK_C], dtype=ACC)
+    for j in tl.static_range(KERNEL):     # out[t] = sum_j w[:, j] * x[t - (K-1) + j]
+        w = tl.load(weight_ptr + offs_c * stride_wc + j * stride_wk, mask=offs_c < num_channels,
+                    other=0.)
+        col = tl.load(x_tile + x_offs + (j - (KERNEL - 1)) * stride_xt, mask=mask, other=0.)
+        # x is rounded to the cache dtype, as the default op (and the stored window) does
+        conv += w.to(ACC)[None, :] * col.to(cache_ptr.dtype.element_ty).to(ACC)
+    out = conv / (1. + tl.exp(-conv))
+    tl.store(out_ptr + (pid_t * BLOCK_T).to(tl.int64) * stride_ot + rows[:, None] * stride_ot
+             + offs_c[None, :] * stride_oc, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _prefill_head_kernel(
+        x_ptr, weight_ptr, out_ptr, cache_ptr, state_slots_ptr, state_index_ptr,
+        history_lens_ptr, q_start_loc_ptr, q_lens_ptr, stride_xt, stride_xc, stride_wc,
+        stride_wk, stride_ot, stride_oc, stride_c0, stride_cc, stride_cw, num_channels,
+        KERNEL: tl.constexpr, ACC: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: sequence b, channels [BLOCK * pid_c, +BLOCK). The outputs of its first
+    min(n, K-1) tokens (n = q_lens[b]), which read the old window, and, if n > 0, the new
+    window full[n..n+K-2], stored to columns 0..K-2 of its row after a barrier: every read of
+    the old window comes first. [HEAD >= K-1, BLOCK] tiles: token or window column h."""
+    b, pid_c = tl.program_id(0), tl.program_id(1)
+    offs_c = (pid_c * BLOCK + tl.arange(0, BLOCK))[None, :]
+    heads = tl.arange(0, HEAD)[:, None]
+    mask_c = offs_c < num_channels
+    num_new = tl.load(q_lens_ptr + b)
+    cache_row = cache_ptr + tl.load(state_slots_ptr + b).to(tl.int64) * stride_c0
+    index = tl.load(state_index_ptr + b)
+    has_history = tl.load(history_lens_ptr + b) > 0
+    first_token = tl.load(q_start_loc_ptr + b)
+    mask_out = mask_c & (heads < KERNEL - 1) & (heads < num_new)
+    conv = tl.zeros([HEAD, BLOCK], dtype=ACC)
+    for j in tl.static_range(KERNEL):
+        w = tl.load(weight_ptr + offs_c * stride_wc + j * stride_wk, mask=mask_c, other=0.)
+        conv += w.to(ACC) * _load_full(x_ptr, cache_row, offs_c, mask_out, heads + j,
+                                       first_token, index, has_history, stride_xt, stride_xc,
+                                       stride_cc, stride_cw, KERNEL, ACC)
+    out = conv / (1. + tl.exp(-conv))
+    tl.store(out_ptr + (first_token + heads) * stride_ot + offs_c * stride_oc,
+             out.to(out_ptr.dtype.element_ty), mask=mask_out)
+    mask_window = mask_c & (heads < KERNEL - 1) & (num_new > 0)
+    window = _load_full(x_ptr, cache_row, offs_c, mask_window, num_new + heads, first_token,
+                        index, has_history, stride_xt, stride_xc, stride_cc, stride_cw, KERNEL,
+                        ACC)
+    tl.debug_barrier()
+    tl.store(cache_row + offs_c * stride_cc + heads * stride_cw,
+             window.to(cache_ptr.dtype.element_ty), mask=mask_window)
+
+
+def _token_offsets(q_start_loc: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Token t's sequence is the last b with q_start_loc[b] <= t (a 0-length sequence shares
+    its successor's start)."""
+    return tokens - q_start_loc[torch.searchsorted(q_start_loc, tokens, right=True) - 1]
+
+
+def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
+                          inputs: ModelInputs) -> torch.Tensor:
+    """The default op's prefill for any lengths (0 included) read on the device: launch sizes
+    come from T, C and B alone, so a step can be captured in a CUDA graph and replayed with other
+    lengths of the same totals. Accumulates in fp32 (fp64 for fp64 x or cache)."""
+    (num_tokens, num_channels), num_seqs = x.shape, inputs.q_lens.numel()
+    out = torch.empty_like(x)
+    if num_tokens == 0:           # then every q_len is 0: nothing to store
+        return out
+    q_start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
+    # each token's index among its sequence's new tokens, with static shapes (no host sync)
+    token_offsets = inputs.derived(('conv_token_offsets', num_tokens), lambda: _token_offsets(
+        q_start_loc, torch.arange(num_tokens, device=x.device)))
+    acc = tl.float64 if torch.float64 in (x.dtype, conv_cache.dtype) else tl.float32
+    kernel = weight.shape[1]
+    grid = (triton.cdiv(num_tokens, PREFILL_BLOCK_T), triton.cdiv(num_channels, PREFILL_BLOCK_C))
+    _prefill_body_kernel[grid](
+        x, weight, out, conv_cache, token_offsets, num_tokens, *x.stride(), *weight.stride(),
+        *out.stride(), num_channels, KERNEL=kernel, ACC=acc, BLOCK_T=PREFILL_BLOCK_T,
+        BLOCK_C=PREFILL_BLOCK_C, num_warps=4)
+    _prefill_head_kernel[(num_seqs, triton.cdiv(num_channels, BLOCK_C))](
+        x, weight, out, conv_cache, inputs.state_slots, inputs.state_index, inputs.history_lens,
+        q_start_loc, inputs.q_lens, *x.stride(), *weight.stride(), *out.stride(),
+        *conv_cache.stride(), num_channels, KERNEL=kernel, ACC=acc,
+        HEAD=triton.next_power_of_2(max(kernel - 1, 1)), BLOCK=BLOCK_C, num_warps=4)
     return out

@@ -1,7 +1,10 @@
 """backends/cuda causal conv1d against backends/default: outputs and the WHOLE conv cache (columns
-and rows a step must not touch stay unchanged). The update kernel runs in Triton's interpreter on
-CPU."""
+and rows a step must not touch stay unchanged). The kernels run in Triton's interpreter on CPU.
+Outputs match to 1e-5 in float32, not bit for bit (the silu's exp is not torch's, and the GPU
+fuses multiply-adds); the cache holds raw inputs and matches exactly."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,14 +17,15 @@ NUM_SLOTS, KERNEL = 7, 4
 
 
 def check_step(op_name, q_lens, history_lens, slots, index, decoding, channels, num_spec, dtype,
-               device):
+               device, cache_dtype=None):
     """Run the cuda op and the default op on the same inputs and identical cache copies."""
     inputs = make_inputs([[0] * n for n in q_lens], history_lens,
                          shuffled_block_tables(len(q_lens), 4), slots, index, decoding).to(device)
     gen = torch.Generator().manual_seed(sum(q_lens))
-    x = torch.randn(sum(q_lens), channels, generator=gen).to(device, dtype)
+    x = torch.randn(sum(q_lens), channels + 3, generator=gen).to(device, dtype)[:, 3:]  # a view
     weight = torch.randn(channels, 1, KERNEL, generator=gen).to(device, dtype)[:, 0]  # as the model
-    cache = torch.randn(NUM_SLOTS, channels, KERNEL - 1 + num_spec, generator=gen).to(device, dtype)
+    cache = torch.randn(max(NUM_SLOTS, len(slots)), channels, KERNEL - 1 + num_spec,
+                        generator=gen).to(device, cache_dtype or dtype)
     expected_cache = cache.clone()
     out = getattr(cuda_conv, op_name)(x, weight, cache, inputs)
     expected = getattr(default, op_name)(x, weight, expected_cache, inputs)
@@ -55,9 +59,24 @@ def test_update_without_uniform_length_uses_default(kernel_device):
                torch.float32, kernel_device)
 
 
-def test_prefill_is_default(kernel_device):
-    check_step('causal_conv1d_prefill', [5, 2], [0, 4], [3, 1], [0, 1], False, 20, 2,
-               torch.float32, kernel_device)
+# (q_lens, history_lens, state_slots, state_index) of prefill steps, cache width K - 1 + 2
+PREFILL_STEPS = {
+    'fresh': ([5, 2], [0, 0], [3, 1], [0, 0]),
+    'chunked': ([6, 3], [4, 9], [2, 5], [1, 2]),              # windows at columns 1, 2
+    'empty_seq': ([3, 0, 2], [0, 5, 2], [4, 0, 6], [0, 2, 1]),
+    'shorter_than_window': ([1, 2, 1], [7, 3, 0], [1, 6, 2], [2, 0, 0]),
+    'mixed_one_token_rows': ([1, 1, 17, 1, 0, 1], [3, 8, 0, 1, 4, 6], [6, 0, 3, 5, 2, 4],
+                             [0, 1, 0, 2, 1, 0]),           # 21 tokens: two token tiles
+}
+
+
+@pytest.mark.parametrize('step', PREFILL_STEPS)
+def test_prefill_matches_default(kernel_device, step):
+    """300 channels (two channel blocks, the second partial); a row of q_len 0 and the rows of
+    other slots stay as they were (the whole cache is compared)."""
+    for dtype in dtypes(kernel_device):
+        check_step('causal_conv1d_prefill', *PREFILL_STEPS[step], False, 300, 2, dtype,
+                   kernel_device)
 
 
 @pytest.mark.gpu
@@ -66,3 +85,51 @@ def test_update_realistic_sizes(num_tokens):
     """Qwen3.5 sizes: conv_dim = 2 * 16 * 128 + 32 * 128, bf16, k = 3 drafts."""
     check_step('causal_conv1d_update', [num_tokens] * 6, [9, 0, 33, 4, 100, 1],
                [6, 0, 2, 5, 4, 3], [1, 0, 3, 0, 2, 1], True, 8192, 3, torch.bfloat16, 'cuda')
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('channels, q_lens', [
+    (6144, [8192]), (8192, [1] * 64 + [128]), (8192, [3000, 0, 5000, 1, 191])])
+@pytest.mark.parametrize('cache_dtype', [torch.bfloat16, torch.float32])
+def test_prefill_realistic_sizes(channels, q_lens, cache_dtype):
+    """One long prompt, 64 decode-like rows beside a 128-token prompt, chunks continuing."""
+    num_seqs = len(q_lens)
+    history = [7 * b % 11 for b in range(num_seqs)]              # the first (and 12th) fresh
+    slots = torch.randperm(num_seqs, generator=torch.Generator().manual_seed(0)).tolist()
+    check_step('causal_conv1d_prefill', q_lens, history, slots, [b % 3 for b in range(num_seqs)],
+               False, channels, 2, torch.bfloat16, 'cuda', cache_dtype)
+
+
+@pytest.mark.gpu
+def test_prefill_graph_replays_other_lengths():
+    """Captured once for T = 40 tokens of 4 sequences, replayed with other splits of the 40
+    tokens (0-length and 1-token rows, other slots and histories): equal to eager runs."""
+    steps = [  # (q_lens, history_lens, state_slots)
+        ([10, 10, 10, 10], [0, 4, 0, 9], [0, 1, 2, 3]), ([1, 0, 38, 1], [5, 2, 0, 7], [6, 3, 0, 5]),
+        ([40, 0, 0, 0], [3, 0, 0, 0], [2, 4, 1, 6]), ([2, 1, 1, 36], [0, 1, 2, 3], [5, 0, 4, 1])]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 512, generator=gen).to('cuda', torch.bfloat16)
+    weight = torch.randn(512, KERNEL, generator=gen).to('cuda', torch.bfloat16)
+    cache = torch.randn(NUM_SLOTS, 512, KERNEL - 1 + 2, generator=gen).cuda()
+
+    def step_inputs(q_lens, history_lens, slots):
+        return make_inputs([[0] * n for n in q_lens], history_lens, shuffled_block_tables(4, 4),
+                           slots, [h % 3 for h in history_lens]).to('cuda')
+
+    static, static_cache = step_inputs(*steps[0]), cache.clone()
+    cuda_conv.causal_conv1d_prefill(x, weight, static_cache.clone(), replace(static))  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = cuda_conv.causal_conv1d_prefill(x, weight, static_cache, static)
+    for step in steps[1:] + steps[:1]:
+        inputs = step_inputs(*step)
+        for name in ('q_lens', 'history_lens', 'state_slots', 'state_index'):
+            getattr(static, name).copy_(getattr(inputs, name))
+        static_cache.copy_(cache)
+        graph.replay()
+        expected_cache = cache.clone()
+        expected = cuda_conv.causal_conv1d_prefill(x, weight, expected_cache, inputs)
+        torch.testing.assert_close(static_out, expected, atol=0, rtol=0)
+        torch.testing.assert_close(static_cache, expected_cache, atol=0, rtol=0)
+        torch.testing.assert_close(expected, default.causal_conv1d_prefill(
+            x, weight, cache.clone(), inputs), atol=2e-2, rtol=2e-2)
