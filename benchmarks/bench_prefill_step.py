@@ -27,7 +27,7 @@ COLUMNS = ['shape', 'graph_tokens', 'host_ms', 'step_ms', 'replays', 'graph_mib'
 
 def measure(args, path, load_format, graph_tokens: int) -> list[dict]:
     cfg = PytorchEngineConfig(dtype=args.dtype, device=args.device, load_format=load_format,
-                              session_len=4096, max_batch_size=40, max_prefill_token_num=4096,
+                              session_len=10000, max_batch_size=40, max_prefill_token_num=8192,
                               max_mixed_token_num=args.mixed_budget,
                               max_prefill_graph_tokens=graph_tokens)
     engine = build_engine(path, cfg, progress=False)

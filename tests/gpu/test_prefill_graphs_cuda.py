@@ -2,11 +2,13 @@
 token: float32 on the GPU, the embedded model plain and with MTP k=3 (acceptance asserted),
 prefix caching on, prompts arriving while others decode (mixed steps, prefix-cache hits) and
 all at once. Whole sequences and draft counts equal the eager engine's (`eager_mode=True`: no
-graph at all) and plain greedy's. Skipped without CUDA."""
+graph at all) and plain greedy's; the graphs' memory is within what the KV plan charged for it.
+Skipped without CUDA."""
 import pytest
 
 from lmdeploy_lite.messages import PytorchEngineConfig
 from lmdeploy_lite.pytorch.engine.build import build_engine
+from lmdeploy_lite.pytorch.engine.cache_plan import prefill_graph_bytes
 from tests.helpers import accepting
 from tests.helpers.accepting import GREEDY, assert_real_acceptance, counts
 
@@ -39,6 +41,9 @@ def _run(eager: bool, k: int, mixed: bool):
     seqs = [seqs[i] for i in range(len(prompts))]
     agent = engine.agent.target if k else engine.agent
     replays = 0 if eager else agent.prefill_graph.num_replays
+    if not eager:         # what the capture added to the reserved memory, as the KV plan charged
+        assert agent.prefill_graph.reserved_bytes <= prefill_graph_bytes(
+            engine.model_config, 256, engine.dtype)
     return [s.generated_ids for s in seqs], [counts(s.spec_stats) for s in seqs], replays, seqs
 
 

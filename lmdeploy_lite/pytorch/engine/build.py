@@ -15,7 +15,8 @@ from lmdeploy_lite.pytorch.cache_engine import CacheEngine
 from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
 from lmdeploy_lite.pytorch.distributed import DistContext
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager
-from lmdeploy_lite.pytorch.engine.cache_plan import available_memory, plan_cache
+from lmdeploy_lite.pytorch.engine.cache_plan import (available_memory, plan_cache,
+                                                      prefill_graph_bytes)
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.engine.hidden_states import DirectOutputs, HiddenStatesWriter
 from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
@@ -102,10 +103,13 @@ def _plan_cache(model_config: ModelConfig, cfg: PytorchEngineConfig, plan: SpecP
                 max_positions: int) -> CacheConfig:
     """This rank's KV plan, its counts the minimum over all ranks (block tables must agree)."""
     draft = plan.draft
+    graph_tokens = _prefill_graph_tokens(cfg, dist, device, dtype, plan)
+    graph_bytes = prefill_graph_bytes(model_config, graph_tokens, dtype, dist.config.tp)
     cache_config = plan_cache(model_config, cfg, max_positions, plan.num_spec_tokens,
                               draft.num_kv_layers, dtype,
                               available_memory(device, dist.world_size), dist.config.tp,
-                              draft.tp, draft.weight_bytes, plan.draft_probs_bytes_per_slot)
+                              draft.tp, draft.weight_bytes, plan.draft_probs_bytes_per_slot,
+                              graph_bytes)
     num_blocks, num_snapshots = dist.world.all_reduce(
         torch.tensor([cache_config.num_blocks, cache_config.num_snapshots]), op='min').tolist()
     return dataclasses.replace(cache_config, num_blocks=num_blocks, num_snapshots=num_snapshots)
@@ -143,6 +147,18 @@ def _async_scheduling(cfg: PytorchEngineConfig, device: torch.device, plan: Spec
     return wanted
 
 
+def _prefill_graph_tokens(cfg: PytorchEngineConfig, dist: DistContext, device: torch.device,
+                          dtype: torch.dtype, plan: SpecPlan) -> int:
+    """The largest prefill step captured in a CUDA graph, 0 for none: on CUDA with graphs, not
+    under EP (DeepEP's normal mode), sequence parallelism (it splits every prefill's rows),
+    float64 or extract_hidden_states (no graphs at all)."""
+    layout = dist.config
+    if (device.type != 'cuda' or cfg.eager_mode or layout.ep > 1 or layout.sequence_parallel
+            or dtype == torch.float64 or plan.aux_hidden_state_layer_ids):
+        return 0
+    return min(cfg.max_prefill_graph_tokens, cfg.max_prefill_token_num)
+
+
 def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype,
                    plan: SpecPlan, cache_config: CacheConfig, cfg: PytorchEngineConfig,
                    max_positions: int):
@@ -170,7 +186,7 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
     if deep_ep:             # every rank captures the same buckets in the same order
         most = cfg.max_batch_size * (1 + num_spec)
         ep.prepare(ForwardSizes.captured(most, most, layout.tp))
-    most_tokens = min(cfg.max_prefill_graph_tokens, cfg.max_prefill_token_num)
-    prefill = {} if layout.ep > 1 or layout.sequence_parallel or not most_tokens else dict(
-        prefill_buckets=prefill_buckets(most_tokens), max_prefill_q_len=SHORT_PREFILL_TOKENS)
+    most_tokens = _prefill_graph_tokens(cfg, dist, torch.device('cuda'), dtype, plan)
+    prefill = {} if not most_tokens else dict(prefill_buckets=prefill_buckets(most_tokens),
+                                              max_prefill_q_len=SHORT_PREFILL_TOKENS)
     agent.enable_graphs(batch_buckets(cfg.max_batch_size), max_blocks, recorder=dist, **prefill)

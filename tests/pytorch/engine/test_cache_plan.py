@@ -16,7 +16,7 @@ import torch
 
 from lmdeploy_lite.messages import PytorchEngineConfig, SpeculativeConfig
 from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
-from lmdeploy_lite.pytorch.engine.cache_plan import plan_cache
+from lmdeploy_lite.pytorch.engine.cache_plan import plan_cache, prefill_graph_bytes
 from lmdeploy_lite.pytorch.spec_decode.build import spec_plan
 
 MB = 1 << 20
@@ -49,6 +49,24 @@ def test_blocks_per_rank_by_hand(tp, dp, with_draft, draft_tp, prefix_caching, t
     assert plan.num_blocks == expected
     assert plan.num_snapshots == snapshots
     assert plan.num_state_slots == 129 and plan.num_spec_tokens == 3
+
+
+@pytest.mark.parametrize('tp', [1, 2])
+def test_prefill_graphs_are_charged_before_the_blocks(tp, tiny_ckpt):
+    """The prefill graphs' activations come off the memory before the cache's share of it (a
+    dense model: the MLP's width is intermediate_size)."""
+    model = ModelConfig.from_pretrained(tiny_ckpt(False, layout='plain'))
+    assert not model.num_experts
+    c = model
+    widest = max(2 * c.intermediate_size, c.linear_conv_dim + c.linear_num_value_heads * (
+        c.linear_value_head_dim + 2), (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
+        * c.head_dim) // tp
+    graphs = prefill_graph_bytes(model, 256, torch.bfloat16, tp)
+    assert graphs == 3 * 256 * (widest + 4 * c.hidden_size) * 2 + 64 * MB
+    assert prefill_graph_bytes(model, 0, torch.bfloat16, tp) == 0
+    cfg = PytorchEngineConfig(block_size=4, max_batch_size=8, session_len=64)
+    charged = plan_cache(model, cfg, 69, 3, 1, torch.float32, 512 * MB, tp=tp, graph_bytes=graphs)
+    assert charged == plan_cache(model, cfg, 69, 3, 1, torch.float32, 512 * MB - graphs, tp=tp)
 
 
 def test_blocks_are_capped_by_what_max_batch_size_sessions_need(tiny_ckpt):

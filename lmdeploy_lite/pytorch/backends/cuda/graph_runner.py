@@ -79,9 +79,9 @@ class _Captured:
         if not self.use_graphs:
             return
         reserved = torch.cuda.memory_reserved(self.device)
+        stream = torch.cuda.Stream(self.device)   # one for every warm-up: one set of cached blocks
         for bucket in reversed(self.buckets):
             self._before_capture(bucket)
-            stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):          # warm-up: Triton compiles, lazy inits
                 self._run_static(bucket)
@@ -105,7 +105,8 @@ class _Captured:
                 self.pool = graph.pool()
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.device)
-        self.reserved_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        torch.cuda.empty_cache()                 # the warm-ups' blocks; the graphs keep their pool
+        self.reserved_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
         logger.info('%s: captured CUDA graphs for %s (%.0f MiB more reserved)', self.name,
                     self.describe(), self.reserved_bytes / 2**20)
 
