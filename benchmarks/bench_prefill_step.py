@@ -22,7 +22,8 @@ from common import (add_model_args, print_table, release_memory, resolve_model, 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig  # noqa: E402
 from lmdeploy_lite.pytorch.engine.build import build_engine  # noqa: E402
 
-COLUMNS = ['shape', 'graph_tokens', 'host_ms', 'step_ms', 'replays', 'graph_mib']
+COLUMNS = ['shape', 'graph_tokens', 'captured_q_len', 'host_ms', 'step_ms', 'replays',
+           'graph_mib']
 
 
 def measure(args, path, load_format, graph_tokens: int) -> list[dict]:
@@ -105,12 +106,19 @@ def main():
                         help='max_mixed_token_num: the mixed shapes carry a chunk of this less '
                              'the 32 decode rows (default 128: a 96-token chunk)')
     parser.add_argument('--repeats', type=int, default=3)
+    parser.add_argument('--captured-q-lens', default=None,
+                        help='comma-separated gated_delta_rule.CAPTURED_PREFILL_TOKENS to run '
+                             'each graph setting with (the longest chunk a captured step takes)')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     path, load_format = resolve_model(args)
+    from lmdeploy_lite.pytorch.backends.cuda import gated_delta_rule
     rows = []
     for graph_tokens in (int(t) for t in args.graph_tokens.split(',')):
-        rows += measure(args, path, load_format, graph_tokens)
+        for q_len in (args.captured_q_lens or str(gated_delta_rule.CAPTURED_PREFILL_TOKENS)).split(','):
+            gated_delta_rule.CAPTURED_PREFILL_TOKENS = int(q_len)
+            rows += [dict(row, captured_q_len=int(q_len))
+                     for row in measure(args, path, load_format, graph_tokens)]
     if args.out:
         save_json(args.out, {'args': vars(args), 'rows': rows})
     print_table(rows, COLUMNS)

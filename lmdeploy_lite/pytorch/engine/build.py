@@ -179,7 +179,7 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
         logger.info('CUDA graphs off: ep=%d dispatches by all-to-all (host-side counts); '
                     'decode steps run eagerly', layout.ep)
         return
-    from lmdeploy_lite.pytorch.backends.cuda.gated_delta_rule import SHORT_PREFILL_TOKENS
+    from lmdeploy_lite.pytorch.backends.cuda import gated_delta_rule
     from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets, prefill_buckets
     num_spec = plan.num_spec_tokens
     max_blocks = max(-(-max_positions // cache_config.block_size), dummy_table_width(1 + num_spec))
@@ -188,5 +188,5 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
         ep.prepare(ForwardSizes.captured(most, most, layout.tp))
     most_tokens = _prefill_graph_tokens(cfg, dist, torch.device('cuda'), dtype, plan)
     prefill = {} if not most_tokens else dict(prefill_buckets=prefill_buckets(most_tokens),
-                                              max_prefill_q_len=SHORT_PREFILL_TOKENS)
+                                              max_prefill_q_len=gated_delta_rule.CAPTURED_PREFILL_TOKENS)
     agent.enable_graphs(batch_buckets(cfg.max_batch_size), max_blocks, recorder=dist, **prefill)

@@ -21,6 +21,10 @@ from ..default import gated_delta_rule as reference
 # kernel walks the tokens in order, ~1.5 us each at 9B heads on an H100 (0.2 ms at 128). Longer
 # chunks go to fla, whose host time a long step's GEMMs hide (BENCHMARKS.md, "Short prefills").
 SHORT_PREFILL_TOKENS = 128
+# In a prefill step captured in a CUDA graph (graph_runner.PrefillGraphRunner) the kernel takes
+# chunks of up to this many tokens: there is no host time to hide there, and at 512 tokens its
+# ~0.8 ms a layer is far below the ~37 ms host floor of the eager step it replaces.
+CAPTURED_PREFILL_TOKENS = 512
 
 
 @triton.jit
