@@ -149,11 +149,12 @@ def _async_scheduling(cfg: PytorchEngineConfig, device: torch.device, plan: Spec
 
 def _prefill_graph_tokens(cfg: PytorchEngineConfig, dist: DistContext, device: torch.device,
                           dtype: torch.dtype, plan: SpecPlan) -> int:
-    """The largest prefill step captured in a CUDA graph, 0 for none: on CUDA with graphs, not
-    under EP (DeepEP's normal mode), sequence parallelism (it splits every prefill's rows),
-    float64 or extract_hidden_states (no graphs at all)."""
+    """The largest prefill step captured in a CUDA graph, 0 for none: on CUDA with graphs, one
+    GPU per model copy (tp = 1: the captured TP collectives of a prefill step have not been run
+    on GPUs yet), not under EP (DeepEP's normal mode), float64 or extract_hidden_states (no
+    graphs at all)."""
     layout = dist.config
-    if (device.type != 'cuda' or cfg.eager_mode or layout.ep > 1 or layout.sequence_parallel
+    if (device.type != 'cuda' or cfg.eager_mode or layout.tp > 1 or layout.ep > 1
             or dtype == torch.float64 or plan.aux_hidden_state_layer_ids):
         return 0
     return min(cfg.max_prefill_graph_tokens, cfg.max_prefill_token_num)
@@ -165,8 +166,7 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
     """CUDA graphs for decode steps, their device collectives captured with them (TP on NCCL or
     the peer-memory all-reduce; EP through DeepEP's low-latency kernels, in steps where every
     rank decodes). The all-to-all dispatcher (host-side counts) runs eagerly. The target's short
-    prefill and mixed steps too, except under EP (DeepEP's normal mode) and where sequence
-    parallelism splits every prefill's rows."""
+    prefill and mixed steps too, where `_prefill_graph_tokens` says."""
     layout = dist.config
     if dtype == torch.float64:     # float64 runs the plain-PyTorch ops, not capturable
         logger.info('CUDA graphs off: float64 runs decode steps eagerly')
