@@ -15,9 +15,10 @@ Every backend provides (see `backends/default` for shapes and semantics):
     fused_moe_masked(x, counts, gate_up_proj, down_proj, out=None) -> [E, C, H]  (x[e, :counts[e]])
 
 Decode-step contract (what lets `graph_runner` capture a step in a CUDA graph): when
-`inputs.is_decoding`, an op reads no device value on the host (no `.item()`, `.tolist()`,
-`host_q_lens`, `max_kv_len`, `seq_groups`) and allocates nothing whose shape depends on device
-data; `inputs.uniform_q_len` (a host int) and tensor shapes are allowed.
+`inputs.is_decoding`, or in a captured prefill step (`inputs.sync_free`, any lengths), an op
+reads no device value on the host (no `.item()`, `.tolist()`, `host_q_lens`, `max_kv_len`,
+`seq_groups`) and allocates nothing whose shape depends on device data; `inputs.uniform_q_len`
+(a host int) and tensor shapes are allowed.
 """
 from __future__ import annotations
 
