@@ -315,6 +315,11 @@ class PytorchEngineConfig:
     # is prefilled, longer time to its first token (README "Prefill rides with decode");
     # 0: prefill goes first with the whole max_prefill_token_num budget
     max_mixed_token_num: int = 4096
+    # > 1 (e.g. 2.0): the budget above follows measured step times instead, so that a step
+    # carrying a prompt chunk costs at most this many decode steps of the same batch (smoother
+    # streams, a later first token for the prompt; README "Prefill rides with decode"), within
+    # max_mixed_token_num; 0: the fixed budget
+    max_mixed_step_cost: float = 0.0
     block_size: int = 64
     cache_max_entry_count: float = 0.8
     num_gpu_blocks: int = 0
@@ -357,6 +362,11 @@ class PytorchEngineConfig:
         _check_float('cache_max_entry_count', self.cache_max_entry_count, 0, 1,
                      'a number in (0, 1]', low_open=True)
         _check_int('num_gpu_blocks', self.num_gpu_blocks, 0)
+        _check(self.max_mixed_step_cost == 0 or (isinstance(self.max_mixed_step_cost, (int, float))
+                                                 and self.max_mixed_step_cost > 1),
+               'max_mixed_step_cost', self.max_mixed_step_cost,
+               '0 (the fixed max_mixed_token_num) or a number > 1 (decode steps a chunk step may '
+               'cost)')
         if self.session_len is not None:
             _check_int('session_len', self.session_len, 1)
         for name in ('tp', 'dp', 'ep'):

@@ -103,6 +103,9 @@ def engine_args(p: argparse.ArgumentParser):
     p.add_argument('--max-mixed-token-num', type=int, default=4096,
                    help='tokens a step carries at most while sequences decode: their decode rows '
                         'plus a prefill chunk (0: prefill steps apart, running streams wait)')
+    p.add_argument('--max-mixed-step-cost', type=float, default=0.0,
+                   help='> 1: the mixed budget follows measured step times, a step carrying a '
+                        'prompt chunk costing at most this many decode steps (0: fixed)')
     p.add_argument('--log-level', default='WARNING', type=str.upper, choices=LOG_LEVELS,
                    help='python logging level')
 
@@ -162,7 +165,8 @@ def _layer_ids(text: str | None) -> tuple[int, ...] | None:
 # the flags that set the PytorchEngineConfig field of the same name
 ENGINE_FLAGS = ('dtype', 'device', 'revision', 'download_dir', 'session_len', 'max_batch_size',
                 'cache_max_entry_count', 'ssm_state_dtype', 'max_prefill_token_num',
-                'max_mixed_token_num', 'enable_prefix_caching', 'sequence_parallel',
+                'max_mixed_token_num', 'max_mixed_step_cost', 'enable_prefix_caching',
+                'sequence_parallel',
                 'distributed_executor_backend', 'async_scheduling', 'eager_mode', 'load_format',
                 'model_format', 'max_prefill_graph_tokens')
 

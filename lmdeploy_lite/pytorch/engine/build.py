@@ -133,7 +133,8 @@ def _scheduler(cfg: PytorchEngineConfig, cache_config: CacheConfig, plan: SpecPl
     return Scheduler(block_manager, cfg.max_batch_size, cfg.max_prefill_token_num, session_len,
                      num_spec_tokens=plan.num_spec_tokens, num_draft_extra=plan.num_draft_extra,
                      stop_checker=StopChecker(model_config.eos_token_ids, tokenizer),
-                     max_mixed_token_num=cfg.max_mixed_token_num)
+                     max_mixed_token_num=cfg.max_mixed_token_num,
+                     max_mixed_step_cost=cfg.max_mixed_step_cost)
 
 
 def _async_scheduling(cfg: PytorchEngineConfig, device: torch.device, plan: SpecPlan) -> bool:

@@ -118,6 +118,7 @@ class Engine:
         start = time.perf_counter()
         self.dist.begin_step(self.num_steps)
         outputs, batch, continued = self._schedule()
+        scheduled = time.perf_counter()           # the step before is done unless continued
         outputs += self.output_stage.take_done(
             WRITE_POLL_S if batch is None and not self.plan_busy else 0.0)
         sampling = self.sampling.for_batch(batch)
@@ -134,7 +135,9 @@ class Engine:
         result = self.strategy.post_broadcast(result, self.agent, inputs, plan, self.dist)
         self.dist.end_step()
         outputs += self._update_or_hold(batch, inputs, result, continued)
-        self.spec.observe_time(batch, plan.num_spec, time.perf_counter() - start)
+        end = time.perf_counter()
+        self.spec.observe_time(batch, plan.num_spec, end - start)
+        self.scheduler.observe_step(batch, end - start, end - scheduled)
         return outputs
 
     def _schedule(self) -> tuple[list[StepOutput], ScheduledBatch | None, InFlight | None]:
@@ -165,7 +168,10 @@ class Engine:
         """The StepPlan of the ranks that share this step's collectives."""
         plan = StepPlan.gather(batch, self.dist, self.stop_requested,
                                sampled=not sampling.all_greedy,
-                               num_spec=self.spec.choose_k(batch))
+                               num_spec=self.spec.choose_k(batch),
+                               mixed_budget=self.scheduler.propose_mixed_budget())
+        if plan.mixed_budget:                     # the next step's, the same on every rank
+            self.scheduler.max_mixed_token_num = plan.mixed_budget
         self.stopped = plan.shutdown
         self.plan_busy = plan.any_work
         return plan

@@ -6,7 +6,8 @@ decode rows plus prefill chunks in prefill mode (a 1-token prefill row writes it
 1-token decode does). Prefill gets `max_prefill_token_num` tokens a step; while sequences decode
 and `max_mixed_token_num` > 0, a step carries at most the smaller of the two, decode rows
 included, so a long prompt delays each stream a bounded time per token (0: prefill first, with
-the whole budget). A verify row keeps per-token states for rollback and cannot share a forward
+the whole budget); with `max_mixed_step_cost` the budget follows measured step times
+(mixed_budget.py). A verify row keeps per-token states for rollback and cannot share a forward
 with a chunk: under speculation decode and chunk steps alternate instead. Blocks cover every
 position a step writes, the `num_draft_extra` a draft writes past the fed tokens included (k - 1
 for the MTP head); a sequence near its end still feeds k + 1, so it holds session_len + k +
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 
 from lmdeploy_lite.pytorch.engine import forking, prefix_cache
 from lmdeploy_lite.pytorch.engine.block_manager import BlockManager, blocks_needed
+from lmdeploy_lite.pytorch.engine.mixed_budget import MixedBudget
 from lmdeploy_lite.pytorch.engine.sequence import SeqStatus, Sequence
 from lmdeploy_lite.pytorch.engine.stopping import StopChecker
 
@@ -36,6 +38,10 @@ class ScheduledBatch:
     saves: list[tuple[int, int]] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # a step carrying prompt chunks while sequences decode: how many decoded, and the chunks'
+    # tokens, when it was scheduled (the adaptive mixed budget's measurements)
+    decoding: int = 0
+    chunk_tokens: int = 0
 
     @property
     def num_decode_rows(self) -> int:
@@ -55,10 +61,12 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int,
                  max_prefill_token_num: int, session_len: int, num_spec_tokens: int = 0,
                  num_draft_extra: int = 0, stop_checker: StopChecker | None = None,
-                 max_mixed_token_num: int = 0):
+                 max_mixed_token_num: int = 0, max_mixed_step_cost: float = 0.0):
         self.bm, self.max_batch_size, self.session_len = block_manager, max_batch_size, session_len
         self.max_prefill_token_num = max_prefill_token_num
-        self.max_mixed_token_num = max_mixed_token_num
+        self.max_mixed_token_num = max_mixed_token_num   # this step's (the plan's, if adaptive)
+        self.mixed_budget = (MixedBudget(max_mixed_step_cost, max_mixed_token_num)
+                             if max_mixed_step_cost and max_mixed_token_num else None)
         self._prefill_turn = False      # speculation: the next step with both kinds is a prefill
         self.num_spec_tokens, self.num_draft_extra = num_spec_tokens, num_draft_extra
         self.stop_checker = stop_checker or StopChecker(())
@@ -99,13 +107,34 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         return forking.add_fork_copies(prefix_cache.add_state_copies(self.bm, self._schedule()))
 
+    @property
+    def num_decoding(self) -> int:
+        return sum(s.prefilled for s in self.running)
+
+    def propose_mixed_budget(self) -> int:
+        """This rank's mixed budget for the next step (0: fixed; the StepPlan agrees on one)."""
+        return 0 if self.mixed_budget is None else self.mixed_budget.propose(self.num_decoding)
+
+    def observe_step(self, batch: ScheduledBatch | None, seconds: float, chunk_seconds: float):
+        """A step's wall time, and its time from scheduling to its sampled tokens (what a step
+        carrying a chunk costs the decoding streams)."""
+        if self.mixed_budget is None or batch is None:
+            return
+        if batch.is_decoding:
+            self.mixed_budget.observe_decode(len(batch.seqs), seconds)
+        else:
+            self.mixed_budget.observe_chunk(batch.decoding, batch.chunk_tokens, chunk_seconds)
+
     def _schedule(self) -> ScheduledBatch | None:
-        num_decoding = sum(s.prefilled for s in self.running)
+        num_decoding = self.num_decoding
         if not num_decoding or not self.max_mixed_token_num:
             return self._schedule_prefill(self.max_prefill_token_num) or self._schedule_decode()
         budget = min(self.max_mixed_token_num, self.max_prefill_token_num)
         if self.num_spec_tokens:
-            return self._schedule_alternating(budget)
+            batch = self._schedule_alternating(budget)
+            if batch is not None and not batch.is_decoding:
+                batch.decoding, batch.chunk_tokens = num_decoding, sum(batch.q_lens)
+            return batch
         # decode rows count against the budget; the chunk gets the rest (at least one token,
         # so that a prompt always progresses)
         budget = max(budget - num_decoding, 1)
@@ -116,8 +145,10 @@ class Scheduler:
         # a prefill row's growth may have preempted a decode row (a later arrival), which then
         # may even have been re-admitted as a prefill row
         rows = [(s, n) for s, n in zip(decode.seqs, decode.q_lens) if s.prefilled]
-        rows += list(zip(prefill.seqs, prefill.q_lens))
-        return ScheduledBatch([s for s, _ in rows], [n for _, n in rows], is_decoding=False)
+        chunks = list(zip(prefill.seqs, prefill.q_lens))
+        return ScheduledBatch([s for s, _ in rows + chunks], [n for _, n in rows + chunks],
+                              is_decoding=False, decoding=len(rows),
+                              chunk_tokens=sum(n for _, n in chunks))
 
     def _schedule_alternating(self, budget: int) -> ScheduledBatch | None:
         """Speculation: a chunk step of `budget` tokens after each decode step, if there is one."""

@@ -21,7 +21,9 @@ Where each size comes from:
   * the step's draft count k (`num_spec`: the verify width k + 1 of a decode step, the drafts
     every step makes): each rank proposes one (spec_decode/policy.py), the plan takes the
     smallest proposal of a working rank, so every rank runs the same shapes and draft loop.
-Whether a step ships extra data is in the plan too (`any_sampled`: TP rank 0's sampled drafts'
+The next step's mixed-step budget, when it follows measured step times (engine/mixed_budget.py),
+is agreed the same way: the smallest proposal, applied by every rank's scheduler to its next
+step. Whether a step ships extra data is in the plan too (`any_sampled`: TP rank 0's sampled drafts'
 distributions go to its peers), so every rank of the group runs the same collectives."""
 from __future__ import annotations
 
@@ -32,8 +34,10 @@ import torch
 
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 
-FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown', 'sampled', 'num_spec')
-_NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN, _SAMPLED, _NUM_SPEC = range(len(FIELDS))
+FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown', 'sampled', 'num_spec',
+          'mixed_budget')
+(_NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN, _SAMPLED, _NUM_SPEC,
+ _MIXED_BUDGET) = range(len(FIELDS))
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -50,20 +54,22 @@ class StepPlan:
     tp: int = 1
 
     @staticmethod
-    def local_row(batch, tp: int, shutdown: bool, sampled: bool = False, num_spec: int = 0
-                  ) -> torch.Tensor:
+    def local_row(batch, tp: int, shutdown: bool, sampled: bool = False, num_spec: int = 0,
+                  mixed_budget: int = 0) -> torch.Tensor:
         """This rank's row: `sampled`: some row is not greedy; `num_spec`: this rank's proposal
-        (a decode batch's tokens counted at that width)."""
+        (a decode batch's tokens counted at that width); `mixed_budget`: its proposal for the
+        next step's (0: none)."""
         if batch is None:
-            return torch.tensor([0, 0, 0, 0, int(shutdown), 0, 0], dtype=torch.int64)
+            return torch.tensor([0, 0, 0, 0, int(shutdown), 0, 0, 0], dtype=torch.int64)
         tokens = ((1 + num_spec) * len(batch.seqs) if batch.is_decoding else sum(batch.q_lens))
         return torch.tensor([round_up(tokens, tp), len(batch.seqs), int(batch.is_decoding), 1,
-                             int(shutdown), int(sampled), num_spec], dtype=torch.int64)
+                             int(shutdown), int(sampled), num_spec, mixed_budget],
+                            dtype=torch.int64)
 
     @classmethod
     def gather(cls, batch, dist_ctx, shutdown: bool = False, sampled: bool = False,
-               num_spec: int = 0) -> 'StepPlan':
-        row = cls.local_row(batch, dist_ctx.config.tp, shutdown, sampled, num_spec)
+               num_spec: int = 0, mixed_budget: int = 0) -> 'StepPlan':
+        row = cls.local_row(batch, dist_ctx.config.tp, shutdown, sampled, num_spec, mixed_budget)
         return cls(dist_ctx.plan.all_gather(row), dist_ctx.config.tp)
 
     @cached_property
@@ -89,6 +95,11 @@ class StepPlan:
     def num_spec(self) -> int:
         """The smallest draft count a working rank proposed (0 without speculation)."""
         return min(self._of_working(_NUM_SPEC), default=0)
+
+    @cached_property
+    def mixed_budget(self) -> int:
+        """The next step's mixed budget: the smallest proposal of a working rank (0: none)."""
+        return min((b for b in self._of_working(_MIXED_BUDGET) if b), default=0)
 
     @cached_property
     def max_tokens(self) -> int:

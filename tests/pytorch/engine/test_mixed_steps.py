@@ -33,7 +33,7 @@ def _run(k: int, graphs: dict | None = None, **cfg):
     engine = build_engine(accepting.model_dir(), config, accepting.spec(k), progress=False)
     if graphs is not None:
         engine.agent.enable_graphs([2, 4, 8], **graphs)
-        _run.engine = engine
+    _run.engine = engine
     scheduled, schedule = [], engine.scheduler.schedule
 
     def recording():

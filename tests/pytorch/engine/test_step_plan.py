@@ -16,13 +16,13 @@ def batch(q_lens, decoding):
 
 def test_row_is_fixed_shape_and_rounds_tokens_to_tp():
     assert StepPlan.local_row(batch([3, 4], False), tp=4, shutdown=False).tolist() == \
-        [8, 2, 0, 1, 0, 0, 0]
+        [8, 2, 0, 1, 0, 0, 0, 0]
     assert StepPlan.local_row(batch([1], True), tp=1, shutdown=False, sampled=True).tolist() == \
-        [1, 1, 1, 1, 0, 1, 0]
+        [1, 1, 1, 1, 0, 1, 0, 0]
     # a decode batch's tokens at the proposed draft count (its q_lens may be wider)
     assert StepPlan.local_row(batch([4, 4, 4], True), tp=2, shutdown=False,
-                              num_spec=2).tolist() == [10, 3, 1, 1, 0, 0, 2]
-    assert StepPlan.local_row(None, tp=2, shutdown=True).tolist() == [0, 0, 0, 0, 1, 0, 0]
+                              num_spec=2).tolist() == [10, 3, 1, 1, 0, 0, 2, 0]
+    assert StepPlan.local_row(None, tp=2, shutdown=True).tolist() == [0, 0, 0, 0, 1, 0, 0, 0]
     assert StepPlan.local_row(None, tp=1, shutdown=False).shape == (len(FIELDS),)
 
 
@@ -41,10 +41,19 @@ def test_sizes_are_functions_of_the_plan():
     assert not idle.any_work
 
 
+def test_plan_agrees_on_the_smallest_mixed_budget():
+    """Each working rank proposes the next step's mixed budget (0: none); the plan takes the
+    smallest proposal, an idle rank's not counted."""
+    rows = [StepPlan.local_row(batch([1, 1], True), 2, False, mixed_budget=budget)
+            for budget in (96, 48, 0)] + [StepPlan.local_row(None, 2, False, mixed_budget=16)]
+    assert StepPlan(torch.stack(rows), tp=2).mixed_budget == 48
+    assert StepPlan(torch.stack(rows[2:]), tp=2).mixed_budget == 0
+
+
 def test_single_process_gather_runs_no_collective():
     ctx = DistContext.single()
     plan = StepPlan.gather(batch([5], False), ctx)
-    assert plan.rows.tolist() == [[5, 1, 0, 1, 0, 0, 0]] and ctx.trace == []
+    assert plan.rows.tolist() == [[5, 1, 0, 1, 0, 0, 0, 0]] and ctx.trace == []
 
 
 def test_the_plan_spans_the_ranks_that_share_collectives():

@@ -1,0 +1,70 @@
+"""The mixed-step token budget from measured step times (`PytorchEngineConfig.max_mixed_step_cost`):
+while sequences decode, a step that carries a prefill chunk (beside the decode rows, or in its own
+chunk step under speculation) may cost at most `cost` times a decode step of the same batch, so an
+arriving prompt is spread over steps instead of stalling every stream.
+
+Measured per batch-size bucket b (powers of two): t(b), a decode step's wall time, recorded only
+when the step before was a decode step of the same bucket (with async scheduling a decode step's
+wall time is its predecessor's device time); m(b, c), a chunk step's time from its scheduling to
+its sampled tokens, per chunk rung c (the chunk's tokens rounded up to 16, 32, .. , 8192). The
+budget is the decode rows plus the largest rung whose m(b, c) <= cost x t(b), trying the next
+rung up once while it is unmeasured (the cost is not linear: a chunk that still fits a CUDA graph
+is far cheaper than one that does not), at least the smallest rung, at most the configured
+`max_mixed_token_num`. Until a decode step at b is measured (prompts that keep arriving leave
+none), the smallest rung's chunk step stands in for t(b). Every rank proposes; the
+StepPlan applies the smallest proposal of a working rank to the next step's scheduling (DESIGN.md
+invariant 1): TP ranks schedule alike whatever their own clocks say.
+"""
+from __future__ import annotations
+
+RUNGS = tuple(16 << i for i in range(10))        # 16 .. 8192 chunk tokens
+
+
+def batch_bucket(batch_size: int) -> int:
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+class MixedBudget:
+
+    def __init__(self, cost: float, ceiling: int, alpha: float = 0.3):
+        self.cost, self.ceiling, self.alpha = cost, ceiling, alpha
+        self.decode: dict[int, float] = {}                   # bucket -> seconds a decode step
+        self.chunk: dict[tuple[int, int], float] = {}        # (bucket, rung) -> seconds
+        self._last_decode: int | None = None                 # bucket of the last decode step
+
+    def _average(self, table: dict, key, seconds: float):
+        old = table.get(key)
+        table[key] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def observe_decode(self, batch_size: int, seconds: float):
+        bucket = batch_bucket(batch_size)
+        if self._last_decode == bucket:
+            self._average(self.decode, bucket, seconds)
+        self._last_decode = bucket
+
+    def observe_chunk(self, decoding: int, chunk_tokens: int, seconds: float):
+        """A step that carried `chunk_tokens` prompt tokens while `decoding` sequences decode."""
+        self._last_decode = None
+        if decoding and chunk_tokens:
+            rung = next((r for r in RUNGS if r >= chunk_tokens), RUNGS[-1])
+            self._average(self.chunk, (batch_bucket(decoding), rung), seconds)
+
+    def propose(self, decoding: int) -> int:
+        """The budget (decode rows included) of the next step with `decoding` sequences."""
+        if not decoding:
+            return self.ceiling
+        bucket = batch_bucket(decoding)
+        # while prompts keep arriving no pure decode step runs: the smallest chunk's step
+        # stands in for one until it does (and is measured first)
+        limit = self.decode.get(bucket, self.chunk.get((bucket, RUNGS[0])))
+        if limit is None:
+            return min(decoding + RUNGS[0], self.ceiling)
+        chunk = RUNGS[0]
+        for rung in RUNGS:
+            seconds = self.chunk.get((bucket, rung))
+            if seconds is not None and seconds > self.cost * limit:
+                break
+            chunk = rung
+            if seconds is None:              # the first rung not measured yet: try it
+                break
+        return min(decoding + chunk, self.ceiling)
