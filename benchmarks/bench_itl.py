@@ -129,6 +129,9 @@ def main():
                         'default both')
     parser.add_argument('--max-mixed-tokens', type=int, default=512,
                         help='PytorchEngineConfig.max_mixed_token_num of the mixed run')
+    parser.add_argument('--max-mixed-step-cost', type=float, default=0.0,
+                        help='PytorchEngineConfig.max_mixed_step_cost (> 1: the mixed budget '
+                             'follows step times, within --max-mixed-tokens; implies --mixed)')
     parser.add_argument('--max-prefill-tokens', type=int, default=4096,
                         help='PytorchEngineConfig.max_prefill_token_num')
     parser.add_argument('--num-spec-tokens', type=int, default=0, help='MTP k (0: plain)')
@@ -140,6 +143,8 @@ def main():
     k = args.num_spec_tokens
     # the streams decode through the whole window: at most 2 steps per chunk (alternating)
     chunk = max(min(args.max_mixed_tokens, args.max_prefill_tokens) - args.streams * (1 + k), 1)
+    if args.max_mixed_step_cost:          # the adaptive budget may settle on its smallest chunk
+        args.mixed, chunk = True, min(chunk, 16)
     window_steps = 2 * -(-args.long_prompt_len // chunk) + 16
     session_len = max(args.long_prompt_len + 2, args.prompt_len + (1 + k) * (
         args.pre_steps + args.post_steps + window_steps))
@@ -148,6 +153,7 @@ def main():
         dtype=args.dtype, device=args.device, max_batch_size=args.streams + 1,
         session_len=session_len, max_prefill_token_num=args.max_prefill_tokens,
         max_mixed_token_num=args.max_mixed_tokens if 'mixed' in modes else 0,
+        max_mixed_step_cost=args.max_mixed_step_cost,
         load_format=load_format, seed=args.seed, async_scheduling=args.async_scheduling),
         SpeculativeConfig(num_speculative_tokens=k) if k else None, progress=False)
     if args.synthetic_acceptance:
@@ -173,10 +179,12 @@ def main():
                'dtype': str(dtype), 'num_spec_tokens': k,
                'synthetic_acceptance': args.synthetic_acceptance,
                'max_mixed_token_num': args.max_mixed_tokens,
+               'max_mixed_step_cost': args.max_mixed_step_cost,
                'max_prefill_token_num': args.max_prefill_tokens, 'rows': rows})
     print(f'model: {args.preset or model_dir} ({load_format} weights), {dtype} on {device_name}; '
           f'k={k}; {args.streams} streams of {args.prompt_len} tokens, then a '
-          f'{args.long_prompt_len}-token prompt; mixed budget {args.max_mixed_tokens}, prefill '
+          f'{args.long_prompt_len}-token prompt; mixed budget {args.max_mixed_tokens} (step cost '
+          f'{args.max_mixed_step_cost or "fixed"}), prefill '
           f'budget {args.max_prefill_tokens}')
     print_table(rows, COLUMNS)
 
