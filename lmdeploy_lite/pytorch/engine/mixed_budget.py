@@ -11,13 +11,17 @@ budget is the decode rows plus the largest rung whose m(b, c) <= cost x t(b), tr
 rung up once while it is unmeasured (the cost is not linear: a chunk that still fits a CUDA graph
 is far cheaper than one that does not), at least the smallest rung, at most the configured
 `max_mixed_token_num`. Until a decode step at b is measured (prompts that keep arriving leave
-none), the smallest rung's chunk step stands in for t(b). Every rank proposes; the
+none), the smallest rung's chunk step stands in for t(b). Where even that step costs more than
+`cost` x t(b) (on a CPU a prefill-mode step has a fixed cost of ~2.5 decode steps whatever its
+chunk), the bound is `FLAT` x the smallest chunk's step instead: a smaller chunk would only
+stretch the prompt's prefill. Every rank proposes; the
 StepPlan applies the smallest proposal of a working rank to the next step's scheduling (DESIGN.md
 invariant 1): TP ranks schedule alike whatever their own clocks say.
 """
 from __future__ import annotations
 
 RUNGS = tuple(16 << i for i in range(10))        # 16 .. 8192 chunk tokens
+FLAT = 1.25           # a chunk step within this of the smallest chunk's costs the streams nothing
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -56,13 +60,17 @@ class MixedBudget:
         bucket = batch_bucket(decoding)
         # while prompts keep arriving no pure decode step runs: the smallest chunk's step
         # stands in for one until it does (and is measured first)
-        limit = self.decode.get(bucket, self.chunk.get((bucket, RUNGS[0])))
-        if limit is None:
+        smallest = self.chunk.get((bucket, RUNGS[0]))
+        decode = self.decode.get(bucket, smallest)
+        if decode is None:
             return min(decoding + RUNGS[0], self.ceiling)
+        # where even the smallest chunk's step costs more (a fixed cost of a prefill-mode step),
+        # shrinking buys nothing: chunks grow while their steps stay near that one's
+        limit = max(self.cost * decode, FLAT * (smallest or 0.0))
         chunk = RUNGS[0]
         for rung in RUNGS:
             seconds = self.chunk.get((bucket, rung))
-            if seconds is not None and seconds > self.cost * limit:
+            if seconds is not None and seconds > limit:
                 break
             chunk = rung
             if seconds is None:              # the first rung not measured yet: try it

@@ -38,6 +38,9 @@ def test_budget_before_any_decode_step_is_measured():
     assert policy.propose(32) == 32 + 32           # 32 unmeasured: tried
     policy.observe_chunk(32, 32, 0.0085)           # > 2 x the 16-token step
     assert policy.propose(32) == 32 + 16
+    policy.observe_decode(32, 0.003)
+    policy.observe_decode(32, 0.003)               # now measured: 2 x 3 ms < 1.25 x 4 ms
+    assert policy.propose(32) == 32 + 16
 
 
 def test_budget_settles_on_the_largest_rung_within_the_cost():
@@ -55,6 +58,10 @@ def test_budget_stays_below_a_cliff_and_within_the_ceiling():
         return 0.005 if n <= 480 else 0.043
     assert _settle(MixedBudget(2.0, ceiling=4096), 32, 0.003, graph_cliff)[-5:] == [32 + 256] * 5
     assert _settle(MixedBudget(3.0, ceiling=100), 32, 0.003, graph_cliff)[-5:] == [100] * 5
+    # a flat cost (a CPU's prefill-mode step: 2.5 decode steps whatever the chunk): chunks
+    # grow while their steps stay within 1.25x the smallest chunk's, instead of pinning there
+    flat = _settle(MixedBudget(2.0, ceiling=4096), 8, 0.012, lambda n: 0.030 + 1e-5 * n)
+    assert flat[-5:] == [8 + 512] * 5
     # buckets apart: a batch of 8 starts from the smallest rung, measuring its own times
     policy = MixedBudget(2.0, ceiling=4096)
     _settle(policy, 32, 0.003, graph_cliff)
