@@ -171,7 +171,7 @@ class Engine:
                                num_spec=self.spec.choose_k(batch),
                                mixed_budget=self.scheduler.propose_mixed_budget())
         if plan.mixed_budget:                     # the next step's, the same on every rank
-            self.scheduler.max_mixed_token_num = plan.mixed_budget
+            self.scheduler.mixed_chunk = plan.mixed_budget
         self.stopped = plan.shutdown
         self.plan_busy = plan.any_work
         return plan

@@ -14,9 +14,10 @@ is far cheaper than one that does not), at least the smallest rung, at most the 
 none), the smallest rung's chunk step stands in for t(b). Where even that step costs more than
 `cost` x t(b) (on a CPU a prefill-mode step has a fixed cost of ~2.5 decode steps whatever its
 chunk), the bound is `FLAT` x the smallest chunk's step instead: a smaller chunk would only
-stretch the prompt's prefill. Every rank proposes; the
-StepPlan applies the smallest proposal of a working rank to the next step's scheduling (DESIGN.md
-invariant 1): TP ranks schedule alike whatever their own clocks say.
+stretch the prompt's prefill. Every rank proposes its chunk (the budget less its decode rows); the
+StepPlan applies the smallest proposal of a working rank to the next step's scheduling, each rank
+adding its own decode rows (DESIGN.md invariant 1): TP ranks schedule alike whatever their own
+clocks say, and DP ranks of different batches under EP get the same chunk, not one rank's rows.
 """
 from __future__ import annotations
 

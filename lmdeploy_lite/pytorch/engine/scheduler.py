@@ -64,9 +64,10 @@ class Scheduler:
                  max_mixed_token_num: int = 0, max_mixed_step_cost: float = 0.0):
         self.bm, self.max_batch_size, self.session_len = block_manager, max_batch_size, session_len
         self.max_prefill_token_num = max_prefill_token_num
-        self.max_mixed_token_num = max_mixed_token_num   # this step's (the plan's, if adaptive)
+        self.max_mixed_token_num = max_mixed_token_num
         self.mixed_budget = (MixedBudget(max_mixed_step_cost, max_mixed_token_num)
                              if max_mixed_step_cost and max_mixed_token_num else None)
+        self.mixed_chunk = 0     # adaptive: the plan's chunk tokens beside the decode rows (0: none)
         self._prefill_turn = False      # speculation: the next step with both kinds is a prefill
         self.num_spec_tokens, self.num_draft_extra = num_spec_tokens, num_draft_extra
         self.stop_checker = stop_checker or StopChecker(())
@@ -112,8 +113,13 @@ class Scheduler:
         return sum(s.prefilled for s in self.running)
 
     def propose_mixed_budget(self) -> int:
-        """This rank's mixed budget for the next step (0: fixed; the StepPlan agrees on one)."""
-        return 0 if self.mixed_budget is None else self.mixed_budget.propose(self.num_decoding)
+        """This rank's chunk tokens (beside its decode rows) for the next step, 0 with the fixed
+        budget. The StepPlan agrees on one for every rank (`mixed_chunk`); DP ranks under EP
+        each add their own decode rows to it."""
+        if self.mixed_budget is None:
+            return 0
+        decoding = self.num_decoding
+        return max(self.mixed_budget.propose(decoding) - decoding, 1)
 
     def observe_step(self, batch: ScheduledBatch | None, seconds: float, chunk_seconds: float):
         """A step's wall time, and its time from scheduling to its sampled tokens (what a step
@@ -130,6 +136,8 @@ class Scheduler:
         if not num_decoding or not self.max_mixed_token_num:
             return self._schedule_prefill(self.max_prefill_token_num) or self._schedule_decode()
         budget = min(self.max_mixed_token_num, self.max_prefill_token_num)
+        if self.mixed_chunk:
+            budget = min(budget, num_decoding + self.mixed_chunk)
         if self.num_spec_tokens:
             batch = self._schedule_alternating(budget)
             if batch is not None and not batch.is_decoding:

@@ -58,7 +58,7 @@ class StepPlan:
                   mixed_budget: int = 0) -> torch.Tensor:
         """This rank's row: `sampled`: some row is not greedy; `num_spec`: this rank's proposal
         (a decode batch's tokens counted at that width); `mixed_budget`: its proposal for the
-        next step's (0: none)."""
+        next step's mixed-step chunk tokens, beside each rank's own decode rows (0: none)."""
         if batch is None:
             return torch.tensor([0, 0, 0, 0, int(shutdown), 0, 0, 0], dtype=torch.int64)
         tokens = ((1 + num_spec) * len(batch.seqs) if batch.is_decoding else sum(batch.q_lens))
@@ -98,7 +98,8 @@ class StepPlan:
 
     @cached_property
     def mixed_budget(self) -> int:
-        """The next step's mixed budget: the smallest proposal of a working rank (0: none)."""
+        """The next step's mixed-step chunk tokens (each rank adds its decode rows): the
+        smallest proposal of a working rank (0: none)."""
         return min((b for b in self._of_working(_MIXED_BUDGET) if b), default=0)
 
     @cached_property
