@@ -116,6 +116,12 @@ class _Captured:
     def _before_capture(self, bucket: int):
         pass
 
+    def bucket_for(self, inputs: ModelInputs) -> int | None:
+        raise NotImplementedError
+
+    def can_run(self, inputs: ModelInputs) -> bool:
+        return self.bucket_for(inputs) is not None
+
     def _replay(self, bucket: int, rows: int) -> torch.Tensor:
         """The first `rows` rows of the bucket's output, once the static buffers are filled."""
         self.num_replays += 1
@@ -168,9 +174,6 @@ class GraphRunner(_Captured):
             return None
         need = max(inputs.batch_size, inputs.padded_batch_size)
         return next((b for b in self.buckets if b >= need), None)
-
-    def can_run(self, inputs: ModelInputs) -> bool:
-        return self.bucket_for(inputs) is not None
 
     @torch.inference_mode()
     def __call__(self, inputs: ModelInputs, *extras: torch.Tensor) -> torch.Tensor:
@@ -250,9 +253,6 @@ class PrefillGraphRunner(_Captured):
             return None
         tokens, batch = inputs.num_tokens, inputs.batch_size
         return next((b for b in self.buckets if b >= tokens and self.seqs[b] > batch), None)
-
-    def can_run(self, inputs: ModelInputs) -> bool:
-        return self.bucket_for(inputs) is not None
 
     @torch.inference_mode()
     def __call__(self, inputs: ModelInputs) -> torch.Tensor:
