@@ -334,9 +334,10 @@ class PytorchEngineConfig:
     # releases store them (lmdeploy's name); None: as stored (an FP8 checkpoint is read as FP8)
     model_format: str | None = None
     eager_mode: bool = False     # True: no CUDA graphs at all (they are used on CUDA)
-    # prefill and mixed steps of up to this many tokens (chunks of up to 128 tokens a sequence)
-    # replay CUDA graphs, captured per token count 16, 32, .. up to it; 0: they run eagerly
-    max_prefill_graph_tokens: int = 512
+    # prefill and mixed steps of up to this many tokens (at most one chunk over 512 tokens)
+    # replay CUDA graphs, captured per token count 16, 32, .. 512, 768, 1024, 1536, .. up to it
+    # (and max_prefill_token_num); 0: they run eagerly
+    max_prefill_graph_tokens: int = 4096
     # prepare decode step N+1 while step N runs on the device; None: on with CUDA, off on CPU
     # (where host and device share the cores, so there is nothing to overlap)
     async_scheduling: bool | None = None

@@ -77,7 +77,7 @@ def engine_args(p: argparse.ArgumentParser):
                    help='prepare the next decode step while the device runs the current one '
                         '(default: on with CUDA, off on CPU)')
     p.add_argument('--eager-mode', action='store_true', help='no CUDA graphs at all')
-    p.add_argument('--max-prefill-graph-tokens', type=int, default=512,
+    p.add_argument('--max-prefill-graph-tokens', type=int, default=4096,
                    help='prefill and mixed steps of up to this many tokens replay CUDA graphs '
                         '(0: eagerly)')
     p.add_argument('--load-format', default='auto', choices=LOAD_FORMATS,

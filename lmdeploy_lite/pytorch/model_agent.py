@@ -53,11 +53,13 @@ class ModelAgent:
         return self.graphs[max(self.graphs)] if self.graphs else None
 
     def enable_graphs(self, buckets: list[int], max_blocks: int, q_lens: list[int] = (1,),
-                      recorder=None, prefill_buckets: list[int] = (), max_prefill_q_len: int = 0):
+                      recorder=None, prefill_buckets: list[int] = (), max_prefill_q_len: int = 0,
+                      long_rows: bool = False):
         """Capture the decode forward of each width in `q_lens` for each batch bucket and, given
         `prefill_buckets`, prefill and mixed steps of up to that many tokens (at most
-        `max_prefill_q_len` per sequence), in one memory pool (a step's output is read before the
-        next replay); `recorder`: the DistContext whose collective trace replays extend."""
+        `max_prefill_q_len` per sequence but one where `long_rows`: PrefillGraphRunner), in one
+        memory pool (a step's output is read before the next replay); `recorder`: the
+        DistContext whose collective trace replays extend."""
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner, PrefillGraphRunner
         pool = self.graph_pool
         forward = lambda inputs: self.model(inputs, self.caches)   # noqa: E731
@@ -70,7 +72,7 @@ class ModelAgent:
         if prefill_buckets:
             self.prefill_graph = PrefillGraphRunner(
                 forward, 'target prefill', prefill_buckets, max(buckets), max_prefill_q_len,
-                max_blocks, self.device, pool=pool, recorder=recorder)
+                max_blocks, self.device, pool=pool, recorder=recorder, long_rows=long_rows)
             self.prefill_graph.capture()
             pool = self.prefill_graph.pool
         self.graph_pool = pool           # shared with other graphs of this model's forward

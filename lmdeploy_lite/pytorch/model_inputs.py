@@ -85,6 +85,10 @@ class ModelInputs:
     host_lens: tuple[list[int], list[int]] | None = None
     sync_free: bool = False        # a captured prefill or mixed step (graph_runner.py): ops keep
                                    # the decode-step contract although lengths are not uniform
+    # a captured step of more tokens than the recurrent gated-delta kernel takes per sequence:
+    # [1] long, the one sequence whose chunk takes the chunk kernel over the whole step's width
+    # (a spare dummy sequence when no chunk is that long); None: every chunk is short
+    long_row: torch.Tensor | None = None
     sizes: ForwardSizes | None = None   # the StepPlan's: EP and sequence-parallel forwards need it
     # speculative decoding (strategies/ar_spec) only:
     draft_tokens: torch.Tensor | None = None    # [B, k] long, host (ngram) drafts; None: on device

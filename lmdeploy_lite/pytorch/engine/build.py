@@ -153,12 +153,16 @@ def _prefill_graph_tokens(cfg: PytorchEngineConfig, dist: DistContext, device: t
     """The largest prefill step captured in a CUDA graph, 0 for none: on CUDA with graphs, one
     GPU per model copy (tp = 1: the captured TP collectives of a prefill step have not been run
     on GPUs yet), not under EP (DeepEP's normal mode), float64 or extract_hidden_states (no
-    graphs at all)."""
+    graphs at all); steps with a chunk over CAPTURED_PREFILL_TOKENS need fla."""
     layout = dist.config
     if (device.type != 'cuda' or cfg.eager_mode or layout.tp > 1 or layout.ep > 1
             or dtype == torch.float64 or plan.aux_hidden_state_layer_ids):
         return 0
-    return min(cfg.max_prefill_graph_tokens, cfg.max_prefill_token_num)
+    from lmdeploy_lite.pytorch.backends.cuda import gated_delta_rule
+    most = min(cfg.max_prefill_graph_tokens, cfg.max_prefill_token_num)
+    if gated_delta_rule.fla_chunk_gated_delta_rule() is None:
+        return min(most, gated_delta_rule.CAPTURED_PREFILL_TOKENS)
+    return most
 
 
 def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype,
@@ -188,6 +192,7 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
         most = cfg.max_batch_size * (1 + num_spec)
         ep.prepare(ForwardSizes.captured(most, most, layout.tp))
     most_tokens = _prefill_graph_tokens(cfg, dist, torch.device('cuda'), dtype, plan)
+    short = gated_delta_rule.CAPTURED_PREFILL_TOKENS
     prefill = {} if not most_tokens else dict(prefill_buckets=prefill_buckets(most_tokens),
-                                              max_prefill_q_len=gated_delta_rule.CAPTURED_PREFILL_TOKENS)
+                                              max_prefill_q_len=short, long_rows=most_tokens > short)
     agent.enable_graphs(batch_buckets(cfg.max_batch_size), max_blocks, recorder=dist, **prefill)

@@ -92,21 +92,41 @@ def test_without_mixing_the_long_prompt_stalls_the_streams():
         _assert_no_stall(seqs[:2], emitted, max_gap=1)
 
 
-@pytest.mark.parametrize('k', [0, 3])
-def test_prefill_graph_buffers_change_no_token(k):
+@pytest.mark.parametrize('k, long_rows', [(0, False), (3, False), (0, True)])
+def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
     """Prefill and mixed steps through the prefill graph runner's static buffers (CPU: the same
     copies and padding as the CUDA graphs, run eagerly): token buckets 8 and 16, chunks of at
-    most 8 or 10 tokens a sequence (longer ones run eagerly), spare tokens on dummy sequences. Whole
-    sequences and draft counts equal the reference's; both paths ran."""
+    most 8 or 10 tokens a sequence (longer ones run eagerly; with `long_rows`, one longer chunk
+    a step replays as the step's `long_row`), spare tokens on dummy sequences. Whole sequences
+    and draft counts equal the reference's; both paths ran."""
+    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import PrefillGraphRunner
+    replayed, pad, replay = [], PrefillGraphRunner._pad, PrefillGraphRunner._replay
+
+    def padding(runner, bucket, tokens, batch):      # the real rows of the step replayed next
+        pad(runner, bucket, tokens, batch)
+        replayed.append([runner.q_lens[:batch].tolist()])
+
+    def replaying(runner, bucket, rows):             # with its long row (bucket > cap)
+        replayed[-1].append(int(runner.long_row) if bucket > runner.max_q_len else None)
+        return replay(runner, bucket, rows)
+    monkeypatch.setattr(PrefillGraphRunner, '_pad', padding)
+    monkeypatch.setattr(PrefillGraphRunner, '_replay', replaying)
     # a cap that some chunks pass (k = 3: chunk steps carry no decode rows, so longer chunks)
     cap = 10 if k else 8
     seqs, scheduled, _ = _run(k, dict(max_blocks=20, prefill_buckets=[8, 16],
-                                      max_prefill_q_len=cap), max_mixed_token_num=12)
+                                      max_prefill_q_len=cap, long_rows=long_rows),
+                              max_mixed_token_num=12)
     agent = _run.engine.agent.target if k else _run.engine.agent
     runner = agent.prefill_graph
     assert runner.num_replays >= 3 and agent.graphs[1 + k].num_replays > 0
     prefill_steps = sum(d < n for d, n in scheduled)
-    assert prefill_steps > runner.num_replays, (prefill_steps, runner.num_replays)
+    if long_rows:       # every step replayed (one chunk at most passes the cap), some as long rows
+        assert prefill_steps == runner.num_replays, (prefill_steps, runner.num_replays)
+        assert any(max(q) > cap for q, _ in replayed), replayed
+        for q, row in replayed:       # the longest chunk where one passes the cap, else a spare
+            assert row is None or row == (q.index(max(q)) if max(q) > cap else len(q)), replayed
+    else:
+        assert prefill_steps > runner.num_replays, (prefill_steps, runner.num_replays)
     everything_at_once = reference(k, _prompts(), **CFG)
     assert [s.generated_ids for s in seqs] == everything_at_once.token_ids
     if k:

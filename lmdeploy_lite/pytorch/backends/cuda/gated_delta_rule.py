@@ -193,7 +193,7 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 
 
 @functools.cache
-def _fla_chunk_gated_delta_rule():
+def fla_chunk_gated_delta_rule():
     """fla-core's `chunk_gated_delta_rule`, or None when fla is not installed."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -214,9 +214,12 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if not q.is_cuda or v.dtype == torch.float64 or state_cache.dtype not in (torch.float32,
                                                                               torch.bfloat16):
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
-    if inputs.sync_free or inputs.max_q_len <= SHORT_PREFILL_TOKENS:   # captured: always short
+    if inputs.sync_free and inputs.long_row is not None:
+        return long_row_prefill(q, k, v, g, beta, state_cache, inputs,
+                                fla_chunk_gated_delta_rule())
+    if inputs.sync_free or inputs.max_q_len <= SHORT_PREFILL_TOKENS:   # captured: short chunks
         return recurrent_prefill(q, k, v, g, beta, state_cache, inputs)
-    chunk = _fla_chunk_gated_delta_rule()
+    chunk = fla_chunk_gated_delta_rule()
     if chunk is None:
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
     initial = reference.initial_states(state_cache, inputs).float()              # [B, nv, dk, dv]
@@ -233,6 +236,51 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     reference.store_states(state_cache, inputs.state_slots, slice(0, 1), final[:, None],
                            (inputs.q_lens > 0)[:, None])
     return out[0].to(v.dtype)
+
+
+def _long_window(inputs: ModelInputs, width: int):
+    """The long row's tokens as a window of the step's width (host-free): `take` [W] the step
+    token each window row reads (clamped), `live` [W] the window rows that are the row's own
+    tokens, `back` [T] the window row of each step token, `mine` [T] the step tokens that are
+    the row's, `short` [B] the q_lens with the long row's zeroed."""
+    row = inputs.long_row
+    start = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)[row]
+    count = inputs.q_lens[row]
+    pos = torch.arange(width, device=row.device)
+    rel = pos - start
+    short = inputs.q_lens.masked_fill(torch.arange(inputs.batch_size, device=row.device) == row, 0)
+    return ((start + pos).clamp(max=width - 1), pos < count, rel.clamp(0, width - 1),
+            (rel >= 0) & (rel < count), short)
+
+
+def long_row_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state_cache: torch.Tensor, inputs: ModelInputs,
+                     chunk) -> torch.Tensor:
+    """A captured step's prefill with one long chunk (`inputs.long_row`), reading no length on
+    the host: the other sequences by `_recurrent_prefill_kernel`, then the long row by `chunk`
+    (fla's signature) as ONE sequence of the step's width T: its tokens first, then the rest of
+    the window with beta = 0 and log-decay 0, which leave the state exactly as it was (each
+    later row adds beta * k (v - S^T k) = 0 and decays by exp(0) = 1), so the final state is
+    the row's own; the window rows' outputs past the row are dropped."""
+    width = v.shape[0]
+    take, live, back, mine, short = inputs.derived(
+        'gdn_long_window', lambda: _long_window(inputs, width))
+    start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
+    out = _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, start_loc,
+                  short)
+    row = inputs.long_row
+    slot, index = inputs.state_slots[row], inputs.state_index[row]
+    acc = torch.promote_types(state_cache.dtype, torch.float32)
+    initial = state_cache[slot, index].to(acc).masked_fill(
+        (inputs.history_lens[row] == 0)[:, None, None, None], 0)          # [1, nv, dk, dv]
+    keep = live[:, None]
+    o, final = chunk(q[take][None], k[take][None], v[take][None],
+                     torch.where(keep, g[take].to(acc), 0)[None],
+                     torch.where(keep, beta[take], 0)[None], scale=q.shape[-1] ** -0.5,
+                     initial_state=initial, output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)
+    state_cache.index_put_((slot, torch.zeros_like(slot)), final.to(state_cache.dtype))
+    return torch.where(mine[:, None, None], o[0][back].to(v.dtype), out)
 
 
 @triton.jit

@@ -45,9 +45,12 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    """Captured token counts of prefill and mixed steps: powers of two from 16, and the max."""
-    return [t for t in (2 ** i for i in range(4, max_tokens.bit_length())) if t < max_tokens] + [
-        max_tokens]
+    """Captured token counts of prefill and mixed steps: powers of two from 16, from 1024 also
+    the 1.5x steps between them (768, 1536, ..: a long chunk pads by at most a third), and the
+    max."""
+    steps = {2 ** i for i in range(4, max_tokens.bit_length())} | {
+        3 << i for i in range(8, max_tokens.bit_length())}
+    return sorted(t for t in steps if t < max_tokens) + [max_tokens]
 
 
 class _Captured:
@@ -198,18 +201,23 @@ class GraphRunner(_Captured):
 
 class PrefillGraphRunner(_Captured):
     """The target's prefill and mixed steps (any lengths, at most `max_q_len` new tokens per
-    sequence), captured per token bucket: a step of T tokens and B sequences replays the
+    sequence but one), captured per token bucket: a step of T tokens and B sequences replays the
     smallest bucket >= T, whose static buffers hold `min(bucket, max_seqs) + 1` sequences. The
     bucket's spare tokens are spread over its spare sequences (at least one), which are idle
     ranks' dummies (history 0, the reserved block 0 and state row 0): per-sequence ops keep
     them apart from the real ones, whose rows the replay returns. Inside, ops read no length
     on the host (`ModelInputs.sync_free`: the attention builds its tile map on the device, the
-    gated delta rule takes the recurrent kernel, hence `max_q_len`)."""
+    gated delta rule takes the recurrent kernel for chunks of up to `max_q_len` tokens). In a
+    bucket above `max_q_len` one sequence, `long_row` (the step's longest chunk, or the first
+    spare one where none is longer), takes fla's chunk kernel over the bucket's width
+    (gated_delta_rule.long_row_prefill) where `long_rows` (fla is there); else such steps run
+    eagerly."""
 
     def __init__(self, fn, name: str, buckets: list[int], max_seqs: int, max_q_len: int,
-                 max_blocks: int, device: torch.device, pool=None, recorder=None):
+                 max_blocks: int, device: torch.device, pool=None, recorder=None,
+                 long_rows: bool = False):
         super().__init__(fn, name, buckets, device, pool, recorder)
-        self.max_q_len, self.max_blocks = max_q_len, max_blocks
+        self.max_q_len, self.max_blocks, self.long_rows = max_q_len, max_blocks, long_rows
         self.seqs = {tokens: min(tokens, max_seqs) + 1 for tokens in self.buckets}
         max_tokens, most = self.buckets[-1], max(self.seqs.values())
         long = dict(dtype=torch.long, device=device)
@@ -217,9 +225,11 @@ class PrefillGraphRunner(_Captured):
         self.q_lens, self.history_lens, self.state_slots, self.state_index = (
             torch.zeros(most, **long) for _ in range(4))
         self.block_tables = torch.zeros(most, max_blocks, **long)
+        self.long_row = torch.zeros(1, **long)
 
     def _before_capture(self, bucket: int):
         self._pad(bucket, 0, 0)              # capture-time lengths: every token a spare one
+        self.long_row.zero_()
 
     def _pad(self, bucket: int, tokens: int, batch: int):
         """Spare sequences batch.. of the bucket take its tokens after `tokens`, evenly."""
@@ -238,18 +248,20 @@ class PrefillGraphRunner(_Captured):
             q_lens=self.q_lens[:seqs], history_lens=self.history_lens[:seqs],
             block_tables=self.block_tables[:seqs], state_slots=self.state_slots[:seqs],
             state_index=self.state_index[:seqs], is_decoding=False, sync_free=True,
-            sizes=ForwardSizes(*(-(-n // self.tp) * self.tp for n in (bucket, bucket, seqs,
+            long_row=self.long_row if bucket > self.max_q_len else None, sizes=ForwardSizes(*(-(-n // self.tp) * self.tp for n in (bucket, bucket, seqs,
                                                                            seqs))))
         return self.fn(inputs)
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:
         """The bucket this step replays, or None when it must run eagerly (a decode step, too
-        many tokens or sequences, a longer chunk, rows split over TP ranks, lengths the host
-        does not know)."""
+        many tokens or sequences, two chunks longer than `max_q_len` or one without
+        `long_rows`, rows split over TP ranks, lengths the host does not know)."""
         if (inputs.is_decoding or not inputs.graphable or inputs.host_lens is None
                 or inputs.block_tables.shape[1] > self.max_blocks
-                or (inputs.sizes is not None and inputs.sizes.sequence_parallel)
-                or inputs.max_q_len > self.max_q_len):
+                or (inputs.sizes is not None and inputs.sizes.sequence_parallel)):
+            return None
+        if inputs.max_q_len > self.max_q_len and (not self.long_rows or sum(
+                n > self.max_q_len for n in inputs.host_q_lens) > 1):
             return None
         tokens, batch = inputs.num_tokens, inputs.batch_size
         return next((b for b in self.buckets if b >= tokens and self.seqs[b] > batch), None)
@@ -266,4 +278,8 @@ class PrefillGraphRunner(_Captured):
         self.state_slots[:batch].copy_(inputs.state_slots)
         self.state_index[:batch].copy_(inputs.state_index)
         self._pad(bucket, tokens, batch)
+        if bucket > self.max_q_len:
+            q_lens = inputs.host_q_lens
+            longest = max(range(batch), key=q_lens.__getitem__)
+            self.long_row.fill_(longest if q_lens[longest] > self.max_q_len else batch)
         return self._replay(bucket, tokens)

@@ -145,7 +145,7 @@ def test_prefill_fla_matches_default(heads):
     """fla's varlen chunk kernel: fresh sequences (one longer than two chunks, one of a single
     token), then a chunked continuation (history > 0) reading slots 1, 0, 2."""
     pytest.importorskip('fla.ops.gated_delta_rule')
-    assert cuda_gdr._fla_chunk_gated_delta_rule() is not None
+    assert cuda_gdr.fla_chunk_gated_delta_rule() is not None
     dims = (*heads, 128, 128, 2)
     # fla keeps normalised q/k, its WY factors and per-chunk states in bf16: allow 2e-2
     check_step('gated_delta_rule_prefill', [150, 1, 64], [0, 0, 0], [4, 0, 6], [0, 0, 0], False,
@@ -178,6 +178,44 @@ def test_recurrent_prefill_matches_default(kernel_device):
             check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False, dims,
                        torch.bfloat16, kernel_device, op=cuda_gdr.recurrent_prefill,
                        cache_dtype=torch.bfloat16)
+
+
+def reference_chunk(q, k, v, g, beta, scale, initial_state, output_final_state,
+                    use_qk_l2norm_in_kernel):
+    """fla's `chunk_gated_delta_rule` signature ([1, T, ...], one sequence) over the default
+    op's chunk form, in the initial state's dtype."""
+    assert output_final_state and use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
+    prepared = default.gated_delta_rule._prepare(q[0], k[0], v[0], g[0], beta[0],
+                                                 initial_state.dtype)
+    return default.gated_delta_rule.chunk_gated_delta_rule(*(x[None] for x in prepared),
+                                                          initial_state)
+
+
+# (q_lens, history_lens, state slots, state index, long row): a fresh 150-token chunk beside
+# decode rows, a spare row (q_len 0) and short chunks; a continuation (history > 0, read from
+# slot index 2); a step whose "long" row is a short one (the runner's spare dummy)
+LONG_ROW_STEPS = (([1, 1, 150, 3, 0, 5], [7, 2, 0, 4, 0, 0], [4, 1, 6, 2, 0, 5], [0, 1, 0, 0, 0, 0], 2),
+                  ([2, 97, 1], [5, 40, 3], [3, 6, 1], [1, 2, 0], 1),
+                  ([4, 9, 6], [0, 3, 0], [2, 5, 0], [0, 0, 0], 2))
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('case', LONG_ROW_STEPS, ids=['fresh', 'continued', 'spare'])
+def test_long_row_prefill_matches_default(dtype, case):
+    """A captured long step's split (graph_runner's long buckets): the long row as ONE sequence
+    over the step's whole width, the tokens after it taken with beta = 0 and log decay 0, the
+    other rows by the recurrent kernel. Against the default op: outputs and the WHOLE cache
+    (the window's foreign rows leave the long row's state exactly as its own tokens leave it).
+    Triton's interpreter; the chunk form stands in for fla."""
+    import dataclasses
+    q_lens, history, slots, index, row = case
+    long_row = torch.tensor([row])
+
+    def op(*args):
+        inputs = dataclasses.replace(args[-1], sync_free=True, long_row=long_row)
+        return cuda_gdr.long_row_prefill(*args[:-1], inputs, reference_chunk)
+    check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False,
+               (2, 4, 12, 20, 3), dtype, 'cpu', op=op)
 
 
 @pytest.mark.gpu
