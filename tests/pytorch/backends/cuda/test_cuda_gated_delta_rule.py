@@ -219,6 +219,52 @@ def test_long_row_prefill_matches_default(dtype, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float32])
+def test_long_row_prefill_with_fla(dtype):
+    """The same split with fla on a GPU at Qwen3.5 heads, a 700-token long row (ours' window
+    is the step's 730 tokens), inside a CUDA graph: against the default op (fla's bf16 internals:
+    2e-2; fp32: tf32 dots, 2e-3), and the long row's outputs and state equal to the eager fla
+    varlen path's on the same step (the window's extra rows add exact zeros): to 1e-6 in fp32,
+    1e-3 relative in bf16."""
+    import dataclasses
+    chunk = cuda_gdr.fla_chunk_gated_delta_rule()
+    if chunk is None:
+        pytest.skip('fla is not installed')
+    q_lens, history, slots, index = [1, 700, 1, 28, 0], [9, 0, 33, 4, 0], [6, 2, 5, 4, 0], \
+        [1, 0, 3, 0, 0]
+    dims = (16, 32, 128, 128, 3)
+    tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+
+    def captured(*args):
+        inputs = dataclasses.replace(args[-1], sync_free=True, long_row=torch.tensor([1],
+                                                                                     device='cuda'))
+        cache, before = args[-2], args[-2].clone()
+        cuda_gdr.long_row_prefill(*args[:-1], inputs, chunk)        # compile, autotune
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cuda_gdr.long_row_prefill(*args[:-1], inputs, chunk)
+        cache.copy_(before)
+        graph.replay()
+        return out
+    check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False, dims, dtype,
+               'cuda', rel_tol=tol, op=captured)
+    inputs = step(q_lens, history, slots, index, False, 'cuda')
+    args = gdn_args(sum(q_lens), 16, 32, 128, 128, dtype, 'cuda', seed=7)
+    cache = random_cache(3, 32, 128, 128, dtype, 'cuda', seed=8)
+    eager_cache, long_cache = cache.clone(), cache.clone()
+    eager = cuda_gdr.gated_delta_rule_prefill(*args, eager_cache, inputs)
+    split = cuda_gdr.long_row_prefill(*args, long_cache, dataclasses.replace(
+        inputs, sync_free=True, long_row=torch.tensor([1], device='cuda')), chunk)
+    rows = slice(2, 702)
+    if dtype == torch.float32:
+        torch.testing.assert_close(split[rows], eager[rows], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(long_cache[2], eager_cache[2], atol=1e-6, rtol=1e-6)
+    else:
+        assert_rel_close(split[rows], eager[rows], 1e-3)
+        assert_rel_close(long_cache[2], eager_cache[2], 1e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize('cache_dtype', [torch.float32, torch.bfloat16])
 def test_short_prefill_matches_fla(cache_dtype, monkeypatch):
     """The short-prefill kernel and fla's chunk kernel agree (fla's bf16 internals: 2e-2) on
