@@ -199,23 +199,23 @@ LONG_ROW_STEPS = (([1, 1, 150, 3, 0, 5], [7, 2, 0, 4, 0, 0], [4, 1, 6, 2, 0, 5],
                   ([4, 9, 6], [0, 3, 0], [2, 5, 0], [0, 0, 0], 2))
 
 
-@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 @pytest.mark.parametrize('case', LONG_ROW_STEPS, ids=['fresh', 'continued', 'spare'])
-def test_long_row_prefill_matches_default(dtype, case):
+def test_long_row_prefill_matches_default(kernel_device, case):
     """A captured long step's split (graph_runner's long buckets): the long row as ONE sequence
     over the step's whole width, the tokens after it taken with beta = 0 and log decay 0, the
     other rows by the recurrent kernel. Against the default op: outputs and the WHOLE cache
     (the window's foreign rows leave the long row's state exactly as its own tokens leave it).
-    Triton's interpreter; the chunk form stands in for fla."""
+    The chunk form stands in for fla; fp32 and fp64 in Triton's interpreter, fp32 on a GPU."""
     import dataclasses
     q_lens, history, slots, index, row = case
-    long_row = torch.tensor([row])
+    long_row = torch.tensor([row], device=kernel_device)
 
     def op(*args):
         inputs = dataclasses.replace(args[-1], sync_free=True, long_row=long_row)
         return cuda_gdr.long_row_prefill(*args[:-1], inputs, reference_chunk)
-    check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False,
-               (2, 4, 12, 20, 3), dtype, 'cpu', op=op)
+    for dtype in (torch.float32, torch.float64) if kernel_device == 'cpu' else (torch.float32,):
+        check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False,
+                   (2, 4, 12, 20, 3), dtype, kernel_device, op=op)
 
 
 @pytest.mark.gpu
