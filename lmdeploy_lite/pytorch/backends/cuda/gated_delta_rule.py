@@ -4,6 +4,7 @@ the pure-torch reference: `backends/default/gated_delta_rule.py`.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -222,6 +223,10 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     chunk = fla_chunk_gated_delta_rule()
     if chunk is None:
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
+    long_row = inputs.derived('gdn_eager_long_row', lambda: _eager_long_row(inputs), True)
+    if long_row is not None:        # the captured step's split, the window the row itself
+        return long_row_prefill(q, k, v, g, beta, state_cache, long_row, chunk,
+                                width=long_row.max_q_len)
     initial = reference.initial_states(state_cache, inputs).float()              # [B, nv, dk, dv]
     # the same tensors for every layer: fla caches what it derives from them (chunk indices,
     # via .tolist()) by identity; new ones per layer cost ~2.5 ms of host time per layer call
@@ -238,33 +243,45 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out[0].to(v.dtype)
 
 
-def _long_window(inputs: ModelInputs, width: int):
-    """The long row's tokens as a window of the step's width (host-free): `take` [W] the step
-    token each window row reads (clamped), `live` [W] the window rows that are the row's own
-    tokens, `back` [T] the window row of each step token, `mine` [T] the step tokens that are
-    the row's, `short` [B] the q_lens with the long row's zeroed."""
+def _eager_long_row(inputs: ModelInputs) -> ModelInputs | None:
+    """An eager step with exactly one chunk over CAPTURED_PREFILL_TOKENS: `inputs` with that
+    row as `long_row`, so it takes the same kernels as in a captured step (the same bits)."""
+    q_lens = inputs.host_q_lens
+    if sum(n > CAPTURED_PREFILL_TOKENS for n in q_lens) != 1:
+        return None
+    row = max(range(len(q_lens)), key=q_lens.__getitem__)
+    return dataclasses.replace(inputs, long_row=torch.tensor([row], device=inputs.q_lens.device))
+
+
+def _long_window(inputs: ModelInputs, num_tokens: int, width: int):
+    """The long row's tokens as a window of `width` rows (host-free): `take` [W] the step token
+    each window row reads (clamped), `live` [W] the window rows that are the row's own tokens,
+    `back` [T] the window row of each step token, `mine` [T] the step tokens that are the row's,
+    `short` [B] the q_lens with the long row's zeroed."""
     row = inputs.long_row
     start = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)[row]
     count = inputs.q_lens[row]
-    pos = torch.arange(width, device=row.device)
-    rel = pos - start
+    pos, rel = torch.arange(width, device=row.device), torch.arange(num_tokens,
+                                                                    device=row.device) - start
     short = inputs.q_lens.masked_fill(torch.arange(inputs.batch_size, device=row.device) == row, 0)
-    return ((start + pos).clamp(max=width - 1), pos < count, rel.clamp(0, width - 1),
+    return ((start + pos).clamp(max=num_tokens - 1), pos < count, rel.clamp(0, width - 1),
             (rel >= 0) & (rel < count), short)
 
 
 def long_row_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state_cache: torch.Tensor, inputs: ModelInputs,
-                     chunk) -> torch.Tensor:
-    """A captured step's prefill with one long chunk (`inputs.long_row`), reading no length on
-    the host: the other sequences by `_recurrent_prefill_kernel`, then the long row by `chunk`
-    (fla's signature) as ONE sequence of the step's width T: its tokens first, then the rest of
-    the window with beta = 0 and log-decay 0, which leave the state exactly as it was (each
-    later row adds beta * k (v - S^T k) = 0 and decays by exp(0) = 1), so the final state is
-    the row's own; the window rows' outputs past the row are dropped."""
-    width = v.shape[0]
+                     chunk, width: int | None = None) -> torch.Tensor:
+    """A prefill with one long chunk (`inputs.long_row`), reading no length on the host: the
+    other sequences by `_recurrent_prefill_kernel`, then the long row by `chunk` (fla's
+    signature) as ONE sequence of `width` tokens (default: the step's T, as a captured step
+    has it): its tokens first, then the rest of the window with beta = 0 and log-decay 0, which
+    leave the state exactly as it was (each later row adds beta * k (v - S^T k) = 0 and decays
+    by exp(0) = 1), so the final state is the row's own; the window rows' outputs past the row
+    are dropped."""
+    num_tokens = v.shape[0]
+    width = width or num_tokens
     take, live, back, mine, short = inputs.derived(
-        'gdn_long_window', lambda: _long_window(inputs, width))
+        'gdn_long_window', lambda: _long_window(inputs, num_tokens, width))
     start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
     out = _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, start_loc,
                   short)
