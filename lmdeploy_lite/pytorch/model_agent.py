@@ -54,10 +54,10 @@ class ModelAgent:
 
     def enable_graphs(self, buckets: list[int], max_blocks: int, q_lens: list[int] = (1,),
                       recorder=None, prefill_buckets: list[int] = (), max_prefill_q_len: int = 0,
-                      long_rows: bool = False):
+                      long_row_from: int = 0):
         """Capture the decode forward of each width in `q_lens` for each batch bucket and, given
         `prefill_buckets`, prefill and mixed steps of up to that many tokens (at most
-        `max_prefill_q_len` per sequence but one where `long_rows`: PrefillGraphRunner), in one
+        `max_prefill_q_len` per sequence but one with `long_row_from`: PrefillGraphRunner), in one
         memory pool (a step's output is read before the next replay); `recorder`: the
         DistContext whose collective trace replays extend."""
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner, PrefillGraphRunner
@@ -72,7 +72,8 @@ class ModelAgent:
         if prefill_buckets:
             self.prefill_graph = PrefillGraphRunner(
                 forward, 'target prefill', prefill_buckets, max(buckets), max_prefill_q_len,
-                max_blocks, self.device, pool=pool, recorder=recorder, long_rows=long_rows)
+                max_blocks, self.device, pool=pool, recorder=recorder,
+                long_row_from=long_row_from)
             self.prefill_graph.capture()
             pool = self.prefill_graph.pool
         self.graph_pool = pool           # shared with other graphs of this model's forward

@@ -192,7 +192,8 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
         most = cfg.max_batch_size * (1 + num_spec)
         ep.prepare(ForwardSizes.captured(most, most, layout.tp))
     most_tokens = _prefill_graph_tokens(cfg, dist, torch.device('cuda'), dtype, plan)
-    short = gated_delta_rule.CAPTURED_PREFILL_TOKENS
-    prefill = {} if not most_tokens else dict(prefill_buckets=prefill_buckets(most_tokens),
-                                              max_prefill_q_len=short, long_rows=most_tokens > short)
+    cap, fla = gated_delta_rule.CAPTURED_PREFILL_TOKENS, gated_delta_rule.fla_chunk_gated_delta_rule()
+    prefill = {} if not most_tokens else dict(
+        prefill_buckets=prefill_buckets(most_tokens), max_prefill_q_len=cap,
+        long_row_from=gated_delta_rule.SHORT_PREFILL_TOKENS if fla is not None else 0)
     agent.enable_graphs(batch_buckets(cfg.max_batch_size), max_blocks, recorder=dist, **prefill)

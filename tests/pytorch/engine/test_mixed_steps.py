@@ -97,8 +97,9 @@ def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
     """Prefill and mixed steps through the prefill graph runner's static buffers (CPU: the same
     copies and padding as the CUDA graphs, run eagerly): token buckets 8 and 16, chunks of at
     most 8 or 10 tokens a sequence (longer ones run eagerly; with `long_rows`, one longer chunk
-    a step replays as the step's `long_row`), spare tokens on dummy sequences. Whole sequences
-    and draft counts equal the reference's; both paths ran."""
+    a step replays, and the longest chunk over 4 tokens is the step's `long_row`), spare tokens
+    on dummy sequences. Whole sequences and draft counts equal the reference's; both paths
+    ran."""
     from lmdeploy_lite.pytorch.backends.cuda.graph_runner import PrefillGraphRunner
     replayed, pad, replay = [], PrefillGraphRunner._pad, PrefillGraphRunner._replay
 
@@ -106,15 +107,15 @@ def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
         pad(runner, bucket, tokens, batch)
         replayed.append([runner.q_lens[:batch].tolist()])
 
-    def replaying(runner, bucket, rows):             # with its long row (bucket > cap)
-        replayed[-1].append(int(runner.long_row) if bucket > runner.max_q_len else None)
+    def replaying(runner, bucket, rows):             # with its long row (bucket > 4)
+        replayed[-1].append(int(runner.long_row) if runner._has_long_row(bucket) else None)
         return replay(runner, bucket, rows)
     monkeypatch.setattr(PrefillGraphRunner, '_pad', padding)
     monkeypatch.setattr(PrefillGraphRunner, '_replay', replaying)
     # a cap that some chunks pass (k = 3: chunk steps carry no decode rows, so longer chunks)
     cap = 10 if k else 8
     seqs, scheduled, _ = _run(k, dict(max_blocks=20, prefill_buckets=[8, 16],
-                                      max_prefill_q_len=cap, long_rows=long_rows),
+                                      max_prefill_q_len=cap, long_row_from=4 * long_rows),
                               max_mixed_token_num=12)
     agent = _run.engine.agent.target if k else _run.engine.agent
     runner = agent.prefill_graph
@@ -123,8 +124,8 @@ def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
     if long_rows:       # every step replayed (one chunk at most passes the cap), some as long rows
         assert prefill_steps == runner.num_replays, (prefill_steps, runner.num_replays)
         assert any(max(q) > cap for q, _ in replayed), replayed
-        for q, row in replayed:       # the longest chunk where one passes the cap, else a spare
-            assert row is None or row == (q.index(max(q)) if max(q) > cap else len(q)), replayed
+        for q, row in replayed:       # the longest chunk where one passes 4, else a spare
+            assert row == (q.index(max(q)) if max(q) > 4 else len(q)), replayed
     else:
         assert prefill_steps > runner.num_replays, (prefill_steps, runner.num_replays)
     everything_at_once = reference(k, _prompts(), **CFG)

@@ -17,14 +17,14 @@ from ...model_inputs import ModelInputs
 from ..default import gated_delta_rule as reference
 
 
-# Prefill steps of at most this many tokens per sequence run `_recurrent_prefill_kernel`, not
-# fla's chunk function: fla costs ~1-2 ms of host time per layer call whatever the length; the
-# kernel walks the tokens in order, ~1.5 us each at 9B heads on an H100 (0.2 ms at 128). Longer
-# chunks go to fla, whose host time a long step's GEMMs hide (BENCHMARKS.md, "Short prefills").
+# Prefill steps of at most this many tokens per sequence run `_recurrent_prefill_kernel`, which
+# walks the tokens in order, ~1.5 us each at 9B heads on an H100 (0.2 ms at 128); fla's chunk
+# function is faster past that but costs ~1-2 ms of host time per layer call whatever the length
+# (BENCHMARKS.md, "Short prefills"). A step with a longer chunk gives its longest one to fla as
+# one sequence (`long_row_prefill`), its other chunks of up to CAPTURED_PREFILL_TOKENS tokens to
+# the kernel (~0.8 ms a layer at 512), eager or captured in a CUDA graph alike (the same kernels,
+# the same bits); a step with two chunks over that runs fla's varlen form (eager only).
 SHORT_PREFILL_TOKENS = 128
-# In a prefill step captured in a CUDA graph (graph_runner.PrefillGraphRunner) the kernel takes
-# chunks of up to this many tokens: there is no host time to hide there, and at 512 tokens its
-# ~0.8 ms a layer is far below the ~37 ms host floor of the eager step it replaces.
 CAPTURED_PREFILL_TOKENS = 512
 
 
@@ -208,7 +208,9 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              inputs: ModelInputs) -> torch.Tensor:
     """The default op's prefill, on CUDA with an fp32 or bf16 state by `recurrent_prefill` when
     no sequence has more than `SHORT_PREFILL_TOKENS` new tokens (the host lengths are the step's,
-    read once per forward), else by fla's varlen chunk kernel (fla normalises q/k in the kernel
+    read once per forward), else by `long_row_prefill` with the longest chunk as the long row
+    (as a captured step has it, `inputs.long_row`) where no other is over
+    CAPTURED_PREFILL_TOKENS, else by fla's varlen chunk kernel (fla normalises q/k in the kernel
     and maps value head j to key head j // (nv / nk) itself; it starts from an fp32 copy of the
     rows and returns fp32 final states, stored back in the cache's dtype); otherwise the default
     op itself (CPU, fp64 models, long chunks without fla)."""
@@ -218,13 +220,13 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if inputs.sync_free and inputs.long_row is not None:
         return long_row_prefill(q, k, v, g, beta, state_cache, inputs,
                                 fla_chunk_gated_delta_rule())
-    if inputs.sync_free or inputs.max_q_len <= SHORT_PREFILL_TOKENS:   # captured: short chunks
+    if inputs.sync_free or inputs.max_q_len <= SHORT_PREFILL_TOKENS:
         return recurrent_prefill(q, k, v, g, beta, state_cache, inputs)
     chunk = fla_chunk_gated_delta_rule()
     if chunk is None:
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
     long_row = inputs.derived('gdn_eager_long_row', lambda: _eager_long_row(inputs), True)
-    if long_row is not None:        # the captured step's split, the window the row itself
+    if long_row is not None:        # a captured step's split, the window the row itself
         return long_row_prefill(q, k, v, g, beta, state_cache, long_row, chunk,
                                 width=long_row.max_q_len)
     initial = reference.initial_states(state_cache, inputs).float()              # [B, nv, dk, dv]
@@ -244,13 +246,23 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def _eager_long_row(inputs: ModelInputs) -> ModelInputs | None:
-    """An eager step with exactly one chunk over CAPTURED_PREFILL_TOKENS: `inputs` with that
-    row as `long_row`, so it takes the same kernels as in a captured step (the same bits)."""
-    q_lens = inputs.host_q_lens
-    if sum(n > CAPTURED_PREFILL_TOKENS for n in q_lens) != 1:
+    """`inputs` with its longest chunk as `long_row` (a step that has one over
+    SHORT_PREFILL_TOKENS), as a captured step would have it, so both take the same kernels;
+    None where another chunk is over CAPTURED_PREFILL_TOKENS (fla's varlen form)."""
+    row = long_row(inputs.host_q_lens)
+    if row is None:
         return None
-    row = max(range(len(q_lens)), key=q_lens.__getitem__)
     return dataclasses.replace(inputs, long_row=torch.tensor([row], device=inputs.q_lens.device))
+
+
+def long_row(q_lens: list[int]) -> int | None:
+    """The row of a step's longest chunk, for `long_row_prefill`: None where no chunk is over
+    SHORT_PREFILL_TOKENS or another chunk is over CAPTURED_PREFILL_TOKENS."""
+    row = max(range(len(q_lens)), key=q_lens.__getitem__)
+    if q_lens[row] <= SHORT_PREFILL_TOKENS or sum(
+            n > CAPTURED_PREFILL_TOKENS for n in q_lens) - (q_lens[row] > CAPTURED_PREFILL_TOKENS):
+        return None
+    return row
 
 
 def _long_window(inputs: ModelInputs, num_tokens: int, width: int):

@@ -207,17 +207,17 @@ class PrefillGraphRunner(_Captured):
     ranks' dummies (history 0, the reserved block 0 and state row 0): per-sequence ops keep
     them apart from the real ones, whose rows the replay returns. Inside, ops read no length
     on the host (`ModelInputs.sync_free`: the attention builds its tile map on the device, the
-    gated delta rule takes the recurrent kernel for chunks of up to `max_q_len` tokens). In a
-    bucket above `max_q_len` one sequence, `long_row` (the step's longest chunk, or the first
-    spare one where none is longer), takes fla's chunk kernel over the bucket's width
-    (gated_delta_rule.long_row_prefill) where `long_rows` (fla is there); else such steps run
-    eagerly."""
+    gated delta rule takes the recurrent kernel for chunks of up to `max_q_len` tokens). With
+    `long_row_from` (fla is there), a bucket above it has one sequence, `long_row`, that takes
+    fla's chunk kernel over the bucket's width (gated_delta_rule.long_row_prefill): the step's
+    longest chunk where it is over `long_row_from` (then it may be over `max_q_len` too), else
+    the first spare sequence."""
 
     def __init__(self, fn, name: str, buckets: list[int], max_seqs: int, max_q_len: int,
                  max_blocks: int, device: torch.device, pool=None, recorder=None,
-                 long_rows: bool = False):
+                 long_row_from: int = 0):
         super().__init__(fn, name, buckets, device, pool, recorder)
-        self.max_q_len, self.max_blocks, self.long_rows = max_q_len, max_blocks, long_rows
+        self.max_q_len, self.max_blocks, self.long_row_from = max_q_len, max_blocks, long_row_from
         self.seqs = {tokens: min(tokens, max_seqs) + 1 for tokens in self.buckets}
         max_tokens, most = self.buckets[-1], max(self.seqs.values())
         long = dict(dtype=torch.long, device=device)
@@ -248,19 +248,19 @@ class PrefillGraphRunner(_Captured):
             q_lens=self.q_lens[:seqs], history_lens=self.history_lens[:seqs],
             block_tables=self.block_tables[:seqs], state_slots=self.state_slots[:seqs],
             state_index=self.state_index[:seqs], is_decoding=False, sync_free=True,
-            long_row=self.long_row if bucket > self.max_q_len else None, sizes=ForwardSizes(*(-(-n // self.tp) * self.tp for n in (bucket, bucket, seqs,
+            long_row=self.long_row if self._has_long_row(bucket) else None, sizes=ForwardSizes(*(-(-n // self.tp) * self.tp for n in (bucket, bucket, seqs,
                                                                            seqs))))
         return self.fn(inputs)
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:
         """The bucket this step replays, or None when it must run eagerly (a decode step, too
-        many tokens or sequences, two chunks longer than `max_q_len` or one without
-        `long_rows`, rows split over TP ranks, lengths the host does not know)."""
+        many tokens or sequences, two chunks longer than `max_q_len`, or one without long rows,
+        rows split over TP ranks, lengths the host does not know)."""
         if (inputs.is_decoding or not inputs.graphable or inputs.host_lens is None
                 or inputs.block_tables.shape[1] > self.max_blocks
                 or (inputs.sizes is not None and inputs.sizes.sequence_parallel)):
             return None
-        if inputs.max_q_len > self.max_q_len and (not self.long_rows or sum(
+        if inputs.max_q_len > self.max_q_len and (not self.long_row_from or sum(
                 n > self.max_q_len for n in inputs.host_q_lens) > 1):
             return None
         tokens, batch = inputs.num_tokens, inputs.batch_size
@@ -278,8 +278,11 @@ class PrefillGraphRunner(_Captured):
         self.state_slots[:batch].copy_(inputs.state_slots)
         self.state_index[:batch].copy_(inputs.state_index)
         self._pad(bucket, tokens, batch)
-        if bucket > self.max_q_len:
+        if self._has_long_row(bucket):
             q_lens = inputs.host_q_lens
             longest = max(range(batch), key=q_lens.__getitem__)
-            self.long_row.fill_(longest if q_lens[longest] > self.max_q_len else batch)
+            self.long_row.fill_(longest if q_lens[longest] > self.long_row_from else batch)
         return self._replay(bucket, tokens)
+
+    def _has_long_row(self, bucket: int) -> bool:
+        return 0 < self.long_row_from < bucket

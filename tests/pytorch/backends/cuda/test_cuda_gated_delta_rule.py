@@ -283,7 +283,8 @@ def test_short_prefill_matches_fla(cache_dtype, monkeypatch):
     short = cuda_gdr.gated_delta_rule_prefill(
         *args, short_cache, step(q_lens, history, slots, index, False, 'cuda'))
     assert len(calls) == 1, 'a short step must take the recurrent kernel'
-    monkeypatch.setattr(cuda_gdr, 'SHORT_PREFILL_TOKENS', 0)
+    monkeypatch.setattr(cuda_gdr, 'SHORT_PREFILL_TOKENS', 0)       # every row: fla's varlen
+    monkeypatch.setattr(cuda_gdr, 'CAPTURED_PREFILL_TOKENS', 0)
     fla = cuda_gdr.gated_delta_rule_prefill(
         *args, fla_cache, step(q_lens, history, slots, index, False, 'cuda'))
     assert len(calls) == 1, 'a longer step must take fla'
