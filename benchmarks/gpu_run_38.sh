@@ -6,6 +6,11 @@
 # PART=prefix: bench_prefix.py on the 9B. PART=itl: bench_itl.py (32 streams + an 8k prompt).
 source .whl/gpu-env.sh
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
+# Triton's autotune results (fla benchmarks ~100 configs per kernel and dtype, minutes on a fresh
+# machine): carried in .triton_autotune (ignored), brought back as $OUT/autotune.tgz
+export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
+[ -d .triton_autotune ] && cp -r .triton_autotune/. $TRITON_CACHE_DIR/
+trap '(cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf $OUT/autotune.tgz -T -)' EXIT
 filter() { grep -v "^USDT\|IBGDA\|^$"; }
 for part in ${PART:-tests}; do
 case "$part" in
