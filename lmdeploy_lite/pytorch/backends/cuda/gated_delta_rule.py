@@ -26,6 +26,9 @@ from ..default import gated_delta_rule as reference
 # the same bits); a step with two chunks over that runs fla's varlen form (eager only).
 SHORT_PREFILL_TOKENS = 128
 CAPTURED_PREFILL_TOKENS = 512
+# fla's chunk: a long row's window covers whole chunks (eager: its own, rounded up; captured:
+# the bucket, a multiple of it), so its last chunk's scans see the same values either way
+FLA_CHUNK = 64
 
 
 @triton.jit
@@ -226,9 +229,9 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if chunk is None:
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
     long_row = inputs.derived('gdn_eager_long_row', lambda: _eager_long_row(inputs), True)
-    if long_row is not None:        # a captured step's split, the window the row itself
+    if long_row is not None:        # a captured step's split, the window the row's own chunks
         return long_row_prefill(q, k, v, g, beta, state_cache, long_row, chunk,
-                                width=long_row.max_q_len)
+                                width=-(-long_row.max_q_len // FLA_CHUNK) * FLA_CHUNK)
     initial = reference.initial_states(state_cache, inputs).float()              # [B, nv, dk, dv]
     # the same tensors for every layer: fla caches what it derives from them (chunk indices,
     # via .tolist()) by identity; new ones per layer cost ~2.5 ms of host time per layer call

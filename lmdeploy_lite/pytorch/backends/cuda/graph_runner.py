@@ -47,10 +47,10 @@ def batch_buckets(max_batch_size: int) -> list[int]:
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Captured token counts of prefill and mixed steps: powers of two from 16, from 1024 also
     the 1.5x steps between them (768, 1536, ..: a long chunk pads by at most a third), and the
-    max."""
+    max rounded up to a multiple of 64 (a long row's window holds whole fla chunks)."""
     steps = {2 ** i for i in range(4, max_tokens.bit_length())} | {
         3 << i for i in range(8, max_tokens.bit_length())}
-    return sorted(t for t in steps if t < max_tokens) + [max_tokens]
+    return sorted(t for t in steps if t < max_tokens) + [-(-max_tokens // 64) * 64]
 
 
 class _Captured:

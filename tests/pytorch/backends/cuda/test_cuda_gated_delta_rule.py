@@ -207,7 +207,7 @@ def test_long_row_prefill_matches_default(kernel_device, case, eager):
     other rows by the recurrent kernel. Against the default op: outputs and the WHOLE cache
     (the window's foreign rows leave the long row's state exactly as its own tokens leave it).
     The chunk form stands in for fla; fp32 and fp64 in Triton's interpreter, fp32 on a GPU.
-    `eager`: the window is the row's own length (an eager step with one long chunk)."""
+    `eager`: the window is the row's own chunks (an eager step with one long chunk)."""
     import dataclasses
     q_lens, history, slots, index, row = case
     long_row = torch.tensor([row], device=kernel_device)
@@ -215,7 +215,7 @@ def test_long_row_prefill_matches_default(kernel_device, case, eager):
     def op(*args):
         inputs = dataclasses.replace(args[-1], sync_free=True, long_row=long_row)
         return cuda_gdr.long_row_prefill(*args[:-1], inputs, reference_chunk,
-                                         width=q_lens[row] if eager else None)
+                                         width=-(-q_lens[row] // 64) * 64 if eager else None)
     for dtype in (torch.float32, torch.float64) if kernel_device == 'cpu' else (torch.float32,):
         check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False,
                    (2, 4, 12, 20, 3), dtype, kernel_device, op=op)
@@ -227,8 +227,8 @@ def test_long_row_prefill_with_fla(dtype):
     """The same split with fla on a GPU at Qwen3.5 heads, a 700-token long row (ours' window
     is the step's 730 tokens), inside a CUDA graph: against the default op (fla's bf16 internals:
     2e-2; fp32: tf32 dots, 2e-3), and bit for bit the eager op's split of the same step (its
-    window the row's own 700 tokens: the captured window's extra rows add exact zeros), outputs
-    and the whole cache."""
+    window the row's own 11 chunks, 704 rows: the captured window's extra rows add exact zeros
+    and its last chunk is the same), outputs and the whole cache."""
     import dataclasses
     chunk = cuda_gdr.fla_chunk_gated_delta_rule()
     if chunk is None:
