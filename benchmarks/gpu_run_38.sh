@@ -4,6 +4,7 @@
 # prefill graphs off against on) for PRESETS. PART=ttft: bench_pipeline.py TTFT rows (TTFT
 # lengths, AR, best of 2) with graphs off (GRAPH=0) and on (512) for PRESETS.
 # PART=prefix: bench_prefix.py on the 9B. PART=itl: bench_itl.py (32 streams + an 8k prompt).
+# PART=profile: profile_prefill.py (a TOKENS prompt's device time by kernel family) for PRESETS.
 source .whl/gpu-env.sh
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 # Triton's autotune results (fla benchmarks ~100 configs per kernel and dtype, minutes on a fresh
@@ -37,6 +38,12 @@ prefix)
   timeout ${LIMIT:-300} python3 benchmarks/bench_prefix.py --preset qwen3_5_9b --device cuda --dtype bfloat16 \
     ${PREFIX_ARGS:-} --out $OUT/prefix_9b.json > $OUT/prefix_9b.log 2>&1
   tail -${TAILN:-12} $OUT/prefix_9b.log | cut -c1-150 ;;
+profile)
+  for preset in ${PRESETS:-qwen3_5_0_8b}; do
+    timeout ${LIMIT:-200} python3 benchmarks/profile_prefill.py --preset $preset --tokens ${TOKENS:-8192} \
+      --graph-tokens ${GRAPH:-8192} --out $OUT/profile_${preset}_${TOKENS:-8192}.json > $OUT/profile_${preset}.log 2>&1
+    echo "== $preset"; tail -${TAILN:-30} $OUT/profile_${preset}.log | cut -c1-150
+  done ;;
 itl)
   timeout ${LIMIT:-300} python3 benchmarks/bench_itl.py --preset ${PRESET:-qwen3_5_0_8b} --device cuda --dtype bfloat16 \
     ${ITL_ARGS:-} --out $OUT/itl.json > $OUT/itl.log 2>&1
