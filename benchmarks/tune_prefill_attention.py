@@ -49,7 +49,7 @@ def main():
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     device, dim, block = torch.device('cuda'), 256, 64
-    shipped = (pa._tile_sizes, pa._launch_options)
+    shipped = (pa._prefill_tile_sizes, pa._launch_options)
     rows = []
     for name, heads, kv_heads in (('0.8B', 8, 2), ('9B', 16, 4)):
         for tokens in map(int, args.tokens.split(',')):
@@ -58,11 +58,11 @@ def main():
             k_cache, v_cache = (torch.randn(tokens // block, block, kv_heads, dim, device=device,
                                             generator=gen).bfloat16() for _ in range(2))
             flops = 2 * tokens * tokens * heads * dim          # causal: half of 4 L^2 h d
-            pa._tile_sizes, pa._launch_options = shipped
+            pa._prefill_tile_sizes, pa._launch_options = shipped
             ref = pa.prefill_attention(q, k_cache, v_cache, inputs_for(tokens, block, device),
                                        dim ** -0.5)
             for bm, bn, warps, stages in CONFIGS:
-                pa._tile_sizes = lambda q, bm=bm, bn=bn: (bm, bn)
+                pa._prefill_tile_sizes = lambda q, bm=bm, bn=bn: (bm, bn)
                 pa._launch_options = lambda q, m, d, w=warps, s=stages: dict(
                     BLOCK_D=d, DOT_PRECISION='tf32', num_warps=w, num_stages=s)
                 inputs = inputs_for(tokens, block, device)
@@ -77,7 +77,7 @@ def main():
                                  stages=stages, ms=ms, tflops=flops / ms / 1e9, max_diff=diff))
                 print(f'{name:>5} {tokens:>5} {bm:>4} {bn:>4} {warps:>2} {stages} '
                       f'{ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s  diff {diff}', flush=True)
-    pa._tile_sizes, pa._launch_options = shipped
+    pa._prefill_tile_sizes, pa._launch_options = shipped
     if args.out:
         with open(args.out, 'w') as f:
             json.dump(rows, f, indent=1)

@@ -237,13 +237,28 @@ def _tile_sizes(q: torch.Tensor) -> tuple[int, int]:
     return 64, 32 if q.shape[-1] > 128 else 64
 
 
+# A prefill step of more tokens than this (eager: T; captured: its bucket, so both pick the same
+# tiles for a step) with 16-bit heads wider than 128 takes (LONG_TILES) query and KV tiles:
+# 2.4-2.7x the shipped (64, 32) at an 8k prompt, 1.75x at 2k, on an H100 at the 0.8B and 9B
+# attention shapes (tune_prefill_attention.py; BENCHMARKS.md)
+LONG_PREFILL_TOKENS = 512
+LONG_TILES = (128, 64)
+
+
+def _prefill_tile_sizes(q: torch.Tensor) -> tuple[int, int]:
+    if q.dtype != torch.float32 and q.shape[-1] > 128 and q.shape[0] > LONG_PREFILL_TOKENS:
+        return LONG_TILES
+    return _tile_sizes(q)
+
+
 def _launch_options(q: torch.Tensor, block_m: int, block_d: int) -> dict:
     """BLOCK_D, the dots' precision (fp32: IEEE, not tf32), warps for the accumulator's size; two
-    pipeline stages where K/V rows are wide (fp32 at head_dim 256), so their shared memory fits."""
+    pipeline stages where K/V rows are wide (fp32 at head_dim 256) or the query tile is (128
+    rows), so their shared memory fits."""
     wide = q.dtype == torch.float32 or block_m * block_d >= 64 * 128
     return dict(BLOCK_D=block_d, DOT_PRECISION='ieee' if q.dtype == torch.float32 else 'tf32',
                 num_warps=8 if wide else 4,
-                num_stages=2 if q.element_size() * block_d > 512 else 3)
+                num_stages=2 if q.element_size() * block_d > 512 or block_m > 64 else 3)
 
 
 @functools.cache
@@ -346,7 +361,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     the step is captured (`inputs.sync_free`); the same for every layer of a forward."""
     num_heads, head_dim = q.shape[1:]
     block_size, n_kv = k_cache.shape[1:3]
-    (block_m, block_n), block_d = _tile_sizes(q), _block_d(head_dim)
+    (block_m, block_n), block_d = _prefill_tile_sizes(q), _block_d(head_dim)
     if inputs.sync_free:
         tiles = inputs.derived(('attention_tiles', block_m),
                                lambda: _device_tiles(inputs, block_m, q.shape[0]))
