@@ -222,6 +222,8 @@ class Pipeline:
             if given and not chat:
                 raise ValueError(f'{name}: given with a prompt that is not chat messages; it '
                                  f'reaches the model through the chat template')
+        if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:
+            return list(prompt)         # plain ints, checked at C speed (an 8k prompt: ~0.1 ms)
         if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             return [int(t) for t in prompt]
         check_prompt(prompt)
