@@ -7,9 +7,11 @@
 
 `--streams` sequences of `--prompt-len` random tokens are prefilled and decode `--pre-steps`
 steps; then one `--long-prompt-len` prompt arrives, and the engine steps until it has its first
-token and `--post-steps` steps more. Each `Engine.step()` is timed (device synchronized); a token
-reaches its stream when the step that reports it returns (with async scheduling, one step after
-the one that computed it). A stream's inter-token intervals are the gaps between its reports.
+token and `--post-steps` steps more. A token reaches its stream when the `Engine.step()` that
+reports it returns, as a server would deliver it (with async scheduling, one step after the one
+that computed it; `--synchronize`: the device is synchronized after each step, which serializes
+every step's host and device work and so misleads the adaptive budget, whose decode times are
+then host times: the runs before 2026-11-27 evening did that). A stream's inter-token intervals are the gaps between its reports.
 `window` = the intervals that overlap the time from the long prompt's arrival to its first token
 (a stream stalled by the prefill has its stall in one of them); `base` = those that end before
 the arrival; `all` = every interval. ttft = arrival to first token of the
@@ -53,7 +55,7 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 
 
 def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, pre_steps: int,
-                 post_steps: int, seed: int = 0) -> dict:
+                 post_steps: int, seed: int = 0, synchronize_steps: bool = False) -> dict:
     """One measured run (see the module docstring); aborts and drains everything afterwards."""
     vocab = engine.model_config.vocab_size
     gen = GenerationConfig(max_new_tokens=engine.session_len - prompt_len - 1, ignore_eos=True)
@@ -79,7 +81,8 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
                 long_seq = engine.add_request(prompt, GenerationConfig(max_new_tokens=1))
                 arrival, steps_at_arrival = time.perf_counter(), len(step_kinds)
             outputs = engine.step()
-            synchronize(engine.device)
+            if synchronize_steps:
+                synchronize(engine.device)
             now = time.perf_counter()
             step += 1
             for out in outputs:
@@ -137,6 +140,8 @@ def main():
     parser.add_argument('--num-spec-tokens', type=int, default=0, help='MTP k (0: plain)')
     parser.add_argument('--synthetic-acceptance', default=None,
                         help='per-position accept rates for dummy weights, e.g. 0.8,0.6,0.5')
+    parser.add_argument('--synchronize', action='store_true',
+                        help='synchronize the device after each step (the old timing)')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)
@@ -167,7 +172,7 @@ def main():
         warm_len = min(args.long_prompt_len, args.max_prefill_tokens + args.max_mixed_tokens)
         run_scenario(engine, min(args.streams, 2), 16, warm_len, 2, 2, seed=99)
         row = run_scenario(engine, args.streams, args.prompt_len, args.long_prompt_len,
-                           args.pre_steps, args.post_steps)
+                           args.pre_steps, args.post_steps, synchronize_steps=args.synchronize)
         rows.append({'mode': mode, **row})
     device_name = environment()['device']
     dtype = engine.dtype
