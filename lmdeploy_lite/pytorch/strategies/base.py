@@ -2,6 +2,8 @@
 what is shared after sampling, and what a result row adds to its sequence (counters: `stats`)."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from lmdeploy_lite.messages import SpecDecodeStats
@@ -17,19 +19,23 @@ def dummy_table_width(num_tokens_per_seq: int) -> int:
 def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
                       block_tables: list[list[int]], state_slots: list[int],
                       is_decoding: bool, device) -> ModelInputs:
-    """Per-sequence token chunks as ModelInputs, in one host-to-device copy (split there)."""
+    """Per-sequence token chunks as ModelInputs, in one host-to-device copy (split there); the
+    positions are made there too (an 8k prompt's list cost ~1 ms of host time)."""
     q_lens = [len(c) for c in token_chunks]
     batch = len(q_lens)
     width = max((len(b) for b in block_tables), default=0) or 1
-    flat = [t for c in token_chunks for t in c]
-    flat += [h + i for h, n in zip(history_lens, q_lens) for i in range(n)]      # positions
+    flat = list(itertools.chain.from_iterable(token_chunks))
     flat += q_lens + list(history_lens) + list(state_slots) + [0] * batch       # .., state_index
     for b in block_tables:
         flat += b + [0] * (width - len(b))
     buffer = to_device(torch.tensor(flat, dtype=torch.long), device)
-    num_tokens = sum(q_lens)
-    input_ids, positions, q, hist, slots, index, table = buffer.split(
-        [num_tokens, num_tokens, batch, batch, batch, batch, batch * width])
+    num_tokens = len(flat) - 4 * batch - batch * width
+    input_ids, q, hist, slots, index, table = buffer.split(
+        [num_tokens, batch, batch, batch, batch, batch * width])
+    # token i of sequence b sits at history_lens[b] + (i - its first index)
+    first = torch.cumsum(q, 0) - q
+    positions = torch.arange(num_tokens, device=buffer.device) + torch.repeat_interleave(
+        hist - first, q, output_size=num_tokens)
     uniform = q_lens[0] if is_decoding and q_lens and len(set(q_lens)) == 1 else None
     return ModelInputs(input_ids=input_ids, positions=positions, q_lens=q, history_lens=hist,
                        block_tables=table.view(batch, width), state_slots=slots,
