@@ -2,7 +2,7 @@
 # Issue 38 on one H100. PART=tests: the GPU tests of prefill graphs and the kernels they use.
 # PART=steps: bench_prefill_step.py (host and wall time of prefill, prefix-hit and mixed steps,
 # prefill graphs off against on) for PRESETS. PART=ttft: bench_pipeline.py TTFT rows (TTFT
-# lengths, AR, best of 2) with graphs off (GRAPH=0) and on (512) for PRESETS.
+# lengths, AR, best of 2) with graphs off (0) and on (8192) for PRESETS.
 # PART=prefix: bench_prefix.py on the 9B. PART=itl: bench_itl.py (32 streams + an 8k prompt).
 # PART=profile: profile_prefill.py (a TOKENS prompt's device time by kernel family) for PRESETS.
 source .whl/gpu-env.sh
@@ -27,7 +27,7 @@ steps)
   done ;;
 ttft)
   for preset in ${PRESETS:-qwen3_5_0_8b qwen3_5_9b}; do
-    for graph in ${GRAPHS:-0 512}; do
+    for graph in ${GRAPHS:-0 8192}; do
       timeout ${LIMIT:-300} python3 benchmarks/bench_pipeline.py --preset $preset --device cuda --dtype bfloat16 \
         --batch-sizes 1 --new-tokens 16 --repeats 2 --no-enable-prefix-caching --ttft-lens ${TTFT:-128,512,2048,8192} \
         --max-prefill-graph-tokens $graph --out $OUT/ttft_${preset}_g$graph.json > $OUT/ttft_${preset}_g$graph.log 2>&1
