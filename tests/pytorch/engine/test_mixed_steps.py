@@ -108,7 +108,7 @@ def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
         replayed.append([runner.q_lens[:batch].tolist()])
 
     def replaying(runner, bucket, rows):             # with its long row (bucket > 4)
-        replayed[-1].append(int(runner.long_row) if runner._has_long_row(bucket) else None)
+        replayed[-1].append(int(runner.long_row) if runner.has_long_row(bucket) else None)
         return replay(runner, bucket, rows)
     monkeypatch.setattr(PrefillGraphRunner, '_pad', padding)
     monkeypatch.setattr(PrefillGraphRunner, '_replay', replaying)

@@ -248,8 +248,9 @@ class PrefillGraphRunner(_Captured):
             q_lens=self.q_lens[:seqs], history_lens=self.history_lens[:seqs],
             block_tables=self.block_tables[:seqs], state_slots=self.state_slots[:seqs],
             state_index=self.state_index[:seqs], is_decoding=False, sync_free=True,
-            long_row=self.long_row if self._has_long_row(bucket) else None, sizes=ForwardSizes(*(-(-n // self.tp) * self.tp for n in (bucket, bucket, seqs,
-                                                                           seqs))))
+            long_row=self.long_row if self.has_long_row(bucket) else None,
+            sizes=ForwardSizes(*(-(-n // self.tp) * self.tp for n in (bucket, bucket, seqs,
+                                                                       seqs))))
         return self.fn(inputs)
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:
@@ -278,11 +279,12 @@ class PrefillGraphRunner(_Captured):
         self.state_slots[:batch].copy_(inputs.state_slots)
         self.state_index[:batch].copy_(inputs.state_index)
         self._pad(bucket, tokens, batch)
-        if self._has_long_row(bucket):
+        if self.has_long_row(bucket):
             q_lens = inputs.host_q_lens
             longest = max(range(batch), key=q_lens.__getitem__)
             self.long_row.fill_(longest if q_lens[longest] > self.long_row_from else batch)
         return self._replay(bucket, tokens)
 
-    def _has_long_row(self, bucket: int) -> bool:
+    def has_long_row(self, bucket: int) -> bool:
+        """Whether the bucket's graph gives a sequence to fla as the long row."""
         return 0 < self.long_row_from < bucket
