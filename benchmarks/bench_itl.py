@@ -37,7 +37,8 @@ from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 
 COLUMNS = ['mode', 'streams', 'long', 'ttft_s', 'window_steps', 'base_med_ms', 'win_med_ms',
-           'win_p99_ms', 'win_max_ms', 'all_med_ms', 'all_p99_ms', 'p99/base', 'mixed_steps']
+           'win_p99_ms', 'win_max_ms', 'all_med_ms', 'all_p99_ms', 'p99/base', 'mixed_steps',
+           'chunk_med']
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -67,7 +68,9 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
     def recording():
         batch = schedule()
         if batch is not None:
-            step_kinds.append((batch.num_decode_rows, len(batch.seqs)))
+            step_kinds.append((batch.num_decode_rows, len(batch.seqs),
+                               sum(n for seq, n in zip(batch.seqs, batch.q_lens)
+                                   if not seq.prefilled)))
         return batch
     engine.scheduler.schedule = recording
     stream_ids = {s.seq_id for s in seqs}
@@ -109,7 +112,9 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
     ms = 1000.0
     return {'streams': streams, 'long': long_len, 'ttft_s': first_token - arrival,
             'window_steps': len(in_window),
-            'mixed_steps': sum(0 < d < n for d, n in in_window),
+            'mixed_steps': sum(0 < d < n for d, n, _ in in_window),
+            # the prompt tokens the window's steps carried (the mixed budget's chunks)
+            'chunk_med': percentile([c for _, _, c in in_window if c], 50),
             'base_med_ms': ms * percentile(base, 50), 'win_med_ms': ms * percentile(window, 50),
             'win_p99_ms': ms * percentile(window, 99), 'win_max_ms': ms * percentile(window, 100),
             'all_med_ms': ms * percentile(every, 50), 'all_p99_ms': ms * percentile(every, 99),
