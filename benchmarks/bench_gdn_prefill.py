@@ -66,17 +66,18 @@ def main():
     parser.add_argument('--iters', type=int, default=20)
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
-    rows, limit = [], gdr.SHORT_PREFILL_TOKENS
+    rows, limit, cap = [], gdr.SHORT_PREFILL_TOKENS, gdr.CAPTURED_PREFILL_TOKENS
     for case in args.cases.split(','):
         batch, q_len = map(int, case.split('x'))
         call = make_call(batch, q_len, args.history)
         try:
             gdr.SHORT_PREFILL_TOKENS = 1 << 30                    # every step: the kernel
             kernel = timed(lambda: gdr.gated_delta_rule_prefill(*call), args.iters)
-            gdr.SHORT_PREFILL_TOKENS = 0                          # every step: fla
+            # every step: fla (every row over both limits: its varlen form, or one row alone)
+            gdr.SHORT_PREFILL_TOKENS = gdr.CAPTURED_PREFILL_TOKENS = 0
             fla = timed(lambda: gdr.gated_delta_rule_prefill(*call), args.iters)
         finally:
-            gdr.SHORT_PREFILL_TOKENS = limit
+            gdr.SHORT_PREFILL_TOKENS, gdr.CAPTURED_PREFILL_TOKENS = limit, cap
         rows.append({'batch': batch, 'q_len': q_len, 'kernel_dev_ms': kernel[0],
                      'kernel_host_ms': kernel[1], 'fla_ms': fla[2], 'fla_host_ms': fla[1],
                      'fla_over_kernel': fla[2] / kernel[2]})
