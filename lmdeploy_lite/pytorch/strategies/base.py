@@ -29,7 +29,7 @@ def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
     for b in block_tables:
         flat += b + [0] * (width - len(b))
     buffer = to_device(torch.tensor(flat, dtype=torch.long), device)
-    num_tokens = len(flat) - 4 * batch - batch * width
+    num_tokens = sum(q_lens)
     input_ids, q, hist, slots, index, table = buffer.split(
         [num_tokens, batch, batch, batch, batch, batch * width])
     # token i of sequence b sits at history_lens[b] + (i - its first index)

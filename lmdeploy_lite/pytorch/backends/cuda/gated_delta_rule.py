@@ -15,6 +15,7 @@ import triton.language as tl
 
 from ...model_inputs import ModelInputs
 from ..default import gated_delta_rule as reference
+from .graph_runner import long_row
 
 
 # Prefill steps of at most this many tokens per sequence run `_recurrent_prefill_kernel`, which
@@ -228,10 +229,10 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     chunk = fla_chunk_gated_delta_rule()
     if chunk is None:
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
-    long_row = inputs.derived('gdn_eager_long_row', lambda: _eager_long_row(inputs), True)
-    if long_row is not None:        # a captured step's split, the window the row's own chunks
-        return long_row_prefill(q, k, v, g, beta, state_cache, long_row, chunk,
-                                width=-(-long_row.max_q_len // FLA_CHUNK) * FLA_CHUNK)
+    split = inputs.derived('gdn_eager_long_row', lambda: _eager_long_row(inputs), True)
+    if split is not None:        # a captured step's split, the window the row's own chunks
+        return long_row_prefill(q, k, v, g, beta, state_cache, split, chunk,
+                                width=-(-split.max_q_len // FLA_CHUNK) * FLA_CHUNK)
     initial = reference.initial_states(state_cache, inputs).float()              # [B, nv, dk, dv]
     # the same tensors for every layer: fla caches what it derives from them (chunk indices,
     # via .tolist()) by identity; new ones per layer cost ~2.5 ms of host time per layer call
@@ -249,23 +250,13 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def _eager_long_row(inputs: ModelInputs) -> ModelInputs | None:
-    """`inputs` with its longest chunk as `long_row` (a step that has one over
-    SHORT_PREFILL_TOKENS), as a captured step would have it, so both take the same kernels;
-    None where another chunk is over CAPTURED_PREFILL_TOKENS (fla's varlen form)."""
-    row = long_row(inputs.host_q_lens)
+    """`inputs` with its longest chunk as `long_row` (graph_runner.long_row: the
+    captured steps' rule), so both take the same kernels; None where no chunk is over
+    SHORT_PREFILL_TOKENS or another is over CAPTURED_PREFILL_TOKENS (fla's varlen form)."""
+    row = long_row(inputs.host_q_lens, SHORT_PREFILL_TOKENS, CAPTURED_PREFILL_TOKENS)
     if row is None:
         return None
     return dataclasses.replace(inputs, long_row=torch.tensor([row], device=inputs.q_lens.device))
-
-
-def long_row(q_lens: list[int]) -> int | None:
-    """The row of a step's longest chunk, for `long_row_prefill`: None where no chunk is over
-    SHORT_PREFILL_TOKENS or another chunk is over CAPTURED_PREFILL_TOKENS."""
-    row = max(range(len(q_lens)), key=q_lens.__getitem__)
-    if q_lens[row] <= SHORT_PREFILL_TOKENS or sum(
-            n > CAPTURED_PREFILL_TOKENS for n in q_lens) - (q_lens[row] > CAPTURED_PREFILL_TOKENS):
-        return None
-    return row
 
 
 def _long_window(inputs: ModelInputs, num_tokens: int, width: int):

@@ -53,6 +53,17 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return sorted(t for t in steps if t < max_tokens) + [-(-max_tokens // 64) * 64]
 
 
+def long_row(q_lens: list[int], longer_than: int, others_at_most: int) -> int | None:
+    """The sequence whose chunk takes fla as a step's long row (gated_delta_rule.long_row_prefill):
+    the longest chunk, where it is over `longer_than` tokens and no other chunk is over
+    `others_at_most`; else None. The one rule for captured and eager steps alike."""
+    row = max(range(len(q_lens)), key=q_lens.__getitem__)
+    if q_lens[row] <= longer_than or sum(n > others_at_most for n in q_lens) - (
+            q_lens[row] > others_at_most):
+        return None
+    return row
+
+
 class _Captured:
     """One forward `fn(inputs, *extras)` captured per bucket into one memory pool: the capture,
     its collective trace and the replay, for both runners below."""
@@ -125,6 +136,16 @@ class _Captured:
     def can_run(self, inputs: ModelInputs) -> bool:
         return self.bucket_for(inputs) is not None
 
+    def _copy_inputs(self, inputs: ModelInputs, tokens: int):
+        """The step's tokens and per-sequence rows into the static buffers' first rows."""
+        batch, width = inputs.batch_size, inputs.block_tables.shape[1]
+        self.input_ids[:tokens].copy_(inputs.input_ids)
+        self.positions[:tokens].copy_(inputs.positions)
+        self.history_lens[:batch].copy_(inputs.history_lens)
+        self.block_tables[:batch, :width].copy_(inputs.block_tables)
+        self.state_slots[:batch].copy_(inputs.state_slots)
+        self.state_index[:batch].copy_(inputs.state_index)
+
     def _replay(self, bucket: int, rows: int) -> torch.Tensor:
         """The first `rows` rows of the bucket's output, once the static buffers are filled."""
         self.num_replays += 1
@@ -180,15 +201,9 @@ class GraphRunner(_Captured):
 
     @torch.inference_mode()
     def __call__(self, inputs: ModelInputs, *extras: torch.Tensor) -> torch.Tensor:
-        bucket = self.bucket_for(inputs)
-        batch, width = inputs.batch_size, inputs.block_tables.shape[1]
+        bucket, batch = self.bucket_for(inputs), inputs.batch_size
         tokens, padded_tokens = batch * self.q_len, bucket * self.q_len
-        self.input_ids[:tokens].copy_(inputs.input_ids)
-        self.positions[:tokens].copy_(inputs.positions)
-        self.history_lens[:batch].copy_(inputs.history_lens)
-        self.block_tables[:batch, :width].copy_(inputs.block_tables)
-        self.state_slots[:batch].copy_(inputs.state_slots)
-        self.state_index[:batch].copy_(inputs.state_index)
+        self._copy_inputs(inputs, tokens)
         for static, value in zip(self.extras, extras):
             static[:tokens].copy_(value)
         if bucket > batch:        # padding sequences: the dummy shape (reserved block and row)
@@ -269,20 +284,13 @@ class PrefillGraphRunner(_Captured):
 
     @torch.inference_mode()
     def __call__(self, inputs: ModelInputs) -> torch.Tensor:
-        bucket = self.bucket_for(inputs)
-        tokens, batch, width = inputs.num_tokens, inputs.batch_size, inputs.block_tables.shape[1]
-        self.input_ids[:tokens].copy_(inputs.input_ids)
-        self.positions[:tokens].copy_(inputs.positions)
+        bucket, tokens, batch = self.bucket_for(inputs), inputs.num_tokens, inputs.batch_size
+        self._copy_inputs(inputs, tokens)
         self.q_lens[:batch].copy_(inputs.q_lens)
-        self.history_lens[:batch].copy_(inputs.history_lens)
-        self.block_tables[:batch, :width].copy_(inputs.block_tables)
-        self.state_slots[:batch].copy_(inputs.state_slots)
-        self.state_index[:batch].copy_(inputs.state_index)
         self._pad(bucket, tokens, batch)
-        if self.has_long_row(bucket):
-            q_lens = inputs.host_q_lens
-            longest = max(range(batch), key=q_lens.__getitem__)
-            self.long_row.fill_(longest if q_lens[longest] > self.long_row_from else batch)
+        if self.has_long_row(bucket):    # bucket_for let at most one chunk over max_q_len in
+            row = long_row(inputs.host_q_lens, self.long_row_from, self.max_q_len)
+            self.long_row.fill_(batch if row is None else row)
         return self._replay(bucket, tokens)
 
     def has_long_row(self, bucket: int) -> bool:
