@@ -41,6 +41,8 @@ def main():
     parser.add_argument('--tokens', type=int, default=8192)
     parser.add_argument('--graph-tokens', type=int, default=8192)
     parser.add_argument('--rows', type=int, default=20)
+    parser.add_argument('--host-rows', type=int, default=15,
+                        help='host functions with the most own time in one run (cProfile)')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     path, load_format = resolve_model(args)
@@ -85,11 +87,28 @@ def main():
     print(f'{"kernel":<70} {"ms":>8}')
     for name, ms in sorted(kernels.items(), key=lambda x: -x[1])[:args.rows]:
         print(f'{name[:70]:<70} {ms:8.2f}')
+    host = host_profile(run, args.host_rows)
     if args.out:
         with open(args.out, 'w') as f:
             json.dump({'tokens': args.tokens, 'graph_tokens': args.graph_tokens, 'walls_ms': walls,
                        'device_ms': device_ms, 'families_ms': families,
-                       'kernels_ms': dict(kernels)}, f, indent=1)
+                       'kernels_ms': dict(kernels), 'host_ms': host}, f, indent=1)
+
+
+def host_profile(run, rows: int) -> dict[str, float]:
+    """One run under cProfile: the functions with the most own time (ms; a wait for the device
+    shows as the call that synchronizes)."""
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    profiler.runcall(run)
+    stats = pstats.Stats(profiler).stats
+    own = sorted(((1000 * tt, f'{os.path.basename(fn)}:{line}:{name}')
+                  for (fn, line, name), (_, _, tt, _, _) in stats.items()), reverse=True)[:rows]
+    print(f'{"host function (own time)":<70} {"ms":>8}')
+    for ms, name in own:
+        print(f'{name[:70]:<70} {ms:8.2f}')
+    return {name: ms for ms, name in own}
 
 
 if __name__ == '__main__':

@@ -27,8 +27,9 @@ from .graph_runner import long_row
 # the same bits); a step with two chunks over that runs fla's varlen form (eager only).
 SHORT_PREFILL_TOKENS = 128
 CAPTURED_PREFILL_TOKENS = 512
-# fla's chunk: a long row's window covers whole chunks (eager: its own, rounded up; captured:
-# the bucket, a multiple of it), so its last chunk's scans see the same values either way
+# fla's chunk: a long row's window covers whole chunks from the step's first token (eager: to
+# the row's end, rounded up; captured: the bucket, a multiple of it), so its chunks see the same
+# values either way
 FLA_CHUNK = 64
 
 
@@ -159,9 +160,10 @@ def decode_tiling(dv: int) -> tuple[int, int]:
 
 def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor, state_cache: torch.Tensor, inputs: ModelInputs, *seq_ptrs,
-            **constexprs) -> torch.Tensor:
-    """Grid (B, nv, dv / BV) as `decode_tiling`; `seq_ptrs` after history_lens -> o [T, nv, dv]."""
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+            out: torch.Tensor | None = None, **constexprs) -> torch.Tensor:
+    """Grid (B, nv, dv / BV) as `decode_tiling`; `seq_ptrs` after history_lens -> o [T, nv, dv]
+    (`out`, where given, keeps the rows of sequences without tokens)."""
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     dk, (nv, dv) = q.shape[-1], v.shape[1:]
     block_v, num_warps = decode_tiling(dv)
     strides = [stride for x in (q, k, v, g, beta, out, state_cache) for stride in x.stride()]
@@ -230,9 +232,8 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if chunk is None:
         return reference.gated_delta_rule_prefill(q, k, v, g, beta, state_cache, inputs)
     split = inputs.derived('gdn_eager_long_row', lambda: _eager_long_row(inputs), True)
-    if split is not None:        # a captured step's split, the window the row's own chunks
-        return long_row_prefill(q, k, v, g, beta, state_cache, split, chunk,
-                                width=-(-split.max_q_len // FLA_CHUNK) * FLA_CHUNK)
+    if split is not None:        # a captured step's split over the window that covers the row
+        return long_row_prefill(q, k, v, g, beta, state_cache, split[0], chunk, width=split[1])
     initial = reference.initial_states(state_cache, inputs).float()              # [B, nv, dk, dv]
     # the same tensors for every layer: fla caches what it derives from them (chunk indices,
     # via .tolist()) by identity; new ones per layer cost ~2.5 ms of host time per layer call
@@ -249,61 +250,71 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out[0].to(v.dtype)
 
 
-def _eager_long_row(inputs: ModelInputs) -> ModelInputs | None:
-    """`inputs` with its longest chunk as `long_row` (graph_runner.long_row: the
-    captured steps' rule), so both take the same kernels; None where no chunk is over
-    SHORT_PREFILL_TOKENS or another is over CAPTURED_PREFILL_TOKENS (fla's varlen form)."""
+def _eager_long_row(inputs: ModelInputs) -> tuple[ModelInputs, int] | None:
+    """`inputs` with its longest chunk as `long_row` (graph_runner.long_row: the captured
+    steps' rule) and the window that covers it (`eager_width`), so eager and captured steps take
+    the same kernels; None where no chunk is over SHORT_PREFILL_TOKENS or another is over
+    CAPTURED_PREFILL_TOKENS (fla's varlen form)."""
     row = long_row(inputs.host_q_lens, SHORT_PREFILL_TOKENS, CAPTURED_PREFILL_TOKENS)
     if row is None:
         return None
-    return dataclasses.replace(inputs, long_row=torch.tensor([row], device=inputs.q_lens.device))
+    return (dataclasses.replace(inputs, long_row=torch.tensor([row], device=inputs.q_lens.device)),
+            eager_width(inputs.host_q_lens, row))
 
 
-def _long_window(inputs: ModelInputs, num_tokens: int, width: int):
-    """The long row's tokens as a window of `width` rows (host-free): `take` [W] the step token
-    each window row reads (clamped), `live` [W] the window rows that are the row's own tokens,
-    `back` [T] the window row of each step token, `mine` [T] the step tokens that are the row's,
-    `short` [B] the q_lens with the long row's zeroed."""
+def eager_width(q_lens: list[int], row: int) -> int:
+    """An eager step's long-row window: its first tokens up to the end of `row`'s chunk, rounded
+    up to whole fla chunks (a captured step's window is its bucket, a multiple of FLA_CHUNK)."""
+    return -(-sum(q_lens[:row + 1]) // FLA_CHUNK) * FLA_CHUNK
+
+
+def _long_window(inputs: ModelInputs, width: int):
+    """`live` [W]: the window rows that are the long row's tokens; `short` [B]: the q_lens with
+    the long row's zeroed (host-free)."""
     row = inputs.long_row
     start = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)[row]
-    count = inputs.q_lens[row]
-    pos, rel = torch.arange(width, device=row.device), torch.arange(num_tokens,
-                                                                    device=row.device) - start
+    pos = torch.arange(width, device=row.device)
     short = inputs.q_lens.masked_fill(torch.arange(inputs.batch_size, device=row.device) == row, 0)
-    return ((start + pos).clamp(max=num_tokens - 1), pos < count, rel.clamp(0, width - 1),
-            (rel >= 0) & (rel < count), short)
+    return (pos >= start) & (pos < start + inputs.q_lens[row]), short
+
+
+def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` rows of `x` (a view), zero rows past its end."""
+    if n <= x.shape[0]:
+        return x[:n]
+    return torch.cat([x, x.new_zeros(n - x.shape[0], *x.shape[1:])])
 
 
 def long_row_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state_cache: torch.Tensor, inputs: ModelInputs,
                      chunk, width: int | None = None) -> torch.Tensor:
     """A prefill with one long chunk (`inputs.long_row`), reading no length on the host: the
-    other sequences by `_recurrent_prefill_kernel`, then the long row by `chunk` (fla's
-    signature) as ONE sequence of `width` tokens (default: the step's T, as a captured step
-    has it): its tokens first, then the rest of the window with beta = 0 and log-decay 0, which
-    leave the state exactly as it was (each later row adds beta * k (v - S^T k) = 0 and decays
-    by exp(0) = 1), so the final state is the row's own; the window rows' outputs past the row
-    are dropped."""
+    long row by `chunk` (fla's signature) as ONE sequence over the step's first `width` tokens
+    (default: all T, as a captured step has it), the other tokens of that window taken with
+    beta = 0 and log-decay 0, which leave the state exactly as it was (each adds
+    beta * k (v - S^T k) = 0 and decays by exp(0) = 1), so the final state and the outputs at the
+    row's tokens are the row's own; then the other sequences by `_recurrent_prefill_kernel`,
+    which writes their outputs over the window's. The window starts at the step's first token,
+    so it is the step's own tensors, not a gathered copy."""
     num_tokens = v.shape[0]
     width = width or num_tokens
-    take, live, back, mine, short = inputs.derived(
-        'gdn_long_window', lambda: _long_window(inputs, num_tokens, width))
-    start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
-    out = _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, start_loc,
-                  short)
+    live, short = inputs.derived('gdn_long_window', lambda: _long_window(inputs, width))
     row = inputs.long_row
     slot, index = inputs.state_slots[row], inputs.state_index[row]
     acc = torch.promote_types(state_cache.dtype, torch.float32)
     initial = state_cache[slot, index].to(acc).masked_fill(
         (inputs.history_lens[row] == 0)[:, None, None, None], 0)          # [1, nv, dk, dv]
     keep = live[:, None]
-    o, final = chunk(q[take][None], k[take][None], v[take][None],
-                     torch.where(keep, g[take].to(acc), 0)[None],
-                     torch.where(keep, beta[take], 0)[None], scale=q.shape[-1] ** -0.5,
+    o, final = chunk(_rows(q, width)[None], _rows(k, width)[None], _rows(v, width)[None],
+                     torch.where(keep, _rows(g, width).to(acc), 0)[None],
+                     torch.where(keep, _rows(beta, width), 0)[None], scale=q.shape[-1] ** -0.5,
                      initial_state=initial, output_final_state=True,
                      use_qk_l2norm_in_kernel=True)
     state_cache.index_put_((slot, torch.zeros_like(slot)), final.to(state_cache.dtype))
-    return torch.where(mine[:, None, None], o[0][back].to(v.dtype), out)
+    out = _rows(o[0].to(v.dtype), num_tokens).contiguous()
+    start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
+    return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, start_loc,
+                   short, out=out)
 
 
 @triton.jit

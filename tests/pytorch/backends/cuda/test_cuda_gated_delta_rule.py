@@ -193,29 +193,33 @@ def reference_chunk(q, k, v, g, beta, scale, initial_state, output_final_state,
 
 # (q_lens, history_lens, state slots, state index, long row): a fresh 150-token chunk beside
 # decode rows, a spare row (q_len 0) and short chunks; a continuation (history > 0, read from
-# slot index 2); a step whose "long" row is a short one (the runner's spare dummy)
+# slot index 2); a step whose "long" row is a short one (the runner's spare dummy); a long row
+# first, whose eager window ends before the step does
 LONG_ROW_STEPS = (([1, 1, 150, 3, 0, 5], [7, 2, 0, 4, 0, 0], [4, 1, 6, 2, 0, 5], [0, 1, 0, 0, 0, 0], 2),
                   ([2, 97, 1], [5, 40, 3], [3, 6, 1], [1, 2, 0], 1),
-                  ([4, 9, 6], [0, 3, 0], [2, 5, 0], [0, 0, 0], 2))
+                  ([4, 9, 6], [0, 3, 0], [2, 5, 0], [0, 0, 0], 2),
+                  ([130, 2, 1, 80], [0, 6, 3, 0], [1, 4, 2, 0], [0, 1, 0, 0], 0))
 
 
 @pytest.mark.parametrize('eager', [False, True], ids=['captured', 'eager'])
-@pytest.mark.parametrize('case', LONG_ROW_STEPS, ids=['fresh', 'continued', 'spare'])
+@pytest.mark.parametrize('case', LONG_ROW_STEPS, ids=['fresh', 'continued', 'spare', 'first'])
 def test_long_row_prefill_matches_default(kernel_device, case, eager):
     """A captured long step's split (graph_runner's long buckets): the long row as ONE sequence
-    over the step's whole width, the tokens after it taken with beta = 0 and log decay 0, the
+    over the step's whole width, the other tokens taken with beta = 0 and log decay 0, the
     other rows by the recurrent kernel. Against the default op: outputs and the WHOLE cache
     (the window's foreign rows leave the long row's state exactly as its own tokens leave it).
     The chunk form stands in for fla; fp32 and fp64 in Triton's interpreter, fp32 on a GPU.
-    `eager`: the window is the row's own chunks (an eager step with one long chunk)."""
+    `eager`: the window ends with the row's chunk, rounded up to 64 (an eager step: past the
+    step's end when the row is last, zero rows)."""
     import dataclasses
     q_lens, history, slots, index, row = case
     long_row = torch.tensor([row], device=kernel_device)
 
     def op(*args):
         inputs = dataclasses.replace(args[-1], sync_free=True, long_row=long_row)
-        return cuda_gdr.long_row_prefill(*args[:-1], inputs, reference_chunk,
-                                         width=-(-q_lens[row] // 64) * 64 if eager else None)
+        return cuda_gdr.long_row_prefill(
+            *args[:-1], inputs, reference_chunk,
+            width=cuda_gdr.eager_width(q_lens, row) if eager else None)
     for dtype in (torch.float32, torch.float64) if kernel_device == 'cpu' else (torch.float32,):
         check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False,
                    (2, 4, 12, 20, 3), dtype, kernel_device, op=op)
@@ -227,8 +231,8 @@ def test_long_row_prefill_with_fla(dtype):
     """The same split with fla on a GPU at Qwen3.5 heads, a 700-token long row (ours' window
     is the step's 730 tokens), inside a CUDA graph: against the default op (fla's bf16 internals:
     2e-2; fp32: tf32 dots, 2e-3), and bit for bit the eager op's split of the same step (its
-    window the row's own 11 chunks, 704 rows: the captured window's extra rows add exact zeros
-    and its last chunk is the same), outputs and the whole cache."""
+    window the step's first 11 chunks, 704 rows, to the row's end: the captured window's extra
+    rows add exact zeros and its last chunk is the same), outputs and the whole cache."""
     import dataclasses
     chunk = cuda_gdr.fla_chunk_gated_delta_rule()
     if chunk is None:
