@@ -20,19 +20,20 @@ SSM_STATE_DTYPES = ('auto', 'float32', 'bfloat16')
 INT32_MAX = 2**31 - 1        # the engine's int tensors (top_k, token ids, lengths, positions)
 UINT64_MAX = 2**64 - 1       # torch.Generator.manual_seed takes 0..2**64-1
 MAX_N = 16                   # GenerationConfig.n: choices per prompt
-# Sampling floors. temperature below GREEDY_TEMPERATURE is greedy (vLLM's _SAMPLING_EPS): the
-# logits / temperature of a smaller one overflow float32, and the softmax's answer is the argmax
-# anyway. top_p below GREEDY_TOP_P keeps only the most likely token (its probability is at least
-# 1 / vocab_size > 1e-8), which is exactly greedy; smaller values would round to 0 in float32.
+# Below these floors sampling is greedy: a smaller temperature (vLLM's _SAMPLING_EPS) overflows
+# logits / temperature in float32, and a smaller top_p keeps only the most likely token anyway.
 GREEDY_TEMPERATURE = 1e-5
 GREEDY_TOP_P = 1e-8
-# Penalty ranges (GenerationConfig says what each does): repetition_penalty in [0.01, 10] (1.1..1.5
-# usual, 10 already makes any repeat all but impossible, smaller p divide logits towards overflow);
-# presence_penalty and frequency_penalty in [-2, 2], as OpenAI's API allows.
+# Penalty ranges: repetition_penalty 10 already makes any repeat all but impossible (smaller p
+# divide logits towards overflow); presence and frequency as OpenAI's API allows.
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 10.0
 MAX_OPENAI_PENALTY = 2.0
 MAX_LOGPROBS = 20            # top logprobs per token a request may ask for (as OpenAI's chat)
+# SpeculativeConfig's fields that one method alone reads (None with the others)
+METHOD_FIELDS = {'tp': 'qwen3_5_mtp', 'ep': 'qwen3_5_mtp', 'draft_token_map': 'qwen3_5_mtp',
+                 'aux_hidden_state_layer_ids': 'extract_hidden_states',
+                 'hidden_states_dir': 'extract_hidden_states'}
 _MAX_REPR = 40
 
 
@@ -52,16 +53,16 @@ def _check(ok: bool, field_name: str, value, allowed: str):
 
 
 def is_int(value) -> bool:
-    """An integer, not a bool; a plain int at once (the ABC check costs ~1 us, and a request
-    checks dozens of fields)."""
+    """An integer, not a bool (a plain int first: the ABC check costs ~1 us a field)."""
     return type(value) is int or (isinstance(value, numbers.Integral)
                                   and not isinstance(value, bool))
 
 
-def _check_int(field_name: str, value, low: int, high: int = INT32_MAX) -> int:
+def _check_int(field_name: str, value, low: int, high: int = INT32_MAX,
+               allowed: str | None = None) -> int:
     """An integer (not a bool) in low..high, returned as a plain int."""
     _check(is_int(value) and low <= value <= high, field_name, value,
-           f'an integer in {low}..{high}')
+           allowed or f'an integer in {low}..{high}')
     return int(value)
 
 
@@ -87,13 +88,21 @@ def _check_choice(field_name: str, value, choices: tuple):
     _check(value in choices, field_name, value, f'one of {choices}')
 
 
+def _check_path(field_name: str, value, allowed: str, empty: bool = True) -> str:
+    """A str or os.PathLike (non-empty unless `empty`), as a str."""
+    _check(isinstance(value, (str, os.PathLike)) and (empty or os.fspath(value) != ''),
+           field_name, value, allowed)
+    return os.fspath(value)
+
+
 def _set(obj, name: str, value):
     object.__setattr__(obj, name, value)          # frozen dataclass: normalise in __post_init__
 
 
-def _normalise(obj, name: str, check, *args, **kwargs):
-    """obj.name = check(name, obj.name, *args): checked, then stored in its normal form."""
-    _set(obj, name, check(name, getattr(obj, name), *args, **kwargs))
+def _normalise(obj, name: str, check, *args, optional: bool = False, **kwargs):
+    """obj.name = check(name, obj.name, *args), its normal form; `optional`: None stays None."""
+    if not (optional and getattr(obj, name) is None):
+        _set(obj, name, check(name, getattr(obj, name), *args, **kwargs))
 
 
 @dataclass(frozen=True)
@@ -107,20 +116,18 @@ class GenerationConfig:
     output so far becomes x * p if x < 0, else x / p (1.0: off); `presence_penalty` and
     `frequency_penalty` (OpenAI, as vLLM): logit -= presence * (count > 0) + frequency * count,
     count = the token's occurrences in the output so far (0.0: off).
-    `n`: choices per prompt (1..MAX_N), sampled independently from one shared prefill of the
-    prompt; `pipeline()` then returns every prompt's n responses, flattened, Response.index =
-    prompt_index * n + i. With `random_seed`, choice i draws from seed (random_seed + i) mod
-    2**64 (choice 0 from random_seed itself, as with n=1), so a repeated call gives the same n
-    choices and choice i equals the request run alone with that seed.
+    `n`: choices per prompt (1..MAX_N), sampled independently from one shared prefill;
+    `pipeline()` returns every prompt's n responses, flattened, Response.index = prompt_index *
+    n + i. With `random_seed`, choice i draws from seed (random_seed + i) mod 2**64, so choice
+    i equals the request run alone with that seed.
     `logprobs`: None (off), or N in 0..MAX_LOGPROBS: each generated token comes back with its
     log-probability and the N most likely tokens' (Response.logprobs), from the target's raw
     logits (before penalties, temperature, top-k and top-p, as vLLM's default).
     `min_p` (vLLM): sampled rows keep the tokens of probability >= min_p x the top one's (after
     temperature, top-k, top-p). `min_tokens`: no stop id (eos, `stop_token_ids`) before this
-    many tokens. `logit_bias` (OpenAI): {token id: [-100, 100]} added after the penalties. All
-    act on the target's logits at each emitted position: speculation does not change them.
-    `response_format`: the output's grammar (structured.py: JSON, a JSON schema, a structural
-    tag; needs xgrammar), masking the target's logits at each emitted position too."""
+    many tokens. `logit_bias` (OpenAI): {token id: [-100, 100]} added after the penalties.
+    `response_format`: the output's grammar (structured.py; needs xgrammar). All act on the
+    target's logits at each emitted position: speculation does not change them."""
     max_new_tokens: int = 512
     do_sample: bool = False
     temperature: float = 1.0
@@ -154,8 +161,7 @@ class GenerationConfig:
         _normalise(self, 'top_p', _check_float, 0, 1, 'a number in (0, 1]', low_open=True)
         _normalise(self, 'top_k', _check_int, 0)
         _normalise(self, 'n', _check_int, 1, MAX_N)
-        if self.random_seed is not None:
-            _normalise(self, 'random_seed', _check_int, 0, UINT64_MAX)
+        _normalise(self, 'random_seed', _check_int, 0, UINT64_MAX, optional=True)
         _normalise(self, 'repetition_penalty', _check_float, MIN_REPETITION_PENALTY,
                    MAX_REPETITION_PENALTY, f'a number in [{MIN_REPETITION_PENALTY}, '
                    f'{MAX_REPETITION_PENALTY:g}] (1.0: off; above 1 discourages repeats)')
@@ -172,11 +178,9 @@ class GenerationConfig:
             _set(self, 'logit_bias', {int(t): float(v) for t, v in bias.items()} or None)
         if self.response_format is not None:
             _set(self, 'response_format', check_response_format(self.response_format))
-        if self.logprobs is not None:
-            _check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, 'logprobs',
-                   self.logprobs, f'None (off) or an integer in 0..{MAX_LOGPROBS} (the top '
-                   f'tokens returned with each generated token)')
-            _set(self, 'logprobs', int(self.logprobs))
+        _normalise(self, 'logprobs', _check_int, 0, MAX_LOGPROBS, optional=True,
+                   allowed=f'None (off) or an integer in 0..{MAX_LOGPROBS} (the top tokens '
+                   f'returned with each generated token)')
         words = self.stop_words
         if words is not None:
             words = (words,) if isinstance(words, str) else words    # one str is one stop word
@@ -224,16 +228,13 @@ class SpeculativeConfig:
       `ep`: None for the target's ep; 1: the MTP layer's experts replicated on every rank
             (TP-split over the draft's tp instead of dispatched); or the target's ep.
     Ranges are checked here; the cross-check against the target's layout (a divisor of its tp,
-    its ep) is `spec_decode.build.check_speculative_config`, run before any rank starts.
-    Only the 'qwen3_5_mtp' method has a draft model to lay out.
-    `num_speculative_tokens`: the most drafts a step verifies. `dynamic`: the engine picks each
-    step's draft count in 0..num_speculative_tokens from the batch size and the measured
-    acceptance (0: a plain decode step), so speculation never runs slower than plain decoding;
-    False: every decode step drafts exactly num_speculative_tokens (benchmarks).
+    its ep) is `check_speculative_config`, run before any rank starts.
+    `num_speculative_tokens`: the most drafts a step verifies. `dynamic`: each step's draft
+    count in 0..num_speculative_tokens follows the batch size and the measured acceptance, so
+    speculation never runs slower than plain decoding; False: always the full count.
     `draft_token_map`: a file of the token ids the MTP draft may propose (a JSON list, or a
-    safetensors file with an int64 tensor `token_map`), most frequent first; the draft's LM head
-    then scores only those ids. Verification is unchanged: output is still exactly the
-    target's. The file itself is checked at start-up (`check_speculative_config`).
+    safetensors file with an int64 tensor `token_map`), most frequent first, checked at
+    start-up; the draft's LM head scores only those ids, the output is still the target's.
     method='extract_hidden_states' drafts nothing: each finished request's hidden states at
     `aux_hidden_state_layer_ids` (transformers' `output_hidden_states[i]`: 0 the embedding
     output, L the final-normed state) go to `hidden_states_dir/<request id>.safetensors` (README
@@ -252,40 +253,29 @@ class SpeculativeConfig:
 
     def __post_init__(self):
         _check_choice('method', self.method, SPEC_METHODS)
-        self._check_extraction()
+        for name, method in METHOD_FIELDS.items():
+            _check(getattr(self, name) is None or self.method == method, name,
+                   getattr(self, name), f'None with method={self.method!r} (only {method} '
+                   f'reads it)')
+        if self.method == 'extract_hidden_states':
+            self._check_extraction()
         _check_int('num_speculative_tokens', self.num_speculative_tokens, 1, 8)
         _check(self.model is None or isinstance(self.model, str), 'model', self.model,
                'None (the target checkpoint) or a path')
-        for name in ('tp', 'ep'):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            _check(self.method == 'qwen3_5_mtp', name, value,
-                   f"None with method={self.method!r} (it has no draft model to lay out)")
-            _set(self, name, _check_int(name, value, 1))
+        _normalise(self, 'tp', _check_int, 1, optional=True)
+        _normalise(self, 'ep', _check_int, 1, optional=True)
         _check_int('ngram_min', self.ngram_min, 1)
         _check_int('ngram_max', self.ngram_max, self.ngram_min)
         _check_bool('dynamic', self.dynamic)
-        if self.draft_token_map is not None:
-            _check(isinstance(self.draft_token_map, (str, os.PathLike)), 'draft_token_map',
-                   self.draft_token_map, 'None or the path of a JSON or safetensors file')
-            _check(self.method == 'qwen3_5_mtp', 'draft_token_map', self.draft_token_map,
-                   f"None with method={self.method!r} (only the MTP draft has an LM head to "
-                   f"restrict)")
-            _set(self, 'draft_token_map', os.fspath(self.draft_token_map))
+        _normalise(self, 'draft_token_map', _check_path,
+                   'None or the path of a JSON or safetensors file', optional=True)
 
     def _check_extraction(self):
         """The layer ids (a non-empty list of distinct ints >= 0, stored as a tuple; the upper
-        bound needs the model) and the directory, given with method='extract_hidden_states' only."""
-        extract = self.method == 'extract_hidden_states'
+        bound needs the model) and the directory, both given."""
         for name in ('aux_hidden_state_layer_ids', 'hidden_states_dir'):
-            value = getattr(self, name)
-            _check(extract == (value is not None), name, value,
-                   'given with method=\'extract_hidden_states\'' if extract else
-                   f'None with method={self.method!r} (only extract_hidden_states writes hidden '
-                   f'states)')
-        if not extract:
-            return
+            _check(getattr(self, name) is not None, name, None,
+                   "given with method='extract_hidden_states'")
         ids = self.aux_hidden_state_layer_ids
         _check(isinstance(ids, (list, tuple)) and len(ids) > 0
                and all(is_int(i) and 0 <= i <= INT32_MAX for i in ids)
@@ -293,10 +283,8 @@ class SpeculativeConfig:
                'a non-empty list of distinct layer ids in 0..num_hidden_layers (0: the '
                'embedding output, num_hidden_layers: the final-normed hidden state)')
         _set(self, 'aux_hidden_state_layer_ids', tuple(int(i) for i in ids))
-        directory = self.hidden_states_dir
-        _check(isinstance(directory, (str, os.PathLike)) and os.fspath(directory) != '',
-               'hidden_states_dir', directory, 'the path of a directory (created if missing)')
-        _set(self, 'hidden_states_dir', os.fspath(directory))
+        _normalise(self, 'hidden_states_dir', _check_path,
+                   'the path of a directory (created if missing)', empty=False)
 
 
 @dataclass(frozen=True)
@@ -308,17 +296,12 @@ class PytorchEngineConfig:
     revision: str | None = None
     max_batch_size: int = 64
     max_prefill_token_num: int = 4096
-    # while sequences decode, a step carries at most this many tokens (and at most
-    # max_prefill_token_num), decode rows included: a prompt arriving then is prefilled in
-    # chunks riding with the decode rows (speculation: in chunk steps alternating with decode
-    # steps), so running streams get a token every step; smaller: shorter steps while a prompt
-    # is prefilled, longer time to its first token (README "Prefill rides with decode");
-    # 0: prefill goes first with the whole max_prefill_token_num budget
+    # tokens a step carries at most while sequences decode, decode rows included: a new prompt
+    # is prefilled in chunks riding with them (README "Prefill rides with decode"); 0: prefill
+    # goes first with the whole max_prefill_token_num budget
     max_mixed_token_num: int = 4096
-    # > 1 (e.g. 2.0): the budget above follows measured step times instead, so that a step
-    # carrying a prompt chunk costs at most this many decode steps of the same batch (smoother
-    # streams, a later first token for the prompt; README "Prefill rides with decode"), within
-    # max_mixed_token_num; 0: the fixed budget
+    # > 1: that budget follows measured step times instead, a step carrying a prompt chunk
+    # costing at most this many decode steps of the same batch; 0: the fixed budget
     max_mixed_step_cost: float = 0.0
     block_size: int = 64
     cache_max_entry_count: float = 0.8
@@ -334,35 +317,31 @@ class PytorchEngineConfig:
     # releases store them (lmdeploy's name); None: as stored (an FP8 checkpoint is read as FP8)
     model_format: str | None = None
     eager_mode: bool = False     # True: no CUDA graphs at all (they are used on CUDA)
-    # prefill and mixed steps of up to this many tokens (at most one chunk over 512 tokens)
-    # replay CUDA graphs, captured per token count 16, 32, .. 512, 768, 1024, 1536, .. up to it
-    # (and max_prefill_token_num); 0: they run eagerly
+    # prefill and mixed steps of up to this many tokens (at most one chunk over 512) replay
+    # CUDA graphs, captured per token count 16, 32, .. 512, 768, 1024, ..; 0: they run eagerly
     max_prefill_graph_tokens: int = 4096
     # prepare decode step N+1 while step N runs on the device; None: on with CUDA, off on CPU
     # (where host and device share the cores, so there is nothing to overlap)
     async_scheduling: bool | None = None
-    # storage dtype of the gated-delta recurrent state (always computed in fp32, fp64 for a
-    # float64 model): 'auto' is fp64 for a float64 model, else the checkpoint's mamba_ssm_dtype
-    # (fp32 when absent); 'bfloat16' halves the state bytes and rounds the state once per token
+    # storage dtype of the gated-delta recurrent state (computed in fp32, fp64 for a float64
+    # model, whose 'auto' is fp64; else the checkpoint's mamba_ssm_dtype, fp32 when absent)
     ssm_state_dtype: str = 'auto'
     # reuse the KV blocks and linear-attention states of earlier requests' prompt prefixes
     # (README "Prefix caching"); a hit never changes a token
     enable_prefix_caching: bool = True
-    # sequence parallelism inside each TP group (README "Sequence parallelism"): between the TP
-    # linear layers each TP rank keeps 1 / tp of the step's tokens (reduce-scatter after the
-    # row-parallel layers, all-gather before the column-parallel ones); needs tp > 1
+    # between the TP linear layers each TP rank keeps 1 / tp of the step's tokens (README
+    # "Sequence parallelism"); needs tp > 1
     sequence_parallel: bool = False
 
     def __post_init__(self):
         _check_choice('dtype', self.dtype, DTYPES)
         _check_choice('device', self.device, DEVICES)
         for name, low in (('max_batch_size', 1), ('max_prefill_token_num', 1),
-                          ('max_mixed_token_num', 0), ('block_size', 1),
-                          ('max_prefill_graph_tokens', 0)):
+                          ('max_mixed_token_num', 0), ('block_size', 1), ('num_gpu_blocks', 0),
+                          ('max_prefill_graph_tokens', 0), ('tp', 1), ('dp', 1), ('ep', 1)):
             _check_int(name, getattr(self, name), low)
         _check_float('cache_max_entry_count', self.cache_max_entry_count, 0, 1,
                      'a number in (0, 1]', low_open=True)
-        _check_int('num_gpu_blocks', self.num_gpu_blocks, 0)
         _check(self.max_mixed_step_cost == 0 or (isinstance(self.max_mixed_step_cost, (int, float))
                                                  and self.max_mixed_step_cost > 1),
                'max_mixed_step_cost', self.max_mixed_step_cost,
@@ -370,27 +349,24 @@ class PytorchEngineConfig:
                'cost)')
         if self.session_len is not None:
             _check_int('session_len', self.session_len, 1)
-        for name in ('tp', 'dp', 'ep'):
-            _check_int(name, getattr(self, name), 1)
         world = self.tp * self.dp
         fix = 'ep=1' if world == 1 else f'ep to 1 or {world}'
         _check(self.ep in (1, world), 'ep', self.ep,
                f'1 or tp x dp = {world} (tp={self.tp}, dp={self.dp}): expert parallelism '
                f'shards the experts over every rank; set {fix}, or tp x dp to {self.ep}')
         _check_int('seed', self.seed, 0, UINT64_MAX)
-        _check_bool('eager_mode', self.eager_mode)
         _check(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
                'async_scheduling', self.async_scheduling, 'True, False or None (auto)')
         _check_choice('distributed_executor_backend', self.distributed_executor_backend,
                       EXECUTOR_BACKENDS)
-        _check(self.distributed_executor_backend != 'uni' or self.tp * self.dp == 1,
+        _check(self.distributed_executor_backend != 'uni' or world == 1,
                'distributed_executor_backend', self.distributed_executor_backend,
-               f"'mp' or 'ray' for tp * dp = {self.tp * self.dp} ranks ('uni' runs one rank)")
+               f"'mp' or 'ray' for tp * dp = {world} ranks ('uni' runs one rank)")
         _check_choice('load_format', self.load_format, LOAD_FORMATS)
         _check(self.model_format in (None, 'fp8'), 'model_format', self.model_format,
                "None (as the checkpoint stores its weights) or 'fp8'")
         _check_choice('ssm_state_dtype', self.ssm_state_dtype, SSM_STATE_DTYPES)
-        for name in ('enable_prefix_caching', 'sequence_parallel'):
+        for name in ('eager_mode', 'enable_prefix_caching', 'sequence_parallel'):
             _check_bool(name, getattr(self, name))
         _check(not self.sequence_parallel or self.tp > 1, 'sequence_parallel',
                self.sequence_parallel,
