@@ -9,10 +9,9 @@ import re
 from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Response,
-                                    SpeculativeConfig, TokenLogprobs, is_int)
+                                    SpeculativeConfig, is_int)
 from lmdeploy_lite.pytorch.engine.executor import connect
 from lmdeploy_lite.pytorch.engine.executor.client import Channel, EngineStats
-from lmdeploy_lite.pytorch.engine.step_output import StepOutput
 from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_in_thought, template_thinks
 from lmdeploy_lite.text_stream import (Backlog, TextStream, as_batch, batch_decoder, check_prompt,
                                        check_template_kwargs, check_tools, detokenize,
@@ -29,10 +28,9 @@ _CORE_LEFT = []            # use_cpu_threads has left this process's core to the
 
 def use_cpu_threads(device: str, num_threads: int | None = None):
     """torch's CPU threads for this process (mp ranks split them): `num_threads`; else, on CPU
-    with OMP_NUM_THREADS unset, all but one core, once per process. The core left serves the
-    front-end (the caller's thread, a server's event loop), whose wake-ups each step otherwise
-    stall a parallel region of the engine (2 cores, embedded model: batch 64 at 928 tokens/s with
-    2 threads, 1,526 with 1; batch 1 ~100 and ~123; BENCHMARKS.md)."""
+    with OMP_NUM_THREADS unset, all but one core, once per process: the core left serves the
+    front-end, whose wake-ups each step otherwise stall the engine's parallel regions
+    (BENCHMARKS.md)."""
     import torch
     if num_threads is not None:
         torch.set_num_threads(num_threads)
@@ -294,21 +292,15 @@ class Pipeline:
         self._check_open()
         gen_config = GenerationConfig() if gen_config is None else gen_config
         token_lists = [self.encode(p, tools, chat_template_kwargs) for p in prompts]
-        for ids in token_lists:                       # validate all before any work starts
-            self._client.validate_request(ids, gen_config)
         inbox: queue.Queue = queue.Queue()
-        channel = Channel(inbox.put)
+        handles = self._submit(token_lists, gen_config, Channel(inbox.put))
         n = gen_config.n
-        handles = [h for group in self._client.submit_groups(
-            token_lists, gen_config, channel,
-            tags=[list(range(i * n, (i + 1) * n)) for i in range(len(token_lists))]) for h in group]
         streams = [TextStream(gen_config, stream=not cumulative) for _ in handles]
         thoughts = [self.reasoning_parser(token_lists[i // n]) if self.reasoning and
                     isinstance(prompts[i // n], list) and isinstance(prompts[i // n][0], dict)
                     else None for i in range(len(handles))]
         remaining = len(handles)
-        asked = gen_config.logprobs is not None
-        entries: list[list[TokenLogprobs]] = [[] for _ in handles]    # cumulative: so far
+        backlogs: list[Backlog | None] = [None] * len(handles)     # cumulative: all so far
         try:
             while remaining:
                 items = self._next(inbox)
@@ -319,21 +311,40 @@ class Pipeline:
                                                    for i, item in items])
                 for (i, item), delta in zip(items, deltas):     # cumulative: text at the end only
                     remaining -= item.finished
-                    ids = item.new_token_ids
-                    logprobs = token_logprobs(ids, item.logprobs) if asked else None
-                    if cumulative:
-                        entries[i] += logprobs or []
-                        if not item.finished:
-                            continue
-                        ids, logprobs = streams[i].token_ids, list(entries[i]) if asked else None
-                    r = self._response(i, item, token_lists[i // n], delta, ids, logprobs)
+                    if cumulative and backlogs[i] is not None:
+                        backlogs[i].add(item, delta)
+                    else:
+                        backlogs[i] = Backlog(item, delta)
+                    if cumulative and not item.finished:
+                        continue
+                    r = self._response(i, backlogs[i], token_lists[i // n], gen_config)
                     if thoughts[i] is not None:
                         r.reasoning_content, r.text = thoughts[i].feed(r.text, item.finished)
                     yield r
         finally:
-            for h in handles:
-                if not h.finished:
-                    self._client.abort(h)
+            self._abort_unfinished(handles)
+
+    def _submit(self, prompts: list[list[int]], gen_config: GenerationConfig, channel: Channel,
+                tag_of=lambda index: index, request_id: str | None = None) -> list:
+        """Every prompt's n choices, all validated (gen_config too) before any is submitted;
+        choice `index` (= prompt_index * n + i) tagged `tag_of(index)`, its hidden-states file
+        named `request_id` (None: a random name), of several choices `request_id-index`. Their
+        handles, in index order."""
+        for ids in prompts:
+            self._client.validate_request(ids, gen_config)
+        n, total = gen_config.n, len(prompts) * gen_config.n
+        names = [request_id if request_id is None or total == 1 else f'{request_id}-{index}'
+                 for index in range(total)]
+        groups = self._client.submit_groups(
+            prompts, gen_config, channel, [[tag_of(i) for i in range(p * n, (p + 1) * n)]
+                                           for p in range(len(prompts))],
+            [names[p * n:(p + 1) * n] for p in range(len(prompts))])
+        return [h for group in groups for h in group]
+
+    def _abort_unfinished(self, handles: list):
+        for h in handles:
+            if not h.finished:
+                self._client.abort(h)
 
     def _next(self, inbox: queue.Queue):
         """The next result; never waits forever on an engine that has stopped."""
@@ -363,13 +374,16 @@ class Pipeline:
             raise RuntimeError('the pipeline is closed')
 
     @staticmethod
-    def _response(index: int, out: StepOutput, prompt_ids: list[int], text: str,
-                  token_ids: list[int], logprobs: list[TokenLogprobs] | None = None
-                  ) -> Response:
-        return Response(text=text, token_ids=list(token_ids), input_token_len=len(prompt_ids),
+    def _response(index: int, backlog: Backlog, prompt_ids: list[int],
+                  gen_config: GenerationConfig) -> Response:
+        """What a consumer has not taken yet (a step's output, or several merged), as one."""
+        out, ids = backlog.last, backlog.token_ids
+        return Response(text=backlog.text, token_ids=ids, input_token_len=len(prompt_ids),
                         generate_token_len=out.num_generated, index=index,
                         finish_reason=out.finish_reason if out.finished else None,
-                        spec_stats=out.spec_stats, logprobs=logprobs, **out.response_fields())
+                        spec_stats=out.spec_stats, **out.response_fields(),
+                        logprobs=None if gen_config.logprobs is None else
+                        token_logprobs(ids, backlog.logprobs))
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
@@ -391,44 +405,32 @@ class Pipeline:
                            ) -> AsyncIterator[Response]:
         """Prompts given as token ids, each with gen_config.n choices: the responses of all of
         them as they come, Response.index = prompt_index * n + i. Cancelling the consumer aborts
-        every choice that has not finished. `request_id` (unique; None: a random one): names the
-        hidden-states file of one choice; of several, choice `index`'s is `request_id-index`."""
+        every choice that has not finished. `request_id`: see `_submit` (unique)."""
         self._check_open()
-        for ids in prompts:                           # validate all before any work starts
-            self._client.validate_request(ids, gen_config)
         loop = asyncio.get_running_loop()
         fanout = self._fanouts.get(loop)
         if fanout is None:
             if len(self._fanouts) > 8:                # loops that ended (tests, asyncio.run)
                 self._fanouts = {lp: f for lp, f in self._fanouts.items() if not lp.is_closed()}
             fanout = self._fanouts[loop] = _AsyncFanout(loop, self._decode)
-        n, news = gen_config.n, asyncio.Queue()       # news: indexes of requests with items
-        requests = [_AsyncRequest(gen_config, stream_text, i, news)
-                    for i in range(len(prompts) * n)]
-        names = ([request_id] * len(requests) if request_id is None or len(requests) == 1
-                 else [f'{request_id}-{i}' for i in range(len(requests))])
-        handles = [h for group in self._client.submit_groups(
-            prompts, gen_config, fanout.channel,
-            tags=[requests[p * n:(p + 1) * n] for p in range(len(prompts))],
-            request_ids=[names[p * n:(p + 1) * n] for p in range(len(prompts))]) for h in group]
+        news = asyncio.Queue()                        # indexes of requests with items
+        handles = self._submit(prompts, gen_config, fanout.channel, lambda index: _AsyncRequest(
+            gen_config, stream_text, index, news), request_id)
+        n, requests = gen_config.n, [h.tag for h in handles]
         unfinished = set(range(len(requests)))
         try:
             while unfinished:
                 request = requests[await self._next_async(news)]
                 backlog, error = request.take()
                 if backlog is not None:
-                    item, token_ids = backlog.last, backlog.token_ids
-                    if item.finished:
+                    if backlog.last.finished:
                         unfinished.discard(request.index)
-                    yield self._response(request.index, item, prompts[request.index // n],
-                                         backlog.text, token_ids,
-                                         None if gen_config.logprobs is None else
-                                         token_logprobs(token_ids, backlog.logprobs))
+                    yield self._response(request.index, backlog, prompts[request.index // n],
+                                         gen_config)
                 if error is not None:
                     raise error
         finally:
-            for i in unfinished:
-                self._client.abort(handles[i])
+            self._abort_unfinished(handles)
 
     # ---- lifetime -------------------------------------------------------------------------
     def close(self):

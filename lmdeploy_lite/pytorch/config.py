@@ -164,11 +164,8 @@ class DistConfig:
         return self.dp * self.tp
 
     def validate(self, model: ModelConfig, num_devices: int | None = None):
-        """ValueErrors that name the numbers; called before any process starts."""
-        for name in ('tp', 'dp', 'ep'):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f'{name}={value!r}: must be an integer >= 1')
+        """ValueErrors that name the numbers; called before any process starts (the ints
+        themselves are PytorchEngineConfig's and SpeculativeConfig's to check)."""
         tp = self.tp
         if self.sequence_parallel and tp == 1:
             raise ValueError(f'sequence_parallel=True: needs tp > 1 (tp={tp}); sequence '
