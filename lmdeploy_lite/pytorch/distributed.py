@@ -1,7 +1,7 @@
 """Process groups as typed handles (`dist.tp.all_reduce(x)`), and the one wrapper every
 collective goes through (`DistContext.traced`).
 
-Groups (`Topology`, a pure function of the DistConfig): `world` = dp x tp ranks; `tp` = the tp
+Groups (`rank_sets`, a pure function of the DistConfig): `world` = dp x tp ranks; `tp` = the tp
 consecutive ranks of one DP rank; `dp` = the dp ranks of one TP rank; `ep` = the world with
 ep > 1, else this rank alone; `plan` = the StepPlan's group, the ranks that advance together: the
 world with ep > 1 (MoE all-to-alls join every rank), else each TP group (DP ranks share no
@@ -61,24 +61,15 @@ class CollectiveMismatch(RuntimeError):
     """Ranks' collective sequences differ; the message names the first difference."""
 
 
-@dataclass(frozen=True)
-class Topology:
-    """`rank_sets(name)`: every group of that name, in creation order (module docstring)."""
-    config: DistConfig
-
-    def runs(self, size: int) -> list[tuple[int, ...]]:
-        """The world cut into consecutive runs of `size` ranks."""
-        return [tuple(range(s, s + size)) for s in range(0, self.config.world_size, size)]
-
-    def rank_sets(self, name: str) -> list[tuple[int, ...]]:
-        world, tp, ep = self.config.world_size, self.config.tp, self.config.ep
-        if name == 'dp':
-            return [tuple(range(t, world, tp)) for t in range(tp)]
-        return self.runs({'world': world, 'tp': tp, 'ep': world if ep > 1 else 1,
-                          'plan': world if ep > 1 else tp}[name])      # plan: DistContext.plan
-
-    def ranks(self, name: str, rank: int) -> tuple[int, ...]:
-        return next(ranks for ranks in self.rank_sets(name) if rank in ranks)
+def rank_sets(config: DistConfig, name: str | int) -> list[tuple[int, ...]]:
+    """Every group `name` of the layout, in creation order (module docstring); a number: the
+    world cut into consecutive runs of that many ranks."""
+    world, tp, ep = config.world_size, config.tp, config.ep
+    if name == 'dp':
+        return [tuple(range(t, world, tp)) for t in range(tp)]
+    size = name if isinstance(name, int) else {'world': world, 'tp': tp, 'ep': world if ep > 1
+                                               else 1, 'plan': world if ep > 1 else tp}[name]
+    return [tuple(range(s, s + size)) for s in range(0, world, size)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,7 +188,6 @@ class DistContext:
     heartbeat: object = None      # heartbeat(inside) around each collective: engine/heartbeat.py
 
     # ---- layout ---------------------------------------------------------------------------
-    topology = property(lambda self: Topology(self.config))
     world_size = property(lambda self: self.config.world_size)
     tp_rank = property(lambda self: self.rank % self.config.tp)
     dp_rank = property(lambda self: self.rank // self.config.tp)
@@ -207,7 +197,8 @@ class DistContext:
         """This rank's group `name`; on a context that never joined it (`single()`, tests) a
         handle with the topology's ranks whose collectives are identities."""
         if name not in self.groups:
-            self.groups[name] = Group(self, name, self.topology.ranks(name, self.rank))
+            self.groups[name] = Group(self, name, next(
+                ranks for ranks in rank_sets(self.config, name) if self.rank in ranks))
         return self.groups[name]
 
     world = property(lambda self: self.group('world'))
@@ -234,19 +225,18 @@ class DistContext:
         ctx = cls(config, rank, check=os.environ.get(ENV_CHECK, '0') == '1')
         if device is not None and torch.device(device).type == 'cuda':
             ctx.nccl_device = torch.device(device)
-        topology = ctx.topology
-        ctx.add_group('world', topology.rank_sets('world')[0], dist.group.WORLD)
+        ctx.add_group('world', rank_sets(config, 'world')[0], dist.group.WORLD)
         # the check group (the plan group's ranks) waits longer than any data collective, so
         # that a rank stuck in one can still reach the comparison after its own timeout
-        for ranks in topology.rank_sets('plan'):
+        for ranks in rank_sets(config, 'plan'):
             check = dist.new_group(list(ranks), backend='gloo', timeout=3 * timeout)
             if rank in ranks and len(ranks) > 1:
                 ctx.check_group = check
         for name in ('tp', 'dp'):
-            for ranks in topology.rank_sets(name):
+            for ranks in rank_sets(config, name):
                 ctx.add_group(name, ranks)
         if config.ep > 1:
-            ctx.add_group('ep', topology.rank_sets('ep')[0], dist.group.WORLD)
+            ctx.add_group('ep', rank_sets(config, 'ep')[0], dist.group.WORLD)
         if ctx.nccl_device is not None and config.tp > 1:    # every rank of each TP group at once
             from lmdeploy_lite.pytorch.backends.cuda.peer_all_reduce import PeerAllReduce
             peer = PeerAllReduce.create(ctx.tp.nccl, config.tp, ctx.nccl_device)
@@ -283,7 +273,7 @@ class DistContext:
             raise ValueError(f'draft layout {draft}: needs dp={self.config.dp}, a tp dividing '
                              f'{tp} and ep 1 or {self.config.ep}')
         if 1 < draft.tp < tp and self.world_size > 1:
-            for ranks in self.topology.runs(draft.tp):
+            for ranks in rank_sets(self.config, draft.tp):
                 self.add_group('draft_tp', ranks)
         draft_tp = (self.tp if draft.tp == tp else self.groups['draft_tp'] if draft.tp > 1
                     else Group(self, 'tp', (self.rank,)))

@@ -79,13 +79,6 @@ def tool_calls(calls: list[ToolCall], delta: bool) -> list[dict] | None:
              'function': {'name': c.name, 'arguments': c.arguments}} for c in calls] or None
 
 
-def tool_calls_finish(finish_reason: str | None, parser: ToolCallParser | None) -> str | None:
-    """'tool_calls' for an output that made calls and stopped by itself (a cut one keeps
-    'length')."""
-    made_calls = parser is not None and parser.num_calls > 0
-    return 'tool_calls' if made_calls and finish_reason == 'stop' else finish_reason
-
-
 def usage(lasts: list[Response | None], prompts: list[list[int]]) -> dict:
     """Each prompt counted once (its cached tokens: its choice 0's), every choice's completion
     tokens and speculative counters added up (`spec_decode`, `num_preemptions`: extensions)."""
@@ -130,20 +123,6 @@ class CompletionChunks:
         return self.document.write([], use)
 
 
-def split_reply(text: str, final: bool, thought: ReasoningParser | None,
-                parser: ToolCallParser | None) -> tuple[str | None, str | None, list]:
-    """A reply's (next) text -> (thought or None, content, tool calls): the thought split off
-    first (reasoning.py), then calls parsed out of the rest; content None when there is only
-    a thought or only calls."""
-    reasoning, calls = None, []
-    if thought is not None:
-        reasoning, text = thought.feed(text, final)
-        reasoning = reasoning or None
-    if parser is not None:
-        text, calls = parser.feed(text, final=final)
-    return reasoning, (None if not text and (calls or reasoning) else text), calls
-
-
 class ChatChunks(CompletionChunks):
     """The chunks of a /v1/chat/completions stream: the opening delta (role), content deltas
     (the thought split off where the server parses reasoning, tool calls parsed out where the
@@ -160,18 +139,35 @@ class ChatChunks(CompletionChunks):
 
     def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list | None,
               hidden_states_path: str | None = None) -> str | None:
-        parser, thought = self.parsers[index], self.thoughts[index]
-        if parser is not None or thought is not None:
-            reasoning, text, parsed = split_reply(text, finish_reason is not None, thought, parser)
-            if not text and not parsed and reasoning is None and finish_reason is None:
-                return None                           # all of it held back
-            finish_reason = tool_calls_finish(finish_reason, parser)
-        else:
-            reasoning, parsed = None, []
-        return self.document.write([chat_choice(
-            index, 'delta', None, text, tool_calls(parsed, delta=True),
-            'null' if logprobs is None else chat_logprobs_json(self.strings, logprobs),
-            finish_reason, hidden_states_path, reasoning)])
+        choice = reply_choice(index, False, text, finish_reason, logprobs, hidden_states_path,
+                              self.parsers[index], self.thoughts[index], self.strings)
+        return None if choice is None else self.document.write([choice])
+
+
+def reply_choice(index: int, whole: bool, text: str, finish_reason: str | None,
+                 logprobs: list | None, hidden_states_path: str | None,
+                 parser: ToolCallParser | None, thought: ReasoningParser | None,
+                 strings: TokenStrings) -> str | None:
+    """A chat choice, whole (its message) or its next delta (None: all of it held back). The
+    thought is split off first (reasoning.py), then calls parsed out of the rest; content is
+    null when there is only a thought or only calls; finish_reason 'tool_calls' for an output
+    that made calls and stopped by itself (a cut one keeps 'length')."""
+    final, reasoning, calls = whole or finish_reason is not None, None, []
+    if thought is not None:
+        reasoning, text = thought.feed(text, final)
+        reasoning = reasoning or None
+    if parser is not None:
+        text, calls = parser.feed(text, final=final)
+        if parser.num_calls > 0 and finish_reason == 'stop':
+            finish_reason = 'tool_calls'
+    if (parser or thought) is not None and not (final or text or calls or reasoning is not None):
+        return None
+    return chat_choice(index, 'message' if whole else 'delta', 'assistant' if whole else None,
+                       None if not text and (calls or reasoning) else text,
+                       tool_calls(calls, delta=not whole),
+                       'null' if logprobs is None else chat_logprobs_json(strings, logprobs),
+                       finish_reason, hidden_states_path,
+                       (reasoning or True) if whole and thought is not None else reasoning)
 
 
 def completion_response(rid: str, model: str, prompts: list[list[int]], texts: list[str],
@@ -191,13 +187,9 @@ def chat_response(rid: str, model: str, prompts: list[list[int]], texts: list[st
                   thoughts: list[ReasoningParser | None] | None = None) -> bytes:
     """A whole /v1/chat/completions response: each choice's text, its thought split off and
     tool calls parsed out; `logprobs` None when the request asked for none."""
-    choices, thoughts = [], thoughts or [None] * len(parsers)
-    for index, (text, last, parser, thought) in enumerate(zip(texts, lasts, parsers, thoughts)):
-        reasoning, text, calls = split_reply(text, True, thought, parser)
-        finish_reason = tool_calls_finish(last and last.finish_reason, parser)
-        choices.append(chat_choice(
-            index, 'message', 'assistant', text, tool_calls(calls, delta=False),
-            'null' if logprobs is None else chat_logprobs_json(strings, logprobs[index]),
-            finish_reason, last and last.hidden_states_path,
-            None if thought is None else reasoning or True))
+    choices = [reply_choice(i, True, text, last and last.finish_reason,
+                            None if logprobs is None else logprobs[i],
+                            last and last.hidden_states_path, parser, thought, strings)
+               for i, (text, last, parser, thought) in enumerate(zip(
+                   texts, lasts, parsers, thoughts or [None] * len(parsers)))]
     return Document('chat.completion', rid, model).write(choices, usage(lasts, prompts)).encode()
