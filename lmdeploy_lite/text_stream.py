@@ -9,13 +9,11 @@ MESSAGE_ROLES = ('system', 'user', 'assistant', 'tool')
 
 
 class TextStream:
-    """The text of one request's output, built as its tokens arrive. While it runs, only a short
-    window of tokens is decoded per step (incremental detokenization with a prefix and a read
-    offset, as in vLLM and lmdeploy; `detokenize` does it for many streams in one tokenizer
-    call); when it finishes, the whole output is decoded once, so the final text is exactly
-    `tokenizer.decode(token_ids)` cut before the first stop word, streamed or not. Text that may
-    still turn into a stop word, or is an incomplete UTF-8 sequence, is held back until it
-    cannot."""
+    """The text of one request's output, built as its tokens arrive: while it runs, a short
+    window of tokens per step (a prefix and a read offset, as in vLLM and lmdeploy); when it
+    finishes, the whole output once, so the final text is exactly `tokenizer.decode(token_ids)`
+    cut before the first stop word. Text that may still become a stop word, or is an
+    incomplete UTF-8 sequence, is held back until it cannot."""
 
     __slots__ = ('gen_config', 'stream', 'token_ids', 'text', 'sent', 'prefix', 'read')
 
@@ -44,11 +42,9 @@ class TextStream:
 
 def batch_decoder(tokenizer):
     """A function (lists of token ids, skip_special_tokens) -> their texts, equal to
-    `tokenizer.decode` of each: the Rust tokenizer's decode where transformers adds nothing to
-    it (a fast tokenizer without clean-up of tokenization spaces, which transformers never
-    applies to BPE; ~1 us a window, where transformers' own path costs ~10), else transformers'
-    batch_decode. One call per window: the Rust batch decode's thread pool costs more to wake
-    than these few-token windows take."""
+    `tokenizer.decode` of each: the Rust tokenizer's own decode, one call per window, where
+    transformers adds nothing to it (no clean-up of tokenization spaces, which it never applies
+    to BPE; ~10x faster), else transformers' batch_decode."""
     backend = getattr(tokenizer, 'backend_tokenizer', None)
     cleans = getattr(tokenizer, 'clean_up_tokenization_spaces', False)
     if backend is not None and (not cleans or type(backend.model).__name__ == 'BPE'):
@@ -59,9 +55,8 @@ def batch_decoder(tokenizer):
 
 def detokenize(decode, updates: list[tuple[TextStream, list[int], bool]]) -> list[str]:
     """Add each update's new token ids (and whether the request finished) to its stream; returns
-    each stream's new text. `decode`: `batch_decoder(tokenizer)`, or None without a tokenizer.
-    One batched decode per skip_special_tokens setting, for the running streams' windows and
-    the finished streams' whole outputs together."""
+    each stream's new text, from one batched `decode` (`batch_decoder`; None: no tokenizer)
+    per skip_special_tokens setting."""
     for s, ids, _ in updates:
         s.token_ids += ids
     if decode is None:
@@ -97,9 +92,8 @@ def token_logprobs(token_ids: list[int], logprobs: list[tuple] | None) -> list[T
 
 class Backlog:
     """What a request's consumer has not taken yet, merged as it arrives: the last StepOutput,
-    the text, token ids and logprobs (StepOutput's) of every step since the last take. However
-    many engine steps a consumer misses (a server streaming to a client that fell behind), it
-    holds one such item, and takes the steps it missed as one response."""
+    the text, token ids and logprobs of every step since (a slow consumer takes the steps it
+    missed as one response)."""
     __slots__ = ('last', 'text', 'token_ids', 'logprobs')
 
     def __init__(self, out, text: str):
@@ -115,8 +109,7 @@ class Backlog:
 
 def as_batch(prompts) -> tuple[bool, list]:
     """(single, the prompts as a list): a str, a list of token ids or a list of messages is one
-    prompt; a list or tuple of those is a batch; anything else is one prompt that
-    `encode` rejects by name."""
+    prompt; a list or tuple of those is a batch; anything else one prompt `encode` rejects."""
     if isinstance(prompts, (list, tuple)) and (not prompts or isinstance(prompts[0], (str, list,
                                                                                       tuple))):
         return False, list(prompts)
