@@ -5,6 +5,7 @@ Every backend provides (see `backends/default` for shapes and semantics):
     paged_attention(q, k, v, k_cache, v_cache, inputs, scale) -> [T, nq, head_dim]
     store_kv(k, v, k_cache, v_cache, inputs) -> None   (the step's k/v into the paged caches only)
     causal_conv1d_prefill | _update(x, weight, conv_cache, inputs) -> [T, C]
+                              (prefill with parts=(a, b, c): three [T, part] tensors)
     gated_delta_rule_prefill | _decode(q, k, v, g, beta, state_cache, inputs) -> [T, nv, dv]
     gdn_gating(a, b, A_log, dt_bias) -> (g, beta)   (log decay and write strength, [T, nv])
     rms_norm(x, weight, eps) -> x.shape          (zero-centred: x / rms(x) * (1 + w))

@@ -71,9 +71,14 @@ class GatedDeltaNet(nn.Module):
             b, a = self.in_proj_b(hidden), self.in_proj_a(hidden)
         z = z.view(num_tokens, -1, self.value_head_dim)
         backend, decoding = self.backend, inputs.is_decoding
-        conv = backend.causal_conv1d_update if decoding else backend.causal_conv1d_prefill
-        mixed = conv(mixed, self.conv1d.weight[:, 0], state_cache[0], inputs)
-        q, k, v = mixed.split_with_sizes([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        parts = (self.key_dim, self.key_dim, self.value_dim)
+        if decoding:
+            mixed = backend.causal_conv1d_update(mixed, self.conv1d.weight[:, 0], state_cache[0],
+                                                 inputs)
+            q, k, v = mixed.split_with_sizes(parts, dim=-1)
+        else:                                  # q, k, v each contiguous where the backend can
+            q, k, v = backend.causal_conv1d_prefill(mixed, self.conv1d.weight[:, 0],
+                                                    state_cache[0], inputs, parts=parts)
         q, k = (x.view(num_tokens, -1, self.key_head_dim) for x in (q, k))
         v = v.view(num_tokens, -1, self.value_head_dim)
         g, beta = backend.gdn_gating(a, b, self.A_log, self.dt_bias)

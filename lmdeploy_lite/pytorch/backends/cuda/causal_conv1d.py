@@ -32,6 +32,17 @@ def _load_full(x_ptr, cache_row, offs_c, mask_c, i, first_token, index, has_hist
 
 
 @triton.jit
+def _out_offsets(t, c, num_tokens, num_channels, split1, split2):
+    """Where output (token t, channel c) goes in a flat buffer holding channels [0, split1),
+    [split1, split2) and [split2, C) as three row-major [T, part] blocks, one after another
+    (split1 = split2 = C: the one [T, C] block)."""
+    start = tl.where(c >= split2, split2, tl.where(c >= split1, split1, 0))
+    width = tl.where(c >= split2, num_channels - split2,
+                     tl.where(c >= split1, split2 - split1, split1))
+    return start.to(tl.int64) * num_tokens + t.to(tl.int64) * width + (c - start)
+
+
+@triton.jit
 def _conv_update_kernel(
         x_ptr, weight_ptr, out_ptr, cache_ptr, state_slots_ptr, state_index_ptr, history_lens_ptr,
         stride_xt, stride_xc, stride_wc, stride_wk, stride_ot, stride_oc,
@@ -89,7 +100,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_cache: torc
 @triton.jit
 def _prefill_body_kernel(
         x_ptr, weight_ptr, out_ptr, cache_ptr, token_offsets_ptr, num_tokens,
-        stride_xt, stride_xc, stride_wc, stride_wk, stride_ot, stride_oc, num_channels,
+        stride_xt, stride_xc, stride_wc, stride_wk, num_channels, split1, split2,
         KERNEL: tl.constexpr, ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """One program: tokens [BLOCK_T * pid_t, +BLOCK_T) x channels [BLOCK_C * pid_c, +BLOCK_C),
     the tokens at offset >= K-1 in their sequence, whose K taps are all new inputs (the first
@@ -111,15 +122,15 @@ def _prefill_body_kernel(
         # x is rounded to the cache dtype, as the default op (and the stored window) does
         conv += w.to(ACC)[None, :] * col.to(cache_ptr.dtype.element_ty).to(ACC)
     out = conv / (1. + tl.exp(-conv))
-    tl.store(out_ptr + (pid_t * BLOCK_T).to(tl.int64) * stride_ot + rows[:, None] * stride_ot
-             + offs_c[None, :] * stride_oc, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + _out_offsets(t[:, None], offs_c[None, :], num_tokens, num_channels, split1,
+                                    split2), out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _prefill_head_kernel(
         x_ptr, weight_ptr, out_ptr, cache_ptr, state_slots_ptr, state_index_ptr,
         history_lens_ptr, q_start_loc_ptr, q_lens_ptr, stride_xt, stride_xc, stride_wc,
-        stride_wk, stride_ot, stride_oc, stride_c0, stride_cc, stride_cw, num_channels,
+        stride_wk, stride_c0, stride_cc, stride_cw, num_tokens, num_channels, split1, split2,
         KERNEL: tl.constexpr, ACC: tl.constexpr, HEAD: tl.constexpr, BLOCK: tl.constexpr):
     """One program: sequence b, channels [BLOCK * pid_c, +BLOCK). The outputs of its first
     min(n, K-1) tokens (n = q_lens[b]), which read the old window, and, if n > 0, the new
@@ -142,7 +153,8 @@ def _prefill_head_kernel(
                                        first_token, index, has_history, stride_xt, stride_xc,
                                        stride_cc, stride_cw, KERNEL, ACC)
     out = conv / (1. + tl.exp(-conv))
-    tl.store(out_ptr + (first_token + heads) * stride_ot + offs_c * stride_oc,
+    tl.store(out_ptr + _out_offsets(first_token + heads, offs_c, num_tokens, num_channels,
+                                    split1, split2),
              out.to(out_ptr.dtype.element_ty), mask=mask_out)
     mask_window = mask_c & (heads < KERNEL - 1) & (num_new > 0)
     window = _load_full(x_ptr, cache_row, offs_c, mask_window, num_new + heads, first_token,
@@ -160,12 +172,18 @@ def _token_offsets(q_start_loc: torch.Tensor, tokens: torch.Tensor) -> torch.Ten
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
-                          inputs: ModelInputs) -> torch.Tensor:
+                          inputs: ModelInputs, parts: tuple[int, int, int] | None = None):
     """The default op's prefill for any lengths (0 included) read on the device: launch sizes
     come from T, C and B alone, so a step can be captured in a CUDA graph and replayed with other
-    lengths of the same totals. Accumulates in fp32 (fp64 for fp64 x or cache)."""
+    lengths of the same totals. Accumulates in fp32 (fp64 for fp64 x or cache). With `parts`,
+    each part of the channels is written as its own contiguous [T, part] tensor (what the
+    gated delta rule's kernels read, so no copy is made of them)."""
     (num_tokens, num_channels), num_seqs = x.shape, inputs.q_lens.numel()
-    out = torch.empty_like(x)
+    flat = torch.empty(num_tokens * num_channels, dtype=x.dtype, device=x.device)
+    split1, split2 = (parts[0], parts[0] + parts[1]) if parts else (num_channels, num_channels)
+    out = (tuple(flat[num_tokens * start:num_tokens * end].view(num_tokens, end - start)
+                 for start, end in ((0, split1), (split1, split2), (split2, num_channels)))
+           if parts else flat.view(num_tokens, num_channels))
     if num_tokens == 0:           # then every q_len is 0: nothing to store
         return out
     q_start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
@@ -176,12 +194,12 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_cache: tor
     kernel = weight.shape[1]
     grid = (triton.cdiv(num_tokens, PREFILL_BLOCK_T), triton.cdiv(num_channels, PREFILL_BLOCK_C))
     _prefill_body_kernel[grid](
-        x, weight, out, conv_cache, token_offsets, num_tokens, *x.stride(), *weight.stride(),
-        *out.stride(), num_channels, KERNEL=kernel, ACC=acc, BLOCK_T=PREFILL_BLOCK_T,
+        x, weight, flat, conv_cache, token_offsets, num_tokens, *x.stride(), *weight.stride(),
+        num_channels, split1, split2, KERNEL=kernel, ACC=acc, BLOCK_T=PREFILL_BLOCK_T,
         BLOCK_C=PREFILL_BLOCK_C, num_warps=4)
     _prefill_head_kernel[(num_seqs, triton.cdiv(num_channels, BLOCK_C))](
-        x, weight, out, conv_cache, inputs.state_slots, inputs.state_index, inputs.history_lens,
-        q_start_loc, inputs.q_lens, *x.stride(), *weight.stride(), *out.stride(),
-        *conv_cache.stride(), num_channels, KERNEL=kernel, ACC=acc,
+        x, weight, flat, conv_cache, inputs.state_slots, inputs.state_index, inputs.history_lens,
+        q_start_loc, inputs.q_lens, *x.stride(), *weight.stride(), *conv_cache.stride(),
+        num_tokens, num_channels, split1, split2, KERNEL=kernel, ACC=acc,
         HEAD=triton.next_power_of_2(max(kernel - 1, 1)), BLOCK=BLOCK_C, num_warps=4)
     return out

@@ -42,11 +42,13 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor, input
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,
-                          inputs: ModelInputs) -> torch.Tensor:
-    """x [T, C] raw inputs, weight [C, K] -> [T, C]. Continues from the current window when
-    `history_lens > 0` (chunked prefill); stores the last K-1 raw inputs in columns 0..K-2."""
-    return _conv(x, weight, conv_cache, inputs, store_from=inputs.q_lens,
-                 store_count=torch.full_like(inputs.q_lens, weight.shape[1] - 1))
+                          inputs: ModelInputs, parts: tuple[int, int, int] | None = None):
+    """x [T, C] raw inputs, weight [C, K] -> [T, C] (with `parts`, channel sizes: the three
+    [T, part] pieces). Continues from the current window when `history_lens > 0` (chunked
+    prefill); stores the last K-1 raw inputs in columns 0..K-2."""
+    out = _conv(x, weight, conv_cache, inputs, store_from=inputs.q_lens,
+                store_count=torch.full_like(inputs.q_lens, weight.shape[1] - 1))
+    return out.split_with_sizes(parts, dim=-1) if parts else out
 
 
 def _update_uniform(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Tensor,

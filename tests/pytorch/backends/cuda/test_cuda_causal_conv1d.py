@@ -17,8 +17,9 @@ NUM_SLOTS, KERNEL = 7, 4
 
 
 def check_step(op_name, q_lens, history_lens, slots, index, decoding, channels, num_spec, dtype,
-               device, cache_dtype=None):
-    """Run the cuda op and the default op on the same inputs and identical cache copies."""
+               device, cache_dtype=None, parts=None):
+    """Run the cuda op and the default op on the same inputs and identical cache copies (with
+    `parts`, a prefill's three channel parts: each its own contiguous tensor on CUDA)."""
     inputs = make_inputs([[0] * n for n in q_lens], history_lens,
                          shuffled_block_tables(len(q_lens), 4), slots, index, decoding).to(device)
     gen = torch.Generator().manual_seed(sum(q_lens))
@@ -27,8 +28,13 @@ def check_step(op_name, q_lens, history_lens, slots, index, decoding, channels, 
     cache = torch.randn(max(NUM_SLOTS, len(slots)), channels, KERNEL - 1 + num_spec,
                         generator=gen).to(device, cache_dtype or dtype)
     expected_cache = cache.clone()
-    out = getattr(cuda_conv, op_name)(x, weight, cache, inputs)
-    expected = getattr(default, op_name)(x, weight, expected_cache, inputs)
+    extra = {'parts': parts} if parts else {}
+    out = getattr(cuda_conv, op_name)(x, weight, cache, inputs, **extra)
+    expected = getattr(default, op_name)(x, weight, expected_cache, inputs, **extra)
+    if parts:
+        assert [p.shape for p in out] == [p.shape for p in expected] == [
+            (sum(q_lens), n) for n in parts] and all(p.is_contiguous() for p in out)
+        out, expected = torch.cat(out, dim=-1), torch.cat(expected, dim=-1)
     assert out.dtype == x.dtype
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
@@ -79,6 +85,13 @@ def test_prefill_matches_default(kernel_device, step):
                    kernel_device)
 
 
+@pytest.mark.parametrize('step', ['chunked', 'mixed_one_token_rows'])
+def test_prefill_parts_match_default(kernel_device, step):
+    """q, k, v written as three contiguous tensors (parts across the 128-channel blocks)."""
+    check_step('causal_conv1d_prefill', *PREFILL_STEPS[step], False, 300, 2, torch.float32,
+               kernel_device, parts=(64, 64, 172))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize('num_tokens', [1, 4])
 def test_update_realistic_sizes(num_tokens):
@@ -92,12 +105,14 @@ def test_update_realistic_sizes(num_tokens):
     (6144, [8192]), (8192, [1] * 64 + [128]), (8192, [3000, 0, 5000, 1, 191])])
 @pytest.mark.parametrize('cache_dtype', [torch.bfloat16, torch.float32])
 def test_prefill_realistic_sizes(channels, q_lens, cache_dtype):
-    """One long prompt, 64 decode-like rows beside a 128-token prompt, chunks continuing."""
+    """One long prompt, 64 decode-like rows beside a 128-token prompt, chunks continuing; q, k
+    and v as the model takes them (three contiguous parts)."""
     num_seqs = len(q_lens)
     history = [7 * b % 11 for b in range(num_seqs)]              # the first (and 12th) fresh
     slots = torch.randperm(num_seqs, generator=torch.Generator().manual_seed(0)).tolist()
     check_step('causal_conv1d_prefill', q_lens, history, slots, [b % 3 for b in range(num_seqs)],
-               False, channels, 2, torch.bfloat16, 'cuda', cache_dtype)
+               False, channels, 2, torch.bfloat16, 'cuda', cache_dtype,
+               parts=(2048, 2048, channels - 4096))
 
 
 @pytest.mark.gpu
