@@ -130,10 +130,9 @@ class Pipeline:
                  speculative_config: SpeculativeConfig | None = None, progress: bool = True,
                  engine_process: bool = False, reasoning_parser: str | None = None,
                  chat_template: str | None = None, num_threads: int | None = None):
-        """`engine_process`: run a one-rank engine in a process of its own (an mp executor's
-        rank), not in a thread of this one. The server does so on CUDA: the ~0.1 ms of Python its
-        event loop spends per streamed chunk would hold the GIL the engine's thread needs between
-        its CUDA steps. `reasoning_parser` ('qwen3'; 'auto': when the chat template thinks; None
+        """`engine_process`: run a one-rank engine in a process of its own (an mp rank), not in
+        a thread of this one (the server on CUDA: its event loop's streaming would hold the GIL
+        the engine's thread needs between CUDA steps). `reasoning_parser` ('qwen3'; 'auto': when the chat template thinks; None
         or 'none': off): a chat reply's `<think>` block goes to Response.reasoning_content.
         `chat_template`: a Jinja template (a file, or the template itself) instead of the
         model's. `num_threads`: torch's CPU threads (None: `use_cpu_threads`)."""
@@ -166,8 +165,7 @@ class Pipeline:
 
     @property
     def model_name(self) -> str:
-        """The repo id the model came by, else its directory's name: what messages call the
-        model (a server's clients must not learn its paths)."""
+        """The repo id the model came by, else its directory's name (clients never see paths)."""
         return self._name or os.path.basename(os.path.normpath(self.model_path))
 
     @property
@@ -181,9 +179,8 @@ class Pipeline:
         return self._client.error
 
     def stalled(self, limit_s: float) -> str | None:
-        """One line naming the rank (or the engine thread) that has shown no progress for
-        over `limit_s` seconds while requests are pending, else None (engine/heartbeat.py; the
-        ray executor keeps no heartbeat: always None)."""
+        """One line naming the rank (or the engine thread) that has shown no progress for over
+        `limit_s` seconds while requests are pending, else None (ray keeps no heartbeat)."""
         return self._client.stalled(limit_s)
 
     @property
@@ -200,8 +197,7 @@ class Pipeline:
         self._client.validate_request(token_ids, gen_config)
 
     def stats(self) -> EngineStats:
-        """Engine-wide figures (tokens prefilled, prefix-cache blocks, sequences running and
-        waiting, KV blocks, speculative counters), over every DP rank as last reported."""
+        """Engine-wide figures (client.EngineStats), over every DP rank as last reported."""
         return self._client.stats()
 
     # ---- prompts --------------------------------------------------------------------------

@@ -14,22 +14,17 @@ LMDEPLOY_LITE_TP_ALLREDUCE=oneshot small TP sums take a one-shot peer-memory all
 (backends/cuda/peer_all_reduce.py).
 
 Each collective is recorded per step as (op, group, shape, dtype), variable first dimensions
-(all-to-all payloads) as -1, so that ranks can compare what they did (DESIGN.md invariant 2): with
-LMDEPLOY_LITE_CHECK_COLLECTIVES=1 every step ends with a digest comparison on the check group, and
-so does every collective across DP ranks before it runs (gloo aborts the process on a size
-mismatch, so afterwards is too late); a mismatch raises CollectiveMismatch naming the first
-collective that differs. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT seconds,
+(all-to-all payloads) as -1 (DESIGN.md invariant 2): with LMDEPLOY_LITE_CHECK_COLLECTIVES=1 the
+ranks compare digests of it at the end of every step, and before every collective across DP
+ranks (gloo aborts the process on a size mismatch); a mismatch raises CollectiveMismatch naming
+the first collective that differs. Every collective has a timeout (LMDEPLOY_LITE_DIST_TIMEOUT s,
 default 180; invariant 3) whose expiry raises CollectiveTimeout naming rank, step and operation
-and triggers the trace comparison, so a rank that skipped a collective is named instead of
-leaving its peers to hang (the comparison waits up to 3x the timeout for peers stuck in a
-collective of their own: with the check on, a rank that stopped participating altogether is
-reported after about 4x the timeout; with it off, after 1x).
+and runs the comparison (which waits up to 3x the timeout for peers stuck in a collective of
+their own), so a rank that skipped a collective is named instead of leaving its peers to hang.
 
 NCCL collectives are asynchronous: `traced` only sees errors raised at launch. A peer that never
 joins makes the kernel wait until the same timeout, when torch's NCCL watchdog aborts the
-communicator (named `lmdeploy_lite_<name>`), logs the collective and ends the process
-(TORCH_NCCL_ASYNC_ERROR_HANDLING), which the executor reports by rank; the trace check at the end
-of the step (gloo) still names a rank that skipped a collective.
+communicator (`lmdeploy_lite_<name>`) and ends the process, which the executor reports by rank.
 """
 from __future__ import annotations
 
@@ -88,8 +83,8 @@ class Group:
     rank = property(lambda self: self.ranks.index(self.ctx.rank))     # position in the group
 
     def traced(self, op: str, tensor: torch.Tensor, fn, variable: bool = False):
-        """`DistContext.traced` on this group (also for collectives outside torch.distributed,
-        DeepEP's, which ignore the process group `fn` gets): what `fn` returns."""
+        """`DistContext.traced` on this group (also for DeepEP's collectives, whose `fn` ignores
+        the process group it gets)."""
         if self.gloo is None:
             raise RuntimeError(f'rank {self.ctx.rank}: {op} on the one-rank {self.name} group')
         return self.ctx.traced(op, self, tensor, fn, variable)
@@ -126,10 +121,9 @@ class Group:
         return out
 
     def reduce_scatter(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sequence parallelism: [N, ...] partial sums on each rank -> [N / size, ...], this
-        rank's share of the rows (rank r: rows [r * N / size, (r + 1) * N / size)) of the sum
-        over the group. N must be a multiple of the group size (the StepPlan pads token counts
-        to a multiple of tp): otherwise raises ValueError at once, naming rank, step and op."""
+        """Sequence parallelism: [N, ...] partial sums on each rank -> [N / size, ...], rank r's
+        rows [r * N / size, (r + 1) * N / size) of the group's sum. N must be a multiple of the
+        group size (the StepPlan pads token counts so): else ValueError naming rank and step."""
         if self.gloo is None:
             return tensor
         if tensor.shape[0] % self.size:
@@ -216,9 +210,9 @@ class DistContext:
     @classmethod
     def init(cls, config: DistConfig, rank: int, init_method: str,
              device: torch.device | None = None) -> 'DistContext':
-        """Join the world (gloo) and build the TP, DP, EP and check groups. With a CUDA `device`
-        (this rank's, already made current by the caller) also their NCCL twins, created eagerly
-        (`device_id`) so that no communicator is first set up inside a CUDA-graph capture."""
+        """Join the world (gloo) and build the TP, DP, EP and check groups; with this rank's CUDA
+        `device` (made current by the caller) their NCCL twins too, created eagerly so that no
+        communicator is first set up inside a CUDA-graph capture."""
         timeout = datetime.timedelta(seconds=dist_timeout_s())
         dist.init_process_group('gloo', init_method=init_method, rank=rank,
                                 world_size=config.world_size, timeout=timeout)
@@ -262,10 +256,9 @@ class DistContext:
 
     def draft_context(self, draft: DistConfig) -> 'DistContext | DraftDistContext':
         """The DistContext the MTP draft's layers are built with (DESIGN.md invariant 6): this
-        one when the draft's layout is the target's, else a `DraftDistContext` whose `tp` is the
-        TP group, a 'draft_tp' sub-group (consecutive runs of draft-tp ranks, 1 < draft tp < tp:
-        created here, so every rank calls this once, at the same point of start-up) or a group
-        of one (draft tp=1), and whose `ep` is the EP group or a group of one (draft ep=1)."""
+        one for the target's layout, else a `DraftDistContext` whose `tp` is the TP group, a
+        'draft_tp' sub-group of consecutive ranks (created here: every rank calls this once, at
+        the same point of start-up) or a group of one, and whose `ep` is the EP group or one."""
         if draft == self.config:
             return self
         tp = self.config.tp
@@ -339,11 +332,9 @@ class DistContext:
     def compare_traces(self, failed: tuple | None = None, before: bool = False):
         """Compare this step's collective sequences across the plan group (on the check group);
         raise CollectiveMismatch on the first difference: every rank must agree on the cross-DP
-        collectives (`_cross_dp`), TP peers (same DP rank) on everything. `failed`: this rank's
-        collective that just failed (marks its trace). `before`: the check before a cross-DP
-        collective (the trace's last entry), so that a rank about to post another one is named
-        before the backend sees it; a rank at another point of its step differs too (every
-        comparison exchanges [where, cross-DP digest, full digest])."""
+        collectives (`_cross_dp`), TP peers on everything. `failed`: this rank's collective that
+        just failed (marks its trace). `before`: the check before a cross-DP collective, so that
+        a rank about to post another one is named before the backend sees it."""
         ranks = self.plan.ranks
         if len(ranks) == 1:
             return

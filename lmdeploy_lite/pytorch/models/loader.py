@@ -6,12 +6,10 @@ Accepted layouts: text-only (`model.*`, `lm_head.weight`) and the released multi
 (`experts.{e}.{gate,up,down}_proj.weight`). With `tie_word_embeddings` the checkpoint has no
 `lm_head.weight`. `mtp.*` tensors belong to the MTP draft (`load_mtp_weights`).
 
-Sharded models (a DistContext): a parameter with `expert_range` holds a slice of the experts
-(EP); one with `shard` (nn/sharding.py) holds this TP rank's piece. Either way the checkpoint
-tensor is checked against the FULL shape config.json implies and then narrowed to this rank's part.
-
-`load_format='dummy'` (as in vLLM, for benchmarks of real shapes from a config.json alone) reads
-no tensor: `init_dummy_weights` fills the parameters with random values.
+Sharded models: a parameter with `expert_range` holds a slice of the experts (EP), one with
+`shard` (nn/sharding.py) this TP rank's piece; the checkpoint tensor is checked against the FULL
+shape config.json implies, then narrowed to this rank's part. `load_format='dummy'` (vLLM's, for
+benchmarks from a config.json alone) reads no tensor: `init_dummy_weights` fills them.
 """
 from __future__ import annotations
 
@@ -71,8 +69,7 @@ def iter_tensors(model_dir: str, select, progress: bool = True, desc: str = 'Loa
                  model_format: str | None = None) -> Iterator[tuple[str, str, tuple, callable]]:
     """Yield (file, name, shape, load) for checkpoint tensors with `select(name)` true; `load()`
     reads the tensor (an FP8 one dequantized with its scales, which are not yielded; with
-    `model_format='fp8'` a bf16 linear weight quantized and dequantized: fp8.py). A tqdm bar
-    counts tensors unless `progress=False`."""
+    `model_format='fp8'` a bf16 linear weight quantized and dequantized: fp8.py)."""
     files = checkpoint_files(model_dir)
     fp8 = Fp8Weights.of(model_dir, files, model_format)
     wanted = select if fp8 is None else (lambda n: fp8.wanted(n) and select(n))
@@ -250,15 +247,11 @@ _DUMMY_DT_RANGE = (1e-3, 1e-1)    # gated delta net time step, log-uniform (Mamb
 
 @torch.no_grad()
 def init_dummy_weights(module: nn.Module, seed: int = 0, prefix: str = '') -> None:
-    """Fill every parameter of `module` in place, on its own device (no host round trip), with
-    values that keep bf16 activations sane. Rules: zero-centred `RMSNorm` weights 0 (scale
-    1 + w = 1); `GatedRMSNorm` weights 1; `A_log` = log(uniform(1, 16)); `dt_bias` =
-    softplus^-1(dt), dt log-uniform in [1e-3, 1e-1]; biases 0; every other (>= 2-D) tensor
-    normal(0, DUMMY_STD); a 1-D parameter matching no rule raises. Each parameter draws from
-    its own generator seeded by `seed` and its name (`prefix` + name, the checkpoint name), so
-    values do not depend on construction order and replicated parameters are equal on every
-    rank; a TP shard gets the same stream on every rank (not a slice of one full tensor). Tied
-    weights are filled once."""
+    """Fill every parameter of `module` in place, on its own device, with values that keep bf16
+    activations sane (`_init_dummy`'s rules; a 1-D parameter matching none raises). Each
+    parameter draws from its own generator seeded by `seed` and its checkpoint name (`prefix` +
+    name), so values do not depend on construction order and replicated parameters are equal
+    on every rank (a TP shard gets the same stream on every rank). Tied weights are filled once."""
     seen: set[int] = set()
     for module_name, sub in module.named_modules():
         for param_name, param in sub.named_parameters(recurse=False):
@@ -273,6 +266,9 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, prefix: str = '') -> No
 
 def _init_dummy(module: nn.Module, param_name: str, name: str, param: torch.Tensor,
                 generator: torch.Generator) -> None:
+    """Zero-centred `RMSNorm` weights 0 (scale 1 + w = 1); `GatedRMSNorm` weights 1; `A_log` =
+    log(uniform(1, 16)); `dt_bias` = softplus^-1(dt), dt log-uniform in _DUMMY_DT_RANGE; biases
+    0; every other (>= 2-D) tensor normal(0, DUMMY_STD)."""
     if isinstance(module, GatedRMSNorm):
         param.fill_(1.0)
     elif isinstance(module, RMSNorm) or param_name == 'bias':
@@ -298,11 +294,9 @@ def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
                 dist_ctx=None, load_format: str = 'auto', seed: int = 0,
                 fuse: bool = True, model_format: str | None = None) -> nn.Module:
     """ModelConfig from config.json -> Qwen3_5ForCausalLM with weights loaded (this rank's
-    shard under a DistContext), in eval mode. `load_format='dummy'`: random weights
-    (`init_dummy_weights(model, seed)`), no safetensors read. `fuse`: same-input projections
-    as one GEMM (`fuse_projections`; off CUDA the parts stay, as views). `model_format='fp8'`:
-    the linear weights quantized as an FP8 checkpoint stores them, and computed in FP8 where
-    the device has an FP8 GEMM (fp8.py)."""
+    shard under a DistContext), in eval mode. `load_format='dummy'`: random weights. `fuse`:
+    same-input projections as one GEMM (off CUDA the parts stay, as views). `model_format=
+    'fp8'`: the linear weights quantized as an FP8 checkpoint stores them (fp8.py)."""
     from .qwen3_5 import Qwen3_5ForCausalLM
     config = ModelConfig.from_pretrained(model_dir)
     model = Qwen3_5ForCausalLM(config, dtype, device, dist_ctx)

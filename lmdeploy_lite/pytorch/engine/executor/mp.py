@@ -2,16 +2,13 @@
 has imported torch; spawn where there is none), gloo on CPU; on CUDA rank r uses cuda:r
 (`rank_device`; the front-end first checks that there are dp x tp GPUs) and NCCL.
 
-Every rank runs `rank_loop` (rank_worker.py); the ranks of a plan group (step_plan.py says which)
-advance in lockstep. An idle rank of a busy group polls its inbox without waiting
-(`engine.plan_busy`); a group with no work waits at most IDLE_WAIT_S (TP peers wait for TP rank
-0's inbox broadcast within the collective timeout). close() puts a stop in every inbox; the
-plan's shutdown flag ends each group in one step. A dead rank is found within LIVENESS_CHECK_S;
-`error` is then one line naming it and how it ended ('rank 1 (pid 4242) was killed by signal
-SIGKILL') or the first line of what it raised (tracebacks go to the log), every live request gets
-it and the other ranks are ended. Ranks die with the front-end (lifeline.py) and ignore SIGINT
-(Ctrl-C reaches the whole process group). `worker_hook`: a picklable top-level function called
-with each rank's Engine before it serves (tests break engines with it).
+Every rank runs `rank_loop` (rank_worker.py); the ranks of a plan group advance in lockstep, and
+close() ends each group in one step (the plan's shutdown flag). A dead rank is found within
+LIVENESS_CHECK_S; `error` is then one line naming it and how it ended ('rank 1 (pid 4242) was
+killed by signal SIGKILL') or the first line of what it raised (tracebacks go to the log), every
+live request gets it and the other ranks are ended. Ranks die with the front-end (lifeline.py)
+and ignore SIGINT (Ctrl-C reaches the whole process group). `worker_hook`: a picklable top-level
+function called with each rank's Engine before it serves (tests break engines with it).
 
 The ranks meet without a network listener: torch.distributed's store is a file (FileStore) in a
 private temporary directory, not a TCP store (which listens on every interface, unauthenticated),
