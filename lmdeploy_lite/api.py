@@ -12,6 +12,7 @@ from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Respo
                                     SpeculativeConfig, is_int)
 from lmdeploy_lite.pytorch.engine.executor import connect
 from lmdeploy_lite.pytorch.engine.executor.client import Channel, EngineStats
+from lmdeploy_lite.pytorch.engine.executor.rank_worker import uses_cuda
 from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_in_thought, template_thinks
 from lmdeploy_lite.text_stream import (Backlog, TextStream, as_batch, batch_decoder, check_prompt,
                                        check_template_kwargs, check_tools, detokenize,
@@ -34,8 +35,8 @@ def use_cpu_threads(device: str, num_threads: int | None = None):
     import torch
     if num_threads is not None:
         torch.set_num_threads(num_threads)
-    elif not _CORE_LEFT and 'OMP_NUM_THREADS' not in os.environ and torch.get_num_threads() >= 2 \
-            and not (device == 'cuda' or device == 'auto' and torch.cuda.is_available()):
+    elif (not _CORE_LEFT and 'OMP_NUM_THREADS' not in os.environ
+          and torch.get_num_threads() >= 2 and not uses_cuda(device)):
         torch.set_num_threads(torch.get_num_threads() - 1)
         _CORE_LEFT.append(True)
 

@@ -3,6 +3,7 @@ speculation, executor) and the configs built from them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 from lmdeploy_lite.messages import (DEVICES, DTYPES, EXECUTOR_BACKENDS, LOAD_FORMATS,
@@ -162,17 +163,11 @@ def _layer_ids(text: str | None) -> tuple[int, ...] | None:
                          'comma-separated layer ids, e.g. 2,18,34') from None
 
 
-# the flags that set the PytorchEngineConfig field of the same name
-ENGINE_FLAGS = ('dtype', 'device', 'revision', 'download_dir', 'session_len', 'max_batch_size',
-                'cache_max_entry_count', 'ssm_state_dtype', 'max_prefill_token_num',
-                'max_mixed_token_num', 'max_mixed_step_cost', 'enable_prefix_caching',
-                'sequence_parallel',
-                'distributed_executor_backend', 'async_scheduling', 'eager_mode', 'load_format',
-                'model_format', 'max_prefill_graph_tokens')
-
-
-def build_engine_config(args, **parallel):
-    """PytorchEngineConfig from the flags (and RAY_ADDRESS, which ray.init() reads)."""
+def build_engine_config(args) -> PytorchEngineConfig:
+    """PytorchEngineConfig from the flags named as its fields (--seed seeds sampling, not the
+    engine), and RAY_ADDRESS, which ray.init() reads."""
     if args.ray_address:
         os.environ['RAY_ADDRESS'] = args.ray_address
-    return PytorchEngineConfig(**{name: getattr(args, name) for name in ENGINE_FLAGS}, **parallel)
+    return PytorchEngineConfig(**{f.name: getattr(args, f.name)
+                                  for f in dataclasses.fields(PytorchEngineConfig)
+                                  if f.name != 'seed' and hasattr(args, f.name)})

@@ -214,16 +214,14 @@ def _load_and_serve(args) -> int:
                              **({} if args.max_connections is None
                                 else {'max_connections': args.max_connections}))
     api_keys = load_api_keys(args.api_keys, args.api_keys_file)
-    engine_config = build_engine_config(args, tp=args.tp, dp=args.dp, ep=args.ep)
+    engine_config = build_engine_config(args)
     spec = speculative_config(args)
-    engine_process = args.engine_process
-    if engine_process is None:       # auto: where a step is faster than the loop's streaming
-        engine_process = uses_cuda(args.device)
     print(f'lmdeploy_lite: loading {args.model or "the embedded model"} (tp={args.tp}, '
           f'dp={args.dp}, ep={args.ep})', flush=True)
     start = time.perf_counter()
     pipe = pipeline(args.model, engine_config, spec, progress=True,   # a repo id: fetched
-                    engine_process=engine_process, reasoning_parser=args.reasoning_parser,
+                    engine_process=uses_cuda(args.device) if args.engine_process is None
+                    else args.engine_process, reasoning_parser=args.reasoning_parser,
                     chat_template=args.chat_template)
     print(f'lmdeploy_lite: loaded in {time.perf_counter() - start:.1f} s', flush=True)
     return serve(pipe, args.model_name or pipe.model_name, args.server_name, args.server_port,

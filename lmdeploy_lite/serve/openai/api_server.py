@@ -54,11 +54,10 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
                allowed_hosts: tuple[str, ...] = (), allow_origins: tuple[str, ...] = (),
                sampling_defaults: dict | None = None) -> FastAPI:
     """The app of one pipeline: its routes are the functions below over one ServerContext.
-    `on_engine_failure()`: called once the engine has died for good; `limits`: checks.py (and
-    admission.py; max_concurrent None: no limit); `bound_host`: a loopback one turns on the Host
-    guard (auth.py), which lets `allowed_hosts` through too; `allow_origins`: CORS ('*': any),
-    outermost, so a preflight needs no API key and every answer, errors included, has the headers;
-    `sampling_defaults`: for the sampling fields a request omits (None: OpenAI's defaults)."""
+    `on_engine_failure()`: called once the engine has died for good; `limits`: checks.py and
+    admission.py; `bound_host`: a loopback one turns on the Host guard (auth.py), which lets
+    `allowed_hosts` through; `allow_origins`: CORS ('*': any), outermost, so a preflight needs no
+    API key and every answer has the headers; `sampling_defaults`: for fields a request omits."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,10 +1,7 @@
-"""Prometheus metrics of the server: per-request figures measured here, engine-wide figures read at
-scrape time. Engine-wide sources: with the single-process engine, the scheduler (running/waiting,
-KV blocks, cached prefix blocks) and `engine.spec_stats` (every verify step, aborted requests'
-included). With the mp executor (dp > 1) the engine lives in other processes, so the speculative
-counters add up the per-request figures that arrive with every response, and the scheduler gauges
-are not exported rather than guessed; `lmdeploy_lite_num_requests_in_flight` (admitted, not
-finished) and the prefix-cache token counters (from each request's responses) are exact in both."""
+"""Prometheus metrics of the server: per-request figures measured here (timings, tokens, the
+prefix-cache token counters from each request's responses), engine-wide ones read at scrape time
+from `Pipeline.stats()` (every DP rank's scheduler, KV blocks and speculative counters, aborted
+requests' included, as its ranks last reported them)."""
 from __future__ import annotations
 
 import threading
@@ -60,8 +57,7 @@ class ServerMetrics:
         self.registry.register(self)
 
     def track(self, num_prompt_tokens: int) -> 'RequestTracker':
-        """One request, or one choice of a request with n choices: its prompt is counted with
-        its choice 0 only (the others are tracked with num_prompt_tokens 0)."""
+        """One request, or one choice of n (the others' num_prompt_tokens: 0)."""
         return RequestTracker(self, num_prompt_tokens)
 
     def collect(self):
