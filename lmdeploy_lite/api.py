@@ -323,13 +323,12 @@ class Pipeline:
 
     def _submit(self, prompts: list[list[int]], gen_config: GenerationConfig, channel: Channel,
                 tag_of=lambda index: index, request_id: str | None = None) -> list:
-        """Every prompt's n choices, all validated (gen_config too) before any is submitted;
-        choice `index` (= prompt_index * n + i) tagged `tag_of(index)`, its hidden-states file
-        named `request_id` (None: a random name), of several choices `request_id-index`. Their
-        handles, in index order."""
-        for ids in prompts:
-            self._client.validate_request(ids, gen_config)
-        n, total = gen_config.n, len(prompts) * gen_config.n
+        """Every prompt's n choices (the client validates all, gen_config too, before any is
+        submitted); choice `index` (= prompt_index * n + i) tagged `tag_of(index)`, its
+        hidden-states file named `request_id` (None: a random name), of several choices
+        `request_id-index`. Their handles, in index order."""
+        n = getattr(gen_config, 'n', 1)          # a bad gen_config: the client names it
+        total = len(prompts) * n
         names = [request_id if request_id is None or total == 1 else f'{request_id}-{index}'
                  for index in range(total)]
         groups = self._client.submit_groups(
