@@ -72,6 +72,7 @@ def main():
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
     kernels = defaultdict(float)
+    span = timeline(prof.events())
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name] += event.device_time_total / 1000       # ms
@@ -81,6 +82,8 @@ def main():
         families[family(name)] += ms
     print(f'{args.tokens} tokens, graphs <= {args.graph_tokens}: wall best {min(walls):.2f} ms '
           f'(median {sorted(walls)[2]:.2f}), device kernels {device_ms:.2f} ms')
+    print('timeline (ms): host before the first kernel {lead:.2f}, first to last kernel '
+          '{kernels:.2f}, host after the last {tail:.2f}'.format(**span))
     print(f'{"family":<22} {"ms":>8} {"share":>6}')
     for fam, ms in sorted(families.items(), key=lambda x: -x[1]):
         print(f'{fam:<22} {ms:8.2f} {100 * ms / device_ms:5.1f}%')
@@ -92,7 +95,22 @@ def main():
         with open(args.out, 'w') as f:
             json.dump({'tokens': args.tokens, 'graph_tokens': args.graph_tokens, 'walls_ms': walls,
                        'device_ms': device_ms, 'families_ms': families,
-                       'kernels_ms': dict(kernels), 'host_ms': host}, f, indent=1)
+                       'kernels_ms': dict(kernels), 'host_ms': host, 'timeline_ms': span}, f,
+                      indent=1)
+
+
+def timeline(events) -> dict[str, float]:
+    """The profiled run's host ops against its kernels (ms): host time before the first kernel
+    starts, the first kernel's start to the last one's end (device busy or idle), host time
+    after the last kernel ends."""
+    cuda = torch.autograd.DeviceType.CUDA
+    kernels = [e.time_range for e in events if e.device_type == cuda]
+    host = [e.time_range for e in events if e.device_type != cuda]
+    if not kernels:                                       # a CPU run
+        return {'lead': 0.0, 'kernels': 0.0, 'tail': 0.0}
+    first, last = min(r.start for r in kernels), max(r.end for r in kernels)
+    return {'lead': (first - min(r.start for r in host)) / 1000, 'kernels': (last - first) / 1000,
+            'tail': (max(r.end for r in host) - last) / 1000}
 
 
 def host_profile(run, rows: int) -> dict[str, float]:

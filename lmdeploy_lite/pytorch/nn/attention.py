@@ -65,7 +65,8 @@ class GatedAttention(nn.Module):
         q, gate, k, v = self._project(hidden, rope)
         q = apply_rotary(self.q_norm(q), *rope)
         out = self.backend.paged_attention(q, k, v, kv_cache[0], kv_cache[1], inputs, self.scale)
-        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate.reshape(num_tokens, -1))
+        # the gate is a strided view: sigmoid reads it in place (no copy of it to reshape)
+        out = out.reshape(num_tokens, -1) * torch.sigmoid(gate).reshape(num_tokens, -1)
         return self.o_proj(restore_rows(out, num_rows), splits_rows(inputs))
 
     def store_kv(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],

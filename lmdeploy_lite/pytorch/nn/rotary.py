@@ -28,8 +28,12 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, head_dim]; cos/sin [T, rotary_dim] from `RotaryEmbedding`. `x * cos +
     rotate_half(x) * sin` on x[..., :rotary_dim], rotate_half(x) = [-x2, x1] as the roll [x2, x1]
-    times the sign-folded sin: the very same products."""
+    times the sign-folded sin: the very same products. A partial rotary writes its rows into x
+    (the caller's own fresh tensor, a norm's output) instead of concatenating a copy."""
     rotary_dim = cos.shape[-1]
     x_rot = x[..., :rotary_dim]
     rotated = x_rot * cos[:, None, :] + x_rot.roll(rotary_dim // 2, -1) * sin[:, None, :]
-    return rotated if rotary_dim == x.shape[-1] else torch.cat([rotated, x[..., rotary_dim:]], -1)
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    x_rot.copy_(rotated)
+    return x
