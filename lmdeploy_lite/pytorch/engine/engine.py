@@ -146,23 +146,27 @@ class Engine:
         results are applied first and the scheduler decides."""
         pending, self.in_flight = self.in_flight, None
         if pending is not None and self._can_continue(pending):
-            self.num_continued_steps += 1
-            return [], pending.batch, pending
+            batch = (pending.batch if pending.batch.is_decoding
+                     else self.scheduler.continue_mixed(pending.batch))
+            if batch is not None:
+                self.num_continued_steps += 1
+                return [], batch, pending
         outputs = self._finish(pending)
         return outputs, None if self.stop_requested else self.scheduler.schedule(), None
 
     def _can_continue(self, pending: InFlight) -> bool:
-        """When nothing else could be scheduled (no waiting or chunked request, no finished
-        sequence, room for two more steps). Never with a penalised or constrained row: its
-        penalties or grammar mask need the tokens emitted so far, which the host would not know
-        yet."""
+        """When nothing else could be scheduled (no waiting request, no finished sequence, room
+        for two more steps; a held mixed step: its prompts' next chunks). Never with a penalised
+        or constrained row: its penalties or grammar mask need the tokens emitted so far, which
+        the host would not know yet."""
         seqs = pending.batch.seqs
-        if (not self.async_scheduling or not pending.batch.is_decoding or self.stop_requested
-                or self.scheduler.waiting or len(self.scheduler.running) != len(seqs)
+        if (not self.async_scheduling or self.stop_requested or self.scheduler.waiting
+                or len(self.scheduler.running) != len(seqs)
                 or any(s.is_finished or s.gen_config.has_penalties or s.grammar is not None
                        for s in seqs)):
             return False
-        return self.scheduler.reserve_ahead(seqs, num_steps=2)
+        return (self.scheduler.reserve_ahead(seqs, num_steps=2) if pending.batch.is_decoding
+                else pending.result.hidden_states is None)
 
     def _gather_plan(self, batch: ScheduledBatch | None, sampling: SamplingInputs) -> StepPlan:
         """The StepPlan of the ranks that share this step's collectives."""
@@ -182,9 +186,11 @@ class Engine:
         if batch is None:       # idle rank: the busy ranks' collectives, on dummy inputs
             inputs = self.strategy.make_dummy_inputs(
                 plan.dummy_tokens_per_seq, plan.any_decoding, self.device, plan.num_spec)
-        elif continued is not None:
+        elif continued is not None and batch.is_decoding:
             inputs = self.strategy.make_next_decode_inputs(batch, continued.inputs,
                                                            continued.result, self.device)
+        elif continued is not None:
+            inputs = self.strategy.make_next_mixed_inputs(batch, continued.result, self.device)
         else:
             inputs = self.strategy.batch_inputs(batch, self.device)
         inputs.padded_batch_size = plan.max_batch_size       # graph bucket: same on every rank
@@ -198,12 +204,13 @@ class Engine:
 
     def _update_or_hold(self, batch: ScheduledBatch | None, inputs: ModelInputs,
                         result: StepResult, continued: InFlight | None) -> list[StepOutput]:
-        """Apply this step's results, or (async, decoding) hold them and apply the continued one."""
+        """Apply this step's results, or (async: decoding, or a mixed step the scheduler holds)
+        hold them and apply the continued one."""
         if batch is None:
             return []
         launched = InFlight.launch(batch, inputs, result)
-        if not (self.async_scheduling and batch.is_decoding):
-            return self._finish(launched)
+        if not (self.async_scheduling and (batch.is_decoding or self.scheduler.holds_mixed(batch))):
+            return self._finish(continued) + self._finish(launched)
         self.in_flight = launched
         return self._finish(continued)
 
@@ -228,8 +235,8 @@ class Engine:
         for i, (seq, q_len, samples, row, num_accepted, num_drafts) in enumerate(zip(
                 batch.seqs, batch.q_lens, batch.sample_mask, tokens, accepted, row_drafts)):
             start += q_len
-            if seq.is_finished:                  # (async) finished while this step ran
-                continue
+            if seq.is_finished or (batch.applied_rows and batch.applied_rows[i]):
+                continue          # (async) finished while this step ran; a chunk applied
             num_tokens = len(seq.token_ids)
             try:
                 if hidden is not None:

@@ -42,6 +42,9 @@ class ScheduledBatch:
     # tokens, when it was scheduled (the adaptive mixed budget's measurements)
     decoding: int = 0
     chunk_tokens: int = 0
+    # async scheduling: rows whose bookkeeping was applied when the next step was scheduled
+    # (Scheduler.continue_mixed: the chunks), so their results add nothing
+    applied_rows: list[bool] | None = None
 
     @property
     def num_decode_rows(self) -> int:
@@ -238,6 +241,45 @@ class Scheduler:
                 return False
             self.bm.grow(seq, need)
         return True
+
+    def holds_mixed(self, batch: ScheduledBatch) -> bool:
+        """Async scheduling may keep a mixed step in flight, its results applied a step late
+        (`continue_mixed`): plain decoding, decode rows beside chunks that end no prompt."""
+        rows = list(zip(batch.seqs, batch.sample_mask))
+        return (not batch.is_decoding and not self.num_spec_tokens
+                and any(s.prefilled for s, _ in rows)
+                and all(s.prefilled or not m for s, m in rows))
+
+    def continue_mixed(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """Async scheduling: the step after the held mixed `batch`, before its results: its
+        chunks' bookkeeping applied now (they sample nothing), its decode rows again (blocks two
+        steps ahead, their tokens read on the device) and first, as in `batch`, then the next
+        chunks within the budget. None where a row would need a preemption or nears its session
+        end: the caller then waits for the results and schedules."""
+        decode = [s for s in batch.seqs if s.prefilled]
+        chunks = [(s, n) for s, n in zip(batch.seqs, batch.q_lens) if not s.prefilled]
+        batch.applied_rows = [not s.prefilled for s in batch.seqs]
+        for seq, n in chunks:
+            self.update(seq, n, [])
+        if not self.reserve_ahead(decode, num_steps=2):
+            return None
+        budget = min(self.max_mixed_token_num, self.max_prefill_token_num)
+        if self.mixed_chunk:
+            budget = min(budget, len(decode) + self.mixed_chunk)
+        budget, seqs = max(budget - len(decode), 1), list(decode)
+        q_lens = [1] * len(decode)
+        for seq, _ in chunks:
+            n = self._chunk(seq, budget)
+            need = seq.num_computed + n + self.num_draft_extra
+            if budget <= 0 or not self.bm.can_hold(seq, need):
+                return None
+            self.bm.grow(seq, need)
+            seqs.append(seq)
+            q_lens.append(n)
+            budget -= n
+        return prefix_cache.add_state_copies(self.bm, ScheduledBatch(
+            seqs, q_lens, is_decoding=False, decoding=len(decode),
+            chunk_tokens=sum(q_lens[len(decode):])))
 
     def _preempt_for(self, seq: Sequence, num_tokens: int) -> bool:
         """Free later arrivals (recompute later) until `seq` fits; False if `seq` was the victim."""

@@ -58,7 +58,10 @@ class Strategy:
 
     def batch_inputs(self, batch, device) -> ModelInputs:
         """`make_model_inputs` with the batch's cache copies on the device."""
-        inputs = self.make_model_inputs(batch, device)
+        return self._with_copies(self.make_model_inputs(batch, device), batch, device)
+
+    @staticmethod
+    def _with_copies(inputs: ModelInputs, batch, device) -> ModelInputs:
         for field, pairs in (('state_restores', batch.restores), ('state_saves', batch.saves),
                              ('block_copies', batch.block_copies),
                              ('state_copies', batch.state_copies)):
@@ -80,6 +83,19 @@ class Strategy:
                            q_lens=q_lens, history_lens=history, block_tables=table,
                            state_slots=prev.state_slots, is_decoding=True, uniform_q_len=n,
                            state_index=torch.zeros_like(prev.state_slots))
+
+    def make_next_mixed_inputs(self, batch, prev_result, device) -> ModelInputs:
+        """Async scheduling: a mixed step after one still running (Scheduler.continue_mixed):
+        its decode rows, first and in that step's order, feed the tokens it samples, read on the
+        device, one position past what the host knows; its chunks come from the host."""
+        seqs, decode = batch.seqs, batch.decoding
+        chunks = [[0] if s.prefilled else s.token_ids[s.num_computed:s.num_computed + n]
+                  for s, n in zip(seqs, batch.q_lens)]
+        inputs = pack_model_inputs(chunks, [s.num_computed + s.prefilled for s in seqs],
+                                   [s.blocks for s in seqs], [s.state_slot for s in seqs],
+                                   False, device)
+        inputs.input_ids[:decode] = self.next_input_ids(prev_result, 1)[:decode]
+        return self._with_copies(inputs, batch, device)
 
     def emitted_per_row(self, result) -> torch.Tensor:
         """[B] long on the device: tokens each row added to its sequence in `result`'s step."""

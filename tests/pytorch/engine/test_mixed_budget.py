@@ -84,14 +84,16 @@ def test_adaptive_budget_changes_no_token(k):
 def test_tp_ranks_agree_on_the_adaptive_budget(monkeypatch):
     """tp=2 processes, each with its own clock: the plan's smallest proposal is every rank's
     budget (a rank scheduling on its own would break the collective check or hang). Long
-    prompts, prefilled in chunks, ride with the short ones' decode steps."""
+    prompts, prefilled in chunks, ride with the short ones' decode steps; with async
+    scheduling, so mixed steps are also continued before their results (every rank alike)."""
     monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '1')
     monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '60')
     short = [list(p) for p in accepting.prompts()]
     prompts = short + [short[0] * 8 + short[1] * 4, short[2] * 6]
     gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     config = PytorchEngineConfig(**accepting.BASE, tp=2, max_prefill_token_num=64,
-                                 max_mixed_token_num=48, max_mixed_step_cost=2.0)
+                                 max_mixed_token_num=48, max_mixed_step_cost=2.0,
+                                 async_scheduling=True)
     start = time.monotonic()
     with pipeline(accepting.model_dir(), config, progress=False) as pipe:
         got = pipe(prompts, gen)

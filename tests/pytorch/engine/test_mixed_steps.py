@@ -82,6 +82,30 @@ def test_mixed_steps_change_no_token(k):
     _assert_no_stall(mixed[2:], emitted, max_gap=1 if k == 0 else 2)
 
 
+@pytest.mark.parametrize('prefix_caching', [False, True])
+def test_async_mixed_steps_change_no_token(prefix_caching, monkeypatch):
+    """Async scheduling holds a mixed step whose chunks end no prompt and schedules the next one
+    before its results (Scheduler.continue_mixed: the decode rows' tokens read on the device,
+    the chunks' bookkeeping applied at once): the whole sequences equal the reference's, no
+    stream stalls, and continued mixed steps really ran. With the prefix cache
+    (blocks of 8), chunks end at block boundaries and their states are saved as they go."""
+    from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
+    continued, continue_mixed = [], Scheduler.continue_mixed
+
+    def spy(scheduler, batch):
+        nxt = continue_mixed(scheduler, batch)
+        continued.append(nxt is not None and 0 < nxt.decoding < len(nxt.seqs))
+        return nxt
+    monkeypatch.setattr(Scheduler, 'continue_mixed', spy)
+    cache = dict(block_size=8, enable_prefix_caching=True) if prefix_caching else {}
+    seqs, scheduled, emitted = _run(0, max_mixed_token_num=12, async_scheduling=True, **cache)
+    assert [s.generated_ids for s in seqs] == reference(0, _prompts(), **CFG).token_ids
+    assert sum(continued) >= 2, continued
+    # a held step's tokens come one step late: two steps apart where a synchronous step
+    # (a prompt's last chunk, a new arrival) hands over to a held one
+    _assert_no_stall(seqs, emitted, max_gap=2)
+
+
 def test_without_mixing_the_long_prompt_stalls_the_streams():
     """The other side of the no-stall check: prefill first stalls the running streams for the
     long prompt's whole prefill (several chunks of max_prefill_token_num)."""
