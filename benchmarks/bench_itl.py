@@ -64,15 +64,17 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
     while not all(s.prefilled for s in seqs):
         engine.step()
     step_kinds, schedule = [], engine.scheduler.schedule
+    continue_mixed = engine.scheduler.continue_mixed
 
-    def recording():
-        batch = schedule()
+    def record(batch):
         if batch is not None:
             step_kinds.append((batch.num_decode_rows, len(batch.seqs),
                                sum(n for seq, n in zip(batch.seqs, batch.q_lens)
                                    if not seq.prefilled)))
         return batch
-    engine.scheduler.schedule = recording
+    # the steps the scheduler schedules, and the mixed steps async scheduling continues
+    engine.scheduler.schedule = lambda: record(schedule())
+    engine.scheduler.continue_mixed = lambda held: record(continue_mixed(held))
     stream_ids = {s.seq_id for s in seqs}
     reports = {i: [] for i in stream_ids}          # seq_id -> times its tokens were reported
     long_seq, arrival, first_token, steps_left, step = None, None, None, None, 0
@@ -99,7 +101,7 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
             if steps_left is not None and first_token != now:
                 steps_left -= 1
     finally:
-        engine.scheduler.schedule = schedule
+        del engine.scheduler.schedule, engine.scheduler.continue_mixed
         for seq in seqs:
             engine.abort(seq)
         while engine.has_work:

@@ -254,8 +254,9 @@ class Scheduler:
         """Async scheduling: the step after the held mixed `batch`, before its results: its
         chunks' bookkeeping applied now (they sample nothing), its decode rows again (blocks two
         steps ahead, their tokens read on the device) and first, as in `batch`, then the next
-        chunks within the budget. None where a row would need a preemption or nears its session
-        end: the caller then waits for the results and schedules."""
+        chunks within the budget. None where a chunk would end its prompt or need a preemption,
+        or a decode row nears its session end: the caller then waits for the results and
+        schedules."""
         decode = [s for s in batch.seqs if s.prefilled]
         chunks = [(s, n) for s, n in zip(batch.seqs, batch.q_lens) if not s.prefilled]
         batch.applied_rows = [not s.prefilled for s in batch.seqs]
@@ -271,7 +272,10 @@ class Scheduler:
         for seq, _ in chunks:
             n = self._chunk(seq, budget)
             need = seq.num_computed + n + self.num_draft_extra
-            if budget <= 0 or not self.bm.can_hold(seq, need):
+            # a prompt's last chunk runs after the held step's tokens are out (else both come
+            # out of one step: twice a step's interval for every stream)
+            last = seq.num_computed + n == len(seq.token_ids)
+            if budget <= 0 or last or not self.bm.can_hold(seq, need):
                 return None
             self.bm.grow(seq, need)
             seqs.append(seq)
