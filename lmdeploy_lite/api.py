@@ -71,11 +71,8 @@ class _AsyncFanout:
     results once; on the loop they are detokenized in bulk and added to each request's backlog."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, decode):
-        self.loop, self.decode = loop, decode
-        self.channel = Channel(self._post)
-
-    def _post(self, items: list):                  # the engine's thread
-        self.loop.call_soon_threadsafe(self._dispatch, items)
+        self.decode = decode                       # posted from the engine's thread:
+        self.channel = Channel(lambda items: loop.call_soon_threadsafe(self._dispatch, items))
 
     def _dispatch(self, items: list):              # the event loop's thread
         updates, requests = [], []

@@ -175,13 +175,12 @@ class SamplingRequest(RequestModel):
             self = self.model_copy(update={k: v for k, v in defaults.items()
                                            if k not in self.model_fields_set})
         greedy = self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
         return GenerationConfig(
             max_new_tokens=max(1, self.length_field[1]
                                or min(self.default_max_tokens or room, room)),
             do_sample=not greedy, temperature=0.0 if greedy else self.temperature,
             top_p=self.top_p, top_k=0 if self.top_k >= vocab_size else max(self.top_k, 0),
-            stop_words=stop or None, ignore_eos=self.ignore_eos, random_seed=self.seed,
+            stop_words=self.stop or None, ignore_eos=self.ignore_eos, random_seed=self.seed,
             skip_special_tokens=self.skip_special_tokens,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, n=self.n, logprobs=self.num_logprobs,
