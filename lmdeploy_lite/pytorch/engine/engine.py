@@ -152,20 +152,25 @@ class Engine:
                 self.num_continued_steps += 1
                 return [], batch, pending
         outputs = self._finish(pending)
+        if pending is not None and self.dist.config.dp == 1:
+            # its tokens go out now, not with the next step's, which runs synchronously (ranks
+            # with other batches, dp > 1, would then miss this one in the plan)
+            return outputs, None, None
         return outputs, None if self.stop_requested else self.scheduler.schedule(), None
 
     def _can_continue(self, pending: InFlight) -> bool:
         """When nothing else could be scheduled (no waiting request, no finished sequence, room
-        for two more steps; a held mixed step: its prompts' next chunks). Never with a penalised
+        for two more steps; a held mixed step: its prompts' next chunks, `continue_mixed`
+        checks the waiting ones). Never with a penalised
         or constrained row: its penalties or grammar mask need the tokens emitted so far, which
         the host would not know yet."""
-        seqs = pending.batch.seqs
-        if (not self.async_scheduling or self.stop_requested or self.scheduler.waiting
-                or len(self.scheduler.running) != len(seqs)
+        seqs, decoding = pending.batch.seqs, pending.batch.is_decoding
+        if (not self.async_scheduling or self.stop_requested
+                or (decoding and self.scheduler.waiting) or len(self.scheduler.running) != len(seqs)
                 or any(s.is_finished or s.gen_config.has_penalties or s.grammar is not None
                        for s in seqs)):
             return False
-        return (self.scheduler.reserve_ahead(seqs, num_steps=2) if pending.batch.is_decoding
+        return (self.scheduler.reserve_ahead(seqs, num_steps=2) if decoding
                 else pending.result.hidden_states is None)
 
     def _gather_plan(self, batch: ScheduledBatch | None, sampling: SamplingInputs) -> StepPlan:

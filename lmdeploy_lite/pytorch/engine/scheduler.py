@@ -255,8 +255,8 @@ class Scheduler:
         chunks' bookkeeping applied now (they sample nothing), its decode rows again (blocks two
         steps ahead, their tokens read on the device) and first, as in `batch`, then the next
         chunks within the budget. None where a chunk would end its prompt or need a preemption,
-        or a decode row nears its session end: the caller then waits for the results and
-        schedules."""
+        a decode row nears its session end, or budget is left for a waiting prompt: the caller
+        then waits for the results and schedules."""
         decode = [s for s in batch.seqs if s.prefilled]
         chunks = [(s, n) for s, n in zip(batch.seqs, batch.q_lens) if not s.prefilled]
         batch.applied_rows = [not s.prefilled for s in batch.seqs]
@@ -281,6 +281,8 @@ class Scheduler:
             seqs.append(seq)
             q_lens.append(n)
             budget -= n
+        if budget > 0 and self.waiting:        # schedule() would admit a waiting prompt
+            return None
         return prefix_cache.add_state_copies(self.bm, ScheduledBatch(
             seqs, q_lens, is_decoding=False, decoding=len(decode),
             chunk_tokens=sum(q_lens[len(decode):])))

@@ -98,9 +98,9 @@ def test_async_mixed_steps_change_no_token(prefix_caching, monkeypatch):
         return nxt
     monkeypatch.setattr(Scheduler, 'continue_mixed', spy)
     cache = dict(block_size=8, enable_prefix_caching=True) if prefix_caching else {}
-    seqs, scheduled, emitted = _run(0, max_mixed_token_num=12, async_scheduling=True, **cache)
+    seqs, scheduled, emitted = _run(0, max_mixed_token_num=8, async_scheduling=True, **cache)
     assert [s.generated_ids for s in seqs] == reference(0, _prompts(), **CFG).token_ids
-    assert sum(continued) >= 2, continued
+    assert sum(continued) >= 3, continued
     # a held step's tokens come one step late: two steps apart where a synchronous step
     # (a prompt's last chunk, a new arrival) hands over to a held one
     _assert_no_stall(seqs, emitted, max_gap=2)
