@@ -1,8 +1,10 @@
-"""Fixtures shared by the tests of the server: the tiny model and one running server on it, and
-a speculative server on the embedded model, whose MTP drafts get accepted."""
+"""Fixtures shared by the tests of the server: the tiny model and one running server on it, a
+speculative server on the embedded model, whose MTP drafts get accepted, and the servers that
+single tests start (and end), each started ahead of the test that takes it."""
 import os
 import shutil
 import sys
+import threading
 
 import pytest
 
@@ -19,17 +21,149 @@ def model_dir(tiny_ckpt, tmp_path_factory):
     return path
 
 
+# ---- servers started ahead ----------------------------------------------------------------------
+# A server's start-up is 5-10 s of imports and loading, mostly on one core. The two session servers
+# start together when the first test here starts; each server a single test takes (and ends) starts
+# in the background while the tests before it run, one at a time: the next one once the one before
+# it was taken, so at most one such server waits (its memory) beside the ones in use.
+# name -> (model: 'tiny' or None for the embedded model, server arguments); `{dir}` is the
+# server's own directory (its log, and files such as a keys file).
+KEYS_FILE = '# the server keys\nfile-key-1\n\nfile-key-2\n'
+ENV_KEYS = {'LMDEPLOY_LITE_API_KEYS': 'env-key-1, env-key-2'}
+
+
+def _plans():
+    from tests.serve.live_server import K, KEY, MODEL, SPEC_K
+    return {
+        # speculative (MTP, k=2), wants an API key: shared by the tests of tests/serve
+        'server': ('tiny', ('--speculative-num-draft-tokens', str(K), '--api-keys', KEY,
+                            '--model-name', MODEL), None),
+        # the embedded model, MTP k=3, float64 (its greedy output equals plain greedy exactly,
+        # and its draft counts the single process's: tests/helpers/accepting), no API key;
+        # fixed k: per-request draft counts are then comparable with the single process's
+        'spec_server': (None, ('--speculative-num-draft-tokens', str(SPEC_K),
+                               '--no-speculative-dynamic', '--dtype', 'float64',
+                               '--model-name', 'embedded'), None),
+        # test_api_server.py: dp=2, keys from a file; a session long enough that a streamed
+        # request is still running when SIGTERM lands, even on a loaded machine
+        'dp2_server': ('tiny', ('--dp', '2', '--speculative-num-draft-tokens', str(K),
+                                '--session-len', '2048', '--api-keys-file', '{dir}/keys'), None),
+        # test_api_server_robustness.py: a rank stopped, then killed
+        'dead_rank_server': ('tiny', ('--dp', '2', '--ep', '2', '--health-stall-timeout', '1.5'),
+                             None),
+        # test_api_server_robustness.py: keys from the environment, then SIGINT; a stream long
+        # enough to be running when the signal arrives
+        'sigint_server': ('tiny', ('--session-len', '2048'), ENV_KEYS),
+        # test_extract_hidden_states_server.py
+        'extract_server': (None, ('--speculative-algorithm', 'extract_hidden_states',
+                                  '--speculative-aux-hidden-state-layer-ids', '0,4,8',
+                                  '--hidden-states-dir', '{dir}/hidden'), None),
+    }
+
+
+SESSION_SERVERS = ('server', 'spec_server')
+
+
+class ServersAhead:
+    """Starts the planned servers in the background (in the order the tests take them) and
+    hands each to its test: take(name) waits until it is healthy."""
+
+    def __init__(self, names: list[str], model_dir: str | None, tmp_path_factory):
+        self._plans, self._names, self._model_dir = _plans(), list(names), model_dir
+        self._tmp = tmp_path_factory
+        self._workdirs = {name: tmp_path_factory.mktemp(name) for name in names}
+        self._started: dict = {}             # name -> Server, or the exception its start raised
+        self._taken: set = set()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name='servers-ahead')
+        self._thread.start()
+
+    def start(self, name: str, workdir):
+        """The server `name` as planned, started now (its health not awaited)."""
+        from tests.serve.live_server import Server
+        model, args, env = self._plans[name]
+        if name == 'dp2_server':
+            (workdir / 'keys').write_text(KEYS_FILE)
+        srv = Server(self._model_dir if model else None, str(workdir / f'{name}.log'),
+                     *(a.replace('{dir}', str(workdir)) for a in args), env=env, wait=False)
+        srv.workdir = workdir
+        return srv
+
+    def _may_start(self, name: str) -> bool:
+        """A session server at once; another once the tests have begun taking servers (the
+        session servers' starts are over) and every one started before it was taken."""
+        others = {n for n in self._started if n not in SESSION_SERVERS}
+        return (self._closed or name in SESSION_SERVERS
+                or bool(self._taken) and others <= self._taken)
+
+    def _run(self):
+        for name in self._names:
+            with self._cond:
+                self._cond.wait_for(lambda: self._may_start(name))
+                if self._closed:
+                    return
+            try:
+                srv = self.start(name, self._workdirs[name])
+            except BaseException as e:        # raised again by take()
+                srv = e
+            with self._cond:
+                self._started[name] = srv
+                self._cond.notify_all()
+
+    def take(self, name: str):
+        """The server `name`, healthy; started now unless it was planned."""
+        with self._cond:
+            self._taken.add(name)
+            self._cond.notify_all()
+            if name in self._names:
+                self._cond.wait_for(lambda: name in self._started or not self._thread.is_alive())
+            srv = self._started.get(name)
+        if srv is None:                       # not planned (or the plans were closed)
+            srv = self.start(name, self._tmp.mktemp(name))
+        if isinstance(srv, BaseException):
+            raise srv
+        srv.wait_healthy()
+        return srv
+
+    def close(self):
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(30)
+        for name, srv in self._started.items():
+            if name not in self._taken and not isinstance(srv, BaseException):
+                srv.stop()
+
+
 @pytest.fixture(scope='session')
-def server(model_dir, tmp_path_factory):
+def servers_ahead(request, tmp_path_factory):
+    """ServersAhead for the servers the selected tests take, in the order they take them."""
+    plans = _plans()
+    order = []
+    for item in request.session.items:
+        for name in getattr(item, 'fixturenames', ()):
+            if name in plans and name not in order:
+                order.append(name)
+    order.sort(key=lambda n: n not in SESSION_SERVERS)     # (stable: otherwise in test order)
+    tiny = any(plans[n][0] for n in order)
+    ahead = ServersAhead(order, request.getfixturevalue('model_dir') if tiny else None,
+                         tmp_path_factory)
+    yield ahead
+    ahead.close()
+
+
+@pytest.fixture(autouse=True, scope='session')
+def _start_servers_ahead(servers_ahead):
+    """The first test of tests/serve starts the background starts."""
+
+
+@pytest.fixture(scope='session')
+def server(servers_ahead):
     """Speculative (MTP, k=2) server that wants an API key, shared by the tests of tests/serve."""
-    from tests.serve.live_server import K, KEY, MODEL, Server
-    srv = Server(model_dir, str(tmp_path_factory.mktemp('log') / 'server.log'),
-                 '--speculative-num-draft-tokens', str(K), '--api-keys', KEY,
-                 '--model-name', MODEL)
-    try:
-        yield srv
-    finally:
-        srv.stop()
+    srv = servers_ahead.take('server')
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope='session')
@@ -40,20 +174,11 @@ def client(server):
 
 
 @pytest.fixture(scope='session')
-def spec_server(tmp_path_factory):
-    """The embedded model (no model argument), MTP k=3, float64 (its greedy output equals plain
-    greedy exactly, and its draft counts the single process's: tests/helpers/accepting), no API
-    key. Fixed k (--no-speculative-dynamic): per-request draft counts are then comparable with
-    the single process's."""
-    from tests.serve.live_server import SPEC_K, Server
-    srv = Server(None, str(tmp_path_factory.mktemp('log') / 'spec_server.log'),
-                 '--speculative-num-draft-tokens', str(SPEC_K), '--no-speculative-dynamic',
-                 '--dtype', 'float64',
-                 '--model-name', 'embedded')
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def spec_server(servers_ahead):
+    """The embedded model (no model argument), MTP k=3, float64, fixed k, no API key."""
+    srv = servers_ahead.take('spec_server')
+    yield srv
+    srv.stop()
 
 
 @pytest.fixture(scope='session')
@@ -61,3 +186,21 @@ def spec_client(spec_server):
     openai = pytest.importorskip('openai')
     return openai.OpenAI(base_url=spec_server.url + '/v1', api_key='unused', timeout=60,
                          max_retries=0)
+
+
+def _taken(name: str):
+    @pytest.fixture
+    def fixture(servers_ahead):
+        srv = servers_ahead.take(name)
+        try:
+            yield srv
+        finally:
+            srv.stop()
+    fixture.__doc__ = f"The {name.replace('_', ' ')} (see _plans), healthy; stopped after."
+    return fixture
+
+
+dp2_server = _taken('dp2_server')
+dead_rank_server = _taken('dead_rank_server')
+sigint_server = _taken('sigint_server')
+extract_server = _taken('extract_server')

@@ -25,8 +25,9 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, model_dir: str | None, log_path: str, *args: str, deadline_s: float = 180,
-                 env: dict | None = None, key: str | None = None):
-        """model_dir None: the embedded model. `args` come last (a repeated option wins)."""
+                 env: dict | None = None, key: str | None = None, wait: bool = True):
+        """model_dir None: the embedded model. `args` come last (a repeated option wins).
+        `wait` False: return once the process is started; wait_healthy() then waits for it."""
         self.port = free_port()
         self.url = f'http://127.0.0.1:{self.port}'
         self.model_dir = model_dir
@@ -39,15 +40,21 @@ class Server:
         env = dict(os.environ, OMP_NUM_THREADS='1', **(env or {}))
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env)
+        self.deadline_s, self.deadline = deadline_s, time.monotonic() + deadline_s
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self):
+        """Returns once /health answers 200; fails (and stops the server) at the deadline or if
+        the server exits."""
         try:
-            self._wait_healthy(deadline_s)
+            self._wait_healthy()
         except BaseException:
             self.stop()
             raise
 
-    def _wait_healthy(self, deadline_s: float):
-        deadline = time.monotonic() + deadline_s
-        while time.monotonic() < deadline:
+    def _wait_healthy(self):
+        while time.monotonic() < self.deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f'server exited with {self.proc.returncode}:\n{self.output()}')
             try:
@@ -56,7 +63,7 @@ class Server:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)     # a refused connect costs ~1 ms: poll often, start sooner
-        pytest.fail(f'server not healthy within {deadline_s} s:\n{self.output()}')
+        pytest.fail(f'server not healthy within {self.deadline_s} s:\n{self.output()}')
 
     def output(self) -> str:
         self.log.seek(0)

@@ -22,7 +22,7 @@ from lmdeploy_lite.messages import PytorchEngineConfig, SpecDecodeStats  # noqa:
 from tests.helpers import accepting  # noqa: E402
 from tests.helpers.accepting import assert_real_acceptance, counts  # noqa: E402
 from tests.serve.live_server import (K, KEY, MODEL, ROOT, SESSION_LEN, SPEC_K,  # noqa: E402
-                                     Server, chat, headers, is_loopback_hex,
+                                     chat, headers, is_loopback_hex,
                                      left_alive, listening, post, scrape)
 
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
@@ -405,17 +405,17 @@ def test_clients_that_disconnect_mid_stream_free_their_blocks(server):
 # ---- data parallel: front-end metrics and shutdown -------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(model_dir, tmp_path):
+def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(dp2_server):
     """Also the API keys from --api-keys-file, which never show on the command line (the keys
-    from the environment and SIGINT: test_api_server_robustness.py, on one process)."""
-    keys_file = tmp_path / 'keys'
-    keys_file.write_text('# the server keys\nfile-key-1\n\nfile-key-2\n')
-    key = 'file-key-2'
-    # a session long enough that the streamed request below is still running when SIGTERM
-    # lands, even on a loaded machine (with 128 tokens it could finish first: 'length')
-    srv = Server(model_dir, str(tmp_path / 'server_dp2.log'), '--dp', '2',
-                 '--speculative-num-draft-tokens', str(K), '--session-len', '2048',
-                 '--api-keys-file', str(keys_file))
+    from the environment and SIGINT: test_api_server_robustness.py, on one process). The server
+    (tests/serve/conftest.py): --dp 2, MTP k=K, keys from its workdir's file (file-key-1 and
+    file-key-2), and a session long enough that the streamed request below is still running when
+    SIGTERM lands, even on a loaded machine (with 128 tokens it could finish first: 'length')."""
+    key, srv = 'file-key-2', dp2_server
+    assert srv.proc.args[-8:] == ['--dp', '2', '--speculative-num-draft-tokens', str(K),
+                                  '--session-len', '2048', '--api-keys-file',
+                                  str(srv.workdir / 'keys')]
+    assert (srv.workdir / 'keys').read_text() == '# the server keys\nfile-key-1\n\nfile-key-2\n'
     try:
         with open(f'/proc/{srv.proc.pid}/cmdline', 'rb') as f:
             assert key.encode() not in f.read()

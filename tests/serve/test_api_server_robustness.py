@@ -21,7 +21,7 @@ httpx = pytest.importorskip('httpx')
 
 from lmdeploy_lite.api import Pipeline  # noqa: E402
 from lmdeploy_lite.pytorch.engine.executor.client import EngineStats  # noqa: E402
-from tests.serve.live_server import (MODEL, SESSION_LEN, Server, chat, headers,  # noqa: E402
+from tests.serve.live_server import (MODEL, SESSION_LEN, chat, headers,  # noqa: E402
                                      left_alive, post, scrape, sse_events)
 
 LIMIT = 4 * 2**20                     # the default --max-request-bytes
@@ -560,11 +560,12 @@ def test_cached_prompt_tokens_reach_usage_and_the_prefix_cache_counters():
 # ---- 8. the engine dies: streams end with an error, the server exits non-zero ------------------
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_a_dead_rank_ends_every_stream_with_an_error_and_the_server_exits_1(model_dir, tmp_path):
+def test_a_dead_rank_ends_every_stream_with_an_error_and_the_server_exits_1(dead_rank_server):
     """Rank 1 is stopped (SIGSTOP) while four streams run: /health turns 503 within seconds
-    naming it; then it is killed: every stream ends with an error and the server exits 1."""
-    srv = Server(model_dir, str(tmp_path / 'server_dp2_ep2.log'), '--dp', '2', '--ep', '2',
-                 '--health-stall-timeout', '1.5')
+    naming it; then it is killed: every stream ends with an error and the server exits 1. The
+    server (tests/serve/conftest.py): the tiny model, --dp 2 --ep 2 --health-stall-timeout 1.5."""
+    srv = dead_rank_server
+    assert srv.proc.args[-6:] == ['--dp', '2', '--ep', '2', '--health-stall-timeout', '1.5']
     try:
         workers = srv.rank_workers()
         assert len(workers) == 2, srv.children()
@@ -623,12 +624,13 @@ def test_a_dead_rank_ends_every_stream_with_an_error_and_the_server_exits_1(mode
 # test_api_server.py::test_dp2_metrics_and_sigterm_shutdown_leaves_no_process (keys from a file).
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sigint_ends_streams_with_abort_and_exit_0(model_dir, tmp_path):
-    """Keys from LMDEPLOY_LITE_API_KEYS, which do not show on the command line."""
-    key, env = 'env-key-2', {'LMDEPLOY_LITE_API_KEYS': 'env-key-1, env-key-2'}
-    # a stream long enough to be running when the signal arrives (the server's shutdown sets
-    # ServerContext.shutdown at once): 120 tokens took ~1 s on CPU and could end with 'length'
-    srv = Server(model_dir, str(tmp_path / 'server.log'), '--session-len', '2048', env=env)
+def test_sigint_ends_streams_with_abort_and_exit_0(sigint_server):
+    """Keys from LMDEPLOY_LITE_API_KEYS, which do not show on the command line. The server
+    (tests/serve/conftest.py): the tiny model, LMDEPLOY_LITE_API_KEYS='env-key-1, env-key-2', a
+    stream long enough to be running when the signal arrives (the server's shutdown sets
+    ServerContext.shutdown at once): 120 tokens took ~1 s on CPU and could end with 'length'."""
+    key, srv = 'env-key-2', sigint_server
+    assert srv.proc.args[-2:] == ['--session-len', '2048']
     try:
         with open(f'/proc/{srv.proc.pid}/cmdline', 'rb') as f:
             assert key.encode() not in f.read()

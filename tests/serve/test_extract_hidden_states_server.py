@@ -13,18 +13,20 @@ from safetensors import safe_open  # noqa: E402
 
 from lmdeploy_lite.api import EMBEDDED_MODEL_DIR  # noqa: E402
 from lmdeploy_lite.tokenizer import load_tokenizer  # noqa: E402
-from tests.serve.live_server import Server, chat, post  # noqa: E402
+from tests.serve.live_server import chat, post  # noqa: E402
 
 
 @pytest.mark.timeout(180)
-def test_completion_with_one_token_writes_the_file_and_returns_its_path(tmp_path):
+def test_completion_with_one_token_writes_the_file_and_returns_its_path(extract_server):
     """The embedded model (8 layers), ids 0, 4 and 8: a completion with max_tokens=1 writes the
     prompt's rows (id 0 is the embedding: the checkpoint's rows of the prompt's tokens); a
-    streamed chat completion's last chunk carries its file's path."""
-    directory = tmp_path / 'hidden'
-    srv = Server(None, str(tmp_path / 'server.log'), '--speculative-algorithm',
-                 'extract_hidden_states', '--speculative-aux-hidden-state-layer-ids', '0,4,8',
-                 '--hidden-states-dir', str(directory))
+    streamed chat completion's last chunk carries its file's path. The server
+    (tests/serve/conftest.py) writes under its workdir's hidden/."""
+    srv = extract_server
+    directory = srv.workdir / 'hidden'
+    assert srv.proc.args[-6:] == ['--speculative-algorithm', 'extract_hidden_states',
+                                  '--speculative-aux-hidden-state-layer-ids', '0,4,8',
+                                  '--hidden-states-dir', str(directory)]
     try:
         prompt = 'def main(argv):\n    return'
         r = post(srv, '/v1/completions', {'prompt': prompt, 'max_tokens': 1}, key=None).json()
