@@ -1,6 +1,7 @@
 """Fixtures shared by the tests of the server: the tiny model and one running server on it, a
 speculative server on the embedded model, whose MTP drafts get accepted, and the servers that
 single tests start (and end), each started ahead of the test that takes it."""
+import json
 import os
 import shutil
 import sys
@@ -21,13 +22,42 @@ def model_dir(tiny_ckpt, tmp_path_factory):
     return path
 
 
+# the tiny model's tokenizer with a Qwen3.5-style chat template (test_reasoning_server.py): it opens
+# `<think>` in the prompt when thinking and writes a closed empty block when not
+THINKING_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+
+
+@pytest.fixture(scope='session')
+def thinking_dir(model_dir, tmp_path_factory):
+    """model_dir with THINKING_TEMPLATE as its chat template."""
+    from tests.serve.live_server import MODEL
+    path = str(tmp_path_factory.mktemp('thinking') / MODEL)
+    shutil.copytree(model_dir, path)
+    config_path = os.path.join(path, 'tokenizer_config.json')
+    with open(config_path) as f:
+        config = json.load(f)
+    config.pop('chat_template', None)          # transformers reads chat_template.jinja first
+    with open(config_path, 'w') as f:
+        json.dump(config, f)
+    with open(os.path.join(path, 'chat_template.jinja'), 'w') as f:
+        f.write(THINKING_TEMPLATE)
+    return path
+
+
 # ---- servers started ahead ----------------------------------------------------------------------
 # A server's start-up is 5-10 s of imports and loading, mostly on one core. The two session servers
 # start together when the first test here starts; each server a single test takes (and ends) starts
 # in the background while the tests before it run, one at a time: the next one once the one before
 # it was taken, so at most one such server waits (its memory) beside the ones in use.
-# name -> (model: 'tiny' or None for the embedded model, server arguments); `{dir}` is the
-# server's own directory (its log, and files such as a keys file).
+# name -> (model: the fixture that gives its directory, None for the embedded model; server
+# arguments, where `{dir}` is the server's own directory (its log, files such as a keys file);
+# environment).
 KEYS_FILE = '# the server keys\nfile-key-1\n\nfile-key-2\n'
 ENV_KEYS = {'LMDEPLOY_LITE_API_KEYS': 'env-key-1, env-key-2'}
 
@@ -36,7 +66,7 @@ def _plans():
     from tests.serve.live_server import K, KEY, MODEL, SPEC_K
     return {
         # speculative (MTP, k=2), wants an API key: shared by the tests of tests/serve
-        'server': ('tiny', ('--speculative-num-draft-tokens', str(K), '--api-keys', KEY,
+        'server': ('model_dir', ('--speculative-num-draft-tokens', str(K), '--api-keys', KEY,
                             '--model-name', MODEL), None),
         # the embedded model, MTP k=3, float64 (its greedy output equals plain greedy exactly,
         # and its draft counts the single process's: tests/helpers/accepting), no API key;
@@ -46,18 +76,21 @@ def _plans():
                                '--model-name', 'embedded'), None),
         # test_api_server.py: dp=2, keys from a file; a session long enough that a streamed
         # request is still running when SIGTERM lands, even on a loaded machine
-        'dp2_server': ('tiny', ('--dp', '2', '--speculative-num-draft-tokens', str(K),
+        'dp2_server': ('model_dir', ('--dp', '2', '--speculative-num-draft-tokens', str(K),
                                 '--session-len', '2048', '--api-keys-file', '{dir}/keys'), None),
         # test_api_server_robustness.py: a rank stopped, then killed
-        'dead_rank_server': ('tiny', ('--dp', '2', '--ep', '2', '--health-stall-timeout', '1.5'),
+        'dead_rank_server': ('model_dir', ('--dp', '2', '--ep', '2', '--health-stall-timeout', '1.5'),
                              None),
         # test_api_server_robustness.py: keys from the environment, then SIGINT; a stream long
         # enough to be running when the signal arrives
-        'sigint_server': ('tiny', ('--session-len', '2048'), ENV_KEYS),
+        'sigint_server': ('model_dir', ('--session-len', '2048'), ENV_KEYS),
         # test_extract_hidden_states_server.py
         'extract_server': (None, ('--speculative-algorithm', 'extract_hidden_states',
                                   '--speculative-aux-hidden-state-layer-ids', '0,4,8',
                                   '--hidden-states-dir', '{dir}/hidden'), None),
+        # test_reasoning_server.py (for the module): no --reasoning-parser: auto, on because
+        # the template writes think blocks
+        'think_server': ('thinking_dir', ('--model-name', MODEL, '--session-len', '512'), None),
     }
 
 
@@ -68,8 +101,9 @@ class ServersAhead:
     """Starts the planned servers in the background (in the order the tests take them) and
     hands each to its test: take(name) waits until it is healthy."""
 
-    def __init__(self, names: list[str], model_dir: str | None, tmp_path_factory):
-        self._plans, self._names, self._model_dir = _plans(), list(names), model_dir
+    def __init__(self, names: list[str], model_dirs: dict, tmp_path_factory):
+        """`model_dirs`: fixture name -> its value, for the models of `names`."""
+        self._plans, self._names, self._model_dirs = _plans(), list(names), model_dirs
         self._tmp = tmp_path_factory
         self._workdirs = {name: tmp_path_factory.mktemp(name) for name in names}
         self._started: dict = {}             # name -> Server, or the exception its start raised
@@ -85,7 +119,7 @@ class ServersAhead:
         model, args, env = self._plans[name]
         if name == 'dp2_server':
             (workdir / 'keys').write_text(KEYS_FILE)
-        srv = Server(self._model_dir if model else None, str(workdir / f'{name}.log'),
+        srv = Server(self._model_dirs[model] if model else None, str(workdir / f'{name}.log'),
                      *(a.replace('{dir}', str(workdir)) for a in args), env=env, wait=False)
         srv.workdir = workdir
         return srv
@@ -146,8 +180,8 @@ def servers_ahead(request, tmp_path_factory):
             if name in plans and name not in order:
                 order.append(name)
     order.sort(key=lambda n: n not in SESSION_SERVERS)     # (stable: otherwise in test order)
-    tiny = any(plans[n][0] for n in order)
-    ahead = ServersAhead(order, request.getfixturevalue('model_dir') if tiny else None,
+    models = {plans[n][0] for n in order} - {None}
+    ahead = ServersAhead(order, {m: request.getfixturevalue(m) for m in sorted(models)},
                          tmp_path_factory)
     yield ahead
     ahead.close()
@@ -188,8 +222,8 @@ def spec_client(spec_server):
                          max_retries=0)
 
 
-def _taken(name: str):
-    @pytest.fixture
+def _taken(name: str, scope: str = 'function'):
+    @pytest.fixture(scope=scope)
     def fixture(servers_ahead):
         srv = servers_ahead.take(name)
         try:
@@ -204,3 +238,4 @@ dp2_server = _taken('dp2_server')
 dead_rank_server = _taken('dead_rank_server')
 sigint_server = _taken('sigint_server')
 extract_server = _taken('extract_server')
+think_server = _taken('think_server', scope='module')

@@ -4,10 +4,6 @@ thinking and writes a closed empty block when not, and the model's reply carries
 own. What the server splits is checked against the raw reply (/v1/completions on the same
 prompt ids) cut by the parser (tests/test_reasoning.py checks the parser on replies that close
 their thought themselves); `pipeline(reasoning_parser='qwen3')` does the same in Python."""
-import json
-import os
-import shutil
-
 import pytest
 
 for _module in ('fastapi', 'uvicorn', 'prometheus_client'):
@@ -16,15 +12,8 @@ openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
 
 from lmdeploy_lite.reasoning import ReasoningParser, starts_in_thought  # noqa: E402
-from tests.serve.live_server import MODEL, Server  # noqa: E402
+from tests.serve.live_server import MODEL  # noqa: E402
 
-THINKING_TEMPLATE = (
-    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
-    "<|im_end|>\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{% else %}<think>\n{% endif %}{% endif %}")
 MESSAGES = [{'role': 'user', 'content': 'what is two plus two'}]
 TOOLS = [{'type': 'function', 'function': {'name': 'add', 'description': 'adds',
                                            'parameters': {'type': 'object', 'properties': {}}}}]
@@ -32,32 +21,14 @@ GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 
 
 @pytest.fixture(scope='module')
-def thinking_dir(model_dir, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp('thinking') / MODEL)
-    shutil.copytree(model_dir, path)
-    config_path = os.path.join(path, 'tokenizer_config.json')
-    with open(config_path) as f:
-        config = json.load(f)
-    config.pop('chat_template', None)          # transformers reads chat_template.jinja first
-    with open(config_path, 'w') as f:
-        json.dump(config, f)
-    with open(os.path.join(path, 'chat_template.jinja'), 'w') as f:
-        f.write(THINKING_TEMPLATE)
-    return path
-
-
-@pytest.fixture(scope='module')
-def think_client(thinking_dir, tmp_path_factory):
-    # no --reasoning-parser: auto, on because the template writes think blocks
-    srv = Server(thinking_dir, str(tmp_path_factory.mktemp('log') / 'think.log'),
-                 '--model-name', MODEL, '--session-len', '512')
-    try:
-        client = openai.OpenAI(base_url=srv.url + '/v1', api_key='unused', timeout=60,
-                               max_retries=0)
-        client.root = srv.url                  # /tokenize and /detokenize are not under /v1
-        yield client
-    finally:
-        srv.stop()
+def think_client(think_server):
+    """The tiny model with THINKING_TEMPLATE (thinking_dir), no --reasoning-parser: auto, on
+    because the template writes think blocks (tests/serve/conftest.py)."""
+    assert think_server.proc.args[-4:] == ['--model-name', MODEL, '--session-len', '512']
+    client = openai.OpenAI(base_url=think_server.url + '/v1', api_key='unused', timeout=60,
+                           max_retries=0)
+    client.root = think_server.url             # /tokenize and /detokenize are not under /v1
+    return client
 
 
 def expected(client, thinking: bool, max_tokens: int, tools=None) -> tuple[str | None, str | None]:
