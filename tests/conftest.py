@@ -27,8 +27,21 @@ if not torch.cuda.is_available():
 # no garbage is frozen. ~5% of the time of in-process tests.
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
+    _start_the_fork_server()
     gc.collect()
     gc.freeze()
+
+
+def _start_the_fork_server():
+    """The mp executor's ranks are forked by multiprocessing's fork server, which imports torch
+    and transformers first (~5 s of one core): started now, it does that beside the first tests
+    instead of inside the first test that starts ranks. (It forks each rank with the environment
+    the rank is given, so starting it early changes nothing a rank sees.)"""
+    import multiprocessing.forkserver
+
+    from lmdeploy_lite.pytorch.engine.executor.mp import rank_context
+    if rank_context().get_start_method() == 'forkserver':
+        multiprocessing.forkserver.ensure_running()
 
 
 @pytest.fixture(autouse=True, scope='module')
