@@ -28,6 +28,7 @@ if not torch.cuda.is_available():
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
     _start_the_fork_server()
+    _patch_the_language_once_per_launch()
     gc.collect()
     gc.freeze()
 
@@ -111,3 +112,44 @@ def _share_httpx_ssl_context():
 
 
 _share_httpx_ssl_context()
+
+
+def _patch_the_language_once_per_launch():
+    """Triton's interpreter (CPU) re-patches triton.language for every call of a @triton.jit
+    helper inside a kernel: `inspect.getmembers` over four modules, ~0.5 ms a call, called per
+    tile or per token (~10% of the interpreted kernel tests' time). Within one launch each
+    helper's first call patches as before and later calls of it skip what is then already in
+    place: the patches a helper sets are never undone before the launch ends (the launch's own
+    are restored at its end; a helper's are left, as Triton leaves them), so a repeat would set
+    the same attributes to equal values."""
+    if os.environ.get('TRITON_INTERPRET') != '1':
+        return
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    functions, executor = interpreter.InterpretedFunction, interpreter.GridExecutor
+    if getattr(functions.__call__, 'patches_once_per_launch', False):
+        return
+    patched: set = set()                   # helpers called (so patched) in the running launch
+    launch, call = executor.__call__, functions.__call__
+
+    def launch_once(self, *args, **kwargs):
+        patched.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    def call_patched_once(self, *args, **kwargs):
+        if self.fn not in patched:
+            patched.add(self.fn)
+            return call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+    call_patched_once.patches_once_per_launch = True
+    executor.__call__, functions.__call__ = launch_once, call_patched_once
+

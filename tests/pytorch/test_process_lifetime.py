@@ -56,17 +56,33 @@ def kill_all(pids):
             pass
 
 
+BUILT_IN = ['main', 'thread']
+
+
+@pytest.fixture(scope='module')
+def front_ends(tiny_ckpt):
+    """built_in -> (its front-end process, when it was started), both started at once: a
+    front-end's start-up (imports, its own fork server's, two ranks) is seconds of one core
+    or two, so the second overlaps the first. Each test kills its own; any left at the end too."""
+    path = tiny_ckpt(True, layout='plain')
+    started = {built_in: (subprocess.Popen([sys.executable, '-c', FRONT_END, path, built_in],
+                                           cwd=REPO, stdout=subprocess.PIPE, text=True,
+                                           env=dict(os.environ, OMP_NUM_THREADS='1',
+                                                    PYTHONPATH=REPO)), time.monotonic())
+               for built_in in BUILT_IN}
+    yield started
+    for front, _ in started.values():
+        front.kill()
+        front.wait(10)
+
+
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize('built_in', ['main', 'thread'])
-def test_workers_die_with_a_sigkilled_front_end(built_in, tiny_ckpt):
+@pytest.mark.parametrize('built_in', BUILT_IN)
+def test_workers_die_with_a_sigkilled_front_end(built_in, front_ends):
     """dp=2 ep=2: SIGKILL of the front-end leaves no rank running. 'main': the kernel's
     parent-death signal; 'thread': the pipeline was built in a thread that has ended (so no
     parent-death signal may be armed: it fires when that thread exits), the watchdog's job."""
-    path = tiny_ckpt(True, layout='plain')
-    start = time.monotonic()
-    front = subprocess.Popen([sys.executable, '-c', FRONT_END, path, built_in], cwd=REPO,
-                             stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, OMP_NUM_THREADS='1', PYTHONPATH=REPO))
+    front, start = front_ends[built_in]
     pids = []
     try:
         line = []
