@@ -133,10 +133,12 @@ def reference(k: int, prompt_ids=None, gen=GREEDY, **engine_cfg) -> Reference:
     """The single-process run (Engine on model_dir(), uni executor, BASE updated by engine_cfg:
     float64 on CPU unless told otherwise) of `prompt_ids` (default: all of prompts()) with MTP
     k (0: plain), cached for the session per (k, prompts, gen, config). `gen`: one
-    GenerationConfig, or one per prompt (they run as one batch)."""
+    GenerationConfig, or one per prompt (they run as one batch: max_batch_size is the number of
+    prompts unless engine_cfg says otherwise, which sizes the state slots and KV blocks, whose
+    zeroing is most of an engine's build, to the batch)."""
     from lmdeploy_lite.pytorch.engine.build import build_engine
     prompt_ids = tuple(tuple(p) for p in (prompts() if prompt_ids is None else prompt_ids))
-    cfg = {**BASE, **engine_cfg}
+    cfg = {**BASE, 'max_batch_size': len(prompt_ids), **engine_cfg}
     key = (k, prompt_ids, repr(gen), tuple(sorted(cfg.items())))
     if key not in _cache:
         engine = build_engine(model_dir(), PytorchEngineConfig(**cfg), spec(k), progress=False)
