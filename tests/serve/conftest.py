@@ -101,9 +101,10 @@ class ServersAhead:
     """Starts the planned servers in the background (in the order the tests take them) and
     hands each to its test: take(name) waits until it is healthy."""
 
-    def __init__(self, names: list[str], model_dirs: dict, tmp_path_factory):
-        """`model_dirs`: fixture name -> its value, for the models of `names`."""
-        self._plans, self._names, self._model_dirs = _plans(), list(names), model_dirs
+    def __init__(self, names: list[str], tmp_path_factory):
+        """The models' directories come later (set_model_dirs): a server of the embedded model
+        starts meanwhile."""
+        self._plans, self._names, self._model_dirs = _plans(), list(names), None
         self._tmp = tmp_path_factory
         self._workdirs = {name: tmp_path_factory.mktemp(name) for name in names}
         self._started: dict = {}             # name -> Server, or the exception its start raised
@@ -124,12 +125,22 @@ class ServersAhead:
         srv.workdir = workdir
         return srv
 
+    def set_model_dirs(self, model_dirs: dict):
+        """`model_dirs`: fixture name -> its value, for the models of the planned servers."""
+        with self._cond:
+            self._model_dirs = model_dirs
+            self._cond.notify_all()
+
     def _may_start(self, name: str) -> bool:
-        """A session server at once; another once the tests have begun taking servers (the
-        session servers' starts are over) and every one started before it was taken."""
+        """A session server at once (once its model is there); another once the tests have
+        begun taking servers (the session servers' starts are over) and every one started
+        before it was taken."""
+        if self._closed:
+            return True
+        if self._plans[name][0] and self._model_dirs is None:
+            return False
         others = {n for n in self._started if n not in SESSION_SERVERS}
-        return (self._closed or name in SESSION_SERVERS
-                or bool(self._taken) and others <= self._taken)
+        return name in SESSION_SERVERS or bool(self._taken) and others <= self._taken
 
     def _run(self):
         for name in self._names:
@@ -179,10 +190,17 @@ def servers_ahead(request, tmp_path_factory):
         for name in getattr(item, 'fixturenames', ()):
             if name in plans and name not in order:
                 order.append(name)
-    order.sort(key=lambda n: n not in SESSION_SERVERS)     # (stable: otherwise in test order)
+    # the session servers first, the embedded model's before the tiny one's (whose directory
+    # is made meanwhile); the others in test order (a stable sort)
+    order.sort(key=lambda n: (n not in SESSION_SERVERS,
+                              n in SESSION_SERVERS and plans[n][0] is not None))
+    ahead = ServersAhead(order, tmp_path_factory)
     models = {plans[n][0] for n in order} - {None}
-    ahead = ServersAhead(order, {m: request.getfixturevalue(m) for m in sorted(models)},
-                         tmp_path_factory)
+    try:
+        ahead.set_model_dirs({m: request.getfixturevalue(m) for m in sorted(models)})
+    except BaseException:
+        ahead.close()
+        raise
     yield ahead
     ahead.close()
 
