@@ -41,9 +41,11 @@ def _reference(k: int, gen: GenerationConfig = GREEDY, **cfg) -> accepting.Refer
 
 
 def _engine(k: int, async_scheduling: bool, **cfg) -> Engine:
-    """The embedded model with MTP k (0: plain), accepting.BASE in float32 updated by cfg."""
+    """The embedded model with MTP k (0: plain), accepting.BASE in float32 updated by cfg;
+    max_batch_size the number of prompts (as the reference's: accepting.reference)."""
     config = PytorchEngineConfig(async_scheduling=async_scheduling,
-                                 **{**accepting.BASE, **FLOAT32, **cfg})
+                                 **{**accepting.BASE, **FLOAT32,
+                                    'max_batch_size': len(_prompts()), **cfg})
     return build_engine(EMBEDDED_MODEL_DIR, config, accepting.spec(k), progress=False)
 
 

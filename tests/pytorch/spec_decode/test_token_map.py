@@ -219,8 +219,10 @@ def test_plan_charges_the_map_and_the_agent_allocates_it():
 # ---- whole runs ----------------------------------------------------------------------------------
 
 def _run(k: int, path: str, gen=accepting.GREEDY, **engine_cfg):
-    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**{**accepting.BASE, **engine_cfg}),
-                    token_maps.spec(k, path), progress=False)
+    """prompts() in one batch (max_batch_size their number, as accepting.reference's)."""
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**{
+        **accepting.BASE, 'max_batch_size': len(accepting.prompts()), **engine_cfg}),
+        token_maps.spec(k, path), progress=False)
     calls = record_drafts(engine)
     seqs = engine.generate([list(p) for p in accepting.prompts()], gen)
     drafts = torch.cat([d.flatten() for d, _ in calls])
