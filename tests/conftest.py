@@ -45,6 +45,28 @@ def _start_the_fork_server():
         multiprocessing.forkserver.ensure_running()
 
 
+def pytest_runtest_setup(item):
+    _start_the_next_module_ahead(item)
+
+
+_started_ahead: set = set()
+_module_order: dict = {}                  # id(session) -> {module: the module run after it}
+
+
+def _start_the_next_module_ahead(item):
+    """A test module may define start_ahead(), which starts processes its tests take (a
+    start-up that is seconds of imports on one core): it is called once, when the module
+    before it in the run begins, so the start-up overlaps that module's tests."""
+    if id(item.session) not in _module_order:
+        modules = list(dict.fromkeys(getattr(i, 'module', None) for i in item.session.items))
+        _module_order[id(item.session)] = dict(zip(modules, modules[1:]))
+    following = _module_order[id(item.session)].get(getattr(item, 'module', None))
+    if following is not None and hasattr(following, 'start_ahead') \
+            and following not in _started_ahead:
+        _started_ahead.add(following)
+        following.start_ahead()
+
+
 @pytest.fixture(autouse=True, scope='module')
 def _freeze_what_lives_before_the_module():
     gc.collect()

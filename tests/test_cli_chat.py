@@ -72,12 +72,27 @@ class Chat:
             self.proc.wait(10)
 
 
+def _start_chats() -> dict[str, Chat]:
+    return {'ctrl_c': Chat('--max-new-tokens', '3000', '--session-len', '4096'),
+            'long': Chat('--max-new-tokens', '16', '--session-len', '96')}
+
+
+_ahead: dict[str, Chat] = {}
+
+
+def start_ahead():
+    """Called (tests/conftest.py) while the module before this one runs: the chats' start-ups
+    then overlap its tests."""
+    _ahead.update(_start_chats())
+
+
 @pytest.fixture(scope='module')
 def chats():
-    """Each test's chat process, both started at once: a start-up (~6 s of imports and loading)
-    runs on one core, so on two cores the second one's overlaps the first test."""
-    started = {'ctrl_c': Chat('--max-new-tokens', '3000', '--session-len', '4096'),
-               'long': Chat('--max-new-tokens', '16', '--session-len', '96')}
+    """Each test's chat process, both started at once (by start_ahead, or now): a start-up
+    (~6 s of imports and loading) runs on one core, so on two cores the second one's overlaps
+    the first."""
+    started = dict(_ahead) or _start_chats()
+    _ahead.clear()
     try:
         yield started
     finally:

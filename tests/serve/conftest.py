@@ -172,6 +172,7 @@ class ServersAhead:
         return srv
 
     def close(self):
+        """Starts no more; stops those no test took."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
@@ -179,6 +180,24 @@ class ServersAhead:
         for name, srv in self._started.items():
             if name not in self._taken and not isinstance(srv, BaseException):
                 srv.stop()
+
+    def stop_all(self):
+        """Starts no more; stops every server started (a test's own stop of it then does
+        nothing)."""
+        self.close()
+        for srv in self._started.values():
+            if not isinstance(srv, BaseException):
+                srv.stop()
+
+
+_AHEAD: list = []               # (the session's ServersAhead, the last test that may take one)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test that may take a server its servers stop (an idle server still takes
+    a few per cent of a core, and its memory), not at the end of the session."""
+    if _AHEAD and item is _AHEAD[0][1]:
+        _AHEAD[0][0].stop_all()
 
 
 @pytest.fixture(scope='session')
@@ -201,7 +220,11 @@ def servers_ahead(request, tmp_path_factory):
     except BaseException:
         ahead.close()
         raise
+    users = [item for item in request.session.items
+             if 'servers_ahead' in getattr(item, 'fixturenames', ())]
+    _AHEAD.append((ahead, users[-1] if users else None))
     yield ahead
+    _AHEAD.clear()
     ahead.close()
 
 

@@ -92,6 +92,7 @@ class Server:
         return [pid for pid in self.children() if _parent(pid) in servers]
 
     def stop(self):
+        """Terminates the server (killed if it takes over 30 s); once stopped, does nothing."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
