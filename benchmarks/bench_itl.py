@@ -78,6 +78,7 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
     stream_ids = {s.seq_id for s in seqs}
     reports = {i: [] for i in stream_ids}          # seq_id -> times its tokens were reported
     long_seq, arrival, first_token, steps_left, step = None, None, None, None, 0
+    timeline = []
     steps_at_arrival = steps_at_first = 0
     try:
         while steps_left is None or steps_left > 0:
@@ -85,11 +86,20 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
                 (prompt,) = random_prompts(1, long_len, vocab, seed + 1)
                 long_seq = engine.add_request(prompt, GenerationConfig(max_new_tokens=1))
                 arrival, steps_at_arrival = time.perf_counter(), len(step_kinds)
+            began, kinds_before = time.perf_counter(), len(step_kinds)
             outputs = engine.step()
             if synchronize_steps:
                 synchronize(engine.device)
             now = time.perf_counter()
             step += 1
+            if arrival is not None and (first_token is None or steps_left > post_steps - 3):
+                # the window's steps, for finding its long intervals: when each ran (ms from the
+                # arrival), what it scheduled (decode rows, rows, chunk tokens; none: it only
+                # handed out a held step's tokens) and how many stream tokens it handed out
+                timeline.append((1000 * (began - arrival), 1000 * (now - arrival),
+                                 step_kinds[kinds_before:] or None,
+                                 sum(bool(o.new_token_ids) and o.seq.seq_id in stream_ids
+                                     for o in outputs)))
             for out in outputs:
                 if not out.new_token_ids:
                     continue
@@ -121,7 +131,8 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
             'win_p99_ms': ms * percentile(window, 99), 'win_max_ms': ms * percentile(window, 100),
             'all_med_ms': ms * percentile(every, 50), 'all_p99_ms': ms * percentile(every, 99),
             'p99/base': percentile(window, 99) / percentile(base, 50),
-            'num_intervals': {'base': len(base), 'window': len(window), 'all': len(every)}}
+            'num_intervals': {'base': len(base), 'window': len(window), 'all': len(every)},
+            'timeline': timeline}
 
 
 def main():
