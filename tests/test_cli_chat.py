@@ -22,9 +22,18 @@ class Chat:
     def __init__(self, *args: str):
         cmd = [sys.executable, '-m', 'lmdeploy_lite.cli.main', 'chat', '--device', 'cpu',
                '--dtype', 'float32', *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=dict(os.environ,
-                                                                      OMP_NUM_THREADS='1'))
+        # Ctrl-C as in a terminal: a test run started in the background (nohup, `&`) ignores
+        # SIGINT, which its children would inherit (so the chat could not be interrupted)
+        ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        try:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         env=dict(os.environ, OMP_NUM_THREADS='1'))
+        finally:
+            if ignored:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.out: queue.Queue = queue.Queue()
         self.text = {'stdout': '', 'stderr': ''}
         self.readers = [threading.Thread(target=self._read, args=(name,), daemon=True)
