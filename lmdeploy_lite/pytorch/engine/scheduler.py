@@ -270,12 +270,13 @@ class Scheduler:
         budget, seqs = max(budget - len(decode), 1), list(decode)
         q_lens = [1] * len(decode)
         for seq, _ in chunks:
+            if budget <= 0:                    # as schedule(): the later chunks wait a step
+                break
             n = self._chunk(seq, budget)
             need = seq.num_computed + n + self.num_draft_extra
             # a prompt's last chunk runs after the held step's tokens are out (else both come
             # out of one step: twice a step's interval for every stream)
-            last = seq.num_computed + n == len(seq.token_ids)
-            if budget <= 0 or last or not self.bm.can_hold(seq, need):
+            if seq.num_computed + n == len(seq.token_ids) or not self.bm.can_hold(seq, need):
                 return None
             self.bm.grow(seq, need)
             seqs.append(seq)
