@@ -138,9 +138,7 @@ class Scheduler:
         num_decoding = self.num_decoding
         if not num_decoding or not self.max_mixed_token_num:
             return self._schedule_prefill(self.max_prefill_token_num) or self._schedule_decode()
-        budget = min(self.max_mixed_token_num, self.max_prefill_token_num)
-        if self.mixed_chunk:
-            budget = min(budget, num_decoding + self.mixed_chunk)
+        budget = self._mixed_budget(num_decoding)
         if self.num_spec_tokens:
             batch = self._schedule_alternating(budget)
             if batch is not None and not batch.is_decoding:
@@ -160,6 +158,12 @@ class Scheduler:
         return ScheduledBatch([s for s, _ in rows + chunks], [n for _, n in rows + chunks],
                               is_decoding=False, decoding=len(rows),
                               chunk_tokens=sum(n for _, n in chunks))
+
+    def _mixed_budget(self, num_decoding: int) -> int:
+        """A step's tokens while `num_decoding` sequences decode, their rows included: the
+        configured budget, or the plan's chunk beside those rows (adaptive)."""
+        budget = min(self.max_mixed_token_num, self.max_prefill_token_num)
+        return min(budget, num_decoding + self.mixed_chunk) if self.mixed_chunk else budget
 
     def _schedule_alternating(self, budget: int) -> ScheduledBatch | None:
         """Speculation: a chunk step of `budget` tokens after each decode step, if there is one."""
@@ -264,10 +268,7 @@ class Scheduler:
             self.update(seq, n, [])
         if not self.reserve_ahead(decode, num_steps=2):
             return None
-        budget = min(self.max_mixed_token_num, self.max_prefill_token_num)
-        if self.mixed_chunk:
-            budget = min(budget, len(decode) + self.mixed_chunk)
-        budget, seqs = max(budget - len(decode), 1), list(decode)
+        budget, seqs = max(self._mixed_budget(len(decode)) - len(decode), 1), list(decode)
         q_lens = [1] * len(decode)
         for seq, _ in chunks:
             if budget <= 0:                    # as schedule(): the later chunks wait a step
