@@ -14,8 +14,15 @@ all-reduces that sum exactly once over TP. Sequence-parallel (nn/sequence_parall
 gathered [Tp, H] (Tp = `sizes.tokens`), the one reduction is a reduce-scatter to this rank's
 [Tp / tp, H], and with EP the rows TP rank r dispatches are exactly its own token shard.
 Every size of an EP forward comes from `ModelInputs.sizes`, never from module state.
+
+FP8 experts (`FusedExperts.to_fp8`, after loading and sharding, where the device backend computes
+them: models/fp8.py): float8_e4m3fn weights with float32 scales per 128 x 128 block of this rank's
+shard, passed to the backend's ops beside the weights (weight-only FP8: the kernels dequantize).
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +58,21 @@ class TopKRouter(nn.Module):
         return weights.to(logits.dtype), ids
 
 
+_EXPERTS_ON_META = contextvars.ContextVar('experts_on_meta', default=False)
+
+
+@contextlib.contextmanager
+def experts_on_meta(on: bool = True):
+    """FusedExperts built inside hold their weights on the meta device until `materialize()`:
+    the loader fills and converts one layer's experts at a time (models/loader.py), so an FP8
+    model never holds every layer's experts in the compute dtype at once."""
+    token = _EXPERTS_ON_META.set(on)
+    try:
+        yield
+    finally:
+        _EXPERTS_ON_META.reset(token)
+
+
 class FusedExperts(nn.Module):
     """Experts `first_expert .. first_expert + num_local - 1` (all of them without EP) as two
     3-D tensors; the loader reads that slice of the checkpoint's experts (`expert_range`).
@@ -63,14 +85,46 @@ class FusedExperts(nn.Module):
         super().__init__()
         num_local = num_experts if num_local is None else num_local
         check_divisible('moe_intermediate_size', (intermediate_size,), tp_layout(dist_ctx)[0])
-        self.backend = get_backend(device)
-        inter = intermediate_size
+        self.backend, self.device = get_backend(device), torch.device(device)
+        inter, at = intermediate_size, 'meta' if _EXPERTS_ON_META.get() else device
         self.gate_up_proj = sharded_parameter((num_local, 2 * inter, hidden_size), 1, dist_ctx,
-                                              dtype, device, sections=(inter, inter))
-        self.down_proj = sharded_parameter((num_local, hidden_size, inter), 2, dist_ctx, dtype,
-                                           device)
+                                              dtype, at, sections=(inter, inter))
+        self.down_proj = sharded_parameter((num_local, hidden_size, inter), 2, dist_ctx, dtype, at)
         for param in (self.gate_up_proj, self.down_proj):
             param.expert_range = (first_expert, num_local, num_experts)
+        self.gate_up_scale = self.down_scale = None     # FP8 (`to_fp8`): float32 block scales
+
+    def materialize(self) -> None:
+        """Weights built on the meta device (`experts_on_meta`) allocated on the module's
+        device, uninitialised (to be filled), keeping their loading attributes."""
+        for name in ('gate_up_proj', 'down_proj'):
+            meta = getattr(self, name)
+            if meta.is_meta:
+                param = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=self.device),
+                                     requires_grad=False)
+                param.__dict__.update(meta.__dict__)            # expert_range, shard
+                setattr(self, name, param)
+
+    def to_fp8(self, quantize, chunk: int = 16) -> None:
+        """`quantize(weight) -> (fp8 weight, block scales)` on this rank's shard: gate_up_scale
+        [E, 2 * ceil(I / 128), ceil(H / 128)], gate and up quantized apart (no block straddles
+        them; with I % 128 == 0, every released shape, the checkpoint's layout), down_scale
+        [E, ceil(H / 128), ceil(I / 128)]. `chunk` experts at a time bound quantize's float32
+        temporaries."""
+        inter = self.down_proj.shape[2]
+        for name, rows in (('gate_up_proj', inter), ('down_proj', self.down_proj.shape[1])):
+            weights, scales = [], []
+            for experts in getattr(self, name).data.split(chunk):
+                parts = [quantize(part) for part in experts.split(rows, 1)]
+                weights.append(torch.cat([q for q, _ in parts], 1))
+                scales.append(torch.cat([scale for _, scale in parts], 1))
+            setattr(self, name, nn.Parameter(torch.cat(weights), requires_grad=False))
+            setattr(self, name.replace('proj', 'scale'),
+                    nn.Parameter(torch.cat(scales), requires_grad=False))
+
+    def _fp8(self) -> dict:
+        return ({} if self.gate_up_scale is None else
+                dict(gate_up_scale=self.gate_up_scale, down_scale=self.down_scale))
 
     def run(self, x: torch.Tensor, routing: torch.Tensor | GroupedRows | TopKRows) -> torch.Tensor:
         """Outputs of the rows a dispatcher hands over: x [R, H] with local expert ids
@@ -80,17 +134,19 @@ class FusedExperts(nn.Module):
         each row's weighted sum over its local experts."""
         if isinstance(routing, GroupedRows):
             return self.backend.fused_moe_masked(x, routing.counts, self.gate_up_proj,
-                                                 self.down_proj, out=routing.out)
+                                                 self.down_proj, out=routing.out, **self._fp8())
         if isinstance(routing, TopKRows):
             return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, routing.weights,
-                                          routing.ids)
+                                          routing.ids, **self._fp8())
         ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
-        return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, ones, routing[:, None])
+        return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, ones, routing[:, None],
+                                      **self._fp8())
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], weights/ids [T, k] -> [T, H], summed over k in the same order as EP's
         combine so that every layout gives the same numbers."""
-        return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
+        return self.backend.fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids,
+                                      **self._fp8())
 
 
 class SparseMoeBlock(nn.Module):

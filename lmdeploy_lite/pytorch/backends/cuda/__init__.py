@@ -2,7 +2,8 @@
 fla-core's chunk kernel for prefill gated delta rule chunks longer than
 `gated_delta_rule.SHORT_PREFILL_TOKENS` where fla is installed (imported lazily; optional).
 Decode-path ops keep the decode-step contract of `backends/__init__.py`, so `graph_runner.py` can
-capture them. Ops without a kernel here are the default backend's.
+capture them. Ops without a kernel here are the default backend's. `fp8_experts`: the MoE ops
+take FP8 experts (models/fp8.fp8_experts_for).
 """
 from __future__ import annotations
 
@@ -21,4 +22,5 @@ def cuda_backend():
     ops = (add_rms_norm, causal_conv1d_prefill, causal_conv1d_update, fp8_linear, fused_moe,
            fused_moe_masked, gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating,
            gated_rms_norm, rms_norm, silu_mul, paged_attention, store_kv)
-    return type('CudaBackend', (DefaultBackend,), {fn.__name__: staticmethod(fn) for fn in ops})
+    return type('CudaBackend', (DefaultBackend,), {
+        'fp8_experts': True, **{fn.__name__: staticmethod(fn) for fn in ops}})

@@ -19,6 +19,12 @@ CUDA graph; the choice depends only on shapes):
 low-latency layout `[E, C, H]` with a count per expert, DeepGEMM's "masked" grouped GEMM): no
 sort, no top-k bookkeeping; program (e, row block) returns before any load when its block starts
 at or past counts[e], so the cost follows the valid rows rather than E * C.
+
+FP8 experts (weight-only: `gate_up_scale` / `down_scale`, nn/moe.py's layout): each weight tile
+is loaded as float8_e4m3fn (half the bytes a memory-bound decode step reads) and dequantized in
+registers, `w = (w_fp8.to(fp32) * scale[n // 128, k // 128]).to(x.dtype)`, before the same tl.dot
+on x's dtype: the reference's numbers on the dequantized weights. Every BLOCK_K divides 128, so a
+K tile has one scale per column. Without scales (HAS_SCALE off) the kernels are the bf16 ones.
 """
 from __future__ import annotations
 
@@ -51,12 +57,22 @@ def _block_rows(block, pair_ids_ptr, block_expert_ptr, topk_ids_ptr, num_pairs, 
 
 
 @triton.jit
-def _gate_up_act(x_rows, row_ok, w_gate, w_up, w_cols_ok, stride_wk, HIDDEN: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+def _dequantized(w, s_cols, cols_ok, k0, stride_sk, like):
+    """FP8 weight tile [BLOCK_K, BLOCK_N] x its columns' block scales (s_cols [BLOCK_N] pointers
+    to each column's scale row; BLOCK_K divides 128, so the tile is in one K group) -> like's
+    dtype, as the reference dequantizes."""
+    scale = tl.load(s_cols + (k0 // 128) * stride_sk, mask=cols_ok, other=0.0)
+    return (w.to(tl.float32) * scale[None, :]).to(like.dtype)
+
+
+@triton.jit
+def _gate_up_act(x_rows, row_ok, w_gate, w_up, w_cols_ok, stride_wk, s_gate, s_up, stride_sk,
+                 HIDDEN: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """x_rows [BLOCK_M, 1] row pointers (row_ok [BLOCK_M]), w_gate / w_up [1, BLOCK_N] column
-    pointers of the expert's gate and up rows (w_cols_ok [BLOCK_N]) -> fp32
-    `silu(gate) * up`, gate and up rounded to x's dtype first like the reference."""
+    pointers of the expert's gate and up rows (w_cols_ok [BLOCK_N]; HAS_SCALE: FP8, s_gate /
+    s_up their scale rows) -> fp32 `silu(gate) * up`, gate and up rounded to x's dtype first
+    like the reference."""
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
@@ -66,6 +82,9 @@ def _gate_up_act(x_rows, row_ok, w_gate, w_up, w_cols_ok, stride_wk, HIDDEN: tl.
         w_mask = k_ok[:, None] & w_cols_ok[None, :]
         wg = tl.load(w_gate + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
         wu = tl.load(w_up + offs_k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        if HAS_SCALE:
+            wg = _dequantized(wg, s_gate, w_cols_ok, k0, stride_sk, xb)
+            wu = _dequantized(wu, s_up, w_cols_ok, k0, stride_sk, xb)
         gate = tl.dot(xb, wg, gate, input_precision=DOT_PRECISION)
         up = tl.dot(xb, wu, up, input_precision=DOT_PRECISION)
     gate = gate.to(x_rows.dtype.element_ty).to(tl.float32)
@@ -74,10 +93,11 @@ def _gate_up_act(x_rows, row_ok, w_gate, w_up, w_cols_ok, stride_wk, HIDDEN: tl.
 
 
 @triton.jit
-def _down_dot(a_rows, row_ok, w_base, w_cols_ok, stride_wk, INTER: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """a_rows [BLOCK_M, 1] pointers to rows of inter, w_base [1, BLOCK_N] -> fp32 acc."""
+def _down_dot(a_rows, row_ok, w_base, w_cols_ok, stride_wk, s_cols, stride_sk,
+              INTER: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """a_rows [BLOCK_M, 1] pointers to rows of inter, w_base [1, BLOCK_N] (HAS_SCALE: FP8,
+    s_cols their scale rows) -> fp32 acc."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -85,6 +105,8 @@ def _down_dot(a_rows, row_ok, w_base, w_cols_ok, stride_wk, INTER: tl.constexpr,
         a = tl.load(a_rows + offs_k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + offs_k[:, None] * stride_wk,
                     mask=k_ok[:, None] & w_cols_ok[None, :], other=0.0)
+        if HAS_SCALE:
+            w = _dequantized(w, s_cols, w_cols_ok, k0, stride_sk, a)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -92,9 +114,10 @@ def _down_dot(a_rows, row_ok, w_base, w_cols_ok, stride_wk, INTER: tl.constexpr,
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, pair_ids_ptr, block_expert_ptr, topk_ids_ptr,
                     num_pairs, num_experts, top_k, stride_x, stride_we, stride_wn, stride_wk,
-                    stride_inter, HIDDEN: tl.constexpr, INTER: tl.constexpr, SORTED: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    stride_inter, s_ptr, stride_se, stride_sn, stride_sk, up_scale_row,
+                    HIDDEN: tl.constexpr, INTER: tl.constexpr, SORTED: tl.constexpr,
+                    HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair, store, expert, valid = _block_rows(tl.program_id(0), pair_ids_ptr, block_expert_ptr,
                                              topk_ids_ptr, num_pairs, num_experts, SORTED,
                                              BLOCK_M)
@@ -102,8 +125,10 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, pair_ids_ptr, block_expert_ptr, top
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
     w_gate = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+    s_gate = s_ptr + expert * stride_se + offs_n // 128 * stride_sn
     act = _gate_up_act(x_ptr + token[:, None] * stride_x, store & valid, w_gate,
-                       w_gate + INTER * stride_wn, n_ok & valid, stride_wk, HIDDEN,
+                       w_gate + INTER * stride_wn, n_ok & valid, stride_wk, s_gate,
+                       s_gate + up_scale_row * stride_sn, stride_sk, HIDDEN, HAS_SCALE,
                        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     tl.store(inter_ptr + pair[:, None] * stride_inter + offs_n[None, :],
              act.to(inter_ptr.dtype.element_ty), mask=store[:, None] & n_ok[None, :])
@@ -112,8 +137,9 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, pair_ids_ptr, block_expert_ptr, top
 @triton.jit
 def _down_kernel(inter_ptr, w_ptr, weights_ptr, out_ptr, pair_ids_ptr, block_expert_ptr,
                  topk_ids_ptr, num_pairs, num_experts, stride_inter, stride_we, stride_wn,
-                 stride_wk, stride_out, HIDDEN: tl.constexpr, INTER: tl.constexpr,
-                 SORTED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                 stride_wk, stride_out, s_ptr, stride_se, stride_sn, stride_sk,
+                 HIDDEN: tl.constexpr, INTER: tl.constexpr, SORTED: tl.constexpr,
+                 HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair, store, expert, valid = _block_rows(tl.program_id(0), pair_ids_ptr, block_expert_ptr,
                                              topk_ids_ptr, num_pairs, num_experts, SORTED,
@@ -123,7 +149,8 @@ def _down_kernel(inter_ptr, w_ptr, weights_ptr, out_ptr, pair_ids_ptr, block_exp
     n_ok = offs_n < HIDDEN
     acc = _down_dot(inter_ptr + pair[:, None] * stride_inter, rows,
                     w_ptr + expert * stride_we + offs_n[None, :] * stride_wn, n_ok & valid,
-                    stride_wk, INTER, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                    stride_wk, s_ptr + expert * stride_se + offs_n // 128 * stride_sn,
+                    stride_sk, INTER, HAS_SCALE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     acc = acc.to(inter_ptr.dtype.element_ty).to(tl.float32)        # expert output in x.dtype
     scale = tl.load(weights_ptr + pair, mask=rows, other=0.0).to(tl.float32)
     tl.store(out_ptr + pair[:, None] * stride_out + offs_n[None, :], acc * scale[:, None],
@@ -142,9 +169,11 @@ def _masked_block(counts_ptr, capacity, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _masked_gate_up_kernel(x_ptr, counts_ptr, w_ptr, inter_ptr, capacity, stride_xe, stride_xc,
-                           stride_we, stride_wn, stride_wk, stride_ie, stride_ic,
-                           HIDDEN: tl.constexpr, INTER: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           stride_we, stride_wn, stride_wk, stride_ie, stride_ic, s_ptr,
+                           stride_se, stride_sn, stride_sk, up_scale_row, HIDDEN: tl.constexpr,
+                           INTER: tl.constexpr, HAS_SCALE: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     expert, row0, count = _masked_block(counts_ptr, capacity, BLOCK_M)
     if row0 >= count:                   # past the expert's rows: no loads at all
         return
@@ -153,8 +182,10 @@ def _masked_gate_up_kernel(x_ptr, counts_ptr, w_ptr, inter_ptr, capacity, stride
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < INTER
     w_gate = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+    s_gate = s_ptr + expert * stride_se + offs_n // 128 * stride_sn
     act = _gate_up_act(x_ptr + expert * stride_xe + offs_m[:, None] * stride_xc, rows,
-                       w_gate, w_gate + INTER * stride_wn, n_ok, stride_wk, HIDDEN,
+                       w_gate, w_gate + INTER * stride_wn, n_ok, stride_wk, s_gate,
+                       s_gate + up_scale_row * stride_sn, stride_sk, HIDDEN, HAS_SCALE,
                        DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     tl.store(inter_ptr + expert * stride_ie + offs_m[:, None] * stride_ic + offs_n[None, :],
              act.to(inter_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
@@ -162,8 +193,9 @@ def _masked_gate_up_kernel(x_ptr, counts_ptr, w_ptr, inter_ptr, capacity, stride
 
 @triton.jit
 def _masked_down_kernel(inter_ptr, counts_ptr, w_ptr, out_ptr, capacity, stride_ie, stride_ic,
-                        stride_we, stride_wn, stride_wk, stride_oe, stride_oc,
-                        HIDDEN: tl.constexpr, INTER: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        stride_we, stride_wn, stride_wk, stride_oe, stride_oc, s_ptr, stride_se,
+                        stride_sn, stride_sk, HIDDEN: tl.constexpr, INTER: tl.constexpr,
+                        HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     expert, row0, count = _masked_block(counts_ptr, capacity, BLOCK_M)
     if row0 >= count:
@@ -174,7 +206,8 @@ def _masked_down_kernel(inter_ptr, counts_ptr, w_ptr, out_ptr, capacity, stride_
     n_ok = offs_n < HIDDEN
     acc = _down_dot(inter_ptr + expert * stride_ie + offs_m[:, None] * stride_ic, rows,
                     w_ptr + expert * stride_we + offs_n[None, :] * stride_wn, n_ok, stride_wk,
-                    INTER, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                    s_ptr + expert * stride_se + offs_n // 128 * stride_sn, stride_sk, INTER,
+                    HAS_SCALE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + expert * stride_oe + offs_m[:, None] * stride_oc + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & n_ok[None, :])
 
@@ -205,11 +238,23 @@ def _sort_pairs(flat_ids: torch.Tensor, num_experts: int, block_m: int):
     return pair_ids[:-1], block_expert
 
 
+def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple:
+    """A kernel's (scale, its three strides), HAS_SCALE; without scales the weight and zero
+    strides stand in (never read)."""
+    if scale is None:
+        return (weight, 0, 0, 0), dict(HAS_SCALE=False)
+    return (scale, *scale.stride()), dict(HAS_SCALE=True)
+
+
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """The default op's routed experts, with no host reads (module docstring)."""
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              gate_up_scale: torch.Tensor | None = None,
+              down_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The default op's routed experts, with no host reads (module docstring); FP8 weights with
+    their block scales (`gate_up_scale` / `down_scale`) are dequantized tile by tile."""
     if x.dtype == torch.float64:        # no fp64 tl.dot worth having; float64 models are CPU tests
-        return reference.fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+        return reference.fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids,
+                                   gate_up_scale, down_scale)
     num_tokens, top_k = topk_ids.shape
     num_experts, inter_size = gate_up_proj.shape[0], down_proj.shape[2]
     hidden, num_pairs = x.shape[1], num_tokens * top_k
@@ -229,28 +274,39 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     precision = 'ieee' if x.dtype == torch.float32 else 'tf32'     # tf32: ignored for 16-bit
-    block_n, block_k = (64, 64) if sorted_pairs else (32, 128)     # decode: more, longer programs
+    # decode: more, longer programs; BLOCK_K divides FP8's 128-wide scale groups
+    block_n, block_k = (64, 64) if sorted_pairs else (32, 128)
     common = dict(SORTED=sorted_pairs, DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
                   BLOCK_K=block_k, num_warps=4)
+    gate_up_s, has_scale = _scale_args(gate_up_proj, gate_up_scale)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter_size, block_n))](
         x, gate_up_proj, inter, pair_ids, block_expert, flat_ids, num_pairs, num_experts, top_k,
-        x.stride(0), *gate_up_proj.stride(), inter.stride(0), HIDDEN=hidden, INTER=inter_size,
-        **common)
+        x.stride(0), *gate_up_proj.stride(), inter.stride(0), *gate_up_s,
+        _up_scale_row(gate_up_scale), HIDDEN=hidden, INTER=inter_size, **has_scale, **common)
+    down_s, has_scale = _scale_args(down_proj, down_scale)
     _down_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         inter, down_proj, flat_weights, pair_out, pair_ids, block_expert, flat_ids, num_pairs,
-        num_experts, inter.stride(0), *down_proj.stride(), pair_out.stride(0), HIDDEN=hidden,
-        INTER=inter_size, **common)
+        num_experts, inter.stride(0), *down_proj.stride(), pair_out.stride(0), *down_s,
+        HIDDEN=hidden, INTER=inter_size, **has_scale, **common)
     return pair_out.view(num_tokens, top_k, hidden).sum(1).to(x.dtype)
 
 
+def _up_scale_row(gate_up_scale: torch.Tensor | None) -> int:
+    """The up half's first scale row: gate and up are quantized apart (nn/moe.py)."""
+    return 0 if gate_up_scale is None else gate_up_scale.shape[1] // 2
+
+
 def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
-                     down_proj: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                     down_proj: torch.Tensor, out: torch.Tensor | None = None,
+                     gate_up_scale: torch.Tensor | None = None,
+                     down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The default op's experts on rows grouped by expert (module docstring); x and out need
     stride(-1) == 1 only (x may be the first H columns of a [E, C, W] buffer). Rows c >= counts[e]
     of x are not read, nor those of out written. Grid (E * cdiv(C, BLOCK_M), cdiv(N, BLOCK_N));
-    no host reads, shapes from shapes only: capturable."""
+    no host reads, shapes from shapes only: capturable. FP8 weights as `fused_moe`."""
     if x.dtype == torch.float64:        # as fused_moe: the reference
-        return reference.fused_moe_masked(x, counts, gate_up_proj, down_proj, out)
+        return reference.fused_moe_masked(x, counts, gate_up_proj, down_proj, out, gate_up_scale,
+                                          down_scale)
     (num_experts, capacity, hidden), inter_size = x.shape, down_proj.shape[2]
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -268,12 +324,14 @@ def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.
     row_blocks = num_experts * triton.cdiv(capacity, block_m)
     common = dict(DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                   num_warps=4)
+    gate_up_s, has_scale = _scale_args(gate_up_proj, gate_up_scale)
     _masked_gate_up_kernel[(row_blocks, triton.cdiv(inter_size, block_n))](
         x, counts, gate_up_proj, inter, capacity, x.stride(0), x.stride(1),
-        *gate_up_proj.stride(), inter.stride(0), inter.stride(1), HIDDEN=hidden,
-        INTER=inter_size, **common)
+        *gate_up_proj.stride(), inter.stride(0), inter.stride(1), *gate_up_s,
+        _up_scale_row(gate_up_scale), HIDDEN=hidden, INTER=inter_size, **has_scale, **common)
+    down_s, has_scale = _scale_args(down_proj, down_scale)
     _masked_down_kernel[(row_blocks, triton.cdiv(hidden, block_n))](
         inter, counts, down_proj, out, capacity, inter.stride(0), inter.stride(1),
-        *down_proj.stride(), out.stride(0), out.stride(1), HIDDEN=hidden, INTER=inter_size,
-        **common)
+        *down_proj.stride(), out.stride(0), out.stride(1), *down_s, HIDDEN=hidden,
+        INTER=inter_size, **has_scale, **common)
     return out

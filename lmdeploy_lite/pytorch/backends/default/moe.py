@@ -1,6 +1,7 @@
 """Routed experts of a MoE layer in plain PyTorch, one expert at a time (`fused_moe`: token
 rows with top-k ids; `fused_moe_masked`: rows already grouped by expert). Weight layout:
-nn/moe.py.
+nn/moe.py; FP8 experts (with `gate_up_scale` / `down_scale`) are dequantized to x's dtype first
+(`dequantize_blocks`), the numbers a device's FP8 expert kernels are checked against.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from .norm import cast, silu_mul
+
+BLOCK = 128                 # FP8 weights: one float32 scale per BLOCK x BLOCK block
 
 
 @dataclass
@@ -30,12 +33,35 @@ class TopKRows:
     weights: torch.Tensor
 
 
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, dtype=torch.float32,
+                      sections: int = 1) -> torch.Tensor:
+    """float8 [..., N, K] x float32 scales per 128 x 128 block of each of `sections` equal row
+    sections, quantized apart ([..., sections * ceil(N / sections / 128), ceil(K / 128)]) ->
+    `dtype` (the product in float32, then rounded)."""
+    pieces = []
+    for w, s in zip(weight.chunk(sections, -2), scale.chunk(sections, -2)):
+        full = s.float().repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+        pieces.append(w.float() * full[..., :w.shape[-2], :w.shape[-1]])
+    return (pieces[0] if sections == 1 else torch.cat(pieces, -2)).to(dtype)
+
+
+def _dequantized(x, gate_up_proj, down_proj, gate_up_scale, down_scale):
+    """The experts in x's dtype: as given, or FP8 ones dequantized (gate and up apart)."""
+    if gate_up_scale is None:
+        return gate_up_proj, down_proj
+    return (dequantize_blocks(gate_up_proj, gate_up_scale, x.dtype, sections=2),
+            dequantize_blocks(down_proj, down_scale, x.dtype))
+
+
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-              topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              gate_up_scale: torch.Tensor | None = None,
+              down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H]; topk_weights [T, k] (x.dtype or fp32); topk_ids [T, k] in 0..E-1, or -1 for
     "no expert" (contributes 0) -> out [T, H] in x.dtype, `out[t] = sum_j w[t, j] * expert(x[t])`,
     summed over j in order (EP's combine sums the same way, so every layout gives the same numbers).
     Reads device values on the host: not for captured decode steps."""
+    gate_up_proj, down_proj = _dequantized(x, gate_up_proj, down_proj, gate_up_scale, down_scale)
     num_tokens, top_k = topk_ids.shape
     if 0 < num_tokens * top_k <= SMALL_BATCH_PAIRS:
         pairs = _experts_by_pair_list(x, gate_up_proj, down_proj, topk_ids)
@@ -81,13 +107,16 @@ def _experts_by_pair_list(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj
 
 
 def fused_moe_masked(x: torch.Tensor, counts: torch.Tensor, gate_up_proj: torch.Tensor,
-                     down_proj: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                     down_proj: torch.Tensor, out: torch.Tensor | None = None,
+                     gate_up_scale: torch.Tensor | None = None,
+                     down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Experts on rows grouped by expert (DeepEP's low-latency layout): x [E, C, H], counts [E]
     int: expert e's rows are x[e, :counts[e]]; out: optional [E, C, >= H] in x.dtype to write
     into -> [E, C, H] in x.dtype (`out[..., :H]` when given), `expert_e(x[e, c])` for
     c < counts[e]. Rows past a count are undefined for callers (here: computed from zeros, so
     whatever they held is never read). Reads no device value on the host: capturable, at the
     cost of computing all E * C rows."""
+    gate_up_proj, down_proj = _dequantized(x, gate_up_proj, down_proj, gate_up_scale, down_scale)
     num_experts, capacity, hidden = x.shape
     out = torch.empty_like(x) if out is None else out
     valid = torch.arange(capacity, device=x.device)[None, :] < counts[:, None]     # [E, C]

@@ -8,7 +8,13 @@ the generic one, the kernel against the default op with counts 0 / partial / ful
 slice of a wider buffer with NaN in the rows past the counts (never read), rows and columns past
 the output never written; bf16 model sizes and graph replay with new counts on a GPU. The
 interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584), so its 16-bit
-case runs in float16 on CPU and in bf16 on a GPU."""
+case runs in float16 on CPU and in bf16 on a GPU.
+
+FP8 experts (weight-only; nn/moe.FusedExperts.to_fp8's layout, quantized on the CPU: the
+interpreter rounds to FP8 wrongly, FP8 -> float32 is exact): both pair paths and the masked one
+against the reference on the dequantized weights in float32, with H and I not multiples of 128
+(partial edge blocks; gate and up quantized apart); on a GPU at the 35B-A3B's shapes and in a
+CUDA graph."""
 from __future__ import annotations
 
 import importlib
@@ -19,6 +25,8 @@ import torch
 from lmdeploy_lite.pytorch.backends.default.moe import fused_moe as reference_fused_moe
 from lmdeploy_lite.pytorch.backends.default.moe import \
     fused_moe_masked as reference_fused_moe_masked
+from lmdeploy_lite.pytorch.models.fp8 import dequantize, quantize
+from lmdeploy_lite.pytorch.nn.moe import FusedExperts
 
 
 def cuda_ops():
@@ -214,3 +222,126 @@ def test_fused_moe_masked_cuda_graph_replay():
     valid = torch.arange(64, device='cuda')[None, :] < counts_t[:, None]
     eager = fused_moe_masked(x, counts_t, gate_up, down)
     torch.testing.assert_close(out[valid], eager[valid], atol=0, rtol=0)
+
+
+# ---- FP8 experts ---------------------------------------------------------------------------------
+def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, device) -> tuple:
+    """(FP8 gate_up, its scales, FP8 down, its scales) as FusedExperts.to_fp8 makes them
+    (quantized where the weights are: the CPU in interpreter runs), on `device`; and the
+    dequantized float32 weights, each of gate and up by models/fp8.dequantize on its own."""
+    experts, hidden, inter = down.shape
+    module = FusedExperts(hidden, inter, experts, gate_up.dtype, gate_up.device)
+    module.gate_up_proj.data.copy_(gate_up)
+    module.down_proj.data.copy_(down)
+    module.to_fp8(quantize)
+    q_gate_up, s_gate_up = module.gate_up_proj.data, module.gate_up_scale.data
+    assert q_gate_up.dtype == torch.float8_e4m3fn and s_gate_up.shape == (
+        experts, 2 * -(-inter // 128), -(-hidden // 128))
+    halves = zip(q_gate_up.split(inter, 1), s_gate_up.chunk(2, 1))
+    dequantized = (torch.cat([dequantize(q, s) for q, s in halves], 1),
+                   dequantize(module.down_proj.data, module.down_scale.data))
+    fp8 = (q_gate_up, s_gate_up, module.down_proj.data, module.down_scale.data)
+    return tuple(t.to(device) for t in fp8), tuple(t.to(device) for t in dequantized)
+
+
+@pytest.mark.parametrize('tokens', [5, 40])                   # 15 pairs one by one; 120 sorted
+def test_fp8_fused_moe_matches_the_reference_on_dequantized_weights(kernel_device, tokens):
+    """H = 200 and I = 160: partial K and N blocks, gate and up scales apart; -1 ids."""
+    x, gate_up, down, weights, ids = make_case(tokens, 200, 160, 6, 3, 'cpu', torch.float32)
+    (q_gate_up, s_gate_up, q_down, s_down), (w_gate_up, w_down) = fp8_experts(
+        gate_up * 4, down, kernel_device)
+    x, weights, ids = x.to(kernel_device), weights.to(kernel_device), ids.to(kernel_device)
+    got = cuda_ops().fused_moe(x, q_gate_up, q_down, weights, ids, gate_up_scale=s_gate_up,
+                               down_scale=s_down)
+    want = reference_fused_moe(x, w_gate_up, w_down, weights, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(reference_fused_moe(x, q_gate_up, q_down, weights, ids, s_gate_up,
+                                                   s_down), want, atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(want, reference_fused_moe(x, gate_up.to(x.device) * 4,
+                                                        down.to(x.device), weights, ids))
+
+
+def test_fp8_fused_moe_masked_matches_the_reference_on_dequantized_weights(kernel_device):
+    counts, capacity = [0, 20, 5, 17], 20
+    x, counts_t, gate_up, down = make_grouped(counts, capacity, 200, 160, 208, 'cpu',
+                                              torch.float32)
+    (q_gate_up, s_gate_up, q_down, s_down), (w_gate_up, w_down) = fp8_experts(
+        gate_up, down, kernel_device)
+    x, counts_t = x.to(kernel_device), counts_t.to(kernel_device)
+    got = cuda_ops().fused_moe_masked(x, counts_t, q_gate_up, q_down, gate_up_scale=s_gate_up,
+                                      down_scale=s_down)
+    want = reference_fused_moe_masked(x, counts_t, w_gate_up, w_down)
+    valid = torch.arange(capacity, device=kernel_device)[None, :] < counts_t[:, None]
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)
+
+
+def _fp8_case_35b(tokens, experts, seed=0):
+    """The 35B-A3B's expert shapes in bf16 with FP8 experts (quantized on the GPU) and the
+    float32 reference weights."""
+    x, gate_up, down, weights, ids = make_case(tokens, 2048, 512, experts, 8, 'cuda',
+                                               torch.bfloat16, seed=seed, drop=0.05)
+    fp8, dequantized = fp8_experts(gate_up.float(), down.float(), 'cuda')
+    return x, weights, ids, fp8, dequantized
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('experts', [64, 256])
+@pytest.mark.parametrize('tokens', [1, 8, 64, 512])
+def test_fp8_fused_moe_model_sizes(tokens, experts):
+    """H=2048, I=512, top-8 in bf16 with FP8 experts against the float32 reference on the
+    dequantized weights (the bf16 kernel's tolerance: the weights are the same numbers)."""
+    x, weights, ids, (q_gate_up, s_gate_up, q_down, s_down), (w_gate_up, w_down) = \
+        _fp8_case_35b(tokens, experts)
+    out = cuda_ops().fused_moe(x, q_gate_up, q_down, weights.to(torch.bfloat16), ids,
+                               gate_up_scale=s_gate_up, down_scale=s_down).float()
+    ref = reference_fused_moe(x.float(), w_gate_up, w_down, weights, ids)
+    assert (out - ref).norm() / ref.norm() < 1e-2
+    torch.testing.assert_close(out, ref, atol=3e-2 * ref.abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('counts', [[1, 0, 3, 8], [512] * 4])
+def test_fp8_fused_moe_masked_model_sizes(counts):
+    counts = counts + [0] * 124
+    x, counts_t, gate_up, down = make_grouped(counts, 512, 2048, 512, 2048, 'cuda',
+                                              torch.bfloat16)
+    (q_gate_up, s_gate_up, q_down, s_down), (w_gate_up, w_down) = fp8_experts(
+        gate_up.float(), down.float(), 'cuda')
+    got = cuda_ops().fused_moe_masked(x, counts_t, q_gate_up, q_down, gate_up_scale=s_gate_up,
+                                      down_scale=s_down).float()
+    want = reference_fused_moe_masked(x.float(), counts_t, w_gate_up, w_down)
+    valid = torch.arange(512, device='cuda')[None, :] < counts_t[:, None]
+    got, want = got[valid], want[valid]
+    assert (got - want).norm() / want.norm() < 1e-2
+    torch.testing.assert_close(got, want, atol=3e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('tokens', [8, 64])                # one pair per block; sorted blocks
+def test_fp8_fused_moe_cuda_graph_replay(tokens):
+    """FP8 experts captured once, replayed with new rows, ids and weights: equals an eager
+    call; and the masked op likewise."""
+    x, weights, ids, (q_gate_up, s_gate_up, q_down, s_down), _ = _fp8_case_35b(tokens, 256)
+    scales = dict(gate_up_scale=s_gate_up, down_scale=s_down)
+    fused_moe, masked = cuda_ops().fused_moe, cuda_ops().fused_moe_masked
+    grouped = x.new_zeros(256, tokens, 2048)
+    grouped[:, :tokens] = x[None]
+    counts = torch.randint(0, tokens + 1, (256,), dtype=torch.int32, device='cuda')
+    fused_moe(x, q_gate_up, q_down, weights, ids, **scales)  # compile outside the capture
+    masked(grouped, counts, q_gate_up, q_down, **scales)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, q_gate_up, q_down, weights, ids, **scales)
+        out_masked = masked(grouped, counts, q_gate_up, q_down, **scales)
+    x2, weights2, ids2, _, _ = _fp8_case_35b(tokens, 256, seed=1)
+    x.copy_(x2)
+    weights.copy_(weights2)
+    ids.copy_(ids2)
+    grouped.copy_(grouped.roll(1, 0))
+    counts.copy_(counts.roll(1, 0))
+    graph.replay()
+    torch.testing.assert_close(out, fused_moe(x, q_gate_up, q_down, weights, ids, **scales),
+                               atol=0, rtol=0)
+    valid = torch.arange(tokens, device='cuda')[None, :] < counts[:, None]
+    eager = masked(grouped, counts, q_gate_up, q_down, **scales)
+    torch.testing.assert_close(out_masked[valid], eager[valid], atol=0, rtol=0)
