@@ -17,7 +17,9 @@ TTFT rows: one prompt of that length on an idle engine (one prefill forward up t
 `--max-prefill-tokens`), through `pipeline()`; `mfu_pct` = model FLOPs of the prefill (2 x
 non-embedding parameters x tokens, plus causal attention 2 x L^2 x heads x head_dim per
 full-attention layer; the gated-delta chunks are not counted) / TTFT / `--peak-tflops`.
-`--model-format fp8`: the linears as FP8 blocks (online quantization). `roofline_pct` (dense
+`--model-format fp8`: the linears and routed experts as FP8 blocks (online quantization).
+`--session-len`: the engine's at least (its KV cache is planned for the largest batch of such
+sessions: `kv_tokens` / `kv_seqs` in each row say what it got). `roofline_pct` (dense
 models): the time to read the weights a decode step reads (every parameter but an untied
 embedding table, at their stored size: FP8 blocks and scales included) at `--hbm-tb-s` over
 the bare loop's step time.
@@ -116,7 +118,8 @@ def prefill_flops(config: ModelConfig, length: int) -> float:
 def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, list]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(',') if b]
     ttft_lens = [int(n) for n in args.ttft_lens.split(',') if n] if k == 0 else []
-    session_len = max([args.prompt_len + (args.new_tokens + 2) * (k + 1) + 16,
+    session_len = max([args.session_len or 0,
+                       args.prompt_len + (args.new_tokens + 2) * (k + 1) + 16,
                        args.prompt_len + (args.loop_steps + args.warmup_steps + 2
                                           + max(batch_sizes)) * (k + 1) + 16,   # + the stagger
                        *(n + 16 for n in ttft_lens)])
@@ -139,6 +142,14 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
     with synthetic_acceptance_on_ranks(rates if k else None):
         pipe = pipeline(model_dir, backend_config=cfg, speculative_config=spec, progress=False)
     engine = pipe.engine                           # None with the mp/ray executors
+    kv = {}
+    if engine is not None:                         # what the KV plan gave this engine
+        cache = engine.cache_config
+        kv_tokens = (cache.num_blocks - 1) * cache.block_size         # block 0 is reserved
+        kv = {'kv_tokens': kv_tokens, 'kv_seqs': kv_tokens // session_len}
+        print(f'spec k={k}: KV cache {cache.num_blocks} blocks x {cache.block_size} tokens = '
+              f'{kv_tokens} tokens, {kv["kv_seqs"]} sequences of session_len={session_len}; '
+              f'{cache.num_state_slots - 1} state slots')
     if k and rates and engine is not None:
         engine.agent.rejection_sampler = synthetic_rejection_sampler(rates)
     config = ModelConfig.from_pretrained(model_dir)
@@ -161,7 +172,7 @@ def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, 
                 best = max(best, tokens / seconds)
                 best_all = max(best_all, all_tokens / all_seconds)
             rows.append({'layout': layout, 'spec_k': k, 'batch': bs, 'pipeline_tok_s': best,
-                         'pipeline_all_tok_s': best_all})
+                         'pipeline_all_tok_s': best_all, **kv})
         for n in ttft_lens:
             prompt = prompts_of(1, n, vocab, n)[0]
             gen = GenerationConfig(max_new_tokens=1, ignore_eos=True)
@@ -214,6 +225,9 @@ def main():
                         help='MTP drafts over the first N ids (dummy weights; bench_spec.py)')
     parser.add_argument('--batch-sizes', default='1,16,64')
     parser.add_argument('--prompt-len', type=int, default=128)
+    parser.add_argument('--session-len', type=int, default=None,
+                        help='at least this session_len (the KV plan caps the cache at '
+                             'max batch x session_len; default: what the rows need)')
     parser.add_argument('--new-tokens', type=int, default=256)
     parser.add_argument('--repeats', type=int, default=2,
                         help='pipeline runs per row; the best counts (the first one may pay for '

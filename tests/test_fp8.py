@@ -135,11 +135,14 @@ def test_fp8_checkpoint_gives_transformers_greedy_on_the_dequantized_weights(
     # on a device with an FP8 GEMM, exactly the linears the checkpoint stores in FP8 become so
     which = fp8_linears(str(tmp_path / 'fp8'), None)
     model = build_model(str(tmp_path / 'fp8'), torch.float64, progress=False, fuse=False)
-    to_fp8(model, 'cpu', which, fp8_matmul=reference_fp8_linear)
+    to_fp8(model, 'cpu', which, fp8_matmul=reference_fp8_linear, experts=True)
     fp8 = {n[:-len('_scale')] for n, _ in model.named_parameters() if n.endswith('weight_scale')}
     assert fp8 == {n for n in stored if n.startswith('model.') and stored[n].dtype == FP8
-                   and 'experts.' not in n}                # routed experts: not FP8 GEMMs yet
+                   and 'experts.' not in n}
     assert 'model.layers.0.mlp.shared_expert.down_proj.weight' not in fp8
+    experts = {n for n, p in model.named_parameters() if p.dtype == FP8 and 'experts' in n}
+    assert experts == {f'model.layers.{i}.mlp.experts.{w}' for i in range(4)
+                       for w in ('gate_up_proj', 'down_proj')}          # fused or per expert
     got = greedy(str(tmp_path / 'fp8'))
     want = [transformers_greedy(fused(expected), p) for p in PROMPTS]
     assert got == want
@@ -248,9 +251,12 @@ def test_fused_fp8_projections_equal_their_parts():
 
 def test_fp8_gemm_path_with_mtp_k3_accepts_drafts_and_changes_no_token(monkeypatch):
     """The device path on CPU: a backend with an `fp8_linear` (here the float32 reference of the
-    GPU's) gets the target's and the draft's linears as FP8 blocks, fused in segments; MTP k=3
-    gives the plain tokens with drafts accepted, and nearly those of the dequantized weights."""
+    GPU's) and FP8 experts (the reference MoE, dequantizing) gets the target's and the draft's
+    linears as FP8 blocks, fused in segments, and their routed experts as FP8 (filled layer by
+    layer); MTP k=3 gives the plain tokens with drafts accepted, and nearly those of the
+    dequantized weights."""
     from lmdeploy_lite.pytorch.backends.default import DefaultBackend
+    from lmdeploy_lite.pytorch.backends.default import moe
     cfg = PytorchEngineConfig(device='cpu', dtype='float64', model_format='fp8', session_len=256)
     gen = GenerationConfig(max_new_tokens=24, ignore_eos=True)
     batch = [list(p) for p in prompts()][:4]
@@ -263,19 +269,29 @@ def test_fp8_gemm_path_with_mtp_k3_accepts_drafts_and_changes_no_token(monkeypat
         weights.add(weight.data_ptr())
         return reference_fp8_linear(x, weight, scale)
 
+    def fused_moe(x, gate_up_proj, down_proj, *args, **scales):
+        assert gate_up_proj.dtype == down_proj.dtype == FP8
+        experts.add(gate_up_proj.data_ptr())
+        return moe.fused_moe(x, gate_up_proj, down_proj, *args, **scales)
+
+    experts = set()
     monkeypatch.setattr(DefaultBackend, 'fp8_linear', staticmethod(fp8_linear), raising=False)
+    monkeypatch.setattr(DefaultBackend, 'fp8_experts', True, raising=False)
+    monkeypatch.setattr(DefaultBackend, 'fused_moe', staticmethod(fused_moe))
     with pipeline(EMBEDDED_MODEL_DIR, cfg, progress=False) as pipe:
         plain = [r.token_ids for r in pipe(batch, gen)]
     # per layer: the mixer's fused in-projection (a gated delta net's b/a stay unquantized) and
-    # out-projection, the shared expert's gate/up and down (routed experts: not FP8 GEMMs yet)
+    # out-projection, the shared expert's gate/up and down; and the routed experts
     num_layers = 8
-    assert len(weights) == 4 * num_layers
+    assert len(weights) == 4 * num_layers and len(experts) == num_layers
     with pipeline(EMBEDDED_MODEL_DIR, cfg, SpeculativeConfig(num_speculative_tokens=3,
                                                              dynamic=False),
                   progress=False) as pipe:
         weights.clear()
+        experts.clear()
         out = pipe(batch, gen)
     assert len(weights) == 4 * (num_layers + 1)                # and the draft's layer
+    assert len(experts) == num_layers + 1
     assert [r.token_ids for r in out] == plain
     assert_real_acceptance([r.spec_stats for r in out], 3)
     same = sum(a == b for p, d in zip(plain, dequantized) for a, b in zip(p, d))
@@ -283,8 +299,9 @@ def test_fp8_gemm_path_with_mtp_k3_accepts_drafts_and_changes_no_token(monkeypat
 
 
 def test_the_kv_plan_charges_an_fp8_draft_at_its_size():
-    """The draft's bytes in the plan: its quantizable linears at one byte a weight plus a
-    float32 scale per 128 x 128 block, the rest (norms, the MTP fc, routed experts) as built."""
+    """The draft's bytes in the plan: its quantizable linears and routed experts at one byte a
+    weight plus a float32 scale per 128 x 128 block (gate and up apart), the rest (norms, the
+    MTP fc, the router) as built."""
     from lmdeploy_lite.pytorch.config import DistConfig, ModelConfig
     from lmdeploy_lite.pytorch.distributed import DistContext
     from lmdeploy_lite.pytorch.models.qwen3_5_mtp import Qwen3_5MTP
@@ -299,4 +316,32 @@ def test_the_kv_plan_charges_an_fp8_draft_at_its_size():
              for name, sub in mtp.named_modules() if isinstance(sub, Linear)
              and quantizable(f'mtp.{name}.weight')
              for n, k in [sub.weight.shape]]
-    assert len(saved) == 7 and fp8 == bf16 - sum(saved)     # q, k, v, o; shared gate, up, down
+    assert len(saved) == 7             # q, k, v, o; shared gate, up, down
+    experts, inter, hidden = (model.num_experts, model.moe_intermediate_size,
+                              model.hidden_size)
+    blocks = -(-inter // BLOCK) * -(-hidden // BLOCK)               # gate, up and down alike
+    saved.append(experts * (3 * inter * hidden * (2 - 1) - 3 * blocks * 4))
+    assert fp8 == bf16 - sum(saved)
+
+
+@pytest.mark.parametrize('load_format', ['auto', 'dummy'])
+def test_experts_filled_layer_by_layer_equal_converting_the_whole_model(
+        tiny_ckpt, monkeypatch, load_format):
+    """Where the backend computes FP8 experts, build_model fills and converts them one layer at
+    a time (never the whole model's experts in the compute dtype): the same parameters as
+    building it all and converting after. The tiny model's I = 32 is not a multiple of 128: gate
+    and up are quantized apart, each its own partial block."""
+    from lmdeploy_lite.pytorch.backends.default import DefaultBackend
+    src = tiny_ckpt(True, per_expert=True)
+    whole = build_model(src, torch.float32, progress=False, load_format=load_format,
+                        model_format='fp8', fuse=False)
+    assert to_fp8(whole, 'cpu', quantizable, experts=True) == 4
+    monkeypatch.setattr(DefaultBackend, 'fp8_experts', True, raising=False)
+    layered = build_model(src, torch.float32, progress=False, load_format=load_format,
+                          model_format='fp8', fuse=False)
+    want, got = whole.state_dict(), layered.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    experts = layered.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == FP8 and experts.gate_up_scale.shape == (4, 2, 1)
+    gate = experts.gate_up_proj.float()[:, :32] * experts.gate_up_scale[:, :1]
+    assert torch.equal(gate, dequantize(*quantize(gate)))      # the gate's own blocks

@@ -10,7 +10,9 @@ checkpoint stores them (`quantize`), and dequantizes them again: the same number
 pre-quantized checkpoint.
 
 On a GPU with FP8 tensor cores (the CUDA backend's `fp8_linear`, sm_89+) `to_fp8` then quantizes
-each such linear again, on the device and after TP sharding, before its projections are fused:
+each such linear again, on the device and after TP sharding, before its projections are fused,
+and the routed experts (nn/moe.FusedExperts, where the backend has `fp8_experts`: gate and up
+quantized apart, so their shards' blocks never straddle the two, whatever I / tp is):
 where the shard's blocks are the checkpoint's (every released shape: sections and shards are
 multiples of 128), that gives back the checkpoint's FP8 values exactly (a dequantized value is
 within bf16's 2^-9 of q * s, far inside FP8's 2^-4 half-spacing) and scales within 2^-9 of its.
@@ -23,7 +25,8 @@ import os
 import torch
 from safetensors import safe_open
 
-BLOCK = 128
+from ..backends.default.moe import BLOCK, dequantize_blocks
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max                       # 448
 SCALE_SUFFIX = '_scale_inv'
@@ -55,8 +58,7 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, where: str = '') -> to
     if tuple(scale.shape) != expected:
         raise ValueError(f'{where}: scales of shape {list(scale.shape)} for a weight of shape '
                          f'{list(weight.shape)}; 128 x 128 blocks need {list(expected)}')
-    full = scale.float().repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
-    return weight.float() * full[..., :n, :k]
+    return dequantize_blocks(weight, scale)
 
 
 class Fp8Weights:
@@ -122,35 +124,53 @@ def quantization_config(model_dir: str) -> tuple[str, dict | None]:
         'quantization_config')
 
 
+def _fp8_device(device: torch.device | str) -> bool:
+    """False on GPUs before sm_89 (no FP8 conversions or tensor cores)."""
+    device = torch.device(device)
+    return device.type != 'cuda' or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def fp8_matmul_for(device: torch.device | str):
     """The device backend's block-scaled FP8 GEMM, or None where there is none (CPU, GPUs before
     sm_89: the weights stay dequantized there)."""
     from ..backends import get_backend
     matmul = getattr(get_backend(device), 'fp8_linear', None)
-    if matmul is not None and torch.device(device).type == 'cuda' and \
-            torch.cuda.get_device_capability(device) < (8, 9):
-        return None
-    return matmul
+    return matmul if matmul is not None and _fp8_device(device) else None
+
+
+def fp8_experts_for(device: torch.device | str) -> bool:
+    """Whether the device backend's MoE ops take FP8 experts with their scales (`fp8_experts`:
+    the CUDA backend on sm_89+); elsewhere the experts stay dequantized."""
+    from ..backends import get_backend
+    return bool(getattr(get_backend(device), 'fp8_experts', False)) and _fp8_device(device)
 
 
 def to_fp8(module: torch.nn.Module, device: torch.device | str, which, prefix: str = '',
-           fp8_matmul=None, sizes_only: bool = False) -> int:
+           fp8_matmul=None, sizes_only: bool = False, experts: bool | None = None) -> int:
     """Every linear of `module` whose weight `which(prefix + its name)` picks (loader.fp8_linears)
     becomes FP8 blocks multiplied by `fp8_matmul(x, weight, scale)`: by default the device's
-    (`fp8_matmul_for`), and nothing changes where there is none. `sizes_only`: convert anyway
-    (a module on the meta device, for its bytes). Call before `fuse_projections`. Returns how
-    many linears were converted."""
+    (`fp8_matmul_for`), and no linear changes where there is none; so do the routed experts
+    (`FusedExperts.to_fp8`, names `...experts.gate_up_proj` / `down_proj`) where `experts`
+    (default `fp8_experts_for(device)`). `sizes_only`: convert both anyway (a module on the meta
+    device, for its bytes; the CUDA backend has both from sm_89 on). Call before
+    `fuse_projections`. Returns how many modules were converted."""
     from ..nn.linear import Linear
-    if fp8_matmul is None and not sizes_only:
-        fp8_matmul = fp8_matmul_for(device)
-        if fp8_matmul is None:
-            return 0
+    from ..nn.moe import FusedExperts
+    if not sizes_only:
+        fp8_matmul = fp8_matmul or fp8_matmul_for(device)
+    experts = (sizes_only or fp8_experts_for(device)) if experts is None else experts
     converted = 0
     for name, sub in module.named_modules():
-        if (isinstance(sub, Linear) and sub.weight_scale is None
-                and which(f'{prefix}{name}.weight')):
+        path = prefix + name
+        if (isinstance(sub, Linear) and (fp8_matmul or sizes_only)
+                and sub.weight_scale is None and which(f'{path}.weight')):
             sub.to_fp8(quantize, fp8_matmul)
-            converted += 1
+        elif (isinstance(sub, FusedExperts) and experts and sub.gate_up_scale is None
+              and which(f'{path}.gate_up_proj') and which(f'{path}.down_proj')):
+            sub.to_fp8(quantize)
+        else:
+            continue
+        converted += 1
     if converted and torch.device(device).type == 'cuda':
         torch.cuda.empty_cache()        # the bf16 copies' memory, back for the KV plan
     return converted

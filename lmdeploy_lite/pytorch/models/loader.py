@@ -10,6 +10,10 @@ Sharded models: a parameter with `expert_range` holds a slice of the experts (EP
 `shard` (nn/sharding.py) this TP rank's piece; the checkpoint tensor is checked against the FULL
 shape config.json implies, then narrowed to this rank's part. `load_format='dummy'` (vLLM's, for
 benchmarks from a config.json alone) reads no tensor: `init_dummy_weights` fills them.
+
+FP8 on a device that computes FP8 experts: the routed experts are built on the meta device and
+filled and converted one layer at a time after the rest (`fill_experts`): the 35B-A3B's experts
+are 64 GB in bf16 but 32 GB in FP8, and one layer's are 1.6 GB.
 """
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ from tqdm import tqdm
 
 from ..config import ModelConfig
 from ..nn.linear import fuse_projections
+from ..nn.moe import FusedExperts, experts_on_meta
 from ..nn.norm import GatedRMSNorm, RMSNorm
-from .fp8 import SCALE_SUFFIX, Fp8Weights, quantizable, quantization_config, to_fp8
+from .fp8 import (SCALE_SUFFIX, Fp8Weights, fp8_experts_for, quantizable, quantization_config,
+                  to_fp8)
 
 SINGLE_FILE = 'model.safetensors'
 INDEX_FILE = 'model.safetensors.index.json'
@@ -76,6 +82,8 @@ def iter_tensors(model_dir: str, select, progress: bool = True, desc: str = 'Loa
     total = sum(sum(1 for n in names if wanted(n)) for names in files.values())
     with tqdm(total=total, desc=desc, unit='tensor', disable=not progress) as bar:
         for path, names in files.items():
+            if not any(wanted(n) for n in names):
+                continue
             with safe_open(path, 'pt', device='cpu') as f:
                 available = set(f.keys())
                 for name in names:
@@ -101,21 +109,31 @@ def fp8_linears(model_dir: str, model_format: str | None, load_format: str = 'au
         return None
     if quant is None or load_format == 'dummy':
         return quantizable
-    stored = {name[:-len(SCALE_SUFFIX)].replace('model.language_model.', 'model.', 1)
+    stored = {_param_of(name[:-len(SCALE_SUFFIX)].replace('model.language_model.', 'model.', 1))
               for names in checkpoint_files(model_dir).values() for name in names
               if name.endswith(SCALE_SUFFIX)}
     return stored.__contains__
 
 
+def _param_of(name: str) -> str:
+    """The model parameter a checkpoint tensor fills (a per-expert one: its fused stack)."""
+    match = _PER_EXPERT.match(name)
+    if match is None:
+        return name
+    return f'{match.group(1)}.{"down_proj" if match.group(3) == "down_proj" else "gate_up_proj"}'
+
+
 def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str, str],
                         skip: tuple[str, ...] = (), allow_missing: tuple[str, ...] = (),
                         progress: bool = True, desc: str = 'Loading weights',
-                        model_format: str | None = None) -> None:
+                        model_format: str | None = None, within: str = '') -> None:
     """Copy checkpoint tensors into `module`'s parameters, matched by name: prefix_map maps a
     checkpoint prefix to a module prefix (first match wins); tensors matching no prefix or
-    starting with a `skip` prefix are ignored. ValueErrors name the file, tensor and shapes on a
-    mismatch, and list what is missing at the end."""
-    params = dict(module.named_parameters(remove_duplicate=False))
+    starting with a `skip` prefix are ignored. Only parameters named `within...` are filled,
+    and none on the meta device (`experts_on_meta`: `fill_experts` loads them later). ValueErrors
+    name the file, tensor and shapes on a mismatch, and list what is missing at the end."""
+    every = dict(module.named_parameters(remove_duplicate=False))
+    params = {n: p for n, p in every.items() if n.startswith(within) and not p.is_meta}
     filled: set[str] = set()
     expert_parts: dict[str, set] = {}
 
@@ -124,7 +142,10 @@ def load_module_weights(module: nn.Module, model_dir: str, prefix_map: dict[str,
             return None
         for src, dst in prefix_map.items():
             if name.startswith(src):
-                return dst + name[len(src):]
+                target = dst + name[len(src):]
+                param = _param_of(target)            # (one not in `every`: an error below)
+                mine = target.startswith(within) and (param in params or param not in every)
+                return target if mine else None
         return None
 
     for path, name, shape, load in iter_tensors(
@@ -205,15 +226,28 @@ def _check_shape(path: str, name: str, shape: tuple, expected: tuple) -> None:
 
 
 def load_weights(model: nn.Module, model_dir: str, progress: bool = True,
-                 model_format: str | None = None) -> None:
-    """Load the target model (`Qwen3_5ForCausalLM`) from either released layout."""
+                 model_format: str | None = None, within: str = '') -> None:
+    """Load the target model (`Qwen3_5ForCausalLM`) from either released layout (`within`:
+    load_module_weights')."""
     tied = model.config.tie_word_embeddings
     prefix_map = {'model.language_model.': 'model.', 'model.': 'model.'}
     if not tied:
         prefix_map['lm_head.'] = 'lm_head.'
     load_module_weights(model, model_dir, prefix_map, skip=('model.visual.', 'mtp.'),
                         allow_missing=('lm_head.',) if tied else (), progress=progress,
-                        model_format=model_format)
+                        model_format=model_format, within=within)
+
+
+def fill_experts(model: nn.Module, which, fill, progress: bool = False) -> None:
+    """The routed experts built on the meta device (`experts_on_meta`), one layer at a time:
+    allocated, filled (`fill(experts module, its name)`) and converted to FP8 where `which`
+    picks them, so the device holds at most one layer's experts in the compute dtype."""
+    deferred = [(name, sub) for name, sub in model.named_modules()
+                if isinstance(sub, FusedExperts) and sub.gate_up_proj.is_meta]
+    for name, sub in tqdm(deferred, desc='Loading experts', disable=not progress or not deferred):
+        sub.materialize()
+        fill(sub, name)
+        to_fp8(sub, sub.device, which, prefix=name)
 
 
 def load_mtp_state_dict(model_dir: str) -> dict[str, torch.Tensor]:
@@ -255,7 +289,7 @@ def init_dummy_weights(module: nn.Module, seed: int = 0, prefix: str = '') -> No
     seen: set[int] = set()
     for module_name, sub in module.named_modules():
         for param_name, param in sub.named_parameters(recurse=False):
-            if id(param) in seen:
+            if id(param) in seen or param.is_meta:      # meta: filled by fill_experts
                 continue
             seen.add(id(param))
             name = f'{prefix}{module_name}.{param_name}' if module_name else prefix + param_name
@@ -299,12 +333,18 @@ def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
     'fp8'`: the linear weights quantized as an FP8 checkpoint stores them (fp8.py)."""
     from .qwen3_5 import Qwen3_5ForCausalLM
     config = ModelConfig.from_pretrained(model_dir)
-    model = Qwen3_5ForCausalLM(config, dtype, device, dist_ctx)
+    which = fp8_linears(model_dir, model_format, load_format)
+    with experts_on_meta(which is not None and fp8_experts_for(device)):
+        model = Qwen3_5ForCausalLM(config, dtype, device, dist_ctx)
     if load_format == 'dummy':
         init_dummy_weights(model, seed)
+        fill_experts(model, which, lambda experts, name: init_dummy_weights(experts, seed,
+                                                                           f'{name}.'))
     else:
         load_weights(model, model_dir, progress=progress, model_format=model_format)
-    which = fp8_linears(model_dir, model_format, load_format)
+        fill_experts(model, which, lambda experts, name: load_weights(
+            model, model_dir, progress=False, model_format=model_format, within=f'{name}.'),
+            progress)
     if which is not None:
         to_fp8(model, device, which)
     if fuse:      # off CUDA the parts stay, so names and state_dict are the checkpoint's

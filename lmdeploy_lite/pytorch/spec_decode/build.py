@@ -95,7 +95,8 @@ class DraftFootprint:
 def draft_footprint(spec: SpeculativeConfig | None, model_config: ModelConfig,
                     dtype: torch.dtype, target: DistConfig, fp8=None) -> DraftFootprint:
     """Weight bytes from the head built on the meta device with the draft's layout (`fp8`: which
-    of its linears the device will hold as FP8 blocks and scales, loader.fp8_linears)."""
+    of its linears and routed experts the device will hold as FP8 blocks and scales,
+    loader.fp8_linears)."""
     if not uses_draft_model(spec):
         return DraftFootprint(0, target.tp, 0)
     from lmdeploy_lite.pytorch.distributed import DistContext
