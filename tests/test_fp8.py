@@ -269,12 +269,16 @@ def test_fp8_gemm_path_with_mtp_k3_accepts_drafts_and_changes_no_token(monkeypat
         weights.add(weight.data_ptr())
         return reference_fp8_linear(x, weight, scale)
 
-    def fused_moe(x, gate_up_proj, down_proj, *args, **scales):
+    def fused_moe(x, gate_up_proj, down_proj, weights, ids, gate_up_scale, down_scale):
+        """The reference's FP8 path, each layer's experts dequantized once (not every call)."""
         assert gate_up_proj.dtype == down_proj.dtype == FP8
-        experts.add(gate_up_proj.data_ptr())
-        return moe.fused_moe(x, gate_up_proj, down_proj, *args, **scales)
+        if gate_up_proj.data_ptr() not in experts:
+            experts[gate_up_proj.data_ptr()] = (
+                moe.dequantize_blocks(gate_up_proj, gate_up_scale, x.dtype, sections=2),
+                moe.dequantize_blocks(down_proj, down_scale, x.dtype))
+        return moe.fused_moe(x, *experts[gate_up_proj.data_ptr()], weights, ids)
 
-    experts = set()
+    experts = {}                                # gate_up_proj's address -> dequantized experts
     monkeypatch.setattr(DefaultBackend, 'fp8_linear', staticmethod(fp8_linear), raising=False)
     monkeypatch.setattr(DefaultBackend, 'fp8_experts', True, raising=False)
     monkeypatch.setattr(DefaultBackend, 'fused_moe', staticmethod(fused_moe))

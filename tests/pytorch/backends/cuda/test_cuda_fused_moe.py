@@ -244,10 +244,10 @@ def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, device) -> tuple:
     return tuple(t.to(device) for t in fp8), tuple(t.to(device) for t in dequantized)
 
 
-@pytest.mark.parametrize('tokens', [5, 40])                   # 15 pairs one by one; 120 sorted
+@pytest.mark.parametrize('tokens', [3, 40])                    # 9 pairs one by one; 120 sorted
 def test_fp8_fused_moe_matches_the_reference_on_dequantized_weights(kernel_device, tokens):
-    """H = 200 and I = 160: partial K and N blocks, gate and up scales apart; -1 ids."""
-    x, gate_up, down, weights, ids = make_case(tokens, 200, 160, 6, 3, 'cpu', torch.float32)
+    """H = 136 and I = 160: partial K and N blocks, gate and up scales apart; -1 ids."""
+    x, gate_up, down, weights, ids = make_case(tokens, 136, 160, 6, 3, 'cpu', torch.float32)
     (q_gate_up, s_gate_up, q_down, s_down), (w_gate_up, w_down) = fp8_experts(
         gate_up * 4, down, kernel_device)
     x, weights, ids = x.to(kernel_device), weights.to(kernel_device), ids.to(kernel_device)
