@@ -1,8 +1,10 @@
 """Where a long prefill's device time goes: one prompt of `--tokens` on an idle engine (prefill
 graphs up to `--graph-tokens`; 0: eager), its wall time (best of 5), then one run under
 torch.profiler: device time by kernel family and the kernels with the most device time.
+`--chunk N`: the prompt prefilled in steps of N tokens (what a long prompt costs when it is spread
+over steps, as mixed steps spread it), every step's kernels summed.
 
-    python benchmarks/profile_prefill.py --preset qwen3_5_0_8b --tokens 8192
+    python benchmarks/profile_prefill.py --preset qwen3_5_0_8b --tokens 8192 [--chunk 1024]
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ def main():
     add_model_args(parser, dtype='bfloat16', device='cuda')
     parser.add_argument('--tokens', type=int, default=8192)
     parser.add_argument('--graph-tokens', type=int, default=8192)
+    parser.add_argument('--chunk', type=int, default=0, help='prefill steps of this many tokens')
     parser.add_argument('--rows', type=int, default=20)
     parser.add_argument('--host-rows', type=int, default=15,
                         help='host functions with the most own time in one run (cProfile)')
@@ -48,7 +51,7 @@ def main():
     path, load_format = resolve_model(args)
     engine = build_engine(path, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, load_format=load_format, max_batch_size=8,
-        session_len=args.tokens + 64, max_prefill_token_num=args.tokens,
+        session_len=args.tokens + 64, max_prefill_token_num=args.chunk or args.tokens,
         max_prefill_graph_tokens=args.graph_tokens, enable_prefix_caching=False), progress=False)
     rng = random.Random(0)
     vocab = min(10000, engine.model_config.vocab_size - 1)
@@ -80,7 +83,8 @@ def main():
     families = defaultdict(float)
     for name, ms in kernels.items():
         families[family(name)] += ms
-    print(f'{args.tokens} tokens, graphs <= {args.graph_tokens}: wall best {min(walls):.2f} ms '
+    print(f'{args.tokens} tokens in steps of {args.chunk or args.tokens}, graphs <= '
+          f'{args.graph_tokens}: wall best {min(walls):.2f} ms '
           f'(median {sorted(walls)[2]:.2f}), device kernels {device_ms:.2f} ms')
     print('timeline (ms): host before the first kernel {lead:.2f}, first to last kernel '
           '{kernels:.2f}, host after the last {tail:.2f}'.format(**span))
@@ -93,7 +97,8 @@ def main():
     host = host_profile(run, args.host_rows)
     if args.out:
         with open(args.out, 'w') as f:
-            json.dump({'tokens': args.tokens, 'graph_tokens': args.graph_tokens, 'walls_ms': walls,
+            json.dump({'tokens': args.tokens, 'chunk': args.chunk or args.tokens,
+                       'graph_tokens': args.graph_tokens, 'walls_ms': walls,
                        'device_ms': device_ms, 'families_ms': families,
                        'kernels_ms': dict(kernels), 'host_ms': host, 'timeline_ms': span}, f,
                       indent=1)

@@ -22,6 +22,8 @@ def main():
     parser.add_argument('--batch', type=int, default=1)
     parser.add_argument('--steps', type=int, default=50)
     parser.add_argument('--eager', action='store_true')
+    parser.add_argument('--model-format', default=None, choices=['fp8'],
+                        help='fp8: the linears quantized online (FP8 GEMMs on the GPU)')
     parser.add_argument('--shapes', action='store_true',
                         help='torch.profiler table grouped by op and input shapes')
     parser.add_argument('--spec', type=int, default=0, help='MTP draft tokens, every step (0: '
@@ -33,7 +35,8 @@ def main():
                    if args.spec else {})                   # a fixed k: the step profiled is k's
     engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch, 2), session_len=2048,
-        load_format=load_format, seed=args.seed, eager_mode=args.eager), progress=False,
+        load_format=load_format, seed=args.seed, eager_mode=args.eager,
+        model_format=args.model_format), progress=False,
         **spec_kwargs)
     cfg = GenerationConfig(max_new_tokens=10_000, ignore_eos=True)
     for b in range(args.batch):
