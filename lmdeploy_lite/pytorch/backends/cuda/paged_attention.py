@@ -10,9 +10,11 @@ multiply in IEEE fp32, not tf32). Kernels:
     `num_splits` depends only on shapes and the SM count, so the launch reads nothing on the host
     and can be captured in a CUDA graph. `_combine_kernel` merges the splits by log-sum-exp.
   * prefill (every other step): varlen flash attention, one program per (query tile of a
-    sequence, q head); the tile -> sequence map is built on the host, or on the device in a
-    captured prefill (`inputs.sync_free`). Scores never exceed one
-    `[BLOCK_M, BLOCK_N]` tile.
+    sequence, q head, split); the tile -> sequence map is built on the host, or on the device in
+    a captured prefill (`inputs.sync_free`). A step of few query tiles (a chunk of a long prompt
+    beside decode rows) splits each tile's history over `prefill_num_splits` programs, so a
+    chunk's attention over 8k cached tokens is not 64 programs on 132 SMs; the splits are
+    merged as decode's are. Scores never exceed one `[BLOCK_M, BLOCK_N]` tile.
 """
 from __future__ import annotations
 
@@ -101,8 +103,7 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_le
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """Grid (B, n_kv * M_TILES, NUM_SPLITS). Row r of a KV head is new token r // GROUP, q head
-    kv_head * GROUP + r % GROUP. Writes each row's split result normalised by its own sum, and
-    (NUM_SPLITS > 1) its log2-sum-exp; a split past the sequence's KV writes nothing."""
+    kv_head * GROUP + r % GROUP. Each split's rows as `_store_split` writes them."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) // M_TILES
     rows = (tl.program_id(1) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -134,60 +135,71 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_le
             v_cache_ptr + kv_head * stride_vh, stride_vb, stride_vs, stride_vd,
             qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
 
-    has_sum = l_i > 0                      # False: every position of the split is hidden
-    out = acc / tl.where(has_sum, l_i, 1.0)[:, None]
-    non_empty = start < end
-    tl.store(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os
-             + d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=q_mask & non_empty)
-    if NUM_SPLITS > 1:
-        lse = tl.where(has_sum, m_i + tl.log2(tl.where(has_sum, l_i, 1.0)), float('-inf'))
-        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split * stride_ls, lse,
-                 mask=row_valid & non_empty)
+    _store_split(o_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
+                 + split * stride_os + d[None, :] * stride_od,
+                 lse_ptr + token * stride_lt + head * stride_lh + split * stride_ls,
+                 acc, m_i, l_i, q_mask, row_valid, NUM_SPLITS)
 
 
 @triton.jit
-def _combine_kernel(o_split_ptr, lse_ptr, out_ptr, history_lens_ptr,
+def _store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, q_mask, row_valid, NUM_SPLITS: tl.constexpr):
+    """A split's rows normalised by their own sum and (NUM_SPLITS > 1) their log2-sum-exp; a
+    split that saw no position writes zeros and -inf (its weight in `_combine_kernel`: 0)."""
+    has_sum = l_i > 0
+    out = acc / tl.where(has_sum, l_i, 1.0)[:, None]
+    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=q_mask)
+    if NUM_SPLITS > 1:
+        lse = tl.where(has_sum, m_i + tl.log2(tl.where(has_sum, l_i, 1.0)), float('-inf'))
+        tl.store(lse_ptrs, lse, mask=row_valid)
+
+
+@triton.jit
+def _combine_kernel(o_split_ptr, lse_ptr, out_ptr,
                     stride_st, stride_sh, stride_ss, stride_sd,
                     stride_lt, stride_lh, stride_ls,
                     stride_ot, stride_oh, stride_od,
-                    Q_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     """Grid (T, nq): out = sum_s w_s o_s / sum_s w_s with w_s = 2^(lse_s - max lse), over the
-    splits `_decode_kernel` wrote (the same split arithmetic)."""
+    splits `_store_split` wrote (a row that saw no position at all: 0)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    kv_len = tl.load(history_lens_ptr + token // Q_LEN) + Q_LEN
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     splits = tl.arange(0, BLOCK_S)
-    written = (splits < NUM_SPLITS) & (splits * split_len < kv_len)
+    written = splits < NUM_SPLITS
     lse = tl.load(lse_ptr + token * stride_lt + head * stride_lh + splits * stride_ls,
                   mask=written, other=float('-inf'))
-    weights = tl.exp2(lse - tl.max(lse, 0))
+    top = tl.max(lse, 0)
+    weights = tl.exp2(lse - tl.where(top == float('-inf'), 0.0, top))
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
     o = tl.load(o_split_ptr + token * stride_st + head * stride_sh + splits[:, None] * stride_ss
                 + d[None, :] * stride_sd, mask=written[:, None] & d_valid[None, :], other=0.0)
-    out = tl.sum(o * weights[:, None], 0) / tl.sum(weights, 0)
+    total = tl.sum(weights, 0)
+    out = tl.sum(o * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, tiles_ptr,
-                    q_start_loc_ptr, q_lens_ptr, history_lens_ptr, qk_scale,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_tables_ptr,
+                    tiles_ptr, q_start_loc_ptr, q_lens_ptr, history_lens_ptr, qk_scale,
                     stride_qt, stride_qh, stride_qd,
                     stride_kb, stride_ks, stride_kh, stride_kd,
                     stride_vb, stride_vs, stride_vh, stride_vd,
-                    stride_btb, stride_btn, stride_ot, stride_oh, stride_od, num_tiles,
+                    stride_btb, stride_btn, stride_ot, stride_oh, stride_os, stride_od,
+                    stride_lt, stride_lh, stride_ls, num_tiles,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """Grid (num_tiles, nq). tiles [2, num_tiles]: (sequence, first new-token index) of each
-    query tile; a tile whose first index is past its sequence's new tokens does nothing. Cache positions before the tile's first query are visible to all its rows (no
-    causal mask); the rest, up to the tile's last query, are masked."""
+                    NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Grid (num_tiles, nq, NUM_SPLITS). tiles [2, num_tiles]: (sequence, first new-token index)
+    of each query tile; a tile whose first index is past its sequence's new tokens does
+    nothing. Cache positions before the tile's first query are visible to all its rows (no
+    causal mask), in NUM_SPLITS shares of whole KV tiles; the rest, up to the tile's last query,
+    are masked and go to the last split. Each split's rows as `_store_split` writes them."""
     seq = tl.load(tiles_ptr + tl.program_id(0))
     first = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
     head = tl.program_id(1)
+    split = tl.program_id(2)
     kv_head = head // GROUP
     q_len = tl.load(q_lens_ptr + seq)
     live = first < q_len                   # False: a spare tile of a captured step's map
@@ -209,20 +221,22 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, block_tables_ptr, ti
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
     seen_by_all = tl.where(live, history + first, 0)
     unmasked_end = (seen_by_all // BLOCK_N) * BLOCK_N
-    for tile_start in range(0, unmasked_end, BLOCK_N):
+    share = tl.cdiv(unmasked_end // BLOCK_N, NUM_SPLITS) * BLOCK_N
+    for tile_start in range(split * share, tl.minimum(split * share + share, unmasked_end),
+                            BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile_start, seen_by_all, block_table_ptr, stride_btn,
             k_head_ptr, stride_kb, stride_ks, stride_kd, v_head_ptr, stride_vb, stride_vs,
             stride_vd, qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
     end = tl.where(live, tl.minimum(history + q_len, seen_by_all + BLOCK_M), 0)
-    for tile_start in range(unmasked_end, end, BLOCK_N):
+    for tile_start in range(tl.where(split == NUM_SPLITS - 1, unmasked_end, end), end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             acc, m_i, l_i, q, q_pos, tile_start, end, block_table_ptr, stride_btn,
             k_head_ptr, stride_kb, stride_ks, stride_kd, v_head_ptr, stride_vb, stride_vs,
             stride_vd, qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(o_ptr + token[:, None] * stride_ot + head * stride_oh + d[None, :] * stride_od,
-             out.to(o_ptr.dtype.element_ty), mask=q_mask)
+    _store_split(o_ptr + token[:, None] * stride_ot + head * stride_oh + split * stride_os
+                 + d[None, :] * stride_od, lse_ptr + token * stride_lt + head * stride_lh
+                 + split * stride_ls, acc, m_i, l_i, q_mask, row_valid, NUM_SPLITS)
 
 
 def _block_d(head_dim: int) -> int:
@@ -305,12 +319,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if num_splits is None:
         max_kv_tiles = triton.cdiv(inputs.block_tables.shape[1] * block_size, block_n)
         num_splits = decode_num_splits(batch * n_kv * m_tiles, max_kv_tiles, _num_sms(q.device))
-    out = torch.empty_like(q)
-    if num_splits == 1:
-        o_split, lse = out.unsqueeze(2), out           # final output; lse is not written
-    else:
-        o_split = q.new_empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32)
-        lse = q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32)
+    out, o_split, lse = _split_outputs(q, num_splits)
     block_d = _block_d(head_dim)
     _decode_kernel[(batch, n_kv * m_tiles, num_splits)](
         q, k_cache, v_cache, inputs.block_tables, inputs.history_lens, o_split, lse,
@@ -321,11 +330,26 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         NUM_SPLITS=num_splits, M_TILES=m_tiles, BLOCK_M=block_m, BLOCK_N=block_n,
         **_launch_options(q, block_m, block_d))
     if num_splits > 1:
-        _combine_kernel[(num_tokens, num_heads)](
-            o_split, lse, out, inputs.history_lens, *o_split.stride(), *lse.stride(),
-            *out.stride(), Q_LEN=q_len, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-            BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+        _combine(o_split, lse, out)
     return out
+
+
+def _split_outputs(q: torch.Tensor, num_splits: int):
+    """(out, the kernels' split outputs, their lse): the final output itself for one split."""
+    out = torch.empty_like(q)
+    if num_splits == 1:
+        return out, out.unsqueeze(2), out            # lse is not written
+    num_tokens, num_heads, head_dim = q.shape
+    return (out, q.new_empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32),
+            q.new_empty(num_tokens, num_heads, num_splits, dtype=torch.float32))
+
+
+def _combine(o_split: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    num_tokens, num_heads, num_splits, head_dim = o_split.shape
+    _combine_kernel[(num_tokens, num_heads)](
+        o_split, lse, out, *o_split.stride(), *lse.stride(), *out.stride(), HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=_block_d(head_dim))
 
 
 def _host_tiles(inputs: ModelInputs, block_m: int) -> torch.Tensor:
@@ -354,11 +378,24 @@ def _device_tiles(inputs: ModelInputs, block_m: int, num_tokens: int) -> torch.T
     return torch.stack([seq, first])
 
 
+def prefill_num_splits(q: torch.Tensor) -> int:
+    """Splits of each query tile's history: 16-bit steps of at most 2048 tokens, where a long
+    prompt's chunk is a few query tiles, take 2-8 (about 2 programs per SM for the chunk's tiles
+    at 8-16 heads); bounds at powers of two, which are CUDA graph buckets, so that an eager step
+    and its captured bucket split alike. fp32 (tests): 1."""
+    tokens = q.shape[0]
+    if q.dtype == torch.float32 or tokens > 2048:
+        return 1
+    return 8 if tokens <= 512 else 4 if tokens <= 1024 else 2
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      inputs: ModelInputs, scale: float) -> torch.Tensor:
+                      inputs: ModelInputs, scale: float,
+                      num_splits: int | None = None) -> torch.Tensor:
     """q [T, nq, d] (any q_lens and history_lens; the step's k/v already in the caches) ->
     [T, nq, d]. The query-tile map comes from the host lengths, or is built on the device when
-    the step is captured (`inputs.sync_free`); the same for every layer of a forward."""
+    the step is captured (`inputs.sync_free`); the same for every layer of a forward.
+    `num_splits` (default `prefill_num_splits`) is exposed for tests."""
     num_heads, head_dim = q.shape[1:]
     block_size, n_kv = k_cache.shape[1:3]
     (block_m, block_n), block_d = _prefill_tile_sizes(q), _block_d(head_dim)
@@ -368,14 +405,19 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     else:
         tiles = inputs.derived(('attention_tiles', block_m),
                                lambda: _host_tiles(inputs, block_m).to(q.device))
-    out = torch.empty_like(q)
+    num_splits = prefill_num_splits(q) if num_splits is None else num_splits
+    out, o_split, lse = _split_outputs(q, num_splits)
     num_tiles = tiles.shape[1]
-    _prefill_kernel[(num_tiles, num_heads)](
-        q, k_cache, v_cache, out, inputs.block_tables, tiles, inputs.q_start_loc, inputs.q_lens,
-        inputs.history_lens, scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
-        *inputs.block_tables.stride(), *out.stride(), num_tiles,
-        GROUP=num_heads // n_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m,
-        BLOCK_N=block_n, **_launch_options(q, block_m, block_d))
+    _prefill_kernel[(num_tiles, num_heads, num_splits)](
+        q, k_cache, v_cache, o_split, lse, inputs.block_tables, tiles, inputs.q_start_loc,
+        inputs.q_lens, inputs.history_lens, scale * LOG2E, *q.stride(), *k_cache.stride(),
+        *v_cache.stride(), *inputs.block_tables.stride(), *o_split.stride(),
+        *(lse.stride() if num_splits > 1 else (0, 0, 0)), num_tiles,
+        GROUP=num_heads // n_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
+        **_launch_options(q, block_m, block_d))
+    if num_splits > 1:
+        _combine(o_split, lse, out)
     return out
 
 

@@ -84,7 +84,8 @@ def compare_step(q_lens, history_lens, caches, nq, decoding, dtype, device, gen,
         out = ops.paged_attention(q, k, v, k_ours, v_ours, inputs, scale)
     else:
         ops.store_kv(k, v, k_ours, v_ours, inputs)
-        out = ops.decode_attention(q, k_ours, v_ours, inputs, scale, num_splits=num_splits)
+        attention = ops.decode_attention if decoding else ops.prefill_attention
+        out = attention(q, k_ours, v_ours, inputs, scale, num_splits=num_splits)
     reference_inputs = make_inputs([[0] * n for n in q_lens], history_lens, tables,
                                    list(range(batch)), is_decoding=decoding).to(device)
     ref = default_paged_attention(q, k, v, k_cache, v_cache, reference_inputs, scale)
@@ -122,11 +123,13 @@ def test_decode_matches_default(kernel_device, q_len, nq, n_kv, block_size, num_
                      kernel_device, gen, num_splits)
 
 
-@pytest.mark.parametrize('nq,n_kv,sync_free', [(2, 2, False), (8, 2, False), (8, 2, True)],
-                         ids=['gqa1', 'gqa4', 'gqa4-device-tiles'])
-def test_prefill_and_chunked_continuation_match_default(kernel_device, nq, n_kv, sync_free):
+@pytest.mark.parametrize('nq,n_kv,sync_free,num_splits', [
+    (2, 2, False, None), (8, 2, False, None), (8, 2, True, None), (8, 2, True, 3)],
+    ids=['gqa1', 'gqa4', 'gqa4-device-tiles', 'gqa4-device-tiles-3-splits'])
+def test_prefill_and_chunked_continuation_match_default(kernel_device, nq, n_kv, sync_free,
+                                                        num_splits):
     """`sync_free`: the query-tile map built on the device (a captured step), with a sequence of
-    no new tokens among them."""
+    no new tokens among them. `num_splits`: each tile's history split (some splits empty)."""
     gen = torch.Generator().manual_seed(nq)
     schedule = [[5, 40, 1, 17], [3, 34, 0 if sync_free else 9, 1]]   # then a chunk after each
     for dtype in kernel_dtypes(kernel_device):
@@ -134,7 +137,7 @@ def test_prefill_and_chunked_continuation_match_default(kernel_device, nq, n_kv,
         history_lens = [0] * 4
         for q_lens in schedule:
             compare_step(q_lens, history_lens, caches, nq, False, dtype, kernel_device, gen,
-                         sync_free=sync_free)
+                         num_splits=num_splits, sync_free=sync_free)
             history_lens = [h + n for h, n in zip(history_lens, q_lens)]
 
 
@@ -173,6 +176,10 @@ def test_prefill_realistic_sizes_bf16():
     caches = random_caches(3, 4096, 64, 4, 256, torch.bfloat16, 'cuda', gen)
     compare_step([1000, 3000, 17], [0, 0, 0], caches, 16, False, torch.bfloat16, 'cuda', gen)
     compare_step([96, 1000, 1], [1000, 3000, 17], caches, 16, False, torch.bfloat16, 'cuda', gen)
+    caches = random_caches(4, 4096, 64, 4, 256, torch.bfloat16, 'cuda', gen)
+    for num_splits in (None, 5):         # a chunk of a long prompt beside decode rows: split
+        compare_step([992, 1, 1, 1], [3000, 17, 0, 1000], caches, 16, False, torch.bfloat16,
+                     'cuda', gen, num_splits=num_splits)
 
 
 @pytest.mark.gpu
