@@ -14,6 +14,7 @@ Every backend provides (see `backends/default` for shapes and semantics):
     silu_mul(gate_up) -> [..., I]                (silu(gate_up[..., :I]) * gate_up[..., I:])
     fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids) -> [T, H]
     fused_moe_masked(x, counts, gate_up_proj, down_proj, out=None) -> [E, C, H]  (x[e, :counts[e]])
+                              (both: gate_up_scale=, down_scale= with FP8 experts, models/fp8.py)
 
 Decode-step contract (what lets `graph_runner` capture a step in a CUDA graph): when
 `inputs.is_decoding`, or in a captured prefill step (`inputs.sync_free`, any lengths), an op
