@@ -12,6 +12,8 @@ reports it returns, as a server would deliver it (with async scheduling, one ste
 that computed it; `--synchronize`: the device is synchronized after each step, which serializes
 every step's host and device work and so misleads the adaptive budget, whose decode times are
 then host times: the runs before 2026-11-27 evening did that). A stream's inter-token intervals are the gaps between its reports.
+The JSON's `timeline`: each window step's start and end (ms from the arrival), what it scheduled,
+the stream tokens it handed out, and the time spent in Engine.step's parts (`PHASES`).
 `window` = the intervals that overlap the time from the long prompt's arrival to its first token
 (a stream stalled by the prefill has its stall in one of them); `base` = those that end before
 the arrival; `all` = every interval. ttft = arrival to first token of the
@@ -55,6 +57,31 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
     return torch.randint(2, vocab, (num, length), generator=generator).tolist()
 
 
+# Engine.step's parts, timed in each window step of the timeline (ms; waits for the device
+# included): scheduling (with the wait for a held step's results when it is not continued),
+# building the inputs, the forward's launch or replay, applying (or holding) the results
+PHASES = ('_schedule', '_make_inputs', 'agent.step', '_update_or_hold')
+
+
+def time_phases(engine) -> dict[str, float]:
+    """Wrap `PHASES` on `engine` (instance attributes; `run_scenario` deletes them): each call's
+    milliseconds are added to the returned dict, which the caller clears per step."""
+    spent: dict[str, float] = {}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + 1000 * (time.perf_counter() - start)
+        return wrapper
+    for name in PHASES:
+        owner, attr = (engine.agent, 'step') if name == 'agent.step' else (engine, name)
+        setattr(owner, attr, timed(name, getattr(owner, attr)))
+    return spent
+
+
 def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, pre_steps: int,
                  post_steps: int, seed: int = 0, synchronize_steps: bool = False) -> dict:
     """One measured run (see the module docstring); aborts and drains everything afterwards."""
@@ -75,6 +102,7 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
     # the steps the scheduler schedules, and the mixed steps async scheduling continues
     engine.scheduler.schedule = lambda: record(schedule())
     engine.scheduler.continue_mixed = lambda held: record(continue_mixed(held))
+    phases = time_phases(engine)
     stream_ids = {s.seq_id for s in seqs}
     reports = {i: [] for i in stream_ids}          # seq_id -> times its tokens were reported
     long_seq, arrival, first_token, steps_left, step = None, None, None, None, 0
@@ -99,7 +127,8 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
                 timeline.append((1000 * (began - arrival), 1000 * (now - arrival),
                                  step_kinds[kinds_before:] or None,
                                  sum(bool(o.new_token_ids) and o.seq.seq_id in stream_ids
-                                     for o in outputs)))
+                                     for o in outputs), dict(phases)))
+            phases.clear()
             for out in outputs:
                 if not out.new_token_ids:
                     continue
@@ -112,6 +141,8 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
                 steps_left -= 1
     finally:
         del engine.scheduler.schedule, engine.scheduler.continue_mixed
+        for name in PHASES:
+            delattr(engine, name) if name != 'agent.step' else delattr(engine.agent, 'step')
         for seq in seqs:
             engine.abort(seq)
         while engine.has_work:
