@@ -124,8 +124,8 @@ def test_decode_matches_default(kernel_device, q_len, nq, n_kv, block_size, num_
 
 
 @pytest.mark.parametrize('nq,n_kv,sync_free,num_splits', [
-    (2, 2, False, None), (8, 2, False, None), (8, 2, True, None), (8, 2, True, 3)],
-    ids=['gqa1', 'gqa4', 'gqa4-device-tiles', 'gqa4-device-tiles-3-splits'])
+    (2, 2, False, None), (8, 2, False, None), (8, 2, True, None), (2, 1, True, 3)],
+    ids=['gqa1', 'gqa4', 'gqa4-device-tiles', 'gqa2-device-tiles-3-splits'])
 def test_prefill_and_chunked_continuation_match_default(kernel_device, nq, n_kv, sync_free,
                                                         num_splits):
     """`sync_free`: the query-tile map built on the device (a captured step), with a sequence of
