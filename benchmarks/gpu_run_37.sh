@@ -5,7 +5,8 @@
 # PART=engine: the engine-level FP8 GPU test (embedded model, 32 sequences, MTP k=3, graphs).
 # PART=pipe: bench_pipeline.py, bf16 against FP8 (online quantization of random weights) for
 # PRESET (default the 9B), batch BATCHES, draft counts KS (0: AR; k > 0 synthetic 0.8/0.6/0.5),
-# TTFT rows at prompt lengths TTFT (e.g. 128,2048,8192).
+# TTFT rows at prompt lengths TTFT (e.g. 128,2048,8192). PART=moe: bench_fused_moe.py (the
+# routed experts' op, bf16 and FP8, at TOKENS; SWEEP=1: a config grid beside the heuristic's).
 source .whl/gpu-env.sh
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 case "${PART:-kernel}" in
@@ -17,6 +18,10 @@ kernel)
       > $OUT/fp8_gemm_$preset.log 2>&1
     tail -${TAILN:-30} $OUT/fp8_gemm_$preset.log | cut -c1-120
   done ;;
+moe)
+  timeout ${LIMIT:-400} python3 benchmarks/bench_fused_moe.py --preset ${PRESET:-qwen3_5_35b_a3b} \
+    --tokens ${TOKENS:-1,16,64,256} ${SWEEP:+--sweep} --out $OUT/fused_moe.json > $OUT/fused_moe.log 2>&1
+  tail -${TAILN:-12} $OUT/fused_moe.log | cut -c1-160 ;;
 engine)
   timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
     2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -6 ;;

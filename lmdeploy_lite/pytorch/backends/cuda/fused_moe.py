@@ -246,12 +246,23 @@ def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple:
     return (scale, *scale.stride()), dict(HAS_SCALE=True)
 
 
+def moe_config(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """`fused_moe`'s (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for `num_pairs` (token, slot)
+    pairs: one pair a block up to `UNSORTED_MAX_PAIRS` (decode: more, longer programs), else
+    blocks of about the pairs an expert gets. BLOCK_K divides FP8's 128-wide scale groups."""
+    if num_pairs <= UNSORTED_MAX_PAIRS:
+        return 16, 32, 128, 4, 3
+    return min(64, max(16, triton.next_power_of_2(num_pairs // num_experts))), 64, 64, 4, 3
+
+
 def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               gate_up_scale: torch.Tensor | None = None,
-              down_scale: torch.Tensor | None = None) -> torch.Tensor:
+              down_scale: torch.Tensor | None = None,
+              config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """The default op's routed experts, with no host reads (module docstring); FP8 weights with
-    their block scales (`gate_up_scale` / `down_scale`) are dequantized tile by tile."""
+    their block scales (`gate_up_scale` / `down_scale`) are dequantized tile by tile. `config`:
+    `moe_config`'s (for benchmarks; BLOCK_M counts only where pairs are sorted)."""
     if x.dtype == torch.float64:        # no fp64 tl.dot worth having; float64 models are CPU tests
         return reference.fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids,
                                    gate_up_scale, down_scale)
@@ -263,8 +274,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     x = x if x.stride(-1) == 1 else x.contiguous()
     flat_ids, flat_weights = (t.reshape(-1).contiguous() for t in (topk_ids, topk_weights))
     sorted_pairs = num_pairs > UNSORTED_MAX_PAIRS
+    block_m, block_n, block_k, warps, stages = config or moe_config(num_pairs, num_experts)
     if sorted_pairs:
-        block_m = min(64, max(16, triton.next_power_of_2(num_pairs // num_experts)))
         pair_ids, block_expert = _sort_pairs(flat_ids, num_experts, block_m)
         num_blocks = block_expert.numel()
         pair_out = torch.zeros(num_pairs, hidden, dtype=torch.float32, device=x.device)
@@ -274,10 +285,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
         pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     precision = 'ieee' if x.dtype == torch.float32 else 'tf32'     # tf32: ignored for 16-bit
-    # decode: more, longer programs; BLOCK_K divides FP8's 128-wide scale groups
-    block_n, block_k = (64, 64) if sorted_pairs else (32, 128)
     common = dict(SORTED=sorted_pairs, DOT_PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
-                  BLOCK_K=block_k, num_warps=4)
+                  BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     gate_up_s, has_scale = _scale_args(gate_up_proj, gate_up_scale)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter_size, block_n))](
         x, gate_up_proj, inter, pair_ids, block_expert, flat_ids, num_pairs, num_experts, top_k,
