@@ -7,9 +7,14 @@ from decayed counts of the rows that reached and accepted position j (drafts do 
 any step with more than j drafts measures it) plus a prior of `PRIOR_ROWS` rows that does not
 decay, centred on a_{j-1} (`prior_acceptance` for j = 0): a position not drafted lately drifts
 back to the one before it rather than keeping what a few early drafts said (the start of an
-output, harder to draft, once held a CPU run at k=1 where k=3 was 12% faster); t(b, k) as a
-moving average, recorded only when the step before ran the same (b, k) (with async scheduling a
-step's wall time is its predecessor's device time). Unmeasured cells are estimated
+output, harder to draft, once held a CPU run at k=1 where k=3 was 12% faster); t(b, k) as the
+lower quartile of the cell's last `time_window` step times (the minimum while it has <= 4),
+recorded only when the step before ran the same (b, k) (with async scheduling a step's wall time
+is its predecessor's device time). Noise on a shared CPU is one-sided and bursty (a few steps
+1.5-2x slower whatever k runs), so the low end of a cell's times is its cost, and a cell timed in
+a single visit (`explore_steps` steps) may have been timed in a burst only: every `confirm_every`
+steps, one such cell that could win at the noise the running k has seen (the ratio of its
+slowest recent step to its estimate) is timed once more. Unmeasured cells are estimated
 (`prior_acceptance` for position 0, `prior_draft_cost` of a k = 0 step per draft; else the
 measured ks around them) and tried: at a new bucket each k runs `explore_steps` steps once, best
 estimate first (cost is not linear in k: the first draft carries the verify width and the head's
@@ -24,7 +29,7 @@ import bisect
 import itertools
 import math
 import os
-from collections import Counter
+from collections import Counter, deque
 
 PRIOR_ROWS = 2.0          # the prior's weight, in rows, of each position's acceptance
 
@@ -40,18 +45,24 @@ class DraftCountPolicy:
 
     def __init__(self, max_k: int, dynamic: bool = True, cycle: tuple[int, ...] | None = None,
                  prior_acceptance: float = 0.7, prior_draft_cost: float = 0.25,
-                 decay: float = 0.98, time_alpha: float = 0.2, explore_steps: int = 2,
-                 revisit_every: int = 200, switch_margin: float = 0.03):
+                 decay: float = 0.98, explore_steps: int = 2,
+                 revisit_every: int = 200, switch_margin: float = 0.03,
+                 time_window: int = 24, confirm_every: int = 12):
         self.max_k, self.dynamic = max_k, dynamic and max_k > 0
         self.cycle = itertools.cycle([min(max(k, 0), max_k) for k in cycle]) if cycle else None
         self.prior_acceptance, self.prior_draft_cost = prior_acceptance, prior_draft_cost
-        self.decay, self.time_alpha, self.explore_steps = decay, time_alpha, explore_steps
+        self.decay, self.explore_steps = decay, explore_steps
         self.revisit_every, self.switch_margin = revisit_every, switch_margin
+        self.time_window, self.confirm_every = time_window, confirm_every
         # decayed counts per draft position: rows that reached it, rows that accepted it
         self.reached = [0.0] * max_k
         self.accepted = [0.0] * max_k
         self.times: dict[int, dict[int, float]] = {}      # bucket -> k -> seconds per step
         self.samples: dict[tuple[int, int], int] = {}
+        self._recent: dict[tuple[int, int], deque] = {}   # (bucket, k) -> last step times
+        self._visits: dict[tuple[int, int], int] = {}     # timed runs of like steps per cell
+        self._run = 0                                     # like steps in a row before this one
+        self._since_confirm = 0
         self._hold: tuple[int, int] = (0, 0)              # (k, steps left) of an exploration
         self._steps: dict[int, int] = {}                  # steps proposed per bucket
         self._choice: dict[int, int] = {}                 # the running choice per bucket
@@ -97,12 +108,20 @@ class DraftCountPolicy:
         """A decode step's wall time, recorded only after a step of the same bucket and k."""
         cell = (batch_bucket(batch_size), k)
         last, self._last = self._last, cell
+        self._run = self._run + 1 if last == cell else 0
         if not self.dynamic or last != cell or seconds <= 0:
             return
-        times = self.times.setdefault(cell[0], {})
-        n = self.samples[cell] = self.samples.get(cell, 0) + 1
-        old = times.get(k, seconds)      # the plain mean of the first samples, then a moving one
-        times[k] = old + max(self.time_alpha, 1 / n) * (seconds - old)
+        if self._run == 1:
+            self._visits[cell] = self._visits.get(cell, 0) + 1
+        recent = self._recent.setdefault(cell, deque(maxlen=self.time_window))
+        recent.append(seconds)
+        self.samples[cell] = self.samples.get(cell, 0) + 1
+        self.times.setdefault(cell[0], {})[k] = sorted(recent)[(len(recent) - 1) // 4]
+
+    def noise(self, bucket: int, k: int) -> float:
+        """The slowest of (bucket, k)'s recent step times over its estimate (>= 1)."""
+        recent = self._recent.get((bucket, k))
+        return max(recent) / self.times[bucket][k] if recent else 1.0
 
     def break_sequence(self):
         """A non-decode step ran: the next decode step's wall time is not its own."""
@@ -158,6 +177,9 @@ class DraftCountPolicy:
         if revisit == 'down' and best > 0:
             return self._explore(best - 1)
         current = self._choice.get(bucket)
+        unconfirmed = self._unconfirmed(bucket, current, rates)
+        if unconfirmed is not None:
+            return self._explore(unconfirmed)
         if current is not None and rates[best] < rates[current] * (1 + self.switch_margin):
             return current
         self._choice[bucket] = best
@@ -175,6 +197,20 @@ class DraftCountPolicy:
         if steps % every == 0:
             return 'up'
         return 'down' if steps % every == every // 2 and steps > every else None
+
+    def _unconfirmed(self, bucket: int, current: int | None, rates: list[float]) -> int | None:
+        """Every `confirm_every` steps: the best-rated k timed in one visit only whose rate,
+        were its times all from a burst as slow as the running k's slowest, could beat it."""
+        self._since_confirm += 1
+        if current is None or self._since_confirm < self.confirm_every:
+            return None
+        self._since_confirm = 0
+        noise = self.noise(bucket, current)
+        for k in sorted(range(len(rates)), key=lambda j: -rates[j]):
+            if k != current and self._visits.get((bucket, k), 0) < 2 and (
+                    rates[k] * noise > rates[current]):
+                return k
+        return None
 
     def _explore(self, k: int) -> int:
         # explore_steps + 1: the first step after a switch is not timed (nor fully drafted)

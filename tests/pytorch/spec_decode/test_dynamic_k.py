@@ -240,3 +240,35 @@ def test_policy_recovers_from_a_hard_start_on_a_noisy_cpu_clock():
         return tokens / seconds
     for seed in range(5):
         assert run(DraftCountPolicy(3), seed) >= 0.97 * run(None, seed), seed
+
+
+def test_policy_keeps_k3_through_bursts_of_slow_steps():
+    """A shared 2-core CPU: the same step times (k = 0..3: 8.0, 11.7, 15.5, 16.0 ms, +-5%), but
+    with probability 0.05 per step a burst of 3 steps 1.6-2x slower whatever k runs (the
+    front-end thread, GC, another process); acceptance 0.9, 0.85, 0.8. A burst that lands on a
+    k's few exploration steps, or on the running k, must not hold the policy away from k=3: over
+    300 steps each seed reaches >= 0.95x fixed k=3 on the same draws. (With a moving average and
+    no second visit, seeds 1, 3, 4, 5, 6 of these 8 gave 0.85-0.93x.)"""
+    import random
+    step_ms = {0: 8.0, 1: 11.7, 2: 15.5, 3: 16.0}
+
+    def run(policy, seed):
+        rng, tokens, seconds, burst = random.Random(seed), 0, 0.0, 0
+        for _ in range(300):
+            if burst == 0 and rng.random() < 0.05:
+                burst = 3
+            slow, burst = (rng.uniform(1.6, 2.0) if burst else 1.0), max(0, burst - 1)
+            draws = [rng.random() for _ in range(3)]
+            k = policy.propose(1) if policy else 3
+            accepted = 0
+            while accepted < k and draws[accepted] < (0.9, 0.85, 0.8)[accepted]:
+                accepted += 1
+            t = step_ms[k] * slow * rng.uniform(0.95, 1.05) / 1e3
+            if policy:
+                policy.observe_time(1, k, t)
+                if k:
+                    policy.observe_acceptance([k], [accepted])
+            tokens, seconds = tokens + 1 + accepted, seconds + t
+        return tokens / seconds
+    ratios = [run(DraftCountPolicy(3), seed) / run(None, seed) for seed in range(8)]
+    assert min(ratios) >= 0.95, [round(r, 3) for r in ratios]
