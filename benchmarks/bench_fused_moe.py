@@ -15,13 +15,9 @@ import argparse
 import itertools
 
 import torch
+from bench_fp8_gemm import time_us
 from common import environment, output_path, print_table, save_json
 from presets import preset_config
-
-
-def time_us(fn, rep: int = 30) -> float:
-    import triton.testing
-    return triton.testing.do_bench_cudagraph(fn, rep=rep) * 1000
 
 
 def expert_weights(c: dict, fp8: bool, device: str):
@@ -70,7 +66,7 @@ def main():
             for config in configs:
                 try:
                     timed[config] = time_us(lambda: fused_moe(x, gate_up, down, weights, ids,
-                                                              config=config, **scales))
+                                                              config=config, **scales), rep=30)
                 except Exception:                   # out of shared memory, ...
                     continue
             best = min(timed, key=timed.get)

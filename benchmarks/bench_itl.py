@@ -142,7 +142,10 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
     finally:
         del engine.scheduler.schedule, engine.scheduler.continue_mixed
         for name in PHASES:
-            delattr(engine, name) if name != 'agent.step' else delattr(engine.agent, 'step')
+            if name == 'agent.step':
+                del engine.agent.step
+            else:
+                delattr(engine, name)
         for seq in seqs:
             engine.abort(seq)
         while engine.has_work:
