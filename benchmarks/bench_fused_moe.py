@@ -44,13 +44,14 @@ def main():
     parser.add_argument('--preset', default='qwen3_5_35b_a3b')
     parser.add_argument('--tokens', default='1,16,64,256')
     parser.add_argument('--sweep', action='store_true', help='time a grid of kernel configs')
+    parser.add_argument('--weights', default='bf16,fp8', help='bf16, fp8 or both')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     from lmdeploy_lite.pytorch.backends.cuda.fused_moe import fused_moe, moe_config
     c = preset_config(args.preset)
     top_k, num_experts = c['num_experts_per_tok'], c['num_experts']
     rows = []
-    for fp8 in (False, True):
+    for fp8 in [w == 'fp8' for w in args.weights.split(',')]:
         gate_up, down, scales = expert_weights(c, fp8, 'cuda')
         per_expert = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size() + sum(
             s[0].numel() * 4 for s in scales.values())

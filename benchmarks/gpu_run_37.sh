@@ -7,9 +7,16 @@
 # PRESET (default the 9B), batch BATCHES, draft counts KS (0: AR; k > 0 synthetic 0.8/0.6/0.5),
 # TTFT rows at prompt lengths TTFT (e.g. 128,2048,8192). PART=moe: bench_fused_moe.py (the
 # routed experts' op, bf16 and FP8, at TOKENS; SWEEP=1: a config grid beside the heuristic's).
+# PART=multi: the two-GPU FP8 tests (tp2, dp2 ep2). PART=side: the 35B-A3B in FP8 on GPU 0
+# against bf16 dp2 ep2 (DeepEP) on GPUs 0,1, AR and MTP k=3, 64 sequences a GPU. PART takes
+# several parts, run in turn; Triton's autotune results travel as in gpu_run_38.sh.
 source .whl/gpu-env.sh
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
-case "${PART:-kernel}" in
+export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
+[ -d .triton_autotune ] && cp -r .triton_autotune/. $TRITON_CACHE_DIR/
+trap '(cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf $OUT/autotune.tgz -T -)' EXIT
+for part in ${PART:-kernel}; do
+case "$part" in
 kernel)
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/pytorch/backends/cuda/test_cuda_fp8_gemm.py \
     2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -12
@@ -20,11 +27,22 @@ kernel)
   done ;;
 moe)
   timeout ${LIMIT:-400} python3 benchmarks/bench_fused_moe.py --preset ${PRESET:-qwen3_5_35b_a3b} \
-    --tokens ${TOKENS:-1,16,64,256} ${SWEEP:+--sweep} --out $OUT/fused_moe.json > $OUT/fused_moe.log 2>&1
+    --tokens ${TOKENS:-1,16,64,256} --weights ${WEIGHTS:-bf16,fp8} ${SWEEP:+--sweep} --out $OUT/fused_moe.json > $OUT/fused_moe.log 2>&1
   tail -${TAILN:-12} $OUT/fused_moe.log | cut -c1-160 ;;
 engine)
-  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
-    2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -6 ;;
+  timeout ${LIMIT:-300} python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
+    -k 32_sequences 2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -6 ;;
+multi)
+  timeout ${LIMIT:-400} python3 -m pytest -q -s -p no:cacheprovider -rs \
+    tests/gpu/test_fp8_cuda.py -k two_gpus 2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -8 ;;
+side)
+  B="python3 benchmarks/bench_pipeline.py --device cuda --dtype bfloat16 --repeats 1 --loop-steps 32 \
+     --preset qwen3_5_35b_a3b --new-tokens 128 --spec-ks 0,3 --no-dynamic-k \
+     --synthetic-acceptance 0.8,0.6,0.5 --token-map-size 32768"
+  CUDA_VISIBLE_DEVICES=0 timeout 250 $B --model-format fp8 --batch-sizes 64 --session-len 4096 \
+    --out $OUT/p35_fp8_1gpu.json 2>&1 | grep -v "^USDT\|IBGDA" | tail -4
+  LMDEPLOY_LITE_EP_DISPATCHER=deepep CUDA_VISIBLE_DEVICES=0,1 timeout 250 $B --dp 2 --ep 2 \
+    --batch-sizes 128 --out $OUT/p35_bf16_dp2ep2.json 2>&1 | grep -v "^USDT\|IBGDA" | tail -4 ;;
 pipe)
   PRESET=${PRESET:-qwen3_5_9b}
   for k in ${KS:-0}; do
@@ -38,3 +56,4 @@ pipe)
     done
   done ;;
 esac
+done

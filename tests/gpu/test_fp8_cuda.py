@@ -50,3 +50,43 @@ def test_fp8_against_bf16_on_32_sequences_with_graphs():
           f'median position {statistics.median(differ) if differ else "-"}; mean accepted '
           f'length bf16 {bf16_len:.3f}, FP8 {fp8_len:.3f} ({fp8_len / bf16_len:.3f})')
     assert fp8_len >= 0.97 * bf16_len
+
+
+
+@pytest.mark.parametrize('layout', [dict(tp=2), dict(dp=2, ep=2)], ids=['tp2', 'dp2_ep2'])
+def test_fp8_on_two_gpus(layout, monkeypatch):
+    """Online FP8 sharded over two GPUs (the block scales split with their weights; DeepEP where
+    installed for dp2 ep2), bf16, MTP k=3, graphs: drafts are accepted and the mean accepted
+    length is within 3% of one GPU's FP8 run on the same 16 prompts; the share of sequences
+    identical to it is printed (split reductions round differently)."""
+    import importlib.util
+
+    from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
+    from lmdeploy_lite.tokenizer import load_tokenizer
+    from tests.gpu.test_multi_gpu_graphs import GEN, TEXTS, _skip
+    from tests.helpers.broken import run_requests
+    _skip(2)
+    monkeypatch.setenv('LMDEPLOY_LITE_CHECK_COLLECTIVES', '1')
+    monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '60')
+    if 'ep' in layout and importlib.util.find_spec('deep_ep') is not None:
+        monkeypatch.setenv('LMDEPLOY_LITE_EP_DISPATCHER', 'deepep')
+    tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    base = dict(dtype='bfloat16', device='cuda', session_len=512, max_batch_size=16,
+                model_format='fp8', enable_prefix_caching=False)
+    spec = SpeculativeConfig(num_speculative_tokens=3, dynamic=False)
+    with pipeline(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**base), spec, progress=False) as pipe:
+        one = pipe(prompts, GEN)
+    loop = MPEngineLoop(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**base, **layout), spec)
+    try:
+        got = run_requests(loop, prompts, GEN, timeout_s=300)
+    finally:
+        loop.close()
+    assert all(r.finish_reason == 'length' for r in got)
+    one_len, got_len = (total([r.spec_stats for r in rs]).mean_accepted_length
+                        for rs in (one, got))
+    same = sum(g.token_ids == r.token_ids for g, r in zip(got, one, strict=True))
+    tag = ' '.join(f'{k}{v}' for k, v in layout.items())
+    print(f'\nFP8 {tag} vs one GPU, bf16: {same}/{len(got)} sequences identical; mean accepted '
+          f'length {got_len:.3f} against {one_len:.3f}')
+    assert got_len >= 0.97 * one_len > 1
