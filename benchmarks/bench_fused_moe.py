@@ -76,8 +76,9 @@ def main():
                          'experts_touched': ids.unique().numel(), 'default': str(default),
                          'default_us': timed[default], 'best': str(best), 'best_us': timed[best],
                          'touched_gb_s': touched / timed[default] / 1e3,
-                         'best_gb_s': touched / timed[best] / 1e3})
-            print(rows[-1], flush=True)
+                         'best_gb_s': touched / timed[best] / 1e3,
+                         'sweep': {str(c): round(us, 2) for c, us in timed.items()}})
+            print({k: v for k, v in rows[-1].items() if k != 'sweep'}, flush=True)
     print(f'{args.preset}: {torch.cuda.get_device_name()}')
     print_table(rows, ['weights', 'tokens', 'experts_touched', 'default', 'default_us',
                        'touched_gb_s', 'best', 'best_us', 'best_gb_s'])

@@ -31,10 +31,10 @@ moe)
   tail -${TAILN:-12} $OUT/fused_moe.log | cut -c1-160 ;;
 engine)
   timeout ${LIMIT:-300} python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_cuda.py \
-    -k 32_sequences 2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -6 ;;
+    -k 32_sequences 2>&1 | grep "FP8\|passed\|failed\|Error" | tail -6 ;;
 multi)
   timeout ${LIMIT:-400} python3 -m pytest -q -s -p no:cacheprovider -rs \
-    tests/gpu/test_fp8_cuda.py -k two_gpus 2>&1 | grep -v "^USDT\|IBGDA\|^$" | tail -8 ;;
+    tests/gpu/test_fp8_cuda.py -k two_gpus 2>&1 | grep "FP8\|passed\|failed\|Error\|SKIP" | tail -8 ;;
 side)
   B="python3 benchmarks/bench_pipeline.py --device cuda --dtype bfloat16 --repeats 1 --loop-steps 32 \
      --preset qwen3_5_35b_a3b --new-tokens 128 --spec-ks 0,3 --no-dynamic-k \
