@@ -28,6 +28,7 @@ A preset has dummy weights: give `--synthetic-acceptance` with `--num-spec-token
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -59,8 +60,14 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 
 # Engine.step's parts, timed in each window step of the timeline (ms; waits for the device
 # included): scheduling (with the wait for a held step's results when it is not continued),
-# building the inputs, the forward's launch or replay, applying (or holding) the results
-PHASES = ('_schedule', '_make_inputs', 'agent.step', '_update_or_hold')
+# building the inputs, the forward's launch or replay (its model part: agent._forward), applying
+# (or holding) the results; gcN: the garbage collector's pauses (generation N) in the step
+PHASES = ('_schedule', '_make_inputs', 'agent.step', 'agent._forward', '_update_or_hold')
+
+
+def device_mallocs(device: torch.device) -> int:
+    """The CUDA caching allocator's device allocations so far (0 elsewhere)."""
+    return torch.cuda.memory_stats(device).get('num_device_alloc', 0) if device.type == 'cuda' else 0
 
 
 def time_phases(engine) -> dict[str, float]:
@@ -77,8 +84,17 @@ def time_phases(engine) -> dict[str, float]:
                 spent[name] = spent.get(name, 0.0) + 1000 * (time.perf_counter() - start)
         return wrapper
     for name in PHASES:
-        owner, attr = (engine.agent, 'step') if name == 'agent.step' else (engine, name)
+        owner, attr = (engine.agent, name.split('.')[1]) if '.' in name else (engine, name)
         setattr(owner, attr, timed(name, getattr(owner, attr)))
+    gc_began = []
+
+    def collected(phase, info):     # Python's garbage collector pauses, within those parts
+        if phase == 'start':
+            gc_began.append(time.perf_counter())
+        elif gc_began:
+            key = f'gc{info["generation"]}'
+            spent[key] = spent.get(key, 0.0) + 1000 * (time.perf_counter() - gc_began.pop())
+    gc.callbacks.append(collected)
     return spent
 
 
@@ -115,7 +131,10 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
                 long_seq = engine.add_request(prompt, GenerationConfig(max_new_tokens=1))
                 arrival, steps_at_arrival = time.perf_counter(), len(step_kinds)
             began, kinds_before = time.perf_counter(), len(step_kinds)
+            mallocs = device_mallocs(engine.device)
             outputs = engine.step()
+            if device_mallocs(engine.device) > mallocs:    # cudaMalloc may wait for the device
+                phases['cudaMalloc'] = device_mallocs(engine.device) - mallocs
             if synchronize_steps:
                 synchronize(engine.device)
             now = time.perf_counter()
@@ -142,10 +161,9 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
     finally:
         del engine.scheduler.schedule, engine.scheduler.continue_mixed
         for name in PHASES:
-            if name == 'agent.step':
-                del engine.agent.step
-            else:
-                delattr(engine, name)
+            owner, attr = (engine.agent, name.split('.')[1]) if '.' in name else (engine, name)
+            delattr(owner, attr)
+        gc.callbacks.clear()
         for seq in seqs:
             engine.abort(seq)
         while engine.has_work:
