@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
+import traceback
+import warnings
 
 import torch
 from common import (add_model_args, environment, output_path, print_table, release_memory,
@@ -61,7 +64,9 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 # Engine.step's parts, timed in each window step of the timeline (ms; waits for the device
 # included): scheduling (with the wait for a held step's results when it is not continued),
 # building the inputs, the forward's launch or replay (its model part: agent._forward), applying
-# (or holding) the results; gcN: the garbage collector's pauses (generation N) in the step
+# (or holding) the results; gcN: the garbage collector's pauses (generation N) in the step;
+# syncs: the ops torch's sync debug mode saw wait for the device, with the package's frames
+show_warning = warnings.showwarning
 PHASES = ('_schedule', '_make_inputs', 'agent.step', 'agent._forward', '_update_or_hold')
 
 
@@ -95,6 +100,13 @@ def time_phases(engine) -> dict[str, float]:
             key = f'gc{info["generation"]}'
             spent[key] = spent.get(key, 0.0) + 1000 * (time.perf_counter() - gc_began.pop())
     gc.callbacks.append(collected)
+    if engine.device.type == 'cuda':       # ops that wait for the device, where they are called
+        warnings.showwarning = lambda message, *_: spent.setdefault('syncs', []).append(
+            f'{message}'[:60] + ' at ' + ' < '.join(
+                f'{os.path.basename(f.filename)}:{f.lineno}' for f in traceback.extract_stack()
+                if 'lmdeploy_lite' in f.filename)[-3:])
+        torch.cuda.set_sync_debug_mode('warn')
+        warnings.simplefilter('always')
     return spent
 
 
@@ -164,6 +176,9 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
             owner, attr = (engine.agent, name.split('.')[1]) if '.' in name else (engine, name)
             delattr(owner, attr)
         gc.callbacks.clear()
+        if engine.device.type == 'cuda':
+            torch.cuda.set_sync_debug_mode('default')
+            warnings.showwarning = show_warning
         for seq in seqs:
             engine.abort(seq)
         while engine.has_work:

@@ -49,7 +49,8 @@ itl)
     ${ITL_ARGS:-} --out $OUT/itl.json > $OUT/itl.log 2>&1
   tail -${TAILN:-12} $OUT/itl.log | cut -c1-150
   # the window step by step: wall ms, what it scheduled, stream tokens out, Engine.step's parts
-  python3 -c "import json; [print('%.1f' % (e[1] - e[0]), e[2], e[3], {k: round(v, 1) for k, v in
-    (e[4] if len(e) > 4 else {}).items()}) for e in json.load(open('$OUT/itl.json'))['rows'][-1]['timeline']]" ;;
+  python3 -c "import json; [print('%.1f' % (e[1] - e[0]), e[2], e[3], {k: round(v, 1) if
+    isinstance(v, float) else v for k, v in (e[4] if len(e) > 4 else {}).items()})
+    for e in json.load(open('$OUT/itl.json'))['rows'][-1]['timeline']]" ;;
 esac
 done
