@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import queue
@@ -68,10 +69,15 @@ def resolve_model_path(model_path: str | None, revision: str | None = None,
 
 class _AsyncFanout:
     """The async front-end of one event loop (the server): the engine thread posts a step's
-    results once; on the loop they are detokenized in bulk and added to each request's backlog."""
+    results once; on the loop they are detokenized in bulk and added to each request's backlog.
+    While calls wait, every POLL_S it looks whether the engine has stopped (`stopped()`: the
+    reason, else None) and ends their waits: one timer for the loop, none per wait."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, decode):
-        self.decode = decode                       # posted from the engine's thread:
+    def __init__(self, loop: asyncio.AbstractEventLoop, decode, stopped):
+        self.decode, self.loop, self.stopped = decode, loop, stopped
+        self.calls: set[_News] = set()             # of the generate_ids calls running
+        self.watch: asyncio.TimerHandle | None = None
+        # posted from the engine's thread:
         self.channel = Channel(lambda items: loop.call_soon_threadsafe(self._dispatch, items))
 
     def _dispatch(self, items: list):              # the event loop's thread
@@ -91,6 +97,51 @@ class _AsyncFanout:
         for (request, item), delta in zip(requests, deltas):
             request.put((item, delta))
 
+    def begin(self, news: '_News'):
+        self.calls.add(news)
+        if self.watch is None:
+            self.watch = self.loop.call_later(POLL_S, self._watch)
+
+    def _watch(self):
+        error = self.stopped()
+        for news in self.calls:
+            if error is not None:
+                news.fail(RuntimeError(f'the engine stopped: {error}'))
+        self.watch = self.loop.call_later(POLL_S, self._watch) if self.calls else None
+
+
+class _News:
+    """Which choices of one `generate_ids` call have something to take, in the order they got
+    it, and the future its consumer awaits for the next: set by the loop's dispatch, one per
+    wait (no queue, no timer: the fanout watches the engine for every call at once)."""
+    __slots__ = ('ready', 'waiter', 'error')
+
+    def __init__(self):
+        self.ready: collections.deque[int] = collections.deque()
+        self.waiter: asyncio.Future | None = None
+        self.error: BaseException | None = None     # the engine stopped
+
+    def put(self, index: int):
+        self.ready.append(index)
+        self._wake()
+
+    def fail(self, error: BaseException):
+        self.error = error
+        self._wake()
+
+    def _wake(self):
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> int:
+        """The index of the next choice with something to take."""
+        while not self.ready:
+            if self.error is not None:
+                raise self.error
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        return self.ready.popleft()
+
 
 class _AsyncRequest:
     """One choice of a `generate_ids` call: its text and what its consumer has not taken yet
@@ -99,7 +150,7 @@ class _AsyncRequest:
     __slots__ = ('text', 'index', 'news', 'backlog', 'error')
 
     def __init__(self, gen_config: GenerationConfig, stream_text: bool, index: int,
-                 news: asyncio.Queue):
+                 news: _News):
         self.text, self.index, self.news = TextStream(gen_config, stream_text), index, news
         self.backlog: Backlog | None = None
         self.error: BaseException | None = None
@@ -113,7 +164,7 @@ class _AsyncRequest:
         else:
             self.backlog.add(*item)
         if idle:
-            self.news.put_nowait(self.index)
+            self.news.put(self.index)
 
     def take(self) -> tuple[Backlog | None, BaseException | None]:
         taken = self.backlog, self.error
@@ -347,17 +398,6 @@ class Pipeline:
             except queue.Empty:
                 self._check_engine()
 
-    async def _next_async(self, inbox: asyncio.Queue):
-        """The next result, in asyncio; never waits forever on an engine that has stopped. One
-        that is waiting is taken at once (`wait_for` would start a task per result)."""
-        while inbox.empty():
-            try:
-                async with asyncio.timeout(POLL_S):
-                    return await inbox.get()
-            except TimeoutError:
-                self._check_engine()
-        return inbox.get_nowait()
-
     def _check_engine(self):
         if self._client.error is not None:
             raise RuntimeError(f'the engine stopped: {self._client.error}') from None
@@ -405,15 +445,17 @@ class Pipeline:
         if fanout is None:
             if len(self._fanouts) > 8:                # loops that ended (tests, asyncio.run)
                 self._fanouts = {lp: f for lp, f in self._fanouts.items() if not lp.is_closed()}
-            fanout = self._fanouts[loop] = _AsyncFanout(loop, self._decode)
-        news = asyncio.Queue()                        # indexes of requests with items
+            fanout = self._fanouts[loop] = _AsyncFanout(loop, self._decode,
+                                                        lambda: self._client.error)
+        news = _News()
         handles = self._submit(prompts, gen_config, fanout.channel, lambda index: _AsyncRequest(
             gen_config, stream_text, index, news), request_id)
         n, requests = gen_config.n, [h.tag for h in handles]
         unfinished = set(range(len(requests)))
+        fanout.begin(news)
         try:
             while unfinished:
-                request = requests[await self._next_async(news)]
+                request = requests[await news.get()]
                 backlog, error = request.take()
                 if backlog is not None:
                     if backlog.last.finished:
@@ -423,6 +465,7 @@ class Pipeline:
                 if error is not None:
                     raise error
         finally:
+            fanout.calls.discard(news)
             self._abort_unfinished(handles)
 
     # ---- lifetime -------------------------------------------------------------------------

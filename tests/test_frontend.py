@@ -193,22 +193,22 @@ def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
     is raised after it."""
     from types import SimpleNamespace
 
-    from lmdeploy_lite.api import _AsyncRequest
+    from lmdeploy_lite.api import _AsyncRequest, _News
 
     def out(ids, finished=False):
         return SimpleNamespace(new_token_ids=ids, finished=finished,
                                logprobs=[(-t, [t], [-t]) for t in ids])
 
     async def run():
-        news = asyncio.Queue()
+        news = _News()
         request = _AsyncRequest(GenerationConfig(), True, 3, news)
         for step in range(200):                       # the consumer misses 200 steps
             request.put((out([step]), 'ab'[step % 2]))
-        assert news.qsize() == 1 and news.get_nowait() == 3       # told once
+        assert list(news.ready) == [3] and await news.get() == 3   # told once
         backlog, error = request.take()
         assert (backlog.text, backlog.token_ids, error) == ('ab' * 100, list(range(200)), None)
         assert backlog.logprobs == out(list(range(200))).logprobs
-        assert request.take() == (None, None) and news.empty()
+        assert request.take() == (None, None) and not news.ready
         failure = RuntimeError('engine stopped')
         request.put((out([1]), 'a'))
         request.put((out([2], True), 'b'))
@@ -216,7 +216,7 @@ def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
         backlog, error = request.take()
         assert (backlog.text, backlog.token_ids, backlog.last.finished, error) == \
             ('ab', [1, 2], True, failure)
-        assert news.qsize() == 1
+        assert list(news.ready) == [3]
     asyncio.run(run())
 
 
