@@ -110,9 +110,12 @@ def test_rows_of_one_batch_get_their_own_top_n(tiny_ckpt):
         entries = [e for step in got[seq.seq_id] for e in step]
         assert len(entries) == 4 and all(len(ids) == len(values) == n
                                          for _, ids, values in entries)
-    # the same tokens and logprobs whatever N each row asked for
-    assert [e[0] for step in got[seqs[1].seq_id] for e in step] == \
-        [e[0] for step in got[seqs[2].seq_id] for e in step]
+    # the same tokens and logprobs whatever N each row asked for; float64 values within 1e-12:
+    # identical rows at different places of one batch may differ in the last bits of their GEMM
+    # (MKL may split the rows among fewer threads when the machine is busy)
+    assert seqs[1].generated_ids == seqs[2].generated_ids
+    assert [e[0] for step in got[seqs[1].seq_id] for e in step] == pytest.approx(
+        [e[0] for step in got[seqs[2].seq_id] for e in step], abs=1e-12, rel=0)
 
 
 @pytest.fixture(scope='module')
