@@ -104,8 +104,8 @@ class _AsyncFanout:
 
     def _watch(self):
         error = self.stopped()
-        for news in self.calls:
-            if error is not None:
+        if error is not None:
+            for news in self.calls:
                 news.fail(RuntimeError(f'the engine stopped: {error}'))
         self.watch = self.loop.call_later(POLL_S, self._watch) if self.calls else None
 
