@@ -102,8 +102,9 @@ def stream(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationC
 
 class EventStream(HTTPResponse):
     """An ASGI response of server-sent events: each item of `events` (bytes) is one body message,
-    sent as it comes; the one that ends with [DONE] ends the body too (one write). A client that disconnects cancels the stream, which closes `events` (the
-    request is aborted). Per event it costs one `send`: no cancel scope, task or lock per chunk
+    sent as it comes; the one that ends with [DONE] ends the body too (one write). A client
+    that disconnects cancels the stream, which closes `events` (the request is aborted). Per
+    event it costs one `send`: no cancel scope, task or lock per chunk
     as in sse-starlette (~20 us a chunk on the 2-core CPU, at 64 streams a fifth of the
     front-end's time). The events are sent from a task of their own: a chunk wakes its few
     frames, not every middleware's above the route (~20 more at each wake-up)."""
