@@ -65,17 +65,18 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 # included): scheduling (with the wait for a held step's results when it is not continued),
 # building the inputs, the forward's launch or replay (its model part: agent._forward), applying
 # (or holding) the results; gcN: the garbage collector's pauses (generation N) in the step;
-# syncs: the ops torch's sync debug mode saw wait for the device, with the package's frames
+# with --diagnose (CUDA): cudaMalloc, the device allocations, and syncs, the ops torch's sync
+# debug mode saw wait for the device, with the package's frames
 show_warning = warnings.showwarning
 PHASES = ('_schedule', '_make_inputs', 'agent.step', 'agent._forward', '_update_or_hold')
 
 
-def device_mallocs(device: torch.device) -> int:
+def count_mallocs(device: torch.device) -> int:
     """The CUDA caching allocator's device allocations so far (0 elsewhere)."""
     return torch.cuda.memory_stats(device).get('num_device_alloc', 0) if device.type == 'cuda' else 0
 
 
-def time_phases(engine) -> dict[str, float]:
+def time_phases(engine, diagnose: bool = False) -> dict[str, float]:
     """Wrap `PHASES` on `engine` (instance attributes; `run_scenario` deletes them): each call's
     milliseconds are added to the returned dict, which the caller clears per step."""
     spent: dict[str, float] = {}
@@ -100,19 +101,22 @@ def time_phases(engine) -> dict[str, float]:
             key = f'gc{info["generation"]}'
             spent[key] = spent.get(key, 0.0) + 1000 * (time.perf_counter() - gc_began.pop())
     gc.callbacks.append(collected)
-    if engine.device.type == 'cuda':       # ops that wait for the device, where they are called
+    if diagnose and engine.device.type == 'cuda':   # ops that wait for the device, and where
         warnings.showwarning = lambda message, *_: spent.setdefault('syncs', []).append(
             f'{message}'[:60] + ' at ' + ' < '.join(
                 f'{os.path.basename(f.filename)}:{f.lineno}' for f in traceback.extract_stack()
                 if 'lmdeploy_lite' in f.filename)[-3:])
         torch.cuda.set_sync_debug_mode('warn')
-        warnings.simplefilter('always')
+        warnings.filters.insert(0, ('always', None, Warning, None, 0))  # run_scenario removes it
     return spent
 
 
 def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, pre_steps: int,
-                 post_steps: int, seed: int = 0, synchronize_steps: bool = False) -> dict:
-    """One measured run (see the module docstring); aborts and drains everything afterwards."""
+                 post_steps: int, seed: int = 0, synchronize_steps: bool = False,
+                 diagnose: bool = False) -> dict:
+    """One measured run (see the module docstring); aborts and drains everything afterwards.
+    `diagnose`: count device allocations and list the ops that wait for the device in each
+    step (CUDA; they cost host time in every step, so the intervals are not the plain ones)."""
     vocab = engine.model_config.vocab_size
     gen = GenerationConfig(max_new_tokens=engine.session_len - prompt_len - 1, ignore_eos=True)
     seqs = [engine.add_request(p, gen) for p in random_prompts(streams, prompt_len, vocab, seed)]
@@ -130,7 +134,8 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
     # the steps the scheduler schedules, and the mixed steps async scheduling continues
     engine.scheduler.schedule = lambda: record(schedule())
     engine.scheduler.continue_mixed = lambda held: record(continue_mixed(held))
-    phases = time_phases(engine)
+    phases = time_phases(engine, diagnose)
+    device_mallocs = count_mallocs if diagnose else (lambda device: 0)
     stream_ids = {s.seq_id for s in seqs}
     reports = {i: [] for i in stream_ids}          # seq_id -> times its tokens were reported
     long_seq, arrival, first_token, steps_left, step = None, None, None, None, 0
@@ -142,14 +147,15 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
                 (prompt,) = random_prompts(1, long_len, vocab, seed + 1)
                 long_seq = engine.add_request(prompt, GenerationConfig(max_new_tokens=1))
                 arrival, steps_at_arrival = time.perf_counter(), len(step_kinds)
+            mallocs = device_mallocs(engine.device)        # read outside the timed interval
             began, kinds_before = time.perf_counter(), len(step_kinds)
-            mallocs = device_mallocs(engine.device)
             outputs = engine.step()
-            if device_mallocs(engine.device) > mallocs:    # cudaMalloc may wait for the device
-                phases['cudaMalloc'] = device_mallocs(engine.device) - mallocs
             if synchronize_steps:
                 synchronize(engine.device)
             now = time.perf_counter()
+            mallocs = device_mallocs(engine.device) - mallocs
+            if mallocs:                                   # cudaMalloc may wait for the device
+                phases['cudaMalloc'] = mallocs
             step += 1
             if arrival is not None and (first_token is None or steps_left > post_steps - 3):
                 # the window's steps, for finding its long intervals: when each ran (ms from the
@@ -176,9 +182,10 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
             owner, attr = (engine.agent, name.split('.')[1]) if '.' in name else (engine, name)
             delattr(owner, attr)
         gc.callbacks.clear()
-        if engine.device.type == 'cuda':
+        if diagnose and engine.device.type == 'cuda':
             torch.cuda.set_sync_debug_mode('default')
             warnings.showwarning = show_warning
+            warnings.filters.remove(('always', None, Warning, None, 0))
         for seq in seqs:
             engine.abort(seq)
         while engine.has_work:
@@ -225,6 +232,9 @@ def main():
     parser.add_argument('--num-spec-tokens', type=int, default=0, help='MTP k (0: plain)')
     parser.add_argument('--synthetic-acceptance', default=None,
                         help='per-position accept rates for dummy weights, e.g. 0.8,0.6,0.5')
+    parser.add_argument('--diagnose', action='store_true',
+                        help='the timeline also counts device allocations and lists the ops '
+                        'that wait for the device (CUDA; costs host time every step)')
     parser.add_argument('--synchronize', action='store_true',
                         help='synchronize the device after each step (the old timing)')
     parser.add_argument('--out', default=None)
@@ -257,7 +267,8 @@ def main():
         warm_len = min(args.long_prompt_len, args.max_prefill_tokens + args.max_mixed_tokens)
         run_scenario(engine, min(args.streams, 2), 16, warm_len, 2, 2, seed=99)
         row = run_scenario(engine, args.streams, args.prompt_len, args.long_prompt_len,
-                           args.pre_steps, args.post_steps, synchronize_steps=args.synchronize)
+                           args.pre_steps, args.post_steps, synchronize_steps=args.synchronize,
+                           diagnose=args.diagnose)
         rows.append({'mode': mode, **row})
     device_name = environment()['device']
     dtype = engine.dtype
