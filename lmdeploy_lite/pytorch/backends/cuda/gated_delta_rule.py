@@ -270,11 +270,15 @@ def eager_width(q_lens: list[int], row: int) -> int:
 
 def _long_window(inputs: ModelInputs, width: int):
     """`live` [W]: the window rows that are the long row's tokens; `short` [B]: the q_lens with
-    the long row's zeroed (host-free)."""
+    the long row's zeroed, and those of padding sequences (state slot 0, reserved: a graph
+    bucket's spare sequences, an idle rank's dummies), whose outputs nobody reads: they keep
+    the window's (finite) rows instead of being walked token by token, up to a bucket's gap
+    (127 tokens in 18 layers for 641 tokens in the 768 bucket). Host-free."""
     row = inputs.long_row
     start = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)[row]
     pos = torch.arange(width, device=row.device)
-    short = inputs.q_lens.masked_fill(torch.arange(inputs.batch_size, device=row.device) == row, 0)
+    short = inputs.q_lens.masked_fill(
+        (torch.arange(inputs.batch_size, device=row.device) == row) | (inputs.state_slots == 0), 0)
     return (pos >= start) & (pos < start + inputs.q_lens[row]), short
 
 

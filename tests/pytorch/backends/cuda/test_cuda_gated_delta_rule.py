@@ -50,11 +50,12 @@ def assert_rel_close(actual, expected, tol):
 
 
 def check_step(op_name, q_lens, history_lens, slots, index, decoding, dims, dtype, device,
-               rel_tol=None, op=None, cache_dtype=None):
+               rel_tol=None, op=None, cache_dtype=None, padding_rows=()):
     """Run the cuda op (`op`, by default the one named `op_name`) and the default op on the same
     inputs and identical cache copies (in `cache_dtype`, by default fp32, fp64 for fp64);
     compare elementwise (fp32/fp64) or by relative norm error (bf16 activations or state, or
-    `rel_tol` if given)."""
+    `rel_tol` if given). `padding_rows` (state slot 0, reserved): their outputs and slot 0
+    are not compared."""
     nk, nv, dk, dv, num_spec = dims
     inputs = step(q_lens, history_lens, slots, index, decoding, device)
     args = gdn_args(sum(q_lens), nk, nv, dk, dv, dtype, device, seed=sum(q_lens))
@@ -63,6 +64,11 @@ def check_step(op_name, q_lens, history_lens, slots, index, decoding, dims, dtyp
     expected_cache = cache.clone()
     out = (op or getattr(cuda_gdr, op_name))(*args, cache, inputs)
     expected = getattr(default, op_name)(*args, expected_cache, inputs)
+    if padding_rows:
+        expected_cache[0] = cache[0]
+        for row in padding_rows:
+            start = sum(q_lens[:row])
+            out[start:start + q_lens[row]] = expected[start:start + q_lens[row]]
     assert out.dtype == args[2].dtype and out.shape == expected.shape
     tol = None if cache.dtype == torch.bfloat16 else {torch.float64: 1e-10,
                                                       torch.float32: 1e-5}.get(dtype)
@@ -143,16 +149,17 @@ def test_prefill_falls_back_to_default_on_cpu():
 @pytest.mark.parametrize('heads', [(16, 32), (4, 4)], ids=['gva2', 'no-gva'])
 def test_prefill_fla_matches_default(heads):
     """fla's varlen chunk kernel: fresh sequences (one longer than two chunks, one of a single
-    token), then a chunked continuation (history > 0) reading slots 1, 0, 2."""
+    token), then a chunked continuation (history > 0) reading state indices 1, 0, 2. No row is
+    in state slot 0 (reserved for padding, which the long-row split does not walk)."""
     pytest.importorskip('fla.ops.gated_delta_rule')
     assert cuda_gdr.fla_chunk_gated_delta_rule() is not None
     dims = (*heads, 128, 128, 2)
     # fla keeps normalised q/k, its WY factors and per-chunk states in bf16: allow 2e-2
-    check_step('gated_delta_rule_prefill', [150, 1, 64], [0, 0, 0], [4, 0, 6], [0, 0, 0], False,
+    check_step('gated_delta_rule_prefill', [150, 1, 64], [0, 0, 0], [4, 1, 6], [0, 0, 0], False,
                dims, torch.bfloat16, 'cuda', rel_tol=2e-2)
-    check_step('gated_delta_rule_prefill', [77, 130, 3], [150, 1, 64], [4, 0, 6], [1, 0, 2],
+    check_step('gated_delta_rule_prefill', [77, 130, 3], [150, 1, 64], [4, 1, 6], [1, 0, 2],
                False, dims, torch.bfloat16, 'cuda', rel_tol=2e-2)
-    check_step('gated_delta_rule_prefill', [77, 130, 3], [150, 1, 64], [4, 0, 6], [1, 0, 2],
+    check_step('gated_delta_rule_prefill', [77, 130, 3], [150, 1, 64], [4, 1, 6], [1, 0, 2],
                False, dims, torch.float32, 'cuda', rel_tol=2e-3)  # fla: tf32 dots
 
 
@@ -194,15 +201,18 @@ def reference_chunk(q, k, v, g, beta, scale, initial_state, output_final_state,
 # (q_lens, history_lens, state slots, state index, long row): a fresh 150-token chunk beside
 # decode rows, a spare row (q_len 0) and short chunks; a continuation (history > 0, read from
 # slot index 2); a step whose "long" row is a short one (the runner's spare dummy); a long row
-# first, whose eager window ends before the step does
+# first, whose eager window ends before the step does; a bucket's spare rows with tokens (slot
+# 0: not walked, their outputs unread)
 LONG_ROW_STEPS = (([1, 1, 150, 3, 0, 5], [7, 2, 0, 4, 0, 0], [4, 1, 6, 2, 0, 5], [0, 1, 0, 0, 0, 0], 2),
                   ([2, 97, 1], [5, 40, 3], [3, 6, 1], [1, 2, 0], 1),
                   ([4, 9, 6], [0, 3, 0], [2, 5, 0], [0, 0, 0], 2),
-                  ([130, 2, 1, 80], [0, 6, 3, 0], [1, 4, 2, 0], [0, 1, 0, 0], 0))
+                  ([130, 2, 1, 80], [0, 6, 3, 0], [1, 4, 2, 3], [0, 1, 0, 0], 0),
+                  ([1, 140, 1, 60, 57], [9, 0, 4, 0, 0], [3, 1, 2, 0, 0], [1, 0, 0, 0, 0], 1))
 
 
 @pytest.mark.parametrize('eager', [False, True], ids=['captured', 'eager'])
-@pytest.mark.parametrize('case', LONG_ROW_STEPS, ids=['fresh', 'continued', 'spare', 'first'])
+@pytest.mark.parametrize('case', LONG_ROW_STEPS,
+                         ids=['fresh', 'continued', 'spare', 'first', 'padded'])
 def test_long_row_prefill_matches_default(kernel_device, case, eager):
     """A captured long step's split (graph_runner's long buckets): the long row as ONE sequence
     over the step's whole width, the other tokens taken with beta = 0 and log decay 0, the
@@ -217,12 +227,16 @@ def test_long_row_prefill_matches_default(kernel_device, case, eager):
 
     def op(*args):
         inputs = dataclasses.replace(args[-1], sync_free=True, long_row=long_row)
-        return cuda_gdr.long_row_prefill(
+        cache, reserved = args[-2], args[-2][0].clone()
+        out = cuda_gdr.long_row_prefill(
             *args[:-1], inputs, reference_chunk,
             width=cuda_gdr.eager_width(q_lens, row) if eager else None)
+        assert slots[row] == 0 or torch.equal(cache[0], reserved), 'a padding row was walked'
+        return out
     for dtype in (torch.float32, torch.float64) if kernel_device == 'cpu' else (torch.float32,):
         check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False,
-                   (2, 4, 12, 20, 3), dtype, kernel_device, op=op)
+                   (2, 4, 12, 20, 3), dtype, kernel_device, op=op, padding_rows=[
+                       i for i, slot in enumerate(slots) if slot == 0 and i != row])
 
 
 @pytest.mark.gpu
