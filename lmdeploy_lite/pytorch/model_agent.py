@@ -2,13 +2,18 @@
 current linear-attention state slot stays on the device (DESIGN.md invariant 7)."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from lmdeploy_lite.pytorch.logprobs import token_logprobs
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -77,6 +82,24 @@ class ModelAgent:
             self.prefill_graph.capture()
             pool = self.prefill_graph.pool
         self.graph_pool = pool           # shared with other graphs of this model's forward
+        self.load_logits_shapes(max(buckets), q_lens)
+
+    @torch.inference_mode()
+    def load_logits_shapes(self, max_batch: int, widths: list[int]):
+        """Run the LM head (eager: outside the graphs) once at each row count a step can give it,
+        a batch of 1..max_batch times 1 or a verify's width: its GEMM waits for the device the
+        first time it meets a shape (measured on an H100: ~10 ms behind a busy device, 0.2 ms the
+        next time, for any new row count), so a shape first met while serving stalled the host
+        for the running step (the first mixed step after a prompt arrived: ~7 ms). This rank's
+        shard only: no collective outside a step."""
+        weight = self.model.lm_head.weight
+        rows = sorted({batch * w for batch in range(1, max_batch + 1) for w in {1, *widths}})
+        hidden, start = weight.new_zeros(rows[-1], weight.shape[1]), time.perf_counter()
+        for n in rows:
+            F.linear(hidden[:n], weight)
+        torch.cuda.synchronize(self.device)
+        logger.info('LM head: %d row counts loaded in %.2f s', len(rows),
+                    time.perf_counter() - start)
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """[T, H] post-final-norm hidden states (cache restores and copies first, saves after)."""
