@@ -28,6 +28,7 @@ A preset has dummy weights: give `--synthetic-acceptance` with `--num-spec-token
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import time
@@ -111,6 +112,21 @@ def time_phases(engine, diagnose: bool = False) -> dict[str, float]:
     return spent
 
 
+def profile_step():
+    """torch's profiler over host ops and CUDA runtime calls (cudaStreamSynchronize,
+    cudaHostAlloc, ... show there where torch's sync debug mode sees nothing)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
+
+
+def top_host_ops(profiler, n: int = 8) -> list[tuple[str, float]]:
+    """The `n` ops or runtime calls with the most self host time (ms)."""
+    events = sorted(profiler.key_averages(), key=lambda e: -e.self_cpu_time_total)[:n]
+    return [(e.key[:50], round(e.self_cpu_time_total / 1000, 2)) for e in events]
+
+
 def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, pre_steps: int,
                  post_steps: int, seed: int = 0, synchronize_steps: bool = False,
                  diagnose: bool = False) -> dict:
@@ -149,10 +165,14 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
                 arrival, steps_at_arrival = time.perf_counter(), len(step_kinds)
             mallocs = device_mallocs(engine.device)        # read outside the timed interval
             began, kinds_before = time.perf_counter(), len(step_kinds)
-            outputs = engine.step()
-            if synchronize_steps:
-                synchronize(engine.device)
+            profiled = diagnose and pre_steps <= step <= pre_steps + 1
+            with profile_step() if profiled else contextlib.nullcontext() as profiler:
+                outputs = engine.step()
+                if synchronize_steps:
+                    synchronize(engine.device)
             now = time.perf_counter()
+            if profiled:       # the arrival's step and the next: where their host time went
+                phases['profile'] = top_host_ops(profiler)
             mallocs = device_mallocs(engine.device) - mallocs
             if mallocs:                                   # cudaMalloc may wait for the device
                 phases['cudaMalloc'] = mallocs
