@@ -97,7 +97,8 @@ class ModelAgent:
         hidden, start = weight.new_zeros(rows[-1], weight.shape[1]), time.perf_counter()
         for n in rows:
             F.linear(hidden[:n], weight)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)
         logger.info('LM head: %d row counts loaded in %.2f s', len(rows),
                     time.perf_counter() - start)
 
