@@ -167,10 +167,9 @@ def _serve_args(p: argparse.ArgumentParser):
     p.add_argument('--max-connections', type=int, default=None, metavar='N',
                    help='open connections held at once (default: what the file-descriptor '
                         'limit allows, at most 1024); a new one past them is closed at once')
-    p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=None,
-                   help='run a one-rank engine in a process of its own, so that streaming to '
-                        'many clients does not hold the GIL the engine needs (default: on with '
-                        'CUDA, off on CPU)')
+    p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=True,
+                   help='run a one-rank engine in a process of its own, so that streaming '
+                        "holds no GIL it needs (--no-engine-process: in the server's process)")
     p.add_argument('--model-name', '--served-model-name', default=None,
                    help='model id in /v1/models and requests (default: the model directory name)')
 
@@ -200,7 +199,6 @@ def _load_and_serve(args) -> int:
         print(f'error: {e}', file=sys.stderr)
         return 3
     from lmdeploy_lite import pipeline
-    from lmdeploy_lite.pytorch.engine.executor.rank_worker import uses_cuda
     from lmdeploy_lite.serve.openai.api_server import serve
     from lmdeploy_lite.pytorch.config import sampling_defaults
     from lmdeploy_lite.serve.openai.auth import load_api_keys
@@ -220,8 +218,7 @@ def _load_and_serve(args) -> int:
           f'dp={args.dp}, ep={args.ep})', flush=True)
     start = time.perf_counter()
     pipe = pipeline(args.model, engine_config, spec, progress=True,   # a repo id: fetched
-                    engine_process=uses_cuda(args.device) if args.engine_process is None
-                    else args.engine_process, reasoning_parser=args.reasoning_parser,
+                    engine_process=args.engine_process, reasoning_parser=args.reasoning_parser,
                     chat_template=args.chat_template)
     print(f'lmdeploy_lite: loaded in {time.perf_counter() - start:.1f} s', flush=True)
     return serve(pipe, args.model_name or pipe.model_name, args.server_name, args.server_port,

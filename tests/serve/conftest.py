@@ -57,7 +57,9 @@ def thinking_dir(model_dir, tmp_path_factory):
 # it was taken, so at most one such server waits (its memory) beside the ones in use.
 # name -> (model: the fixture that gives its directory, None for the embedded model; server
 # arguments, where `{dir}` is the server's own directory (its log, files such as a keys file);
-# environment).
+# environment). One-rank servers run their engine in a thread (`--no-engine-process`): the
+# engine process, the default, costs each a second start-up of torch and the model on the same
+# two cores (~20 s over this directory); sigint_server keeps the default, so that it is tested.
 KEYS_FILE = '# the server keys\nfile-key-1\n\nfile-key-2\n'
 ENV_KEYS = {'LMDEPLOY_LITE_API_KEYS': 'env-key-1, env-key-2'}
 
@@ -66,12 +68,12 @@ def _plans():
     from tests.serve.live_server import K, KEY, MODEL, SPEC_K
     return {
         # speculative (MTP, k=2), wants an API key: shared by the tests of tests/serve
-        'server': ('model_dir', ('--speculative-num-draft-tokens', str(K), '--api-keys', KEY,
-                            '--model-name', MODEL), None),
+        'server': ('model_dir', ('--no-engine-process', '--speculative-num-draft-tokens', str(K),
+                                 '--api-keys', KEY, '--model-name', MODEL), None),
         # the embedded model, MTP k=3, float64 (its greedy output equals plain greedy exactly,
         # and its draft counts the single process's: tests/helpers/accepting), no API key;
         # fixed k: per-request draft counts are then comparable with the single process's
-        'spec_server': (None, ('--speculative-num-draft-tokens', str(SPEC_K),
+        'spec_server': (None, ('--no-engine-process', '--speculative-num-draft-tokens', str(SPEC_K),
                                '--no-speculative-dynamic', '--dtype', 'float64',
                                '--model-name', 'embedded'), None),
         # test_api_server.py: dp=2, keys from a file; a session long enough that a streamed
@@ -82,15 +84,17 @@ def _plans():
         'dead_rank_server': ('model_dir', ('--dp', '2', '--ep', '2', '--health-stall-timeout', '1.5'),
                              None),
         # test_api_server_robustness.py: keys from the environment, then SIGINT; a stream long
-        # enough to be running when the signal arrives
+        # enough to be running when the signal arrives; the engine in its own process (default)
         'sigint_server': ('model_dir', ('--session-len', '2048'), ENV_KEYS),
         # test_extract_hidden_states_server.py
-        'extract_server': (None, ('--speculative-algorithm', 'extract_hidden_states',
+        'extract_server': (None, ('--no-engine-process',
+                                  '--speculative-algorithm', 'extract_hidden_states',
                                   '--speculative-aux-hidden-state-layer-ids', '0,4,8',
                                   '--hidden-states-dir', '{dir}/hidden'), None),
         # test_reasoning_server.py (for the module): no --reasoning-parser: auto, on because
         # the template writes think blocks
-        'think_server': ('thinking_dir', ('--model-name', MODEL, '--session-len', '512'), None),
+        'think_server': ('thinking_dir', ('--no-engine-process', '--model-name', MODEL,
+                                          '--session-len', '512'), None),
     }
 
 
