@@ -59,7 +59,7 @@ class ModelAgent:
 
     def enable_graphs(self, buckets: list[int], max_blocks: int, q_lens: list[int] = (1,),
                       recorder=None, prefill_buckets: list[int] = (), max_prefill_q_len: int = 0,
-                      long_row_from: int = 0):
+                      long_row_from: int = 0, max_seq_tokens: int = 0):
         """Capture the decode forward of each width in `q_lens` for each batch bucket and, given
         `prefill_buckets`, prefill and mixed steps of up to that many tokens (at most
         `max_prefill_q_len` per sequence but one with `long_row_from`: PrefillGraphRunner), in one
@@ -78,7 +78,7 @@ class ModelAgent:
             self.prefill_graph = PrefillGraphRunner(
                 forward, 'target prefill', prefill_buckets, max(buckets), max_prefill_q_len,
                 max_blocks, self.device, pool=pool, recorder=recorder,
-                long_row_from=long_row_from)
+                long_row_from=long_row_from, max_seq_tokens=max_seq_tokens)
             self.prefill_graph.capture()
             pool = self.prefill_graph.pool
         self.graph_pool = pool           # shared with other graphs of this model's forward

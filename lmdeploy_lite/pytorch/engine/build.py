@@ -195,5 +195,6 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
     cap, fla = gated_delta_rule.CAPTURED_PREFILL_TOKENS, gated_delta_rule.fla_chunk_gated_delta_rule()
     prefill = {} if not most_tokens else dict(
         prefill_buckets=prefill_buckets(most_tokens), max_prefill_q_len=cap,
-        long_row_from=gated_delta_rule.SHORT_PREFILL_TOKENS if fla is not None else 0)
+        long_row_from=gated_delta_rule.SHORT_PREFILL_TOKENS if fla is not None else 0,
+        max_seq_tokens=max_blocks * cache_config.block_size)
     agent.enable_graphs(batch_buckets(cfg.max_batch_size), max_blocks, recorder=dist, **prefill)

@@ -71,3 +71,20 @@ def test_static_buffers_with_a_draft_count_per_step(monkeypatch):
     assert sorted(target.graphs) == [1, 2, 3, 4]
     assert all(proposer.chain_graphs[k].num_replays > 0 for k in (1, 2, 3))
     assert engine.agent.plain_graph.num_replays > 0       # greedy plain steps: one replay
+
+
+def test_prefill_spare_sequences_fit_a_block_table():
+    """A prefill bucket's spare tokens go to enough spare sequences that none takes more than a
+    block table's width in tokens (`max_seq_tokens`), at capture (every token spare) and with
+    the most real sequences the bucket takes (their kernels index the table by position: a
+    2,048-token bucket over 4 + 1 sequences of a 256-token table read past it on a GPU)."""
+    import torch
+
+    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import PrefillGraphRunner
+    runner = PrefillGraphRunner(None, 'prefill', [64, 2048], max_seqs=4, max_q_len=128,
+                                max_blocks=16, device=torch.device('cpu'), max_seq_tokens=256)
+    assert runner.seqs == {64: 4 + 1, 2048: 4 + 8}
+    for bucket, tokens, batch in ((2048, 0, 0), (2048, 1030, 4), (2048, 3, 3), (64, 5, 4)):
+        runner._pad(bucket, tokens, batch)
+        spare = runner.q_lens[batch:runner.seqs[bucket]]
+        assert spare.sum() == bucket - tokens and spare.max() <= 256, (bucket, spare)

@@ -217,10 +217,11 @@ class GraphRunner(_Captured):
 class PrefillGraphRunner(_Captured):
     """The target's prefill and mixed steps (any lengths, at most `max_q_len` new tokens per
     sequence but one), captured per token bucket: a step of T tokens and B sequences replays the
-    smallest bucket >= T, whose static buffers hold `min(bucket, max_seqs) + 1` sequences. The
-    bucket's spare tokens are spread over its spare sequences (at least one), which are idle
-    ranks' dummies (history 0, the reserved block 0 and state row 0): per-sequence ops keep
-    them apart from the real ones, whose rows the replay returns. Inside, ops read no length
+    smallest bucket >= T, whose static buffers hold `min(bucket, max_seqs)` sequences and its
+    spare ones, enough that none takes more than `max_seq_tokens` (a sequence's block table
+    width in tokens; at least one). The bucket's spare tokens are spread over its spare
+    sequences, which are idle ranks' dummies (history 0, the reserved block 0 and state row
+    0): per-sequence ops keep them apart from the real ones, whose rows the replay returns. Inside, ops read no length
     on the host (`ModelInputs.sync_free`: the attention builds its tile map on the device, the
     gated delta rule takes the recurrent kernel for chunks of up to `max_q_len` tokens). With
     `long_row_from` (fla is there), a bucket above it has one sequence, `long_row`, that takes
@@ -230,10 +231,11 @@ class PrefillGraphRunner(_Captured):
 
     def __init__(self, fn, name: str, buckets: list[int], max_seqs: int, max_q_len: int,
                  max_blocks: int, device: torch.device, pool=None, recorder=None,
-                 long_row_from: int = 0):
+                 long_row_from: int = 0, max_seq_tokens: int = 0):
         super().__init__(fn, name, buckets, device, pool, recorder)
         self.max_q_len, self.max_blocks, self.long_row_from = max_q_len, max_blocks, long_row_from
-        self.seqs = {tokens: min(tokens, max_seqs) + 1 for tokens in self.buckets}
+        spares = (lambda b: -(-b // max_seq_tokens)) if max_seq_tokens else (lambda b: 1)
+        self.seqs = {b: min(b, max_seqs) + spares(b) for b in self.buckets}
         max_tokens, most = self.buckets[-1], max(self.seqs.values())
         long = dict(dtype=torch.long, device=device)
         self.input_ids, self.positions = (torch.zeros(max_tokens, **long) for _ in range(2))
