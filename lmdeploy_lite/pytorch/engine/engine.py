@@ -55,6 +55,7 @@ class Engine:
         self.stopped = False
         self.plan_busy = False             # some rank of the plan group worked last step
         self.in_flight: InFlight | None = None           # async scheduling: a launched step
+        self.next_batch: ScheduledBatch | None = None    # scheduled, runs in the next step
         self.num_continued_steps = 0       # decode steps launched before the host caught up
 
     @property
@@ -110,7 +111,7 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return (self.scheduler.has_work or self.in_flight is not None
-                or self.output_stage.pending > 0)
+                or self.next_batch is not None or self.output_stage.pending > 0)
 
     def step(self) -> list[StepOutput]:
         """One forward on every rank of the plan group. With async scheduling a decode step is
@@ -145,6 +146,9 @@ class Engine:
         batch runs again when it can (its results applied once this step is launched), else its
         results are applied first and the scheduler decides."""
         pending, self.in_flight = self.in_flight, None
+        if self.next_batch is not None:       # scheduled when the step before went out
+            batch, self.next_batch = self.next_batch, None
+            return [], batch, None
         if pending is not None and self._can_continue(pending):
             batch = (pending.batch if pending.batch.is_decoding
                      else self.scheduler.continue_mixed(pending.batch))
@@ -152,11 +156,18 @@ class Engine:
                 self.num_continued_steps += 1
                 return [], batch, pending
         outputs = self._finish(pending)
-        if pending is not None and self.dist.config.dp == 1:
-            # its tokens go out now, not with the next step's, which runs synchronously (ranks
-            # with other batches, dp > 1, would then miss this one in the plan)
+        batch = None if self.stop_requested else self.scheduler.schedule()
+        if pending is not None and self.dist.config.dp == 1 and (
+                batch is None or not self._held(batch)):
+            # its tokens go out now, not after a step the host waits for (a held one is only
+            # launched first); ranks with other batches, dp > 1, would miss that in the plan
+            self.next_batch = batch
             return outputs, None, None
-        return outputs, None if self.stop_requested else self.scheduler.schedule(), None
+        return outputs, batch, None
+
+    def _held(self, batch: ScheduledBatch) -> bool:
+        """Async scheduling: the step's results are applied a step late (it is not waited for)."""
+        return self.async_scheduling and (batch.is_decoding or self.scheduler.holds_mixed(batch))
 
     def _can_continue(self, pending: InFlight) -> bool:
         """When nothing else could be scheduled (no waiting request, no finished sequence, room
@@ -214,7 +225,7 @@ class Engine:
         if batch is None:
             return []
         launched = InFlight.launch(batch, inputs, result)
-        if not (self.async_scheduling and (batch.is_decoding or self.scheduler.holds_mixed(batch))):
+        if not self._held(batch):
             return self._finish(continued) + self._finish(launched)
         self.in_flight = launched
         return self._finish(continued)

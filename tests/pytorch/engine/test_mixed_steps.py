@@ -106,6 +106,25 @@ def test_async_mixed_steps_change_no_token(prefix_caching, monkeypatch):
     _assert_no_stall(seqs, emitted, max_gap=2)
 
 
+def test_the_step_that_hands_out_tokens_launches_a_held_mixed_step():
+    """Async scheduling, a prompt arriving while two streams decode: the step that applies the
+    in-flight decode step (it cannot be continued: a request waits) hands out its tokens and
+    launches the first mixed step, which it holds (Engine.next_batch: only a step the host
+    waits for runs a step later), so the device does not idle through a step of host work."""
+    config = PytorchEngineConfig(**{**accepting.BASE, **CFG}, max_mixed_token_num=8,
+                                 async_scheduling=True)
+    engine = build_engine(accepting.model_dir(), config, None, progress=False)
+    prompts = _prompts()
+    streams = [engine.add_request(p, GREEDY) for p in prompts[:2]]
+    while engine.in_flight is None or not engine.in_flight.batch.is_decoding:
+        engine.step()
+    engine.add_request(prompts[2], GREEDY)
+    outputs = engine.step()
+    assert {o.seq.seq_id for o in outputs if o.new_token_ids} == {s.seq_id for s in streams}
+    held = engine.in_flight.batch
+    assert 0 < held.num_decode_rows < len(held.seqs) and engine.next_batch is None
+
+
 def test_without_mixing_the_long_prompt_stalls_the_streams():
     """The other side of the no-stall check: prefill first stalls the running streams for the
     long prompt's whole prefill (several chunks of max_prefill_token_num)."""
