@@ -180,9 +180,10 @@ class Pipeline:
                  engine_process: bool = False, reasoning_parser: str | None = None,
                  chat_template: str | None = None, num_threads: int | None = None):
         """`engine_process`: run a one-rank engine in a process of its own (an mp rank), not in
-        a thread of this one (the server on CUDA: its event loop's streaming would hold the GIL
-        the engine's thread needs between CUDA steps). `reasoning_parser` ('qwen3'; 'auto': when the chat template thinks; None
-        or 'none': off): a chat reply's `<think>` block goes to Response.reasoning_content.
+        a thread of this one (the server's default: its event loop's streaming would hold the
+        GIL the engine's thread needs between steps). `reasoning_parser` ('qwen3'; 'auto': when
+        the chat template thinks; None or 'none': off): a chat reply's `<think>` block goes to
+        Response.reasoning_content.
         `chat_template`: a Jinja template (a file, or the template itself) instead of the
         model's. `num_threads`: torch's CPU threads (None: `use_cpu_threads`)."""
         if reasoning_parser not in PARSERS + (None,):

@@ -221,7 +221,7 @@ def test_a_consumer_that_fell_behind_gets_the_missed_steps_in_one_response():
 
 
 def test_an_engine_in_its_own_process_streams_what_the_thread_engine_does(spec_pipe):
-    """`engine_process=True` (the server's default on CUDA): a one-rank engine in the mp
+    """`engine_process=True` (the server's default): a one-rank engine in the mp
     executor's rank process gives the same text, ids, finish reasons and accepted counts as the
     engine in a thread, through the async path the server uses; logprobs travel home too."""
     batch = [list(p) for p in prompts()]
