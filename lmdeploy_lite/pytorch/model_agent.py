@@ -91,14 +91,15 @@ class ModelAgent:
         first time it meets a shape (measured on an H100: ~10 ms behind a busy device, 0.2 ms the
         next time, for any new row count), so a shape first met while serving stalled the host
         for the running step (the first mixed step after a prompt arrived: ~7 ms). This rank's
-        shard only: no collective outside a step."""
+        shard only: no collective outside a step. CUDA only (the CPU has no such wait)."""
+        if self.device.type != 'cuda':
+            return
         weight = self.model.lm_head.weight
         rows = sorted({batch * w for batch in range(1, max_batch + 1) for w in {1, *widths}})
         hidden, start = weight.new_zeros(rows[-1], weight.shape[1]), time.perf_counter()
         for n in rows:
             F.linear(hidden[:n], weight)
-        if self.device.type == 'cuda':
-            torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)
         logger.info('LM head: %d row counts loaded in %.2f s', len(rows),
                     time.perf_counter() - start)
 

@@ -221,9 +221,10 @@ class PrefillGraphRunner(_Captured):
     spare ones, enough that none takes more than `max_seq_tokens` (a sequence's block table
     width in tokens; at least one). The bucket's spare tokens are spread over its spare
     sequences, which are idle ranks' dummies (history 0, the reserved block 0 and state row
-    0): per-sequence ops keep them apart from the real ones, whose rows the replay returns. Inside, ops read no length
-    on the host (`ModelInputs.sync_free`: the attention builds its tile map on the device, the
-    gated delta rule takes the recurrent kernel for chunks of up to `max_q_len` tokens). With
+    0): per-sequence ops keep them apart from the real ones, whose rows the replay returns.
+    Inside, ops read no length on the host (`ModelInputs.sync_free`: the attention builds its
+    tile map on the device, the gated delta rule takes the recurrent kernel for chunks of up to
+    `max_q_len` tokens). With
     `long_row_from` (fla is there), a bucket above it has one sequence, `long_row`, that takes
     fla's chunk kernel over the bucket's width (gated_delta_rule.long_row_prefill): the step's
     longest chunk where it is over `long_row_from` (then it may be over `max_q_len` too), else
