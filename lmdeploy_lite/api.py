@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import os
 import queue
@@ -15,13 +14,13 @@ from lmdeploy_lite.pytorch.engine.executor import connect
 from lmdeploy_lite.pytorch.engine.executor.client import Channel, EngineStats
 from lmdeploy_lite.pytorch.engine.executor.rank_worker import uses_cuda
 from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_in_thought, template_thinks
-from lmdeploy_lite.text_stream import (Backlog, TextStream, as_batch, batch_decoder, check_prompt,
+from lmdeploy_lite.text_stream import (POLL_S, Backlog, TextStream, _AsyncFanout, _AsyncRequest,
+                                       _News, as_batch, batch_decoder, check_prompt,
                                        check_template_kwargs, check_tools, detokenize,
                                        token_logprobs)
 from lmdeploy_lite.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | list[dict]
-POLL_S = 1.0               # how often a wait for results checks that the engine still runs
 EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(__file__), 'assets', 'qwen3_5_moe_tiny')
 REPO_ID = re.compile(r'^[\w.-]+/[\w.-]+$')          # 'Qwen/Qwen3.5-0.8B'
 MODEL_FILES = ['*.json', '*.safetensors', '*.jinja', '*.model', '*.txt', '*.tiktoken']
@@ -65,111 +64,6 @@ def resolve_model_path(model_path: str | None, revision: str | None = None,
         raise ValueError(f'model_path=None: the embedded model is missing at {EMBEDDED_MODEL_DIR}; '
                          f'pass a model directory')
     return EMBEDDED_MODEL_DIR
-
-
-class _AsyncFanout:
-    """The async front-end of one event loop (the server): the engine thread posts a step's
-    results once; on the loop they are detokenized in bulk and added to each request's backlog.
-    While calls wait, every POLL_S it looks whether the engine has stopped (`stopped()`: the
-    reason, else None) and ends their waits: one timer for the loop, none per wait."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, decode, stopped):
-        self.decode, self.loop, self.stopped = decode, loop, stopped
-        self.calls: set[_News] = set()             # of the generate_ids calls running
-        self.watch: asyncio.TimerHandle | None = None
-        # posted from the engine's thread:
-        self.channel = Channel(lambda items: loop.call_soon_threadsafe(self._dispatch, items))
-
-    def _dispatch(self, items: list):              # the event loop's thread
-        updates, requests = [], []
-        for request, item in items:
-            if isinstance(item, BaseException):
-                request.put(item)
-            else:
-                updates.append((request.text, item.new_token_ids, item.finished))
-                requests.append((request, item))
-        try:
-            deltas = detokenize(self.decode, updates)
-        except Exception as e:                     # their text is lost: these requests end
-            for request, _ in requests:
-                request.put(e)
-            return
-        for (request, item), delta in zip(requests, deltas):
-            request.put((item, delta))
-
-    def begin(self, news: '_News'):
-        self.calls.add(news)
-        if self.watch is None:
-            self.watch = self.loop.call_later(POLL_S, self._watch)
-
-    def _watch(self):
-        error = self.stopped()
-        if error is not None:
-            for news in self.calls:
-                news.fail(RuntimeError(f'the engine stopped: {error}'))
-        self.watch = self.loop.call_later(POLL_S, self._watch) if self.calls else None
-
-
-class _News:
-    """Which choices of one `generate_ids` call have something to take, in the order they got
-    it, and the future its consumer awaits for the next: set by the loop's dispatch, one per
-    wait (no queue, no timer: the fanout watches the engine for every call at once)."""
-    __slots__ = ('ready', 'waiter', 'error')
-
-    def __init__(self):
-        self.ready: collections.deque[int] = collections.deque()
-        self.waiter: asyncio.Future | None = None
-        self.error: BaseException | None = None     # the engine stopped
-
-    def put(self, index: int):
-        self.ready.append(index)
-        self._wake()
-
-    def fail(self, error: BaseException):
-        self.error = error
-        self._wake()
-
-    def _wake(self):
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def get(self) -> int:
-        """The index of the next choice with something to take."""
-        while not self.ready:
-            if self.error is not None:
-                raise self.error
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        return self.ready.popleft()
-
-
-class _AsyncRequest:
-    """One choice of a `generate_ids` call: its text and what its consumer has not taken yet
-    (one Backlog, and an error that came after it); `news` (shared by the call's choices) learns
-    the index of a choice once it has something to take, not once per step."""
-    __slots__ = ('text', 'index', 'news', 'backlog', 'error')
-
-    def __init__(self, gen_config: GenerationConfig, stream_text: bool, index: int,
-                 news: _News):
-        self.text, self.index, self.news = TextStream(gen_config, stream_text), index, news
-        self.backlog: Backlog | None = None
-        self.error: BaseException | None = None
-
-    def put(self, item):
-        idle = self.backlog is None and self.error is None
-        if isinstance(item, BaseException):
-            self.error = item
-        elif self.backlog is None:
-            self.backlog = Backlog(*item)
-        else:
-            self.backlog.add(*item)
-        if idle:
-            self.news.put(self.index)
-
-    def take(self) -> tuple[Backlog | None, BaseException | None]:
-        taken = self.backlog, self.error
-        self.backlog = self.error = None
-        return taken
 
 
 class Pipeline:
@@ -397,11 +291,8 @@ class Pipeline:
             try:
                 return inbox.get(timeout=POLL_S)
             except queue.Empty:
-                self._check_engine()
-
-    def _check_engine(self):
-        if self._client.error is not None:
-            raise RuntimeError(f'the engine stopped: {self._client.error}') from None
+                if self._client.error is not None:
+                    raise RuntimeError(f'the engine stopped: {self._client.error}') from None
 
     def _check_open(self):
         if self._closed:
