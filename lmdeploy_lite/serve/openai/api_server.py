@@ -241,15 +241,6 @@ def server_config(app, host: str, port: int, log_level: str, graceful_timeout_s:
                           timeout_keep_alive=limits.idle_timeout_s)
 
 
-def freeze_startup_objects():
-    """Leave what startup made (the modules, the model's Python objects: ~400k) out of the
-    garbage collector's full passes, which otherwise scan all of it while holding the GIL: a
-    ~0.2 s stall of the engine thread and every stream (the 2-core CPU: one such pass in a 10 s
-    run of 64 streams; none after the freeze)."""
-    gc.collect()
-    gc.freeze()
-
-
 def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
           graceful_timeout_s: float = 10.0, limits: ServerLimits = ServerLimits(),
@@ -273,7 +264,10 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
     try:
         sock = sock or bind_socket(host, port)
         print(f'lmdeploy_lite: serving {model_name!r} on http://{host}:{port}', flush=True)
-        freeze_startup_objects()
+        # what startup made (modules, the model's Python objects: ~400k) out of the collector's
+        # full passes, which scan it all holding the GIL: a ~0.2 s stall of every stream
+        gc.collect()
+        gc.freeze()
         server.run(sockets=[sock])
     except CannotListen as e:
         print(f'error: {e}', file=sys.stderr)
