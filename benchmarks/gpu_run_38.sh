@@ -4,7 +4,8 @@
 # prefill graphs off against on) for PRESETS. PART=ttft: bench_pipeline.py TTFT rows (TTFT
 # lengths, AR, best of 2) with graphs off (0) and on (8192) for PRESETS.
 # PART=prefix: bench_prefix.py on the 9B. PART=itl: bench_itl.py (32 streams + an 8k prompt).
-# PART=profile: profile_prefill.py (a TOKENS prompt's device time by kernel family) for PRESETS.
+# PART=mixed: profile_mixed.py (each step of 32 streams + an 8k prompt, and of the chunks alone,
+# device time by kernel family). PART=profile: profile_prefill.py (a TOKENS prompt's device time by kernel family) for PRESETS.
 source .whl/gpu-env.sh
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 # Triton's autotune results (fla benchmarks ~100 configs per kernel and dtype, minutes on a fresh
@@ -43,6 +44,12 @@ profile)
     timeout ${LIMIT:-200} python3 benchmarks/profile_prefill.py --preset $preset --tokens ${TOKENS:-8192} \
       --graph-tokens ${GRAPH:-8192} --out $OUT/profile_${preset}_${TOKENS:-8192}.json > $OUT/profile_${preset}.log 2>&1
     echo "== $preset"; tail -${TAILN:-30} $OUT/profile_${preset}.log | cut -c1-150
+  done ;;
+mixed)
+  for streams in ${STREAMS:-32 0}; do
+    timeout ${LIMIT:-300} python3 benchmarks/profile_mixed.py --preset ${PRESET:-qwen3_5_0_8b} --streams $streams \
+      --max-mixed-tokens ${M:-1024} --out $OUT/mixed_s${streams}_m${M:-1024}.json > $OUT/mixed_s$streams.log 2>&1
+    echo "== $streams streams"; grep -v "^USDT\|^STAGE\|profiler_st" $OUT/mixed_s$streams.log | tail -${TAILN:-30} | cut -c1-200
   done ;;
 itl)
   timeout ${LIMIT:-300} python3 benchmarks/bench_itl.py --preset ${PRESET:-qwen3_5_0_8b} --device cuda --dtype bfloat16 \
