@@ -13,6 +13,9 @@ OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
 [ -d .triton_autotune ] && cp -r .triton_autotune/. $TRITON_CACHE_DIR/
 trap '(cd $TRITON_CACHE_DIR && find . -name "*.autotune.json" | tar czf $OUT/autotune.tgz -T -)' EXIT
+# SIDES="before after": benchmarks of a copy of the commit before the change (BEFORE, default
+# out/before: `git archive HEAD lmdeploy_lite benchmarks | tar -x -C out/before`, carried) too
+side_root() { [ "$1" = before ] && realpath ${BEFORE:-out/before} || echo $PWD; }
 filter() { grep -v "^USDT\|IBGDA\|^$"; }
 for part in ${PART:-tests}; do
 case "$part" in
@@ -27,14 +30,15 @@ steps)
     echo "== $preset"; tail -${TAILN:-12} $OUT/steps_$preset.log | cut -c1-150
   done ;;
 ttft)
+  for side in ${SIDES:-after}; do root=$(side_root $side)
   for preset in ${PRESETS:-qwen3_5_0_8b qwen3_5_9b}; do
     for graph in ${GRAPHS:-0 8192}; do
-      timeout ${LIMIT:-300} python3 benchmarks/bench_pipeline.py --preset $preset --device cuda --dtype bfloat16 \
-        --batch-sizes 1 --new-tokens 16 --repeats 2 --no-enable-prefix-caching --ttft-lens ${TTFT:-128,512,2048,8192} \
-        --max-prefill-graph-tokens $graph --out $OUT/ttft_${preset}_g$graph.json > $OUT/ttft_${preset}_g$graph.log 2>&1
-      echo "== $preset graphs<=$graph"; tail -${TAILN:-6} $OUT/ttft_${preset}_g$graph.log | cut -c1-150
+      timeout ${LIMIT:-300} python3 $root/benchmarks/bench_pipeline.py --preset $preset --device cuda --dtype bfloat16 \
+        --batch-sizes 1 --new-tokens 16 --repeats ${REPEATS:-2} --no-enable-prefix-caching --ttft-lens ${TTFT:-128,512,2048,8192} \
+        --max-prefill-graph-tokens $graph --out $OUT/ttft_${preset}_g${graph}_$side.json > $OUT/ttft_${preset}_g${graph}_$side.log 2>&1
+      echo "== $side $preset graphs<=$graph"; tail -${TAILN:-6} $OUT/ttft_${preset}_g${graph}_$side.log | cut -c1-150
     done
-  done ;;
+  done; done ;;
 prefix)
   timeout ${LIMIT:-300} python3 benchmarks/bench_prefix.py --preset qwen3_5_9b --device cuda --dtype bfloat16 \
     ${PREFIX_ARGS:-} --out $OUT/prefix_9b.json > $OUT/prefix_9b.log 2>&1
@@ -46,18 +50,22 @@ profile)
     echo "== $preset"; tail -${TAILN:-30} $OUT/profile_${preset}.log | cut -c1-150
   done ;;
 mixed)
+  for side in ${SIDES:-after}; do root=$(side_root $side)
   for streams in ${STREAMS:-32 0}; do
-    timeout ${LIMIT:-300} python3 benchmarks/profile_mixed.py --preset ${PRESET:-qwen3_5_0_8b} --streams $streams \
-      --max-mixed-tokens ${M:-1024} --out $OUT/mixed_s${streams}_m${M:-1024}.json > $OUT/mixed_s$streams.log 2>&1
-    echo "== $streams streams"; grep -v "^USDT\|^STAGE\|profiler_st" $OUT/mixed_s$streams.log | tail -${TAILN:-30} | cut -c1-200
-  done ;;
+    timeout ${LIMIT:-300} python3 $root/benchmarks/profile_mixed.py --preset ${PRESET:-qwen3_5_0_8b} --streams $streams \
+      --max-mixed-tokens ${M:-1024} --out $OUT/mixed_s${streams}_m${M:-1024}_$side.json > $OUT/mixed_s${streams}_$side.log 2>&1
+    echo "== $side $streams streams"; grep -v "^USDT\|^STAGE\|profiler_st\|UserWarn\|_warn_once" $OUT/mixed_s${streams}_$side.log \
+      | tail -${TAILN:-30} | cut -c1-200
+  done; done ;;
 itl)
-  timeout ${LIMIT:-300} python3 benchmarks/bench_itl.py --preset ${PRESET:-qwen3_5_0_8b} --device cuda --dtype bfloat16 \
-    ${ITL_ARGS:-} --out $OUT/itl.json > $OUT/itl.log 2>&1
-  tail -${TAILN:-12} $OUT/itl.log | cut -c1-150
+  for side in ${SIDES:-after}; do root=$(side_root $side)
+  timeout ${LIMIT:-300} python3 $root/benchmarks/bench_itl.py --preset ${PRESET:-qwen3_5_0_8b} --device cuda --dtype bfloat16 \
+    ${ITL_ARGS:-} --out $OUT/itl_$side.json > $OUT/itl_$side.log 2>&1
+  echo "== $side"; tail -${TAILN:-12} $OUT/itl_$side.log | cut -c1-150
   # the window step by step: wall ms, what it scheduled, stream tokens out, Engine.step's parts
   python3 -c "import json; [print('%.1f' % (e[1] - e[0]), e[2], e[3], {k: round(v, 1) if
     isinstance(v, float) else v for k, v in (e[4] if len(e) > 4 else {}).items()})
-    for e in json.load(open('$OUT/itl.json'))['rows'][-1]['timeline']]" ;;
+    for e in json.load(open('$OUT/itl_$side.json'))['rows'][-1]['timeline']]"
+  done ;;
 esac
 done
