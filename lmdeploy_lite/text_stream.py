@@ -113,82 +113,6 @@ class Backlog:
         self.logprobs += out.logprobs or ()
 
 
-def as_batch(prompts) -> tuple[bool, list]:
-    """(single, the prompts as a list): a str, a list of token ids or a list of messages is one
-    prompt; a list or tuple of those is a batch; anything else one prompt `encode` rejects."""
-    if isinstance(prompts, (list, tuple)) and (not prompts or isinstance(prompts[0], (str, list,
-                                                                                      tuple))):
-        return False, list(prompts)
-    return True, [prompts]
-
-
-def check_prompt(prompt):
-    """ValueError naming what is wrong with a prompt that is not token ids."""
-    if isinstance(prompt, str):
-        _check_text('prompt', prompt)
-        return
-    if not isinstance(prompt, list):
-        raise ValueError(f'prompt: {type(prompt).__name__} is not a str, a list of token ids '
-                         f'or a list of chat messages')
-    if not prompt:
-        raise ValueError('prompt: empty; give at least one token')
-    if not isinstance(prompt[0], dict):
-        bad = next(i for i, t in enumerate(prompt) if not is_int(t))
-        raise ValueError(f'prompt[{bad}]={short_repr(prompt[bad])}: token ids must be ints '
-                         f'(a prompt is a str, a list of token ids or a list of chat messages)')
-    for i, message in enumerate(prompt):
-        if not isinstance(message, dict):
-            raise ValueError(f'prompt[{i}]={short_repr(message)}: a chat message is a dict '
-                             f"with 'role' and 'content'")
-        role, content = message.get('role'), message.get('content')
-        if role not in MESSAGE_ROLES:
-            raise ValueError(f'prompt[{i}].role={short_repr(role)}: must be one of {MESSAGE_ROLES}')
-        calls = message.get('tool_calls')
-        if calls is not None and (role != 'assistant' or not isinstance(calls, list)
-                                  or not all(isinstance(c, dict) for c in calls)):
-            raise ValueError(f'prompt[{i}].tool_calls={short_repr(calls)}: a list of dicts, '
-                             f'in assistant messages only')
-        if not isinstance(content, str) and not (content is None and calls):
-            raise ValueError(f'prompt[{i}].content={short_repr(content)}: must be a str')
-        if content is not None:
-            _check_text(f'prompt[{i}].content', content)
-
-
-def check_tools(tools):
-    """ValueError naming what is wrong with a tools list (the template reads the rest)."""
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise ValueError(f'tools={short_repr(tools)}: must be a list of dicts (function schemas)')
-
-
-# apply_chat_template's own arguments: a template variable must not change the call itself
-TEMPLATE_CALL_ARGS = frozenset((
-    'conversation', 'messages', 'tools', 'documents', 'chat_template', 'add_generation_prompt',
-    'continue_final_message', 'tokenize', 'padding', 'truncation', 'max_length',
-    'return_tensors', 'return_dict', 'return_assistant_tokens_mask', 'tokenizer_kwargs'))
-
-
-def check_template_kwargs(kwargs) -> dict:
-    """`chat_template_kwargs` as template variables ({} for None), or a ValueError naming it."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise ValueError(f'chat_template_kwargs={short_repr(kwargs)}: must be an object of '
-                         f'template variables, e.g. {{"enable_thinking": false}}')
-    if TEMPLATE_CALL_ARGS & kwargs.keys():
-        raise ValueError(f'chat_template_kwargs: {sorted(TEMPLATE_CALL_ARGS & kwargs.keys())} '
-                         f'are set from the request itself, not template variables')
-    return kwargs
-
-
-def _check_text(name: str, text: str):
-    """A str holding a lone surrogate cannot be tokenized (or sent anywhere as UTF-8)."""
-    try:
-        text.encode('utf-8')
-    except UnicodeEncodeError as e:
-        raise ValueError(f'{name}: not valid unicode text ({e.reason} at position {e.start})'
-                         ) from None
-
-
 class _AsyncFanout:
     """The async front-end of one event loop (the server): the engine thread posts a step's
     results once; on the loop they are detokenized in bulk and added to each request's backlog.
@@ -292,3 +216,79 @@ class _AsyncRequest:
         taken = self.backlog, self.error
         self.backlog = self.error = None
         return taken
+
+
+def as_batch(prompts) -> tuple[bool, list]:
+    """(single, the prompts as a list): a str, a list of token ids or a list of messages is one
+    prompt; a list or tuple of those is a batch; anything else one prompt `encode` rejects."""
+    if isinstance(prompts, (list, tuple)) and (not prompts or isinstance(prompts[0], (str, list,
+                                                                                      tuple))):
+        return False, list(prompts)
+    return True, [prompts]
+
+
+def check_prompt(prompt):
+    """ValueError naming what is wrong with a prompt that is not token ids."""
+    if isinstance(prompt, str):
+        _check_text('prompt', prompt)
+        return
+    if not isinstance(prompt, list):
+        raise ValueError(f'prompt: {type(prompt).__name__} is not a str, a list of token ids '
+                         f'or a list of chat messages')
+    if not prompt:
+        raise ValueError('prompt: empty; give at least one token')
+    if not isinstance(prompt[0], dict):
+        bad = next(i for i, t in enumerate(prompt) if not is_int(t))
+        raise ValueError(f'prompt[{bad}]={short_repr(prompt[bad])}: token ids must be ints '
+                         f'(a prompt is a str, a list of token ids or a list of chat messages)')
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise ValueError(f'prompt[{i}]={short_repr(message)}: a chat message is a dict '
+                             f"with 'role' and 'content'")
+        role, content = message.get('role'), message.get('content')
+        if role not in MESSAGE_ROLES:
+            raise ValueError(f'prompt[{i}].role={short_repr(role)}: must be one of {MESSAGE_ROLES}')
+        calls = message.get('tool_calls')
+        if calls is not None and (role != 'assistant' or not isinstance(calls, list)
+                                  or not all(isinstance(c, dict) for c in calls)):
+            raise ValueError(f'prompt[{i}].tool_calls={short_repr(calls)}: a list of dicts, '
+                             f'in assistant messages only')
+        if not isinstance(content, str) and not (content is None and calls):
+            raise ValueError(f'prompt[{i}].content={short_repr(content)}: must be a str')
+        if content is not None:
+            _check_text(f'prompt[{i}].content', content)
+
+
+def check_tools(tools):
+    """ValueError naming what is wrong with a tools list (the template reads the rest)."""
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise ValueError(f'tools={short_repr(tools)}: must be a list of dicts (function schemas)')
+
+
+# apply_chat_template's own arguments: a template variable must not change the call itself
+TEMPLATE_CALL_ARGS = frozenset((
+    'conversation', 'messages', 'tools', 'documents', 'chat_template', 'add_generation_prompt',
+    'continue_final_message', 'tokenize', 'padding', 'truncation', 'max_length',
+    'return_tensors', 'return_dict', 'return_assistant_tokens_mask', 'tokenizer_kwargs'))
+
+
+def check_template_kwargs(kwargs) -> dict:
+    """`chat_template_kwargs` as template variables ({} for None), or a ValueError naming it."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f'chat_template_kwargs={short_repr(kwargs)}: must be an object of '
+                         f'template variables, e.g. {{"enable_thinking": false}}')
+    if TEMPLATE_CALL_ARGS & kwargs.keys():
+        raise ValueError(f'chat_template_kwargs: {sorted(TEMPLATE_CALL_ARGS & kwargs.keys())} '
+                         f'are set from the request itself, not template variables')
+    return kwargs
+
+
+def _check_text(name: str, text: str):
+    """A str holding a lone surrogate cannot be tokenized (or sent anywhere as UTF-8)."""
+    try:
+        text.encode('utf-8')
+    except UnicodeEncodeError as e:
+        raise ValueError(f'{name}: not valid unicode text ({e.reason} at position {e.start})'
+                         ) from None
