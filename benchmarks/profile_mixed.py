@@ -48,7 +48,7 @@ def profiled_step(engine) -> dict:
     return {'wall_ms': wall, 'kernels_ms': sum(kernels.values()), 'families': dict(families),
             'span': timeline(prof.events()), 'launches': sum(counts.values()),
             'top': {name: (ms, counts[name]) for name, ms in sorted(
-                kernels.items(), key=lambda x: -x[1])}}
+                kernels.items(), key=lambda x: -x[1])[:40]}}
 
 
 def run(engine, streams: int, prompt_len: int, long_len: int) -> list[dict]:
