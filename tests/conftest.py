@@ -175,6 +175,7 @@ def _patch_the_language_once_per_launch():
     call_patched_once.patches_once_per_launch = True
     executor.__call__, functions.__call__ = launch_once, call_patched_once
     _look_up_numpy_dtypes_in_one_table(interpreter)
+    _type_triton_tuples_when_asked()
 
 
 def _look_up_numpy_dtypes_in_one_table(interpreter):
@@ -202,3 +203,35 @@ def _look_up_numpy_dtypes_in_one_table(interpreter):
     get_np_dtype.one_table = True
     interpreter._get_np_dtype = get_np_dtype
 
+
+
+def _type_triton_tuples_when_asked():
+    """A `triton.language.tuple` (every shape of every interpreted tensor is one) builds its
+    tuple_type, a name string of its values' reprs, when it is made: ~25% of the interpreted
+    kernel tests' time, though the interpreter seldom reads a tuple's type. The type is made from
+    the same values when first read instead (the one method that changes `values`, _setitem,
+    sets the type after); a type given to the constructor is kept as before."""
+    from triton.language import core
+    cls = core.tuple
+    if getattr(cls.__init__, 'typed_when_asked', False):
+        return
+
+    def __init__(self, args, type=None):
+        self.values = [i for i in args]
+        if isinstance(type, core.tuple_type):
+            self._type = type
+        elif type is not None:      # make_template in ASTFunction.deserialize: a list/tuple
+            self._type = core.tuple_type(type)
+        else:
+            self._type = None
+
+    def get_type(self):
+        made = self.__dict__
+        if made.get('_type') is None:          # (one made before this: its own `type`)
+            made['_type'] = made.get('type') or core._type_for_tuple_values(self.values)
+        return made['_type']
+
+    def set_type(self, value):
+        self._type = value
+    __init__.typed_when_asked = True
+    cls.__init__, cls.type = __init__, property(get_type, set_type)
