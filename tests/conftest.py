@@ -176,6 +176,7 @@ def _patch_the_language_once_per_launch():
     executor.__call__, functions.__call__ = launch_once, call_patched_once
     _look_up_numpy_dtypes_in_one_table(interpreter)
     _type_triton_tuples_when_asked()
+    _skip_overflow_checks_whose_assert_is_off(interpreter)
 
 
 def _look_up_numpy_dtypes_in_one_table(interpreter):
@@ -235,3 +236,27 @@ def _type_triton_tuples_when_asked():
         self._type = value
     __init__.typed_when_asked = True
     cls.__init__, cls.type = __init__, property(get_type, set_type)
+
+
+def _skip_overflow_checks_whose_assert_is_off(interpreter):
+    """Every int32 add, sub and mul of an interpreted kernel is checked for overflow
+    (InterpreterOptions.sanitize_overflow): the operands cast to int64, the op, two compares and
+    an `and`, each through Triton's semantic layer (~40% of the interpreted kernel tests' time),
+    handed to device_assert, which does nothing unless the options' `debug` is on (it is off:
+    nothing is asserted). So, in the interpreter with `debug` off, only the check's own
+    type asserts run; with `debug` on, or outside the interpreter, the whole check as before."""
+    from triton.language.semantic import TritonSemantic
+    original = TritonSemantic.binary_op_sanitize_overflow_impl
+    if getattr(original, 'skips_when_the_assert_is_off', False):
+        return
+
+    def binary_op_sanitize_overflow_impl(self, lhs, rhs, binary_op):
+        if not isinstance(self.builder, interpreter.InterpreterBuilder) \
+                or self.builder.options.debug:
+            return original(self, lhs, rhs, binary_op)
+        if lhs.type.scalar.int_bitwidth >= 64 or not self.builder.options.sanitize_overflow:
+            return
+        assert lhs.type.scalar == rhs.type.scalar
+        assert lhs.type.scalar.is_int()
+    binary_op_sanitize_overflow_impl.skips_when_the_assert_is_off = True
+    TritonSemantic.binary_op_sanitize_overflow_impl = binary_op_sanitize_overflow_impl
