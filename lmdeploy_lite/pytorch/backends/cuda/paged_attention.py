@@ -91,7 +91,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start, end, block_table_ptr, stride_bt
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_lens_ptr,
-                   o_ptr, lse_ptr, qk_scale,
+                   span_ptr, o_ptr, lse_ptr, qk_scale,
                    stride_qt, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
@@ -103,7 +103,9 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_le
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     """Grid (B, n_kv * M_TILES, NUM_SPLITS). Row r of a KV head is new token r // GROUP, q head
-    kv_head * GROUP + r % GROUP. Each split's rows as `_store_split` writes them."""
+    kv_head * GROUP + r % GROUP. A split covers at least span_ptr[0] positions (a multiple of
+    BLOCK_N), so a short sequence's later splits are empty and a long one's are not. Each split's
+    rows as `_store_split` writes them."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) // M_TILES
     rows = (tl.program_id(1) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -116,13 +118,14 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_le
 
     history = tl.load(history_lens_ptr + seq)
     kv_len = history + Q_LEN
-    split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N,
+                           tl.load(span_ptr))
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
 
     q_mask = row_valid[:, None] & d_valid[None, :]
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+                + d[None, :] * stride_qd, mask=q_mask & (start < end), other=0.0)
     q_pos = history + rows // GROUP
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
@@ -144,9 +147,12 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_le
 @triton.jit
 def _store_split(o_ptrs, lse_ptrs, acc, m_i, l_i, q_mask, row_valid, NUM_SPLITS: tl.constexpr):
     """A split's rows normalised by their own sum and (NUM_SPLITS > 1) their log2-sum-exp; a
-    split that saw no position writes zeros and -inf (its weight in `_combine_kernel`: 0)."""
+    split that saw no position writes -inf (its weight in `_combine_kernel`: 0, its rows not
+    read), or zeros as the output itself (one split)."""
     has_sum = l_i > 0
     out = acc / tl.where(has_sum, l_i, 1.0)[:, None]
+    if NUM_SPLITS > 1:
+        q_mask = q_mask & has_sum[:, None]
     tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=q_mask)
     if NUM_SPLITS > 1:
         lse = tl.where(has_sum, m_i + tl.log2(tl.where(has_sum, l_i, 1.0)), float('-inf'))
@@ -172,8 +178,9 @@ def _combine_kernel(o_split_ptr, lse_ptr, out_ptr,
     weights = tl.exp2(lse - tl.where(top == float('-inf'), 0.0, top))
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
+    seen = written & (lse > float('-inf'))             # an empty split wrote no rows
     o = tl.load(o_split_ptr + token * stride_st + head * stride_sh + splits[:, None] * stride_ss
-                + d[None, :] * stride_sd, mask=written[:, None] & d_valid[None, :], other=0.0)
+                + d[None, :] * stride_sd, mask=seen[:, None] & d_valid[None, :], other=0.0)
     total = tl.sum(weights, 0)
     out = tl.sum(o * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d * stride_od,
@@ -290,6 +297,24 @@ def decode_num_splits(num_programs: int, max_kv_tiles: int, num_sms: int) -> int
     return max(1, min(MAX_SPLITS, triton.cdiv(2 * num_sms, num_programs), max_kv_tiles))
 
 
+# decode: a batch's splits may number up to SPREAD x `decode_num_splits` (its even share), so
+# that one long sequence among short ones is split that much finer; `split_span` keeps the
+# splits of a batch of equal lengths as they were, the later ones empty
+SPREAD = 4
+
+
+def split_span(history_lens: torch.Tensor, q_len: int, splits: int,
+               block_n: int) -> torch.Tensor:
+    """[1] on the device: the fewest positions a decode split covers, the batch's KV positions
+    shared evenly by `splits` splits (the even share's count for every sequence), whole KV
+    tiles: a batch of equal lengths splits as evenly as before, and a sequence of L positions
+    takes about L / span splits (at most the launch's) wherever its length sits among the
+    others'. Device values only: graph-capturable."""
+    total = history_lens.sum() + q_len * history_lens.numel()
+    span = (total + splits - 1) // splits
+    return ((span + block_n - 1) // block_n * block_n).clamp_(min=block_n).reshape(1)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              inputs: ModelInputs) -> None:
     """The default `fill_kv_cache` in one kernel (no host sync when `uniform_q_len` is set)."""
@@ -316,13 +341,18 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_block_m, block_n = _tile_sizes(q)
     block_m = min(max_block_m, max(16, triton.next_power_of_2(q_len * group)))
     m_tiles = triton.cdiv(q_len * group, block_m)
+    programs = batch * n_kv * m_tiles
+    even = num_splits
     if num_splits is None:
         max_kv_tiles = triton.cdiv(inputs.block_tables.shape[1] * block_size, block_n)
-        num_splits = decode_num_splits(batch * n_kv * m_tiles, max_kv_tiles, _num_sms(q.device))
+        even = decode_num_splits(programs, max_kv_tiles, _num_sms(q.device))
+        num_splits = min(MAX_SPLITS, max_kv_tiles, SPREAD * even)
+    span = inputs.derived(('decode_split_span', block_n, even), lambda: split_span(
+        inputs.history_lens, q_len, even * batch, block_n))
     out, o_split, lse = _split_outputs(q, num_splits)
     block_d = _block_d(head_dim)
     _decode_kernel[(batch, n_kv * m_tiles, num_splits)](
-        q, k_cache, v_cache, inputs.block_tables, inputs.history_lens, o_split, lse,
+        q, k_cache, v_cache, inputs.block_tables, inputs.history_lens, span, o_split, lse,
         scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
         *inputs.block_tables.stride(), *o_split.stride(),
         *(lse.stride() if num_splits > 1 else (0, 0, 0)),
