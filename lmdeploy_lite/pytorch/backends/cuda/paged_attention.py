@@ -332,8 +332,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      inputs: ModelInputs, scale: float,
                      num_splits: int | None = None) -> torch.Tensor:
     """q [B * n, nq, d] with n = `inputs.uniform_q_len` new tokens per sequence, already in the
-    caches -> [B * n, nq, d]. Sync-free and graph-capturable. `num_splits` (default
-    `decode_num_splits`) is exposed for tests."""
+    caches -> [B * n, nq, d]. Sync-free and graph-capturable. `num_splits` (default SPREAD x
+    `decode_num_splits`, within the block table's KV tiles) is exposed for tests."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, n_kv, _ = k_cache.shape
     q_len, group = inputs.uniform_q_len, num_heads // n_kv
@@ -341,11 +341,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     max_block_m, block_n = _tile_sizes(q)
     block_m = min(max_block_m, max(16, triton.next_power_of_2(q_len * group)))
     m_tiles = triton.cdiv(q_len * group, block_m)
-    programs = batch * n_kv * m_tiles
     even = num_splits
     if num_splits is None:
         max_kv_tiles = triton.cdiv(inputs.block_tables.shape[1] * block_size, block_n)
-        even = decode_num_splits(programs, max_kv_tiles, _num_sms(q.device))
+        even = decode_num_splits(batch * n_kv * m_tiles, max_kv_tiles, _num_sms(q.device))
         num_splits = min(MAX_SPLITS, max_kv_tiles, SPREAD * even)
     span = inputs.derived(('decode_split_span', block_n, even), lambda: split_span(
         inputs.history_lens, q_len, even * batch, block_n))
