@@ -113,3 +113,16 @@ def test_sampled_drafts_distribution_is_charged_per_state_slot(tiny_ckpt):
     per_block = 1024 + 1024                     # target + draft KV, tp = 1 (module docstring)
     per_slot = 58368 + 3 * model.vocab_size * 4
     assert plan.num_blocks == int((512 * MB * 0.5 - 129 * per_slot) // per_block)
+
+
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_caches_are_zeros_of_their_own(dtype):
+    """fresh_zeros on the CPU (fresh pages, not a memset): zeros of the dtype and shape, writable,
+    two calls never share memory, and the pages outlive the call that mapped them."""
+    from lmdeploy_lite.pytorch.cache_engine import fresh_zeros
+    a, b = fresh_zeros((3, 64, 2, 8), dtype, 'cpu'), fresh_zeros((3, 64, 2, 8), dtype, 'cpu')
+    assert a.dtype == dtype and a.shape == (3, 64, 2, 8) and a.is_contiguous()
+    assert torch.equal(a, torch.zeros_like(a))
+    a[1].fill_(2.0)
+    assert a.sum().item() == 2.0 * 64 * 2 * 8 and b.abs().sum().item() == 0
+    assert fresh_zeros((0, 4), dtype, 'cpu').shape == (0, 4)
