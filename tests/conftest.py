@@ -214,7 +214,8 @@ def _type_triton_tuples_when_asked():
     sets the type after); a type given to the constructor is kept as before."""
     from triton.language import core
     cls = core.tuple
-    if getattr(cls.__init__, 'typed_when_asked', False):
+    if getattr(cls.__init__, 'typed_when_asked', False) or not hasattr(
+            core, '_type_for_tuple_values'):          # another Triton: left as it is
         return
 
     def __init__(self, args, type=None):
@@ -245,8 +246,11 @@ def _skip_overflow_checks_whose_assert_is_off(interpreter):
     handed to device_assert, which does nothing unless the options' `debug` is on (it is off:
     nothing is asserted). So, in the interpreter with `debug` off, only the check's own
     type asserts run; with `debug` on, or outside the interpreter, the whole check as before."""
-    from triton.language.semantic import TritonSemantic
-    original = TritonSemantic.binary_op_sanitize_overflow_impl
+    try:
+        from triton.language.semantic import TritonSemantic
+        original = TritonSemantic.binary_op_sanitize_overflow_impl
+    except (ImportError, AttributeError):               # another Triton: left as it is
+        return
     if getattr(original, 'skips_when_the_assert_is_off', False):
         return
 
