@@ -37,22 +37,22 @@ from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
 
 def synthetic_rejection_sampler(rates: list[float], seed: int = 0, verify=rejection_sample):
     """Accept draft i with probability rates[i], drawn on the device (a host draw would need a
-    synchronizing host-to-device copy every step). `verify`: the verification whose work it
-    still does (the agent's own rejection_sampler, which knows a token map)."""
-    generators: dict[torch.device, torch.Generator] = {}
+    synchronizing host-to-device copy every step) from the default generator, seeded here (a
+    CUDA graph captures only that one: the agent's step graphs hold this sampler). `verify`:
+    the verification whose work it still does (the agent's own rejection_sampler, which knows a
+    token map)."""
+    torch.manual_seed(seed)
     thresholds: dict[tuple[torch.device, int], torch.Tensor] = {}
 
     def sampler(target_logits, draft_tokens, draft_probs, sampling, num_drafts=None):
         output, _ = verify(target_logits, draft_tokens, draft_probs, sampling, num_drafts)
         batch, k = draft_tokens.shape
         device = draft_tokens.device
-        if device not in generators:
-            generators[device] = torch.Generator(device).manual_seed(seed)
-            for n in range(0, 9):      # copied once, before any step is timed
+        if (device, 0) not in thresholds:
+            for n in range(0, 9):      # copied once, before any step is timed or captured
                 thresholds[device, n] = torch.tensor(
                     [rates[min(i, len(rates) - 1)] for i in range(n)]).to(device)
-        accept = torch.rand(batch, k, generator=generators[device], device=device) \
-            < thresholds[device, k]
+        accept = torch.rand(batch, k, device=device) < thresholds[device, k]
         if num_drafts is not None:      # a row verifies only the drafts its last step made
             accept &= torch.arange(k, device=device) < num_drafts[:, None]
         num_accepted = accept.long().cumprod(-1).sum(-1)

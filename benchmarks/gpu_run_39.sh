@@ -5,14 +5,27 @@
 # each, alternating (issue 33: speed unchanged by the trims); PART=spec: the dynamic-k grid after
 # the policy's new estimator (issue 39: dyn against every fixed k, 0.8B, acceptance 0.8/0.6/0.5
 # and 0, 32k token map).
+# PART=whole (eleventh session): whole greedy steps in one graph, bench_spec AR and k=3 (0.8/0.6/0.5,
+# 32k map) before ($BEFORE, default out/before: `git archive HEAD lmdeploy_lite benchmarks | tar -x
+# -C out/before`, carried) and after, in one call; PART=tests takes TESTS to pick files.
 source .whl/gpu-env.sh
+export TRITON_CACHE_DIR=/tmp/triton_cache; mkdir -p $TRITON_CACHE_DIR
+[ -d .triton_autotune ] && cp -r .triton_autotune/. $TRITON_CACHE_DIR/
 for d in _gpu/*/lmdeploy_lite; do [ -d $d/assets ] || cp -r lmdeploy_lite/assets $d/; done   # exports lack the model
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 F="grep -v ^USDT\|IBGDA\|^$\|warn"
 case ${PART:-tests} in
 tests)
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/gpu --ignore=tests/gpu/test_multi_gpu_graphs.py \
-    --ignore=tests/gpu/test_two_gpus.py 2>&1 | $F | tail -8 ;;
+  timeout ${LIMIT:-420} python3 -m pytest -q -p no:cacheprovider -rs ${TESTS:-tests/gpu --ignore=tests/gpu/test_multi_gpu_graphs.py \
+    --ignore=tests/gpu/test_two_gpus.py} 2>&1 | $F | tail -${TAILN:-8} ;;
+whole)
+  for side in ${SIDES:-before after}; do root=$PWD; [ $side = before ] && root=$(realpath ${BEFORE:-out/before})
+  for P in ${PRESETS:-qwen3_5_0_8b qwen3_5_9b}; do
+    timeout ${LIMIT:-200} python3 $root/benchmarks/bench_spec.py --preset $P --device cuda --dtype bfloat16 \
+      --batch-sizes ${BATCHES:-1,8} --ks ${KS:-3} --token-map-size 32768 --decode-steps ${STEPS:-48} \
+      --synthetic-acceptance 0.8,0.6,0.5 --out $OUT/whole_${P}_$side.json > $OUT/whole_${P}_$side.log 2>&1
+    echo "== $side $P"; tail -${TAILN:-5} $OUT/whole_${P}_$side.log | cut -c1-160
+  done; done ;;
 pipe)
   P="benchmarks/bench_pipeline.py --preset qwen3_5_0_8b --device cuda --dtype bfloat16 --new-tokens 256 --prompt-len 128 --repeats 2 --batch-sizes 1,64"
   for i in 1 2; do for side in after before; do

@@ -52,25 +52,32 @@ def test_float32_graphs_and_speculation_change_no_token(moe, tiny_ckpt):
     for name, tokens in results.items():
         assert tokens == reference, f'{name}: differs from the default backend'
     _, engine = _run(path, 'float32', spec)
-    assert engine.agent.target.graph.num_replays > 0
+    assert engine.agent.step_graphs[3].num_replays > 0   # greedy: whole steps in one replay
 
 
+@pytest.mark.parametrize('whole', [True, False], ids=['whole', 'parts'])
 @pytest.mark.parametrize('moe', [False, True], ids=['dense', 'moe'])
-def test_float32_graphs_for_every_draft_count(moe, tiny_ckpt, monkeypatch):
+def test_float32_graphs_for_every_draft_count(moe, whole, tiny_ckpt, monkeypatch):
     """Dynamic k through CUDA graphs: each step's k from the cycle (every switch, plain steps
-    included), so every verify width, greedy draft chain and the KV-only pass replay; the tokens
-    equal the eager default backend's plain output."""
+    included), so every whole-step graph (`whole`), or every verify width, greedy draft chain
+    and the KV-only pass (`parts`, what sampled batches replay) replay; the tokens equal the
+    eager default backend's plain output."""
     from tests.helpers import accepting
     accepting.cycle_draft_counts(monkeypatch)
+    if not whole:
+        monkeypatch.setattr('lmdeploy_lite.pytorch.spec_decode.spec_agent.STEP_GRAPH_MAX_BATCH', 0)
     path = tiny_ckpt(moe, layout='multimodal')
     reference, _ = _run(path, 'float32', eager=True, backend='default')
     tokens, engine = _run(path, 'float32', SpeculativeConfig(num_speculative_tokens=3))
     assert tokens == reference
     proposer, target = engine.agent.proposer, engine.agent.target
+    assert engine.agent.plain_graph.num_replays > 0       # greedy plain steps: one replay
+    if whole:
+        assert all(engine.agent.step_graphs[k].num_replays > 0 for k in (1, 2, 3))
+        return
     assert sorted(target.graphs) == [1, 2, 3, 4]
     assert all(target.graphs[q].num_replays > 0 for q in (2, 3, 4))   # verify widths
     assert all(proposer.chain_graphs[k].num_replays > 0 for k in (1, 2, 3))
-    assert engine.agent.plain_graph.num_replays > 0       # greedy plain steps: one replay
 
 
 def _snippet_prompts(tokenizer, count: int) -> list[list[int]]:

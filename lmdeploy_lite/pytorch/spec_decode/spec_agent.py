@@ -4,6 +4,9 @@ the device per state slot (DESIGN.md invariant 7): `last_token` (the last bonus 
 [k], `num_drafted` (a verify accepts no more) and, with a device proposer, `draft_probs` [k, V]
 ([k, M] over a token map; sized per spec_decode/build.py). The next decode step's inputs
 `[last_token, d1..dk]` are built from them on the device; the host only learns emitted tokens.
+With CUDA graphs, a greedy batch with device drafts runs a whole step in one replay per k
+(`step_graphs`: verify forward, LM head, acceptance, the MTP head and its draft chain); other
+batches replay the verify forward and the proposer's graphs with eager work between them.
 """
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ from lmdeploy_lite.pytorch.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
 from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
+
+# the largest batch whose greedy step is captured whole (its verify logits stay in the pool)
+STEP_GRAPH_MAX_BATCH = 64
 
 
 class SpecAgent:
@@ -35,10 +41,27 @@ class SpecAgent:
         self.draft_probs = (None if proposer is None else
                             torch.zeros(num_state_slots, num_spec_tokens, draft_vocab,
                                         dtype=probs_dtype, device=device))
-        self.rejection_sampler = rejection_sample         # benchmarks may swap in a synthetic one
+        self._rejection_sampler = (rejection_sample if token_map is None else
+                                   partial(rejection_sample, token_map=token_map))
         self.plain_graph = None        # GraphRunner of a greedy plain step (k = 0), when captured
-        if token_map is not None:
-            self.rejection_sampler = partial(rejection_sample, token_map=token_map)
+        # k -> GraphRunner of a whole greedy step of k device drafts (batches up to
+        # STEP_GRAPH_MAX_BATCH: the verify logits [B, k + 1, V] live in the graph pool)
+        self.step_graphs: dict = {}
+        self._graph_args = None        # (buckets, max_blocks, recorder) the step graphs took
+
+    @property
+    def rejection_sampler(self):
+        """The verification rule (rejection.rejection_sample over the token map)."""
+        return self._rejection_sampler
+
+    @rejection_sampler.setter
+    def rejection_sampler(self, sampler):
+        """Swap it (benchmarks' synthetic acceptance, tests' recorders): the step graphs hold the
+        rule they were captured with, so they are captured again."""
+        self._rejection_sampler = sampler
+        if self.step_graphs:
+            self.step_graphs.clear()
+            self._capture_step_graphs(*self._graph_args)
 
     def enable_graphs(self, buckets: list[int], max_blocks: int, recorder=None, **prefill):
         """CUDA graphs of the verify forward and the draft steps for each of `draft_counts`
@@ -54,6 +77,36 @@ class SpecAgent:
                                            max_blocks, [], self.target.device,
                                            pool=self.target.graph_pool, recorder=recorder)
             self.plain_graph.capture()
+        if self.proposer is not None:
+            self._capture_step_graphs(buckets, max_blocks, recorder)
+
+    def _capture_step_graphs(self, buckets: list[int], max_blocks: int, recorder):
+        from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
+        self._graph_args = (buckets, max_blocks, recorder)
+        self._greedy = SamplingInputs.from_values([False], [1.0], [0], [1.0],
+                                                  device=self.target.device)
+        small = [b for b in buckets if b <= STEP_GRAPH_MAX_BATCH]
+        for k in [k for k in self.draft_counts if k] if small else []:
+            self.step_graphs[k] = GraphRunner(self._greedy_step, f'spec step k={k}', k + 1,
+                                              small, max_blocks, [], self.target.device,
+                                              pool=self.target.graph_pool, recorder=recorder)
+            self.step_graphs[k].capture()
+
+    def _greedy_step(self, inputs: ModelInputs) -> torch.Tensor:
+        """`_verify_and_draft` of a greedy batch with device drafts, graphs not replayed inside
+        (`step_graphs` capture it): [B * (k + 1), 2] long, each row's output tokens beside its
+        num_accepted_drafts (repeated)."""
+        target = self.target
+        inputs.num_spec = inputs.uniform_q_len - 1      # the runner's static inputs have no k
+        tokens, num_accepted, _ = self._verify_and_draft_body(
+            inputs, self._greedy, lambda inputs: target.model(inputs, target.caches), False)
+        return torch.stack([tokens, num_accepted[:, None].expand_as(tokens)], -1).flatten(0, 1)
+
+    @staticmethod
+    def _argmax_only(sampling: SamplingInputs) -> bool:
+        """Whether a step's tokens are bare argmaxes (no sampling, penalties, masks, logprobs)."""
+        return (sampling.all_greedy and sampling.penalties is None and sampling.masks is None
+                and sampling.logprobs is None)
 
     def _greedy_plain_step(self, inputs: ModelInputs) -> torch.Tensor:
         target = self.target
@@ -77,8 +130,7 @@ class SpecAgent:
         if inputs.draft_tokens is None:           # device drafts: the id is on the device
             inputs.input_ids = self.last_token[slots]
         # the graph returns argmax tokens only: no sampling, penalties or logprobs
-        runner = (self.plain_graph if sampling.all_greedy and sampling.penalties is None
-                  and sampling.masks is None and sampling.logprobs is None else None)
+        runner = self.plain_graph if self._argmax_only(sampling) else None
         logits = None
         if runner is not None and runner.can_run(inputs):
             inputs.state_index = self.target.state_index[slots]
@@ -113,6 +165,22 @@ class SpecAgent:
         return StepResult(tokens[:, None]).with_logprobs(logits[:, None], sampling)
 
     def _verify_and_draft(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
+        k = inputs.num_spec
+        runner = (self.step_graphs.get(k) if inputs.draft_tokens is None
+                  and self._argmax_only(sampling) else None)
+        if runner is not None and runner.can_run(inputs):
+            inputs.state_index = self.target.state_index[inputs.state_slots]
+            packed = runner(inputs).view(-1, k + 1, 2)
+            return StepResult(packed[..., 0], packed[:, 0, 1])
+        output_tokens, num_accepted, logits = self._verify_and_draft_body(
+            inputs, sampling, self.target.forward, True)
+        # logprobs: the verify logits at each emitted position (accepted drafts, then bonus)
+        return StepResult(output_tokens, num_accepted).with_logprobs(logits, sampling)
+
+    def _verify_and_draft_body(self, inputs: ModelInputs, sampling: SamplingInputs, forward,
+                               use_graphs: bool):
+        """(output_tokens [B, k + 1], num_accepted [B], logits [B, k + 1, V]) of a verify step,
+        the next drafts saved; `forward(inputs)`: the target's hidden states."""
         slots, k = inputs.state_slots, inputs.num_spec
         batch = slots.numel()
         # 1. inputs [last accepted token, d1..dk], built on the device from the last step; a
@@ -125,7 +193,7 @@ class SpecAgent:
         else:                                   # host drafts: all k real and deterministic
             drafts, draft_probs, num_drafts = inputs.draft_tokens, None, None
         # 2. verify: one target forward over the k + 1 positions
-        hidden = self.target.forward(inputs)
+        hidden = forward(inputs)
         logits = self.target.model.compute_logits(hidden).view(batch, k + 1, -1)
         # 3. accept a prefix of the drafts, then one correction or bonus token
         output_tokens, num_accepted = self.rejection_sampler(logits, drafts, draft_probs, sampling,
@@ -138,15 +206,17 @@ class SpecAgent:
         # 5. draft the next k tokens from the last accepted position; positions past it carry
         #    -1 placeholders, clamped to a valid id before the embedding lookup
         next_ids = output_tokens.clamp(min=0).flatten()
-        self._save_drafts(inputs, hidden, next_ids, inputs.q_start_loc + num_accepted, sampling, k)
-        # logprobs: the verify logits at each emitted position (accepted drafts, then bonus)
-        return StepResult(output_tokens, num_accepted).with_logprobs(logits, sampling)
+        self._save_drafts(inputs, hidden, next_ids, inputs.q_start_loc + num_accepted, sampling, k,
+                          use_graphs)
+        return output_tokens, num_accepted, logits
 
-    def _save_drafts(self, inputs, hidden, next_ids, rows, sampling, k: int):
+    def _save_drafts(self, inputs, hidden, next_ids, rows, sampling, k: int,
+                     use_graphs: bool = True):
         if self.proposer is None:
             return
         slots = inputs.state_slots
-        drafts, probs = self.proposer.propose(inputs, hidden, next_ids, rows, sampling, k)
+        drafts, probs = self.proposer.propose(inputs, hidden, next_ids, rows, sampling, k,
+                                              use_graphs)
         self.num_drafted.index_fill_(0, slots, k)
         if k:
             self.drafts[slots, :k] = drafts

@@ -19,10 +19,11 @@ def test_batch_buckets():
     assert batch_buckets(64)[-3:] == [32, 48, 64]
 
 
-def _generate_with_graphs(k: int, padded: int = 0):
+def _generate_with_graphs(k: int, padded: int = 0, whole: bool = True):
     """(token ids, SpecDecodeStats or None) per prompt, decode steps through static buffers for
     batch buckets 2, 4, 8; `padded`: every step padded as if another DP rank's batch were that
-    big."""
+    big; `whole`: a greedy step of k > 0 in one runner (SpecAgent.step_graphs), else through
+    the verify forward's and the proposer's runners."""
     engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE), accepting.spec(k),
                     progress=False)
     engine.agent.enable_graphs([2, 4, 8], max_blocks=16)
@@ -34,6 +35,10 @@ def _generate_with_graphs(k: int, padded: int = 0):
             return step(inputs, sampling)
         engine.agent.step = padded_step
     seqs = engine.generate([list(p) for p in accepting.prompts()], GREEDY)
+    if k and whole:
+        assert engine.agent.step_graphs[k].num_replays > 0
+        assert engine.agent.target.graph.num_replays == 0
+        return [s.generated_ids for s in seqs], [s.spec_stats for s in seqs]
     agent = engine.agent if k == 0 else engine.agent.target
     assert agent.graph.num_replays > 0
     if k:      # the MTP layer over the verify step (k + 1 tokens), then the greedy draft chain
@@ -55,11 +60,25 @@ def test_static_buffers_give_the_eager_and_plain_greedy_tokens(k, padded):
     assert [counts(s) for s in stats] == reference(k).counts
 
 
-def test_static_buffers_with_a_draft_count_per_step(monkeypatch):
+@pytest.mark.parametrize('padded', [0, 7], ids=['unpadded', 'padded'])
+def test_static_buffers_of_the_verify_and_draft_runners(monkeypatch, padded):
+    """The same through the verify forward's and the proposer's runners (what a sampled batch
+    replays), the whole-step runner off."""
+    monkeypatch.setattr('lmdeploy_lite.pytorch.spec_decode.spec_agent.STEP_GRAPH_MAX_BATCH', 0)
+    tokens, stats = _generate_with_graphs(3, padded, whole=False)
+    assert_real_acceptance(stats, 3)
+    assert tokens == reference(3).token_ids == reference(0).token_ids
+    assert [counts(s) for s in stats] == reference(3).counts
+
+
+@pytest.mark.parametrize('whole', [True, False], ids=['whole', 'parts'])
+def test_static_buffers_with_a_draft_count_per_step(monkeypatch, whole):
     """Dynamic k (the cycle: every switch, plain steps included): a runner per verify width, per
-    greedy draft chain and the KV-only pass of a plain step, each replayed; whole sequences
-    equal plain greedy."""
+    greedy draft chain and the KV-only pass of a plain step (`parts`), or a whole-step runner
+    per k (`whole`), each replayed; whole sequences equal plain greedy."""
     accepting.cycle_draft_counts(monkeypatch)
+    if not whole:
+        monkeypatch.setattr('lmdeploy_lite.pytorch.spec_decode.spec_agent.STEP_GRAPH_MAX_BATCH', 0)
     engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE),
                     accepting.spec(3, dynamic=True), progress=False)
     engine.agent.enable_graphs([2, 4, 8], max_blocks=16)
@@ -67,10 +86,13 @@ def test_static_buffers_with_a_draft_count_per_step(monkeypatch):
     accepting.assert_dynamic_acceptance([s.spec_stats for s in seqs], 3, positions=3)
     assert [s.generated_ids for s in seqs] == reference(0).token_ids
     proposer, target = engine.agent.proposer, engine.agent.target
+    assert engine.agent.plain_graph.num_replays > 0       # greedy plain steps: one replay
+    if whole:
+        assert all(engine.agent.step_graphs[k].num_replays > 0 for k in (1, 2, 3))
+        return
     assert all(target.graphs[q].num_replays > 0 for q in (2, 3, 4)), target.graphs.keys()
     assert sorted(target.graphs) == [1, 2, 3, 4]
     assert all(proposer.chain_graphs[k].num_replays > 0 for k in (1, 2, 3))
-    assert engine.agent.plain_graph.num_replays > 0       # greedy plain steps: one replay
 
 
 def test_prefill_spare_sequences_fit_a_block_table():

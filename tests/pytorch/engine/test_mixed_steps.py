@@ -162,7 +162,8 @@ def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
                               max_mixed_token_num=12)
     agent = _run.engine.agent.target if k else _run.engine.agent
     runner = agent.prefill_graph
-    assert runner.num_replays >= 3 and agent.graphs[1 + k].num_replays > 0
+    decode = _run.engine.agent.step_graphs[k] if k else agent.graphs[1]   # greedy: whole steps
+    assert runner.num_replays >= 3 and decode.num_replays > 0
     prefill_steps = sum(d < n for d, n in scheduled)
     if long_rows:       # every step replayed (one chunk at most passes the cap), some as long rows
         assert prefill_steps == runner.num_replays, (prefill_steps, runner.num_replays)

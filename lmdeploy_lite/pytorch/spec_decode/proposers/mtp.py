@@ -97,21 +97,24 @@ class MTPProposer:
         return run(inputs, input_ids, hidden)
 
     def propose(self, inputs: ModelInputs, target_hidden: torch.Tensor, next_ids: torch.Tensor,
-                rows: torch.Tensor, sampling: SamplingInputs, num_drafts: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                rows: torch.Tensor, sampling: SamplingInputs, num_drafts: int | None = None,
+                use_graphs: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """inputs/target_hidden [T, H]: the target step just run; next_ids [T] long: the token
         after each position (any valid id where unknown: that KV entry is rewritten later);
         rows [B] long: each sequence's row whose successor is the first draft; num_drafts: k
         (default the maximum; 0: write the head's KV only). Returns drafts [B, k] long and, if
-        any row samples, q [B, k, V] ([B, k, M] over token_map's ids with a reduced vocabulary)."""
+        any row samples, q [B, k, V] ([B, k, M] over token_map's ids with a reduced vocabulary).
+        use_graphs False: run eagerly (inside another graph's capture)."""
         k = self.num_spec_tokens if num_drafts is None else num_drafts
+        graphs, kv_graphs, chain_graphs = ((self.graphs, self.kv_graphs, self.chain_graphs)
+                                           if use_graphs else ({}, {}, {}))
         if k == 0:
-            self._run(self.kv_graphs, self._write_kv, inputs, next_ids, target_hidden)
+            self._run(kv_graphs, self._write_kv, inputs, next_ids, target_hidden)
             return rows.new_empty((rows.numel(), 0)), None
-        hidden = self._run(self.graphs, self._head, inputs, next_ids, target_hidden)[rows]
+        hidden = self._run(graphs, self._head, inputs, next_ids, target_hidden)[rows]
         positions = inputs.positions[rows]
         first = self._draft_step_inputs(inputs, positions, positions + 1)
-        chain = self.chain_graphs.get(k) if sampling.all_greedy else None
+        chain = chain_graphs.get(k) if sampling.all_greedy else None
         if chain is not None and chain.can_run(first):
             return chain(first, positions, hidden), None
-        return self._draft(first, hidden, k, partial(self._run, self.graphs, self._head), sampling)
+        return self._draft(first, hidden, k, partial(self._run, graphs, self._head), sampling)
