@@ -60,3 +60,24 @@ if [ ${PART:-tests} = multi ]; then
     tests/gpu/test_two_gpus.py tests/gpu/test_sequence_parallel_cuda.py tests/pytorch/test_deepep_dispatcher.py 2>&1 \
     | grep -v "^USDT\|IBGDA\|^$" | grep "replays\|identical\|passed\|failed\|Error\|SKIP" | tail -24
 fi
+# PART=kprofile: profile_step.py with a 32k draft map (the bench's), PRESETS x BATCHES x KS, the
+# device table's head and the per-step kernel count
+if [ ${PART:-tests} = kprofile ]; then
+  for P in ${PRESETS:-qwen3_5_0_8b}; do for b in ${BATCHES:-1}; do for k in ${KS:-0 3}; do
+    echo "== profile $P batch $b k $k"
+    timeout 200 python3 benchmarks/profile_step.py --preset $P --device cuda --dtype bfloat16 \
+      --batch $b --spec $k --steps 40 --token-map-size 32768 > $OUT/kprof_${P}_b${b}_k$k.log 2>&1
+    grep "^step:\|device per step" $OUT/kprof_${P}_b${b}_k$k.log
+    grep -A${ROWS:-24} "Self CPU %" $OUT/kprof_${P}_b${b}_k$k.log | cut -c1-60,100-175 | tail -${ROWS:-24}
+  done; done; done
+fi
+# PART=copies: eager profile_step --shapes, the copy-like aten ops of a plain and a k=3 step
+if [ ${PART:-tests} = copies ]; then
+  for k in ${KS:-0 3}; do
+    echo "== eager ops k $k"
+    timeout 200 python3 benchmarks/profile_step.py --preset ${PRESET:-qwen3_5_0_8b} --device cuda --dtype bfloat16 \
+      --batch 1 --spec $k --steps 10 --token-map-size 32768 --eager --shapes --rows 400 > $OUT/copies_k$k.log 2>&1
+    grep "aten::copy_\|aten::contiguous\|aten::index \|aten::cat\|aten::clone\|aten::roll\|aten::index_put\|aten::gather\|aten::where\|aten::stack" $OUT/copies_k$k.log \
+      | tr -s ' ' | cut -c1-230 | head -40
+  done
+fi

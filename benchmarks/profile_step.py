@@ -28,10 +28,18 @@ def main():
                         help='torch.profiler table grouped by op and input shapes')
     parser.add_argument('--spec', type=int, default=0, help='MTP draft tokens, every step (0: '
                         'plain decode)')
+    parser.add_argument('--token-map-size', type=int, default=None, metavar='N',
+                        help='with --spec: draft over the first N ids (bench_spec.py\'s map)')
+    parser.add_argument('--rows', type=int, default=None, help='rows of the device table')
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)
-    spec_kwargs = ({'speculative_config': SpeculativeConfig(num_speculative_tokens=args.spec,
-                                                            dynamic=False)}
+    token_map = None
+    if args.token_map_size:
+        from bench_spec import first_ids_map
+        args.token_map = None
+        token_map = first_ids_map(parser, args, model_dir, load_format)
+    spec_kwargs = ({'speculative_config': SpeculativeConfig(
+        num_speculative_tokens=args.spec, dynamic=False, draft_token_map=token_map)}
                    if args.spec else {})                   # a fixed k: the step profiled is k's
     engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch, 2), session_len=2048,
@@ -65,8 +73,12 @@ def main():
         sync()
     key = 'self_cuda_time_total' if engine.device.type == 'cuda' else 'self_cpu_time_total'
     table = prof.key_averages(group_by_input_shape=args.shapes)
-    print(table.table(sort_by=key, row_limit=40 if args.shapes else 30, max_name_column_width=60,
+    print(table.table(sort_by=key, row_limit=args.rows or (40 if args.shapes else 30), max_name_column_width=60,
                       max_shapes_column_width=80))
+    if engine.device.type == 'cuda':      # kernels only: what the device ran, per step
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / 10
+        print(f'device per step: {busy / 1000:.3f} ms in {len(kernels) / 10:.0f} kernels')
 
 
 if __name__ == '__main__':

@@ -11,6 +11,7 @@ Every backend provides (see `backends/default` for shapes and semantics):
     rms_norm(x, weight, eps) -> x.shape          (zero-centred: x / rms(x) * (1 + w))
     add_rms_norm(x, residual, weight, eps) -> (rms_norm(s), s), s = residual + x; residual consumed
     gated_rms_norm(x, gate, weight, eps) -> x.shape   (w * x / rms(x) * silu(gate))
+    rms_norm_rope(x, weight, eps, cos, sin) -> [T, heads, D]   (rms_norm, then partial RoPE)
     silu_mul(gate_up) -> [..., I]                (silu(gate_up[..., :I]) * gate_up[..., I:])
     fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids) -> [T, H]
     fused_moe_masked(x, counts, gate_up_proj, down_proj, out=None) -> [E, C, H]  (x[e, :counts[e]])

@@ -16,7 +16,6 @@ from torch import nn
 from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import RMSNorm
-from .rotary import apply_rotary
 from .sequence_parallel import restore_rows, splits_rows
 
 
@@ -52,8 +51,11 @@ class GatedAttention(nn.Module):
         else:
             q_gate, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         q_gate = q_gate.view(num_tokens, -1, 2 * self.head_dim)
-        k = apply_rotary(self.k_norm(k.view(num_tokens, -1, self.head_dim)), *rope)
+        k = self._norm_rope(self.k_norm, k.view(num_tokens, -1, self.head_dim), rope)
         return (*q_gate.split(self.head_dim, -1), k, v.view(num_tokens, -1, self.head_dim))
+
+    def _norm_rope(self, norm: RMSNorm, x: torch.Tensor, rope) -> torch.Tensor:
+        return self.backend.rms_norm_rope(x, norm.weight, norm.eps, *rope)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs) -> torch.Tensor:
@@ -63,7 +65,7 @@ class GatedAttention(nn.Module):
         hidden = hidden[:inputs.num_tokens]        # its T real rows (of Tp, sequence-parallel)
         num_tokens = hidden.shape[0]
         q, gate, k, v = self._project(hidden, rope)
-        q = apply_rotary(self.q_norm(q), *rope)
+        q = self._norm_rope(self.q_norm, q, rope)
         out = self.backend.paged_attention(q, k, v, kv_cache[0], kv_cache[1], inputs, self.scale)
         # the gate is a strided view: sigmoid reads it in place (no copy of it to reshape)
         out = out.reshape(num_tokens, -1) * torch.sigmoid(gate).reshape(num_tokens, -1)

@@ -1,5 +1,6 @@
 """Partial NeoX rotary embedding (Qwen3.5 text: mRoPE with equal positions == 1-D RoPE): only
-the first `rotary_dim` channels of each head are rotated (rotate_half style); the rest pass."""
+the first `rotary_dim` channels of each head are rotated (rotate_half style); the rest pass.
+The rotation itself is the backend's `rms_norm_rope` (backends/default/norm.py)."""
 from __future__ import annotations
 
 import torch
@@ -17,23 +18,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] long -> (cos, sin), each [T, rotary_dim] in `dtype`, sin's first half
-        negated (rotate_half's sign folded in: what `apply_rotary` multiplies the rolled x by)."""
+        negated (rotate_half's sign folded in: what the backend's `rms_norm_rope` multiplies the
+        rolled x by)."""
         inv_freq = self.inv_freq64 if dtype == torch.float64 else self.inv_freq32
         freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]
         sin = freqs.sin()
         return (torch.cat([freqs, freqs], dim=-1).cos().to(dtype),
                 torch.cat([-sin, sin], dim=-1).to(dtype))
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, rotary_dim] from `RotaryEmbedding`. `x * cos +
-    rotate_half(x) * sin` on x[..., :rotary_dim], rotate_half(x) = [-x2, x1] as the roll [x2, x1]
-    times the sign-folded sin: the very same products. A partial rotary writes its rows into x
-    (the caller's own fresh tensor, a norm's output) instead of concatenating a copy."""
-    rotary_dim = cos.shape[-1]
-    x_rot = x[..., :rotary_dim]
-    rotated = x_rot * cos[:, None, :] + x_rot.roll(rotary_dim // 2, -1) * sin[:, None, :]
-    if rotary_dim == x.shape[-1]:
-        return rotated
-    x_rot.copy_(rotated)
-    return x

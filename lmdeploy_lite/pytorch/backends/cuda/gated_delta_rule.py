@@ -62,17 +62,6 @@ def _delta_rule_math(state, q, k, v, g, beta, out_ptr, mask_v, scale):
 
 
 @triton.jit
-def _delta_rule_token(state, tok, q_row, k_row, v_row, g_row, beta_row, out_row,
-                      stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot,
-                      mask_k, mask_v, scale):
-    """Token `tok` (int64): `_token_inputs` then `_delta_rule_math`, out at out_row's token."""
-    q, k, v, g, beta = _token_inputs(tok, q_row, k_row, v_row, g_row, beta_row, stride_qt,
-                                     stride_kt, stride_vt, stride_gt, stride_bt, mask_k, mask_v,
-                                     True, state.dtype)
-    return _delta_rule_math(state, q, k, v, g, beta, out_row + tok * stride_ot, mask_v, scale)
-
-
-@triton.jit
 def _recurrent_decode_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
         state_slots_ptr, state_index_ptr, history_lens_ptr,
@@ -103,13 +92,22 @@ def _recurrent_decode_kernel(
     tile = offs_k[:, None] * stride_sk + offs_v[None, :] * stride_sv
     state = tl.load(row + index * stride_s1 + tile, mask=mask_s & has_history, other=0.).to(acc)
 
-    for t in range(NUM_TOKENS):
-        state = _delta_rule_token(
-            state, (b * NUM_TOKENS + t).to(tl.int64), q_ptr + kh * stride_qh + offs_k * stride_qd,
-            k_ptr + kh * stride_kh + offs_k * stride_kd, v_ptr + h * stride_vh + offs_v * stride_vd,
-            g_ptr + h * stride_gh, beta_ptr + h * stride_bh,
-            out_ptr + h * stride_oh + offs_v * stride_od,
-            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot, mask_k, mask_v, scale)
+    q_row = q_ptr + kh * stride_qh + offs_k * stride_qd
+    k_row = k_ptr + kh * stride_kh + offs_k * stride_kd
+    v_row, g_row = v_ptr + h * stride_vh + offs_v * stride_vd, g_ptr + h * stride_gh
+    beta_row, out_row = beta_ptr + h * stride_bh, out_ptr + h * stride_oh + offs_v * stride_od
+    first = (b * NUM_TOKENS).to(tl.int64)
+    # unrolled, each token's inputs loaded a token ahead: the loads never wait on the math
+    ahead = _token_inputs(first, q_row, k_row, v_row, g_row, beta_row, stride_qt, stride_kt,
+                          stride_vt, stride_gt, stride_bt, mask_k, mask_v, True, acc)
+    for t in tl.static_range(NUM_TOKENS):
+        q, k, v, g, beta = ahead
+        if t + 1 < NUM_TOKENS:
+            ahead = _token_inputs(first + t + 1, q_row, k_row, v_row, g_row, beta_row, stride_qt,
+                                  stride_kt, stride_vt, stride_gt, stride_bt, mask_k, mask_v, True,
+                                  acc)
+        state = _delta_rule_math(state, q, k, v, g, beta, out_row + (first + t) * stride_ot,
+                                 mask_v, scale)
         stored = state.to(state_ptr.dtype.element_ty)
         tl.store(row + t * stride_s1 + tile, stored, mask=mask_s)
         state = stored.to(acc)         # the next token starts from the state as stored (= AR)

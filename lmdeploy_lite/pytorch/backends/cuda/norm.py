@@ -58,9 +58,26 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, s
     tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _heads(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    """[..., D] with a unit last stride -> (t, token stride, head stride, heads): row r of the
+    [R, D] rows is head r % heads of token r // heads, read in place where t is a strided
+    [T, heads, D] view (a split of a projection's output) rather than copied to rows."""
+    if t.dim() >= 3 and t.stride(-1) == 1:
+        t = t.reshape(-1, *t.shape[-2:])              # leading dims only: a view where possible
+        return t, t.stride(0), t.stride(1), t.shape[1]
+    t = _rows(t)
+    return t, t.stride(0), 0, 1
+
+
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, stride_x, stride_gate, stride_out,
-                           dim, eps, ACC: tl.constexpr, BLOCK: tl.constexpr):
+def _row_offset(row, heads, stride_t, stride_h):
+    return (row // heads) * stride_t + (row % heads) * stride_h
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, stride_x, stride_gate, stride_gh,
+                           gate_heads, stride_out, dim, eps, ACC: tl.constexpr,
+                           BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -70,7 +87,8 @@ def _gated_rms_norm_kernel(x_ptr, gate_ptr, w_ptr, out_ptr, stride_x, stride_gat
     normed = (x * rstd).to(x_raw.dtype).to(ACC)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(ACC)
     y = (w * normed).to(x_raw.dtype).to(ACC)
-    gate = tl.load(gate_ptr + row * stride_gate + offs, mask=mask, other=0.0).to(ACC)
+    gate_row = gate_ptr + _row_offset(row, gate_heads, stride_gate, stride_gh)
+    gate = tl.load(gate_row + offs, mask=mask, other=0.0).to(ACC)
     out = y * gate / (1.0 + tl.exp(-gate))
     tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -121,7 +139,66 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
                    eps: float) -> torch.Tensor:
-    return _norm(_gated_rms_norm_kernel, [_rows(x), _rows(gate)], weight, eps).view(x.shape)
+    rows = _rows(x)
+    gate_rows, stride_t, stride_h, heads = _heads(gate)
+    if gate_rows.numel() != rows.numel():
+        raise ValueError(f'gated_rms_norm: gate {tuple(gate.shape)} must match x {tuple(x.shape)}')
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(rows.shape[1])
+        _gated_rms_norm_kernel[(rows.shape[0],)](
+            rows, gate_rows, weight, out, rows.stride(0), stride_t, stride_h, heads, out.stride(0),
+            rows.shape[1], eps, ACC=_acc(out.dtype), BLOCK=block,
+            num_warps=min(16, max(1, block // 512)))
+    return out.view(x.shape)
+
+
+@triton.jit
+def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, heads,
+                          stride_cos, stride_sin, stride_out, dim, eps, ACC: tl.constexpr,
+                          ROPE_ACC: tl.constexpr, ROTARY: tl.constexpr, BLOCK: tl.constexpr):
+    """`_rms_norm_kernel` of one head's row, rounded, then the partial rotary of its first
+    ROTARY channels as `apply_rotary` computes it (each product and the sum rounded to the
+    dtype; in ROPE_ACC, wide enough that each rounding is the dtype's own). The rolled partner
+    of channel j is normalised from its own input: the same bits as the norm's output there."""
+    row = tl.program_id(0).to(tl.int64)
+    token = row // heads
+    x_row = x_ptr + _row_offset(row, heads, stride_xt, stride_xh)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < dim
+    x = tl.load(x_row + offs, mask=mask, other=0.0).to(ACC)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(ACC)
+    dtype = out_ptr.dtype.element_ty
+    y = (x * rstd * (1.0 + w)).to(dtype)
+    rot = offs < ROTARY
+    partner = tl.where(offs < ROTARY // 2, offs + ROTARY // 2, offs - ROTARY // 2)
+    xp = tl.load(x_row + partner, mask=rot, other=0.0).to(ACC)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(ACC)
+    yp = (xp * rstd * (1.0 + wp)).to(dtype)
+    cos = tl.load(cos_ptr + token * stride_cos + offs, mask=rot, other=0.0).to(ROPE_ACC)
+    sin = tl.load(sin_ptr + token * stride_sin + offs, mask=rot, other=0.0).to(ROPE_ACC)
+    a = (y.to(ROPE_ACC) * cos).to(dtype)
+    b = (yp.to(ROPE_ACC) * sin).to(dtype)
+    rotated = (a.to(ROPE_ACC) + b.to(ROPE_ACC)).to(dtype)
+    tl.store(out_ptr + row * stride_out + offs, tl.where(rot, rotated, y), mask=mask)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """The default op's `apply_rotary(rms_norm(x))` in one launch, x [T, heads, D] read in place
+    (a strided split of a projection's output), out contiguous [T, heads, D]."""
+    rows, stride_t, stride_h, heads = _heads(x)
+    num_rows, dim = rows.shape[0] * heads, rows.shape[-1]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_rows:
+        block = triton.next_power_of_2(dim)
+        _rms_norm_rope_kernel[(num_rows,)](
+            rows, weight, cos, sin, out, stride_t, stride_h, heads, cos.stride(0), sin.stride(0),
+            out.stride(1), dim, eps, ACC=_acc(x.dtype), ROPE_ACC=tl.float64 if x.dtype == torch.float32
+            else _acc(x.dtype), ROTARY=cos.shape[-1], BLOCK=block,
+            num_warps=min(16, max(1, block // 512)))
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

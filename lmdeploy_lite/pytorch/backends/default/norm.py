@@ -69,6 +69,27 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
     return cast(y * F.silu(cast(gate, acc)), x.dtype)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, rotary_dim] from `nn.rotary.RotaryEmbedding`.
+    `x * cos + rotate_half(x) * sin` on x[..., :rotary_dim], rotate_half(x) = [-x2, x1] as the
+    roll [x2, x1] times the sign-folded sin: the very same products, each op in x.dtype. A
+    partial rotary writes its rows into x (the caller's own fresh tensor) instead of
+    concatenating a copy."""
+    rotary_dim = cos.shape[-1]
+    x_rot = x[..., :rotary_dim]
+    rotated = x_rot * cos[:, None, :] + x_rot.roll(rotary_dim // 2, -1) * sin[:, None, :]
+    if rotary_dim == x.shape[-1]:
+        return rotated
+    x_rot.copy_(rotated)
+    return x
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] -> `apply_rotary(rms_norm(x))`: attention's q/k norm, then partial RoPE."""
+    return apply_rotary(rms_norm(x, weight, eps), cos, sin)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] (gate first) -> `silu(gate) * up` [..., I] in gate_up.dtype."""
     gate, up = gate_up.chunk(2, dim=-1)

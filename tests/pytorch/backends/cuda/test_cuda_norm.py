@@ -154,6 +154,39 @@ def test_gated_rms_norm_per_head(kernel_device, dtype):
                                **tolerances(dtype))
 
 
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_gated_rms_norm_reads_a_strided_gate_in_place(kernel_device, dtype):
+    """The gate as the gated delta net passes z: [T, heads, dv] split from a wider projection
+    output (rows of a token apart by its width), read without a copy."""
+    x = randn(5, 3, 96, device=kernel_device, dtype=dtype)
+    gate = randn(5, 40 + 3 * 96, device=kernel_device, dtype=dtype, seed=2)[:, 40:].view(5, 3, 96)
+    weight = randn(96, device=kernel_device, dtype=dtype, seed=1)
+    torch.testing.assert_close(cuda_ops().gated_rms_norm(x, gate, weight, 1e-6),
+                               reference.gated_rms_norm(x, gate, weight, 1e-6), **tolerances(dtype))
+
+
+@pytest.mark.parametrize('rotary_dim', [32, 96])
+@pytest.mark.parametrize('tokens', [4, 0])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_rms_norm_rope(kernel_device, dtype, tokens, rotary_dim):
+    """Attention's q/k norm and partial RoPE in one kernel, x strided as q (every other
+    head_dim block of q_proj's [q_h | gate_h]) and k (a column range of the fused qkv output):
+    close to the default op, and to the bit what the unfused CUDA norm and the default rotary
+    give (each product and sum rounded to the dtype as torch rounds them)."""
+    from lmdeploy_lite.pytorch.nn.rotary import RotaryEmbedding
+    cos, sin = RotaryEmbedding(rotary_dim, 1e7, kernel_device)(
+        torch.arange(100, 100 + tokens, device=kernel_device), dtype)
+    wide = randn(tokens, 8 + 4 * 2 * 96, device=kernel_device, dtype=dtype)
+    weight = randn(96, device=kernel_device, dtype=dtype, seed=1)
+    for x in (wide[:, 8:].view(tokens, 4, 2 * 96)[..., :96], wide[:, 8:8 + 2 * 96].view(-1, 2, 96)):
+        out = cuda_ops().rms_norm_rope(x, weight, 1e-6, cos, sin)
+        assert out.shape == x.shape and out.is_contiguous()
+        torch.testing.assert_close(out, reference.rms_norm_rope(x, weight, 1e-6, cos, sin),
+                                   **tolerances(dtype))
+        unfused = reference.apply_rotary(cuda_ops().rms_norm(x, weight, 1e-6), cos, sin)
+        torch.testing.assert_close(out, unfused, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize('shape', [(5, 600), (2, 3, 2 * 48), (0, 32)])
 def test_silu_mul(kernel_device, shape):
     gate_up = randn(*shape, device=kernel_device)
@@ -183,6 +216,21 @@ def test_norms_bf16_model_sizes(dtype):
         gate_up = randn(tokens, 2 * 512, device='cuda', dtype=dtype)
         torch.testing.assert_close(cuda_ops().silu_mul(gate_up), reference.silu_mul(gate_up),
                                    **tolerances(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize('tokens', [1, 4, 513])
+def test_rms_norm_rope_16_bit_model_sizes(tokens, dtype):
+    """q [T, 8, 256] strided in q_proj's output, rotary 64 of 256 (the 0.8B and 9B shapes):
+    to the bit the unfused CUDA norm and the default rotary in the 16-bit dtype."""
+    from lmdeploy_lite.pytorch.nn.rotary import RotaryEmbedding
+    cos, sin = RotaryEmbedding(64, 1e7, 'cuda')(torch.arange(tokens, device='cuda') * 37, dtype)
+    q = randn(tokens, 8, 2 * 256, device='cuda', dtype=dtype)[..., :256]
+    weight = randn(256, device='cuda', dtype=dtype, seed=1) * 0.1
+    unfused = reference.apply_rotary(cuda_ops().rms_norm(q, weight, 1e-6), cos, sin)
+    torch.testing.assert_close(cuda_ops().rms_norm_rope(q, weight, 1e-6, cos, sin), unfused,
+                               atol=0, rtol=0)
 
 
 @pytest.mark.gpu
