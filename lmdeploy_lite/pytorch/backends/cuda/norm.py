@@ -156,10 +156,11 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
 @triton.jit
 def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, heads,
                           stride_cos, stride_sin, stride_out, dim, eps, ACC: tl.constexpr,
-                          ROPE_ACC: tl.constexpr, ROTARY: tl.constexpr, BLOCK: tl.constexpr):
+                          ROTARY: tl.constexpr, BLOCK: tl.constexpr):
     """`_rms_norm_kernel` of one head's row, rounded, then the partial rotary of its first
-    ROTARY channels as `apply_rotary` computes it (each product and the sum rounded to the
-    dtype; in ROPE_ACC, wide enough that each rounding is the dtype's own). The rolled partner
+    ROTARY channels as `apply_rotary` computes it: each product and the sum rounded to a 16-bit
+    dtype (computed in fp32: each rounding is the dtype's own, so the bits are torch's); in
+    fp32/fp64 the GPU may fuse a product with the sum (one rounding fewer). The rolled partner
     of channel j is normalised from its own input: the same bits as the norm's output there."""
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
@@ -176,11 +177,11 @@ def _rms_norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, st
     xp = tl.load(x_row + partner, mask=rot, other=0.0).to(ACC)
     wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(ACC)
     yp = (xp * rstd * (1.0 + wp)).to(dtype)
-    cos = tl.load(cos_ptr + token * stride_cos + offs, mask=rot, other=0.0).to(ROPE_ACC)
-    sin = tl.load(sin_ptr + token * stride_sin + offs, mask=rot, other=0.0).to(ROPE_ACC)
-    a = (y.to(ROPE_ACC) * cos).to(dtype)
-    b = (yp.to(ROPE_ACC) * sin).to(dtype)
-    rotated = (a.to(ROPE_ACC) + b.to(ROPE_ACC)).to(dtype)
+    cos = tl.load(cos_ptr + token * stride_cos + offs, mask=rot, other=0.0).to(ACC)
+    sin = tl.load(sin_ptr + token * stride_sin + offs, mask=rot, other=0.0).to(ACC)
+    a = (y.to(ACC) * cos).to(dtype)
+    b = (yp.to(ACC) * sin).to(dtype)
+    rotated = (a.to(ACC) + b.to(ACC)).to(dtype)
     tl.store(out_ptr + row * stride_out + offs, tl.where(rot, rotated, y), mask=mask)
 
 
@@ -195,8 +196,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.
         block = triton.next_power_of_2(dim)
         _rms_norm_rope_kernel[(num_rows,)](
             rows, weight, cos, sin, out, stride_t, stride_h, heads, cos.stride(0), sin.stride(0),
-            out.stride(1), dim, eps, ACC=_acc(x.dtype), ROPE_ACC=tl.float64 if x.dtype == torch.float32
-            else _acc(x.dtype), ROTARY=cos.shape[-1], BLOCK=block,
+            out.stride(1), dim, eps, ACC=_acc(x.dtype), ROTARY=cos.shape[-1], BLOCK=block,
             num_warps=min(16, max(1, block // 512)))
     return out
 
