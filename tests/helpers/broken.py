@@ -16,11 +16,11 @@ def skip_dummy_draft(engine):
     proposer = engine.agent.proposer
     real = proposer.propose
 
-    def propose(inputs, hidden, next_ids, rows, sampling, num_drafts=None):
+    def propose(inputs, hidden, next_ids, rows, sampling, num_drafts=None, use_graphs=True):
         if inputs.is_dummy:
             k = proposer.num_spec_tokens if num_drafts is None else num_drafts
             return torch.zeros(rows.numel(), k, dtype=torch.long), None
-        return real(inputs, hidden, next_ids, rows, sampling, num_drafts)
+        return real(inputs, hidden, next_ids, rows, sampling, num_drafts, use_graphs)
     proposer.propose = propose
 
 
