@@ -60,6 +60,26 @@ def test_static_buffers_give_the_eager_and_plain_greedy_tokens(k, padded):
     assert [counts(s) for s in stats] == reference(k).counts
 
 
+def test_a_swapped_verification_rule_is_captured_again():
+    """The whole-step runners hold the rule they were captured with: setting
+    `rejection_sampler` (a benchmark's synthetic acceptance) captures them anew, and their
+    steps then verify with it."""
+    engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE),
+                          accepting.spec(3), progress=False)
+    engine.agent.enable_graphs([2, 4, 8], max_blocks=16)
+    before, calls, sampler = engine.agent.step_graphs[3], [], engine.agent.rejection_sampler
+
+    def recording(*args, **kwargs):
+        calls.append(args[1].shape)               # drafts [B, k]
+        return sampler(*args, **kwargs)
+    engine.agent.rejection_sampler = recording
+    runner = engine.agent.step_graphs[3]
+    assert runner is not before and runner.num_replays == 0
+    seqs = engine.generate([list(p) for p in accepting.prompts()], GREEDY)
+    assert [s.generated_ids for s in seqs] == reference(0).token_ids
+    assert runner.num_replays > 0 and len(calls) >= runner.num_replays
+
+
 @pytest.mark.parametrize('padded', [0, 7], ids=['unpadded', 'padded'])
 def test_static_buffers_of_the_verify_and_draft_runners(monkeypatch, padded):
     """The same through the verify forward's and the proposer's runners (what a sampled batch
