@@ -23,6 +23,7 @@ from tests.helpers import accepting
 from tests.helpers.accepting import assert_matches_reference
 from tests.helpers.broken import rank0_steps_slowly, run_requests, skip_dummy_draft
 from tests.helpers.forward_counts import FORWARD_COUNT_DIR, count_forwards, read_counts
+from tests.helpers.graph_buffers import GRAPH_REPLAY_DIR, graph_buffers, read_replays
 
 BASE = dict(dtype='float64', device='cpu', block_size=4, session_len=128)    # tiny checkpoints
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], list(range(20, 49)), [300, 301, 2, 450, 3, 3, 3, 17]]
@@ -131,6 +132,35 @@ def test_staggered_arrivals_limits_and_a_stop_inside_an_accepted_run():
     assert results[2].token_ids[-1] == stop and len(results[2].token_ids) == stop_pos + 1
     assert results[2].finish_reason == 'stop'
     assert [r.finish_reason for i, r in enumerate(results) if i != 2] == ['length'] * 3
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize('dynamic', [False, True], ids=['k3', 'k3_dynamic'])
+def test_tp2_whole_greedy_steps_through_graph_buffers(dynamic, tmp_path, monkeypatch):
+    """tp=2, both ranks' decode steps through the graph runners' static buffers (CPU: the CUDA
+    graphs' copies and padding, run eagerly), so a greedy step of k drafts is one whole-step
+    runner (SpecAgent.step_graphs: verify, the vocab-parallel LM head, acceptance, MTP head and
+    chain) on each rank before the TP broadcast of rank 0's results: plain greedy tokens (and
+    with a fixed k the single process's draft counts) after real acceptance, with the collective
+    trace check on. (EP layouts on CPU take the all-to-all dispatcher, which never replays.)"""
+    if dynamic:
+        accepting.cycle_draft_counts(monkeypatch)
+    start = time.monotonic()
+    loop = MPEngineLoop(accepting.model_dir(), PytorchEngineConfig(tp=2, **accepting.BASE),
+                        accepting.spec(3, dynamic=dynamic), env={GRAPH_REPLAY_DIR: str(tmp_path)},
+                        worker_hook=graph_buffers)
+    try:
+        alone = run_requests(loop, [list(accepting.prompts()[1])], accepting.GREEDY)
+        batch = run_requests(loop, [list(p) for p in accepting.prompts()], accepting.GREEDY)
+        replays = read_replays(tmp_path, 2)
+    finally:
+        loop.close()
+    assert time.monotonic() - start < 240
+    assert_matches_reference(alone, 3, accepting.prompts()[1:2], dynamic=dynamic)
+    assert_matches_reference(batch, 3, dynamic=dynamic)
+    for rank in replays:          # each k's whole step on both ranks (the cycle: 1, 2 and 3)
+        assert all(rank.get(f'spec step k={k}', 0) > 0 for k in ((1, 2, 3) if dynamic else (3,))), \
+            replays
 
 
 @pytest.mark.timeout(300)
