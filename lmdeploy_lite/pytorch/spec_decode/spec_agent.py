@@ -170,8 +170,8 @@ class SpecAgent:
                   and self._argmax_only(sampling) else None)
         if runner is not None and runner.can_run(inputs):
             inputs.state_index = self.target.state_index[inputs.state_slots]
-            packed = runner(inputs).view(-1, k + 1, 2)
-            return StepResult(packed[..., 0], packed[:, 0, 1])
+            packed = runner(inputs).view(-1, k + 1, 2)    # contiguous: a TP broadcast takes them
+            return StepResult(packed[..., 0].contiguous(), packed[:, 0, 1].contiguous())
         output_tokens, num_accepted, logits = self._verify_and_draft_body(
             inputs, sampling, self.target.forward, True)
         # logprobs: the verify logits at each emitted position (accepted drafts, then bonus)
