@@ -135,19 +135,18 @@ def test_staggered_arrivals_limits_and_a_stop_inside_an_accepted_run():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize('dynamic', [False, True], ids=['k3', 'k3_dynamic'])
-def test_tp2_whole_greedy_steps_through_graph_buffers(dynamic, tmp_path, monkeypatch):
+def test_tp2_whole_greedy_steps_through_graph_buffers(tmp_path, monkeypatch):
     """tp=2, both ranks' decode steps through the graph runners' static buffers (CPU: the CUDA
     graphs' copies and padding, run eagerly), so a greedy step of k drafts is one whole-step
     runner (SpecAgent.step_graphs: verify, the vocab-parallel LM head, acceptance, MTP head and
-    chain) on each rank before the TP broadcast of rank 0's results: plain greedy tokens (and
-    with a fixed k the single process's draft counts) after real acceptance, with the collective
-    trace check on. (EP layouts on CPU take the all-to-all dispatcher, which never replays.)"""
-    if dynamic:
-        accepting.cycle_draft_counts(monkeypatch)
+    chain) on each rank before the TP broadcast of rank 0's results; each step's k from the
+    cycle (every switch, plain steps included): plain greedy tokens after real acceptance, with
+    the collective trace check on. (EP layouts on CPU take the all-to-all dispatcher, which
+    never replays.)"""
+    accepting.cycle_draft_counts(monkeypatch)
     start = time.monotonic()
     loop = MPEngineLoop(accepting.model_dir(), PytorchEngineConfig(tp=2, **accepting.BASE),
-                        accepting.spec(3, dynamic=dynamic), env={GRAPH_REPLAY_DIR: str(tmp_path)},
+                        accepting.spec(3, dynamic=True), env={GRAPH_REPLAY_DIR: str(tmp_path)},
                         worker_hook=graph_buffers)
     try:
         alone = run_requests(loop, [list(accepting.prompts()[1])], accepting.GREEDY)
@@ -156,11 +155,10 @@ def test_tp2_whole_greedy_steps_through_graph_buffers(dynamic, tmp_path, monkeyp
     finally:
         loop.close()
     assert time.monotonic() - start < 240
-    assert_matches_reference(alone, 3, accepting.prompts()[1:2], dynamic=dynamic)
-    assert_matches_reference(batch, 3, dynamic=dynamic)
+    assert_matches_reference(alone, 3, accepting.prompts()[1:2], dynamic=True)
+    assert_matches_reference(batch, 3, dynamic=True)
     for rank in replays:          # each k's whole step on both ranks (the cycle: 1, 2 and 3)
-        assert all(rank.get(f'spec step k={k}', 0) > 0 for k in ((1, 2, 3) if dynamic else (3,))), \
-            replays
+        assert all(rank.get(f'spec step k={k}', 0) > 0 for k in (1, 2, 3)), replays
 
 
 @pytest.mark.timeout(300)
