@@ -76,6 +76,7 @@ def test_a_swapped_verification_rule_is_captured_again():
     runner = engine.agent.step_graphs[3]
     assert runner is not before and runner.num_replays == 0
     seqs = engine.generate([list(p) for p in accepting.prompts()], GREEDY)
+    assert_real_acceptance([s.spec_stats for s in seqs], 3)
     assert [s.generated_ids for s in seqs] == reference(0).token_ids
     assert runner.num_replays > 0 and len(calls) >= runner.num_replays
 

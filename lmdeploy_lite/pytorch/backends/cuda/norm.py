@@ -59,13 +59,15 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_res, s
 
 
 def _heads(t: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
-    """[..., D] with a unit last stride -> (t, token stride, head stride, heads): row r of the
+    """[..., D] -> (t, token stride, head stride, heads) with a unit last stride: row r of the
     [R, D] rows is head r % heads of token r // heads, read in place where t is a strided
     [T, heads, D] view (a split of a projection's output) rather than copied to rows."""
-    if t.dim() >= 3 and t.stride(-1) == 1:
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() >= 3:
         t = t.reshape(-1, *t.shape[-2:])              # leading dims only: a view where possible
         return t, t.stride(0), t.stride(1), t.shape[1]
-    t = _rows(t)
+    t = t.reshape(-1, t.shape[-1])
     return t, t.stride(0), 0, 1
 
 

@@ -170,7 +170,8 @@ def test_gated_rms_norm_reads_a_strided_gate_in_place(kernel_device, dtype):
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
 def test_rms_norm_rope(kernel_device, dtype, tokens, rotary_dim):
     """Attention's q/k norm and partial RoPE in one kernel, x strided as q (every other
-    head_dim block of q_proj's [q_h | gate_h]) and k (a column range of the fused qkv output):
+    head_dim block of q_proj's [q_h | gate_h]), k (a column range of the fused qkv output) and
+    a transposed x (no unit last stride: copied, its heads kept apart):
     close to the default op, and to what the unfused CUDA norm and the default rotary give: to
     the bit under the interpreter (each product and sum rounded as torch rounds them); on a GPU
     within the dtype's tolerance (its compiler may fuse a product with the sum)."""
@@ -179,7 +180,9 @@ def test_rms_norm_rope(kernel_device, dtype, tokens, rotary_dim):
         torch.arange(100, 100 + tokens, device=kernel_device), dtype)
     wide = randn(tokens, 8 + 4 * 2 * 96, device=kernel_device, dtype=dtype)
     weight = randn(96, device=kernel_device, dtype=dtype, seed=1)
-    for x in (wide[:, 8:].view(tokens, 4, 2 * 96)[..., :96], wide[:, 8:8 + 2 * 96].view(-1, 2, 96)):
+    transposed = randn(tokens, 96, 3, device=kernel_device, dtype=dtype).transpose(1, 2)
+    for x in (wide[:, 8:].view(tokens, 4, 2 * 96)[..., :96], wide[:, 8:8 + 2 * 96].view(-1, 2, 96),
+              transposed):
         out = cuda_ops().rms_norm_rope(x, weight, 1e-6, cos, sin)
         assert out.shape == x.shape and out.is_contiguous()
         torch.testing.assert_close(out, reference.rms_norm_rope(x, weight, 1e-6, cos, sin),
