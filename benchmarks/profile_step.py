@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
@@ -63,7 +64,7 @@ def main():
     for _ in range(args.steps):
         engine.step()
     profiler.disable()
-    pstats.Stats(profiler).sort_stats('tottime').print_stats(25)
+    pstats.Stats(profiler).sort_stats(os.environ.get('PROFILE_SORT', 'tottime')).print_stats(int(os.environ.get('PROFILE_ROWS', 25)))
     activities = [torch.profiler.ProfilerActivity.CPU]
     if engine.device.type == 'cuda':
         activities.append(torch.profiler.ProfilerActivity.CUDA)
