@@ -66,13 +66,15 @@ def test_the_issues_top_k_1e309_gets_400_and_the_engine_lives(server, reference)
 
 
 OUT_OF_RANGE = [   # raw JSON (Python's json reads Infinity and NaN), the param, the message
-    ('"seed":18446744073709551616', 'seed', 'seed=18446744073709551616: must be in [0, 1844674'),
-    ('"seed":-1', 'seed', 'seed=-1: must be in [0, 18446744073709551615]'),
+    ('"seed":18446744073709551616', 'seed',
+     'seed=18446744073709551616: must be in [-9223372036854775808, 1844674'),
+    ('"seed":-9223372036854775809', 'seed',          # OpenAI's int64 and a uint64 are taken
+     'seed=-9223372036854775809: must be in [-9223372036854775808, 18446744073709551615]'),
     ('"temperature":Infinity', 'temperature', 'temperature=Infinity: must be a finite number'),
     ('"temperature":NaN', 'temperature', 'temperature=NaN: must be a finite number'),
     ('"temperature":1e999', 'temperature', 'temperature=Infinity: must be a finite number'),
     ('"top_p":-Infinity', 'top_p', 'top_p=-Infinity: must be a finite number'),
-    ('"top_p":0', 'top_p', 'top_p=0: must be in (0, 1]'),
+    ('"top_p":-0.5', 'top_p', 'top_p=-0.5: must be in [0, 1]'),
     ('"top_k":1000000000000000000000000000000', 'top_k', 'must be in [-1, 2147483647]'),
     ('"top_k":-2', 'top_k', 'top_k=-2: must be in [-1, 2147483647]'),
     ('"top_k":1.5', 'top_k', 'top_k=1.5: must be an integer'),

@@ -222,6 +222,14 @@ REFUSED = [      # (fields, the parameter named, a piece of the message)
      'tool_choice', 'names no function of "tools" (f)'),
     ({'tool_choice': 'required', 'tools': [TINY_TOOL], 'response_format': {'type': 'json_object'}},
      'tool_choice', 'cannot both hold the output'),
+    ({'tool_choice': {'type': 'custom', 'custom': {'name': 'f'}}, 'tools': [TINY_TOOL]},
+     'tool_choice', 'must be "none", "auto", "required", {"type": "function"'),
+    ({'tool_choice': {'type': 'allowed_tools', 'allowed_tools': {'mode': 'auto', 'tools': [
+        {'type': 'function', 'function': {'name': 'q'}}]}}, 'tools': [TINY_TOOL]},
+     'tool_choice', 'names no function of "tools" (f): q'),
+    ({'tool_choice': {'type': 'allowed_tools', 'allowed_tools': {'mode': 'any', 'tools': [
+        {'type': 'function', 'function': {'name': 'f'}}]}},
+      'tools': [TINY_TOOL]}, 'tool_choice.allowed_tools.mode', "should be 'auto' or 'required'"),
     ({'functions': [TINY_TOOL['function']]}, 'functions', 'send tools instead'),
     ({'function_call': 'auto'}, 'function_call', 'send tool_choice instead'),
     ({'messages': HISTORY[:1] + [{'role': 'tool', 'content': 'x'}]}, 'messages.1.tool_call_id',
@@ -305,7 +313,9 @@ def real(model_dir):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize('choice', ['required', {'type': 'function', 'function': {'name': 'g'}}])
+@pytest.mark.parametrize('choice', ['required', {'type': 'function', 'function': {'name': 'g'}},
+                                    {'type': 'allowed_tools', 'allowed_tools': {'mode': 'required',
+                                     'tools': [{'type': 'function', 'function': {'name': 'g'}}]}}])
 def test_a_forced_call_comes_back_well_formed(real, choice):
     jsonschema = pytest.importorskip('jsonschema')
     whole, chunks = real(messages=chat('hi'), max_tokens=120, temperature=0,
@@ -318,6 +328,21 @@ def test_a_forced_call_comes_back_well_formed(real, choice):
     assert name == 'g' or choice == 'required' and name == 'f', calls
     if name == 'g':
         jsonschema.validate(arguments, FORECAST['function']['parameters'])
+
+
+def test_allowed_tools_let_calls_name_only_the_tools_they_list():
+    """tool_choice "allowed_tools": the template shows every tool (`tools`), the grammar's calls
+    may name only the listed ones; mode "auto" leaves text free, "required" needs a call."""
+    pytest.importorskip('xgrammar')
+    from lmdeploy_lite.serve.openai.protocol import ChatCompletionRequest
+    for mode in ('auto', 'required'):
+        req = ChatCompletionRequest.model_validate({
+            'messages': chat('hi'), 'tools': [TINY_TOOL, FORECAST], 'tool_choice': {
+                'type': 'allowed_tools', 'allowed_tools': {'mode': mode, 'tools': [
+                    {'type': 'function', 'function': {'name': 'g'}}]}}})
+        grammar = req.output_format['format']
+        assert [tag['begin'] for tag in grammar['tags']] == ['<tool_call>\n<function=g>\n']
+        assert grammar['at_least_one'] == (mode == 'required') and len(req.tools) == 2
 
 
 @pytest.mark.timeout(120)

@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from lmdeploy_lite.messages import is_unicode
 from lmdeploy_lite.serve.openai.errors import CLIENT_DISCONNECTED, RequestError
-from lmdeploy_lite.serve.openai.protocol import allowed_range
+from lmdeploy_lite.serve.openai.fields import allowed_range
 
 Model = TypeVar('Model', bound=BaseModel)
 

@@ -13,9 +13,8 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from annotated_types import Ge, Gt, Le, Lt
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic_core import PydanticCustomError
 
 from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
@@ -23,62 +22,17 @@ from lmdeploy_lite.messages import UINT64_MAX as MAX_SEED
 from lmdeploy_lite.messages import (GREEDY_TEMPERATURE, GREEDY_TOP_P, MAX_LOGPROBS,  # the engine's
                                     MAX_N, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,  # ranges
                                     MIN_REPETITION_PENALTY, GenerationConfig)
+from lmdeploy_lite.serve.openai.fields import RequestModel, no_effect, no_op
 from lmdeploy_lite.structured import check_response_format, tool_call_format
 
 MAX_STOP_WORDS = 16
 MAX_STOP_WORD_CHARS = 256              # stop words are matched against the text at every step
 MAX_COMPLETION_LOGPROBS = 5            # the legacy completions API's limit
+MIN_SEED = -2**63                      # OpenAI's seed is an int64
 
 
 def random_id(prefix: str) -> str:
     return f'{prefix}-{uuid.uuid4().hex}'
-
-
-def allowed_range(model: type[BaseModel], name: str) -> str | None:
-    """'[0, 2]', '(0, 1]', ...: the interval a numeric field's Field(ge/gt/le/lt) allows."""
-    if (info := model.model_fields.get(name)) is None:
-        return None
-    bounds = {type(bound): bound for bound in info.metadata}
-    low = f'[{bounds[Ge].ge}' if Ge in bounds else f'({bounds[Gt].gt}' if Gt in bounds else '(-inf'
-    high = f'{bounds[Le].le}]' if Le in bounds else f'{bounds[Lt].lt})' if Lt in bounds else 'inf)'
-    return f'{low}, {high}'
-
-
-def _json_equal(a, b) -> bool:
-    """Equal as JSON values: 0 == 0.0, but false != 0 and "1" != 1."""
-    typed = any(isinstance(x, (bool, str)) for x in (a, b))
-    return a == b and (not typed or type(a) is type(b))
-
-
-def no_op(*values, hint: str = '') -> Any:
-    """The type of a field this server does not implement: only null and `values` (which ask for
-    nothing) pass, anything else is a 400 naming the field (and `hint`: why, or what to send)."""
-    allowed = ' or '.join(json.dumps(v) for v in (None, *values))
-    hint = f'; {hint}' if hint else ''
-
-    def check(value):
-        if not any(_json_equal(value, v) for v in values):
-            raise PydanticCustomError('unsupported', 'not supported by this server (accepted only '
-                                      'as {allowed}){hint}', {'allowed': allowed, 'hint': hint})
-        return value
-    return Annotated[Any, AfterValidator(check),
-                     Field(description=f'not supported: accepted only as {allowed} (no effect)')]
-
-
-def no_effect(annotation, meaning: str) -> Any:
-    """The type of a standard field that changes nothing this server generates: its type is
-    checked, then it is ignored. `meaning`: what it does at OpenAI (for /docs)."""
-    return Annotated[annotation | None, Field(description=f'accepted, no effect here: {meaning}')]
-
-
-class RequestModel(BaseModel):
-    model_config = ConfigDict(extra='forbid', strict=True, allow_inf_nan=False)
-
-    @model_validator(mode='before')
-    @classmethod
-    def _null_means_default(cls, data):
-        """OpenAI clients may send null for any optional field; it means the default."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 # ---- requests -------------------------------------------------------------------------------
@@ -98,11 +52,12 @@ class SamplingRequest(RequestModel):
     model: str | None = None
     temperature: float = Field(1.0, ge=0,
                                description=f'below {GREEDY_TEMPERATURE} (0 included): greedy')
-    top_p: float = Field(1.0, gt=0, le=1, description=f'below {GREEDY_TOP_P}: greedy')
+    top_p: float = Field(1.0, ge=0, le=1, description=f'below {GREEDY_TOP_P} (0 included): greedy')
     top_k: int = Field(0, ge=-1, le=MAX_INT32,
                        description='0 or -1: off; at least the vocabulary size: off')
     stop: StopWord | Annotated[list[StopWord], Field(max_length=MAX_STOP_WORDS)] | None = None
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED, description="OpenAI's int64 or a "
+                             "uint64; a negative seed is taken mod 2**64")
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description='needs "stream": true')
     user: no_effect(str, 'identifies the end user to OpenAI') = None
@@ -179,8 +134,10 @@ class SamplingRequest(RequestModel):
             max_new_tokens=max(1, self.length_field[1]
                                or min(self.default_max_tokens or room, room)),
             do_sample=not greedy, temperature=0.0 if greedy else self.temperature,
-            top_p=self.top_p, top_k=0 if self.top_k >= vocab_size else max(self.top_k, 0),
-            stop_words=self.stop or None, ignore_eos=self.ignore_eos, random_seed=self.seed,
+            top_p=self.top_p or 1.0,                  # 0: greedy (temperature 0 above)
+            top_k=0 if self.top_k >= vocab_size else max(self.top_k, 0),
+            stop_words=self.stop or None, ignore_eos=self.ignore_eos,
+            random_seed=None if self.seed is None else self.seed % 2**64,
             skip_special_tokens=self.skip_special_tokens,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, n=self.n, logprobs=self.num_logprobs,
@@ -338,6 +295,36 @@ class NamedToolChoice(RequestModel):
     function: NamedFunction
 
 
+class AllowedTools(RequestModel):
+    mode: Literal['auto', 'required'] = Field(description='"auto": calls to these or text')
+    tools: list[NamedToolChoice] = Field(min_length=1, description='the tools it may call')
+
+
+class AllowedToolChoice(RequestModel):
+    type: Literal['allowed_tools']
+    allowed_tools: AllowedTools
+
+
+TOOL_CHOICES = ('"none", "auto", "required", {"type": "function", "function": {"name": ...}} or '
+                '{"type": "allowed_tools", "allowed_tools": {"mode": "auto"|"required", "tools"}}')
+
+
+def _tool_choice_form(value) -> str | None:
+    """ToolChoice's member `value` is (tags with '-': an error's param names no member)."""
+    if isinstance(value, str):
+        return 'mode-choice' if value in ('none', 'auto', 'required') else None
+    kind = value.get('type') if isinstance(value, dict) else getattr(value, 'type', None)
+    return {'function': 'function-choice', 'allowed_tools': 'allowed-choice'}.get(kind)
+
+
+ToolChoice = Annotated[
+    Annotated[Literal['none', 'auto', 'required'], Tag('mode-choice')]
+    | Annotated[NamedToolChoice, Tag('function-choice')]
+    | Annotated[AllowedToolChoice, Tag('allowed-choice')],
+    Discriminator(_tool_choice_form, custom_error_type='tool_choice',
+                  custom_error_message=f'must be {TOOL_CHOICES}')]
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, le=MAX_INT32, description='default: what session_'
@@ -349,11 +336,12 @@ class ChatCompletionRequest(SamplingRequest):
                                      'tokens returned with each output token (needs logprobs: '
                                      'true)')
     tools: list[Tool] | None = Field(None, description='shown to the model by the chat template')
-    tool_choice: Literal['none', 'auto', 'required'] | NamedToolChoice | None = Field(
+    tool_choice: ToolChoice | None = Field(
         None, description='"auto" (the default with tools): calls in the output come back as '
                           'tool_calls; "none": the output is text; "required" or {"type": '
                           '"function", "function": {"name": ...}}: the output is calls (to that '
-                          'function), following their schemas (xgrammar)')
+                          'function), following their schemas (xgrammar); "allowed_tools": the '
+                          'model sees every tool, its calls (its mode) go to these only')
     parallel_tool_calls: bool = Field(True, description='false: calls after the first are '
                                                         'dropped (as vLLM)')
     chat_template_kwargs: dict[str, Any] | None = Field(
@@ -402,12 +390,16 @@ class ChatCompletionRequest(SamplingRequest):
             return value
         if not names:
             raise PydanticCustomError('tools', 'forcing a call needs "tools"')
-        if isinstance(value, NamedToolChoice) and value.function.name not in names:
-            raise PydanticCustomError('tools', 'names no function of "tools" ({names})',
-                                      {'names': ', '.join(names)})
+        chosen = ([value] if isinstance(value, NamedToolChoice) else value.allowed_tools.tools
+                  if isinstance(value, AllowedToolChoice) else [])
+        if unknown := [c.function.name for c in chosen if c.function.name not in names]:
+            raise PydanticCustomError('tools', 'names no function of "tools" ({names}): '
+                                      '{unknown}', {'unknown': ', '.join(unknown),
+                                                    'names': ', '.join(names)})
         if info.data.get('response_format'):
-            raise PydanticCustomError('response_format', 'forcing a call and response_format '
-                                      'cannot both hold the output; send one of them')
+            raise PydanticCustomError('response_format', 'forcing or restricting calls and '
+                                      'response_format cannot both hold the output; send one '
+                                      'of them')
         return value
 
     @property
@@ -417,11 +409,21 @@ class ChatCompletionRequest(SamplingRequest):
         strict = any(t.function.strict for t in self.tools or ())
         if self.tool_choice not in (None, 'none', 'auto') or (
                 strict and self.tool_choice != 'none' and not self.response_format):
-            tools = [t.model_dump(exclude_none=True) for t in self.tools]
-            choice = self.tool_choice or 'auto'
-            return tool_call_format(tools, choice if isinstance(choice, str)
-                                    else choice.model_dump(), self.parallel_tool_calls)
+            tools, choice = self.callable_tools()
+            return tool_call_format([t.model_dump(exclude_none=True) for t in tools], choice,
+                                    self.parallel_tool_calls)
         return self.response_format
+
+    def callable_tools(self) -> tuple[list[Tool], str | dict]:
+        """The tools the output may call and tool_call_format's tool_choice: "allowed_tools"
+        keeps those it lists, with its mode ("auto": the grammar's triggered calls name only
+        them)."""
+        choice = self.tool_choice or 'auto'
+        if isinstance(choice, AllowedToolChoice):
+            names = {c.function.name for c in choice.allowed_tools.tools}
+            return ([t for t in self.tools if t.function.name in names],
+                    choice.allowed_tools.mode)
+        return self.tools, choice if isinstance(choice, str) else choice.model_dump()
 
     @property
     def length_field(self) -> tuple[str, int | None]:
