@@ -15,9 +15,20 @@ SUPPORTED_MODEL_TYPES = {
 }
 MOE_FIELDS = ('num_experts', 'num_experts_per_tok', 'moe_intermediate_size',
               'shared_expert_intermediate_size')
-# read from config.json when there, else the dataclass default
+# read from config.json when there, else the dataclass default (transformers' default too)
 DEFAULTED_FIELDS = ('linear_conv_kernel_dim', 'linear_key_head_dim', 'linear_value_head_dim',
                     'linear_num_key_heads', 'linear_num_value_heads', 'max_position_embeddings')
+# what transformers' Qwen3_5[Moe]TextConfig takes for a field config.json leaves out (its
+# RoPE base is `default_theta`, not a released checkpoint's 1e7)
+HF_DEFAULTS = {'head_dim': 256, 'intermediate_size': 12288, 'rope_theta': 10000.0,
+               'partial_rotary_factor': 0.25, 'num_experts': 256, 'num_experts_per_tok': 8,
+               'moe_intermediate_size': 512, 'shared_expert_intermediate_size': 512}
+# transformers' `remap_legacy_layer_types`
+LEGACY_LAYER_TYPES = {'mamba': 'linear_attention', 'attention': 'full_attention'}
+LAYER_TYPES = ('linear_attention', 'full_attention')
+# rope types whose text-only angles are plain 1-D RoPE (transformers' 'default'; Qwen2-VL's
+# configs named mRoPE 'mrope')
+ROPE_TYPES = ('default', 'mrope')
 
 
 @dataclass(frozen=True)
@@ -85,25 +96,30 @@ class ModelConfig:
             interval = text.get('full_attention_interval', 4)
             layer_types = ['full_attention' if (i + 1) % interval == 0 else 'linear_attention'
                            for i in range(num_layers)]
+        layer_types = tuple(LEGACY_LAYER_TYPES.get(t, t) for t in layer_types)
         rope = text.get('rope_parameters') or text.get('rope_scaling') or {}
-        head_dim = text.get('head_dim') or text['hidden_size'] // text['num_attention_heads']
-        partial = rope.get('partial_rotary_factor', text.get('partial_rotary_factor', 0.25))
-        theta = rope.get('rope_theta', text.get('rope_theta', 10000000.0))
+        head_dim = (text.get('head_dim', HF_DEFAULTS['head_dim'])
+                    or text['hidden_size'] // text['num_attention_heads'])
+        partial, theta = (rope.get(name, text.get(name, HF_DEFAULTS[name]))
+                          for name in ('partial_rotary_factor', 'rope_theta'))
         eos = text.get('eos_token_id', cfg.get('eos_token_id'))
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         tie = cfg.get('tie_word_embeddings', text.get('tie_word_embeddings', False))
-        moe = {name: text.get(name, 0) for name in MOE_FIELDS} if is_moe else {}
-        return cls(
+        moe = {name: text.get(name, HF_DEFAULTS[name]) for name in MOE_FIELDS} if is_moe else {}
+        dense_ffn = 0 if is_moe else HF_DEFAULTS['intermediate_size']
+        config = cls(
             model_type=model_type, is_moe=is_moe,
             vocab_size=text['vocab_size'], hidden_size=text['hidden_size'],
-            num_layers=num_layers, layer_types=tuple(layer_types),
+            num_layers=num_layers, layer_types=layer_types,
             num_attention_heads=text['num_attention_heads'],
             num_key_value_heads=text['num_key_value_heads'],
             head_dim=head_dim, rotary_dim=int(head_dim * partial), rope_theta=float(theta),
             rms_norm_eps=text.get('rms_norm_eps', 1e-6), tie_word_embeddings=bool(tie),
-            intermediate_size=text.get('intermediate_size', 0) or 0,
+            intermediate_size=text.get('intermediate_size', dense_ffn) or 0,
             mtp_num_hidden_layers=text.get('mtp_num_hidden_layers', 0) or 0, eos_token_ids=eos,
             hf_config=cfg, **moe, **{name: text[name] for name in DEFAULTED_FIELDS if name in text})
+        check_supported(config, text, rope)
+        return config
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> 'ModelConfig':
@@ -118,6 +134,45 @@ class ModelConfig:
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         return dataclasses.replace(config, eos_token_ids=tuple(dict.fromkeys(
             config.eos_token_ids + eos)))
+
+
+def check_supported(config: ModelConfig, text: dict, rope: dict) -> None:
+    """ValueErrors naming the config.json field for a text config that transformers would run
+    differently from this engine (or not at all), instead of producing other numbers:
+    `text` is the text model's fields, `rope` its rope_parameters (or legacy rope_scaling)."""
+    def fail(field_name: str, value, allowed: str):
+        raise ValueError(f'config.json: {field_name}={value!r} is not supported: {allowed}')
+
+    rope_type = rope.get('rope_type', rope.get('type', 'default'))
+    if rope_type not in ROPE_TYPES:
+        fail('rope_parameters.rope_type', rope_type, "lmdeploy_lite implements 'default' RoPE "
+             '(no position scaling: linear, dynamic, yarn, longrope, llama3)')
+    for field_name, value, allowed in (('hidden_act', text.get('hidden_act', 'silu'), 'silu'),
+                                       ('attention_bias', text.get('attention_bias', False),
+                                        False)):
+        if value != allowed:
+            fail(field_name, value, f'Qwen3.5 uses {allowed!r} (lmdeploy_lite implements only '
+                 'that)')
+    if len(config.layer_types) != config.num_layers:
+        fail('layer_types', list(config.layer_types), f'must list num_hidden_layers='
+             f'{config.num_layers} entries')
+    for layer_type in config.layer_types:
+        if layer_type not in LAYER_TYPES:
+            fail('layer_types', layer_type, f'each entry must be one of {LAYER_TYPES}')
+    for many, few in (('num_attention_heads', 'num_key_value_heads'),
+                      ('linear_num_value_heads', 'linear_num_key_heads')):
+        if getattr(config, many) % getattr(config, few):
+            fail(many, getattr(config, many), f'must be a multiple of {few}='
+                 f'{getattr(config, few)} (each of those heads serves a group of them)')
+    if config.rotary_dim % 2 or not 2 <= config.rotary_dim <= config.head_dim:
+        partial = rope.get('partial_rotary_factor', text.get('partial_rotary_factor',
+                                                             HF_DEFAULTS['partial_rotary_factor']))
+        fail('rope_parameters.partial_rotary_factor', partial,
+             f'head_dim={config.head_dim} x factor = {config.rotary_dim} rotated channels must '
+             f'be even and in 2..head_dim')
+    if config.is_moe and not 1 <= config.num_experts_per_tok <= config.num_experts:
+        fail('num_experts_per_tok', config.num_experts_per_tok,
+             f'must be in 1..num_experts={config.num_experts}')
 
 
 SAMPLING_FIELDS = ('temperature', 'top_p', 'top_k', 'min_p', 'repetition_penalty')
