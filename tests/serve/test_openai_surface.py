@@ -7,6 +7,7 @@ The live server (the session's tiny-model `server`) for what a client sees; the 
 process on a stand-in pipeline for what reaches the template and for CORS; the CLI in a
 subprocess only for the port."""
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
 
 from lmdeploy_lite.cli.main import build_parser  # noqa: E402
-from tests.serve.live_server import MODEL, ROOT, chat, post  # noqa: E402
+from tests.serve.live_server import MODEL, ROOT, chat, headers, post, sse_events  # noqa: E402
 from tests.serve.test_api_server_robustness import FakePipe  # noqa: E402
 
 GREEDY = dict(max_tokens=5, temperature=0, extra_body={'ignore_eos': True})
@@ -53,6 +54,51 @@ def test_langchain_style_requests_get_200_and_the_answer_they_get_without_the_ex
     completion = client.completions.create(model=MODEL, prompt='def main(', user='u-1',
                                            **GREEDY)
     assert completion.usage.completion_tokens == 5
+
+
+@pytest.mark.timeout(60)
+def test_openai_ranges_a_negative_seed_and_top_p_0_are_honoured(client):
+    """OpenAI's seed is an int64: -1 draws as the uint64 2**64 - 1; top_p 0 keeps the most
+    likely token alone: greedy."""
+    def text(**fields) -> str:
+        return client.completions.create(model=MODEL, prompt='def', max_tokens=4,
+                                         extra_body={'ignore_eos': True},
+                                         **fields).choices[0].text
+    assert text(seed=-1, temperature=1) == text(seed=2**64 - 1, temperature=1)
+    assert text(top_p=0, temperature=1) == text(temperature=0)
+
+
+def streamed(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream('POST', server.url + path, json=body, headers=headers(),
+                      timeout=60) as r:
+        return [json.loads(data) for data in sse_events(r.iter_lines()) if data != '[DONE]']
+
+
+@pytest.mark.timeout(60)
+def test_every_document_validates_as_the_openai_types(server):
+    """The official client builds its objects unvalidated; its types' own validation (what a
+    typed client checks) passes every document: n choices with logprobs, streamed with the
+    usage chunk (no choices), the models. A streamed completion chunk before the last has
+    finish_reason null, which the Completion type (a whole response) does not allow."""
+    from openai.types import Completion, Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    usage = {'stream': True, 'stream_options': {'include_usage': True}}
+    body = {'messages': chat('hi'), 'max_tokens': 3, 'n': 2, 'logprobs': True, 'top_logprobs': 2}
+    ChatCompletion.model_validate(post(server, '/v1/chat/completions', body).json())
+    chunks = streamed(server, '/v1/chat/completions', {**body, **usage})
+    assert [ChatCompletionChunk.model_validate(chunk) for chunk in chunks][-1].choices == []
+    body = {'prompt': ['def', 'class'], 'max_tokens': 3, 'n': 2, 'logprobs': 2}
+    Completion.model_validate(post(server, '/v1/completions', body).json())
+    chunks = streamed(server, '/v1/completions', {**body, **usage})
+    assert {c['index'] for chunk in chunks for c in chunk['choices']} == {0, 1, 2, 3}
+    for chunk in chunks:
+        if all(choice['finish_reason'] for choice in chunk['choices']):
+            Completion.model_validate(chunk)
+    assert chunks[-1]['usage']['completion_tokens'] == 12
+    for path in ('/v1/models', f'/v1/models/{MODEL}'):
+        card = httpx.get(server.url + path, headers=headers(), timeout=10).json()
+        for each in card.get('data', [card]):
+            Model.model_validate(each)
 
 
 REFUSED = [    # (endpoint, fields, param, a piece of the message)
