@@ -34,15 +34,18 @@ class Qwen3_5MTP(nn.Module):
                  embed_tokens: nn.Module, lm_head: nn.Module, dist_ctx=None):
         super().__init__()
         hidden, eps = model_config.hidden_size, model_config.rms_norm_eps
-        num_layers = max(1, model_config.mtp_num_hidden_layers)
+        if model_config.mtp_num_hidden_layers > 1:     # draft step i would run layer i % n
+            raise ValueError(
+                f'config.json: mtp_num_hidden_layers={model_config.mtp_num_hidden_layers} is '
+                'not supported: the MTP draft runs one layer (every released Qwen3.5 checkpoint '
+                "has 1); use SpeculativeConfig(method='ngram') or no speculation")
         self.config, self.dtype = model_config, dtype
         backend = get_backend(device)
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, dtype, device)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, dtype, device)
         self.fc = ReplicatedLinear(2 * hidden, hidden, dtype, device)
-        self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(model_config, 'full_attention', backend, dtype, device, dist_ctx)
-            for _ in range(num_layers))
+        self.layers = nn.ModuleList([
+            Qwen3_5DecoderLayer(model_config, 'full_attention', backend, dtype, device, dist_ctx)])
         self.norm = RMSNorm(hidden, eps, dtype, device)
         self.rotary_emb = RotaryEmbedding(model_config.rotary_dim, model_config.rope_theta, device)
         self.dist_ctx, self.sequence_parallel = dist_ctx, is_sequence_parallel(dist_ctx)

@@ -159,3 +159,13 @@ def test_mtp_fused_residual_norm_is_bit_identical(tmp_path):
     rope = mtp.rotary_emb(inputs.positions, hidden.dtype)
     hidden = unfused_layer(mtp.layers[0], hidden, rope, caches[0], inputs)
     assert torch.equal(fused, mtp.norm(hidden))
+
+
+def test_more_than_one_mtp_layer_is_refused():
+    """A head of n > 1 layers drafts step i with layer i % n: running layer 0 at every step (as
+    before) gives other drafts than the checkpoint's, so it is a ValueError naming the field."""
+    from lmdeploy_lite.pytorch.config import ModelConfig
+    from tests.helpers.tiny_models import tiny_text_config
+    config = ModelConfig.from_dict(tiny_text_config(False, mtp_num_hidden_layers=2).to_dict())
+    with pytest.raises(ValueError, match=r'config\.json: mtp_num_hidden_layers=2 '):
+        Qwen3_5MTP(config, torch.float32, 'meta', None, None)
