@@ -250,7 +250,7 @@ UNSUPPORTED = [    # (endpoint, extra fields, param, message)
     ('chat', {'stream_options': {'include_usage': True, 'continuous': True}},
      'stream_options.continuous', 'unknown field'),
     ('completions', {'logprobs': 6}, 'logprobs', 'logprobs=6: must be in [0, 5]'),
-    ('completions', {'echo': True}, 'echo', 'echo=true: not supported'),
+    ('completions', {'echo': True, 'logprobs': 1}, 'echo', 'echo=true: not with logprobs'),
     ('completions', {'best_of': 2}, 'best_of', 'best_of=2: not supported'),
     ('completions', {'suffix': 'x'}, 'suffix', 'suffix="x": not supported'),
     ('completions', {'n': 17}, 'n', 'n=17: must be in [1, 16]'),

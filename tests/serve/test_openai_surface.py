@@ -68,6 +68,20 @@ def test_openai_ranges_a_negative_seed_and_top_p_0_are_honoured(client):
     assert text(top_p=0, temperature=1) == text(temperature=0)
 
 
+@pytest.mark.timeout(60)
+def test_echo_writes_each_prompt_before_its_choices_streamed_or_not(server, client):
+    """A prompt string as sent, token ids decoded (/detokenize's text); streamed, in a first
+    chunk of each choice."""
+    prompts, ids = ['def f(', 'class A'], [5, 6, 7]
+    ask = dict(model=MODEL, max_tokens=3, temperature=0, n=2, extra_body={'ignore_eos': True})
+    plain = client.completions.create(prompt=prompts, **ask).choices
+    echoed = client.completions.create(prompt=prompts, echo=True, **ask).choices
+    assert [c.text for c in echoed] == [prompts[c.index // 2] + c.text for c in plain]
+    chunks = list(client.completions.create(prompt=ids, echo=True, stream=True, **ask))
+    text = post(server, '/detokenize', {'tokens': ids}).json()['prompt']
+    assert [(c.choices[0].index, c.choices[0].text) for c in chunks[:2]] == [(0, text), (1, text)]
+
+
 def streamed(server, path: str, body: dict) -> list[dict]:
     with httpx.stream('POST', server.url + path, json=body, headers=headers(),
                       timeout=60) as r:

@@ -17,8 +17,9 @@ import signal
 import socket
 import sys
 import threading
+import time
 from contextlib import asynccontextmanager, contextmanager
-from typing import Callable
+from typing import Callable, Literal
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -26,13 +27,15 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response as HTTPResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from lmdeploy_lite.serve.openai import protocol as p
 from lmdeploy_lite.serve.openai.admission import ConcurrencyLimitMiddleware
 from lmdeploy_lite.serve.openai.auth import APIKeyMiddleware, HostGuardMiddleware, is_loopback
 from lmdeploy_lite.serve.openai.checks import (ServerContext, ServerLimits, check_chat,
-                                               check_completion, check_model, read_checked)
+                                               check_completion, check_model, prompt_texts,
+                                               read_checked)
 from lmdeploy_lite.serve.openai.connections import CannotListen, HttpLimits, bind_socket
 from lmdeploy_lite.serve.openai.errors import install_error_handlers
 from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings
@@ -47,6 +50,19 @@ from lmdeploy_lite.serve.openai.tool_parser import ToolCallParser
 logger = logging.getLogger('lmdeploy_lite.serve')
 
 ENGINE_POLL_S = 0.5                    # how often the server checks that the engine is alive
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal['model'] = 'model'
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = 'lmdeploy_lite'
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal['list'] = 'list'
+    data: list[ModelCard]
 
 
 def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
@@ -93,9 +109,9 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     get = ['GET', 'HEAD']                   # HEAD wherever GET is (uptime probes send it)
     app.api_route('/health', methods=get)(_bound(health, ctx))
     app.api_route('/metrics', methods=get)(_bound(prometheus, ctx))
-    app.api_route('/v1/models', methods=get, response_model=p.ModelList)(_bound(models, ctx))
+    app.api_route('/v1/models', methods=get, response_model=ModelList)(_bound(models, ctx))
     app.api_route('/v1/models/{model_id:path}', methods=get,
-                  response_model=p.ModelCard)(_bound(model, ctx))
+                  response_model=ModelCard)(_bound(model, ctx))
     for path, (endpoint, body) in posts.items():
         app.post(path, openapi_extra=_json_body(body))(_bound(endpoint, ctx))
     return app
@@ -133,14 +149,14 @@ async def prometheus(ctx: ServerContext, request: Request):
     return HTTPResponse(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def models(ctx: ServerContext, request: Request) -> p.ModelList:
-    return p.ModelList(data=[p.ModelCard(id=ctx.model_name, max_model_len=ctx.session_len)])
+async def models(ctx: ServerContext, request: Request) -> ModelList:
+    return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.session_len)])
 
 
-async def model(ctx: ServerContext, request: Request) -> p.ModelCard:
+async def model(ctx: ServerContext, request: Request) -> ModelCard:
     """The served model's card; any other id is a 404 (model_not_found), as OpenAI answers."""
     check_model(ctx, request.path_params['model_id'], status=404)
-    return p.ModelCard(id=ctx.model_name, max_model_len=ctx.session_len)
+    return ModelCard(id=ctx.model_name, max_model_len=ctx.session_len)
 
 
 async def tokenize(ctx: ServerContext, request: Request):
@@ -157,10 +173,13 @@ async def completions(ctx: ServerContext, request: Request):
     legacy = [CompletionLogprobs(ctx.token_strings, gen_config.skip_special_tokens)
               if gen_config.logprobs is not None else None
               for _ in range(len(prompts) * gen_config.n)]       # each choice's
+    echoes = [text for text in prompt_texts(ctx, req, prompts)
+              for _ in range(gen_config.n)] if req.echo else None
     if req.stream:
-        return stream(ctx, prompts, gen_config, CompletionChunks(rid, ctx.model_name, legacy),
-                      req.includes_usage, rid)
+        chunks = CompletionChunks(rid, ctx.model_name, legacy, echoes)
+        return stream(ctx, prompts, gen_config, chunks, req.includes_usage, rid)
     texts, lasts, logprobs = await run_to_end(ctx, prompts, gen_config, request, rid)
+    texts = [echo + text for echo, text in zip(echoes, texts)] if echoes else texts
     return await off_the_loop(completion_response, rid, ctx.model_name, prompts, texts, lasts,
                               logprobs, legacy)
 

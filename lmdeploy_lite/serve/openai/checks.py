@@ -76,13 +76,29 @@ def check_completion(ctx: ServerContext, body: bytes
     """The request, its prompts' token ids (one or several) and their GenerationConfig (the
     default max_tokens: 16, or what the longest prompt leaves)."""
     req = parse_request(body, p.CompletionRequest)
-    prompts = req.prompt
-    if not (isinstance(prompts, list) and prompts and isinstance(prompts[0], (str, list))):
-        prompts = [prompts]
+    prompts = prompt_list(req.prompt)
     check_sequences(ctx, len(prompts), req, req.max_tokens or req.default_max_tokens)
     prepared = [prepare(ctx, req, prompt, 'prompt') for prompt in prompts]   # after that check
     gen_config = min((g for _, g in prepared), key=lambda g: g.max_new_tokens)
     return req, [ids for ids, _ in prepared], gen_config
+
+
+def prompt_list(prompt) -> list:
+    """A completion request's prompts: one string or token-id list, or a list of them."""
+    many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    return prompt if many else [prompt]
+
+
+def prompt_texts(ctx: ServerContext, req: p.CompletionRequest, prompts: list[list[int]]
+                 ) -> list[str]:
+    """Each prompt as text (`echo`): a string as sent, token ids decoded (special tokens
+    written out, as sent)."""
+    sent, tokenizer = prompt_list(req.prompt), ctx.pipe.tokenizer
+    if tokenizer is None and not all(isinstance(prompt, str) for prompt in sent):
+        raise RequestError('echo=true: this model has no tokenizer to write token ids as text',
+                           'echo')
+    return [prompt if isinstance(prompt, str) else
+            tokenizer.decode(ids, skip_special_tokens=False) for prompt, ids in zip(sent, prompts)]
 
 
 def check_chat(ctx: ServerContext, body: bytes

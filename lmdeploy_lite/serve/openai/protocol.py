@@ -9,11 +9,10 @@ for nothing and otherwise a 400 naming it. A field in no schema (a typo) is a 40
 (`extra='forbid'`).
 """
 import json
-import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator,
+from pydantic import (Discriminator, Field, Tag, ValidationInfo, field_validator,
                       model_validator)
 from pydantic_core import PydanticCustomError
 
@@ -154,9 +153,18 @@ class CompletionRequest(SamplingRequest):
                                  description='the most likely tokens returned with each output '
                                              'token (and the chosen one); 0: the chosen only')
     default_max_tokens: ClassVar[int] = 16           # OpenAI's default for /v1/completions
-    echo: no_op(False) = None
+    echo: bool = Field(False, description='each choice begins with its prompt (a stream: in a '
+                       'first chunk); not with logprobs (those of the prompt are not computed)')
     best_of: no_op(1) = None
     suffix: no_op('') = None
+
+    @field_validator('echo')
+    @classmethod
+    def _no_prompt_logprobs(cls, value, info: ValidationInfo):
+        if value and info.data.get('logprobs') is not None:
+            raise PydanticCustomError('echo', 'not with logprobs: they would include the '
+                                      "prompt's, which this server does not compute; send one")
+        return value
 
     @property
     def num_logprobs(self) -> int | None:
@@ -434,17 +442,3 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.tool_choice != 'none'
-
-
-# ---- responses (the others are written as JSON text: responses.py) --------------------------
-class ModelCard(BaseModel):
-    id: str
-    object: Literal['model'] = 'model'
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = 'lmdeploy_lite'
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal['list'] = 'list'
-    data: list[ModelCard]

@@ -101,14 +101,19 @@ def usage(lasts: list[Response | None], prompts: list[list[int]]) -> dict:
 
 class CompletionChunks:
     """The chunks of a /v1/completions stream (streaming.stream's `chunks`); `legacy`: each
-    choice's logprobs writer, None when the request asked for none."""
+    choice's logprobs writer, None when the request asked for none; `echoes`: each choice's
+    prompt text (`echo`), which opens it."""
 
-    def __init__(self, rid: str, model: str, legacy: list[CompletionLogprobs | None]):
+    def __init__(self, rid: str, model: str, legacy: list[CompletionLogprobs | None],
+                 echoes: list[str] | None = None):
         self.document, self.legacy = Document('text_completion', rid, model), legacy
+        self.echoes = echoes
 
     def opening(self, index: int) -> str | None:
         """The chunk that opens choice `index` before its first token (None: none)."""
-        return None
+        if self.echoes is None:
+            return None
+        return self.document.write([completion_choice(index, self.echoes[index])])
 
     def delta(self, index: int, text: str, finish_reason: str | None, logprobs: list | None,
               hidden_states_path: str | None = None) -> str | None:
