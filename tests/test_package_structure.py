@@ -5,7 +5,10 @@
   `__init__` is not an edge (importing `a.b` always runs `a/__init__`);
 - speculative methods are named only where speculation lives (spec_decode/, strategies/ar_spec/)
   and where users choose one (messages.py, cli/): the engine and the executors learn of
-  speculation through `spec_decode.build.SpecPlan`'s plain data (STYLE.md).
+  speculation through `spec_decode.build.SpecPlan`'s plain data (STYLE.md);
+- files and functions stay small enough to hold in one's head (issue 33, STYLE.md): no file over
+  MAX_FILE_LINES and no function over MAX_FUNCTION_LINES outside the backends' kernels
+  (`backends/`) and the argument parsers (`cli/args.py`).
 """
 import ast
 import pathlib
@@ -15,6 +18,8 @@ import lmdeploy_lite
 
 ROOT = pathlib.Path(lmdeploy_lite.__file__).parent
 PACKAGE = 'lmdeploy_lite'
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 450, 60
+SIZE_EXEMPT = ('pytorch/backends/', 'cli/args.py')      # kernels; argument parsers
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -98,3 +103,19 @@ def test_method_names_only_where_speculation_lives():
                  for n, line in enumerate(path.read_text().splitlines(), 1)
                  if METHOD_CHECK.search(line)]
     assert offenders == []
+
+
+def test_files_and_functions_stay_small():
+    too_long = []
+    for path in sorted(ROOT.rglob('*.py')):
+        relative = path.relative_to(ROOT).as_posix()
+        if relative.startswith(SIZE_EXEMPT):
+            continue
+        source = path.read_text()
+        if (lines := len(source.splitlines())) > MAX_FILE_LINES:
+            too_long.append(f'{relative}: {lines} lines (at most {MAX_FILE_LINES})')
+        too_long += [f'{relative}:{node.lineno} {node.name}: {length} lines (at most '
+                     f'{MAX_FUNCTION_LINES})' for node in ast.walk(ast.parse(source))
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES]
+    assert not too_long, 'split these:\n' + '\n'.join(too_long)
