@@ -1,6 +1,7 @@
 """OpenAI wire format (the subset we serve), as pydantic models. Every request field is checked
-here, once, before anything else sees the request: types are strict (`"yes"` is not a bool, `1.5`
-not an int), numbers finite and inside the range declared on their Field, `null` means the default.
+here (the tool-calling ones in tool_params.py, the field kinds in fields.py), once, before
+anything else sees the request: types are strict (`"yes"` is not a bool, `1.5` not an int),
+numbers finite and inside the range declared on their Field, `null` means the default.
 Each field of OpenAI's request schemas (openai-python's CompletionCreateParams,
 ChatCompletionCreateParams and the message params) is one of three kinds: honoured; `no_effect`
 (it changes nothing we generate: `metadata`, `store`, `user`, ...), type-checked and then ignored;
@@ -12,8 +13,7 @@ import json
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (Discriminator, Field, Tag, ValidationInfo, field_validator,
-                      model_validator)
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from lmdeploy_lite.messages import INT32_MAX as MAX_INT32
@@ -22,6 +22,8 @@ from lmdeploy_lite.messages import (GREEDY_TEMPERATURE, GREEDY_TOP_P, MAX_LOGPRO
                                     MAX_N, MAX_OPENAI_PENALTY, MAX_REPETITION_PENALTY,  # ranges
                                     MIN_REPETITION_PENALTY, GenerationConfig)
 from lmdeploy_lite.serve.openai.fields import RequestModel, no_effect, no_op
+from lmdeploy_lite.serve.openai.tool_params import (AllowedToolChoice, NamedToolChoice, Tool,
+                                                    ToolCallParam, ToolChoice)
 from lmdeploy_lite.structured import check_response_format, tool_call_format
 
 MAX_STOP_WORDS = 16
@@ -189,33 +191,6 @@ class ContentPart(RequestModel):
         return self
 
 
-FunctionName = Annotated[str, Field(pattern=r'^[A-Za-z0-9_.:-]{1,64}$',
-                                    description='letters, digits, _ . : - (1 to 64)')]
-
-
-class FunctionCall(RequestModel):
-    name: str = Field(min_length=1)
-    arguments: str = Field(description='a JSON object, as text')
-
-    @field_validator('arguments')
-    @classmethod
-    def _json_object(cls, value: str) -> str:
-        try:
-            if isinstance(json.loads(value), dict):
-                return value
-        except (ValueError, RecursionError):
-            pass
-        raise PydanticCustomError('json_object', 'must be a JSON object written as a string '
-                                  '(as the tool call came back)')
-
-
-class ToolCallParam(RequestModel):
-    """A call an assistant message made, in the history."""
-    id: str
-    type: Literal['function']
-    function: FunctionCall
-
-
 # ChatMessage's fields that depend on its role: (is this value wrong for the role?, why)
 ROLE_RULES = {
     'name': (lambda value, role: role == 'tool',
@@ -271,14 +246,6 @@ class ChatMessage(RequestModel):
         return ''.join(p.refusal if p.type == 'refusal' else p.text for p in self.content)
 
 
-class FunctionDefinition(RequestModel):
-    name: FunctionName
-    description: str | None = None
-    parameters: dict[str, Any] | None = Field(None, description='a JSON schema')
-    strict: bool | None = Field(None, description='true: calls to it follow its schema '
-                                                  '(xgrammar), with tool_choice "auto" too')
-
-
 class PromptCacheOptions(RequestModel):
     mode: Literal['implicit', 'explicit'] | None = None
     ttl: Literal['30m'] | None = None
@@ -287,50 +254,6 @@ class PromptCacheOptions(RequestModel):
 class Prediction(RequestModel):
     type: Literal['content']
     content: str | list[ContentPart]
-
-
-class Tool(RequestModel):
-    type: Literal['function']
-    function: FunctionDefinition
-
-
-class NamedFunction(RequestModel):
-    name: FunctionName
-
-
-class NamedToolChoice(RequestModel):
-    type: Literal['function']
-    function: NamedFunction
-
-
-class AllowedTools(RequestModel):
-    mode: Literal['auto', 'required'] = Field(description='"auto": calls to these or text')
-    tools: list[NamedToolChoice] = Field(min_length=1, description='the tools it may call')
-
-
-class AllowedToolChoice(RequestModel):
-    type: Literal['allowed_tools']
-    allowed_tools: AllowedTools
-
-
-TOOL_CHOICES = ('"none", "auto", "required", {"type": "function", "function": {"name": ...}} or '
-                '{"type": "allowed_tools", "allowed_tools": {"mode": "auto"|"required", "tools"}}')
-
-
-def _tool_choice_form(value) -> str | None:
-    """ToolChoice's member `value` is (tags with '-': an error's param names no member)."""
-    if isinstance(value, str):
-        return 'mode-choice' if value in ('none', 'auto', 'required') else None
-    kind = value.get('type') if isinstance(value, dict) else getattr(value, 'type', None)
-    return {'function': 'function-choice', 'allowed_tools': 'allowed-choice'}.get(kind)
-
-
-ToolChoice = Annotated[
-    Annotated[Literal['none', 'auto', 'required'], Tag('mode-choice')]
-    | Annotated[NamedToolChoice, Tag('function-choice')]
-    | Annotated[AllowedToolChoice, Tag('allowed-choice')],
-    Discriminator(_tool_choice_form, custom_error_type='tool_choice',
-                  custom_error_message=f'must be {TOOL_CHOICES}')]
 
 
 class ChatCompletionRequest(SamplingRequest):
