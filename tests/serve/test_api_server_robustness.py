@@ -246,7 +246,7 @@ UNSUPPORTED = [    # (endpoint, extra fields, param, message)
      'messages.1.role="robot"'),
     ('chat', {'messages': [{'role': 'user', 'content': [{'type': 'image_url',
                                                           'image_url': {'url': 'x'}}]}]},
-     'messages.0.content.0.type', 'input should be \'text\''),
+     'messages.0.content.0.type', "read text only: allowed 'text'"),
     ('chat', {'stream_options': {'include_usage': True, 'continuous': True}},
      'stream_options.continuous', 'unknown field'),
     ('completions', {'logprobs': 6}, 'logprobs', 'logprobs=6: must be in [0, 5]'),

@@ -139,6 +139,10 @@ REFUSED = [    # (endpoint, fields, param, a piece of the message)
      'messages.0.refusal', 'only assistant messages'),
     ('chat', {'messages': [{'role': 'tool', 'content': 'x', 'tool_call_id': 'c', 'name': 'f'}]},
      'messages.0.name', "a 'tool' message has no name"),
+    ('chat', {'messages': chat('x') + [{'role': 'function', 'name': 'f', 'content': '1'}]},
+     'messages.1.role', "send the result as a 'tool' message; allowed: 'system'"),
+    ('chat', {'messages': [{'role': 'user', 'content': [{'type': 'input_audio', 'input_audio': {
+        'data': 'UklG', 'format': 'wav'}}]}]}, 'messages.0.content.0.type', 'read text only'),
 ]
 
 

@@ -182,6 +182,14 @@ class ContentPart(RequestModel):
     prompt_cache_breakpoint: no_effect(dict[str, Any], 'a prompt-cache boundary (prefix '
                                                        'caching here is automatic)') = None
 
+    @field_validator('type', mode='before')
+    @classmethod
+    def _text_only(cls, value):
+        if value in ('image_url', 'input_audio', 'file'):          # OpenAI's other user parts
+            raise PydanticCustomError('content_part', "this server's models read text only: "
+                                      "allowed 'text' (and 'refusal' in assistant messages)")
+        return value
+
     @model_validator(mode='after')
     def _its_text(self):
         texts = {'text': self.text, 'refusal': self.refusal}
@@ -220,6 +228,15 @@ class ChatMessage(RequestModel):
                                      "'tool' message answers (required there, and only there)")
     audio: no_op(hint='this server generates text only, so no reply of its has audio') = None
     function_call: no_op(hint='the legacy function-calling API; send tool_calls instead') = None
+
+    @field_validator('role', mode='before')
+    @classmethod
+    def _not_legacy(cls, value):
+        if value == 'function':
+            raise PydanticCustomError('role', "the legacy function-calling API's role: send the "
+                                      "result as a 'tool' message; allowed: 'system', 'user', "
+                                      "'assistant', 'developer', 'tool'")
+        return value
 
     @field_validator(*ROLE_RULES)
     @classmethod
