@@ -251,7 +251,8 @@ UNSUPPORTED = [    # (endpoint, extra fields, param, message)
      'stream_options.continuous', 'unknown field'),
     ('completions', {'logprobs': 6}, 'logprobs', 'logprobs=6: must be in [0, 5]'),
     ('completions', {'echo': True, 'logprobs': 1}, 'echo', 'echo=true: not with logprobs'),
-    ('completions', {'best_of': 2}, 'best_of', 'best_of=2: not supported'),
+    ('completions', {'best_of': 2, 'stream': True}, 'best_of',
+     'best_of=2: above n it cannot be streamed'),
     ('completions', {'suffix': 'x'}, 'suffix', 'suffix="x": not supported'),
     ('completions', {'n': 17}, 'n', 'n=17: must be in [1, 16]'),
 ]

@@ -82,6 +82,20 @@ def test_echo_writes_each_prompt_before_its_choices_streamed_or_not(server, clie
     assert [(c.choices[0].index, c.choices[0].text) for c in chunks[:2]] == [(0, text), (1, text)]
 
 
+@pytest.mark.timeout(60)
+def test_best_of_returns_the_candidates_with_the_best_mean_logprob(spec_client):
+    """best_of=3 runs the choices n=3 runs (choice i samples with seed + i) and returns the n=2
+    whose tokens have the highest mean log-probability, best first; usage counts all three."""
+    ask = dict(model='embedded', prompt='def f(', max_tokens=4, temperature=1, seed=5,
+               extra_body={'ignore_eos': True})
+    candidates = spec_client.completions.create(n=3, logprobs=0, **ask)
+    ranked = sorted(candidates.choices, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = spec_client.completions.create(n=2, best_of=3, **ask)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == candidates.usage.completion_tokens == 12
+
+
 def streamed(server, path: str, body: dict) -> list[dict]:
     with httpx.stream('POST', server.url + path, json=body, headers=headers(),
                       timeout=60) as r:

@@ -41,8 +41,8 @@ from lmdeploy_lite.serve.openai.errors import install_error_handlers
 from lmdeploy_lite.serve.openai.logprobs import CompletionLogprobs, TokenStrings
 from lmdeploy_lite.serve.openai.metrics import ServerMetrics
 from lmdeploy_lite.serve.openai.responses import (ChatChunks, CompletionChunks, chat_response,
-                                                  completion_response)
-from lmdeploy_lite.serve.openai.streaming import ENGINE_STOPPED, run_to_end, stream
+                                                  completion_response, usage)
+from lmdeploy_lite.serve.openai.streaming import ENGINE_STOPPED, best_of, run_to_end, stream
 from lmdeploy_lite.serve.openai.tokenize import (DetokenizeRequest, TokenizeRequest,
                                                  check_detokenize, check_tokenize)
 from lmdeploy_lite.serve.openai.tool_parser import ToolCallParser
@@ -171,17 +171,20 @@ async def completions(ctx: ServerContext, request: Request):
     req, prompts, gen_config = await read_checked(ctx, request, check_completion)
     rid = p.random_id('cmpl')
     legacy = [CompletionLogprobs(ctx.token_strings, gen_config.skip_special_tokens)
-              if gen_config.logprobs is not None else None
-              for _ in range(len(prompts) * gen_config.n)]       # each choice's
+              if req.logprobs is not None else None
+              for _ in range(len(prompts) * req.n)]       # each choice's
     echoes = [text for text in prompt_texts(ctx, req, prompts)
-              for _ in range(gen_config.n)] if req.echo else None
-    if req.stream:
+              for _ in range(req.n)] if req.echo else None
+    if req.stream:                                        # best_of > n is not streamed
         chunks = CompletionChunks(rid, ctx.model_name, legacy, echoes)
         return stream(ctx, prompts, gen_config, chunks, req.includes_usage, rid)
     texts, lasts, logprobs = await run_to_end(ctx, prompts, gen_config, request, rid)
+    use = usage(lasts, prompts)                           # every candidate's tokens
+    if req.picks_best:
+        texts, lasts, logprobs = best_of(req.n, gen_config.n, texts, lasts, logprobs)
     texts = [echo + text for echo, text in zip(echoes, texts)] if echoes else texts
     return await off_the_loop(completion_response, rid, ctx.model_name, prompts, texts, lasts,
-                              logprobs, legacy)
+                              logprobs, legacy, use)
 
 
 async def chat_completions(ctx: ServerContext, request: Request):

@@ -116,16 +116,18 @@ def check_chat(ctx: ServerContext, body: bytes
 
 def check_sequences(ctx: ServerContext, num_prompts: int, req: p.SamplingRequest,
                     max_tokens: int | None):
-    """400 naming the numbers when a request asks for more sequences (prompts x n) or more
+    """400 naming the numbers when a request asks for more sequences (prompts x n, or best_of
+    candidates) or more
     generated tokens (that times max_tokens; None: not known yet) than the server runs for one
     request: each sequence waits in the engine's queue, each token is a step's work."""
-    limits, n, (max_tokens_param, _) = ctx.limits, req.n, req.length_field
+    limits, n, (max_tokens_param, _) = ctx.limits, req.num_candidates, req.length_field
+    n_param = 'best_of' if req.picks_best else 'n'
     sequences = num_prompts * n
     if sequences > limits.max_sequences:
-        raise RequestError(f'prompt: {num_prompts} prompt(s) x n={n} = {sequences} '
+        raise RequestError(f'prompt: {num_prompts} prompt(s) x {n_param}={n} = {sequences} '
                            f'sequences; this server runs at most {limits.max_sequences} per '
                            f'request (--max-sequences-per-request): send fewer prompts or a '
-                           f'smaller n', 'prompt' if num_prompts > 1 else 'n')
+                           f'smaller {n_param}', 'prompt' if num_prompts > 1 else n_param)
     # a sequence generates at most what its session holds: past that, the length check speaks
     tokens = None if max_tokens is None else sequences * min(max_tokens, ctx.session_len)
     if tokens is not None and tokens > limits.max_tokens:

@@ -111,6 +111,16 @@ class SamplingRequest(RequestModel):
         return self.response_format
 
     @property
+    def num_candidates(self) -> int:
+        """The sequences run per prompt (GenerationConfig.n): n, or completions' best_of."""
+        return self.n
+
+    @property
+    def picks_best(self) -> bool:
+        """The n choices are picked from more candidates (best_of > n)."""
+        return self.num_candidates > self.n
+
+    @property
     def includes_usage(self) -> bool:
         """A stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -141,7 +151,8 @@ class SamplingRequest(RequestModel):
             random_seed=None if self.seed is None else self.seed % 2**64,
             skip_special_tokens=self.skip_special_tokens,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, n=self.n, logprobs=self.num_logprobs,
+            frequency_penalty=self.frequency_penalty, n=self.num_candidates,
+            logprobs=self.num_logprobs,
             min_p=self.min_p, min_tokens=self.min_tokens,
             logit_bias=self.logit_bias and {int(t): v for t, v in self.logit_bias.items()},
             response_format=self.output_format)
@@ -157,8 +168,20 @@ class CompletionRequest(SamplingRequest):
     default_max_tokens: ClassVar[int] = 16           # OpenAI's default for /v1/completions
     echo: bool = Field(False, description='each choice begins with its prompt (a stream: in a '
                        'first chunk); not with logprobs (those of the prompt are not computed)')
-    best_of: no_op(1) = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description='candidates per prompt; '
+                                'above n, the n whose tokens have the highest mean log-'
+                                'probability come back (best first), all counted in usage; '
+                                'not streamed (as OpenAI)')
     suffix: no_op('') = None
+
+    @field_validator('best_of')
+    @classmethod
+    def _not_streamed(cls, value, info: ValidationInfo):
+        if value > info.data.get('n', 1) and info.data.get('stream'):
+            raise PydanticCustomError('best_of', 'above n it cannot be streamed (the best are '
+                                      'known at the end), as OpenAI; send "stream": false or '
+                                      'best_of <= n')
+        return value
 
     @field_validator('echo')
     @classmethod
@@ -169,9 +192,14 @@ class CompletionRequest(SamplingRequest):
         return value
 
     @property
+    def num_candidates(self) -> int:
+        return max(self.best_of or 1, self.n)        # best_of <= n: nothing to pick
+
+    @property
     def num_logprobs(self) -> int | None:
-        """GenerationConfig.logprobs: the top-N to return, None for no logprobs."""
-        return self.logprobs
+        """GenerationConfig.logprobs: the top-N to return, None for no logprobs (picking the
+        best needs the chosen tokens' at least)."""
+        return 0 if self.logprobs is None and self.picks_best else self.logprobs
 
 
 class ContentPart(RequestModel):

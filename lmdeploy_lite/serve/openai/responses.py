@@ -177,13 +177,16 @@ def reply_choice(index: int, whole: bool, text: str, finish_reason: str | None,
 
 def completion_response(rid: str, model: str, prompts: list[list[int]], texts: list[str],
                         lasts: list[Response | None], logprobs: list[list],
-                        legacy: list[CompletionLogprobs | None]) -> bytes:
-    """A whole /v1/completions response: each choice's text, logprobs and last response."""
+                        legacy: list[CompletionLogprobs | None], use: dict | None = None
+                        ) -> bytes:
+    """A whole /v1/completions response: each choice's text, logprobs and last response;
+    `use`: the usage when not these choices' own (best_of: every candidate's)."""
     choices = [completion_choice(i, text, last and last.finish_reason,
                                  legacy[i] and legacy[i].add(logprobs[i]),
                                  last and last.hidden_states_path)
                for i, (text, last) in enumerate(zip(texts, lasts))]
-    return Document('text_completion', rid, model).write(choices, usage(lasts, prompts)).encode()
+    return Document('text_completion', rid, model).write(
+        choices, use or usage(lasts, prompts)).encode()
 
 
 def chat_response(rid: str, model: str, prompts: list[list[int]], texts: list[str],

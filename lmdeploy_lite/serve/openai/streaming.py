@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from contextlib import aclosing
 from typing import AsyncIterator
@@ -87,6 +88,18 @@ async def run_to_end(ctx: ServerContext, prompts: list[list[int]], gen_config: G
     if any(last is not None and last.finish_reason == 'error' for last in lasts):
         raise engine_error()
     return texts, lasts, logprobs
+
+
+def best_of(n: int, candidates: int, texts: list[str], lasts: list[Response | None],
+            logprobs: list[list]) -> tuple[list[str], list[Response | None], list[list]]:
+    """Of each prompt's `candidates` results (consecutive, as run_to_end returns them), the `n`
+    whose tokens have the highest mean log-probability (OpenAI's best_of), best first."""
+    def score(i: int) -> float:
+        return (sum(e.logprob for e in logprobs[i]) / len(logprobs[i]) if logprobs[i]
+                else -math.inf)
+    picked = [i for start in range(0, len(texts), candidates)
+              for i in sorted(range(start, start + candidates), key=score, reverse=True)[:n]]
+    return [texts[i] for i in picked], [lasts[i] for i in picked], [logprobs[i] for i in picked]
 
 
 def stream(ctx: ServerContext, prompts: list[list[int]], gen_config: GenerationConfig,
