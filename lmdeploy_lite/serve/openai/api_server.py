@@ -179,8 +179,9 @@ async def completions(ctx: ServerContext, request: Request):
         chunks = CompletionChunks(rid, ctx.model_name, legacy, echoes)
         return stream(ctx, prompts, gen_config, chunks, req.includes_usage, rid)
     texts, lasts, logprobs = await run_to_end(ctx, prompts, gen_config, request, rid)
-    use = usage(lasts, prompts)                           # every candidate's tokens
-    if req.picks_best:
+    use = None
+    if req.picks_best:                                    # usage: every candidate's tokens
+        use = usage(lasts, prompts)
         texts, lasts, logprobs = best_of(req.n, gen_config.n, texts, lasts, logprobs)
     texts = [echo + text for echo, text in zip(echoes, texts)] if echoes else texts
     return await off_the_loop(completion_response, rid, ctx.model_name, prompts, texts, lasts,

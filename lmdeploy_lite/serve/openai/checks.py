@@ -116,10 +116,10 @@ def check_chat(ctx: ServerContext, body: bytes
 
 def check_sequences(ctx: ServerContext, num_prompts: int, req: p.SamplingRequest,
                     max_tokens: int | None):
-    """400 naming the numbers when a request asks for more sequences (prompts x n, or best_of
-    candidates) or more
-    generated tokens (that times max_tokens; None: not known yet) than the server runs for one
-    request: each sequence waits in the engine's queue, each token is a step's work."""
+    """400 naming the numbers when a request asks for more sequences (prompts x n, or x best_of
+    candidates) or more generated tokens (that times max_tokens; None: not known yet) than the
+    server runs for one request: each sequence waits in the engine's queue, each token is a
+    step's work."""
     limits, n, (max_tokens_param, _) = ctx.limits, req.num_candidates, req.length_field
     n_param = 'best_of' if req.picks_best else 'n'
     sequences = num_prompts * n
