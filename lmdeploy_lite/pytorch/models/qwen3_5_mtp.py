@@ -38,7 +38,7 @@ class Qwen3_5MTP(nn.Module):
             raise ValueError(
                 f'config.json: mtp_num_hidden_layers={model_config.mtp_num_hidden_layers} is '
                 'not supported: the MTP draft runs one layer (every released Qwen3.5 checkpoint '
-                "has 1); use SpeculativeConfig(method='ngram') or no speculation")
+                'has 1); use another speculative method, or none')
         self.config, self.dtype = model_config, dtype
         backend = get_backend(device)
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, dtype, device)
