@@ -5,10 +5,16 @@ prompt when thinking (`<|im_start|>assistant\\n<think>\\n`) and write a closed, 
 (`<think>\\n\\n</think>\\n\\n`), so the reply may carry no opening tag: where it starts is read from
 the rendered prompt (`starts_in_thought`), not guessed from the reply. (vLLM's qwen3 parser takes a
 reply with no tags for reasoning, and so returns a non-thinking answer as reasoning: vllm#53284.)
-A reply that opens its own block (a template that adds nothing) is handled too."""
+A reply that opens its own block (a template that adds nothing) is handled too.
+
+Qwen3.5 sometimes writes a tool call inside its thought without closing it first: a `<tool_call>`
+before any `</think>` ends the thought as `</think>` would, and opens the answer, where the tool
+parser reads it (vLLM's qwen3 parser does the same: vllm#35687); a `</think>` after it is answer
+text."""
 from __future__ import annotations
 
 OPEN, CLOSE = '<think>', '</think>'
+TOOL_CALL = '<tool_call>'         # Qwen3.5's call block (serve/openai/tool_parser.py)
 PARSERS = ('auto', 'qwen3', 'none')
 
 
@@ -40,10 +46,17 @@ def held_back(text: str, words) -> int:
     return 0
 
 
+def _first(text: str, words) -> int:
+    """Where the first of `words` starts in `text` (-1: none does)."""
+    found = [i for i in (text.find(w) for w in words) if i >= 0]
+    return min(found, default=-1)
+
+
 class ReasoningParser:
     """Feed a reply's text as it comes; get (reasoning, content) deltas. Text that could be the
     start of a tag is held back until the next feed (or `final`). The newlines that follow
-    `</think>` belong to neither. A reply cut inside its thought is reasoning only."""
+    `</think>` belong to neither. A reply cut inside its thought is reasoning only; a
+    `<tool_call>` in the thought ends it and begins the content."""
 
     def __init__(self, in_thought: bool):
         self.state = 'thought' if in_thought else 'start'
@@ -62,14 +75,16 @@ class ReasoningParser:
             else:
                 self.state = 'answer'
         if self.state == 'thought':
-            end = self.pending.find(CLOSE)
+            end = _first(self.pending, (CLOSE, TOOL_CALL))
             if end < 0:
-                keep = 0 if final else held_back(self.pending, (CLOSE,))
+                keep = 0 if final else held_back(self.pending, (CLOSE, TOOL_CALL))
                 reasoning = self.pending[:len(self.pending) - keep]
                 self.pending = self.pending[len(self.pending) - keep:]
                 return reasoning, ''
-            reasoning, self.pending = self.pending[:end], self.pending[end + len(CLOSE):]
-            self.state, self.after_close = 'answer', True
+            closed = self.pending.startswith(CLOSE, end)     # else a call opens the answer
+            reasoning = self.pending[:end]
+            self.pending = self.pending[end + len(CLOSE) if closed else end:]
+            self.state, self.after_close = 'answer', closed
         content, self.pending = self.pending, ''
         if self.after_close:
             content = content.lstrip('\n')

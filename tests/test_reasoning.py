@@ -6,6 +6,7 @@ from lmdeploy_lite.reasoning import ReasoningParser, starts_in_thought
 THINKING = '<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n'
 NOT_THINKING = '<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n'
 HISTORY = NOT_THINKING + 'old answer<|im_end|>\n<|im_start|>assistant\n<think>\n'
+CALL = '<tool_call>\n<function=f>\n</function>\n</tool_call>'
 
 
 def split(text: str, in_thought: bool, step: int) -> tuple[str, str]:
@@ -31,6 +32,10 @@ def split(text: str, in_thought: bool, step: int) -> tuple[str, str]:
     (THINKING, '</think>', ('', '')),
     (THINKING, 'a < b </ c\n</think>\n\n<think> is text now', ('a < b </ c\n',
                                                                '<think> is text now')),
+    # a call the thought did not close ends it (as vLLM, vllm#35687); a later </think> is text
+    (THINKING, 'call it\n' + CALL + ' </think>', ('call it\n', CALL + ' </think>')),
+    ('<|im_start|>assistant\n', '<think>x <tool_ ' + CALL, ('x <tool_ ', CALL)),
+    (THINKING, 'x</think>\n' + CALL, ('x', CALL)),
 ])
 def test_split_is_the_same_for_every_chunking(prompt, reply, want, step):
     assert split(reply, starts_in_thought(prompt), step) == want
