@@ -215,6 +215,34 @@ def test_a_bad_quantization_names_the_file_and_the_field_or_tensor(tiny_ckpt, tm
         build_model(path, torch.float64)
 
 
+def test_a_default_block_size_and_weights_that_disagree_with_their_scales(tmp_path):
+    """transformers' FineGrainedFP8Config defaults weight_block_size to [128, 128]: a config
+    without it reads so. A weight with a scale but not stored in FP8 (transformers multiplies it
+    by the scales, whether it holds FP8 values or dequantized ones) and an FP8 tensor that is not
+    a matrix are ValueErrors naming the file and the tensor."""
+    from lmdeploy_lite.pytorch.models.loader import iter_tensors
+    config = {k: v for k, v in QUANT.items() if k != 'weight_block_size'}
+    (tmp_path / 'config.json').write_text(json.dumps({'quantization_config': config}))
+    q, scale = quantize(torch.randn(130, 200))
+    save_file({'a.weight': q, 'a.weight' + SCALE_SUFFIX: scale,
+               'b.weight': torch.randn(4, 4, dtype=torch.bfloat16),
+               'b.weight' + SCALE_SUFFIX: torch.ones(1, 1),
+               'norm.weight': torch.ones(3).to(FP8), 'norm.weight' + SCALE_SUFFIX: torch.ones(1)},
+              str(tmp_path / 'model.safetensors'))
+    got = {}
+    for _, name, _, load in iter_tensors(str(tmp_path), lambda n: True, progress=False):
+        try:
+            got[name] = load()
+        except ValueError as e:
+            got[name] = str(e)
+    assert torch.equal(got['a.weight'], dequantize(q, scale))
+    assert re.fullmatch(r".*model.safetensors: tensor 'b.weight' is torch.bfloat16 but the "
+                        r"checkpoint has 'b.weight_scale_inv': .* stored as float8_e4m3fn",
+                        got['b.weight'])
+    assert re.fullmatch(r".*model.safetensors: tensor 'norm.weight': float8 of shape \[3\]; "
+                        r"block scales need a matrix.*", got['norm.weight'])
+
+
 def test_requantizing_the_dequantized_weights_gives_back_the_checkpoints_blocks():
     """What `to_fp8` relies on for a released checkpoint (read dequantized, in bf16)."""
     gen = torch.Generator().manual_seed(3)

@@ -1,7 +1,10 @@
 """FP8 weights in the layout of Qwen's released `-FP8` checkpoints: block-wise `float8_e4m3fn`
 with one float32 `weight_scale_inv` per 128 x 128 block (the edge blocks may be partial), as
-`quantization_config` = {"quant_method": "fp8", "weight_block_size": [128, 128], ...} declares;
-which modules stay unquantized the tensors themselves tell (no scale, a bf16 dtype).
+`quantization_config` = {"quant_method": "fp8", "weight_block_size": [128, 128], ...} declares
+(no `weight_block_size` means [128, 128], as in transformers). Which modules stay unquantized the
+tensors themselves tell (no scale, a bf16 dtype), whatever `modules_to_not_convert` lists (an FP8
+weight it names is dequantized all the same, as transformers does); a weight with a scale must be
+FP8 (a ValueError otherwise: transformers would multiply whatever it holds by the scales).
 
 Reading one (`Fp8Weights.load`), each FP8 tensor is dequantized once, to float32: the weights
 every backend computes with for now, and the reference an FP8 GEMM path is checked against.
@@ -53,6 +56,9 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, where: str = '') -> torch.Tensor:
     """float8 [..., N, K] x its block scales [..., ceil(N/128), ceil(K/128)] -> float32;
     ValueError naming `where` (file: tensor) when the scales do not fit the weight."""
+    if weight.dim() < 2:
+        raise ValueError(f'{where}: float8 of shape {list(weight.shape)}; block scales need a '
+                         f'matrix (or a stack of them)')
     *lead, n, k = weight.shape
     expected = (*lead, -(-n // BLOCK), -(-k // BLOCK))
     if tuple(scale.shape) != expected:
@@ -77,7 +83,7 @@ class Fp8Weights:
         path, quant = quantization_config(model_dir)
         if quant is None:
             return cls(files, online=True) if model_format == 'fp8' else None
-        kind, block = quant.get('quant_method'), quant.get('weight_block_size')
+        kind, block = quant.get('quant_method'), quant.get('weight_block_size', [BLOCK, BLOCK])
         if kind != 'fp8':
             raise ValueError(f'{path}: quantization_config.quant_method={kind!r}: only "fp8" '
                              f'(block-wise, as Qwen\'s FP8 releases) is supported')
@@ -94,11 +100,16 @@ class Fp8Weights:
         return not name.endswith(SCALE_SUFFIX)
 
     def load(self, f, path: str, name: str) -> torch.Tensor:
-        """Tensor `name` of the open file `f` (at `path`), dequantized if FP8."""
+        """Tensor `name` of the open file `f` (at `path`), dequantized if FP8; ValueError naming
+        both when a weight and its scale disagree (either missing, wrong shapes, not FP8)."""
         tensor = f.get_tensor(name)
         where = f'{path}: tensor {name!r}'
+        scale_path = self.scales.get(name + SCALE_SUFFIX)
+        if scale_path is not None and tensor.dtype != FP8:
+            raise ValueError(f'{where} is {tensor.dtype} but the checkpoint has '
+                             f'{name + SCALE_SUFFIX!r}: a weight with block scales is stored as '
+                             f'float8_e4m3fn')
         if tensor.dtype == FP8:
-            scale_path = self.scales.get(name + SCALE_SUFFIX)
             if scale_path is None:
                 raise ValueError(f'{where} is float8_e4m3fn but the checkpoint has no '
                                  f'{name + SCALE_SUFFIX!r}')
