@@ -11,7 +11,8 @@ TOOLS = [{'type': 'function', 'function': {
     'parameters': {'type': 'object', 'properties': {
         'city': {'type': 'string'}, 'days': {'type': 'integer'}, 'celsius': {'type': 'boolean'},
         'filters': {'type': 'object'}, 'hours': {'type': 'array'},
-        'ratio': {'type': ['number', 'null']}, 'note': {}}}}}]
+        'ratio': {'type': ['number', 'null']}, 'note': {},
+        'alias': {'type': ['string', 'null']}}}}}]
 
 
 def block(name: str, **arguments: str) -> str:
@@ -45,8 +46,13 @@ CASES = {   # text -> (content, [(name, arguments)])
         ('', [('get_weather', {'days': 'three', 'celsius': 'maybe', 'ratio': '1e999',
                                'hours': '{}'})])),
     'Python spellings of booleans and null': (
-        block('get_weather', celsius='False', ratio='None', days='null'),
-        ('', [('get_weather', {'celsius': False, 'ratio': None, 'days': 'null'})])),
+        block('get_weather', celsius='False', ratio='None'),
+        ('', [('get_weather', {'celsius': False, 'ratio': None})])),
+    # as vLLM: null is no value for any type but a string, which keeps the text unless nullable
+    'null whatever the type but a string': (
+        block('get_weather', days='null', hours=' None ', note='null', city='null', alias='None'),
+        ('', [('get_weather', {'days': None, 'hours': None, 'note': None, 'city': 'null',
+                               'alias': None})])),
 }
 MALFORMED = {
     'no function': '<tool_call>\n{"name": "get_weather"}\n</tool_call>',

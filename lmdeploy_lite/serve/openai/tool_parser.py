@@ -14,7 +14,9 @@ its tool's JSON schema declares: `string` as it is; the other types (and a schem
 as JSON less the blanks around it, `True`/`False`/`None` too (the template writes non-JSON values
 with Python's spelling); text that does not read as the declared type stays a string, as do
 parameters the schema does not declare (as vLLM's qwen3_coder parser): the template's inverse,
-which writes strings as they are.
+which writes strings as they are. `null` (or `None`) is no value whatever the type but a string
+(as vLLM, which reads it so for a string too); a string that may be null (`["string", "null"]`)
+reads it as null.
 
 A block without exactly that shape (no function, text between the parameters, a parameter left
 open or given twice, a block left open when the output ends) stays in the text. Parsed blocks
@@ -38,7 +40,8 @@ FUNCTION = re.compile(r'\s*<function=([^\s<>=]+)>(.*)</function>\s*', re.DOTALL)
 PARAMETER = re.compile(r'\s*<parameter=([^\s<>=]+)>(.*?)</parameter>', re.DOTALL)
 INTEGER = re.compile(r'-?\d+')
 # how Qwen3.5's template writes Python values that are not JSON (`value | string`)
-PYTHON_SPELLINGS = {'True': ('boolean', True), 'False': ('boolean', False), 'None': ('null', None)}
+PYTHON_BOOLEANS = {'True': True, 'False': False}
+NULLS = ('null', 'None')
 
 
 @dataclass(frozen=True)
@@ -66,10 +69,12 @@ def read_value(text: str, schema: dict | None):
     kinds = schema.get('type')
     kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else []
     if 'string' in kinds:
-        return text
+        return None if 'null' in kinds and text.strip() in NULLS else text
     text = text.strip()           # layout, for any other type (a grammar may leave blanks there)
-    if (spelled := PYTHON_SPELLINGS.get(text)) is not None and spelled[0] in kinds:
-        return spelled[1]
+    if text in NULLS:
+        return None               # no value, whatever the type (as vLLM)
+    if text in PYTHON_BOOLEANS and 'boolean' in kinds:
+        return PYTHON_BOOLEANS[text]
     try:
         value = json.loads(text)
         if not _is_finite(value):
