@@ -218,8 +218,9 @@ def test_a_bad_quantization_names_the_file_and_the_field_or_tensor(tiny_ckpt, tm
 def test_a_default_block_size_and_weights_that_disagree_with_their_scales(tmp_path):
     """transformers' FineGrainedFP8Config defaults weight_block_size to [128, 128]: a config
     without it reads so. A weight with a scale but not stored in FP8 (transformers multiplies it
-    by the scales, whether it holds FP8 values or dequantized ones) and an FP8 tensor that is not
-    a matrix are ValueErrors naming the file and the tensor."""
+    by the scales, whether it holds FP8 values or dequantized ones), an FP8 tensor that is not a
+    matrix and scales missing from the shard the index names are ValueErrors naming the file and
+    the tensor."""
     from lmdeploy_lite.pytorch.models.loader import iter_tensors
     config = {k: v for k, v in QUANT.items() if k != 'weight_block_size'}
     (tmp_path / 'config.json').write_text(json.dumps({'quantization_config': config}))
@@ -241,6 +242,15 @@ def test_a_default_block_size_and_weights_that_disagree_with_their_scales(tmp_pa
                         got['b.weight'])
     assert re.fullmatch(r".*model.safetensors: tensor 'norm.weight': float8 of shape \[3\]; "
                         r"block scales need a matrix.*", got['norm.weight'])
+    # sharded: the index puts a weight's scales in a shard that lacks them
+    (tmp_path / 'model.safetensors').rename(tmp_path / 'a.safetensors')
+    save_file({'c': torch.ones(1)}, str(tmp_path / 'b.safetensors'))
+    (tmp_path / 'model.safetensors.index.json').write_text(json.dumps({'weight_map': {
+        'a.weight': 'a.safetensors', 'a.weight' + SCALE_SUFFIX: 'b.safetensors'}}))
+    with pytest.raises(ValueError, match=r"b.safetensors: tensor 'a.weight_scale_inv' \(the "
+                                         r"scales of 'a.weight'\) cannot be read"):
+        for _, name, _, load in iter_tensors(str(tmp_path), lambda n: True, progress=False):
+            load()
 
 
 def test_requantizing_the_dequantized_weights_gives_back_the_checkpoints_blocks():

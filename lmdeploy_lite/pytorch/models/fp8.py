@@ -26,7 +26,7 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..backends.default.moe import BLOCK, dequantize_blocks
 
@@ -115,17 +115,27 @@ class Fp8Weights:
             if scale_path is None:
                 raise ValueError(f'{where} is float8_e4m3fn but the checkpoint has no '
                                  f'{name + SCALE_SUFFIX!r}')
-            if scale_path == path:
-                scale = f.get_tensor(name + SCALE_SUFFIX)
-            else:
-                with safe_open(scale_path, 'pt', device='cpu') as other:
-                    scale = other.get_tensor(name + SCALE_SUFFIX)
-            return dequantize(tensor, scale, where)
+            return dequantize(tensor, self._scale(f, path, name, scale_path), where)
         if tensor.dtype.is_floating_point and tensor.element_size() == 1:
             raise ValueError(f'{where} is {tensor.dtype}; only float8_e4m3fn weights are read')
         if self.online and quantizable(name, tensor):
             return dequantize(*quantize(tensor))
         return tensor
+
+
+    @staticmethod
+    def _scale(f, path: str, name: str, scale_path: str) -> torch.Tensor:
+        """Weight `name`'s scales, from `f` (at `path`) or from the shard the index names for
+        them; ValueError naming that file when it cannot give them (a shard that lacks them)."""
+        key = name + SCALE_SUFFIX
+        try:
+            if scale_path == path:
+                return f.get_tensor(key)
+            with safe_open(scale_path, 'pt', device='cpu') as other:
+                return other.get_tensor(key)
+        except SafetensorError as e:
+            raise ValueError(f'{scale_path}: tensor {key!r} (the scales of {name!r}) cannot be '
+                             f'read: {e}') from e
 
 
 def quantization_config(model_dir: str) -> tuple[str, dict | None]:
