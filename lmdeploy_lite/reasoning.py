@@ -5,7 +5,8 @@ prompt when thinking (`<|im_start|>assistant\\n<think>\\n`) and write a closed, 
 (`<think>\\n\\n</think>\\n\\n`), so the reply may carry no opening tag: where it starts is read from
 the rendered prompt (`starts_in_thought`), not guessed from the reply. (vLLM's qwen3 parser takes a
 reply with no tags for reasoning, and so returns a non-thinking answer as reasoning: vllm#53284.)
-A reply that opens its own block (a template that adds nothing) is handled too.
+A reply that opens its own block (a template that adds nothing) is handled too; where the prompt
+opened one already, a `<think>` the reply starts with is dropped (as vLLM does).
 
 Qwen3.5 sometimes writes a tool call inside its thought without closing it first: a `<tool_call>`
 before any `</think>` ends the thought as `</think>` would, and opens the answer, where the tool
@@ -59,7 +60,8 @@ class ReasoningParser:
     `<tool_call>` in the thought ends it and begins the content."""
 
     def __init__(self, in_thought: bool):
-        self.state = 'thought' if in_thought else 'start'
+        self.state = 'start'             # until the reply shows whether it opens a block
+        self.in_thought = in_thought     # where it starts if it does not
         self.pending = ''
         self.after_close = False
 
@@ -73,7 +75,7 @@ class ReasoningParser:
             elif not final and (head == '' or OPEN.startswith(head)):
                 return '', ''                               # may still open a block
             else:
-                self.state = 'answer'
+                self.state = 'thought' if self.in_thought else 'answer'
         if self.state == 'thought':
             end = _first(self.pending, (CLOSE, TOOL_CALL))
             if end < 0:

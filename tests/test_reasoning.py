@@ -36,6 +36,9 @@ def split(text: str, in_thought: bool, step: int) -> tuple[str, str]:
     (THINKING, 'call it\n' + CALL + ' </think>', ('call it\n', CALL + ' </think>')),
     ('<|im_start|>assistant\n', '<think>x <tool_ ' + CALL, ('x <tool_ ', CALL)),
     (THINKING, 'x</think>\n' + CALL, ('x', CALL)),
+    # the prompt opened the block and the reply opens it again (as vLLM: the tag is dropped)
+    (THINKING, '\n<think>\nhm</think>\n\nYes.', ('\nhm', 'Yes.')),
+    (THINKING, '<thinking aloud</think>Yes.', ('<thinking aloud', 'Yes.')),
 ])
 def test_split_is_the_same_for_every_chunking(prompt, reply, want, step):
     assert split(reply, starts_in_thought(prompt), step) == want
