@@ -34,7 +34,7 @@ PARIS = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parame
 ROME = PARIS.replace('Paris', 'Rome').replace('\n2\n', '\n1\n')
 OUTPUTS = {     # what the stand-in model writes when the last user message is the key
     'two calls': 'Let me look.\n\n' + PARIS + '\n' + ROME,
-    'malformed': 'Let me look.\n\n<tool_call>\n<function=get_weather>\n</tool_call>',
+    'malformed': 'Let me look.\n\n<tool_call>\n{"name": "get_weather"}\n</tool_call>',
     'plain': 'It is sunny.',
 }
 HISTORY = [

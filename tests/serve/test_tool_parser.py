@@ -54,11 +54,15 @@ CASES = {   # text -> (content, [(name, arguments)])
         block('get_weather', days='null', hours=' None ', note='null', city='null', alias='None'),
         ('', [('get_weather', {'days': None, 'hours': None, 'note': None, 'city': 'null',
                                'alias': None})])),
+    # closing tags the model dropped (as vLLM reads them): a value ends where the next tag
+    # begins; a closed value may hold those tags
+    'a parameter or function not closed': (
+        block('get_weather', city='Paris', days='3').replace('</parameter>\n', '', 1) + '\n'
+        + block('f', a='x</function>').replace('\n</function>', ''),
+        ('', [('get_weather', {'city': 'Paris', 'days': 3}), ('f', {'a': 'x</function>'})])),
 }
 MALFORMED = {
     'no function': '<tool_call>\n{"name": "get_weather"}\n</tool_call>',
-    'function not closed': '<tool_call>\n<function=get_weather>\n</tool_call>',
-    'parameter not closed': block('f', a='1').replace('</parameter>\n', ''),
     'parameter given twice': block('f', a='1').replace('<parameter=a>',
                                                        '<parameter=a>\n1\n</parameter>\n'
                                                        '<parameter=a>', 1),

@@ -18,8 +18,12 @@ which writes strings as they are. `null` (or `None`) is no value whatever the ty
 (as vLLM, which reads it so for a string too); a string that may be null (`["string", "null"]`)
 reads it as null.
 
-A block without exactly that shape (no function, text between the parameters, a parameter left
-open or given twice, a block left open when the output ends) stays in the text. Parsed blocks
+Qwen3.5 drops closing tags at times (long contexts, long values): as vLLM's parser does, a block
+whose `</function>` is missing, or whose parameters miss their `</parameter>`, is read the same,
+a value then ending where the next parameter or the function's end begins (read that way only
+when the block does not read with every tag closed, so a closed value may hold those tags).
+A block without that shape (no function, text between the parameters, a parameter given twice,
+a block left open when the output ends) stays in the text. Parsed blocks
 leave with the whitespace around them: the text before and after is joined by the whitespace
 that preceded the first of them, none left at the start or the end (the template puts "\\n\\n"
 before the first call and "\\n" between calls). `ToolCallParser` is incremental and hands out
@@ -37,7 +41,10 @@ from lmdeploy_lite.reasoning import held_back
 
 OPEN, CLOSE = '<tool_call>', '</tool_call>'
 FUNCTION = re.compile(r'\s*<function=([^\s<>=]+)>(.*)</function>\s*', re.DOTALL)
+UNCLOSED_FUNCTION = re.compile(r'\s*<function=([^\s<>=]+)>(.*)', re.DOTALL)
 PARAMETER = re.compile(r'\s*<parameter=([^\s<>=]+)>(.*?)</parameter>', re.DOTALL)
+UNCLOSED_PARAMETER = re.compile(r'\s*<parameter=([^\s<>=]+)>(.*?)'
+                                r'(?:</parameter>|(?=<parameter=|</function>)|\Z)', re.DOTALL)
 INTEGER = re.compile(r'-?\d+')
 # how Qwen3.5's template writes Python values that are not JSON (`value | string`)
 PYTHON_BOOLEANS = {'True': True, 'False': False}
@@ -103,19 +110,29 @@ def _is_finite(value) -> bool:
 
 def parse_block(inner: str, schemas: dict[str, dict]) -> tuple[str, dict] | None:
     """(function name, arguments) of the text between <tool_call> and </tool_call>, or None
-    when it is not one well-formed function call."""
-    if (match := FUNCTION.fullmatch(inner)) is None or OPEN in inner:
+    when it is not one function call (with every tag closed, or else some closing tags left
+    out)."""
+    match = FUNCTION.fullmatch(inner) or UNCLOSED_FUNCTION.fullmatch(inner)
+    if match is None or OPEN in inner:
         return None
     name, body = match.groups()
-    properties = schemas.get(name, {})
+    for parameter in (PARAMETER, UNCLOSED_PARAMETER):
+        if (arguments := read_arguments(body, parameter, schemas.get(name, {}))) is not None:
+            return name, arguments
+    return None
+
+
+def read_arguments(body: str, parameter: re.Pattern, properties: dict) -> dict | None:
+    """The arguments of a function's body (between its tag and </function>), read with the
+    `parameter` pattern; None when the body is not a run of distinct parameters."""
     arguments, pos = {}, 0
-    while (parameter := PARAMETER.match(body, pos)) is not None:
-        key, text = parameter.groups()
+    while (match := parameter.match(body, pos)) is not None:
+        key, text = match.groups()
         if key in arguments or '<parameter=' in text:
             return None
         arguments[key] = read_value(text.removeprefix('\n').removesuffix('\n'), properties.get(key))
-        pos = parameter.end()
-    return None if body[pos:].strip() else (name, arguments)
+        pos = match.end()
+    return None if body[pos:].strip() else arguments
 
 
 class ToolCallParser:
