@@ -13,7 +13,7 @@ from lmdeploy_lite.messages import (GenerationConfig, PytorchEngineConfig, Respo
 from lmdeploy_lite.pytorch.engine.executor import connect
 from lmdeploy_lite.pytorch.engine.executor.client import Channel, EngineStats
 from lmdeploy_lite.pytorch.engine.executor.rank_worker import uses_cuda
-from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_in_thought, template_thinks
+from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_parser, template_thinks
 from lmdeploy_lite.text_stream import (POLL_S, Backlog, TextStream, _AsyncFanout, _AsyncRequest,
                                        _News, as_batch, batch_decoder, check_prompt,
                                        check_template_kwargs, check_tools, detokenize,
@@ -183,7 +183,7 @@ class Pipeline:
 
     def reasoning_parser(self, prompt_ids: list[int]) -> ReasoningParser:
         """A parser for the reply to this (rendered chat) prompt."""
-        return ReasoningParser(reply_in_thought(self.tokenizer.decode, prompt_ids))
+        return reply_parser(self.tokenizer.decode, prompt_ids)
 
     def _check_template_renders(self, messages: list[dict], tools: list[dict] | None):
         """A template that never looks at tools or tool_calls would drop them without a word."""

@@ -6,7 +6,8 @@ prompt when thinking (`<|im_start|>assistant\\n<think>\\n`) and write a closed, 
 the rendered prompt (`starts_in_thought`), not guessed from the reply. (vLLM's qwen3 parser takes a
 reply with no tags for reasoning, and so returns a non-thinking answer as reasoning: vllm#53284.)
 A reply that opens its own block (a template that adds nothing) is handled too; where the prompt
-opened one already, a `<think>` the reply starts with is dropped (as vLLM does).
+opened one already, a `<think>` the reply starts with is dropped (as vLLM does); where it closed
+one at its end (thinking off), the reply is all answer, a `<think>` in it too (as vLLM).
 
 Qwen3.5 sometimes writes a tool call inside its thought without closing it first: a `<tool_call>`
 before any `</think>` ends the thought as `</think>` would, and opens the answer, where the tool
@@ -25,6 +26,20 @@ THOUGHT_TAIL = 32          # prompt tokens read to know whether the reply starts
 def starts_in_thought(prompt_text: str) -> bool:
     """The reply starts inside a think block: the prompt opened one it did not close."""
     return prompt_text.rfind(OPEN) > prompt_text.rfind(CLOSE)
+
+
+def starts_answered(prompt_text: str) -> bool:
+    """The prompt ends with a closed think block (Qwen3.5 not thinking): the reply is all
+    answer, even where it begins with `<think>` (as vLLM, which then parses nothing)."""
+    end = prompt_text.rfind(CLOSE)
+    return end > prompt_text.rfind(OPEN) and not prompt_text[end + len(CLOSE):].strip()
+
+
+def reply_parser(decode, prompt_ids: list[int]) -> ReasoningParser:
+    """The parser of the reply to a prompt given as token ids (`decode`: ids -> text), from the
+    prompt's tail as `reply_in_thought` reads it."""
+    tail = decode(prompt_ids[-THOUGHT_TAIL:])
+    return ReasoningParser(starts_in_thought(tail), starts_answered(tail))
 
 
 def reply_in_thought(decode, prompt_ids: list[int]) -> bool:
@@ -59,9 +74,10 @@ class ReasoningParser:
     `</think>` belong to neither. A reply cut inside its thought is reasoning only; a
     `<tool_call>` in the thought ends it and begins the content."""
 
-    def __init__(self, in_thought: bool):
-        self.state = 'start'             # until the reply shows whether it opens a block
-        self.in_thought = in_thought     # where it starts if it does not
+    def __init__(self, in_thought: bool, answered: bool = False):
+        """`in_thought`: the prompt opened a block; `answered`: it closed one at its end."""
+        self.state = 'answer' if answered else 'start'   # start: may open a block
+        self.in_thought = in_thought     # where the reply starts if it does not
         self.pending = ''
         self.after_close = False
 

@@ -1,7 +1,7 @@
 """The reasoning parser: where a reply's thought ends, however its text is cut into chunks."""
 import pytest
 
-from lmdeploy_lite.reasoning import ReasoningParser, starts_in_thought
+from lmdeploy_lite.reasoning import ReasoningParser, reply_parser
 
 THINKING = '<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n'
 NOT_THINKING = '<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n'
@@ -9,8 +9,8 @@ HISTORY = NOT_THINKING + 'old answer<|im_end|>\n<|im_start|>assistant\n<think>\n
 CALL = '<tool_call>\n<function=f>\n</function>\n</tool_call>'
 
 
-def split(text: str, in_thought: bool, step: int) -> tuple[str, str]:
-    parser, reasoning, content = ReasoningParser(in_thought), '', ''
+def split(text: str, prompt: str, step: int) -> tuple[str, str]:
+    parser, reasoning, content = reply_parser(lambda ids: prompt, [0]), '', ''
     pieces = [text[i:i + step] for i in range(0, len(text), step)] or ['']
     for i, piece in enumerate(pieces):
         r, c = parser.feed(piece, final=i == len(pieces) - 1)
@@ -23,6 +23,7 @@ def split(text: str, in_thought: bool, step: int) -> tuple[str, str]:
     (THINKING, 'let me see\n</think>\n\nThe answer.', ('let me see\n', 'The answer.')),
     # the template closed an empty block: a reply with no tags is all answer (vllm#53284)
     (NOT_THINKING, 'The answer, no thought.', ('', 'The answer, no thought.')),
+    (NOT_THINKING, '<think> is a tag.</think>', ('', '<think> is a tag.</think>')),   # as vLLM
     (HISTORY, 'again\n</think>\n\nNew.', ('again\n', 'New.')),
     # a template that adds nothing: the reply opens its own block
     ('<|im_start|>assistant\n', '<think>\nhmm\n</think>\n\nYes.', ('\nhmm\n', 'Yes.')),
@@ -41,7 +42,7 @@ def split(text: str, in_thought: bool, step: int) -> tuple[str, str]:
     (THINKING, '<thinking aloud</think>Yes.', ('<thinking aloud', 'Yes.')),
 ])
 def test_split_is_the_same_for_every_chunking(prompt, reply, want, step):
-    assert split(reply, starts_in_thought(prompt), step) == want
+    assert split(reply, prompt, step) == want
 
 
 def test_text_that_may_open_or_close_a_tag_is_held_until_it_cannot():
