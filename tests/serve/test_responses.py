@@ -11,7 +11,7 @@ pytest.importorskip('fastapi', reason="needs the 'serve' extra")
 
 from lmdeploy_lite.messages import Response, SpecDecodeStats  # noqa: E402
 from lmdeploy_lite.serve.openai import responses as w  # noqa: E402
-from lmdeploy_lite.serve.openai.tool_parser import ToolCall  # noqa: E402
+from lmdeploy_lite.serve.openai.tool_parser import ToolCall, ToolCallParser  # noqa: E402
 
 TEXTS = ['plain', 'a "quote", a \\ and\na newline\t', 'héllo 世界 \u2028 \x00\x1f\x7f 😀', '']
 
@@ -44,6 +44,21 @@ def test_chunks_of_any_text_are_openai_documents(text):
     # one template per request: the same bytes around every chunk's text
     assert chunks.delta(0, text, None, None).replace(json.dumps(text, ensure_ascii=False), '') \
         == chunks.delta(0, 'x', None, None).replace('"x"', '')
+
+
+@pytest.mark.parametrize('finish, want', [('stop', 'tool_calls'), ('length', 'tool_calls'),
+                                          ('abort', 'abort')])
+def test_an_output_that_made_calls_finishes_with_tool_calls(finish, want):
+    """Cut after its calls too (as vLLM), whole or streamed (the call in an earlier delta)."""
+    call = '<tool_call>\n<function=f>\n</function>\n</tool_call>'
+    tools = [{'function': {'name': 'f'}}]
+    whole = w.reply_choice(0, True, call + '\nthen', finish, None, None, ToolCallParser(tools),
+                           None, None)
+    parser = ToolCallParser(tools)
+    assert json.loads(w.reply_choice(0, False, call, None, None, None, parser, None, None))[
+        'delta']['tool_calls'][0]['function']['name'] == 'f'
+    last = w.reply_choice(0, False, '\nthen', finish, None, None, parser, None, None)
+    assert json.loads(whole)['finish_reason'] == json.loads(last)['finish_reason'] == want
 
 
 def test_tool_call_deltas_and_a_whole_chat_response_with_usage():

@@ -156,14 +156,15 @@ def reply_choice(index: int, whole: bool, text: str, finish_reason: str | None,
     """A chat choice, whole (its message) or its next delta (None: all of it held back). The
     thought is split off first (reasoning.py), then calls parsed out of the rest; content is
     null when there is only a thought or only calls; finish_reason 'tool_calls' for an output
-    that made calls and stopped by itself (a cut one keeps 'length')."""
+    that made calls, whether it stopped by itself or was cut after them (as vLLM; 'abort' and
+    'error' stay)."""
     final, reasoning, calls = whole or finish_reason is not None, None, []
     if thought is not None:
         reasoning, text = thought.feed(text, final)
         reasoning = reasoning or None
     if parser is not None:
         text, calls = parser.feed(text, final=final)
-        if parser.num_calls > 0 and finish_reason == 'stop':
+        if parser.num_calls > 0 and finish_reason in ('stop', 'length'):
             finish_reason = 'tool_calls'
     if (parser or thought) is not None and not (final or text or calls or reasoning is not None):
         return None
