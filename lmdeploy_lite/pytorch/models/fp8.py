@@ -122,7 +122,6 @@ class Fp8Weights:
             return dequantize(*quantize(tensor))
         return tensor
 
-
     @staticmethod
     def _scale(f, path: str, name: str, scale_path: str) -> torch.Tensor:
         """Weight `name`'s scales, from `f` (at `path`) or from the shard the index names for
