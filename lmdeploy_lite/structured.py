@@ -16,7 +16,7 @@ import functools
 import json
 import re
 
-from lmdeploy_lite.reasoning import CLOSE, OPEN
+from lmdeploy_lite.reasoning import CLOSE, OPEN, TOOL_CALL
 
 TYPES = ('text', 'json_object', 'json_schema', 'structural_tag')
 MAX_WHITESPACE = 1          # a JSON value's whitespace run, at most
@@ -81,10 +81,11 @@ def structural_tag(response_format: dict, in_thought: bool = False) -> dict:
 
 
 def thought_first(fmt: dict) -> dict:
-    """`fmt` after a thought already opened by the prompt: free text (no think tags) up to
-    `</think>` and the blank line Qwen3.5 writes after it."""
+    """`fmt` after a thought already opened by the prompt: free text up to `</think>` and the
+    blank line Qwen3.5 writes after it. The thought holds no think tags and no `<tool_call>`,
+    which the reasoning parser would read as the thought's end (reasoning.py)."""
     thought = {'type': 'tag', 'begin': '', 'end': CLOSE,
-               'content': {'type': 'any_text', 'excludes': [OPEN, CLOSE]}}
+               'content': {'type': 'any_text', 'excludes': [OPEN, CLOSE, TOOL_CALL]}}
     return {'type': 'sequence',
             'elements': [thought, {'type': 'const_string', 'value': '\n\n'}, fmt]}
 

@@ -170,14 +170,16 @@ def test_bad_response_formats_are_refused_naming_the_field():
 
 def test_a_prompt_that_opens_a_thought_gets_the_thought_first():
     """Qwen3.5's template opens `<think>` in the prompt when thinking: the reply thinks freely up
-    to `</think>`, then follows the format; with a closed block the format starts at once."""
+    to `</think>`, then follows the format; with a closed block the format starts at once. The
+    thought holds no `<tool_call>`: the reasoning parser would end the thought there."""
     tokenizer = load_tokenizer(EMBEDDED_MODEL_DIR)
     grammars = Grammars(tokenizer, 4096, [0])
     fmt = {'type': 'json_schema', 'json_schema': {'schema': SCHEMAS[0]}}
     reply = '{"kind": "cat"}'
     for prompt, text, ok in (('<think>\n', 'hmm, a pet</think>\n\n' + reply, True),
                              ('<think>\n\n</think>\n\n', reply, True),
-                             ('<think>\n', reply, False)):
+                             ('<think>\n', reply, False),
+                             ('<think>\n', 'call <tool_call> later</think>\n\n' + reply, False)):
         ids = tokenizer.encode('user: hi\nassistant: ' + prompt)
         matcher = new_matcher(grammars, fmt, ids, [0])
         accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text))
