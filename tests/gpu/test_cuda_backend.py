@@ -122,7 +122,10 @@ def test_speculative_pipeline_against_plain(dtype):
                 (k, r.index, len(r.token_ids), r.generate_token_len)
         results[k] = [r.token_ids for r in responses]
     plain, spec_tokens = results[0], results[3]
-    assert stats.num_accepted_tokens > stats.num_drafts, 'the MTP head accepted too little'
+    # drafts really accepted, whatever k the dynamic policy ran: on an H100 in float32 k=1 is
+    # the fastest here (a k=3 step 1.9x a k=1 step, for 1.7x its tokens), and a run this short
+    # (~60 steps) may stay at the k its first timings favoured (benchmarks/diag_accept.py)
+    assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens, stats
     agreeing = sum(_common_prefix(p, s) for p, s in zip(plain, spec_tokens, strict=True))
     report = {'dtype': dtype, 'identical_sequences': sum(p == s for p, s in zip(plain, spec_tokens)),
               'num_sequences': len(prompts),
