@@ -130,9 +130,9 @@ class GenerationConfig:
     target's logits at each emitted position: speculation does not change them."""
     max_new_tokens: int = 512
     do_sample: bool = False
-    temperature: float = 1.0
+    temperature: float = 0.8         # lmdeploy's defaults: they matter once do_sample is True
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 50
     stop_words: tuple[str, ...] | list[str] | str | None = None
     stop_token_ids: tuple[int, ...] | list[int] | int | None = None
     ignore_eos: bool = False

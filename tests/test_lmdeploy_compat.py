@@ -1,0 +1,36 @@
+"""What a user of lmdeploy (0.10 .. 0.16) writes works here with lmdeploy's meaning: its
+GenerationConfig defaults and field names, on the embedded model."""
+import pytest
+import torch
+
+from lmdeploy_lite import GenerationConfig, PytorchEngineConfig, pipeline
+
+ENGINE = PytorchEngineConfig(dtype='float32', device='cpu', session_len=64)
+PROMPT = 'def add(a, b):\n'
+
+
+@pytest.fixture(scope='module')
+def pipe():
+    torch.set_num_threads(1)
+    with pipeline(backend_config=ENGINE, progress=False, num_threads=1) as p:
+        yield p
+
+
+def test_generation_config_defaults_are_lmdeploys():
+    """lmdeploy 0.16's defaults: a sampled request without temperature or top_k samples at
+    temperature 0.8 from the top 50 tokens."""
+    cfg = GenerationConfig()
+    assert (cfg.n, cfg.max_new_tokens, cfg.do_sample, cfg.top_p, cfg.top_k, cfg.min_p,
+            cfg.temperature, cfg.repetition_penalty, cfg.ignore_eos, cfg.random_seed,
+            cfg.skip_special_tokens, cfg.logprobs) == (1, 512, False, 1.0, 50, 0.0, 0.8, 1.0,
+                                                       False, None, True, None)
+    assert cfg.is_greedy
+
+
+def test_sampling_with_the_defaults_is_temperature_0_8_and_top_k_50(pipe):
+    seeded = dict(max_new_tokens=8, ignore_eos=True, do_sample=True, random_seed=5)
+    default, explicit, off = [pipe(PROMPT, gen_config=GenerationConfig(**kw, **seeded))
+                              for kw in ({}, dict(temperature=0.8, top_k=50),
+                                         dict(temperature=1.0, top_k=0))]
+    assert default.token_ids == explicit.token_ids != off.token_ids
+
