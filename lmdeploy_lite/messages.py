@@ -126,7 +126,9 @@ class GenerationConfig:
     logits (before penalties, temperature, top-k and top-p, as vLLM's default).
     `min_p` (vLLM): sampled rows keep the tokens of probability >= min_p x the top one's (after
     temperature, top-k, top-p). `min_tokens`: no stop id (eos, `stop_token_ids`) before this
-    many tokens. `logit_bias` (OpenAI): {token id: [-100, 100]} added after the penalties.
+    many tokens (`min_new_tokens`: lmdeploy's name for it). `logit_bias` (OpenAI): {token id:
+    [-100, 100]} added after the penalties. `max_new_tokens=None`: until the session ends (as
+    lmdeploy; stored as INT32_MAX). `top_p=0` keeps the most likely token: greedy.
     `response_format`: the output's grammar (structured.py; needs xgrammar). All act on the
     target's logits at each emitted position: speculation does not change them."""
     max_new_tokens: int = 512
@@ -148,6 +150,7 @@ class GenerationConfig:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     response_format: dict | None = None
+    min_new_tokens: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -155,11 +158,13 @@ class GenerationConfig:
     def validate(self):
         """Check every field and normalise it (ints, floats, tuples). Runs on construction, and
         again when the engine admits the request (a frozen dataclass can still be changed)."""
+        if self.max_new_tokens is None:
+            _set(self, 'max_new_tokens', INT32_MAX)
         _normalise(self, 'max_new_tokens', _check_int, 1)
         for name in ('do_sample', 'ignore_eos', 'skip_special_tokens'):
             _check_bool(name, getattr(self, name))
         _normalise(self, 'temperature', _check_float, 0, math.inf, 'a finite number >= 0')
-        _normalise(self, 'top_p', _check_float, 0, 1, 'a number in (0, 1]', low_open=True)
+        _normalise(self, 'top_p', _check_float, 0, 1, 'a number in [0, 1] (0: greedy)')
         _normalise(self, 'top_k', _check_int, 0)
         _normalise(self, 'n', _check_int, 1, MAX_N)
         _normalise(self, 'random_seed', _check_int, 0, UINT64_MAX, optional=True)
@@ -171,6 +176,12 @@ class GenerationConfig:
                        f'a number in [-{MAX_OPENAI_PENALTY:g}, {MAX_OPENAI_PENALTY:g}] (0.0: off)')
         _normalise(self, 'min_p', _check_float, 0, 1, 'a number in [0, 1] (0: off)')
         _normalise(self, 'min_tokens', _check_int, 0, self.max_new_tokens)
+        if self.min_new_tokens is not None:
+            _normalise(self, 'min_new_tokens', _check_int, 0, self.max_new_tokens)
+            _check(self.min_tokens in (0, self.min_new_tokens), 'min_new_tokens',
+                   self.min_new_tokens, f'equal to min_tokens={self.min_tokens} when both are '
+                   f'given (it is lmdeploy\'s name for min_tokens)')
+            _set(self, 'min_tokens', self.min_new_tokens)
         if (bias := self.logit_bias) is not None:
             _check(isinstance(bias, dict) and all(is_int(t) and 0 <= t <= INT32_MAX and type(v)
                                                   in (int, float) and -100 <= v <= 100

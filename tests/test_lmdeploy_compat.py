@@ -34,3 +34,19 @@ def test_sampling_with_the_defaults_is_temperature_0_8_and_top_k_50(pipe):
                                          dict(temperature=1.0, top_k=0))]
     assert default.token_ids == explicit.token_ids != off.token_ids
 
+
+def test_lmdeploy_values_are_accepted_with_lmdeploys_meaning(pipe):
+    """top_p=0 keeps the most likely token (greedy); max_new_tokens=None generates until the
+    session ends; min_new_tokens is min_tokens."""
+    assert GenerationConfig(do_sample=True, top_p=0).is_greedy
+    greedy = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=8, ignore_eos=True))
+    top_p_0 = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=8, ignore_eos=True,
+                                                        do_sample=True, top_p=0.0))
+    assert top_p_0.token_ids == greedy.token_ids
+    whole = pipe(PROMPT, gen_config=GenerationConfig(max_new_tokens=None, ignore_eos=True))
+    assert whole.finish_reason == 'length'
+    assert whole.input_token_len + whole.generate_token_len == ENGINE.session_len
+    assert GenerationConfig(min_new_tokens=3).min_tokens == 3
+    assert GenerationConfig(min_new_tokens=3, min_tokens=3).min_tokens == 3
+    with pytest.raises(ValueError, match='^min_new_tokens=3: '):
+        GenerationConfig(min_new_tokens=3, min_tokens=4)

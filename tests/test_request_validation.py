@@ -15,7 +15,7 @@ BAD_GENERATION = [
     ('max_new_tokens', 10**30), ('max_new_tokens', 0), ('max_new_tokens', True),
     ('temperature', math.inf), ('temperature', math.nan), ('temperature', 10**400),
     ('temperature', -1), ('temperature', '0.5'), ('temperature', True),
-    ('top_p', math.nan), ('top_p', math.inf), ('top_p', 0), ('top_p', 1.5),
+    ('top_p', math.nan), ('top_p', math.inf), ('top_p', -0.1), ('top_p', 1.5),
     ('do_sample', 'yes'), ('do_sample', 1), ('ignore_eos', 'no'), ('skip_special_tokens', None),
     ('stop_words', ['']), ('stop_words', [3]), ('stop_words', 'a \ud800'), ('stop_words', {'a'}),
     ('stop_token_ids', [2**31]), ('stop_token_ids', [-1]), ('stop_token_ids', ['3']),
