@@ -127,7 +127,8 @@ class GenerationConfig:
     `min_p` (vLLM): sampled rows keep the tokens of probability >= min_p x the top one's (after
     temperature, top-k, top-p). `min_tokens`: no stop id (eos, `stop_token_ids`) before this
     many tokens (`min_new_tokens`: lmdeploy's name for it). `logit_bias` (OpenAI): {token id:
-    [-100, 100]} added after the penalties. `max_new_tokens=None`: until the session ends (as
+    [-100, 100]} added after the penalties; `bad_token_ids` (lmdeploy): -inf there, never
+    emitted. `max_new_tokens=None`: until the session ends (as
     lmdeploy; stored as INT32_MAX). `top_p=0` keeps the most likely token: greedy.
     `response_format`: the output's grammar (structured.py; needs xgrammar). All act on the
     target's logits at each emitted position: speculation does not change them."""
@@ -151,6 +152,8 @@ class GenerationConfig:
     logit_bias: dict[int, float] | None = None
     response_format: dict | None = None
     min_new_tokens: int | None = None
+    bad_token_ids: tuple[int, ...] | list[int] | int | None = None
+    bad_words: list[str] | None = None        # lmdeploy's; refused: pass bad_token_ids
 
     def __post_init__(self):
         self.validate()
@@ -193,6 +196,9 @@ class GenerationConfig:
         _normalise(self, 'logprobs', _check_int, 0, MAX_LOGPROBS, optional=True,
                    allowed=f'None (off) or an integer in 0..{MAX_LOGPROBS} (the top tokens '
                    f'returned with each generated token)')
+        _check(not self.bad_words, 'bad_words', self.bad_words, 'None here; ban the words\' '
+               'tokens by id with bad_token_ids (tokenizer.encode(word, add_special_tokens='
+               'False))')
         words = self.stop_words
         if words is not None:
             words = (words,) if isinstance(words, str) else words    # one str is one stop word
@@ -201,14 +207,14 @@ class GenerationConfig:
                    'stop_words', self.stop_words, 'a non-empty str or a list of them '
                    '(valid unicode)')
             _set(self, 'stop_words', tuple(words))
-        ids = self.stop_token_ids
-        if ids is not None:
-            ids = (ids,) if is_int(ids) else ids
-            _check(isinstance(ids, (list, tuple))
-                   and all(is_int(t) and 0 <= t <= INT32_MAX for t in ids),
-                   'stop_token_ids', self.stop_token_ids,
-                   f'a token id or a list of them, each in 0..{INT32_MAX}')
-            _set(self, 'stop_token_ids', tuple(int(t) for t in ids))
+        for name in ('stop_token_ids', 'bad_token_ids'):
+            ids = getattr(self, name)
+            if ids is not None:
+                ids = (ids,) if is_int(ids) else ids
+                _check(isinstance(ids, (list, tuple))
+                       and all(is_int(t) and 0 <= t <= INT32_MAX for t in ids), name,
+                       getattr(self, name), f'a token id or a list of them, each in 0..{INT32_MAX}')
+                _set(self, name, tuple(int(t) for t in ids))
 
     @property
     def is_greedy(self) -> bool:
@@ -221,7 +227,8 @@ class GenerationConfig:
     def has_penalties(self) -> bool:
         """Logits changed by the host's per-step tables (sampling.Penalties)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logit_bias))
+                or self.frequency_penalty != 0.0 or self.min_tokens > 0 or bool(self.logit_bias)
+                or bool(self.bad_token_ids))
 
 
 def is_unicode(text: str) -> bool:

@@ -50,3 +50,20 @@ def test_lmdeploy_values_are_accepted_with_lmdeploys_meaning(pipe):
     assert GenerationConfig(min_new_tokens=3, min_tokens=3).min_tokens == 3
     with pytest.raises(ValueError, match='^min_new_tokens=3: '):
         GenerationConfig(min_new_tokens=3, min_tokens=4)
+
+
+def test_bad_token_ids_are_never_generated(pipe):
+    """lmdeploy's bad_token_ids: banned at every step, greedy and sampled (a -inf logit_bias);
+    bad_words (strings) is refused, naming bad_token_ids."""
+    base = dict(max_new_tokens=8, ignore_eos=True)
+    greedy = pipe(PROMPT, gen_config=GenerationConfig(**base))
+    banned = sorted(set(greedy.token_ids[:3]))
+    for cfg in (GenerationConfig(bad_token_ids=banned, **base),
+                GenerationConfig(bad_token_ids=banned, do_sample=True, random_seed=1, **base)):
+        r = pipe(PROMPT, gen_config=cfg)
+        assert r.generate_token_len == 8 and not set(r.token_ids) & set(banned)
+    assert GenerationConfig(bad_token_ids=7).bad_token_ids == (7,)
+    with pytest.raises(ValueError, match=r"^bad_words=\['def'\]: .*bad_token_ids"):
+        GenerationConfig(bad_words=['def'])
+    with pytest.raises(ValueError, match='^bad_token_ids: token ids'):
+        pipe(PROMPT, gen_config=GenerationConfig(bad_token_ids=[10**6]))

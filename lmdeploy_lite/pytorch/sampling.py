@@ -3,9 +3,9 @@
 Reproducibility: a seeded request owns one `torch.Generator` for its whole life, and every random
 draw for its row comes from it only, a fixed amount per step (V exponentials per sampled token,
 plus k uniforms per verify step in the rejection sampler): a seed gives the same output whatever
-else is in the batch. Penalties, logit_bias and min_tokens (`apply_penalties`) change the target's
-raw logits first, greedy rows included; a batch without any carries `penalties=None` and pays
-nothing."""
+else is in the batch. Penalties, logit_bias (bad_token_ids: -inf) and min_tokens
+(`apply_penalties`) change the target's raw logits first, greedy rows included; a batch without
+any carries `penalties=None` and pays nothing."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -267,7 +267,7 @@ class SamplingTables:
         if any(penalised):
             neutral = (1.0, 0.0, 0.0, (), (), None, 0, ())          # a row without any
             rows = [(c.repetition_penalty, c.presence_penalty, c.frequency_penalty,
-                     s.token_ids[:s.num_prompt], s.token_ids[s.num_prompt:], c.logit_bias,
+                     s.token_ids[:s.num_prompt], s.token_ids[s.num_prompt:], _bias(c),
                      c.min_tokens - s.num_generated, self.stop_ids(s) if c.min_tokens else ())
                     if p else neutral for c, s, p in zip(cfgs, seqs, penalised)]
             *values, bias, blocked, stop_ids = zip(*rows)
@@ -283,6 +283,13 @@ class SamplingTables:
         if asked:
             changes['logprobs'] = max(asked)
         return dataclasses.replace(sampling, **changes) if changes else sampling   # cached: kept
+
+
+def _bias(cfg) -> dict[int, float] | None:
+    """A config's logit_bias, with -inf at its bad_token_ids (never emitted)."""
+    if not cfg.bad_token_ids:
+        return cfg.logit_bias
+    return {**(cfg.logit_bias or {}), **dict.fromkeys(cfg.bad_token_ids, float('-inf'))}
 
 
 def _filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
