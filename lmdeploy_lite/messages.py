@@ -154,6 +154,8 @@ class GenerationConfig:
     min_new_tokens: int | None = None
     bad_token_ids: tuple[int, ...] | list[int] | int | None = None
     bad_words: list[str] | None = None        # lmdeploy's; refused: pass bad_token_ids
+    # lmdeploy's; only slow tokenizers add such spaces, and transformers 5 loads fast ones
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -164,7 +166,8 @@ class GenerationConfig:
         if self.max_new_tokens is None:
             _set(self, 'max_new_tokens', INT32_MAX)
         _normalise(self, 'max_new_tokens', _check_int, 1)
-        for name in ('do_sample', 'ignore_eos', 'skip_special_tokens'):
+        for name in ('do_sample', 'ignore_eos', 'skip_special_tokens',
+                     'spaces_between_special_tokens'):
             _check_bool(name, getattr(self, name))
         _normalise(self, 'temperature', _check_float, 0, math.inf, 'a finite number >= 0')
         _normalise(self, 'top_p', _check_float, 0, 1, 'a number in [0, 1] (0: greedy)')

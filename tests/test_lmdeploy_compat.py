@@ -67,3 +67,17 @@ def test_bad_token_ids_are_never_generated(pipe):
         GenerationConfig(bad_words=['def'])
     with pytest.raises(ValueError, match='^bad_token_ids: token ids'):
         pipe(PROMPT, gen_config=GenerationConfig(bad_token_ids=[10**6]))
+
+
+def test_spaces_between_special_tokens_is_accepted_and_changes_nothing(pipe):
+    """lmdeploy's flag acts only with slow tokenizers; transformers 5 loads fast ones, whose
+    decode never adds those spaces (nor does lmdeploy's, with them)."""
+    assert pipe.tokenizer.is_fast
+    eos = pipe.tokenizer.eos_token_id          # generated 3 times: special tokens side by side
+    base = dict(max_new_tokens=3, ignore_eos=True, skip_special_tokens=False,
+                logit_bias={eos: 100})
+    on, off = [pipe(PROMPT, gen_config=GenerationConfig(spaces_between_special_tokens=flag,
+                                                        **base)) for flag in (True, False)]
+    assert on.text == off.text == pipe.tokenizer.eos_token * 3
+    with pytest.raises(ValueError, match='^spaces_between_special_tokens='):
+        GenerationConfig(spaces_between_special_tokens=1)
