@@ -156,6 +156,7 @@ class GenerationConfig:
     bad_words: list[str] | None = None        # lmdeploy's; refused: pass bad_token_ids
     # lmdeploy's; only slow tokenizers add such spaces, and transformers 5 loads fast ones
     spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # True: the text ends with the stop word, not before
 
     def __post_init__(self):
         self.validate()
@@ -167,7 +168,7 @@ class GenerationConfig:
             _set(self, 'max_new_tokens', INT32_MAX)
         _normalise(self, 'max_new_tokens', _check_int, 1)
         for name in ('do_sample', 'ignore_eos', 'skip_special_tokens',
-                     'spaces_between_special_tokens'):
+                     'spaces_between_special_tokens', 'include_stop_str_in_output'):
             _check_bool(name, getattr(self, name))
         _normalise(self, 'temperature', _check_float, 0, math.inf, 'a finite number >= 0')
         _normalise(self, 'top_p', _check_float, 0, 1, 'a number in [0, 1] (0: greedy)')

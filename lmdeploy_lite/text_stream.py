@@ -37,7 +37,8 @@ class TextStream:
         text, words = self.text, self.gen_config.stop_words
         if words:               # cut before the first stop word (none ends in the text sent)
             start = max(0, self.sent - max(map(len, words)))
-            cuts = [i for i in (text.find(w, start) for w in words) if i >= 0]
+            keep = self.gen_config.include_stop_str_in_output       # cut after it instead
+            cuts = [i + len(w) * keep for w in words if (i := text.find(w, start)) >= 0]
             text = text[:min(cuts, default=len(text))]
             if not finished:
                 text = text[:len(text) - held_back(text, words)]

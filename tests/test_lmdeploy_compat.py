@@ -81,3 +81,13 @@ def test_spaces_between_special_tokens_is_accepted_and_changes_nothing(pipe):
     assert on.text == off.text == pipe.tokenizer.eos_token * 3
     with pytest.raises(ValueError, match='^spaces_between_special_tokens='):
         GenerationConfig(spaces_between_special_tokens=1)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_word(pipe):
+    """lmdeploy and vLLM: the text ends with the stop word instead of before it, whole and
+    streamed; the stop token's id ends the output either way."""
+    base = dict(max_new_tokens=12, stop_words=['('])
+    cut, kept = [GenerationConfig(include_stop_str_in_output=flag, **base) for flag in (False, True)]
+    assert pipe(PROMPT, gen_config=cut).text + '(' == pipe(PROMPT, gen_config=kept).text
+    streamed = ''.join(r.text for r in pipe.stream_infer(PROMPT, gen_config=kept))
+    assert streamed.endswith('(') and streamed == pipe(PROMPT, gen_config=kept).text
