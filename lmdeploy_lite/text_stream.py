@@ -18,7 +18,7 @@ class TextStream:
     """The text of one request's output, built as its tokens arrive: while it runs, a short
     window of tokens per step (a prefix and a read offset, as in vLLM and lmdeploy); when it
     finishes, the whole output once, so the final text is exactly `tokenizer.decode(token_ids)`
-    cut before the first stop word. Text that may still become a stop word, or is an
+    (less a stop token id it ended on: `final_ids`) cut before the first stop word. Text that may still become a stop word, or is an
     incomplete UTF-8 sequence, is held back until it cannot."""
 
     __slots__ = ('gen_config', 'stream', 'token_ids', 'text', 'sent', 'prefix', 'read')
@@ -45,6 +45,13 @@ class TextStream:
         out = text[self.sent:]
         self.sent = max(self.sent, len(text))
         return out
+
+    def final_ids(self) -> list[int]:
+        """The ids of the final text: less a stop token id that ended the output (lmdeploy and
+        vLLM leave its text out) unless include_stop_str_in_output."""
+        cfg, ids = self.gen_config, self.token_ids
+        stop = ids and ids[-1] in (cfg.stop_token_ids or ()) and not cfg.include_stop_str_in_output
+        return ids[:-1] if stop else ids
 
 
 def batch_decoder(tokenizer):
@@ -76,7 +83,7 @@ def detokenize(decode, updates: list[tuple[TextStream, list[int], bool]]) -> lis
         batch = []
         for i in indices:                    # a window: the tokens already text, then all of them
             s, _, finished = updates[i]
-            batch += ([s.token_ids] if finished else
+            batch += ([s.final_ids()] if finished else
                       [s.token_ids[s.prefix:s.read], s.token_ids[s.prefix:]])
         texts = iter(decode(batch, skip))
         for i in indices:

@@ -91,3 +91,17 @@ def test_include_stop_str_in_output_keeps_the_stop_word(pipe):
     assert pipe(PROMPT, gen_config=cut).text + '(' == pipe(PROMPT, gen_config=kept).text
     streamed = ''.join(r.text for r in pipe.stream_infer(PROMPT, gen_config=kept))
     assert streamed.endswith('(') and streamed == pipe(PROMPT, gen_config=kept).text
+
+
+def test_a_stop_token_ids_text_is_left_out_unless_asked_for(pipe):
+    """lmdeploy and vLLM: the stop token's text is not in the output (its id stays in
+    token_ids here, as vLLM); include_stop_str_in_output=True keeps it."""
+    paren = pipe.tokenizer.encode('(', add_special_tokens=False)
+    assert len(paren) == 1
+    base = dict(max_new_tokens=12, stop_token_ids=paren)
+    cut, kept = [GenerationConfig(include_stop_str_in_output=flag, **base) for flag in (False, True)]
+    r = pipe(PROMPT, gen_config=cut)
+    assert r.finish_reason == 'stop' and r.token_ids[-1] == paren[0]
+    assert '(' not in r.text and r.text == pipe.tokenizer.decode(r.token_ids[:-1])
+    assert ''.join(c.text for c in pipe.stream_infer(PROMPT, gen_config=cut)) == r.text
+    assert pipe(PROMPT, gen_config=kept).text == r.text + '('
