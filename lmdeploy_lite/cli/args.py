@@ -26,6 +26,17 @@ def engine_args(p: argparse.ArgumentParser):
     p.add_argument('model', nargs='?', default=None,
                    help='HF model directory or Hugging Face repo id (default: the embedded model)')
     p.add_argument('--revision', help='a repo id: the branch, tag or commit')
+    p.add_argument('--backend', default='pytorch', choices=['pytorch'],
+                   help="lmdeploy's engine choice: this is its PyTorch engine")
+    p.add_argument('--trust-remote-code', action='store_true',
+                   help='accepted as in lmdeploy; no code is loaded from a checkpoint here')
+    p.add_argument('--quant-policy', type=int, default=0, choices=[0],
+                   help="lmdeploy's KV-cache quantization: 0 (none) is the only one here")
+    p.add_argument('--tp', '--tensor-parallel-size', type=int, default=1,
+                   help='tensor-parallel ranks per DP group')
+    p.add_argument('--dp', '--data-parallel-size', type=int, default=1,
+                   help='data-parallel ranks (one process each)')
+    p.add_argument('--ep', type=int, default=1, help='expert-parallel ranks (MoE models)')
     p.add_argument('--chat-template', metavar='FILE_OR_TEMPLATE',
                    help="a Jinja chat template (a file, or the template itself) instead of the "
                         "model's")
@@ -40,6 +51,8 @@ def engine_args(p: argparse.ArgumentParser):
                    help='max tokens per sequence, prompt included (default: the model maximum)')
     p.add_argument('--cache-max-entry-count', type=float, default=0.8,
                    help='fraction of free memory for the KV cache')
+    p.add_argument('--cache-block-seq-len', '--block-size', dest='block_size', type=int,
+                   default=64, help='tokens per KV-cache block')
     p.add_argument('--speculative-algorithm', default=None, choices=SPEC_METHODS,
                    help='speculative decoding method (default qwen3_5_mtp when a draft count '
                         'is given); extract_hidden_states decodes plainly and writes each '

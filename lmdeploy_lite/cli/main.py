@@ -113,11 +113,9 @@ SERVE_MODULES = ('fastapi', 'uvicorn', 'pydantic', 'prometheus_client')
 
 
 def _serve_args(p: argparse.ArgumentParser):
-    p.add_argument('--tp', '--tensor-parallel-size', type=int, default=1,
-                   help='tensor-parallel ranks per DP group')
-    p.add_argument('--dp', '--data-parallel-size', type=int, default=1,
-                   help='data-parallel ranks (one process each)')
-    p.add_argument('--ep', type=int, default=1, help='expert-parallel ranks (MoE models)')
+    p.add_argument('--tool-call-parser', default=None, choices=['qwen3coder'],
+                   help="lmdeploy's name of the tool-call format the server reads (Qwen3.5's "
+                        '<tool_call> blocks) whenever a request gives tools')
     p.add_argument('--server-name', '--host', default='127.0.0.1', help='address to listen on')
     p.add_argument('--server-port', '--port', type=int, default=23333, help='port to listen on')
     p.add_argument('--allow-origins', '--allowed-origins', nargs='+', default=None,

@@ -33,3 +33,26 @@ def test_prefix_caching_flag_on_every_command_reaches_the_engine_config(monkeypa
         pytest.skip("needs the 'serve' extra")
     config = _engine_config(monkeypatch, command + flags)
     assert config.enable_prefix_caching is enabled
+
+
+LMDEPLOY_FLAGS = ['--backend', 'pytorch', '--trust-remote-code', '--cache-block-seq-len', '32',
+                  '--quant-policy', '0', '--tp', '2']
+
+
+@pytest.mark.parametrize('command', COMMANDS, ids=lambda argv: argv[0])
+def test_lmdeploys_standard_flags_are_accepted_on_every_command(monkeypatch, command):
+    """What an lmdeploy user writes for the PyTorch engine: --backend pytorch, no-op flags
+    (--trust-remote-code: no remote code runs here; --quant-policy 0: no KV quantization),
+    --cache-block-seq-len (the KV block size) and --tp on chat and generate too."""
+    if command[0] == 'serve' and importlib.util.find_spec('fastapi') is None:
+        pytest.skip("needs the 'serve' extra")
+    extra = ['--tool-call-parser', 'qwen3coder'] if command[0] == 'serve' else []
+    config = _engine_config(monkeypatch, command + LMDEPLOY_FLAGS + extra)
+    assert (config.block_size, config.tp) == (32, 2)
+
+
+@pytest.mark.parametrize('flags', [['--backend', 'turbomind'], ['--quant-policy', '8']])
+def test_lmdeploy_flags_that_would_change_the_output_are_refused(flags, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(['chat'] + flags)
+    assert 'invalid choice' in capsys.readouterr().err
