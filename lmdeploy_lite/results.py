@@ -81,3 +81,28 @@ class Response:
     hidden_states_path: str | None = None   # extract_hidden_states: the file (last response)
     logprobs: list[TokenLogprobs] | None = None     # logprobs=N: one per token of token_ids
     reasoning_content: str | None = None    # reasoning_parser: the <think> block; text: the rest
+
+    @property
+    def cached_tokens(self) -> int:
+        """lmdeploy's name for num_cached_tokens."""
+        return self.num_cached_tokens
+
+    @property
+    def error_message(self) -> str | None:
+        """lmdeploy's name for error."""
+        return self.error
+
+    def extend(self, other: 'Response') -> 'Response':
+        """lmdeploy's: add a later chunk of the same request (its text, ids and logprobs) to this
+        one, whose other fields become the later chunk's; returns self."""
+        self.text += other.text
+        self.token_ids = self.token_ids + other.token_ids
+        if other.logprobs:
+            self.logprobs = (self.logprobs or []) + other.logprobs
+        for name in ('input_token_len', 'generate_token_len', 'finish_reason', 'index',
+                     'spec_stats', 'error', 'num_cached_tokens', 'num_preemptions',
+                     'hidden_states_path'):
+            setattr(self, name, getattr(other, name))
+        if other.reasoning_content:
+            self.reasoning_content = (self.reasoning_content or '') + other.reasoning_content
+        return self

@@ -105,3 +105,18 @@ def test_a_stop_token_ids_text_is_left_out_unless_asked_for(pipe):
     assert '(' not in r.text and r.text == pipe.tokenizer.decode(r.token_ids[:-1])
     assert ''.join(c.text for c in pipe.stream_infer(PROMPT, gen_config=cut)) == r.text
     assert pipe(PROMPT, gen_config=kept).text == r.text + '('
+
+
+def test_responses_read_and_add_up_as_lmdeploys(pipe):
+    """lmdeploy's Response names (cached_tokens, error_message) and Response.extend, with which
+    lmdeploy users join stream_infer chunks (the fields, per chunk: text, token_ids, index,
+    input_token_len, generate_token_len so far, finish_reason on the last)."""
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True, logprobs=2)
+    whole = pipe(PROMPT, gen_config=gen)
+    joined = None
+    for chunk in pipe.stream_infer([PROMPT], gen_config=gen):
+        assert chunk.index == 0 and chunk.input_token_len == whole.input_token_len
+        joined = joined.extend(chunk) if joined else chunk
+    assert (joined.text, joined.token_ids, joined.generate_token_len, joined.finish_reason,
+            joined.logprobs) == (whole.text, whole.token_ids, 6, 'length', whole.logprobs)
+    assert whole.cached_tokens == whole.num_cached_tokens and whole.error_message is None
