@@ -317,7 +317,7 @@ class PytorchEngineConfig:
     # a model given as a Hugging Face repo id: the hub cache to use and the revision to fetch
     download_dir: str | None = None
     revision: str | None = None
-    max_batch_size: int = 64
+    max_batch_size: int | None = 64          # None (lmdeploy's default): 64
     max_prefill_token_num: int = 4096
     # tokens a step carries at most while sequences decode, decode rows included: a new prompt
     # is prefilled in chunks riding with them (README "Prefill rides with decode"); 0: prefill
@@ -355,8 +355,13 @@ class PytorchEngineConfig:
     # between the TP linear layers each TP rank keeps 1 / tp of the step's tokens (README
     # "Sequence parallelism"); needs tp > 1
     sequence_parallel: bool = False
+    # lmdeploy's: every Pipeline call may come from any thread here; 0 (no KV quantization) only
+    thread_safe: bool = False
+    quant_policy: int = 0
 
     def __post_init__(self):
+        if self.max_batch_size is None:
+            _set(self, 'max_batch_size', 64)
         _check_choice('dtype', self.dtype, DTYPES)
         _check_choice('device', self.device, DEVICES)
         for name, low in (('max_batch_size', 1), ('max_prefill_token_num', 1),
@@ -389,7 +394,9 @@ class PytorchEngineConfig:
         _check(self.model_format in (None, 'fp8'), 'model_format', self.model_format,
                "None (as the checkpoint stores its weights) or 'fp8'")
         _check_choice('ssm_state_dtype', self.ssm_state_dtype, SSM_STATE_DTYPES)
-        for name in ('eager_mode', 'enable_prefix_caching', 'sequence_parallel'):
+        _check(self.quant_policy == 0, 'quant_policy', self.quant_policy,
+               '0: the KV cache is kept unquantized here')
+        for name in ('eager_mode', 'enable_prefix_caching', 'sequence_parallel', 'thread_safe'):
             _check_bool(name, getattr(self, name))
         _check(not self.sequence_parallel or self.tp > 1, 'sequence_parallel',
                self.sequence_parallel,

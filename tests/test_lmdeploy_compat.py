@@ -120,3 +120,15 @@ def test_responses_read_and_add_up_as_lmdeploys(pipe):
     assert (joined.text, joined.token_ids, joined.generate_token_len, joined.finish_reason,
             joined.logprobs) == (whole.text, whole.token_ids, 6, 'length', whole.logprobs)
     assert whole.cached_tokens == whole.num_cached_tokens and whole.error_message is None
+
+
+def test_engine_config_takes_lmdeploys_harmless_fields():
+    """max_batch_size=None (lmdeploy's default: chosen by the engine; 64 here), thread_safe
+    (every Pipeline call may come from any thread here) and quant_policy=0 (no KV-cache
+    quantization); a quantized KV cache would change the output, so it is refused."""
+    cfg = PytorchEngineConfig(max_batch_size=None, thread_safe=True, quant_policy=0)
+    assert cfg.max_batch_size == PytorchEngineConfig().max_batch_size == 64
+    with pytest.raises(ValueError, match='^quant_policy=8: '):
+        PytorchEngineConfig(quant_policy=8)
+    with pytest.raises(ValueError, match="^thread_safe='yes': "):
+        PytorchEngineConfig(thread_safe='yes')
