@@ -118,9 +118,11 @@ def serve_main(args):
 
 def in_process(args) -> dict:
     """The app alone (no sockets, no uvicorn): `concurrency` streamed /v1/completions requests
-    driven through ASGI in this process; CPU time per chunk of the whole process (the synthetic
-    engine thread included). Quieter than the socket run: no client shares the machine."""
+    driven through ASGI in this process, on uvloop and with startup's objects frozen out of the
+    collector as `serve` runs them; CPU time per chunk of the whole process (the synthetic engine
+    thread included). Quieter than the socket run: no client shares the machine."""
     import asyncio
+    import gc
     import json
 
     import lmdeploy_lite.api as api
@@ -131,6 +133,8 @@ def in_process(args) -> dict:
         path, args.step_ms / 1000, args.tokens_per_step, args.max_batch, vocab)
     pipe = api.Pipeline(preset_model_dir(args.preset), num_threads=1)
     app = create_app(pipe, 'synthetic')
+    gc.collect()                             # as serve() does: startup's objects out of the
+    gc.freeze()                              # collector's full passes
     prompts = make_prompts(args.num_prompts, args.input_words, 0)
     chunks, ttfts = 0, []
 
@@ -176,6 +180,11 @@ def in_process(args) -> dict:
         await asyncio.gather(*map(limited, prompts))
         return time.process_time() - start_cpu, time.perf_counter() - start
     before = chunks
+    try:                                     # uvicorn's loop where installed, as the server's
+        import uvloop
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:
+        pass
     cpu, wall = asyncio.run(main())
     pipe.close()
     n = chunks - before
