@@ -4,9 +4,11 @@
 `{"type": "json_object"}` (any JSON object), `{"type": "json_schema", "json_schema": {"name",
 "schema", "strict"}}`, and xgrammar's `{"type": "structural_tag", "format": {...}}` (as vLLM
 accepts it), which the server also builds for `tool_choice` "required" or a named function
-(`tool_call_format`: Qwen3.5's `<tool_call><function=...>` blocks). Every constraint is compiled
-by xgrammar (the optional extra `[structured]`) as a structural tag; when the prompt leaves the
-reply inside a think block, the thought comes first, free text up to `</think>` (`thought_first`).
+(`tool_call_format`: Qwen3.5's `<tool_call><function=...>` blocks), and lmdeploy's
+`{"type": "regex_schema", "regex_schema": pattern}` (the whole reply matches). Every constraint
+is compiled by xgrammar (the optional extra `[structured]`) as a structural tag; when the prompt
+leaves the reply inside a think block, the thought comes first, free text up to `</think>`
+(`thought_first`).
 JSON is written without free whitespace runs, so a weak model cannot loop on blanks.
 The engine's side (matchers, the token masks under speculation) is pytorch/grammar.py.
 """
@@ -18,7 +20,7 @@ import re
 
 from lmdeploy_lite.reasoning import CLOSE, OPEN, TOOL_CALL
 
-TYPES = ('text', 'json_object', 'json_schema', 'structural_tag')
+TYPES = ('text', 'json_object', 'json_schema', 'structural_tag', 'regex_schema')
 MAX_WHITESPACE = 1          # a JSON value's whitespace run, at most
 INSTALL_HINT = "structured output needs xgrammar: pip install 'lmdeploy_lite[structured]'"
 
@@ -47,6 +49,8 @@ def check_response_format(value) -> dict | None:
                              '(an object) under "schema"')
     elif kind == 'structural_tag' and not isinstance(value.get('format'), dict):
         raise ValueError('response_format.format: a structural_tag needs its format object')
+    elif kind == 'regex_schema' and not isinstance(value.get('regex_schema'), str):
+        raise ValueError('response_format.regex_schema: must be a regular expression (a str)')
     _compiles(json.dumps(value, sort_keys=True))
     return value
 
@@ -71,6 +75,8 @@ def structural_tag(response_format: dict, in_thought: bool = False) -> dict:
     kind = response_format['type']
     if kind == 'structural_tag':
         fmt = response_format['format']
+    elif kind == 'regex_schema':
+        fmt = {'type': 'regex', 'pattern': response_format['regex_schema']}
     else:
         schema = ({'type': 'object'} if kind == 'json_object'
                   else response_format['json_schema'].get('schema', True))

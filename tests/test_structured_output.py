@@ -184,3 +184,23 @@ def test_a_prompt_that_opens_a_thought_gets_the_thought_first():
         matcher = new_matcher(grammars, fmt, ids, [0])
         accepted = all(matcher.accept_token(t) for t in tokenizer.encode(text))
         assert (accepted and matcher.is_completed()) == ok, (prompt, text)   # a JSON in thought
+
+
+def test_lmdeploys_regex_schema_constrains_the_output(engines):
+    """lmdeploy's {"type": "regex_schema", "regex_schema": pattern} (its GenerationConfig
+    documents it): every output, greedy and sampled, is a full match and ends with 'stop'."""
+    import re
+    tokenizer, by_k = engines
+    pattern = 'call me [A-Za-z]{1,10}'
+    fmt = {'type': 'regex_schema', 'regex_schema': pattern}
+    prompt = tokenizer.encode(PROMPT)
+    seqs = [by_k[0].add_request(prompt, GenerationConfig(max_new_tokens=24, response_format=fmt,
+                                                         **kw))
+            for kw in ({}, dict(do_sample=True, random_seed=1), dict(do_sample=True, random_seed=2))]
+    while by_k[0].has_work:
+        by_k[0].step()
+    for s in seqs:
+        assert s.finish_reason == 'stop'
+        assert re.fullmatch(pattern, tokenizer.decode(s.generated_ids, skip_special_tokens=True))
+    with pytest.raises(ValueError, match='^response_format.regex_schema: '):
+        GenerationConfig(response_format={'type': 'regex_schema', 'regex_schema': 5})
