@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import signal
 import sys
 import time
@@ -126,9 +127,11 @@ def _serve_args(p: argparse.ArgumentParser):
                    help='accept only requests with "Authorization: Bearer KEY" (any of these; '
                         'every path but /health); keys are also read from --api-keys-file and '
                         'from LMDEPLOY_LITE_API_KEYS (comma-separated), which keep them out of ps')
-    p.add_argument('--generation-config', choices=('auto', 'none'), default='auto',
+    p.add_argument('--generation-config', type=_generation_config, default='auto',
+                   metavar='{auto,none,lmdeploy,DIR}',
                    help="auto: the model's generation_config.json sampling values are the "
-                        "defaults of fields a request omits (vLLM's); none: OpenAI's")
+                        "defaults of fields a request omits (vLLM's); none (or lmdeploy): "
+                        "OpenAI's; DIR: the generation_config.json there")
     p.add_argument('--reasoning-parser', choices=PARSERS, default='auto',
                    help="qwen3: a chat reply's <think> block goes to reasoning_content (auto: "
                         "when the chat template writes one)")
@@ -172,6 +175,20 @@ def _serve_args(p: argparse.ArgumentParser):
                    help='model id in /v1/models and requests (default: the model directory name)')
 
 
+def _generation_config(value: str) -> str:
+    if value in ('auto', 'none', 'lmdeploy') or os.path.isdir(value):
+        return value
+    raise argparse.ArgumentTypeError(f'{value!r}: must be auto, none, lmdeploy or a directory')
+
+
+def file_sampling_defaults(choice: str, model_path: str) -> dict | None:
+    """The sampling defaults --generation-config names (None: none)."""
+    from lmdeploy_lite.pytorch.config import sampling_defaults
+    if choice in ('none', 'lmdeploy'):
+        return None
+    return sampling_defaults(model_path if choice == 'auto' else choice) or None
+
+
 def cmd_serve(args) -> int:
     """Exit code: 0 after SIGINT or SIGTERM (the same graceful shutdown), 1 when the engine died,
     2 for a bad argument or a missing extra, 3 when the server could not start."""
@@ -198,7 +215,6 @@ def _load_and_serve(args) -> int:
         return 3
     from lmdeploy_lite import pipeline
     from lmdeploy_lite.serve.openai.api_server import serve
-    from lmdeploy_lite.pytorch.config import sampling_defaults
     from lmdeploy_lite.serve.openai.auth import load_api_keys
     from lmdeploy_lite.serve.openai.checks import ServerLimits
     from lmdeploy_lite.pytorch.spec_decode.build import num_draft_tokens
@@ -222,9 +238,9 @@ def _load_and_serve(args) -> int:
     return serve(pipe, args.model_name or pipe.model_name, args.server_name, args.server_port,
                  api_keys, args.log_level, num_spec_tokens=num_draft_tokens(spec), limits=limits,
                  allowed_hosts=tuple(args.allowed_hosts or ()), http_limits=http_limits,
-                 allow_origins=tuple(args.allow_origins or ()), sock=sock, sampling_defaults=(
-                     args.generation_config == 'auto' and sampling_defaults(pipe.model_path)
-                     or None))
+                 allow_origins=tuple(args.allow_origins or ()), sock=sock,
+                 sampling_defaults=file_sampling_defaults(args.generation_config,
+                                                          pipe.model_path))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,3 +56,19 @@ def test_lmdeploy_flags_that_would_change_the_output_are_refused(flags, capsys):
     with pytest.raises(SystemExit):
         cli.main(['chat'] + flags)
     assert 'invalid choice' in capsys.readouterr().err
+
+
+def test_generation_config_takes_lmdeploys_values(tmp_path, capsys):
+    """--generation-config: auto (the model's file), none, lmdeploy's 'lmdeploy' (no file, as
+    none) or lmdeploy's folder path (its generation_config.json's sampling values)."""
+    (tmp_path / 'generation_config.json').write_text('{"temperature": 0.6, "top_k": 20, '
+                                                    '"eos_token_id": 2}')
+    def defaults(value):
+        args = cli.build_parser().parse_args(['serve', 'api_server', '--generation-config',
+                                              value])
+        return cli.file_sampling_defaults(args.generation_config, model_path=str(tmp_path))
+    assert defaults(str(tmp_path)) == defaults('auto') == {'temperature': 0.6, 'top_k': 20}
+    assert defaults('lmdeploy') is defaults('none') is None
+    with pytest.raises(SystemExit):
+        defaults(str(tmp_path / 'missing'))
+    assert '--generation-config' in capsys.readouterr().err
