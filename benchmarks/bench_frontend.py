@@ -122,19 +122,17 @@ def in_process(args) -> dict:
     collector as `serve` runs them; CPU time per chunk of the whole process (the synthetic engine
     thread included). Quieter than the socket run: no client shares the machine."""
     import asyncio
-    import gc
     import json
 
     import lmdeploy_lite.api as api
-    from lmdeploy_lite.serve.openai.api_server import create_app
+    from lmdeploy_lite.serve.openai.api_server import create_app, settle_collector
     from presets import preset_config
     vocab = preset_config(args.preset)['vocab_size']
     api.connect = lambda path, *a, **k: synthetic_client(
         path, args.step_ms / 1000, args.tokens_per_step, args.max_batch, vocab)
     pipe = api.Pipeline(preset_model_dir(args.preset), num_threads=1)
     app = create_app(pipe, 'synthetic')
-    gc.collect()                             # as serve() does: startup's objects out of the
-    gc.freeze()                              # collector's full passes
+    settle_collector()                       # as serve() does
     prompts = make_prompts(args.num_prompts, args.input_words, 0)
     chunks, ttfts = 0, []
 
