@@ -125,10 +125,10 @@ class GenerationConfig:
     log-probability and the N most likely tokens' (Response.logprobs), from the target's raw
     logits (before penalties, temperature, top-k and top-p, as vLLM's default).
     `min_p` (vLLM): sampled rows keep the tokens of probability >= min_p x the top one's (after
-    temperature, top-k, top-p). `min_tokens`: no stop id (eos, `stop_token_ids`) before this
-    many tokens (`min_new_tokens`: lmdeploy's name for it). `logit_bias` (OpenAI): {token id:
-    [-100, 100]} added after the penalties; `bad_token_ids` (lmdeploy): -inf there, never
-    emitted. `max_new_tokens=None`: until the session ends (as
+    temperature, top-k, top-p). `min_tokens`: no stop id (eos, `stop_token_ids`) or stop word
+    before this many tokens (`min_new_tokens`: lmdeploy's name for it). `logit_bias` (OpenAI):
+    {token id: [-100, 100]} added after the penalties; `bad_token_ids` (lmdeploy): -inf there,
+    never emitted. `max_new_tokens=None`: until the session ends (as
     lmdeploy; stored as INT32_MAX). `top_p=0` keeps the most likely token: greedy.
     `response_format`: the output's grammar (structured.py; needs xgrammar). All act on the
     target's logits at each emitted position: speculation does not change them."""

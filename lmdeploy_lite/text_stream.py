@@ -18,10 +18,11 @@ class TextStream:
     """The text of one request's output, built as its tokens arrive: while it runs, a short
     window of tokens per step (a prefix and a read offset, as in vLLM and lmdeploy); when it
     finishes, the whole output once, so the final text is exactly `tokenizer.decode(token_ids)`
-    (less a stop token id it ended on: `final_ids`) cut before the first stop word. Text that may still become a stop word, or is an
-    incomplete UTF-8 sequence, is held back until it cannot."""
+    (less a stop token id it ended on: `final_ids`) cut before the first stop word that ends
+    past `floor`. Text that may still become a stop word, or is an incomplete UTF-8 sequence,
+    is held back until it cannot."""
 
-    __slots__ = ('gen_config', 'stream', 'token_ids', 'text', 'sent', 'prefix', 'read')
+    __slots__ = ('gen_config', 'stream', 'token_ids', 'text', 'sent', 'prefix', 'read', 'floor')
 
     def __init__(self, gen_config: GenerationConfig, stream: bool):
         self.gen_config = gen_config
@@ -30,6 +31,9 @@ class TextStream:
         self.text = ''                    # decoded so far (append-only)
         self.sent = 0                     # characters handed out
         self.prefix = self.read = 0       # token offsets of the decode window
+        # the text length of the first min_tokens - 1 tokens, where no stop word may end (as
+        # the engine's stop checks); None until that many tokens came
+        self.floor = 0 if gen_config.min_tokens <= 1 or not gen_config.stop_words else None
 
     def delta(self, finished: bool) -> str:
         """The text not handed out yet that can be: before the first stop word, and (while
@@ -38,7 +42,9 @@ class TextStream:
         if words:               # cut before the first stop word (none ends in the text sent)
             start = max(0, self.sent - max(map(len, words)))
             keep = self.gen_config.include_stop_str_in_output       # cut after it instead
-            cuts = [i + len(w) * keep for w in words if (i := text.find(w, start)) >= 0]
+            cuts = [] if self.floor is None else [
+                i + len(w) * keep for w in words
+                if (i := text.find(w, max(start, self.floor - len(w) + 1))) >= 0]
             text = text[:min(cuts, default=len(text))]
             if not finished:
                 text = text[:len(text) - held_back(text, words)]
@@ -75,6 +81,10 @@ def detokenize(decode, updates: list[tuple[TextStream, list[int], bool]]) -> lis
         s.token_ids += ids
     if decode is None:
         return [''] * len(updates)
+    for s, _, _ in updates:
+        early = s.gen_config.min_tokens - 1
+        if s.floor is None and len(s.token_ids) >= early:
+            s.floor = len(decode([s.token_ids[:early]], s.gen_config.skip_special_tokens)[0])
     windows: dict[bool, list] = {}          # skip_special_tokens -> [(update index, ...)]
     for i, (s, ids, finished) in enumerate(updates):
         if finished or (s.stream and ids):

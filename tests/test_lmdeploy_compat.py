@@ -87,7 +87,8 @@ def test_include_stop_str_in_output_keeps_the_stop_word(pipe):
     """lmdeploy and vLLM: the text ends with the stop word instead of before it, whole and
     streamed; the stop token's id ends the output either way."""
     base = dict(max_new_tokens=12, stop_words=['('])
-    cut, kept = [GenerationConfig(include_stop_str_in_output=flag, **base) for flag in (False, True)]
+    cut, kept = [GenerationConfig(include_stop_str_in_output=flag, **base)
+                 for flag in (False, True)]
     assert pipe(PROMPT, gen_config=cut).text + '(' == pipe(PROMPT, gen_config=kept).text
     streamed = ''.join(r.text for r in pipe.stream_infer(PROMPT, gen_config=kept))
     assert streamed.endswith('(') and streamed == pipe(PROMPT, gen_config=kept).text
@@ -99,7 +100,8 @@ def test_a_stop_token_ids_text_is_left_out_unless_asked_for(pipe):
     paren = pipe.tokenizer.encode('(', add_special_tokens=False)
     assert len(paren) == 1
     base = dict(max_new_tokens=12, stop_token_ids=paren)
-    cut, kept = [GenerationConfig(include_stop_str_in_output=flag, **base) for flag in (False, True)]
+    cut, kept = [GenerationConfig(include_stop_str_in_output=flag, **base)
+                 for flag in (False, True)]
     r = pipe(PROMPT, gen_config=cut)
     assert r.finish_reason == 'stop' and r.token_ids[-1] == paren[0]
     assert '(' not in r.text and r.text == pipe.tokenizer.decode(r.token_ids[:-1])
@@ -132,3 +134,14 @@ def test_engine_config_takes_lmdeploys_harmless_fields():
         PytorchEngineConfig(quant_policy=8)
     with pytest.raises(ValueError, match="^thread_safe='yes': "):
         PytorchEngineConfig(thread_safe='yes')
+
+
+def test_min_new_tokens_holds_stop_words_too(pipe):
+    """lmdeploy (stop words are stop ids there) and vLLM check no stop word before min tokens:
+    the '(' of token 4 does not stop min_new_tokens=6, the next one (token 13) does, and the
+    text keeps the first '(' and ends before the second, whole and streamed."""
+    gen = GenerationConfig(max_new_tokens=16, stop_words=['('], min_new_tokens=6)
+    r = pipe(PROMPT, gen_config=gen)
+    assert (r.finish_reason, r.generate_token_len) == ('stop', 13)
+    assert r.text == pipe.tokenizer.decode(r.token_ids).rsplit('(', 1)[0] and '(' in r.text
+    assert ''.join(c.text for c in pipe.stream_infer(PROMPT, gen_config=gen)) == r.text

@@ -38,14 +38,17 @@ class StopChecker:
         return n, reason
 
     def _stop_word_end(self, seq: Sequence, tokens: list[int]) -> int | None:
-        """1 + the index of the first token of `tokens` that completes a stop word, or None."""
+        """1 + the index of the first token of `tokens` that completes a stop word (ends one in
+        its text), or None; none before the output's min_tokens-th token (as vLLM, and lmdeploy,
+        whose stop words are stop ids)."""
         words = seq.gen_config.stop_words
         width = _STOP_WORD_TAIL_TOKENS + max(map(len, words))
         generated = seq.generated_ids[-width:]
-        for i in range(len(tokens)):
+        first = max(0, seq.gen_config.min_tokens - seq.num_generated - 1)
+        for i in range(first, len(tokens)):
             tail = (generated + tokens[:i + 1])[-width:]
             now = self.tokenizer.decode(tail)
-            before = self.tokenizer.decode(tail[:-1])
-            if any(w in now and w not in before for w in words):
+            end = len(self.tokenizer.decode(tail[:-1]).rstrip('\ufffd'))   # a char it completes
+            if any(now.find(w, max(0, end - len(w) + 1)) >= 0 for w in words):
                 return i + 1
         return None
