@@ -196,7 +196,8 @@ def test_lmdeploys_regex_schema_constrains_the_output(engines):
     prompt = tokenizer.encode(PROMPT)
     seqs = [by_k[0].add_request(prompt, GenerationConfig(max_new_tokens=24, response_format=fmt,
                                                          **kw))
-            for kw in ({}, dict(do_sample=True, random_seed=1), dict(do_sample=True, random_seed=2))]
+            for kw in ({}, dict(do_sample=True, random_seed=1),
+                       dict(do_sample=True, random_seed=2))]
     while by_k[0].has_work:
         by_k[0].step()
     for s in seqs:
