@@ -164,7 +164,7 @@ class Pipeline:
             return list(prompt)         # plain ints, checked at C speed (an 8k prompt: ~0.1 ms)
         if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             return [int(t) for t in prompt]
-        check_prompt(prompt)
+        prompt = check_prompt(prompt)
         if self.tokenizer is None:
             raise ValueError(f'prompt: {type(prompt).__name__} given, but {self.model_name} has no '
                              f'tokenizer; pass token ids (a list of int)')

@@ -246,10 +246,12 @@ def as_batch(prompts) -> tuple[bool, list]:
 
 
 def check_prompt(prompt):
-    """ValueError naming what is wrong with a prompt that is not token ids."""
+    """The prompt, or ValueError naming what is wrong with one that is not token ids. A chat
+    message's content may be OpenAI's list of text parts (`[{'type': 'text', 'text': ...}]`):
+    joined into one string, as the server joins them."""
     if isinstance(prompt, str):
         _check_text('prompt', prompt)
-        return
+        return prompt
     if not isinstance(prompt, list):
         raise ValueError(f'prompt: {type(prompt).__name__} is not a str, a list of token ids '
                          f'or a list of chat messages')
@@ -259,22 +261,39 @@ def check_prompt(prompt):
         bad = next(i for i, t in enumerate(prompt) if not is_int(t))
         raise ValueError(f'prompt[{bad}]={short_repr(prompt[bad])}: token ids must be ints '
                          f'(a prompt is a str, a list of token ids or a list of chat messages)')
-    for i, message in enumerate(prompt):
-        if not isinstance(message, dict):
-            raise ValueError(f'prompt[{i}]={short_repr(message)}: a chat message is a dict '
-                             f"with 'role' and 'content'")
-        role, content = message.get('role'), message.get('content')
-        if role not in MESSAGE_ROLES:
-            raise ValueError(f'prompt[{i}].role={short_repr(role)}: must be one of {MESSAGE_ROLES}')
-        calls = message.get('tool_calls')
-        if calls is not None and (role != 'assistant' or not isinstance(calls, list)
-                                  or not all(isinstance(c, dict) for c in calls)):
-            raise ValueError(f'prompt[{i}].tool_calls={short_repr(calls)}: a list of dicts, '
-                             f'in assistant messages only')
-        if not isinstance(content, str) and not (content is None and calls):
-            raise ValueError(f'prompt[{i}].content={short_repr(content)}: must be a str')
-        if content is not None:
-            _check_text(f'prompt[{i}].content', content)
+    return [_check_message(i, message) for i, message in enumerate(prompt)]
+
+
+def _check_message(i: int, message) -> dict:
+    if not isinstance(message, dict):
+        raise ValueError(f'prompt[{i}]={short_repr(message)}: a chat message is a dict '
+                         f"with 'role' and 'content'")
+    role, content = message.get('role'), message.get('content')
+    if role not in MESSAGE_ROLES:
+        raise ValueError(f'prompt[{i}].role={short_repr(role)}: must be one of {MESSAGE_ROLES}')
+    calls = message.get('tool_calls')
+    if calls is not None and (role != 'assistant' or not isinstance(calls, list)
+                              or not all(isinstance(c, dict) for c in calls)):
+        raise ValueError(f'prompt[{i}].tool_calls={short_repr(calls)}: a list of dicts, '
+                         f'in assistant messages only')
+    if isinstance(content, list):
+        content = ''.join(_part_text(f'prompt[{i}].content[{j}]', part)
+                          for j, part in enumerate(content))
+        message = {**message, 'content': content}
+    if not isinstance(content, str) and not (content is None and calls):
+        raise ValueError(f'prompt[{i}].content={short_repr(content)}: must be a str or a list '
+                         f"of text parts ({{'type': 'text', 'text': ...}})")
+    if content is not None:
+        _check_text(f'prompt[{i}].content', content)
+    return message
+
+
+def _part_text(name: str, part) -> str:
+    if not isinstance(part, dict) or part.get('type') != 'text' or not isinstance(
+            part.get('text'), str):
+        raise ValueError(f"{name}={short_repr(part)}: a content part here is {{'type': 'text', "
+                         f"'text': str}} (this engine's models read text only)")
+    return part['text']
 
 
 def check_tools(tools):

@@ -145,3 +145,18 @@ def test_min_new_tokens_holds_stop_words_too(pipe):
     assert (r.finish_reason, r.generate_token_len) == ('stop', 13)
     assert r.text == pipe.tokenizer.decode(r.token_ids).rsplit('(', 1)[0] and '(' in r.text
     assert ''.join(c.text for c in pipe.stream_infer(PROMPT, gen_config=gen)) == r.text
+
+
+def test_message_content_as_a_list_of_text_parts(pipe):
+    """OpenAI-style content lists, as lmdeploy takes them: text parts joined as the server joins
+    them; a part that is not text is refused, naming it."""
+    gen = GenerationConfig(max_new_tokens=6, ignore_eos=True)
+    parts = [{'role': 'system', 'content': [{'type': 'text', 'text': 'Be brief. '},
+                                            {'type': 'text', 'text': 'Write code.'}]},
+             {'role': 'user', 'content': [{'type': 'text', 'text': 'add two numbers'}]}]
+    joined = [{'role': 'system', 'content': 'Be brief. Write code.'},
+              {'role': 'user', 'content': 'add two numbers'}]
+    assert pipe(parts, gen_config=gen).token_ids == pipe(joined, gen_config=gen).token_ids
+    image = [{'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': 'x'}}]}]
+    with pytest.raises(ValueError, match=r"^prompt\[0\]\.content\[0\]=.*'type': 'text'"):
+        pipe(image, gen_config=gen)
