@@ -17,10 +17,11 @@ from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_parser, temp
 from lmdeploy_lite.text_stream import (POLL_S, Backlog, TextStream, _AsyncFanout, _AsyncRequest,
                                        _News, as_batch, batch_decoder, check_prompt,
                                        check_template_kwargs, check_tools, detokenize,
-                                       token_logprobs)
+                                       per_prompt_configs, token_logprobs)
 from lmdeploy_lite.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | list[dict]
+GenConfigs = GenerationConfig | list[GenerationConfig] | None    # one for all, or one per prompt
 EMBEDDED_MODEL_DIR = os.path.join(os.path.dirname(__file__), 'assets', 'qwen3_5_moe_tiny')
 REPO_ID = re.compile(r'^[\w.-]+/[\w.-]+$')          # 'Qwen/Qwen3.5-0.8B'
 MODEL_FILES = ['*.json', '*.safetensors', '*.jinja', '*.model', '*.txt', '*.tiktoken']
@@ -199,10 +200,11 @@ class Pipeline:
                              f"an assistant message's tool_calls")
 
     # ---- batch and streaming --------------------------------------------------------------
-    def __call__(self, prompts: Prompt | Seq[Prompt], gen_config: GenerationConfig | None = None,
+    def __call__(self, prompts: Prompt | Seq[Prompt], gen_config: GenConfigs = None,
                  tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
                  ) -> Response | list[Response]:
-        """A request that fails in the engine comes back with finish_reason 'error' and the
+        """`gen_config`: one for every prompt, or a list of one per prompt (the same n; as
+        lmdeploy). A request that fails in the engine comes back with finish_reason 'error' and the
         reason in Response.error (the other prompts are unaffected); a stopped or closed engine
         raises RuntimeError. `tools`, `chat_template_kwargs`: for every prompt, see `encode`.
         With gen_config.n > 1: every prompt's n choices, flattened (Response.index =
@@ -210,12 +212,11 @@ class Pipeline:
         single, batch = as_batch(prompts)
         final = {r.index: r for r in self._stream(batch, gen_config, True, tools,
                                                   chat_template_kwargs)}
-        n = 1 if gen_config is None else gen_config.n
+        n = per_prompt_configs(gen_config, len(batch))[0].n
         responses = [final[i] for i in range(len(batch) * n)]
         return responses[0] if single and n == 1 else responses
 
-    def stream_infer(self, prompts: Prompt | Seq[Prompt],
-                     gen_config: GenerationConfig | None = None,
+    def stream_infer(self, prompts: Prompt | Seq[Prompt], gen_config: GenConfigs = None,
                      tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
                      ) -> Iterator[Response]:
         """Yields incremental responses (this chunk's text and token ids), each with its index
@@ -230,12 +231,13 @@ class Pipeline:
         """All requests share one Channel: one inbox message per engine step, whatever the
         batch; their text is decoded in bulk (while they run only when streamed)."""
         self._check_open()
-        gen_config = GenerationConfig() if gen_config is None else gen_config
+        configs = per_prompt_configs(gen_config, len(prompts))
         token_lists = [self.encode(p, tools, chat_template_kwargs) for p in prompts]
         inbox: queue.Queue = queue.Queue()
-        handles = self._submit(token_lists, gen_config, Channel(inbox.put))
-        n = gen_config.n
-        streams = [TextStream(gen_config, stream=not cumulative) for _ in handles]
+        handles = self._submit(token_lists, configs, Channel(inbox.put))
+        n = configs[0].n
+        streams = [TextStream(configs[i // n], stream=not cumulative)
+                   for i in range(len(handles))]
         thoughts = [self.reasoning_parser(token_lists[i // n]) if self.reasoning and
                     isinstance(prompts[i // n], list) and isinstance(prompts[i // n][0], dict)
                     else None for i in range(len(handles))]
@@ -257,7 +259,7 @@ class Pipeline:
                         backlogs[i] = Backlog(item, delta)
                     if cumulative and not item.finished:
                         continue
-                    r = self._response(i, backlogs[i], token_lists[i // n], gen_config)
+                    r = self._response(i, backlogs[i], token_lists[i // n], configs[i // n])
                     if thoughts[i] is not None:
                         r.reasoning_content, r.text = thoughts[i].feed(r.text, item.finished)
                     yield r
@@ -270,7 +272,8 @@ class Pipeline:
         submitted); choice `index` (= prompt_index * n + i) tagged `tag_of(index)`, its
         hidden-states file named `request_id` (None: a random name), of several choices
         `request_id-index`. Their handles, in index order."""
-        n = getattr(gen_config, 'n', 1)          # a bad gen_config: the client names it
+        config = gen_config[0] if isinstance(gen_config, list) and gen_config else gen_config
+        n = getattr(config, 'n', 1)               # a bad gen_config: the client names it
         total = len(prompts) * n
         names = [request_id if request_id is None or total == 1 else f'{request_id}-{index}'
                  for index in range(total)]

@@ -245,6 +245,24 @@ def as_batch(prompts) -> tuple[bool, list]:
     return True, [prompts]
 
 
+def per_prompt_configs(gen_config, num_prompts: int) -> list:
+    """Each prompt's GenerationConfig: `gen_config` for all (None: the defaults), or, as lmdeploy
+    takes it, a list with one per prompt (all with the same n, so that choice i of prompt p is
+    Response.index p * n + i)."""
+    if not isinstance(gen_config, (list, tuple)):
+        return [GenerationConfig() if gen_config is None else gen_config] * num_prompts
+    if len(gen_config) != num_prompts:
+        raise ValueError(f'gen_config: a list of {len(gen_config)} configs for {num_prompts} '
+                         f'prompts; give one GenerationConfig, or one per prompt')
+    configs = [GenerationConfig() if c is None else c for c in gen_config]
+    counts = [getattr(c, 'n', 1) for c in configs]
+    bad = next((i for i, n in enumerate(counts) if n != counts[0]), None)
+    if bad is not None:
+        raise ValueError(f'gen_config[{bad}].n={counts[bad]}: every prompt of a batch needs the '
+                         f'same n (gen_config[0].n={counts[0]})')
+    return configs
+
+
 def check_prompt(prompt):
     """The prompt, or ValueError naming what is wrong with one that is not token ids. A chat
     message's content may be OpenAI's list of text parts (`[{'type': 'text', 'text': ...}]`):

@@ -160,3 +160,23 @@ def test_message_content_as_a_list_of_text_parts(pipe):
     image = [{'role': 'user', 'content': [{'type': 'image_url', 'image_url': {'url': 'x'}}]}]
     with pytest.raises(ValueError, match=r"^prompt\[0\]\.content\[0\]=.*'type': 'text'"):
         pipe(image, gen_config=gen)
+
+
+def test_one_generation_config_per_prompt(pipe):
+    """lmdeploy's gen_config may be a list, one per prompt: each prompt runs with its own."""
+    prompts = [PROMPT, 'def mul(a, b):\n']
+    configs = [GenerationConfig(max_new_tokens=3, ignore_eos=True),
+               GenerationConfig(max_new_tokens=5, ignore_eos=True, logprobs=2)]
+    together = pipe(prompts, gen_config=configs)
+    alone = [pipe(p, gen_config=c) for p, c in zip(prompts, configs)]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [len(r.token_ids) for r in together] == [3, 5]
+    assert together[0].logprobs is None and len(together[1].logprobs) == 5
+    streamed = {}
+    for chunk in pipe.stream_infer(prompts, gen_config=configs):
+        streamed.setdefault(chunk.index, []).extend(chunk.token_ids)
+    assert [streamed[i] for i in range(2)] == [r.token_ids for r in alone]
+    with pytest.raises(ValueError, match=r'^gen_config: a list of 1 configs for 2 prompts'):
+        pipe(prompts, gen_config=configs[:1])
+    with pytest.raises(ValueError, match=r'^gen_config\[1\]\.n=2: every prompt'):
+        pipe(prompts, gen_config=[configs[0], GenerationConfig(n=2, max_new_tokens=2)])

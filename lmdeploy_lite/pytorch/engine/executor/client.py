@@ -219,24 +219,28 @@ class RankClient:
     def submit_groups(self, prompts: list[list[int]], gen_config: GenerationConfig, sink: Sink,
                       tags: list[list], request_ids: list[list[str | None]] | None = None
                       ) -> list[list[RequestHandle]]:
-        """`submit_group` for each prompt (`tags[p]`, `request_ids[p]` its choices'), all
-        validated before any is submitted, and each rank told in one inbox message: a batch that
-        arrives together is admitted by one step."""
+        """`submit_group` for each prompt (`tags[p]`, `request_ids[p]` its choices'; `gen_config`
+        one for all, or a list: prompt p's is `gen_config[p]`), all validated before any is
+        submitted, and each rank told in one inbox message: a batch that arrives together is
+        admitted by one step."""
         if self.error is not None:
             raise RuntimeError(f'the engine stopped after an error: {self.error}')
         if self._closing:
             raise RuntimeError('the engine is closed')
-        n = getattr(gen_config, 'n', 1)
+        configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(prompts)
         request_ids = [[None] * len(t) for t in tags] if request_ids is None else request_ids
-        for token_ids, choice_tags, ids in zip(prompts, tags, request_ids, strict=True):
+        for token_ids, config, choice_tags, ids in zip(prompts, configs, tags, request_ids,
+                                                       strict=True):
+            n = getattr(config, 'n', 1)
             if len(choice_tags) != n or len(ids) != n:
                 raise ValueError(f'n={n}: {len(choice_tags)} request tags and {len(ids)} request '
                                  f'ids given, one of each per choice needed')
-            self.validate_request(token_ids, gen_config)
+            self.validate_request(token_ids, config)
         request_ids = [[uuid.uuid4().hex if r is None else check_request_id(r) for r in ids]
                        for ids in request_ids]
         groups, events = [], {}
-        for token_ids, choice_tags, ids in zip(prompts, tags, request_ids):
+        for token_ids, gen_config, choice_tags, ids in zip(prompts, configs, tags, request_ids):
+            n = len(choice_tags)
             cached = self._cached_tokens(token_ids)
             with self._lock:
                 # the rank that holds the longest cached prefix, unless it is a whole batch
