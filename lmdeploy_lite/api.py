@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import queue
 import re
@@ -17,7 +18,7 @@ from lmdeploy_lite.reasoning import PARSERS, ReasoningParser, reply_parser, temp
 from lmdeploy_lite.text_stream import (POLL_S, Backlog, TextStream, _AsyncFanout, _AsyncRequest,
                                        _News, as_batch, batch_decoder, check_prompt,
                                        check_template_kwargs, check_tools, detokenize,
-                                       per_prompt_configs, token_logprobs)
+                                       lmdeploy_prompts, per_prompt_configs, token_logprobs)
 from lmdeploy_lite.tokenizer import load_tokenizer
 
 Prompt = str | list[int] | list[dict]
@@ -201,15 +202,17 @@ class Pipeline:
 
     # ---- batch and streaming --------------------------------------------------------------
     def __call__(self, prompts: Prompt | Seq[Prompt], gen_config: GenConfigs = None,
-                 tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
-                 ) -> Response | list[Response]:
+                 tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                 **lmdeploy_kwargs) -> Response | list[Response]:
         """`gen_config`: one for every prompt, or a list of one per prompt (the same n; as
         lmdeploy). A request that fails in the engine comes back with finish_reason 'error' and the
         reason in Response.error (the other prompts are unaffected); a stopped or closed engine
         raises RuntimeError. `tools`, `chat_template_kwargs`: for every prompt, see `encode`.
         With gen_config.n > 1: every prompt's n choices, flattened (Response.index =
-        prompt_index * n + i), a list even for a single prompt."""
+        prompt_index * n + i), a list even for a single prompt. lmdeploy's `do_preprocess`,
+        `adapter_name`, `use_tqdm`: see `lmdeploy_prompts`."""
         single, batch = as_batch(prompts)
+        batch = lmdeploy_prompts(batch, **lmdeploy_kwargs)
         final = {r.index: r for r in self._stream(batch, gen_config, True, tools,
                                                   chat_template_kwargs)}
         n = per_prompt_configs(gen_config, len(batch))[0].n
@@ -217,13 +220,13 @@ class Pipeline:
         return responses[0] if single and n == 1 else responses
 
     def stream_infer(self, prompts: Prompt | Seq[Prompt], gen_config: GenConfigs = None,
-                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
-                     ) -> Iterator[Response]:
+                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                     **lmdeploy_kwargs) -> Iterator[Response]:
         """Yields incremental responses (this chunk's text and token ids), each with its index
         (with gen_config.n > 1: prompt_index * n + i); a failed request's last chunk has
         finish_reason 'error' (see __call__)."""
-        yield from self._stream(as_batch(prompts)[1], gen_config, False, tools,
-                                chat_template_kwargs)
+        batch = lmdeploy_prompts(as_batch(prompts)[1], **lmdeploy_kwargs)
+        yield from self._stream(batch, gen_config, False, tools, chat_template_kwargs)
 
     def _stream(self, prompts: list[Prompt], gen_config, cumulative: bool,
                 tools: list[dict] | None = None, chat_template_kwargs: dict | None = None
@@ -378,6 +381,19 @@ class Pipeline:
         self.close()
 
 
-def pipeline(*args, **kwargs) -> Pipeline:
-    """`Pipeline(*args, **kwargs)`: every argument as Pipeline takes it."""
+LMDEPLOY_LOG_LEVELS = ('CRITICAL', 'FATAL', 'ERROR', 'WARN', 'WARNING', 'INFO', 'DEBUG')
+
+
+def pipeline(*args, log_level: str | None = None, max_log_len: int | None = None,
+             trust_remote_code: bool = False, chat_template_config=None, **kwargs) -> Pipeline:
+    """`Pipeline(*args, **kwargs)`: every argument as Pipeline takes it; and lmdeploy's
+    `log_level` (this package's loggers), `max_log_len` and `trust_remote_code` (accepted: no
+    prompt is logged, and Qwen3.5 is built here, not from a checkpoint's code)."""
+    if chat_template_config is not None:
+        raise ValueError("chat_template_config: lmdeploy's ChatTemplateConfig is not taken "
+                         "here; pass chat_template= a Jinja template or its file")
+    if log_level is not None:
+        if str(log_level).upper() not in LMDEPLOY_LOG_LEVELS:
+            raise ValueError(f'log_level={log_level!r}: must be one of {LMDEPLOY_LOG_LEVELS}')
+        logging.getLogger('lmdeploy_lite').setLevel(str(log_level).upper())
     return Pipeline(*args, **kwargs)

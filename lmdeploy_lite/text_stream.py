@@ -245,6 +245,23 @@ def as_batch(prompts) -> tuple[bool, list]:
     return True, [prompts]
 
 
+def lmdeploy_prompts(prompts: list, do_preprocess: bool | None = None,
+                     adapter_name: str | None = None, use_tqdm: bool = False) -> list:
+    """The prompts under lmdeploy's pipeline arguments: `do_preprocess=True` sends a str through
+    the chat template as a user message (None, the default here, and False: a str is plain
+    text; chat messages always go through the template); `adapter_name` (LoRA) only None;
+    `use_tqdm` accepted (no progress bar: it changes no output)."""
+    if adapter_name is not None:
+        raise ValueError(f'adapter_name={short_repr(adapter_name)}: LoRA adapters are not '
+                         f'supported; only None')
+    if not isinstance(use_tqdm, bool) or do_preprocess not in (None, True, False):
+        raise ValueError(f'use_tqdm={short_repr(use_tqdm)}, do_preprocess='
+                         f'{short_repr(do_preprocess)}: must be bools (do_preprocess: or None)')
+    if not do_preprocess:
+        return prompts
+    return [[{'role': 'user', 'content': p}] if isinstance(p, str) else p for p in prompts]
+
+
 def per_prompt_configs(gen_config, num_prompts: int) -> list:
     """Each prompt's GenerationConfig: `gen_config` for all (None: the defaults), or, as lmdeploy
     takes it, a list with one per prompt (all with the same n, so that choice i of prompt p is

@@ -180,3 +180,35 @@ def test_one_generation_config_per_prompt(pipe):
         pipe(prompts, gen_config=configs[:1])
     with pytest.raises(ValueError, match=r'^gen_config\[1\]\.n=2: every prompt'):
         pipe(prompts, gen_config=[configs[0], GenerationConfig(n=2, max_new_tokens=2)])
+
+
+def test_lmdeploys_pipeline_arguments(pipe):
+    """do_preprocess=True templates a str prompt as a user message; adapter_name=None and
+    use_tqdm are accepted; what would change the output is refused, naming it."""
+    gen = GenerationConfig(max_new_tokens=4, ignore_eos=True)
+    templated = pipe([{'role': 'user', 'content': PROMPT}], gen_config=gen).token_ids
+    assert pipe(PROMPT, gen_config=gen, do_preprocess=True).token_ids == templated
+    plain = pipe(PROMPT, gen_config=gen).token_ids
+    assert pipe(PROMPT, gen_config=gen, do_preprocess=False, adapter_name=None,
+                use_tqdm=True).token_ids == plain
+    chunks = pipe.stream_infer([PROMPT], gen_config=gen, do_preprocess=True)
+    assert [t for c in chunks for t in c.token_ids] == templated
+    with pytest.raises(ValueError, match=r"^adapter_name='lora1': LoRA adapters"):
+        pipe(PROMPT, gen_config=gen, adapter_name='lora1')
+    with pytest.raises(TypeError):
+        pipe(PROMPT, gen_config=gen, adaptor_name=None)           # a typo stays visible
+
+
+def test_lmdeploys_pipeline_construction_arguments():
+    with pytest.raises(ValueError, match=r'^chat_template_config: '):
+        pipeline(backend_config=ENGINE, chat_template_config=object())
+    with pytest.raises(ValueError, match=r"^log_level='LOUD': must be one of"):
+        pipeline(backend_config=ENGINE, log_level='LOUD')
+    import logging
+    try:
+        with pipeline(backend_config=ENGINE, log_level='info', max_log_len=10,
+                      trust_remote_code=True, progress=False, num_threads=1) as p:
+            assert logging.getLogger('lmdeploy_lite').level == logging.INFO
+            assert len(p(PROMPT, GenerationConfig(max_new_tokens=2)).token_ids) >= 1
+    finally:
+        logging.getLogger('lmdeploy_lite').setLevel(logging.NOTSET)
