@@ -309,12 +309,15 @@ class Pipeline:
                   gen_config: GenerationConfig) -> Response:
         """What a consumer has not taken yet (a step's output, or several merged), as one."""
         out, ids = backlog.last, backlog.token_ids
-        return Response(text=backlog.text, token_ids=ids, input_token_len=len(prompt_ids),
-                        generate_token_len=out.num_generated, index=index,
-                        finish_reason=out.finish_reason if out.finished else None,
-                        spec_stats=out.spec_stats, **out.response_fields(),
-                        logprobs=None if gen_config.logprobs is None else
-                        token_logprobs(ids, backlog.logprobs))
+        # Response's first fields by position, the rest set: by keyword, its fields cost twice
+        # as much (~1 us more a chunk)
+        r = Response(backlog.text, ids, len(prompt_ids), out.num_generated,
+                     out.finish_reason if out.finished else None, index, out.spec_stats)
+        for name in out.RESPONSE_FIELDS:
+            setattr(r, name, getattr(out, name))
+        if gen_config.logprobs is not None:
+            r.logprobs = token_logprobs(ids, backlog.logprobs)
+        return r
 
     # ---- async (the server) ---------------------------------------------------------------
     async def generate(self, prompt: Prompt, gen_config: GenerationConfig | None = None,
