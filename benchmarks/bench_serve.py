@@ -199,19 +199,31 @@ def preset_model_dir(name: str) -> str:
     """A preset's model directory (config.json, for `--load-format dummy`) with a word-level
     tokenizer of the preset's vocabulary (token i is the word `t<i>`), so that a random-weight
     model of a real shape serves text: every id decodes, and detokenizing costs what a real
-    vocabulary's does per token."""
+    vocabulary's does per token. Made once per preset config in the temp directory (~6 MB; it was
+    a new one each run) and reused."""
+    import hashlib
+    import shutil
     import tempfile
 
     from presets import preset_config, write_preset
     from tokenizers import Tokenizer, models, pre_tokenizers
-    path = write_preset(name, tempfile.mkdtemp(prefix=f'bench_serve_{name}_'))
-    vocab_size = preset_config(name)['vocab_size']
+    config = preset_config(name)
+    digest = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
+    path = os.path.join(tempfile.gettempdir(), f'bench_serve_{name}_{digest}')
+    if os.path.isfile(os.path.join(path, 'tokenizer_config.json')):
+        return path
+    work = write_preset(name, tempfile.mkdtemp(prefix=f'bench_serve_{name}_'))
+    vocab_size = config['vocab_size']
     tokenizer = Tokenizer(models.WordLevel({f't{i}': i for i in range(vocab_size)}, unk_token='t0'))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(os.path.join(path, 'tokenizer.json'))
-    with open(os.path.join(path, 'tokenizer_config.json'), 'w') as f:
+    tokenizer.save(os.path.join(work, 'tokenizer.json'))
+    with open(os.path.join(work, 'tokenizer_config.json'), 'w') as f:
         json.dump({'tokenizer_class': 'PreTrainedTokenizerFast', 'unk_token': 't0',
                    'clean_up_tokenization_spaces': False}, f)
+    try:
+        os.rename(work, path)                 # whole, or not at all (another run made it first)
+    except OSError:
+        shutil.rmtree(work, ignore_errors=True)
     return path
 
 
