@@ -3,8 +3,9 @@
 route is a function of one ServerContext (checks.py) and the request; checks.py checks a request,
 streaming.py runs it (to the end or streamed), responses.py writes what it sends.
 
-A request travels: API key (middleware) -> body read against the size limit (413) -> off the event
-loop: JSON, validation, tokenization, the length checks (400 naming the field) -> the engine.
+A request travels: API key (middleware) -> body read against the size limit (413) -> JSON,
+validation, tokenization, the length checks (400 naming the field; a large body's off the event
+loop) -> the engine.
 Nothing a request holds reaches the engine unchecked, and no failure answers with a traceback. If
 the engine dies for good, every open request ends with an error and the server shuts down.
 """

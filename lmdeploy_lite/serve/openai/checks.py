@@ -20,6 +20,7 @@ from lmdeploy_lite.serve.openai.metrics import ServerMetrics
 # GenerationConfig's field names as the OpenAI API spells them (for error messages)
 API_FIELD_NAMES = {'max_new_tokens': 'max_tokens', 'random_seed': 'seed', 'stop_words': 'stop'}
 QUEUE_FACTOR = 4                       # default requests in flight: batches of the engine's
+INLINE_CHECK_BYTES = 4096              # a body this small is checked on the event loop
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,13 @@ class ServerContext:
 
 
 async def read_checked(ctx: ServerContext, request: Request, check):
+    """The body, read, then `check(ctx, body)`: a small one on the event loop (~0.2 ms a KiB on
+    the 2-core CPU), a larger one in a worker thread, so that no request stalls the streams for
+    long. The hop to a thread and back cost more than a small check, and in a burst of arrivals
+    the threads fought the loop for the GIL: 256 requests of 0.7 KiB took 25% more CPU."""
     body = await read_body(request, ctx.limits.max_request_bytes)
+    if len(body) <= INLINE_CHECK_BYTES:
+        return check(ctx, body)
     return await asyncio.to_thread(check, ctx, body)
 
 
