@@ -10,6 +10,7 @@ time per streamed chunk and per request, and how many tokens a chunk carried.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import queue
 import random
@@ -120,9 +121,9 @@ def in_process(args) -> dict:
     """The app alone (no sockets, no uvicorn): `concurrency` streamed /v1/completions requests
     driven through ASGI in this process, on uvloop and with startup's objects frozen out of the
     collector as `serve` runs them; CPU time per chunk of the whole process (the synthetic engine
-    thread included). Quieter than the socket run: no client shares the machine."""
+    thread included); TTFT and the gaps between a stream's chunks (ITL). Quieter than the socket
+    run: no client shares the machine."""
     import asyncio
-    import json
 
     import lmdeploy_lite.api as api
     from lmdeploy_lite.serve.openai.api_server import create_app, settle_collector
@@ -134,37 +135,17 @@ def in_process(args) -> dict:
     app = create_app(pipe, 'synthetic')
     settle_collector()                       # as serve() does
     prompts = make_prompts(args.num_prompts, args.input_words, 0)
-    chunks, ttfts = 0, []
+    chunks, ttfts, gaps = 0, [], []
 
     async def one(prompt: str):
         nonlocal chunks
         body = json.dumps({'prompt': prompt, 'max_tokens': args.output_len, 'stream': True,
                            'ignore_eos': True}).encode()
-        scope = {'type': 'http', 'asgi': {'version': '3.0'}, 'http_version': '1.1',
-                 'method': 'POST', 'scheme': 'http', 'path': '/v1/completions',
-                 'raw_path': b'/v1/completions', 'query_string': b'', 'root_path': '',
-                 'headers': [(b'host', b'127.0.0.1'), (b'content-type', b'application/json'),
-                             (b'content-length', str(len(body)).encode())],
-                 'client': ('127.0.0.1', 1), 'server': ('127.0.0.1', 2), 'state': {}}
-        sent, done, start = [False], asyncio.Event(), time.perf_counter()
-
-        async def receive():
-            if not sent[0]:
-                sent[0] = True
-                return {'type': 'http.request', 'body': body, 'more_body': False}
-            await done.wait()
-            return {'type': 'http.disconnect'}
-
-        async def send(message):
-            nonlocal chunks
-            if message['type'] == 'http.response.body' and message.get('body'):
-                if not chunks_of_this[0]:
-                    ttfts.append(time.perf_counter() - start)
-                chunks_of_this[0] += 1
-                chunks += message['body'].count(b'data: ')
-        chunks_of_this = [0]
-        await app(scope, receive, send)
-        done.set()
+        times, start = [], time.perf_counter()
+        events = await post_stream(app, '/v1/completions', body, times)
+        chunks += events                     # not `chunks += await ...`: it reads chunks first
+        ttfts.append(times[0] - start)
+        gaps.extend(b - a for a, b in zip(times, times[1:]))
 
     async def main():
         limit = asyncio.Semaphore(args.concurrency)
@@ -174,6 +155,7 @@ def in_process(args) -> dict:
                 await one(prompt)
         await one(prompts[0])                    # warm-up
         ttfts.clear()
+        gaps.clear()
         start_cpu, start = time.process_time(), time.perf_counter()
         await asyncio.gather(*map(limited, prompts))
         return time.process_time() - start_cpu, time.perf_counter() - start
@@ -189,7 +171,36 @@ def in_process(args) -> dict:
     return {'concurrency': args.concurrency, 'requests': len(prompts), 'chunks': n,
             'wall_s': wall, 'cpu_s': cpu, 'cpu_us_per_chunk': 1e6 * cpu / n,
             'tokens_per_chunk': len(prompts) * args.output_len / n,
-            'ttft_median_ms': 1e3 * statistics.median(ttfts), 'ttft_max_ms': 1e3 * max(ttfts)}
+            'ttft_median_ms': 1e3 * statistics.median(ttfts), 'ttft_max_ms': 1e3 * max(ttfts),
+            'itl_p99_ms': 1e3 * sorted(gaps)[int(0.99 * len(gaps))], 'itl_max_ms': 1e3 * max(gaps)}
+
+
+async def post_stream(app, path: str, body: bytes, times: list[float]) -> int:
+    """POST `body` to `path` of the ASGI `app` in this process; the time each non-empty body
+    message came is appended to `times`; returns the server-sent events received."""
+    import asyncio
+    scope = {'type': 'http', 'asgi': {'version': '3.0'}, 'http_version': '1.1',
+             'method': 'POST', 'scheme': 'http', 'path': path, 'raw_path': path.encode(),
+             'query_string': b'', 'root_path': '',
+             'headers': [(b'host', b'127.0.0.1'), (b'content-type', b'application/json'),
+                         (b'content-length', str(len(body)).encode())],
+             'client': ('127.0.0.1', 1), 'server': ('127.0.0.1', 2), 'state': {}}
+    sent, done, events = [False], asyncio.Event(), [0]
+
+    async def receive():
+        if not sent[0]:
+            sent[0] = True
+            return {'type': 'http.request', 'body': body, 'more_body': False}
+        await done.wait()
+        return {'type': 'http.disconnect'}
+
+    async def send(message):
+        if message['type'] == 'http.response.body' and message.get('body'):
+            times.append(time.perf_counter())
+            events[0] += message['body'].count(b'data: ')
+    await app(scope, receive, send)
+    done.set()
+    return events[0]
 
 
 def cpu_seconds(pid: int) -> float:
