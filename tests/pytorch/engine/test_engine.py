@@ -147,3 +147,22 @@ def test_seeded_sampling_does_not_depend_on_chunking_or_batch(spec, tiny_ckpt):
     while chunked.has_work:
         chunked.step()
     assert seqs[1].generated_ids == want
+
+
+def test_step_outputs_cross_a_pickle_whole_and_without_their_sequence(tiny_ckpt):
+    """What a rank sends the front-end each step: every field as it stood, the live Sequence
+    left behind."""
+    import pickle
+    engine = build_engine(tiny_ckpt(True), PytorchEngineConfig(dtype='float32', device='cpu'),
+                          progress=False)
+    engine.add_request(list(range(3, 11)), GenerationConfig(max_new_tokens=3, ignore_eos=True,
+                                                            logprobs=1))
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    assert outputs and outputs[-1].finished
+    for out in outputs:
+        back = pickle.loads(pickle.dumps(out))
+        assert back.seq is None and out.seq is not None
+        assert all(getattr(back, name) == getattr(out, name)
+                   for name in type(out).__slots__ if name != 'seq')
