@@ -239,7 +239,7 @@ class RankClient:
         request_ids = [[uuid.uuid4().hex if r is None else check_request_id(r) for r in ids]
                        for ids in request_ids]
         groups, events = [], {}
-        for token_ids, gen_config, choice_tags, ids in zip(prompts, configs, tags, request_ids):
+        for token_ids, config, choice_tags, ids in zip(prompts, configs, tags, request_ids):
             n = len(choice_tags)
             cached = self._cached_tokens(token_ids)
             with self._lock:
@@ -259,7 +259,7 @@ class RankClient:
                 self._live.update(zip(rids, handles))
             groups.append(handles)
             events.setdefault(dp_rank * self.dist_config.tp, []).append(
-                ('add', (rids, list(token_ids), gen_config, ids)))
+                ('add', (rids, list(token_ids), config, ids)))
         for inbox, items in events.items():
             self._inboxes[inbox].put(items[0] if len(items) == 1 else ('batch', items))
         return groups
