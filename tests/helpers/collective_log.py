@@ -29,3 +29,23 @@ def read_steps(directory: str, rank: int) -> list[list[tuple]]:
     with open(os.path.join(directory, f'rank{rank}')) as f:
         return [[(op, group, tuple(shape), dtype) for op, group, shape, dtype in json.loads(line)]
                 for line in f]
+
+
+def count_object_broadcasts(engine):
+    """A worker hook: each `torch.distributed.broadcast_object_list` call of this rank's process
+    appends a line to `broadcasts{rank}` in COLLECTIVE_LOG_DIR (`read_broadcasts`)."""
+    import torch.distributed as dist
+    path = os.path.join(os.environ[COLLECTIVE_LOG_DIR], f'broadcasts{engine.dist.rank}')
+    open(path, 'w').close()
+    real = dist.broadcast_object_list
+
+    def counted(*args, **kwargs):
+        with open(path, 'a') as f:
+            f.write('broadcast_object_list\n')
+        return real(*args, **kwargs)
+    dist.broadcast_object_list = counted
+
+
+def read_broadcasts(directory: str, rank: int) -> int:
+    with open(os.path.join(directory, f'broadcasts{rank}')) as f:
+        return len(f.read().splitlines())

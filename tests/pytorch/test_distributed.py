@@ -21,7 +21,8 @@ from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.executor.mp import MPEngineLoop
 from tests.helpers import accepting
 from tests.helpers.accepting import assert_matches_reference
-from tests.helpers.broken import rank0_steps_slowly, run_requests, skip_dummy_draft
+from tests.helpers.broken import Finished, rank0_steps_slowly, run_requests, skip_dummy_draft
+from tests.helpers.collective_log import COLLECTIVE_LOG_DIR, count_object_broadcasts, read_broadcasts
 from tests.helpers.forward_counts import FORWARD_COUNT_DIR, count_forwards, read_counts
 from tests.helpers.graph_buffers import GRAPH_REPLAY_DIR, graph_buffers, read_replays
 
@@ -132,6 +133,42 @@ def test_staggered_arrivals_limits_and_a_stop_inside_an_accepted_run():
     assert results[2].token_ids[-1] == stop and len(results[2].token_ids) == stop_pos + 1
     assert results[2].finish_reason == 'stop'
     assert [r.finish_reason for i, r in enumerate(results) if i != 2] == ['length'] * 3
+
+
+@pytest.mark.timeout(300)
+def test_tp2_peers_admit_staggered_requests_and_an_abort_alike(tmp_path):
+    """tp=2, k=3: a request arrives while another decodes and a third is aborted after its
+    first tokens. Each TP rank reads the events from its own inbox and both admit what both
+    have (StepPlan.fewest_events): the single process's tokens and draft counts, and no object
+    broadcast on either rank (the inbox is not shared by a collective of its own)."""
+    prompts = [list(p) for p in accepting.prompts()]
+    start, results = time.monotonic(), queue.Queue()
+    loop = MPEngineLoop(accepting.model_dir(), PytorchEngineConfig(tp=2, **accepting.BASE),
+                        accepting.spec(3), env={COLLECTIVE_LOG_DIR: str(tmp_path)},
+                        worker_hook=count_object_broadcasts)
+    try:
+        done = {i: Finished([], None) for i in range(3)}
+
+        def submit(i):
+            return loop.submit(prompts[i], accepting.GREEDY, lambda item: results.put((i, item)))
+        submit(0)
+        doomed = None
+        while done[0].finish_reason is None or done[1].finish_reason is None:
+            i, item = results.get(timeout=120)
+            assert not isinstance(item, BaseException), item
+            done[i].token_ids += item.new_token_ids
+            done[i].spec_stats = item.spec_stats
+            done[i].finish_reason = item.finish_reason if item.finished else None
+            if i == 0 and len(done[0].token_ids) >= 6 and doomed is None:
+                submit(1)                                       # arrives mid-run
+                doomed = submit(2)
+            elif i == 2 and done[2].token_ids and done[2].finish_reason is None:
+                loop.abort(doomed)
+    finally:
+        loop.close()
+    assert time.monotonic() - start < 240
+    assert_matches_reference([done[0], done[1]], 3, prompts[:2])
+    assert [read_broadcasts(str(tmp_path), r) for r in range(2)] == [0, 0]
 
 
 @pytest.mark.timeout(300)

@@ -57,6 +57,9 @@ class Engine:
         self.in_flight: InFlight | None = None           # async scheduling: a launched step
         self.next_batch: ScheduledBatch | None = None    # scheduled, runs in the next step
         self.num_continued_steps = 0       # decode steps launched before the host caught up
+        # the driver's inbox events received so far, and the fewest any TP peer had at the last
+        # plan: what every peer may admit (engine/step_plan.py; executor/rank_worker.py)
+        self.num_events_seen = self.num_events_agreed = 0
 
     @property
     def draft_policy(self):
@@ -189,7 +192,10 @@ class Engine:
         plan = StepPlan.gather(batch, self.dist, self.stop_requested,
                                sampled=not sampling.all_greedy,
                                num_spec=self.spec.choose_k(batch),
-                               mixed_budget=self.scheduler.propose_mixed_budget())
+                               mixed_budget=self.scheduler.propose_mixed_budget(),
+                               num_events=self.num_events_seen)
+        if self.dist.config.tp > 1:
+            self.num_events_agreed = plan.fewest_events(self.dist.plan.ranks, self.dist.tp.ranks)
         if plan.mixed_budget:                     # the next step's, the same on every rank
             self.scheduler.mixed_chunk = plan.mixed_budget
         self.stopped = plan.shutdown

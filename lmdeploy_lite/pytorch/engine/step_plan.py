@@ -24,7 +24,10 @@ Where each size comes from:
 The next step's mixed-step budget, when it follows measured step times (engine/mixed_budget.py),
 is agreed the same way: the smallest proposal, applied by every rank's scheduler to its next
 step. Whether a step ships extra data is in the plan too (`any_sampled`: TP rank 0's sampled drafts'
-distributions go to its peers), so every rank of the group runs the same collectives."""
+distributions go to its peers), so every rank of the group runs the same collectives. So is how
+many inbox events (requests, aborts, stop) each rank has received: TP peers each read the same
+events in the same order from their own inbox and admit, before the next step, as many as the
+fewest of them has (`fewest_events`): one collective a step, none of its own for admission."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,9 +38,9 @@ import torch
 from lmdeploy_lite.pytorch.model_inputs import ForwardSizes
 
 FIELDS = ('num_tokens', 'batch_size', 'is_decoding', 'has_work', 'shutdown', 'sampled', 'num_spec',
-          'mixed_budget')
+          'mixed_budget', 'num_events')
 (_NUM_TOKENS, _BATCH, _DECODING, _WORK, _SHUTDOWN, _SAMPLED, _NUM_SPEC,
- _MIXED_BUDGET) = range(len(FIELDS))
+ _MIXED_BUDGET, _NUM_EVENTS) = range(len(FIELDS))
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -55,22 +58,30 @@ class StepPlan:
 
     @staticmethod
     def local_row(batch, tp: int, shutdown: bool, sampled: bool = False, num_spec: int = 0,
-                  mixed_budget: int = 0) -> torch.Tensor:
+                  mixed_budget: int = 0, num_events: int = 0) -> torch.Tensor:
         """This rank's row: `sampled`: some row is not greedy; `num_spec`: this rank's proposal
         (a decode batch's tokens counted at that width); `mixed_budget`: its proposal for the
-        next step's mixed-step chunk tokens, beside each rank's own decode rows (0: none)."""
+        next step's mixed-step chunk tokens, beside each rank's own decode rows (0: none);
+        `num_events`: the inbox events it has received so far."""
         if batch is None:
-            return torch.tensor([0, 0, 0, 0, int(shutdown), 0, 0, 0], dtype=torch.int64)
+            return torch.tensor([0, 0, 0, 0, int(shutdown), 0, 0, 0, num_events],
+                                dtype=torch.int64)
         tokens = ((1 + num_spec) * len(batch.seqs) if batch.is_decoding else sum(batch.q_lens))
         return torch.tensor([round_up(tokens, tp), len(batch.seqs), int(batch.is_decoding), 1,
-                             int(shutdown), int(sampled), num_spec, mixed_budget],
+                             int(shutdown), int(sampled), num_spec, mixed_budget, num_events],
                             dtype=torch.int64)
 
     @classmethod
     def gather(cls, batch, dist_ctx, shutdown: bool = False, sampled: bool = False,
-               num_spec: int = 0, mixed_budget: int = 0) -> 'StepPlan':
-        row = cls.local_row(batch, dist_ctx.config.tp, shutdown, sampled, num_spec, mixed_budget)
+               num_spec: int = 0, mixed_budget: int = 0, num_events: int = 0) -> 'StepPlan':
+        row = cls.local_row(batch, dist_ctx.config.tp, shutdown, sampled, num_spec, mixed_budget,
+                            num_events)
         return cls(dist_ctx.plan.all_gather(row), dist_ctx.config.tp)
+
+    def fewest_events(self, plan_ranks: tuple[int, ...], tp_ranks: tuple[int, ...]) -> int:
+        """The fewest inbox events a rank of `tp_ranks` (this rank's TP group; the plan group
+        is `plan_ranks`, global ranks in row order) has received."""
+        return min(self._columns[_NUM_EVENTS][plan_ranks.index(r)] for r in tp_ranks)
 
     @cached_property
     def _columns(self) -> list[tuple[int, ...]]:

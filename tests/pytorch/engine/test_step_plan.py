@@ -16,14 +16,25 @@ def batch(q_lens, decoding):
 
 def test_row_is_fixed_shape_and_rounds_tokens_to_tp():
     assert StepPlan.local_row(batch([3, 4], False), tp=4, shutdown=False).tolist() == \
-        [8, 2, 0, 1, 0, 0, 0, 0]
+        [8, 2, 0, 1, 0, 0, 0, 0, 0]
     assert StepPlan.local_row(batch([1], True), tp=1, shutdown=False, sampled=True).tolist() == \
-        [1, 1, 1, 1, 0, 1, 0, 0]
+        [1, 1, 1, 1, 0, 1, 0, 0, 0]
     # a decode batch's tokens at the proposed draft count (its q_lens may be wider)
     assert StepPlan.local_row(batch([4, 4, 4], True), tp=2, shutdown=False,
-                              num_spec=2).tolist() == [10, 3, 1, 1, 0, 0, 2, 0]
-    assert StepPlan.local_row(None, tp=2, shutdown=True).tolist() == [0, 0, 0, 0, 1, 0, 0, 0]
+                              num_spec=2).tolist() == [10, 3, 1, 1, 0, 0, 2, 0, 0]
+    assert StepPlan.local_row(None, tp=2, shutdown=True).tolist() == [0, 0, 0, 0, 1, 0, 0, 0, 0]
     assert StepPlan.local_row(None, tp=1, shutdown=False).shape == (len(FIELDS),)
+    assert StepPlan.local_row(None, tp=2, shutdown=False, num_events=5).tolist()[-1] == 5
+
+
+def test_tp_peers_admit_the_fewest_events_any_of_them_has():
+    """The plan spans the world (ep > 1, tp=2): ranks 2 and 3 form a TP group; each admits
+    the events both have received, whatever ranks 0 and 1 have."""
+    rows = torch.stack([StepPlan.local_row(None, 2, False, num_events=n) for n in (9, 9, 4, 6)])
+    plan = StepPlan(rows, tp=2)
+    assert plan.fewest_events((0, 1, 2, 3), (2, 3)) == 4
+    assert plan.fewest_events((0, 1, 2, 3), (0, 1)) == 9
+    assert StepPlan(rows[2:], tp=2).fewest_events((2, 3), (2, 3)) == 4
 
 
 def test_sizes_are_functions_of_the_plan():
@@ -53,7 +64,7 @@ def test_plan_agrees_on_the_smallest_mixed_budget():
 def test_single_process_gather_runs_no_collective():
     ctx = DistContext.single()
     plan = StepPlan.gather(batch([5], False), ctx)
-    assert plan.rows.tolist() == [[5, 1, 0, 1, 0, 0, 0, 0]] and ctx.trace == []
+    assert plan.rows.tolist() == [[5, 1, 0, 1, 0, 0, 0, 0, 0]] and ctx.trace == []
 
 
 def test_the_plan_spans_the_ranks_that_share_collectives():

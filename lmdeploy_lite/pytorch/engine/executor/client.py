@@ -147,6 +147,7 @@ class RankClient:
         self._max_batch_size = cfg.max_batch_size
         self._next_rid = 0
         self._lock = threading.Lock()
+        self._post_lock = threading.Lock()      # an event reaches a DP rank's TP ranks in turn
         self._closing = False
         self._worker_hook = worker_hook
         try:
@@ -258,14 +259,22 @@ class RankClient:
                     self._busy_since = time.monotonic()
                 self._live.update(zip(rids, handles))
             groups.append(handles)
-            events.setdefault(dp_rank * self.dist_config.tp, []).append(
-                ('add', (rids, list(token_ids), config, ids)))
-        for inbox, items in events.items():
-            self._inboxes[inbox].put(items[0] if len(items) == 1 else ('batch', items))
+            events.setdefault(dp_rank, []).append(('add', (rids, list(token_ids), config, ids)))
+        for dp_rank, items in events.items():
+            self._post(dp_rank, items[0] if len(items) == 1 else ('batch', items))
         return groups
 
     def abort(self, handle: RequestHandle):
-        self._inboxes[handle.dp_rank * self.dist_config.tp].put(('abort', handle.rid))
+        self._post(handle.dp_rank, ('abort', handle.rid))
+
+    def _post(self, dp_rank: int | None, event: tuple):
+        """`event` to every TP rank of DP rank `dp_rank` (None: every rank), in one order on all
+        of them (rank_worker.rank_loop admits what each peer has)."""
+        tp = self.dist_config.tp
+        inboxes = self._inboxes if dp_rank is None else self._inboxes[dp_rank * tp:][:tp]
+        with self._post_lock:
+            for inbox in inboxes:
+                inbox.put(event)
 
     def stalled(self, limit_s: float) -> str | None:
         """One line naming a rank stalled for over `limit_s` with requests pending, else None."""
@@ -387,8 +396,7 @@ class RankClient:
     def close(self, timeout_s: float = 30.0):
         """Ends the ranks; running requests get RuntimeError. Idempotent."""
         self._closing = True
-        for inbox in self._inboxes:
-            inbox.put(('stop', None))
+        self._post(None, ('stop', None))
         self._join(timeout_s)
         if self._collector is not None and threading.current_thread() is not self._collector:
             self._collector.join(5)         # a failing collector may be in _kill: one at a time

@@ -2,6 +2,7 @@
 runs `rank_loop` (mp.py tells how the ranks advance and fail)."""
 from __future__ import annotations
 
+import collections
 import gc
 import os
 import queue
@@ -98,21 +99,33 @@ def summarize(rank: int, error: BaseException) -> str:
 def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
               beat: Callable[..., None] | None = None):
     """Every rank's loop, in its own process or a front-end thread: read the inbox, step, `send`
-    one report per step. TP rank 0 reads the inbox and shares it with its TP peers (so their
-    schedulers decide alike); only it reports."""
+    one report per step. Each TP rank reads the same events in the same order from its own
+    inbox; with TP peers it admits, before a step, as many as the fewest of them had received at
+    the plan of the step before (`Engine.num_events_agreed`), so their schedulers decide alike
+    without a collective of their own. Only TP rank 0 reports."""
     request_of: dict[int, int] = {}          # seq_id -> front-end request id
     seq_of: dict[int, object] = {}           # request id -> Sequence
     leader = engine.dist.tp_rank == 0
+    alone = engine.dist.config.tp == 1       # no TP peer to agree with: admit on arrival
     route_by_prefix = engine.dist.config.dp > 1      # the front-end routes by cached prefixes
     last_seen = None                                 # what the figures last reported showed
+    received: collections.deque = collections.deque()    # events read, not yet admitted
+    num_admitted = 0
     while not engine.stopped:
         if beat is not None:
             beat()
-        # an idle rank of a busy plan group must reach the next plan gather at once
-        wait = None if engine.has_work or engine.plan_busy else IDLE_WAIT_S
-        events = _drain(inbox, wait) if leader else None
+        # an idle rank of a busy plan group must reach the next plan gather at once, and so
+        # must a rank holding events its peers have not agreed on yet
+        busy = engine.has_work or engine.plan_busy or received
+        new = _drain(inbox, None if busy else IDLE_WAIT_S)
+        received += new
+        engine.num_events_seen += len(new)
+        # alone: all of them; else those every peer had at the last plan (admitted in order)
+        count = len(received) if alone else engine.num_events_agreed - num_admitted
+        num_admitted += count
         reports = []                         # one message to the front-end per step
-        for kind, payload in engine.dist.tp.broadcast_object(events):
+        for _ in range(count):
+            kind, payload = received.popleft()
             reports += _admit(engine, kind, payload, request_of, seq_of)
         for out in engine.step():
             rid = request_of[out.seq.seq_id]
