@@ -5,8 +5,8 @@
         --modes eager,graphs --spec-ks 0,3
 
 One process per rank (rank r on cuda:r), each an `Engine` over `DistContext.init` as the mp
-executor builds it, fed the same requests (TP peers schedule alike); each step also runs the
-rank loop's inbox broadcast (`broadcast_object` over 'tp'), as `rank_loop` does. Per (mode, k,
+executor builds it, fed the same requests (TP peers schedule alike); a step is `Engine.step`, as
+`rank_loop` runs it (the inbox's events are agreed inside the StepPlan's gather). Per (mode, k,
 batch): `--steps` timed steps after a warm-up, then 10 steps under torch.profiler. Rank 0 also
 prints the host functions that take the most time in eager mode (cProfile). Synthetic
 acceptance (`--synthetic-acceptance`) is installed on every rank.
@@ -50,8 +50,7 @@ def split_device_time(prof, steps: int) -> tuple[float, float]:
 
 
 def rank_loop_step(engine):
-    """One step as `rank_loop` runs it: the inbox broadcast over 'tp', then `Engine.step`."""
-    engine.dist.tp.broadcast_object([])
+    """One step as `rank_loop` runs it (no inbox event: `Engine.step` alone)."""
     engine.step()
 
 

@@ -144,16 +144,6 @@ class Group:
                         lambda g: dist.broadcast(tensor, self.ranks[src], group=g))
         return tensor
 
-    def broadcast_object(self, obj):
-        """A picklable object from the group's first rank to the others (e.g. TP rank 0's
-        inbox events, so that every TP rank's scheduler sees the same requests)."""
-        if self.gloo is None:
-            return obj
-        box = [obj]
-        self.traced('broadcast_object', torch.empty(0, dtype=torch.uint8),
-                    lambda g: dist.broadcast_object_list(box, self.ranks[0], group=g))
-        return box[0]
-
     def all_to_all(self, tensor: torch.Tensor, send_counts: list[int],
                    recv_counts: list[int]) -> torch.Tensor:
         """Variable-size exchange along dim 0 (the counts were exchanged first by the caller)."""
