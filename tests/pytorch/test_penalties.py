@@ -201,7 +201,7 @@ def embedded_hf():
 def test_mtp_greedy_penalties_equal_plain_and_transformers(embedded_hf):
     prompts = [list(p) for p in accepting.prompts()]
     rows = [(p, c) for c in CASES for p in prompts]
-    configs = [gen(c, 24) for _, c in rows]
+    configs = [gen(c, 16) for _, c in rows]
     prompts = [p for p, _ in rows]
     engine_config = PytorchEngineConfig(**accepting.BASE)
     # async scheduling on: a penalised batch must still run synchronously (its penalties count
