@@ -25,9 +25,9 @@ def cases(plain: list[list[int]]) -> list[GenerationConfig]:
     the top (+100) but held off by min_tokens=6; min_tokens with nothing pushing eos."""
     out = []
     for tokens in plain:
-        out.append(GenerationConfig(max_new_tokens=24, ignore_eos=True,
+        out.append(GenerationConfig(max_new_tokens=16, ignore_eos=True,
                                     logit_bias={tokens[0]: -100.0, tokens[3]: -100.0, 7: 3.5}))
-        out.append(GenerationConfig(max_new_tokens=24, logit_bias={2: 100.0}, min_tokens=6))
+        out.append(GenerationConfig(max_new_tokens=16, logit_bias={2: 100.0}, min_tokens=6))
         out.append(GenerationConfig(max_new_tokens=12, min_tokens=12))
     return out
 
