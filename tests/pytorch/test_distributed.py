@@ -202,8 +202,8 @@ def test_tp2_whole_greedy_steps_through_graph_buffers(tmp_path, monkeypatch):
 def test_a_rank_that_skips_its_dummy_draft_is_named_not_hung(tiny_ckpt, monkeypatch):
     # the mismatch is named once the collective the idle rank skipped times out (the run
     # takes about this long); every legitimate wait before it, within step 0 on a tiny model
-    # after both ranks reported ready, is milliseconds
-    monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '4')
+    # after both ranks reported ready, is milliseconds (2 s: still 10x a loaded machine's)
+    monkeypatch.setenv('LMDEPLOY_LITE_DIST_TIMEOUT', '2')
     path = tiny_ckpt(True, layout='plain')
     start = time.monotonic()
     loop = MPEngineLoop(path, PytorchEngineConfig(dp=2, ep=2, **BASE),
@@ -224,11 +224,14 @@ def test_a_dead_worker_is_reported_by_rank_and_nothing_is_left(tiny_ckpt):
     rank and the signal (no traceback: it is what the server shows), every live request gets it,
     and close() returns at once leaving no process."""
     path = tiny_ckpt(False, layout='plain')
-    want = build_engine(path, PytorchEngineConfig(**BASE), progress=False).generate(PROMPTS[:2], GEN)
+    # 8 tokens: rank 0 sleeps SLOW_STEP_S in each of its steps (24 tokens: 2.4 s of sleep)
+    short = GenerationConfig(max_new_tokens=8, ignore_eos=True)
+    want = build_engine(path, PytorchEngineConfig(**BASE), progress=False).generate(PROMPTS[:2],
+                                                                                   short)
     loop = MPEngineLoop(path, PytorchEngineConfig(dp=2, **BASE), worker_hook=rank0_steps_slowly)
     procs = loop._procs
     try:
-        assert [r.token_ids for r in run_requests(loop, PROMPTS[:2], GEN)] == \
+        assert [r.token_ids for r in run_requests(loop, PROMPTS[:2], short)] == \
             [s.generated_ids for s in want]
         sinks = [queue.Queue() for _ in range(2)]            # one request on each rank
         for prompt, sink in zip(PROMPTS[:2], sinks):
