@@ -1,9 +1,12 @@
 """benchmarks/presets.py shapes, the HBM-floor byte counts of bench_decode, and the decode/spec
 benchmarks end to end on the tiny preset (CPU, dummy weights)."""
+import contextlib
+import io
 import json
 import os
-import subprocess
+import runpy
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -80,15 +83,20 @@ def test_floor_bytes(tmp_path):
 
 
 def _run(script: str, tmp_path, *flags) -> tuple[dict, str]:
+    """The script's main, as `python script ...` runs it (run_name '__main__', its own argv),
+    in this process: a subprocess spent nearly all of its ~2 s importing torch and the
+    package. The global RNG is restored after it (the scripts seed it); this process already
+    runs torch on one thread (tests/conftest.py), as OMP_NUM_THREADS=1 made the subprocess."""
     out = str(tmp_path / f'{script}.json')
-    proc = subprocess.run([sys.executable, os.path.join(BENCH_DIR, script), '--preset', 'tiny',
-                           '--device', 'cpu', '--prompt-len', '8', '--decode-steps', '2',
-                           '--warmup-steps', '1', '--out', out, *flags],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS='1'))   # tiny ops: one thread
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    path = os.path.join(BENCH_DIR, script)
+    argv = [path, '--preset', 'tiny', '--device', 'cpu', '--prompt-len', '8', '--decode-steps',
+            '2', '--warmup-steps', '1', '--out', out, *flags]
+    stdout = io.StringIO()
+    with mock.patch.object(sys, 'argv', argv), contextlib.redirect_stdout(stdout), \
+            torch.random.fork_rng(devices=[]):
+        runpy.run_path(path, run_name='__main__')
     with open(out) as f:
-        return json.load(f), proc.stdout
+        return json.load(f), stdout.getvalue()
 
 
 def test_bench_decode_runs_on_cpu(tmp_path):
