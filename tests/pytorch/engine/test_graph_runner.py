@@ -9,7 +9,7 @@ from lmdeploy_lite.messages import PytorchEngineConfig
 from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets
 from lmdeploy_lite.pytorch.engine.build import build_engine
 from tests.helpers import accepting
-from tests.helpers.accepting import GREEDY, assert_real_acceptance, counts, reference
+from tests.helpers.accepting import GREEDY, SHORT, assert_real_acceptance, counts, reference
 
 
 def test_batch_buckets():
@@ -23,7 +23,7 @@ def _generate_with_graphs(k: int, padded: int = 0, whole: bool = True):
     """(token ids, SpecDecodeStats or None) per prompt, decode steps through static buffers for
     batch buckets 2, 4, 8; `padded`: every step padded as if another DP rank's batch were that
     big; `whole`: a greedy step of k > 0 in one runner (SpecAgent.step_graphs), else through
-    the verify forward's and the proposer's runners."""
+    the verify forward's and the proposer's runners. accepting.SHORT's 16 new tokens."""
     engine = build_engine(EMBEDDED_MODEL_DIR, PytorchEngineConfig(**accepting.BASE), accepting.spec(k),
                     progress=False)
     engine.agent.enable_graphs([2, 4, 8], max_blocks=16)
@@ -34,7 +34,7 @@ def _generate_with_graphs(k: int, padded: int = 0, whole: bool = True):
             inputs.padded_batch_size = padded
             return step(inputs, sampling)
         engine.agent.step = padded_step
-    seqs = engine.generate([list(p) for p in accepting.prompts()], GREEDY)
+    seqs = engine.generate([list(p) for p in accepting.prompts()], SHORT)
     if k and whole:
         assert engine.agent.step_graphs[k].num_replays > 0
         assert engine.agent.target.graph.num_replays == 0
@@ -56,8 +56,8 @@ def test_static_buffers_give_the_eager_and_plain_greedy_tokens(k, padded):
     tokens, stats = _generate_with_graphs(k, padded)
     if k:
         assert_real_acceptance(stats, k)
-    assert tokens == reference(k).token_ids == reference(0).token_ids
-    assert [counts(s) for s in stats] == reference(k).counts
+    assert tokens == reference(k, gen=SHORT).token_ids == reference(0, gen=SHORT).token_ids
+    assert [counts(s) for s in stats] == reference(k, gen=SHORT).counts
 
 
 def test_a_swapped_verification_rule_is_captured_again():
@@ -75,9 +75,9 @@ def test_a_swapped_verification_rule_is_captured_again():
     engine.agent.rejection_sampler = recording
     runner = engine.agent.step_graphs[3]
     assert runner is not before and runner.num_replays == 0
-    seqs = engine.generate([list(p) for p in accepting.prompts()], GREEDY)
+    seqs = engine.generate([list(p) for p in accepting.prompts()], SHORT)
     assert_real_acceptance([s.spec_stats for s in seqs], 3)
-    assert [s.generated_ids for s in seqs] == reference(0).token_ids
+    assert [s.generated_ids for s in seqs] == reference(0, gen=SHORT).token_ids
     assert runner.num_replays > 0 and len(calls) >= runner.num_replays
 
 
@@ -87,8 +87,8 @@ def test_static_buffers_of_the_verify_and_draft_runners(monkeypatch):
     monkeypatch.setattr('lmdeploy_lite.pytorch.spec_decode.spec_agent.STEP_GRAPH_MAX_BATCH', 0)
     tokens, stats = _generate_with_graphs(3, 7, whole=False)
     assert_real_acceptance(stats, 3)
-    assert tokens == reference(3).token_ids == reference(0).token_ids
-    assert [counts(s) for s in stats] == reference(3).counts
+    assert tokens == reference(3, gen=SHORT).token_ids == reference(0, gen=SHORT).token_ids
+    assert [counts(s) for s in stats] == reference(3, gen=SHORT).counts
 
 
 @pytest.mark.parametrize('whole', [True, False], ids=['whole', 'parts'])
