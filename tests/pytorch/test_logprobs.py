@@ -118,11 +118,17 @@ def test_rows_of_one_batch_get_their_own_top_n(tiny_ckpt):
         [e[0] for step in got[seqs[2].seq_id] for e in step], abs=1e-12, rel=0)
 
 
+# accepting.SHORT's 16 new tokens: drafts accepted at every position (asserted), runs of
+# accepted drafts to cut inside (found, asserted)
+EMBEDDED_NEW = accepting.SHORT.max_new_tokens
+
+
 @pytest.fixture(scope='module')
 def embedded_runs():
     """The embedded model, float64, accepting.prompts() with logprobs=4: (plain Responses,
-    MTP k=3 Responses, MTP k=3 streamed chunks per prompt, the MTP pipeline)."""
-    gen = GenerationConfig(max_new_tokens=24, ignore_eos=True, logprobs=4)
+    MTP k=3 Responses, MTP k=3 streamed chunks per prompt, the MTP pipeline). EMBEDDED_NEW
+    tokens each."""
+    gen = GenerationConfig(max_new_tokens=EMBEDDED_NEW, ignore_eos=True, logprobs=4)
     prompts = [list(p) for p in accepting.prompts()]
     config = PytorchEngineConfig(**accepting.BASE)
     with pipeline(EMBEDDED_MODEL_DIR, config, progress=False) as pipe:
@@ -143,7 +149,7 @@ def test_mtp_logprobs_equal_plain_decodings_in_float64(embedded_runs):
     assert_real_acceptance([r.spec_stats for r in mtp], K)
     assert [r.token_ids for r in mtp] == [r.token_ids for r in plain]
     for got, want in zip(mtp, plain):
-        assert len(got.logprobs) == len(got.token_ids) == 24
+        assert len(got.logprobs) == len(got.token_ids) == EMBEDDED_NEW
         assert_close(got.logprobs, want.logprobs)
     # streamed: one chunk per step (runs of accepted drafts among them), joined = the whole
     assert any(len(c.token_ids) > 1 for per_prompt in chunks for c in per_prompt)
@@ -170,7 +176,8 @@ def test_a_stop_or_length_cut_inside_an_accepted_run_truncates_the_logprobs(embe
     i, stop_at = next((i, p) for i, p in inside if mtp[i].token_ids[p] not in
                       mtp[i].token_ids[:p])
     whole, prompt = mtp[i], list(accepting.prompts()[i])
-    stopped = pipe(prompt, GenerationConfig(max_new_tokens=24, ignore_eos=True, logprobs=4,
+    stopped = pipe(prompt, GenerationConfig(max_new_tokens=EMBEDDED_NEW, ignore_eos=True,
+                                            logprobs=4,
                                             stop_token_ids=[whole.token_ids[stop_at]]))
     assert stopped.finish_reason == 'stop'
     assert stopped.token_ids == whole.token_ids[:stop_at + 1]
