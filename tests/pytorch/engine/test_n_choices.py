@@ -191,7 +191,7 @@ def test_mtp3_choices_on_the_embedded_model():
     engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
                     accepting.spec(3), progress=False)
     prompt = list(accepting.prompts()[0])
-    greedy = GenerationConfig(**{**accepting.GREEDY.__dict__, 'n': 3})
+    greedy = GenerationConfig(**{**accepting.SHORT.__dict__, 'n': 3})      # 16 tokens
     seqs = engine.add_group(prompt, greedy)
     before = engine.num_prefill_tokens
     outputs = finish(engine, seqs)
@@ -200,8 +200,8 @@ def test_mtp3_choices_on_the_embedded_model():
         stats.merge(s.spec_stats)
     assert stats.mean_accepted_length >= accepting.MIN_MEAN_ACCEPTED_LENGTH[3], stats
     assert engine.num_prefill_tokens - before == len(prompt) - 1 + 3
-    assert outputs == [accepting.reference(0).token_ids[0]] * 3       # (shared with other tests)
-    sampled = GenerationConfig(max_new_tokens=24, n=2, random_seed=4, **SAMPLED)
+    assert outputs == [accepting.reference(0, gen=accepting.SHORT).token_ids[0]] * 3  # (shared)
+    sampled = GenerationConfig(max_new_tokens=16, n=2, random_seed=4, **SAMPLED)
     outputs = finish(engine, engine.add_group(prompt, sampled))
     assert outputs == [finish(engine, [engine.add_request(prompt, choice_gen(sampled, i))])[0]
                        for i in range(2)]
