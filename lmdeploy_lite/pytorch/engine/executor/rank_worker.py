@@ -110,7 +110,6 @@ def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
     route_by_prefix = engine.dist.config.dp > 1      # the front-end routes by cached prefixes
     last_seen = None                                 # what the figures last reported showed
     received: collections.deque = collections.deque()    # events read, not yet admitted
-    num_admitted = 0
     while not engine.stopped:
         if beat is not None:
             beat()
@@ -120,9 +119,10 @@ def rank_loop(rank: int, engine, inbox, send: Callable[[tuple], None],
         new = _drain(inbox, None if busy else IDLE_WAIT_S)
         received += new
         engine.num_events_seen += len(new)
-        # alone: all of them; else those every peer had at the last plan (admitted in order)
-        count = len(received) if alone else engine.num_events_agreed - num_admitted
-        num_admitted += count
+        # alone: all of them; else those every peer had at the last plan (admitted in order:
+        # seen - len(received) have been admitted)
+        count = (len(received) if alone else
+                 engine.num_events_agreed - (engine.num_events_seen - len(received)))
         reports = []                         # one message to the front-end per step
         for _ in range(count):
             kind, payload = received.popleft()
