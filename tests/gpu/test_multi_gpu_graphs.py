@@ -3,7 +3,8 @@ float32 with MTP k=3 (dynamic k: every verify width and the plain step have grap
 scheduling on, whole sequences:
 
   * two GPUs: tp=2 (plain, with the draft at tp=1, with sequence parallelism) replaying graphs
-    with their TP collectives captured gives tp=2 eager's tokens exactly (a two-rank sum is
+    with their TP collectives captured (prefill and mixed steps too, but under sequence
+    parallelism) gives tp=2 eager's tokens exactly (a two-rank sum is
     one addition, so the bits cannot change); dp=2 ep=2 with DeepEP graphs (low-latency kernels
     captured) gives its eager run's tokens exactly, one request first (rank 1 idles on dummy
     forwards), then 16;
@@ -74,24 +75,29 @@ def one_gpu(prompts):
 
 
 def log_replays(engine):             # worker hook (top-level: pickled by reference)
-    """Every graph replay of this rank is logged to $REPLAY_LOG.<rank>."""
-    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
+    """Every graph replay of this rank (decode and prefill) is logged to $REPLAY_LOG.<rank>."""
+    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner, PrefillGraphRunner
     if not engine.engine_config.eager_mode and engine.device.type == 'cuda':
         assert engine.agent.target.graphs, f'rank {engine.dist.rank}: no graphs captured'
     path, rank = os.environ[REPLAY_LOG], engine.dist.rank
-    call = GraphRunner.__call__
 
-    def counted(self, inputs, *extras):
-        with open(f'{path}.{rank}', 'a') as f:
-            f.write(f'{self.name}\n')
-        return call(self, inputs, *extras)
-    GraphRunner.__call__ = counted
+    def count(cls):
+        call = cls.__call__
+
+        def counted(self, inputs, *extras):
+            with open(f'{path}.{rank}', 'a') as f:
+                f.write(f'{self.name}\n')
+            return call(self, inputs, *extras)
+        cls.__call__ = counted
+    count(GraphRunner)
+    count(PrefillGraphRunner)
 
 
 def run_layout(prompts, config: PytorchEngineConfig, spec: SpeculativeConfig, tmp_path,
                tag: str) -> tuple[list[list[int]], list[int]]:
-    """(tokens of prompt 0 alone then of all prompts, graph replays per rank); the ranks log
-    their replays where $REPLAY_LOG says (set by the `short_timeouts` fixture's test)."""
+    """(tokens of prompt 0 alone then of all prompts, graph replays per rank, prefill graphs'
+    included); the ranks log their replays where $REPLAY_LOG says (set by the
+    `short_timeouts` fixture's test)."""
     os.environ[REPLAY_LOG] = str(tmp_path / f'{tag}.replays')     # restored by the fixture
     loop = MPEngineLoop(EMBEDDED_MODEL_DIR, config, spec, worker_hook=log_replays)
     try:
@@ -103,11 +109,17 @@ def run_layout(prompts, config: PytorchEngineConfig, spec: SpeculativeConfig, tm
     assert all(r.finish_reason == 'length' for r in done)
     accepted = sum(r.spec_stats.num_accepted_tokens for r in done if r.spec_stats)
     assert accepted > 0, f'{tag}: no draft was accepted'
-    replays = []
-    for rank in range(config.tp * config.dp):
+    return [r.token_ids for r in done], replay_counts(tmp_path, tag, config.tp * config.dp)
+
+
+def replay_counts(tmp_path, tag: str, ranks: int, name: str | None = None) -> list[int]:
+    """Graph replays per rank of a `run_layout` run (of the graphs called `name`: all)."""
+    counts = []
+    for rank in range(ranks):
         log = tmp_path / f'{tag}.replays.{rank}'
-        replays.append(len(log.read_text().splitlines()) if log.exists() else 0)
-    return [r.token_ids for r in done], replays
+        lines = log.read_text().splitlines() if log.exists() else []
+        counts.append(sum(name is None or line == name for line in lines))
+    return counts
 
 
 def report_against_one_gpu(tag: str, got: list[list[int]], want: list[list[int]]):
@@ -144,7 +156,11 @@ def test_tp2_graphs_equal_tp2_eager(variant, prompts, one_gpu, tmp_path, short_t
                                  tmp_path, f'{variant}_graphs')
     assert eager_replays == [0, 0]
     assert all(replays), f'{variant}: graph replays per rank {replays}'
-    print(f'{variant}: graph replays per rank {replays}, {time.monotonic() - start:.0f} s')
+    prefill = replay_counts(tmp_path, f'{variant}_graphs', 2, 'target prefill')
+    if not layout.get('sequence_parallel'):     # (sequence parallel prefills run eagerly)
+        assert all(prefill), f'{variant}: prefill graph replays per rank {prefill}'
+    print(f'{variant}: graph replays per rank {replays} (prefill {prefill}), '
+          f'{time.monotonic() - start:.0f} s')
     mismatch = [i for i, (g, e) in enumerate(zip(graphs, eager, strict=True)) if g != e]
     assert not mismatch, f'{variant}: graphs differ from eager in sequences {mismatch}'
     report_against_one_gpu(variant, graphs, one_gpu)

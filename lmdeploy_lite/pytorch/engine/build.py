@@ -150,12 +150,13 @@ def _async_scheduling(cfg: PytorchEngineConfig, device: torch.device, plan: Spec
 
 def _prefill_graph_tokens(cfg: PytorchEngineConfig, dist: DistContext, device: torch.device,
                           dtype: torch.dtype, plan: SpecPlan) -> int:
-    """The largest prefill step captured in a CUDA graph, 0 for none: on CUDA with graphs, one
-    GPU per model copy (tp = 1: the captured TP collectives of a prefill step have not been run
-    on GPUs yet), not under EP (DeepEP's normal mode), float64 or extract_hidden_states (no
-    graphs at all); steps with a chunk over CAPTURED_PREFILL_TOKENS need fla."""
+    """The largest prefill step captured in a CUDA graph, 0 for none: on CUDA with graphs, TP's
+    all-reduces captured with the step as in decode graphs; not under sequence parallelism (its
+    prefill steps split their rows over the TP ranks: eager), EP (DeepEP's normal mode), float64
+    or extract_hidden_states (no graphs at all); steps with a chunk over CAPTURED_PREFILL_TOKENS
+    need fla."""
     layout = dist.config
-    if (device.type != 'cuda' or cfg.eager_mode or layout.tp > 1 or layout.ep > 1
+    if (device.type != 'cuda' or cfg.eager_mode or layout.sequence_parallel or layout.ep > 1
             or dtype == torch.float64 or plan.aux_hidden_state_layer_ids):
         return 0
     from lmdeploy_lite.pytorch.backends.cuda import gated_delta_rule
