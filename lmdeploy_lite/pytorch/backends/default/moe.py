@@ -1,7 +1,17 @@
-"""Routed experts of a MoE layer in plain PyTorch, one expert at a time (`fused_moe`: token
-rows with top-k ids; `fused_moe_masked`: rows already grouped by expert). Weight layout:
-nn/moe.py; FP8 experts (with `gate_up_scale` / `down_scale`) are dequantized to x's dtype first
-(`dequantize_blocks`), the numbers a device's FP8 expert kernels are checked against.
+"""Routed experts of a MoE layer in plain PyTorch (`fused_moe`: token rows with top-k ids;
+`fused_moe_masked`: rows already grouped by expert). Weight layout: nn/moe.py; FP8 experts (with
+`gate_up_scale` / `down_scale`) are dequantized to x's dtype first (`dequantize_blocks`), the
+numbers a device's FP8 expert kernels are checked against.
+
+`fused_moe` picks one of three ways by size. A few tokens whose pairs could reach every expert
+(T * k >= E, T * E <= ALL_EXPERTS_ROWS: the embedded model's 4-token verify, its short prefills)
+run ALL experts on ALL tokens in two batched GEMMs and pick each pair's row with one gather: ~10
+ops whatever the routing, in place of ~5 per touched expert (one core, float32: 4 tokens x 8
+experts 313 us against 381, 8 tokens 392 against 627; float64 is slower at 4-6 tokens, 579 against
+429, and takes the path anyway so that the exactness tests run it). Fewer pairs (decode: 1 token
+touches 2 of 8 experts) run the touched experts one at a time, grouped on the host (all 8 would
+cost ~195 us against ~90-120); many tokens group rows by expert on the device. Real models (E =
+256, 512) never run all experts.
 """
 from __future__ import annotations
 
@@ -63,7 +73,9 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     Reads device values on the host: not for captured decode steps."""
     gate_up_proj, down_proj = _dequantized(x, gate_up_proj, down_proj, gate_up_scale, down_scale)
     num_tokens, top_k = topk_ids.shape
-    if 0 < num_tokens * top_k <= SMALL_BATCH_PAIRS:
+    if runs_all_experts(num_tokens, top_k, gate_up_proj.shape[0]):
+        pairs = _all_experts(x, gate_up_proj, down_proj, topk_ids)
+    elif 0 < num_tokens * top_k <= SMALL_BATCH_PAIRS:
         pairs = _experts_by_pair_list(x, gate_up_proj, down_proj, topk_ids)
     else:
         pairs = torch.zeros(num_tokens * top_k, x.shape[-1], dtype=x.dtype, device=x.device)
@@ -78,6 +90,27 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
 
 SMALL_BATCH_PAIRS = 64     # up to this many (token, expert) pairs: group them on the host
+ALL_EXPERTS_ROWS = 256     # up to this many token x expert rows: run every expert on every token
+
+
+def runs_all_experts(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether `fused_moe` runs every expert on every token: when the pairs could reach every
+    expert (T * k >= E; fewer: the touched ones one at a time are cheaper) and the rows stay
+    few (T * E <= ALL_EXPERTS_ROWS: larger, the E / k times the FLOPs outweigh the ops saved)."""
+    return num_experts <= num_tokens * top_k and num_tokens * num_experts <= ALL_EXPERTS_ROWS
+
+
+def _all_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+    """`fused_moe`'s expert outputs with every expert run on every token (at these sizes the
+    extra rows cost less than the per-expert ops they replace) -> pairs [T * k, H], row i =
+    expert(x[i // k]) (zeros for id -1, whatever expert 0 gives that row). Reads no device
+    value on the host."""
+    gate_up = torch.matmul(x, gate_up_proj.transpose(1, 2))                 # [E, T, 2I]
+    out = torch.bmm(silu_mul(gate_up), down_proj.transpose(1, 2))           # [E, T, H]
+    tokens = torch.arange(x.shape[0], device=x.device)[:, None]
+    pairs = out[topk_ids.clamp(min=0), tokens]                              # [T, k, H]
+    return torch.where((topk_ids >= 0)[..., None], pairs, 0).flatten(0, 1)
 
 
 def _experts_by_pair_list(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
