@@ -13,7 +13,8 @@ has its first token (prefill done) and the last token, over that time (best of `
 `pipeline_all_tok_s`: all output tokens over the whole call (prefill included; what a serving
 benchmark's output throughput measures). `loop_tok_s`: the same engine after the pipeline is closed, `--loop-steps` full-batch steps of
 the bare step loop (common.timed_decode). `overhead_pct` = loop / pipeline - 1.
-TTFT rows: one prompt of that length on an idle engine (one prefill forward up to
+TTFT rows (each k of `--spec-ks`: under speculation the first step also runs the MTP head over
+the prompt and drafts): one prompt of that length on an idle engine (one prefill forward up to
 `--max-prefill-tokens`), through `pipeline()`; `mfu_pct` = model FLOPs of the prefill (2 x
 non-embedding parameters x tokens, plus causal attention 2 x L^2 x heads x head_dim per
 full-attention layer; the gated-delta chunks are not counted) / TTFT / `--peak-tflops`.
@@ -117,7 +118,7 @@ def prefill_flops(config: ModelConfig, length: int) -> float:
 
 def run_k(args, model_dir: str, load_format: str, k: int, rates) -> tuple[list, list]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(',') if b]
-    ttft_lens = [int(n) for n in args.ttft_lens.split(',') if n] if k == 0 else []
+    ttft_lens = [int(n) for n in args.ttft_lens.split(',') if n]
     session_len = max([args.session_len or 0,
                        args.prompt_len + (args.new_tokens + 2) * (k + 1) + 16,
                        args.prompt_len + (args.loop_steps + args.warmup_steps + 2
@@ -234,7 +235,7 @@ def main():
                              'kernel compiles of new prefill shapes)')
     parser.add_argument('--loop-steps', type=int, default=64, help='timed bare-loop steps')
     parser.add_argument('--warmup-steps', type=int, default=4)
-    parser.add_argument('--ttft-lens', default='', help='prompt lengths of TTFT rows (AR run)')
+    parser.add_argument('--ttft-lens', default='', help='prompt lengths of TTFT rows (each k)')
     parser.add_argument('--max-prefill-tokens', type=int, default=8192)
     parser.add_argument('--peak-tflops', type=float, default=989.0,
                         help='dense bf16 peak of the card (H100 SXM: 989)')
