@@ -1,8 +1,9 @@
 """Per-rank cache tensors of the model and of the MTP draft (its own full-attention KV), at the
 owning model's `tp` (the draft's own tp for its cache); counts from `plan_cache`.
 `caches[layer_idx]` is the layer's tuple (slots: model_inputs.py):
-  full-attention:   (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads / tp,
-                    head_dim], model dtype;
+  full-attention:   (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads / tp (1
+                    where tp is a multiple of num_kv_heads: nn/attention.py), head_dim], model
+                    dtype;
   linear-attention: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num_spec], model dtype,
                      recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv], state_dtype).
 `snapshots`: `num_snapshots` rows per linear-attention layer of what a prefill leaves in a state
@@ -14,7 +15,7 @@ import mmap
 
 import torch
 
-from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig
+from lmdeploy_lite.pytorch.config import CacheConfig, ModelConfig, head_replicas
 
 
 _STATE_DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
@@ -46,8 +47,10 @@ def _per_rank(what: str, count: int, tp: int) -> int:
 
 def kv_shape(model_config: ModelConfig, num_blocks: int, block_size: int, tp: int = 1) -> tuple:
     """One full-attention layer's K (or V) cache on one TP rank."""
-    return (num_blocks, block_size,
-            _per_rank('num_key_value_heads', model_config.num_key_value_heads, tp),
+    heads = model_config.num_key_value_heads
+    if tp > heads:                    # one (replicated) head per rank, where tp allows it
+        heads = heads * head_replicas('num_key_value_heads', heads, tp)
+    return (num_blocks, block_size, _per_rank('num_key_value_heads', heads, tp),
             model_config.head_dim)
 
 

@@ -204,6 +204,17 @@ class CacheConfig:
     num_snapshots: int = 0        # prefix cache: linear-attention state snapshots (0: no cache)
 
 
+def head_replicas(what: str, num_heads: int, tp: int) -> int:
+    """How many TP ranks hold each of `num_heads` heads: 1 where tp divides them; tp / num_heads
+    where tp is a multiple of them (KV heads under a tp above their count: each rank keeps the
+    one its query heads read, as lmdeploy and vLLM replicate them); else ValueError."""
+    if num_heads % tp == 0:
+        return 1
+    if tp % num_heads == 0:
+        return tp // num_heads
+    raise ValueError(f'tp={tp}: must divide {what}={num_heads} or be a multiple of it')
+
+
 @dataclass(frozen=True)
 class DistConfig:
     """lmdeploy's layout: world = dp x tp; attention is TP inside a DP group; with ep > 1 the
@@ -226,11 +237,11 @@ class DistConfig:
             raise ValueError(f'sequence_parallel=True: needs tp > 1 (tp={tp}); sequence '
                              'parallelism splits tokens over the TP ranks')
         for what, count in (('num_attention_heads', model.num_attention_heads),
-                            ('num_key_value_heads', model.num_key_value_heads),
                             ('linear_num_key_heads', model.linear_num_key_heads),
                             ('linear_num_value_heads', model.linear_num_value_heads)):
             if count % tp:
                 raise ValueError(f'tp={tp}: must divide {what}={count}')
+        head_replicas('num_key_value_heads', model.num_key_value_heads, tp)
         if self.ep > 1:
             if not model.is_moe:
                 raise ValueError(f'ep={self.ep}: expert parallelism needs a MoE model, but '

@@ -15,6 +15,7 @@ import re
 import socket
 import time
 import traceback
+from dataclasses import replace
 
 import pytest
 import torch
@@ -230,9 +231,12 @@ LAYOUTS = [
     pytest.param(True, dict(per_expert=True, layout='multimodal'), DistConfig(tp=2),
                  id='moe-per-expert-multimodal-tp2'),
     pytest.param(True, {}, DistConfig(tp=2, ep=2), id='moe-tp2-ep2'),
-    pytest.param(False, {}, DistConfig(tp=2, dp=2), id='dense-tp2-dp2'),   # a check group per TP
-    pytest.param(True, dict(tie=True, vocab_size=510, **WIDE), DistConfig(tp=4, ep=4),
-                 id='moe-tied-vocab510-tp4-ep4'),     # 2-token decodes: 2 TP ranks dispatch 0 rows
+    # a check group per TP; one KV head, so each of the two TP ranks keeps (a replica of) it
+    pytest.param(False, dict(num_key_value_heads=1), DistConfig(tp=2, dp=2),
+                 id='dense-kv1-tp2-dp2'),
+    # 2-token decodes: 2 TP ranks dispatch 0 rows; 2 KV heads, each kept by 2 of the 4 ranks
+    pytest.param(True, dict(WIDE, tie=True, vocab_size=510, num_key_value_heads=2),
+                 DistConfig(tp=4, ep=4), id='moe-tied-vocab510-kv2-tp4-ep4'),
     pytest.param(True, dict(per_expert=True, **WIDE), DistConfig(tp=2, dp=2, ep=4),
                  id='moe-tp2-dp2-ep4'),
     # sequence parallelism (nn/sequence_parallel.py): the target and the MTP head
@@ -333,6 +337,24 @@ def test_shards_are_the_right_slices_of_the_checkpoint(moe, per_expert, tmp_path
             assert torch.equal(tensor, want), name
 
 
+def test_kv_heads_fewer_than_tp_are_replicated(tmp_path):
+    """tp=4 over 2 KV heads: ranks 0, 1 keep KV head 0 and ranks 2, 3 head 1, the head their
+    query heads read (query heads split 4 ways as usual), in the target and the MTP head."""
+    path = make_tiny_checkpoint(str(tmp_path), moe=False, **dict(WIDE, num_key_value_heads=2))
+    config = ModelConfig.from_pretrained(path)
+    full = build_model(path, torch.float64, progress=False, fuse=False).state_dict()
+    for rank in range(4):
+        model = Qwen3_5ForCausalLM(config, torch.float64, 'cpu', fake_rank(4, rank))
+        load_weights(model, path, progress=False)
+        part = model.state_dict()
+        names = [n for n in part if n.endswith(('k_proj.weight', 'v_proj.weight'))]
+        assert names
+        for name in names:
+            assert torch.equal(part[name], full[name].chunk(2)[rank // 2]), (name, rank)
+        q_name = names[0].replace('k_proj', 'q_proj')
+        assert torch.equal(part[q_name], full[q_name].chunk(4)[rank]), rank
+
+
 def test_shape_errors_name_file_tensor_and_full_shapes(tmp_path):
     """A TP rank checks the checkpoint against the FULL shape, and says so."""
     path = make_tiny_checkpoint(str(tmp_path), moe=False)
@@ -368,3 +390,14 @@ def test_cache_engine_allocates_per_rank_shapes(tmp_path):
             3 * ((conv_dim // tp) * 5 + 3 * (8 // tp) * 16 * 16) * 8
     with pytest.raises(ValueError, match=r'tp=3: must be >= 1 and divide \w+=4'):
         CacheEngine(config, cache_config, torch.float64, 'cpu', tp=3)
+    # tp above the KV heads (2 here): one replicated head per rank
+    config = ModelConfig.from_pretrained(make_tiny_checkpoint(
+        str(tmp_path / 'kv2'), moe=False, **dict(WIDE, num_key_value_heads=2)))
+    k_cache, _ = CacheEngine(config, cache_config, torch.float64, 'cpu', tp=4)[
+        config.full_attention_layers[0]]
+    assert k_cache.shape == (6, 4, 1, 16)
+    assert CacheEngine.bytes_per_block(config, 4, torch.float64, tp=4) == 2 * 1 * 4 * 1 * 16 * 8
+    with pytest.raises(ValueError, match=r'tp=3: must divide num_key_value_heads=2 or be a '
+                                         r'multiple of it'):
+        DistConfig(tp=3).validate(replace(config, num_attention_heads=6,
+                                          linear_num_key_heads=6, linear_num_value_heads=12))

@@ -3,7 +3,9 @@ a per-head zero-centred RMSNorm, then partial RoPE; paged causal GQA attention (
 head_dim^-0.5); the result is multiplied by `sigmoid(gate)` and projected by `o_proj`.
 
 Tensor parallel: each rank keeps num_heads / tp query heads (whole `[q_h | gate_h]` blocks of
-q_proj) and num_kv_heads / tp KV heads (its KV cache holds only those); o_proj is row-parallel
+q_proj) and num_kv_heads / tp KV heads (its KV cache holds only those); where tp is a multiple of
+num_kv_heads above it, the one KV head its query heads read, computed and cached on each of the
+tp / num_kv_heads ranks that share it (`head_replicas`); o_proj is row-parallel
 (sequence-parallel: [Tp, H] in, [Tp / tp, H] out; nn/sequence_parallel.py).
 """
 from __future__ import annotations
@@ -17,6 +19,8 @@ from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import RMSNorm
 from .sequence_parallel import restore_rows, splits_rows
+from ..config import head_replicas
+from .sharding import tp_layout
 
 
 class GatedAttention(nn.Module):
@@ -28,7 +32,9 @@ class GatedAttention(nn.Module):
         column = partial(ColumnParallelLinear, hidden_size, dtype=dtype, device=device,
                          dist_ctx=dist_ctx)
         self.q_proj = column(num_heads * head_dim * 2)
-        self.k_proj, self.v_proj = column(num_kv_heads * head_dim), column(num_kv_heads * head_dim)
+        kv = partial(column, num_kv_heads * head_dim,
+                     replicas=head_replicas('num_kv_heads', num_kv_heads, tp_layout(dist_ctx)[0]))
+        self.k_proj, self.v_proj = kv(), kv()
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden_size, dtype, device,
                                         dist_ctx=dist_ctx)
         self.q_norm = RMSNorm(head_dim, eps, dtype, device)

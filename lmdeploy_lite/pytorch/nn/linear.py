@@ -48,18 +48,19 @@ class Linear(nn.Module):
 
 class ColumnParallelLinear(Linear):
     """Output features split over the TP group; no collective. `sections`: parts of the output
-    split separately (`(Dk, Dk, Dv)` for `[q | k | v]`: each rank keeps its piece of each)."""
+    split separately (`(Dk, Dk, Dv)` for `[q | k | v]`: each rank keeps its piece of each).
+    `replicas`: consecutive ranks that hold the same piece (KV heads fewer than tp)."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
                  device: torch.device | str, dist_ctx=None,
-                 sections: tuple[int, ...] | None = None):
+                 sections: tuple[int, ...] | None = None, replicas: int = 1):
         super().__init__()
         tp, _ = tp_layout(dist_ctx)
-        sections = tuple(sections or (out_features,))
-        check_divisible('out_features', sections, tp)
-        self.in_features, self.out_features = in_features, out_features // tp
+        sections, parts = tuple(sections or (out_features,)), tp // replicas
+        check_divisible('out_features', sections, parts)
+        self.in_features, self.out_features = in_features, out_features // parts
         self.weight = sharded_parameter((out_features, in_features), 0, dist_ctx, dtype, device,
-                                        sections)
+                                        sections, replicas=replicas)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)

@@ -57,13 +57,14 @@ class Shard:
 
 def sharded_parameter(full_shape: tuple[int, ...], dim: int, dist_ctx, dtype: torch.dtype,
                       device: torch.device | str, sections: tuple[int, ...] | None = None,
-                      init=torch.empty) -> nn.Parameter:
+                      init=torch.empty, replicas: int = 1) -> nn.Parameter:
     """This TP rank's piece of a `full_shape` tensor split along `dim` (`sections` default: the
-    whole dim), filled by `init` until loaded. tp == 1: the full tensor, no `shard` attribute."""
+    whole dim), filled by `init` until loaded; `replicas` consecutive ranks hold each piece
+    (`head_replicas`). One piece: the full tensor, no `shard` attribute."""
     tp, rank = tp_layout(dist_ctx)
-    if tp == 1:
+    if tp == replicas:
         return nn.Parameter(init(full_shape, dtype=dtype, device=device), requires_grad=False)
-    shard = Shard(dim, rank, tp, tuple(sections or (full_shape[dim],)))
+    shard = Shard(dim, rank // replicas, tp // replicas, tuple(sections or (full_shape[dim],)))
     if sum(shard.sections) != full_shape[dim]:
         raise ValueError(f'sections {shard.sections} do not add up to dim {dim} of {full_shape}')
     local = list(full_shape)
