@@ -5,7 +5,7 @@ first to last kernel. `--streams 0`: the same chunks with no decode rows (what t
 cost alone), and a decode step without a chunk for the rows' own cost.
 
     python benchmarks/profile_mixed.py --preset qwen3_5_0_8b --max-mixed-tokens 1024
-        [--streams 32 --long-prompt-len 8192]
+        [--streams 32 --long-prompt-len 8192] [--eager]
 """
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ def main():
     parser.add_argument('--long-prompt-len', type=int, default=8192)
     parser.add_argument('--max-mixed-tokens', type=int, default=1024)
     parser.add_argument('--rows', type=int, default=30, help='kernels listed')
+    parser.add_argument('--eager', action='store_true', help='no CUDA graphs')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     path, load_format = resolve_model(args)
@@ -103,7 +104,7 @@ def main():
         dtype=args.dtype, device=args.device, load_format=load_format,
         max_batch_size=max(args.streams, 1) + 1, session_len=args.long_prompt_len + 64,
         max_prefill_token_num=args.max_mixed_tokens, max_mixed_token_num=args.max_mixed_tokens,
-        async_scheduling=False), progress=False)
+        async_scheduling=False, eager_mode=args.eager), progress=False)
     run(engine, min(args.streams, 2), 16, args.max_mixed_tokens * 2)        # warm-up
     steps = run(engine, args.streams, args.prompt_len, args.long_prompt_len)
     fams = sorted({f for s in steps for f in s['families']})
