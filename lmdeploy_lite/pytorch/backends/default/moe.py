@@ -3,15 +3,17 @@
 `gate_up_scale` / `down_scale`) are dequantized to x's dtype first (`dequantize_blocks`), the
 numbers a device's FP8 expert kernels are checked against.
 
-`fused_moe` picks one of three ways by size. A few tokens whose pairs could reach every expert
-(T * k >= E, T * E <= ALL_EXPERTS_ROWS: the embedded model's 4-token verify, its short prefills)
-run ALL experts on ALL tokens in two batched GEMMs and pick each pair's row with one gather: ~10
-ops whatever the routing, in place of ~5 per touched expert (one core, float32: 4 tokens x 8
-experts 313 us against 381, 8 tokens 392 against 627; float64 is slower at 4-6 tokens, 579 against
-429, and takes the path anyway so that the exactness tests run it). Fewer pairs (decode: 1 token
-touches 2 of 8 experts) run the touched experts one at a time, grouped on the host (all 8 would
-cost ~195 us against ~90-120); many tokens group rows by expert on the device. Real models (E =
-256, 512) never run all experts.
+`fused_moe` on a few tokens (T * k pairs up to SMALL_BATCH_PAIRS) groups the pairs by expert on
+the host and runs only the touched experts. From GROUPED_MIN_PAIRS pairs (the embedded model's
+4-token verify: 8 pairs, 5-8 of its 8 experts) each expert's two GEMMs write into slices of
+shared buffers and one silu_mul serves them all (`_experts_grouped`: 2 ops a touched expert, not
+~6; the very bits of one expert at a time). One core, 4 tokens, float32: 289 us against 354 with
+one layer's weights hot in cache, 473 against 532 cycling 9 layers' weights (27 MB, as the model
+does); 8 tokens 631 against 794. Below that (decode: 1 token, 2 experts) one expert at a time is
+as fast. Running ALL experts on all tokens in two batched GEMMs (no host grouping) was measured
+and dropped: faster with hot weights (313 against 381 us at 4 tokens) but slower as the model
+runs (740-890 against 500-580 us): it reads every expert's weights, and the step is bound by
+reading weights, not by op count. Many tokens group rows by expert on the device.
 """
 from __future__ import annotations
 
@@ -73,8 +75,8 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
     Reads device values on the host: not for captured decode steps."""
     gate_up_proj, down_proj = _dequantized(x, gate_up_proj, down_proj, gate_up_scale, down_scale)
     num_tokens, top_k = topk_ids.shape
-    if runs_all_experts(num_tokens, top_k, gate_up_proj.shape[0]):
-        pairs = _all_experts(x, gate_up_proj, down_proj, topk_ids)
+    if GROUPED_MIN_PAIRS <= num_tokens * top_k <= SMALL_BATCH_PAIRS:
+        pairs = _experts_grouped(x, gate_up_proj, down_proj, topk_ids)
     elif 0 < num_tokens * top_k <= SMALL_BATCH_PAIRS:
         pairs = _experts_by_pair_list(x, gate_up_proj, down_proj, topk_ids)
     else:
@@ -90,27 +92,51 @@ def fused_moe(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tens
 
 
 SMALL_BATCH_PAIRS = 64     # up to this many (token, expert) pairs: group them on the host
-ALL_EXPERTS_ROWS = 256     # up to this many token x expert rows: run every expert on every token
+GROUPED_MIN_PAIRS = 6      # from this many pairs: the touched experts' GEMMs into one buffer
 
 
-def runs_all_experts(num_tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether `fused_moe` runs every expert on every token: when the pairs could reach every
-    expert (T * k >= E; fewer: the touched ones one at a time are cheaper) and the rows stay
-    few (T * E <= ALL_EXPERTS_ROWS: larger, the E / k times the FLOPs outweigh the ops saved)."""
-    return num_experts <= num_tokens * top_k and num_tokens * num_experts <= ALL_EXPERTS_ROWS
+def _experts_grouped(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+    """`_experts_by_pair_list`'s pairs [T * k, H] (zeros for id -1), the same bits, in fewer
+    ops: the pairs sorted by expert on the host, each expert's rows one GEMM into a slice of one
+    gate_up buffer, ONE silu_mul over all of them, the down GEMMs likewise, then the pairs put
+    back in order: 2 ops a touched expert instead of ~6, ~6 fixed."""
+    top_k, ids = topk_ids.shape[1], topk_ids.reshape(-1).tolist()
+    order = sorted((expert, pair) for pair, expert in enumerate(ids) if expert >= 0)
+    spans = _spans([expert for expert, _ in order])
+    tokens = [pair // top_k for _, pair in order]
+    if all(stop - start == 1 for _, start, stop in spans):     # one row an expert: slice x
+        rows = [x.narrow(0, tokens[start], 1) for _, start, _ in spans]
+    else:
+        gathered = x.index_select(0, torch.tensor(tokens, dtype=torch.long, device=x.device))
+        rows = [gathered[start:stop] for _, start, stop in spans]
+    gate_up = x.new_empty(len(order), gate_up_proj.shape[1])
+    for (expert, start, stop), rows_x in zip(spans, rows):
+        torch.mm(rows_x, gate_up_proj[expert].t(), out=gate_up[start:stop])
+    act = silu_mul(gate_up)
+    out = x.new_empty(len(order), down_proj.shape[1])
+    for expert, start, stop in spans:
+        torch.mm(act[start:stop], down_proj[expert].t(), out=out[start:stop])
+    sorted_pairs = [pair for _, pair in order]
+    if len(order) < len(ids):
+        index = torch.tensor(sorted_pairs, dtype=torch.long, device=x.device)
+        return x.new_zeros(len(ids), x.shape[-1]).index_copy_(0, index, out)
+    if sorted_pairs == list(range(len(ids))):
+        return out
+    position = [0] * len(ids)
+    for i, pair in enumerate(sorted_pairs):
+        position[pair] = i
+    return out.index_select(0, torch.tensor(position, dtype=torch.long, device=x.device))
 
 
-def _all_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                 topk_ids: torch.Tensor) -> torch.Tensor:
-    """`fused_moe`'s expert outputs with every expert run on every token (at these sizes the
-    extra rows cost less than the per-expert ops they replace) -> pairs [T * k, H], row i =
-    expert(x[i // k]) (zeros for id -1, whatever expert 0 gives that row). Reads no device
-    value on the host."""
-    gate_up = torch.matmul(x, gate_up_proj.transpose(1, 2))                 # [E, T, 2I]
-    out = torch.bmm(silu_mul(gate_up), down_proj.transpose(1, 2))           # [E, T, H]
-    tokens = torch.arange(x.shape[0], device=x.device)[:, None]
-    pairs = out[topk_ids.clamp(min=0), tokens]                              # [T, k, H]
-    return torch.where((topk_ids >= 0)[..., None], pairs, 0).flatten(0, 1)
+def _spans(experts: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted expert ids -> (expert, start, stop) of each run of equal ids."""
+    spans, start = [], 0
+    for i in range(1, len(experts) + 1):
+        if i == len(experts) or experts[i] != experts[start]:
+            spans.append((experts[start], start, i))
+            start = i
+    return spans
 
 
 def _experts_by_pair_list(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,

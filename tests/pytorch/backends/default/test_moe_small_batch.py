@@ -1,5 +1,6 @@
-"""`fused_moe`'s all-experts path (a few tokens, few experts) against experts run one pair at a
-time: float64 to rounding, ids of -1 exactly 0 (even on a NaN padding row), FP8 experts."""
+"""`fused_moe`'s grouped small-batch path (the touched experts' GEMMs into shared buffers)
+against one expert at a time (the very bits) and one pair at a time (float64 to rounding); ids
+of -1 exactly 0, even on a NaN padding row; FP8 experts."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,21 +37,43 @@ def per_pair(x, gate_up, down, weights, ids):
     return out
 
 
-def test_runs_all_experts_only_for_few_tokens_and_experts():
-    assert not moe.runs_all_experts(1, 2, 8)        # plain decode: 2 of 8 experts, one at a time
-    assert not moe.runs_all_experts(3, 2, 8)
-    assert moe.runs_all_experts(4, 2, 8)            # the k=3 verify
-    assert moe.runs_all_experts(32, 2, 8)
-    assert not moe.runs_all_experts(33, 2, 8)
-    assert not moe.runs_all_experts(0, 2, 8)
-    for num_tokens in (1, 4, 32, 128, 4096):        # real models never
-        assert not moe.runs_all_experts(num_tokens, 8, 256)
-        assert not moe.runs_all_experts(num_tokens, 10, 512)
+def test_grouped_from_six_pairs(monkeypatch):
+    gate_up, down = experts(torch.float32)
+    taken = []
+    monkeypatch.setattr(moe, '_experts_grouped', lambda *args: taken.append('grouped')
+                        or moe._experts_by_pair_list(*args))
+    for num_tokens in (1, 2, 3, 4, 32, 33):
+        taken.clear()
+        x, weights, ids = routing(num_tokens, torch.float32)
+        moe.fused_moe(x, gate_up, down, weights, ids)
+        assert bool(taken) == (3 <= num_tokens <= 32), num_tokens     # 6..64 pairs
 
 
-@pytest.mark.parametrize('num_tokens', [4, 5, 8, 32])
-def test_all_experts_equals_per_pair_float64(num_tokens):
-    assert moe.runs_all_experts(num_tokens, TOP_K, EXPERTS)
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+@pytest.mark.parametrize('num_tokens', [1, 3, 4, 8, 32])
+def test_grouped_is_one_expert_at_a_time_bit_for_bit(num_tokens, dtype):
+    gate_up, down = experts(dtype)
+    x, _, ids = routing(num_tokens, dtype)
+    for case in ('all', 'minus one', 'none'):           # none: every row elsewhere (EP)
+        if case == 'minus one':
+            ids[0, 1] = -1
+        if case == 'none':
+            ids[:] = -1
+        torch.testing.assert_close(moe._experts_grouped(x, gate_up, down, ids),
+                                   moe._experts_by_pair_list(x, gate_up, down, ids),
+                                   rtol=0, atol=0)
+
+
+def test_grouped_one_expert_many_rows_and_unsorted_pairs():
+    gate_up, down = experts(torch.float64)
+    x, _, _ = routing(4, torch.float64)
+    ids = torch.tensor([[5, 3], [3, 5], [7, 3], [3, 0]])
+    torch.testing.assert_close(moe._experts_grouped(x, gate_up, down, ids),
+                               moe._experts_by_pair_list(x, gate_up, down, ids), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('num_tokens', [3, 4, 8, 32])
+def test_grouped_equals_per_pair_float64(num_tokens):
     gate_up, down = experts(torch.float64)
     x, weights, ids = routing(num_tokens, torch.float64)
     ids[0, 1] = -1                                  # an expert elsewhere (EP)
@@ -60,12 +83,9 @@ def test_all_experts_equals_per_pair_float64(num_tokens):
     ref = per_pair(x, gate_up, down, weights, ids)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-14)
     assert torch.equal(out[2], torch.zeros(HIDDEN, dtype=torch.float64))
-    pairs = moe._all_experts(x, gate_up, down, ids)
-    torch.testing.assert_close(pairs, moe._experts_by_pair_list(x, gate_up, down, ids),
-                               rtol=1e-12, atol=1e-14)
 
 
-def test_all_experts_float32_and_weights_in_float32():
+def test_grouped_float32_and_weights_in_float32():
     gate_up, down = experts(torch.float32)
     x, weights, ids = routing(4, torch.float32)
     out = moe.fused_moe(x, gate_up, down, weights, ids)
@@ -74,7 +94,7 @@ def test_all_experts_float32_and_weights_in_float32():
                                rtol=1e-5, atol=1e-6)
 
 
-def test_all_experts_fp8():
+def test_grouped_fp8():
     gate_up, down = experts(torch.float32)
     gate_up_fp8, down_fp8 = gate_up.to(torch.float8_e4m3fn), down.to(torch.float8_e4m3fn)
     blocks = -(-INTER // moe.BLOCK)                 # gate and up quantized apart
