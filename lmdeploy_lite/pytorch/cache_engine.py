@@ -79,6 +79,13 @@ def fresh_zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 class CacheEngine:
+    """Each kind of cache of every layer is one tensor, layer-major (`kv`: K and V of the
+    full-attention layers; `states`: conv windows and recurrent states of the linear-attention
+    layers; `snapshots` likewise), and `caches[layer_idx]` holds that layer's views of them (each
+    contiguous, as a tensor of its own would be): a snapshot save, a restore or a fork copies
+    every layer in one gather and one scatter instead of two per layer (a prefill step with
+    prefix caching on saved its states in 72 small kernels at the 0.8B's 18 layers)."""
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, dtype: torch.dtype,
                  device: torch.device | str, layer_types: tuple[str, ...] | None = None,
                  tp: int = 1, ssm_state_dtype: str = 'auto'):
@@ -87,55 +94,57 @@ class CacheEngine:
         self.layer_types = tuple(layer_types or model_config.layer_types)
         self.state_dtype = state_dtype(dtype, ssm_state_dtype, model_config)
         cc = cache_config
+        full, linear = ([i for i, t in enumerate(self.layer_types) if t == kind]
+                        for kind in ('full_attention', 'linear_attention'))
 
-        def zeros(shape: tuple, state: bool = False) -> torch.Tensor:
-            return fresh_zeros(shape, self.state_dtype if state else dtype, device)
-        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for layer_type in self.layer_types:
-            if layer_type == 'full_attention':
-                shape = kv_shape(model_config, cc.num_blocks, cc.block_size, tp)
-                self.caches.append((zeros(shape), zeros(shape)))
-            else:
-                conv, rec = state_shapes(model_config, cc.num_state_slots, cc.num_spec_tokens, tp)
-                self.caches.append((zeros(conv), zeros(rec, state=True)))
-        # layer index -> (conv, recurrent) snapshot rows: a state row without its spec slots
-        self.snapshots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        if cc.num_snapshots:
+        def zeros(layers: list[int], shape: tuple, state: bool = False) -> torch.Tensor | None:
+            return fresh_zeros((len(layers),) + shape, self.state_dtype if state else dtype,
+                               device) if layers else None
+        kv = kv_shape(model_config, cc.num_blocks, cc.block_size, tp)
+        conv, rec = state_shapes(model_config, cc.num_state_slots, cc.num_spec_tokens, tp)
+        self.kv = (zeros(full, kv), zeros(full, kv))
+        self.states = (zeros(linear, conv), zeros(linear, rec, state=True))
+        self.caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(self.layer_types)
+        for layers, (first, second) in ((full, self.kv), (linear, self.states)):
+            for j, i in enumerate(layers):
+                self.caches[i] = (first[j], second[j])
+        # (conv, recurrent) snapshot rows of every linear-attention layer: a state row without
+        # its spec slots; None without prefix caching
+        self.snapshots: tuple[torch.Tensor, torch.Tensor] | None = None
+        if cc.num_snapshots and linear:
             conv, rec = state_shapes(model_config, cc.num_snapshots, 0, tp)
-            self.snapshots = {i: (zeros(conv), zeros(rec[:1] + rec[2:], state=True))
-                              for i, t in enumerate(self.layer_types) if t == 'linear_attention'}
+            self.snapshots = (zeros(linear, conv), zeros(linear, rec[:1] + rec[2:], state=True))
 
     def save(self, slots: torch.Tensor, rows: torch.Tensor):
         """Snapshot rows `rows` = the state a prefill left in state slots `slots`."""
-        for i, (conv_rows, rec_rows) in self.snapshots.items():
-            conv, rec = self.caches[i]
-            conv_rows[rows] = conv[slots, :, :conv_rows.shape[-1]]
-            rec_rows[rows] = rec[slots, 0]
+        if self.snapshots is not None:
+            (conv_rows, rec_rows), (conv, rec) = self.snapshots, self.states
+            conv_rows[:, rows] = conv[:, slots, :, :conv_rows.shape[-1]]
+            rec_rows[:, rows] = rec[:, slots, 0]
 
     def restore(self, rows: torch.Tensor, slots: torch.Tensor):
         """State slots `slots` = snapshot rows `rows` (the caller sets their index to 0)."""
-        for i, (conv_rows, rec_rows) in self.snapshots.items():
-            conv, rec = self.caches[i]
-            conv[slots, :, :conv_rows.shape[-1]] = conv_rows[rows]
-            rec[slots, 0] = rec_rows[rows]
+        if self.snapshots is not None:
+            (conv_rows, rec_rows), (conv, rec) = self.snapshots, self.states
+            conv[:, slots, :, :conv_rows.shape[-1]] = conv_rows[:, rows]
+            rec[:, slots, 0] = rec_rows[:, rows]
 
     def copy_blocks(self, copies: torch.Tensor):
         """copies [C, 2] long (block, its copy), in every full-attention layer."""
-        src, dst = copies.unbind(1)
-        for layer_type, (k, v) in zip(self.layer_types, self.caches):
-            if layer_type == 'full_attention':
-                k[dst] = k[src]
-                v[dst] = v[src]
+        if self.kv[0] is not None:
+            src, dst = copies.unbind(1)
+            for cache in self.kv:
+                cache[:, dst] = cache[:, src]
 
     def copy_states(self, copies: torch.Tensor):
         """copies [S, 2] long (state slot, its copy) of what a prefill left in the slot, in every
         linear-attention layer (the caller sets the copies' index to 0)."""
-        src, dst = copies.unbind(1)
-        width = self.model_config.linear_conv_kernel_dim - 1
-        for layer_type, (conv, rec) in zip(self.layer_types, self.caches):
-            if layer_type == 'linear_attention':
-                conv[dst, :, :width] = conv[src, :, :width]
-                rec[dst, 0] = rec[src, 0]
+        if self.states[0] is not None:
+            src, dst = copies.unbind(1)
+            width = self.model_config.linear_conv_kernel_dim - 1
+            conv, rec = self.states
+            conv[:, dst, :, :width] = conv[:, src, :, :width]
+            rec[:, dst, 0] = rec[:, src, 0]
 
     def __getitem__(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.caches[layer_idx]

@@ -304,6 +304,15 @@ def _long_window(inputs: ModelInputs, width: int):
     return (pos >= start) & (pos < start + inputs.q_lens[row]), short
 
 
+def _long_row_slot(inputs: ModelInputs) -> tuple[torch.Tensor, ...]:
+    """The long row's state slot and index, whether it is fresh ([1, 1, 1, 1]: a mask for its
+    state) and slot index 0, each [1] (the same in every layer of the step)."""
+    row = inputs.long_row
+    slot = inputs.state_slots[row]
+    fresh = (inputs.history_lens[row] == 0)[:, None, None, None]
+    return slot, inputs.state_index[row], fresh, torch.zeros_like(slot)
+
+
 def _rows(x: torch.Tensor, n: int) -> torch.Tensor:
     """The first `n` rows of `x` (a view), zero rows past its end."""
     if n <= x.shape[0]:
@@ -325,18 +334,17 @@ def long_row_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     num_tokens = v.shape[0]
     width = width or num_tokens
     live, short = inputs.derived('gdn_long_window', lambda: _long_window(inputs, width))
-    row = inputs.long_row
-    slot, index = inputs.state_slots[row], inputs.state_index[row]
+    slot, index, fresh, first = inputs.derived('gdn_long_row_slot', lambda: _long_row_slot(
+        inputs), from_state_index=True)
     acc = torch.promote_types(state_cache.dtype, torch.float32)
-    initial = state_cache[slot, index].to(acc).masked_fill(
-        (inputs.history_lens[row] == 0)[:, None, None, None], 0)          # [1, nv, dk, dv]
+    initial = state_cache[slot, index].to(acc).masked_fill(fresh, 0)       # [1, nv, dk, dv]
     keep = live[:, None]
     o, final = chunk(_rows(q, width)[None], _rows(k, width)[None], _rows(v, width)[None],
                      torch.where(keep, _rows(g, width).to(acc), 0)[None],
                      torch.where(keep, _rows(beta, width), 0)[None], scale=q.shape[-1] ** -0.5,
                      initial_state=initial, output_final_state=True,
                      use_qk_l2norm_in_kernel=True)
-    state_cache.index_put_((slot, torch.zeros_like(slot)), final.to(state_cache.dtype))
+    state_cache.index_put_((slot, first), final.to(state_cache.dtype))
     out = _rows(o[0].to(v.dtype), num_tokens).contiguous()
     start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
     return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, start_loc,
