@@ -16,12 +16,15 @@ a single visit (`explore_steps` steps) may have been timed in a burst only: ever
 steps, one such cell that could win at the noise the running k has seen (the ratio of its
 slowest recent step to its estimate) is timed once more. Unmeasured cells are estimated
 (`prior_acceptance` for position 0, `prior_draft_cost` of a k = 0 step per draft; else the
-measured ks around them) and tried: at a new bucket each k runs `explore_steps` steps once, best
-estimate first (cost is not linear in k: the first draft carries the verify width and the head's
-pass over it), and now and then k + 1 and k - 1 run again (`_revisit`). The running choice changes
-only for a k estimated `switch_margin` faster (a switch up costs a step of fewer drafts; near-ties
-flap). Every rank proposes; the StepPlan runs the smallest proposal of a working rank (DESIGN.md
-invariant 1).
+measured ks around them) and tried: at a new bucket each k deeper than any measured runs
+`explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
+the verify width and the head's pass over it), a shallower one only while it is rated at least as
+the best measured k (its rate rests on measured positions and times; trying every k at the start
+of an output, whose first drafts are often hard, cost the CPU main job ~2% in
+`benchmarks/sim_dynamic_k.py`), and now and then k + 1 and k - 1 run again (`_revisit`). The
+running choice changes only for a k estimated `switch_margin` faster (a switch up costs a step of
+fewer drafts; near-ties flap). Every rank proposes; the StepPlan runs the smallest proposal of a
+working rank (DESIGN.md invariant 1).
 """
 from __future__ import annotations
 
@@ -166,9 +169,14 @@ class DraftCountPolicy:
         steps = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         rates = self.rates(bucket)
         best = max(range(len(rates)), key=lambda j: (rates[j], -j))
-        # cells not measured yet at this bucket, the best estimate first
+        # cells not measured yet at this bucket, the best estimate first; a k below a measured
+        # one only while it could be the best (rated at least as the best measured k): its
+        # rate rests on positions already measured and on a step time between or near
+        # measured ones, where a deeper k's rests on positions no step has drafted
+        measured = [j for j in range(len(rates)) if self.samples.get((bucket, j), 0)]
+        top = max((rates[j] for j in measured), default=0.0)
         for j in sorted(range(len(rates)), key=lambda j: -rates[j]):
-            if self.samples.get((bucket, j), 0) == 0:
+            if j not in measured and (j > max(measured, default=-1) or rates[j] >= top):
                 return self._explore(j)
         revisit = self._revisit(steps)
         if revisit == 'up' or revisit == 'early' and best < self.max_k and (

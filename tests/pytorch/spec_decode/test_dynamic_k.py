@@ -160,6 +160,18 @@ def test_policy_converges_to_the_best_k(accept, draft_cost, want):
     assert chosen[-50:].count(want) >= 40, chosen[-50:]
 
 
+def test_a_new_bucket_skips_shallower_ks_that_cannot_win():
+    """High acceptance and cheap drafts: once k=2 and k=3 are measured, k=1 and k=0 are rated
+    below them on measured positions and step times, so the opening steps never run them (each
+    tried k costs `explore_steps` steps); with nothing accepted and drafts costing 30% of a
+    step, k=0 is soon rated best, so tried, and kept."""
+    cost = lambda k: 0.01 * (1 + 0.1 * k)                      # noqa: E731
+    chosen = feed(DraftCountPolicy(3), 1, cost, [0.9, 0.85, 0.8], 20)
+    assert set(chosen) <= {2, 3}, chosen
+    chosen = feed(DraftCountPolicy(3), 1, lambda k: 0.01 * (1 + 0.3 * k), [0.0] * 3, 24)
+    assert 0 in chosen[:10] and chosen[-8:] == [0] * 8, chosen
+
+
 def test_policy_follows_a_change_of_acceptance():
     """Acceptance drops to zero mid-run: the policy leaves k=4 for k=0; it comes back."""
     policy = DraftCountPolicy(4)
