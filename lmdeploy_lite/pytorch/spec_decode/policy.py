@@ -18,8 +18,9 @@ slowest recent step to its estimate) is timed once more. Unmeasured cells are es
 (`prior_acceptance` for position 0, `prior_draft_cost` of a k = 0 step per draft; else the
 measured ks around them) and tried: at a new bucket each k deeper than any measured runs
 `explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
-the verify width and the head's pass over it), a shallower one only while it is rated at least as
-the best measured k (its rate rests on measured positions and times; trying every k at the start
+the verify width and the head's pass over it), a shallower one only while it is rated at least
+as the best measured k (its rate rests on measured positions and times; a one-visit time of it is
+rechecked only if the other ks' times do not explain it; trying every k at the start
 of an output, whose first drafts are often hard, cost the CPU main job ~2% in
 `benchmarks/sim_dynamic_k.py`), and now and then k + 1 and k - 1 run again (`_revisit`). The
 running choice changes only for a k estimated `switch_margin` faster (a switch up costs a step of
@@ -130,9 +131,10 @@ class DraftCountPolicy:
         """A non-decode step ran: the next decode step's wall time is not its own."""
         self._last = None
 
-    def step_time(self, bucket: int, k: int) -> float:
-        """Measured, or estimated from the prior or the measured ks around it (relative units)."""
-        known = self.times.get(bucket, {})
+    def step_time(self, bucket: int, k: int, known: dict[int, float] | None = None) -> float:
+        """Measured, or estimated from the prior or the measured ks around it (relative units);
+        `known`: the measured times to use (default: the bucket's)."""
+        known = self.times.get(bucket, {}) if known is None else known
         if k in known:
             return known[k]
         if not known:
@@ -208,15 +210,22 @@ class DraftCountPolicy:
 
     def _unconfirmed(self, bucket: int, current: int | None, rates: list[float]) -> int | None:
         """Every `confirm_every` steps: the best-rated k timed in one visit only whose rate,
-        were its times all from a burst as slow as the running k's slowest, could beat it."""
+        were its time inflated by a burst as slow as the running k's slowest, could beat the
+        running k's; for a shallower k, inflated only by what its time exceeds what the other
+        ks' times put it at (a time they explain is not suspect)."""
         self._since_confirm += 1
         if current is None or self._since_confirm < self.confirm_every:
             return None
         self._since_confirm = 0
-        noise = self.noise(bucket, current)
+        noise, known = self.noise(bucket, current), self.times.get(bucket, {})
         for k in sorted(range(len(rates)), key=lambda j: -rates[j]):
-            if k != current and self._visits.get((bucket, k), 0) < 2 and (
-                    rates[k] * noise > rates[current]):
+            if k == current or self._visits.get((bucket, k), 0) != 1:
+                continue
+            inflated = noise
+            if k < current:        # a shallower k: its time against what the others imply
+                others = self.step_time(bucket, k, {j: t for j, t in known.items() if j != k})
+                inflated = min(noise, max(self.step_time(bucket, k) / others, 1.0))
+            if rates[k] * inflated > rates[current]:
                 return k
         return None
 

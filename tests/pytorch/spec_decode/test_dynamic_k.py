@@ -212,7 +212,9 @@ def test_state_graph_buffers_do_not_depend_on_k():
 def test_policy_keeps_its_choice_on_near_ties():
     """Two ks that tie (k=1 and k=2 give the same tokens per second), timings jittering by
     +-4%: the policy keeps its running choice instead of flapping between them (a switch up
-    wastes a verify width); without the margin it switches 5 times in the last 150 steps."""
+    wastes a verify width); without the margin it switches 5 times in the last 150 steps. (k=0,
+    estimated from the others' times as a third tie, may be tried once, when the jitter rates
+    it best: not a switch between the two.)"""
     import random
     rng = random.Random(0)
     policy = DraftCountPolicy(2)
@@ -220,8 +222,9 @@ def test_policy_keeps_its_choice_on_near_ties():
     cost = {0: 1.0, 1: 1.3, 2: 1.3 * 2.5 / 1.75}
     chosen = feed(policy, 8, lambda k: 0.01 * cost[k] * rng.uniform(0.96, 1.04), [0.8, 0.75],
                   600)
-    late = chosen[-150:]
+    late = [k for k in chosen[-150:] if k]
     assert sum(a != b for a, b in zip(late, late[1:])) <= 2, late    # the neighbours' revisit
+    assert chosen.count(0) <= policy.explore_steps + 1, chosen       # tried once at most
 
 
 CPU_STEP_MS = {0: 8.0, 1: 11.7, 2: 15.5, 3: 16.0}      # a 2-core CPU's step at k = 0..3
