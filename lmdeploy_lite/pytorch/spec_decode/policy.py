@@ -181,6 +181,9 @@ class DraftCountPolicy:
             if j not in measured and (j > max(measured, default=-1) or rates[j] >= top):
                 return self._explore(j)
         revisit = self._revisit(steps)
+        if revisit == 'early' and best == 1 and not self.samples.get((bucket, 0), 0):
+            return self._explore(0)     # the plain step, never timed here (its time estimated
+            #                             from the drafting ks' runs high: a first draft costs more)
         if revisit == 'up' or revisit == 'early' and best < self.max_k and (
                 self.rates(bucket, optimistic=True)[best + 1] > rates[best]):
             return self._explore(min(best + 1, self.max_k))
