@@ -1,0 +1,81 @@
+"""The dynamic-k policy against every fixed k on synthetic steps, this checkout's policy beside
+another revision's (`--against REV`, read with git show): step times per k from measured cost
+tables (a GPU's 0.8B at batch 1 / 8 / 32, a compute-bound large batch, the 2-core CPU's main
+job), +-5% jitter and, on 5% of steps, a 1.3-2x burst; rows accept draft j with the given
+conditional probabilities. Per cell: dynamic / best fixed k over `--seeds` seeds, mean and min.
+
+    python benchmarks/sim_policy_grid.py [--against 773106c --steps 300 --seeds 6]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import os
+import random
+import subprocess
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+POLICY = 'lmdeploy_lite/pytorch/spec_decode/policy.py'
+COSTS = {'gpu_b1': (1, [1.46, 1.72, 1.93, 2.14]), 'gpu_b8': (8, [1.62, 2.00, 2.24, 2.53]),
+         'gpu_b32': (32, [2.29, 2.77, 3.33, 3.91]), 'big_b32': (32, [5.0, 8.0, 10.5, 13.0]),
+         'cpu_b1': (1, [10.3, 15.0, 18.2, 22.2])}          # ms per step at k = 0..3
+ACCEPTANCE = {'0.8/0.6/0.5': [0.8, 0.75, 0.83], 'zero': [0.0] * 3, 'low': [0.3] * 3,
+              'high': [0.9] * 3}                             # conditional, per position
+
+
+def load_policy(source: str, name: str):
+    spec = importlib.util.spec_from_file_location(name, source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DraftCountPolicy
+
+
+def tokens_per_ms(policy, batch: int, cost: list[float], accept: list[float], steps: int,
+                  seed: int, fixed_k: int = 0) -> float:
+    rng, tokens, elapsed = random.Random(seed), 0, 0.0
+    for _ in range(steps):
+        k = policy.propose(batch) if policy else fixed_k
+        ms = cost[k] * rng.uniform(0.95, 1.05) * (rng.uniform(1.3, 2.0) if rng.random() < 0.05
+                                                  else 1.0)
+        accepted = []
+        for _ in range(batch):
+            n = 0
+            while n < k and rng.random() < accept[n]:
+                n += 1
+            accepted.append(n)
+        if policy:
+            policy.observe_time(batch, k, ms / 1000)
+            if k:
+                policy.observe_acceptance([k] * batch, accepted)
+        tokens, elapsed = tokens + batch + sum(accepted), elapsed + ms
+    return tokens / elapsed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--against', default='773106c', help='git revision of the other policy')
+    parser.add_argument('--steps', type=int, default=300)
+    parser.add_argument('--seeds', type=int, default=6)
+    args = parser.parse_args()
+    with tempfile.NamedTemporaryFile('w', suffix='.py', delete=False) as f:
+        f.write(subprocess.run(['git', 'show', f'{args.against}:{POLICY}'], cwd=ROOT, check=True,
+                               capture_output=True, text=True).stdout)
+    policies = {args.against: load_policy(f.name, 'other_policy'),
+                'this': load_policy(os.path.join(ROOT, POLICY), 'this_policy')}
+    print('cell'.ljust(22), *(f'{name[:10]:>10} mean   min' for name in policies))
+    for (cell, (batch, cost)), (acc_name, accept) in itertools.product(COSTS.items(),
+                                                                       ACCEPTANCE.items()):
+        best = [max(tokens_per_ms(None, batch, cost, accept, args.steps, s, k)
+                    for k in range(len(cost))) for s in range(args.seeds)]
+        row = []
+        for policy in policies.values():
+            ratios = [tokens_per_ms(policy(len(cost) - 1), batch, cost, accept, args.steps, s)
+                      / b for s, b in enumerate(best)]
+            row.append(f'{sum(ratios) / len(ratios):14.3f} {min(ratios):5.3f}')
+        print(f'{cell} {acc_name}'.ljust(22), *row)
+
+
+if __name__ == '__main__':
+    main()
