@@ -15,11 +15,11 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..config import head_replicas
 from ..model_inputs import ModelInputs
 from .linear import ColumnParallelLinear, FusedColumnLinear, RowParallelLinear
 from .norm import RMSNorm
 from .sequence_parallel import restore_rows, splits_rows
-from ..config import head_replicas
 from .sharding import tp_layout
 
 

@@ -17,6 +17,7 @@ reading weights, not by op count. Many tokens group rows by expert on the device
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -132,10 +133,10 @@ def _experts_grouped(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: tor
 def _spans(experts: list[int]) -> list[tuple[int, int, int]]:
     """Sorted expert ids -> (expert, start, stop) of each run of equal ids."""
     spans, start = [], 0
-    for i in range(1, len(experts) + 1):
-        if i == len(experts) or experts[i] != experts[start]:
-            spans.append((experts[start], start, i))
-            start = i
+    for expert, run in itertools.groupby(experts):
+        stop = start + len(list(run))
+        spans.append((expert, start, stop))
+        start = stop
     return spans
 
 
