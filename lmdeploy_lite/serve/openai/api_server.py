@@ -152,13 +152,13 @@ async def prometheus(ctx: ServerContext, request: Request):
 
 
 async def models(ctx: ServerContext, request: Request) -> ModelList:
-    return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.session_len)])
+    return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=ctx.pipe.session_len)])
 
 
 async def model(ctx: ServerContext, request: Request) -> ModelCard:
     """The served model's card; any other id is a 404 (model_not_found), as OpenAI answers."""
     check_model(ctx, request.path_params['model_id'], status=404)
-    return ModelCard(id=ctx.model_name, max_model_len=ctx.session_len)
+    return ModelCard(id=ctx.model_name, max_model_len=ctx.pipe.session_len)
 
 
 async def tokenize(ctx: ServerContext, request: Request):

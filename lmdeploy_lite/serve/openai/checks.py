@@ -62,10 +62,6 @@ class ServerContext:
     # set once the server begins to shut down (serve's signal handler): streams end with 'abort'
     shutdown: threading.Event = field(default_factory=threading.Event)
 
-    @property
-    def session_len(self) -> int:
-        return self.pipe.session_len
-
 
 async def read_checked(ctx: ServerContext, request: Request, check):
     """The body, read, then `check(ctx, body)`: a small one on the event loop (~0.2 ms a KiB on
@@ -136,7 +132,7 @@ def check_sequences(ctx: ServerContext, num_prompts: int, req: p.SamplingRequest
                            f'request (--max-sequences-per-request): send fewer prompts or a '
                            f'smaller {n_param}', 'prompt' if num_prompts > 1 else n_param)
     # a sequence generates at most what its session holds: past that, the length check speaks
-    tokens = None if max_tokens is None else sequences * min(max_tokens, ctx.session_len)
+    tokens = None if max_tokens is None else sequences * min(max_tokens, ctx.pipe.session_len)
     if tokens is not None and tokens > limits.max_tokens:
         raise RequestError(f'{max_tokens_param}: {sequences} sequence(s) x {max_tokens_param}='
                            f'{max_tokens} = {tokens} tokens; this server '
@@ -150,7 +146,7 @@ def prepare(ctx: ServerContext, req: p.SamplingRequest, prompt, param: str,
     """One prompt's token ids and GenerationConfig (`req.generation_config`); `param`: its field."""
     check_model(ctx, req.model)
     ids = encode(ctx, prompt, param, tools, template_kwargs)
-    session_len, (max_tokens_param, max_tokens) = ctx.session_len, req.length_field
+    session_len, (max_tokens_param, max_tokens) = ctx.pipe.session_len, req.length_field
     room = session_len - len(ids)
     if max_tokens is not None and 0 < room < max_tokens:
         raise RequestError(f'{max_tokens_param}={max_tokens}: the prompt has {len(ids)} '

@@ -71,7 +71,7 @@ def check_tokenize(ctx: ServerContext, body: bytes) -> dict:
                 raise RequestError(f'messages: the chat template refuses them ({e})',
                                    'messages') from None
             ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
-    answer = {'count': len(ids), 'max_model_len': ctx.session_len, 'tokens': ids}
+    answer = {'count': len(ids), 'max_model_len': ctx.pipe.session_len, 'tokens': ids}
     if req.return_token_strs:
         answer['token_strs'] = tokenizer.convert_ids_to_tokens(ids)
     return answer
