@@ -327,11 +327,10 @@ class RankClient:
             self._fail(RuntimeError(self._describe_failure(rank, *payload)))
             return False
         reports, news = payload
-        if news is not None:                # (snapshot (key, kept) events, EngineStats or None)
+        if news is not None:                # (snapshot (key, kept) events, EngineStats)
             events, stats = news
             dp_rank = rank // self.dist_config.tp
-            if stats is not None:
-                self._stats[dp_rank] = stats
+            self._stats[dp_rank] = stats
             held = self._snapshot_keys[dp_rank]
             with self._lock:
                 for key, kept in events:
