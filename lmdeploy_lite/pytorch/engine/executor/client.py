@@ -101,18 +101,17 @@ class EngineClient(Protocol):
 def hand_out(pairs: list[tuple[RequestHandle, Item]]) -> list[RequestHandle]:
     """Each item to its request's sink (one `post` per Channel); returns the handles whose sink
     raised (logged; the caller aborts them)."""
-    failed, posts = [], {}
+    failed, posts = [], {}                   # a Channel hashes by identity (eq=False)
     for handle, item in pairs:
-        sink = handle.sink
-        if isinstance(sink, Channel):
-            posts.setdefault(id(sink), (sink, []))[1].append((handle, item))
+        if isinstance(handle.sink, Channel):
+            posts.setdefault(handle.sink, []).append((handle, item))
             continue
         try:
-            sink(item)
+            handle.sink(item)
         except Exception:
             logger.exception('a request sink failed; aborting that request only')
             failed.append(handle)
-    for channel, entries in posts.values():
+    for channel, entries in posts.items():
         try:
             channel.post([(h.tag, item) for h, item in entries])
         except Exception:
