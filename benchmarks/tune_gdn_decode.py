@@ -1,8 +1,11 @@
 """Tiling of the Triton gated-delta decode kernel: time (and bandwidth over the state bytes read +
 written) per (block_v, num_warps) for the 0.8B and 9B head counts at a batch, 1 and k+1 tokens,
-fp32 and bf16 state; and the largest output difference against the current tiling.
+fp32 and bf16 state; and the largest output difference against the first tiling (0 for an fp32
+state, whose sums are fixed trees). The timed launches are captured in one CUDA graph, so
+small batches show the kernel, not the launch.
 
     python benchmarks/tune_gdn_decode.py --batch 64
+    python benchmarks/tune_gdn_decode.py --batch 1 --state float32 --configs 64x4,32x2,32x4,16x1
 """
 from __future__ import annotations
 
@@ -20,12 +23,15 @@ def launch(q, k, v, g, beta, state, slots, index, hist, n, bv, warps):
     num_tokens, nv, dv = v.shape
     dk = q.shape[-1]
     out = torch.empty_like(v)
+    tree = state.dtype != torch.bfloat16          # as the engine's launch: tree sums, fp32 state
     grid = (slots.numel(), nv, triton.cdiv(dv, bv))
     _recurrent_decode_kernel[grid](
         q, k, v, g, beta, out, state, slots, index, hist,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *out.stride(),
         *state.stride(), dk ** -0.5, NUM_TOKENS=n, ACC_FP64=False, HEAD_RATIO=nv // q.shape[1],
-        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv, num_warps=warps)
+        DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=bv,
+        TREE_LEVELS=tree * (triton.next_power_of_2(dk).bit_length() - 1), num_warps=warps,
+        enable_fp_fusion=not tree)
     return out
 
 
@@ -35,12 +41,13 @@ def main():
     parser.add_argument('--configs', default='8x1,16x1,16x2,32x2,32x4,64x4,64x8,128x8',
                         help='block_v x num_warps, the first one the reference')
     parser.add_argument('--iters', type=int, default=30)
+    parser.add_argument('--state', default='float32,bfloat16', help='state dtypes')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
     configs = [tuple(map(int, c.split('x'))) for c in args.configs.split(',')]
     rows = []
     for (name, nk, nv), n, sdtype in itertools.product(
-            [('0.8B', 16, 16), ('9B', 16, 32)], [1, 4], [torch.float32, torch.bfloat16]):
+            [('0.8B', 16, 16), ('9B', 16, 32)], [1, 4], [getattr(torch, d) for d in args.state.split(',')]):
         b, dk = args.batch, 128
         gen = torch.Generator('cuda').manual_seed(0)
         q, k = (torch.randn(b * n, nk, dk, device='cuda', dtype=torch.bfloat16, generator=gen)
@@ -61,10 +68,14 @@ def main():
                 ref, ref_state = out.float().clone(), state.float().clone()
             diff = max((out.float() - ref).abs().max().item(),      # 0: the same bits
                        (state.float() - ref_state).abs().max().item())
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(args.iters):
+                    launch(q, k, v, g, beta, state, slots, index, hist, n, bv, warps)
+            graph.replay()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(args.iters):
-                launch(q, k, v, g, beta, state, slots, index, hist, n, bv, warps)
+            graph.replay()
             end.record()
             torch.cuda.synchronize()
             us = 1000 * start.elapsed_time(end) / args.iters

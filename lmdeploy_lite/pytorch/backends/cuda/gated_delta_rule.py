@@ -31,6 +31,9 @@ CAPTURED_PREFILL_TOKENS = 512
 # the row's end, rounded up; captured: the bucket, a multiple of it), so its chunks see the same
 # values either way
 FLA_CHUNK = 64
+# launches of at most this many (sequence, value head) programs take `decode_tiling`'s small
+# tiles: measured on an H200, k=3 verify at 0.8B / 9B heads (16 / 32 value heads)
+SMALL_TILE_PROGRAMS = 256
 
 
 @triton.jit
@@ -47,16 +50,33 @@ def _token_inputs(tok, q_row, k_row, v_row, g_row, beta_row, stride_qt, stride_k
 
 
 @triton.jit
-def _delta_rule_math(state, q, k, v, g, beta, out_ptr, mask_v, scale):
+def _sum_rows(x, TREE_LEVELS: tl.constexpr):
+    """x [BK, C] summed over its rows -> [C]: by tl.sum, whose order follows the tiling (a
+    thread's rows, then lanes, then warps), or with TREE_LEVELS = log2(BK) in a fixed binary
+    tree (row r + n/2 added onto row r, n halving). A sum of two is the same bits wherever the
+    two live (the kernels are compiled without FMA contraction, which would fuse one side's
+    product and not the other's), so the tree gives one result for every tiling."""
+    if TREE_LEVELS == 0:
+        total = tl.sum(x, 0)
+    else:                              # (no early return: Triton compiles the code after one)
+        for _ in tl.static_range(TREE_LEVELS):
+            x = tl.sum(tl.reshape(x, [2, x.shape[0] // 2, x.shape[1]]), axis=0)
+        total = tl.reshape(x, [x.shape[1]])
+    return total
+
+
+@triton.jit
+def _delta_rule_math(state, q, k, v, g, beta, out_ptr, mask_v, scale, TREE_LEVELS: tl.constexpr):
     """One token of one value head on a [BK, BV] state tile (fp32 or fp64: the math's dtype),
-    from `_token_inputs`: normalises q, k; stores o_t = S_t^T q_t at out_ptr; returns S_t."""
-    q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
-    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    from `_token_inputs`: normalises q, k; stores o_t = S_t^T q_t at out_ptr; returns S_t.
+    Every sum over dk is a `_sum_rows`."""
+    q = q / tl.sqrt(_sum_rows((q * q)[:, None], TREE_LEVELS) + 1e-6) * scale
+    k = k / tl.sqrt(_sum_rows((k * k)[:, None], TREE_LEVELS) + 1e-6)
 
     state = state * tl.exp(g)
-    delta = (v - tl.sum(state * k[:, None], 0)) * beta               # [BV]
+    delta = (v - _sum_rows(state * k[:, None], TREE_LEVELS)) * beta       # [BV]
     state = state + k[:, None] * delta[None, :]
-    out = tl.sum(state * q[:, None], 0)
+    out = _sum_rows(state * q[:, None], TREE_LEVELS)
     tl.store(out_ptr, out.to(out_ptr.dtype.element_ty), mask=mask_v)
     return state
 
@@ -71,7 +91,7 @@ def _recurrent_decode_kernel(
         stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
         scale, NUM_TOKENS: tl.constexpr, ACC_FP64: tl.constexpr,
         HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr):
+        BK: tl.constexpr, BV: tl.constexpr, TREE_LEVELS: tl.constexpr):
     """One program: sequence b, value head h, value columns [BV * pid_v, +BV) of the state.
     S [DK, BV] starts at state[slot, state_index[b], h] (zero if fresh); after token t it is
     stored to state[slot, t, h]. Computes in fp32 (fp64 with ACC_FP64) whatever the state is
@@ -107,7 +127,7 @@ def _recurrent_decode_kernel(
                                   stride_kt, stride_vt, stride_gt, stride_bt, mask_k, mask_v, True,
                                   acc)
         state = _delta_rule_math(state, q, k, v, g, beta, out_row + (first + t) * stride_ot,
-                                 mask_v, scale)
+                                 mask_v, scale, TREE_LEVELS)
         stored = state.to(state_ptr.dtype.element_ty)
         tl.store(row + t * stride_s1 + tile, stored, mask=mask_s)
         state = stored.to(acc)         # the next token starts from the state as stored (= AR)
@@ -123,7 +143,7 @@ def _recurrent_prefill_kernel(
         stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
         scale, ACC_FP64: tl.constexpr,
         HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr):
+        BK: tl.constexpr, BV: tl.constexpr, TREE_LEVELS: tl.constexpr):
     """The decode kernel's program (sequence b, value head h, value columns [BV * pid_v, +BV))
     over a varlen prefill: tokens q_start_loc[b] .. + q_lens[b] (a runtime loop: one compile for
     every length), from state[slot, state_index[b], h] (zero if fresh). The state stays in the
@@ -162,20 +182,25 @@ def _recurrent_prefill_kernel(
         q_next, k_next, v_next, g_next, beta_next = _token_inputs(
             tok + 1, q_row, k_row, v_row, g_row, beta_row, stride_qt, stride_kt, stride_vt,
             stride_gt, stride_bt, mask_k, mask_v, tok + 1 < end, acc)
-        state = _delta_rule_math(state, q, k, v, g, beta, out_row + tok * stride_ot, mask_v, scale)
+        state = _delta_rule_math(state, q, k, v, g, beta, out_row + tok * stride_ot, mask_v, scale,
+                                 TREE_LEVELS)
         q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
         tok += 1
     tl.store(row + tile, state.to(state_ptr.dtype.element_ty), mask=mask_s & (num_tokens > 0))
 
 
-def decode_tiling(dv: int) -> tuple[int, int]:
-    """(block_v, num_warps): a program holds the [dk, block_v] state tile of one value head.
-    [dk, 64] tiles with four warps read the state in 256-byte rows (fp32); measured on an H100
-    at batch 64-256 they move it at ~2.3-2.7 TB/s where fla's one-warp [dk, 8] tiling moves
-    0.8-1.2 (benchmarks/tune_gdn_decode.py), and at batch 1-8 (launch-bound) they are as fast.
-    The tiling depends on the head size only, never on the batch: a tiling with another warp
-    count sums over dk in another order (other bits), and a request's tokens must not depend
-    on the batch it shares, its graph bucket or async scheduling."""
+def decode_tiling(dv: int, programs: int | None) -> tuple[int, int]:
+    """(block_v, num_warps) for a launch of `programs` = sequences x value heads (with the
+    tree sums of an fp32/fp64 state; a bf16-stored state's launches are all `programs` =
+    None): each program holds the [dk, block_v] state tile of one value head. With few
+    programs (a small batch) the kernel is latency-bound, and one-warp [dk, 16] tiles (4x the
+    programs, no cross-warp sums) walk a k=3 verify's 4 tokens ~1.5x faster; with many, [dk, 64]
+    tiles with four warps read the state in 256-byte rows at ~3.4-3.8 TB/s (H200) where
+    one-warp tiles reach ~1.9 (benchmarks/tune_gdn_decode.py). With tl.sum a tiling sums in
+    its own order (other bits), and a request's tokens must not depend on the batch it shares,
+    so a bf16 state keeps one tiling (tree sums cost it ~2x at large batches, measured)."""
+    if programs is not None and programs <= SMALL_TILE_PROGRAMS:
+        return min(triton.next_power_of_2(dv), 16), 1
     block_v = min(triton.next_power_of_2(dv), 64)
     return block_v, max(1, block_v // 16)
 
@@ -187,13 +212,16 @@ def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     (`out`, where given, keeps the rows of sequences without tokens)."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     dk, (nv, dv) = q.shape[-1], v.shape[1:]
-    block_v, num_warps = decode_tiling(dv)
+    batch, block_k = inputs.q_lens.numel(), triton.next_power_of_2(dk)
+    tree = state_cache.dtype != torch.bfloat16
+    block_v, num_warps = decode_tiling(dv, batch * nv if tree else None)
     strides = [stride for x in (q, k, v, g, beta, out, state_cache) for stride in x.stride()]
-    kernel[(inputs.q_lens.numel(), nv, triton.cdiv(dv, block_v))](
+    kernel[(batch, nv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, out, state_cache, inputs.state_slots, inputs.state_index,
         inputs.history_lens, *seq_ptrs, *strides, scale=dk ** -0.5,
         ACC_FP64=state_cache.dtype == torch.float64, HEAD_RATIO=nv // q.shape[1], DK=dk, DV=dv,
-        BK=triton.next_power_of_2(dk), BV=block_v, num_warps=num_warps, **constexprs)
+        BK=block_k, BV=block_v, TREE_LEVELS=block_k.bit_length() - 1 if tree else 0,
+        num_warps=num_warps, enable_fp_fusion=not tree, **constexprs)
     return out
 
 

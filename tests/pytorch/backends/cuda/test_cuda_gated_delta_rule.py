@@ -116,10 +116,13 @@ def test_decode_realistic_sizes(num_tokens, dtype):
 
 
 @pytest.mark.parametrize('num_tokens', [1, 4])
-def test_decode_is_batch_invariant(kernel_device, num_tokens):
+@pytest.mark.parametrize('batch_tiles', ['small', 'large'])
+def test_decode_is_batch_invariant(kernel_device, num_tokens, batch_tiles, monkeypatch):
     """A sequence's outputs and states are the same bits alone and in a batch of 6 (its graph
-    bucket, the requests it shares a step with and async scheduling must not change a token):
-    Qwen3.5 sizes on the GPU (fp32 and bf16-stored state), small ones on the CPU."""
+    bucket, the requests it shares a step with and async scheduling must not change a token),
+    whether the batch takes the same tiling as the sequence alone or the large one
+    (`decode_tiling`): Qwen3.5 sizes on the GPU (fp32 and bf16-stored state), small ones on
+    the CPU."""
     realistic = kernel_device == 'cuda'
     nk, nv, dk, dv, num_spec = (16, 32, 128, 128, 3) if realistic else (2, 4, 32, 32, 3)
     act = torch.bfloat16 if realistic else torch.float32
@@ -132,8 +135,13 @@ def test_decode_is_batch_invariant(kernel_device, num_tokens):
         cache = random_cache(num_spec, nv, dk, dv, torch.float32, kernel_device, seed=5)
         cache = cache.to(cache_dtype)
         in_batch, by_itself = cache.clone(), cache.clone()
-        out_batch = cuda_gdr.gated_delta_rule_decode(*args, in_batch, batch)
         out_alone = cuda_gdr.gated_delta_rule_decode(*own, by_itself, alone)
+        if batch_tiles == 'large':
+            monkeypatch.setattr(cuda_gdr, 'SMALL_TILE_PROGRAMS', nv)      # alone: nv programs
+        assert (cuda_gdr.decode_tiling(dv, 6 * nv) == cuda_gdr.decode_tiling(dv, nv)) == (
+            batch_tiles == 'small')
+        out_batch = cuda_gdr.gated_delta_rule_decode(*args, in_batch, batch)
+        monkeypatch.undo()
         assert torch.equal(out_batch[2 * num_tokens:3 * num_tokens], out_alone)
         assert torch.equal(in_batch[slots[2]], by_itself[slots[2]]), cache_dtype
 
