@@ -190,15 +190,15 @@ def _recurrent_prefill_kernel(
 
 
 def decode_tiling(dv: int, programs: int | None) -> tuple[int, int]:
-    """(block_v, num_warps) for a launch of `programs` = sequences x value heads (with the
-    tree sums of an fp32/fp64 state; a bf16-stored state's launches are all `programs` =
-    None): each program holds the [dk, block_v] state tile of one value head. With few
-    programs (a small batch) the kernel is latency-bound, and one-warp [dk, 16] tiles (4x the
-    programs, no cross-warp sums) walk a k=3 verify's 4 tokens ~1.5x faster; with many, [dk, 64]
-    tiles with four warps read the state in 256-byte rows at ~3.4-3.8 TB/s (H200) where
-    one-warp tiles reach ~1.9 (benchmarks/tune_gdn_decode.py). With tl.sum a tiling sums in
-    its own order (other bits), and a request's tokens must not depend on the batch it shares,
-    so a bf16 state keeps one tiling (tree sums cost it ~2x at large batches, measured)."""
+    """(block_v, num_warps) of a launch; a program holds the [dk, block_v] state tile of one
+    value head. Where the kernels sum in fixed trees (an fp32/fp64 state), `programs`
+    (sequences x value heads) picks: up to SMALL_TILE_PROGRAMS, one-warp [dk, 16] tiles (4x the
+    programs, no cross-warp sums: a k=3 verify's 4 tokens ~1.5x faster at batch 1); above,
+    [dk, 64] tiles with four warps, which read the state in 256-byte rows at ~3.4-3.8 TB/s on
+    an H200 where one-warp tiles reach ~1.9 (benchmarks/tune_gdn_decode.py). `programs` None
+    (a bf16-stored state, summed by tl.sum, whose order follows the tiling): the large tiles
+    always, so a request's tokens never depend on the batch it shares (tree sums cost that
+    path ~2x at large batches)."""
     if programs is not None and programs <= SMALL_TILE_PROGRAMS:
         return min(triton.next_power_of_2(dv), 16), 1
     block_v = min(triton.next_power_of_2(dv), 64)
