@@ -14,15 +14,14 @@ import sys
 import traceback
 from collections import Counter
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_itl import random_prompts  # noqa: E402
-from common import add_model_args, resolve_model, synchronize  # noqa: E402
+from common import synchronize  # noqa: E402
+from profile_mixed import add_mixed_args, mixed_engine  # noqa: E402
 
-from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig  # noqa: E402
-from lmdeploy_lite.pytorch.engine.build import build_engine  # noqa: E402
+from lmdeploy_lite.messages import GenerationConfig  # noqa: E402
 
 NO_KERNEL = ('view', 'slice', 'select', 'as_strided', 't.', 'expand', 'unsqueeze', 'squeeze',
              'split', 'empty', 'alias', 'detach', 'permute', 'transpose', 'unbind', 'reshape',
@@ -49,19 +48,10 @@ class OpSources(TorchDispatchMode):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(parser, dtype='bfloat16', device='cuda')
-    parser.add_argument('--streams', type=int, default=32)
-    parser.add_argument('--prompt-len', type=int, default=128)
-    parser.add_argument('--long-prompt-len', type=int, default=8192)
-    parser.add_argument('--max-mixed-tokens', type=int, default=1024)
+    add_mixed_args(parser)
     parser.add_argument('--rows', type=int, default=60)
     args = parser.parse_args()
-    path, load_format = resolve_model(args)
-    engine = build_engine(path, PytorchEngineConfig(
-        dtype=args.dtype, device=args.device, load_format=load_format, eager_mode=True,
-        max_batch_size=args.streams + 1, session_len=args.long_prompt_len + 64,
-        max_prefill_token_num=args.max_mixed_tokens, max_mixed_token_num=args.max_mixed_tokens,
-        async_scheduling=False), progress=False)
+    engine = mixed_engine(args, eager=True)
     vocab = engine.model_config.vocab_size
     gen = GenerationConfig(max_new_tokens=engine.session_len - args.prompt_len - 1,
                            ignore_eos=True)

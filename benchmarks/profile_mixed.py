@@ -88,23 +88,34 @@ def run(engine, streams: int, prompt_len: int, long_len: int) -> list[dict]:
     return steps
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_mixed_args(parser: argparse.ArgumentParser):
+    """The model and the step mix (`mixed_engine`), shared with probe_step_ops.py."""
     add_model_args(parser, dtype='bfloat16', device='cuda')
     parser.add_argument('--streams', type=int, default=32)
     parser.add_argument('--prompt-len', type=int, default=128)
     parser.add_argument('--long-prompt-len', type=int, default=8192)
     parser.add_argument('--max-mixed-tokens', type=int, default=1024)
+
+
+def mixed_engine(args, eager: bool):
+    """An engine for `--streams` decode rows beside a `--long-prompt-len` prompt's chunks of
+    `--max-mixed-tokens`, synchronous scheduling."""
+    path, load_format = resolve_model(args)
+    return build_engine(path, PytorchEngineConfig(
+        dtype=args.dtype, device=args.device, load_format=load_format,
+        max_batch_size=max(args.streams, 1) + 1, session_len=args.long_prompt_len + 64,
+        max_prefill_token_num=args.max_mixed_tokens, max_mixed_token_num=args.max_mixed_tokens,
+        async_scheduling=False, eager_mode=eager), progress=False)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_mixed_args(parser)
     parser.add_argument('--rows', type=int, default=30, help='kernels listed')
     parser.add_argument('--eager', action='store_true', help='no CUDA graphs')
     parser.add_argument('--out', default=None)
     args = parser.parse_args()
-    path, load_format = resolve_model(args)
-    engine = build_engine(path, PytorchEngineConfig(
-        dtype=args.dtype, device=args.device, load_format=load_format,
-        max_batch_size=max(args.streams, 1) + 1, session_len=args.long_prompt_len + 64,
-        max_prefill_token_num=args.max_mixed_tokens, max_mixed_token_num=args.max_mixed_tokens,
-        async_scheduling=False, eager_mode=args.eager), progress=False)
+    engine = mixed_engine(args, args.eager)
     run(engine, min(args.streams, 2), 16, args.max_mixed_tokens * 2)        # warm-up
     steps = run(engine, args.streams, args.prompt_len, args.long_prompt_len)
     fams = sorted({f for s in steps for f in s['families']})

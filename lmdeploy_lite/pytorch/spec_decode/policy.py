@@ -20,13 +20,12 @@ measured ks around them) and tried: at a new bucket each k deeper than any measu
 `explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
 the verify width and the head's pass over it), a shallower one only while it is rated at least
 as the best measured k (its rate rests on measured positions and times; a one-visit time of it is
-rechecked only if the other ks' times do not explain it; trying every k at the start
-of an output, whose first drafts are often hard, cost the CPU main job ~2% in
+rechecked only if the other ks' times do not explain it; trying every k at the start of an
+output, whose first drafts are often hard, cost the CPU main job ~2% in
 `benchmarks/sim_dynamic_k.py`; a plain step never timed is tried at the early revisits when k=1
 leads, its time extrapolated from the drafting ks running high), and now and then k + 1 and
-k - 1 run again (`_revisit`). The
-running choice changes only for a k estimated `switch_margin` faster (a switch up costs a step of
-fewer drafts; near-ties flap). Every rank proposes; the StepPlan runs the smallest proposal of a
+k - 1 run again (`_revisit`). The running choice changes only for a k estimated `switch_margin`
+faster (a switch up costs a step of fewer drafts; near-ties flap). Every rank proposes; the StepPlan runs the smallest proposal of a
 working rank (DESIGN.md invariant 1).
 """
 from __future__ import annotations
