@@ -30,6 +30,7 @@ from common import (add_model_args, environment, output_path, print_table, relea
                     resolve_model, save_json, timed_decode)
 
 from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig, SpeculativeConfig
+from lmdeploy_lite.pytorch.backends import get_backend
 from lmdeploy_lite.pytorch.engine.build import build_engine
 from lmdeploy_lite.pytorch.engine.engine import Engine
 from lmdeploy_lite.pytorch.spec_decode.rejection import rejection_sample
@@ -60,7 +61,7 @@ def synthetic_rejection_sampler(rates: list[float], seed: int = 0, verify=reject
         positions = torch.arange(k + 1, device=draft_tokens.device)
         drafts = torch.cat([draft_tokens, draft_tokens.new_zeros(batch, 1)], 1)   # k may be 0
         output = torch.where(positions < num_accepted[:, None], drafts, -1)
-        output[rows, num_accepted] = target_logits.argmax(-1)[rows, num_accepted]
+        output[rows, num_accepted] = get_backend(device).argmax(target_logits)[rows, num_accepted]
         return output, num_accepted
     return sampler
 

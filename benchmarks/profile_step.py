@@ -32,6 +32,8 @@ def main():
     parser.add_argument('--token-map-size', type=int, default=None, metavar='N',
                         help='with --spec: draft over the first N ids (bench_spec.py\'s map)')
     parser.add_argument('--rows', type=int, default=None, help='rows of the device table')
+    parser.add_argument('--kernels-out', default=None, metavar='JSON',
+                        help='write the profiled steps\' kernels in launch order: [name, us]')
     args = parser.parse_args()
     model_dir, load_format = resolve_model(args)
     token_map = None
@@ -80,6 +82,11 @@ def main():
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.time_range.elapsed_us() for e in kernels) / 10
         print(f'device per step: {busy / 1000:.3f} ms in {len(kernels) / 10:.0f} kernels')
+        if args.kernels_out:
+            import json
+            kernels.sort(key=lambda e: e.time_range.start)
+            with open(args.kernels_out, 'w') as f:
+                json.dump([[e.name, e.time_range.elapsed_us()] for e in kernels], f)
 
 
 if __name__ == '__main__':

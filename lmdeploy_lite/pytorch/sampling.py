@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lmdeploy_lite.messages import GREEDY_TEMPERATURE, GREEDY_TOP_P, INT32_MAX
+from lmdeploy_lite.pytorch.backends import get_backend
 from lmdeploy_lite.pytorch.grammar import TokenMasks
 
 
@@ -356,13 +357,13 @@ def draw_from_probs(probs: Tensor, generators: Sequence[torch.Generator | None])
 
 
 def sample(logits: Tensor, sampling: SamplingInputs) -> Tensor:
-    """logits [B, V] -> tokens [B] long, after the penalties (if any). Greedy rows:
-    torch.argmax; sampled rows: a draw from probs_from_logits with the row's generator."""
+    """logits [B, V] -> tokens [B] long, after the penalties (if any). Greedy rows: the first
+    maximum (the backend's `argmax`); sampled rows: a draw from probs_from_logits with the row's generator."""
     if sampling.penalties is not None:
         logits = apply_penalties(logits, sampling.penalties)
     if sampling.masks is not None:
         logits = sampling.masks.apply(logits)
-    greedy_tokens = logits.argmax(-1)
+    greedy_tokens = get_backend(logits.device).argmax(logits)
     if sampling.all_greedy:
         return greedy_tokens
     sampled_tokens = draw_from_probs(probs_from_logits(logits, sampling), sampling.generators)

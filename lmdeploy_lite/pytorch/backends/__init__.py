@@ -13,6 +13,9 @@ Every backend provides (see `backends/default` for shapes and semantics):
     gated_rms_norm(x, gate, weight, eps) -> x.shape   (w * x / rms(x) * silu(gate))
     rms_norm_rope(x, weight, eps, cos, sin) -> [T, heads, D]   (rms_norm, then partial RoPE)
     silu_mul(gate_up) -> [..., I]                (silu(gate_up[..., :I]) * gate_up[..., I:])
+    rotary_cos_sin(positions, inv_freq, dtype) -> (cos, sin)   (RoPE rows [T, R], sin sign-folded)
+    argmax(logits) -> [...] long                 (first maximum of each row, as torch.argmax)
+    greedy_accept(target_argmax, draft_tokens, num_drafts) -> (output_tokens, num_accepted)
     fused_moe(x, gate_up_proj, down_proj, topk_weights, topk_ids) -> [T, H]
     fused_moe_masked(x, counts, gate_up_proj, down_proj, out=None) -> [E, C, H]  (x[e, :counts[e]])
                               (both: gate_up_scale=, down_scale= with FP8 experts, models/fp8.py)

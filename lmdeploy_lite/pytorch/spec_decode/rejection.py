@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lmdeploy_lite.pytorch.backends import get_backend
 from lmdeploy_lite.pytorch.sampling import (SamplingInputs, apply_penalties, draw_from_probs,
                                             probs_from_logits, random_like_rows)
 
@@ -106,14 +107,8 @@ def greedy_verify(target_logits: Tensor, draft_tokens: Tensor, num_drafts: Tenso
                   ) -> tuple[Tensor, Tensor]:
     """`rejection_sample` when no row samples: the emitted tokens are the target's argmax up to
     and including the first mismatch with the drafts, then -1."""
-    k = draft_tokens.shape[1]
-    target_argmax = target_logits.argmax(-1)                       # [B, k+1]
-    accept = draft_tokens == target_argmax[:, :k]                  # -1 placeholders never match
-    if num_drafts is not None:
-        accept &= torch.arange(k, device=accept.device) < num_drafts[:, None]
-    num_accepted = accept.long().cumprod(-1).sum(-1)
-    emitted = torch.arange(k + 1, device=accept.device) <= num_accepted[:, None]
-    return target_argmax.masked_fill_(~emitted, -1), num_accepted
+    backend = get_backend(target_logits.device)          # on a GPU: two launches, then one
+    return backend.greedy_accept(backend.argmax(target_logits), draft_tokens, num_drafts)
 
 
 def acceptance_by_position(num_accepted_drafts: Tensor, num_drafts: Tensor, k: int

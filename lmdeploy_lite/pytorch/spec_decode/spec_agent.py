@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from lmdeploy_lite.pytorch.backends import get_backend
 from lmdeploy_lite.pytorch.model_agent import ModelAgent, StepResult
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
@@ -111,7 +112,7 @@ class SpecAgent:
     def _greedy_plain_step(self, inputs: ModelInputs) -> torch.Tensor:
         target = self.target
         hidden = target.model(inputs, target.caches)
-        tokens = target.model.compute_logits(hidden).argmax(-1)
+        tokens = get_backend(hidden.device).argmax(target.model.compute_logits(hidden))
         if self.proposer is not None:
             self.proposer.mtp.write_kv(tokens, hidden, inputs, self.proposer.caches)
         return tokens

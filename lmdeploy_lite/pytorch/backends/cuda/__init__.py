@@ -17,10 +17,13 @@ def cuda_backend():
     from .fp8_gemm import fp8_linear
     from .fused_moe import fused_moe, fused_moe_masked
     from .gated_delta_rule import gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating
+    from .greedy import argmax, greedy_accept
     from .norm import add_rms_norm, gated_rms_norm, rms_norm, rms_norm_rope, silu_mul
     from .paged_attention import paged_attention, store_kv
-    ops = (add_rms_norm, causal_conv1d_prefill, causal_conv1d_update, fp8_linear, fused_moe,
-           fused_moe_masked, gated_delta_rule_decode, gated_delta_rule_prefill, gdn_gating,
-           gated_rms_norm, rms_norm, rms_norm_rope, silu_mul, paged_attention, store_kv)
+    from .rotary import rotary_cos_sin
+    ops = (add_rms_norm, argmax, causal_conv1d_prefill, causal_conv1d_update, fp8_linear,
+           fused_moe, fused_moe_masked, gated_delta_rule_decode, gated_delta_rule_prefill,
+           gdn_gating, gated_rms_norm, greedy_accept, rms_norm, rms_norm_rope, rotary_cos_sin,
+           silu_mul, paged_attention, store_kv)
     return type('CudaBackend', (DefaultBackend,), {
         'fp8_experts': True, **{fn.__name__: staticmethod(fn) for fn in ops}})

@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 
+from lmdeploy_lite.pytorch.backends import get_backend
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, draw_from_probs, probs_from_logits
 
@@ -25,6 +26,7 @@ class MTPProposer:
         self.compute_logits = compute_logits          # the target's LM head (or ReducedLMHead)
         self.token_map = token_map    # [M] long: logits index it (token_map.py); None: full vocab
         self.num_spec_tokens = num_spec_tokens
+        self.argmax = get_backend(mtp.fc.weight.device).argmax
         # q_len -> GraphRunner: k + 1 over a verify of k drafts, 1 for a draft step;
         # `kv_graphs`: the KV-only pass of k = 0; `chain_graphs`: k -> the greedy draft chain
         self.graphs, self.kv_graphs, self.chain_graphs = {}, {}, {}
@@ -63,7 +65,7 @@ class MTPProposer:
                 step = self._draft_step_inputs(first, drafts[-1], first.positions + (i - 1))
                 hidden = head(step, drafts[-1], hidden)
             logits = self.compute_logits(hidden)
-            token = logits.argmax(-1)
+            token = self.argmax(logits)
             if sampling is not None and not sampling.all_greedy:  # sampled: draw, keep q to verify
                 q = probs_from_logits(logits, sampling)
                 token = torch.where(sampling.do_sample, draw_from_probs(q, sampling.generators),
