@@ -163,7 +163,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         """`forward` plus the hidden states at `layer_ids` (`Qwen3_5Model.forward`)."""
         return self.model(inputs, caches, layer_ids)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model) on every rank."""
+    def compute_logits(self, hidden: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] in float32 (float64 for a float64 model) on every rank;
+        `cast=False`: in the LM head's dtype (enough for an argmax: the same maximum)."""
         logits = self.lm_head(hidden)
+        if not cast:
+            return logits
         return logits.to(torch.float64 if self.dtype == torch.float64 else torch.float32)

@@ -100,7 +100,8 @@ class SpecAgent:
         target = self.target
         inputs.num_spec = inputs.uniform_q_len - 1      # the runner's static inputs have no k
         tokens, num_accepted, _ = self._verify_and_draft_body(
-            inputs, self._greedy, lambda inputs: target.model(inputs, target.caches), False)
+            inputs, self._greedy, lambda inputs: target.model(inputs, target.caches), False,
+            cast=False)
         return torch.stack([tokens, num_accepted[:, None].expand_as(tokens)], -1).flatten(0, 1)
 
     @staticmethod
@@ -112,7 +113,7 @@ class SpecAgent:
     def _greedy_plain_step(self, inputs: ModelInputs) -> torch.Tensor:
         target = self.target
         hidden = target.model(inputs, target.caches)
-        tokens = get_backend(hidden.device).argmax(target.model.compute_logits(hidden))
+        tokens = get_backend(hidden.device).argmax(target.model.compute_logits(hidden, False))
         if self.proposer is not None:
             self.proposer.mtp.write_kv(tokens, hidden, inputs, self.proposer.caches)
         return tokens
@@ -179,9 +180,10 @@ class SpecAgent:
         return StepResult(output_tokens, num_accepted).with_logprobs(logits, sampling)
 
     def _verify_and_draft_body(self, inputs: ModelInputs, sampling: SamplingInputs, forward,
-                               use_graphs: bool):
+                               use_graphs: bool, cast: bool = True):
         """(output_tokens [B, k + 1], num_accepted [B], logits [B, k + 1, V]) of a verify step,
-        the next drafts saved; `forward(inputs)`: the target's hidden states."""
+        the next drafts saved; `forward(inputs)`: the target's hidden states. `cast=False`
+        (greedy argmax only): logits in the LM head's dtype."""
         slots, k = inputs.state_slots, inputs.num_spec
         batch = slots.numel()
         # 1. inputs [last accepted token, d1..dk], built on the device from the last step; a
@@ -195,7 +197,7 @@ class SpecAgent:
             drafts, draft_probs, num_drafts = inputs.draft_tokens, None, None
         # 2. verify: one target forward over the k + 1 positions
         hidden = forward(inputs)
-        logits = self.target.model.compute_logits(hidden).view(batch, k + 1, -1)
+        logits = self.target.model.compute_logits(hidden, cast).view(batch, k + 1, -1)
         # 3. accept a prefix of the drafts, then one correction or bonus token
         output_tokens, num_accepted = self.rejection_sampler(logits, drafts, draft_probs, sampling,
                                                              num_drafts)

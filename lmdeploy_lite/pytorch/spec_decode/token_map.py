@@ -102,10 +102,10 @@ class ReducedLMHead:
             position = (onehot.cumsum(0) * onehot).sum(-1) - 1
             self.order = owner * rows + position                     # [M]
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> logits [N, M] in `out_dtype`."""
+    def __call__(self, hidden: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, M] in `out_dtype` (`cast=False`: in the weight's)."""
         logits = F.linear(hidden, self.weight)
         if self.tp > 1:
             parts = self.dist_ctx.tp.all_gather(logits.contiguous())   # [tp, N, R]
             logits = parts.permute(1, 0, 2).reshape(hidden.shape[0], -1)[:, self.order]
-        return logits.to(self.out_dtype)
+        return logits.to(self.out_dtype) if cast else logits

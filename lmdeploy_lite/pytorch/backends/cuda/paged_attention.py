@@ -39,11 +39,18 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seq_idx_ptr, offset
                      stride_kcb, stride_kcs, stride_kch, stride_kcd,
                      stride_vcb, stride_vcs, stride_vch, stride_vcd,
                      stride_btb, stride_btn,
-                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+                     Q_LEN: tl.constexpr):
+    """Q_LEN > 0: every sequence has Q_LEN new tokens (seq_idx/offsets unread)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.load(seq_idx_ptr + token)
-    pos = tl.load(history_lens_ptr + seq) + tl.load(offsets_ptr + token)
+    if Q_LEN > 0:
+        seq = token // Q_LEN
+        offset = token % Q_LEN
+    else:
+        seq = tl.load(seq_idx_ptr + token)
+        offset = tl.load(offsets_ptr + token)
+    pos = tl.load(history_lens_ptr + seq) + offset
     block = tl.load(block_tables_ptr + seq * stride_btb + (pos // BLOCK_SIZE) * stride_btn)
     slot = pos % BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
@@ -303,16 +310,29 @@ def decode_num_splits(num_programs: int, max_kv_tiles: int, num_sms: int) -> int
 SPREAD = 4
 
 
+@triton.jit
+def _split_span_kernel(history_lens_ptr, span_ptr, num_seqs, splits, Q_LEN: tl.constexpr,
+                       BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.arange(0, BLOCK_B)
+    total = tl.sum(tl.load(history_lens_ptr + b, mask=b < num_seqs, other=0), 0)
+    total += Q_LEN * num_seqs
+    span = (total + splits - 1) // splits
+    tl.store(span_ptr, tl.maximum((span + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N))
+
+
 def split_span(history_lens: torch.Tensor, q_len: int, splits: int,
                block_n: int) -> torch.Tensor:
-    """[1] on the device: the fewest positions a decode split covers, the batch's KV positions
-    shared evenly by `splits` splits (the even share's count for every sequence), whole KV
-    tiles: a batch of equal lengths splits as evenly as before, and a sequence of L positions
-    takes about L / span splits (at most the launch's) wherever its length sits among the
-    others'. Device values only: graph-capturable."""
-    total = history_lens.sum() + q_len * history_lens.numel()
-    span = (total + splits - 1) // splits
-    return ((span + block_n - 1) // block_n * block_n).clamp_(min=block_n).reshape(1)
+    """[1] long on the device: the fewest positions a decode split covers, the batch's KV
+    positions shared evenly by `splits` splits (the even share's count for every sequence),
+    whole KV tiles: a batch of equal lengths splits as evenly as before, and a sequence of L
+    positions takes about L / span splits (at most the launch's) wherever its length sits
+    among the others'. One launch, device values only: graph-capturable."""
+    span = torch.empty(1, dtype=torch.long, device=history_lens.device)
+    num_seqs = history_lens.numel()
+    _split_span_kernel[(1,)](history_lens, span, num_seqs, splits, Q_LEN=q_len,
+                             BLOCK_B=triton.next_power_of_2(max(num_seqs, 1)), BLOCK_N=block_n,
+                             num_warps=1)
+    return span
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -321,11 +341,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k.dtype == torch.float64:          # float64 (reference runs): the plain-PyTorch op
         return default_fill_kv_cache(k, v, k_cache, v_cache, inputs)
     num_tokens, n_kv, head_dim = k.shape
+    q_len = inputs.uniform_q_len or 0          # uniform: the kernel derives seq and offset
+    seq_idx, offsets = ((inputs.history_lens, inputs.history_lens) if q_len else
+                        (inputs.token_seq_idx, inputs.token_offsets))
     _store_kv_kernel[(num_tokens, n_kv)](
-        k, v, k_cache, v_cache, inputs.token_seq_idx, inputs.token_offsets, inputs.history_lens,
+        k, v, k_cache, v_cache, seq_idx, offsets, inputs.history_lens,
         inputs.block_tables, *k.stride(), *v.stride(), *k_cache.stride(), *v_cache.stride(),
         *inputs.block_tables.stride(),
-        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_D=_block_d(head_dim))
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_D=_block_d(head_dim), Q_LEN=q_len)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

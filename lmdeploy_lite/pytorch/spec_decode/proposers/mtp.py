@@ -64,9 +64,10 @@ class MTPProposer:
             if i > 0:   # the same layer again, one position on, fed its own output
                 step = self._draft_step_inputs(first, drafts[-1], first.positions + (i - 1))
                 hidden = head(step, drafts[-1], hidden)
-            logits = self.compute_logits(hidden)
+            greedy = sampling is None or sampling.all_greedy
+            logits = self.compute_logits(hidden, cast=not greedy)  # an argmax needs no cast
             token = self.argmax(logits)
-            if sampling is not None and not sampling.all_greedy:  # sampled: draw, keep q to verify
+            if not greedy:                  # sampled: draw, keep q to verify
                 q = probs_from_logits(logits, sampling)
                 token = torch.where(sampling.do_sample, draw_from_probs(q, sampling.generators),
                                     token)

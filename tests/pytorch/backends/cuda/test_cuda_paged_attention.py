@@ -174,6 +174,19 @@ def test_split_span_keeps_equal_lengths_and_splits_a_long_row_finer():
     assert splits_used(8192, num_splits, span) == 16 and splits_used(151, num_splits, span) == 2
 
 
+def test_split_span_kernel_is_the_formula(kernel_device):
+    """The one-launch span equals its arithmetic in torch (the ten launches it replaced)."""
+    gen = torch.Generator().manual_seed(0)
+    for num_seqs, q_len, block_n in [(1, 1, 32), (33, 4, 64), (256, 1, 16), (7, 2, 128)]:
+        history = torch.randint(0, 9000, (num_seqs,), generator=gen)
+        splits = int(torch.randint(1, 300, (), generator=gen))
+        total = history.sum() + q_len * num_seqs
+        span = (total + splits - 1) // splits
+        expected = int(((span + block_n - 1) // block_n * block_n).clamp(min=block_n))
+        got = cuda_ops().split_span(history.to(kernel_device), q_len, splits, block_n)
+        assert got.shape == (1,) and int(got) == expected
+
+
 # ----------------------------------------------------------------------------- GPU, real sizes
 
 @pytest.mark.gpu
