@@ -158,7 +158,7 @@ def test_num_splits_depends_on_host_values_only():
     assert ops.decode_num_splits(num_programs=512, max_kv_tiles=512, num_sms=132) == 1
 
 
-def test_split_span_keeps_equal_lengths_and_splits_a_long_row_finer():
+def test_split_span_keeps_equal_lengths_and_splits_a_long_row_finer(kernel_device):
     """Equal lengths split as the even share always did; one long row among short ones takes
     SPREAD x the splits (4 -> 16 for 8k among 32 rows of ~150), the short rows few."""
     ops = cuda_ops()
@@ -168,9 +168,10 @@ def test_split_span_keeps_equal_lengths_and_splits_a_long_row_finer():
         return -(-kv_len // split_len)
     even = ops.decode_num_splits(num_programs=33 * 2, max_kv_tiles=512, num_sms=132)
     num_splits = min(ops.MAX_SPLITS, ops.SPREAD * even)
-    span = int(ops.split_span(torch.full((33,), 2047), 1, even * 33, 32))
+    span = int(ops.split_span(torch.full((33,), 2047, device=kernel_device), 1, even * 33, 32))
     assert (even, span) == (4, 512) and splits_used(2048, num_splits, span) == even
-    span = int(ops.split_span(torch.tensor([150] * 32 + [8191]), 1, even * 33, 32))
+    span = int(ops.split_span(torch.tensor([150] * 32 + [8191], device=kernel_device), 1,
+                               even * 33, 32))
     assert splits_used(8192, num_splits, span) == 16 and splits_used(151, num_splits, span) == 2
 
 
