@@ -30,7 +30,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..config import ModelConfig
-from ..nn.linear import fuse_projections
+from ..nn.linear import column_major_weights, fuse_projections
 from ..nn.moe import FusedExperts, experts_on_meta
 from ..nn.norm import GatedRMSNorm, RMSNorm
 from .fp8 import (SCALE_SUFFIX, Fp8Weights, fp8_experts_for, quantizable, quantization_config,
@@ -272,6 +272,7 @@ def load_mtp_weights(mtp: nn.Module, model_dir: str, progress: bool = True,
     which = fp8_linears(model_dir, model_format, load_format)
     if which is not None:
         to_fp8(mtp, device, which, prefix='mtp.')
+    column_major_weights(mtp)         # (its shared embedding and LM head are not its modules)
     fuse_projections(mtp, keep_parts=device.type != 'cuda')
 
 
@@ -347,6 +348,7 @@ def build_model(model_dir: str, dtype: torch.dtype = torch.bfloat16,
             progress)
     if which is not None:
         to_fp8(model, device, which)
+    column_major_weights(model, keep=(model.model.embed_tokens.weight,))      # CPU only
     if fuse:      # off CUDA the parts stay, so names and state_dict are the checkpoint's
         fuse_projections(model, keep_parts=torch.device(device).type != 'cuda')
     return model.eval()

@@ -11,6 +11,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from lmdeploy_lite.pytorch.nn.linear import column_major
+
 FORMAT = "a JSON list of token ids, or a .safetensors file with a 1-D int64 tensor 'token_map'"
 
 
@@ -95,6 +97,8 @@ class ReducedLMHead:
         local = token_map[owner == rank] - rank * shard
         local = torch.cat([local, local.new_zeros(rows - local.numel())])
         self.weight = weight.detach()[local].clone()                 # [R, H], a copy
+        if self.weight.device.type == 'cpu' and self.weight.dtype.is_floating_point:
+            self.weight = column_major(self.weight)       # as the model's (column_major_weights)
         self.order = None
         if self.tp > 1:
             # position of each entry among its owner's entries: a running count per owner
