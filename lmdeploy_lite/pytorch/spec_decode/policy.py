@@ -17,7 +17,11 @@ steps, one such cell that could win at the noise the running k has seen (the rat
 slowest recent step to its estimate) is timed once more. Unmeasured cells are estimated
 (`prior_acceptance` for position 0, `prior_draft_cost` of a k = 0 step per draft; else the
 measured ks around them) and tried: at a new bucket each k deeper than any measured runs
-`explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
+`explore_steps` steps once, best estimate first, if with its acceptance at the upper end of
+its interval it could beat the best measured k (where drafts are mostly rejected, a deep k
+rated below that is not worth its steps: at a new bucket of 30 steps after a hard start,
+1.5-10% in `benchmarks/sim_policy_grid.py`'s zero/low cells and a two-bucket simulation)
+(cost is not linear in k: the first draft carries
 the verify width and the head's pass over it), a shallower one only while it is rated at least
 as the best measured k (its rate rests on measured positions and times; a one-visit time of it is
 rechecked only if the other ks' times do not explain it; trying every k at the start of an
@@ -175,11 +179,14 @@ class DraftCountPolicy:
         # cells not measured yet at this bucket, the best estimate first; a k below a measured
         # one only while it could be the best (rated at least as the best measured k): its
         # rate rests on positions already measured and on a step time between or near
-        # measured ones, where a deeper k's rests on positions no step has drafted
+        # measured ones, where a deeper k's rests on positions no step has drafted (so it is
+        # tried while its optimistic rate could win)
         measured = [j for j in range(len(rates)) if self.samples.get((bucket, j), 0)]
         top = max((rates[j] for j in measured), default=0.0)
+        reach = self.rates(bucket, optimistic=True)    # a deeper k: could it win at all?
         for j in sorted(range(len(rates)), key=lambda j: -rates[j]):
-            if j not in measured and (j > max(measured, default=-1) or rates[j] >= top):
+            if j not in measured and (j > max(measured, default=-1) and reach[j] >= top
+                                      or rates[j] >= top):
                 return self._explore(j)
         revisit = self._revisit(steps)
         if revisit == 'early' and best == 1 and not self.samples.get((bucket, 0), 0):

@@ -172,6 +172,23 @@ def test_a_new_bucket_skips_shallower_ks_that_cannot_win():
     assert 0 in chosen[:10] and chosen[-8:] == [0] * 8, chosen
 
 
+def test_a_new_bucket_skips_deeper_ks_that_cannot_win():
+    """After a hard start at batch 1, a new bucket (batch 8, the 2-core CPU's step times) whose
+    rows accept 30% a position: plain decoding is best and a deeper k could not win even at the
+    upper end of its acceptance interval, so k=2 and k=3 are never tried (the policy before
+    tried each for three steps). Where drafts are accepted, the deeper ks are still tried and
+    k=3 is reached."""
+    batch1 = {0: 0.0103, 1: 0.0150, 2: 0.0182, 3: 0.0222}.get
+    batch8 = {0: 0.0177, 1: 0.0277, 2: 0.0360, 3: 0.0441}.get
+    for accept, allowed, last in (([0.3, 0.09, 0.027], {0, 1}, 0),
+                                  ([0.9, 0.81, 0.73], {0, 1, 2, 3}, 3)):
+        policy = DraftCountPolicy(3)
+        feed(policy, 1, batch1, [0.0] * 3, 6)
+        policy.break_sequence()
+        chosen = feed(policy, 8, batch8, accept, 30)
+        assert set(chosen) <= allowed and chosen[-10:] == [last] * 10, (accept, chosen)
+
+
 def test_policy_follows_a_change_of_acceptance():
     """Acceptance drops to zero mid-run: the policy leaves k=4 for k=0; it comes back."""
     policy = DraftCountPolicy(4)
