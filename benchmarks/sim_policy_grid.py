@@ -1,10 +1,14 @@
 """The dynamic-k policy against every fixed k on synthetic steps, this checkout's policy beside
 another revision's (`--against REV`, read with git show): step times per k from measured cost
 tables (a GPU's 0.8B at batch 1 / 8 / 32, a compute-bound large batch, the 2-core CPU's main
-job), +-5% jitter and, on 5% of steps, a 1.3-2x burst; rows accept draft j with the given
-conditional probabilities. Per cell: dynamic / best fixed k over `--seeds` seeds, mean and min.
+job and its batch-8 steps), +-5% jitter and, on 5% of steps, a 1.3-2x burst; rows accept
+draft j with the given conditional probabilities. Per cell: dynamic / best fixed k over
+`--seeds` seeds, mean and min. `--hard-start N`: each policy first runs N steps of batch 1 on
+its device's batch-1 costs with nothing accepted (not counted), as after a warm-up prompt whose
+drafts failed; a cell of another batch size then starts a new bucket from that acceptance.
 
     python benchmarks/sim_policy_grid.py [--against 773106c --steps 300 --seeds 6]
+    python benchmarks/sim_policy_grid.py --against HEAD --steps 30 --hard-start 6
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POLICY = 'lmdeploy_lite/pytorch/spec_decode/policy.py'
 COSTS = {'gpu_b1': (1, [1.46, 1.72, 1.93, 2.14]), 'gpu_b8': (8, [1.62, 2.00, 2.24, 2.53]),
          'gpu_b32': (32, [2.29, 2.77, 3.33, 3.91]), 'big_b32': (32, [5.0, 8.0, 10.5, 13.0]),
-         'cpu_b1': (1, [10.3, 15.0, 18.2, 22.2])}          # ms per step at k = 0..3
+         'cpu_b1': (1, [10.3, 15.0, 18.2, 22.2]),          # ms per step at k = 0..3
+         'cpu_b8': (8, [17.7, 27.7, 36.0, 44.1])}
 ACCEPTANCE = {'0.8/0.6/0.5': [0.8, 0.75, 0.83], 'zero': [0.0] * 3, 'low': [0.3] * 3,
               'high': [0.9] * 3}                             # conditional, per position
 
@@ -53,11 +58,22 @@ def tokens_per_ms(policy, batch: int, cost: list[float], accept: list[float], st
     return tokens / elapsed
 
 
+def started(policy, cell: str, hard_steps: int, seed: int):
+    """`policy` after `hard_steps` uncounted steps of batch 1 (the cell's device) whose drafts
+    all failed."""
+    if hard_steps:
+        cost = COSTS['cpu_b1' if cell.startswith('cpu') else 'gpu_b1'][1]
+        tokens_per_ms(policy, 1, cost, [0.0] * 3, hard_steps, seed + 1000)
+        policy.break_sequence()
+    return policy
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--against', default='773106c', help='git revision of the other policy')
     parser.add_argument('--steps', type=int, default=300)
     parser.add_argument('--seeds', type=int, default=6)
+    parser.add_argument('--hard-start', type=int, default=0, metavar='N')
     args = parser.parse_args()
     with tempfile.NamedTemporaryFile('w', suffix='.py', delete=False) as f:
         f.write(subprocess.run(['git', 'show', f'{args.against}:{POLICY}'], cwd=ROOT, check=True,
@@ -71,8 +87,8 @@ def main():
                     for k in range(len(cost))) for s in range(args.seeds)]
         row = []
         for policy in policies.values():
-            ratios = [tokens_per_ms(policy(len(cost) - 1), batch, cost, accept, args.steps, s)
-                      / b for s, b in enumerate(best)]
+            ratios = [tokens_per_ms(started(policy(len(cost) - 1), cell, args.hard_start, s), batch,
+                                    cost, accept, args.steps, s) / b for s, b in enumerate(best)]
             row.append(f'{sum(ratios) / len(ratios):14.3f} {min(ratios):5.3f}')
         print(f'{cell} {acc_name}'.ljust(22), *row)
 
