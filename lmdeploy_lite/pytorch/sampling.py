@@ -358,7 +358,8 @@ def draw_from_probs(probs: Tensor, generators: Sequence[torch.Generator | None])
 
 def sample(logits: Tensor, sampling: SamplingInputs) -> Tensor:
     """logits [B, V] -> tokens [B] long, after the penalties (if any). Greedy rows: the first
-    maximum (the backend's `argmax`); sampled rows: a draw from probs_from_logits with the row's generator."""
+    maximum (the backend's `argmax`); sampled rows: a draw from probs_from_logits with the
+    row's generator."""
     if sampling.penalties is not None:
         logits = apply_penalties(logits, sampling.penalties)
     if sampling.masks is not None:
