@@ -17,12 +17,11 @@ steps, one such cell that could win at the noise the running k has seen (the rat
 slowest recent step to its estimate) is timed once more. Unmeasured cells are estimated
 (`prior_acceptance` for position 0, `prior_draft_cost` of a k = 0 step per draft; else the
 measured ks around them) and tried: at a new bucket each k deeper than any measured runs
-`explore_steps` steps once, best estimate first, if with its acceptance at the upper end of
-its interval it could beat the best measured k (where drafts are mostly rejected, a deep k
-rated below that is not worth its steps: at a new bucket of 30 steps after a hard start,
-1.5-10% in `benchmarks/sim_policy_grid.py`'s zero/low cells and a two-bucket simulation)
-(cost is not linear in k: the first draft carries
-the verify width and the head's pass over it), a shallower one only while it is rated at least
+`explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
+the verify width and the head's pass over it) if, with its acceptance at the upper end of its
+interval, it could beat the best measured k (where drafts are mostly rejected, as after a hard
+start, such a k cannot pay for its steps: `benchmarks/sim_policy_grid.py --hard-start`), a
+shallower one only while it is rated at least
 as the best measured k (its rate rests on measured positions and times; a one-visit time of it is
 rechecked only if the other ks' times do not explain it; trying every k at the start of an
 output, whose first drafts are often hard, cost the CPU main job ~2% in
