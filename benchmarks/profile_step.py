@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import time
@@ -83,7 +84,6 @@ def main():
         busy = sum(e.time_range.elapsed_us() for e in kernels) / 10
         print(f'device per step: {busy / 1000:.3f} ms in {len(kernels) / 10:.0f} kernels')
         if args.kernels_out:
-            import json
             kernels.sort(key=lambda e: e.time_range.start)
             with open(args.kernels_out, 'w') as f:
                 json.dump([[e.name, e.time_range.elapsed_us()] for e in kernels], f)

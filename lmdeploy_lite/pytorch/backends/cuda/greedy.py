@@ -17,7 +17,6 @@ import triton.language as tl
 
 BLOCK = 1024              # logits a program compares per iteration
 TARGET_CHUNKS = 64        # chunks per row, at most (fewer where a row has fewer blocks)
-NAN_KEY = 2**31 - 1
 
 
 @triton.jit
@@ -113,6 +112,7 @@ def greedy_accept(target_argmax: torch.Tensor, draft_tokens: torch.Tensor,
     """The default op's accepted prefix in one launch (see backends/default/greedy.py)."""
     batch, k = draft_tokens.shape
     target_argmax, draft_tokens = target_argmax.contiguous(), draft_tokens.contiguous()
+    num_drafts = None if num_drafts is None else num_drafts.contiguous()     # read at row
     out = torch.empty_like(target_argmax)
     num_accepted = torch.empty(batch, dtype=torch.long, device=target_argmax.device)
     if batch:

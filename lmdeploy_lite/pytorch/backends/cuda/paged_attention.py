@@ -328,6 +328,7 @@ def split_span(history_lens: torch.Tensor, q_len: int, splits: int,
     positions takes about L / span splits (at most the launch's) wherever its length sits
     among the others'. One launch, device values only: graph-capturable."""
     span = torch.empty(1, dtype=torch.long, device=history_lens.device)
+    history_lens = history_lens.contiguous()        # the kernel reads it at unit stride
     num_seqs = history_lens.numel()
     _split_span_kernel[(1,)](history_lens, span, num_seqs, splits, Q_LEN=q_len,
                              BLOCK_B=triton.next_power_of_2(max(num_seqs, 1)), BLOCK_N=block_n,
