@@ -188,9 +188,9 @@ class DraftCountPolicy:
                                       or rates[j] >= top):
                 return self._explore(j)
         revisit = self._revisit(steps)
-        if revisit == 'early' and best == 1 and not self.samples.get((bucket, 0), 0):
-            return self._explore(0)     # the plain step, never timed here (its time estimated
-            #                             from the drafting ks' runs high: a first draft costs more)
+        if revisit == 'early' and best > 0 and not self.samples.get((bucket, best - 1), 0) and (
+                self._floor_rate(bucket, best - 1, best) > rates[best]):
+            return self._explore(best - 1)
         if revisit == 'up' or revisit == 'early' and best < self.max_k and (
                 self.rates(bucket, optimistic=True)[best + 1] > rates[best]):
             return self._explore(min(best + 1, self.max_k))
@@ -217,6 +217,15 @@ class DraftCountPolicy:
         if steps % every == 0:
             return 'up'
         return 'down' if steps % every == every // 2 and steps > every else None
+
+    def _floor_rate(self, bucket: int, k: int, measured: int) -> float:
+        """k's rate were its step as fast as it can be beside the deeper `measured` k's: its
+        time in proportion to the tokens a row runs through the target (k + 1), as when a step
+        is all compute and the draft passes cost nothing. The time the other ks imply may be
+        far off: the prior's draft cost fits a step that reads weights, not one at a batch where
+        the verify's extra tokens cost their share of the compute."""
+        expected = sum(self.acceptance()[:k]) + 1.0
+        return expected / (self.step_time(bucket, measured) * (k + 1) / (measured + 1))
 
     def _unconfirmed(self, bucket: int, current: int | None, rates: list[float]) -> int | None:
         """Every `confirm_every` steps: the best-rated k timed in one visit only whose rate,
