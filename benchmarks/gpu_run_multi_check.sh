@@ -47,3 +47,19 @@ side)
   for acc in 0.8_0.6_0.5 0.0; do echo "== spec 0.8B $acc"; tail -7 $OUT/spec_$acc.log | cut -c1-160
   done ;;
 esac
+case ${PART:-two} in
+grid)   # the dynamic-k grids (0.8B and 9B, acceptance 0.8/0.6/0.5 and 0) on four GPUs at once,
+  #       and the 9B's k=3 against AR at batch 1 and 8 over 96 decode steps
+  S="benchmarks/bench_spec.py --device cuda --dtype bfloat16 --token-map-size 32768"
+  G="--batch-sizes 1,8,32,128 --ks 1,2,3 --dynamic --decode-steps 24"
+  (for acc in 0.8,0.6,0.5 0.0; do CUDA_VISIBLE_DEVICES=0 timeout 260 python3 $S --preset qwen3_5_0_8b $G \
+     --synthetic-acceptance $acc --out $OUT/grid08_${acc//,/_}.json > $OUT/grid08_${acc//,/_}.log 2>&1; done) &
+  i=1; for acc in 0.8,0.6,0.5 0.0; do
+    (CUDA_VISIBLE_DEVICES=$i timeout 400 python3 $S --preset qwen3_5_9b $G --synthetic-acceptance $acc \
+       --out $OUT/grid9_${acc//,/_}.json > $OUT/grid9_${acc//,/_}.log 2>&1) & i=$((i + 1)); done
+  (CUDA_VISIBLE_DEVICES=3 timeout 400 python3 $S --preset qwen3_5_9b --batch-sizes 1,8 --ks 3 \
+     --decode-steps 96 --synthetic-acceptance 0.8,0.6,0.5 --out $OUT/k3_9b.json > $OUT/k3_9b.log 2>&1) &
+  wait
+  for f in grid08_0.8_0.6_0.5 grid08_0.0 grid9_0.8_0.6_0.5 grid9_0.0 k3_9b; do echo "== $f"
+    grep -a "dyn\| 0  \| 1  \| 2  \| 3  " $OUT/$f.log | grep -v "^USDT" | cut -c1-110; done ;;
+esac
