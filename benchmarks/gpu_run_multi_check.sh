@@ -61,5 +61,5 @@ grid)   # the dynamic-k grids (0.8B and 9B, acceptance 0.8/0.6/0.5 and 0) on fou
      --decode-steps 96 --synthetic-acceptance 0.8,0.6,0.5 --out $OUT/k3_9b.json > $OUT/k3_9b.log 2>&1) &
   wait
   for f in grid08_0.8_0.6_0.5 grid08_0.0 grid9_0.8_0.6_0.5 grid9_0.0 k3_9b; do echo "== $f"
-    grep -a "dyn\| 0  \| 1  \| 2  \| 3  " $OUT/$f.log | grep -v "^USDT" | cut -c1-110; done ;;
+    grep -a "^ *[0-9]" $OUT/$f.log | cut -c1-100; done ;;
 esac
