@@ -62,3 +62,15 @@ grid)   # the dynamic-k grids (0.8B and 9B, acceptance 0.8/0.6/0.5 and 0) on fou
   for f in grid08_0.8_0.6_0.5 grid08_0.0 grid9_0.8_0.6_0.5 grid9_0.0; do echo "== $f"
     grep -a "^ *[0-9]" $OUT/$f.log | cut -c1-100; done ;;
 esac
+case ${PART:-two} in
+fp8)    # issue 37: bf16 against FP8 (online quantization of random weights) through pipeline(),
+  #       AR, the 9B and the 0.8B, each on its own GPU at once
+  i=0; for P in qwen3_5_9b qwen3_5_0_8b; do for fmt in bf16 fp8; do
+    extra=$([ $fmt = fp8 ] && echo "--model-format fp8")
+    (CUDA_VISIBLE_DEVICES=$i timeout 400 python3 benchmarks/bench_pipeline.py --preset $P --device cuda \
+       --dtype bfloat16 --new-tokens 256 --prompt-len 128 --repeats 1 --batch-sizes ${BATCHES:-1,64} \
+       --spec-ks 0 $extra --out $OUT/pipe_${P}_$fmt.json > $OUT/pipe_${P}_$fmt.log 2>&1) &
+    i=$((i + 1)); done; done
+  wait
+  for f in $OUT/pipe_*.log; do echo "== $f"; grep -a "^ *tp" $f | cut -c1-160; done ;;
+esac
