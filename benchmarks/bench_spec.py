@@ -10,7 +10,8 @@ earlier positions were accepted; the last rate repeats) while the engine still d
 verify and draft work, so that speed can be measured on random weights (a --preset runs on dummy
 weights, MTP head included). Each row times `--decode-steps` engine steps of the full batch after
 `--warmup-steps` (prefill excluded) and counts the tokens they emitted; `speedup` is tokens/s over
-the AR row of the same batch size. Rows of a fixed k run SpeculativeConfig(dynamic=False);
+the AR row of the same batch size; with synthetic acceptance, `expected_speedup` is the same at
+the rule's expected accepted length (the draws of a few dozen steps wander). Rows of a fixed k run SpeculativeConfig(dynamic=False);
 `--dynamic` adds a row 'dyn' per batch size: k chosen per step up to the largest of --ks, after
 `--dynamic-warmup-steps` steps in which the policy measures (its choices are in `k_hist`).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import tempfile
 
@@ -127,6 +129,21 @@ def measure(engine: Engine, k: int, batch_size: int, prompt_len: int, warmup_ste
             'k_hist': {j: timed.count(j) for j in sorted(set(timed))} if timed else None}
 
 
+def expected_speedup(row: dict, ar_step_ms: float, rates: list[float] | None) -> float | None:
+    """The row's speedup had its steps emitted the synthetic rule's expected tokens, 1 + c_0 +
+    ... + c_(k-1) a row for a step of k drafts (mixed over `k_hist` for dynamic k), instead of what
+    its `decode_steps` draws gave (a few dozen draws at batch 1 wander by +-10%)."""
+    if rates is None:
+        return None
+
+    def tokens(k: int) -> float:
+        return sum(math.prod(rates[min(j, len(rates) - 1)] for j in range(i + 1))
+                   for i in range(k)) + 1.0
+    hist = row['k_hist'] or {row['k'] if row['k'] != 'dyn' else 0: 1}
+    mean = sum(tokens(k) * n for k, n in hist.items()) / sum(hist.values())
+    return mean * ar_step_ms / row['step_ms']
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(parser)
@@ -170,8 +187,9 @@ def main():
         release_memory()
     rows = []
     for batch in args.batch_sizes:
-        ar = results[0, batch]['decode_tok_s']
-        rows += [dict(row, ar_tok_s=ar, speedup=row['decode_tok_s'] / ar)
+        ar, ar_ms = results[0, batch]['decode_tok_s'], results[0, batch]['step_ms']
+        rows += [dict(row, ar_tok_s=ar, speedup=row['decode_tok_s'] / ar,
+                      expected_speedup=expected_speedup(row, ar_ms, rates))
                  for (_, b), row in results.items() if b == batch]
     name = args.preset or model_dir
     token_map = (f'first {args.token_map_size} ids' if args.token_map_size is not None
@@ -183,7 +201,7 @@ def main():
     print(f'model: {name} ({load_format} weights), {args.dtype} on {environment()["device"]}; '
           f'synthetic acceptance: {rates}; draft token map: {token_map or "none (full vocab)"}')
     print_table(rows, ['batch', 'k', 'step_ms', 'decode_tok_s', 'ar_tok_s', 'speedup',
-                       'mean_accepted_len', 'acceptance', 'k_hist'])
+                       'expected_speedup', 'mean_accepted_len', 'acceptance', 'k_hist'])
 
 
 if __name__ == '__main__':
