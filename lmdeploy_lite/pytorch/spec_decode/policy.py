@@ -21,15 +21,16 @@ measured ks around them) and tried: at a new bucket each k deeper than any measu
 the verify width and the head's pass over it) if, with its acceptance at the upper end of its
 interval, it could beat the best measured k (where drafts are mostly rejected, as after a hard
 start, such a k cannot pay for its steps: `benchmarks/sim_policy_grid.py --hard-start`), a
-shallower one only while it is rated at least
-as the best measured k (its rate rests on measured positions and times; a one-visit time of it is
-rechecked only if the other ks' times do not explain it; trying every k at the start of an
-output, whose first drafts are often hard, cost the CPU main job ~2% in
-`benchmarks/sim_dynamic_k.py`; a plain step never timed is tried at the early revisits when k=1
-leads, its time extrapolated from the drafting ks running high), and now and then k + 1 and
-k - 1 run again (`_revisit`). The running choice changes only for a k estimated `switch_margin`
-faster (a switch up costs a step of fewer drafts; near-ties flap). Every rank proposes; the StepPlan runs the smallest proposal of a
-working rank (DESIGN.md invariant 1).
+shallower one only while it is rated at least as the best measured k (its rate rests on measured
+positions and times; a one-visit time of it is rechecked only if the other ks' times do not
+explain it; trying every k at the start of an output, whose first drafts are often hard, cost the
+CPU main job ~2% in `benchmarks/sim_dynamic_k.py`). At the early revisits k - 1, never timed at
+the bucket, is tried if even its fastest possible step could win (`_floor_rate`: the other ks'
+times may put it far off, as at a large batch, where the verify's extra tokens cost their share
+of the compute), and k + 1 if it could still win; now and then k + 1 and k - 1 run again
+(`_revisit`). The running choice changes only for a k estimated `switch_margin` faster (a switch
+up costs a step of fewer drafts; near-ties flap). Every rank proposes; the StepPlan runs the
+smallest proposal of a working rank (DESIGN.md invariant 1).
 """
 from __future__ import annotations
 
