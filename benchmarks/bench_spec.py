@@ -139,7 +139,7 @@ def expected_speedup(row: dict, ar_step_ms: float, rates: list[float] | None) ->
     def tokens(k: int) -> float:
         return sum(math.prod(rates[min(j, len(rates) - 1)] for j in range(i + 1))
                    for i in range(k)) + 1.0
-    hist = row['k_hist'] or {row['k'] if row['k'] != 'dyn' else 0: 1}
+    hist = row['k_hist'] or {0: 1}                   # the AR row records no choices
     mean = sum(tokens(k) * n for k, n in hist.items()) / sum(hist.values())
     return mean * ar_step_ms / row['step_ms']
 

@@ -77,9 +77,10 @@ def main():
     parser.add_argument('--against', default='773106c', help='git revision of the other policy')
     parser.add_argument('--steps', type=int, default=300)
     parser.add_argument('--seeds', type=int, default=6)
-    parser.add_argument('--hard-start', type=int, default=0, metavar='N')
-    parser.add_argument('--warm-start', type=int, default=0, metavar='N',
-                        help="N uncounted steps of batch 1 at the cell's acceptance first")
+    start = parser.add_mutually_exclusive_group()
+    start.add_argument('--hard-start', type=int, default=0, metavar='N')
+    start.add_argument('--warm-start', type=int, default=0, metavar='N',
+                       help="N uncounted steps of batch 1 at the cell's acceptance first")
     args = parser.parse_args()
     with tempfile.NamedTemporaryFile('w', suffix='.py', delete=False) as f:
         f.write(subprocess.run(['git', 'show', f'{args.against}:{POLICY}'], cwd=ROOT, check=True,

@@ -1,6 +1,6 @@
 """RoPE's cos/sin rows in one launch (reference: `backends/default/rotary.py`, nine launches).
 On the GPU the angles go through libdevice's cosf/sinf, the functions torch's CUDA kernels call,
-so the rows are torch's bits (tests/pytorch/backends/cuda/test_cuda_rotary.py); Triton's own
+so the rows are torch's bits (tests/pytorch/backends/cuda/test_cuda_greedy.py); Triton's own
 `tl.cos` may lower to an approximation whose error grows with the angle (positions up to 256k).
 The interpreter (CPU) takes numpy's cos/sin instead."""
 from __future__ import annotations
