@@ -195,6 +195,25 @@ def test_recurrent_prefill_matches_default(kernel_device):
                        cache_dtype=torch.bfloat16)
 
 
+def test_recurrent_prefill_bits_do_not_depend_on_tiling(kernel_device, monkeypatch):
+    """The prefill walk takes one-warp tiles (`_launch(walk=True)`), the decode kernel's tiling
+    follows the batch: with an fp32 state (fixed-tree sums) outputs and states are the same bits
+    at every tiling, so a chunk walked in a prefill or mixed step gives what a wider tiling
+    would, and eager and captured steps agree."""
+    cpu = kernel_device == 'cpu'
+    nk, nv, dk, dv, num_spec = (2, 4, 32, 32, 3) if cpu else (16, 32, 128, 128, 3)
+    q_lens, history, slots, index = SHORT_STEPS[1]
+    inputs = step(q_lens, history, slots, index, False, kernel_device)
+    args = gdn_args(sum(q_lens), nk, nv, dk, dv, torch.float32, kernel_device, seed=3)
+    results = []
+    for tiling in [(dv, max(1, dv // 16)), (dv // 2, 2), (16, 1)]:
+        monkeypatch.setattr(cuda_gdr, 'decode_tiling', lambda dv, programs, t=tiling: t)
+        cache = random_cache(num_spec, nv, dk, dv, torch.float32, kernel_device, seed=5)
+        results.append((cuda_gdr.recurrent_prefill(*args, cache, inputs), cache))
+    for out, cache in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(cache, results[0][1])
+
+
 def reference_chunk(q, k, v, g, beta, scale, initial_state, output_final_state,
                     use_qk_l2norm_in_kernel):
     """fla's `chunk_gated_delta_rule` signature ([1, T, ...], one sequence) over the default
