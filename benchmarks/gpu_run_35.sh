@@ -5,7 +5,8 @@
 # (an export of the commit before this work), of the working tree ('after'), and of the working
 # tree with uvloop and httptools installed ('fast', .whl/extra); REF_SIDE=fast: pipeline() on the
 # same workload after that side's server (bench_serve --pipeline-reference); PART=frontend: the front-end over
-# a synthetic engine (bench_frontend.py: 3 ms steps), after and fast.
+# a synthetic engine (bench_frontend.py: 3 ms steps), after and fast. EXTRA: more server
+# arguments (e.g. "--max-mixed-token-num 1024"), TAG: a suffix for the output files.
 source .whl/gpu-env.sh
 for d in _gpu/*/lmdeploy_lite; do [ -d $d/assets ] || cp -r lmdeploy_lite/assets $d/; done
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
@@ -13,6 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_f
 P=${PRESET:-qwen3_5_0_8b}
 SA="--device cuda --dtype bfloat16 --session-len 4096 --max-batch-size 256"
 SYN=""                 # SPEC=3: MTP k=3 drafts accepted at 0.8/0.6/0.5 (this checkout's server)
+SA="$SA ${EXTRA:-}"
 [ -n "$SPEC" ] && SA="$SA --speculative-num-draft-tokens $SPEC" && SYN="--synthetic-acceptance 0.8,0.6,0.5"
 for part in ${PART:-pipe serve}; do case $part in
 pipe)
@@ -30,8 +32,8 @@ serve)
       --server-root $root --input-words 128 --output-len 256 --num-prompts ${NUM:-512} \
       --concurrency ${CONC:-64,256} --client-procs ${PROCS:-1,4,8} --server-args "$SA" \
       $([ $side = ${REF_SIDE:-none} ] && echo --pipeline-reference) $SYN \
-      --out $OUT/serve_${P}_$side${SPEC:+_k$SPEC}.json > $OUT/serve_${P}_$side${SPEC:+_k$SPEC}.log 2>&1
-    grep -A8 "^concurrency" $OUT/serve_${P}_$side${SPEC:+_k$SPEC}.log | cut -c1-120
+      --out $OUT/serve_${P}_$side${SPEC:+_k$SPEC}${TAG:-}.json > $OUT/serve_${P}_$side${SPEC:+_k$SPEC}${TAG:-}.log 2>&1
+    grep -A8 "^concurrency" $OUT/serve_${P}_$side${SPEC:+_k$SPEC}${TAG:-}.log | cut -c1-120
   done ;;
 frontend)
   for side in after fast; do
