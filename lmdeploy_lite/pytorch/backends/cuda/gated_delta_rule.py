@@ -207,17 +207,14 @@ def decode_tiling(dv: int, programs: int | None) -> tuple[int, int]:
 
 def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor, state_cache: torch.Tensor, inputs: ModelInputs, *seq_ptrs,
-            out: torch.Tensor | None = None, walk: bool = False, **constexprs) -> torch.Tensor:
-    """Grid (B, nv, dv / BV) as `decode_tiling`, or for a `walk` (the prefill kernel) one-warp
-    tiles wherever the sums are fixed trees: a walk's state stays in registers, so its cost is
-    each token's latency (no cross-warp sums) times the waves of programs (more fit on an SM);
-    `seq_ptrs` after history_lens -> o [T, nv, dv] (`out`, where given, keeps the rows of
-    sequences without tokens)."""
+            out: torch.Tensor | None = None, **constexprs) -> torch.Tensor:
+    """Grid (B, nv, dv / BV) as `decode_tiling`; `seq_ptrs` after history_lens -> o [T, nv, dv]
+    (`out`, where given, keeps the rows of sequences without tokens)."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     dk, (nv, dv) = q.shape[-1], v.shape[1:]
     batch, block_k = inputs.q_lens.numel(), triton.next_power_of_2(dk)
     tree = state_cache.dtype != torch.bfloat16
-    block_v, num_warps = decode_tiling(dv, (0 if walk else batch * nv) if tree else None)
+    block_v, num_warps = decode_tiling(dv, batch * nv if tree else None)
     strides = [stride for x in (q, k, v, g, beta, out, state_cache) for stride in x.stride()]
     kernel[(batch, nv, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, out, state_cache, inputs.state_slots, inputs.state_index,
@@ -249,8 +246,7 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if v.shape[0] == 0:
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs,
-                   inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc), inputs.q_lens,
-                   walk=True)
+                   inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc), inputs.q_lens)
 
 
 @functools.cache
@@ -380,7 +376,7 @@ def long_row_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     out = _rows(o[0].to(v.dtype), num_tokens).contiguous()
     start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
     return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, start_loc,
-                   short, out=out, walk=True)
+                   short, out=out)
 
 
 @triton.jit

@@ -196,10 +196,10 @@ def test_recurrent_prefill_matches_default(kernel_device):
 
 
 def test_recurrent_prefill_bits_do_not_depend_on_tiling(kernel_device, monkeypatch):
-    """The prefill walk takes one-warp tiles (`_launch(walk=True)`), the decode kernel's tiling
-    follows the batch: with an fp32 state (fixed-tree sums) outputs and states are the same bits
-    at every tiling, so a chunk walked in a prefill or mixed step gives what a wider tiling
-    would, and eager and captured steps agree."""
+    """The prefill walk's tiling follows the batch (`decode_tiling`): with an fp32 state
+    (fixed-tree sums) its outputs and states are the same bits at every tiling, so a chunk's
+    tokens do not depend on the rows it shares a step with, and a tiling may be chosen for speed
+    alone (benchmarks/tune_gdn_prefill.py)."""
     cpu = kernel_device == 'cpu'
     nk, nv, dk, dv, num_spec = (2, 4, 32, 32, 3) if cpu else (16, 32, 128, 128, 3)
     q_lens, history, slots, index = SHORT_STEPS[1]
