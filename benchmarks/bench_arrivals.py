@@ -77,6 +77,9 @@ def main():
     parser.add_argument('--prompt-len', type=int, default=170)
     parser.add_argument('--max-mixed-tokens', type=int, default=4096)
     parser.add_argument('--session-len', type=int, default=4096)
+    parser.add_argument('--max-batch-size', type=int, default=None,
+                        help='default: streams + arrivals (the server: 256, so a prefill '
+                        "graph's buckets hold 257 rows)")
     parser.add_argument('--eager', action='store_true')
     parser.add_argument('--profile', action='store_true', help='each step of the wave on its own '
                         '(device synchronized before and after) under torch.profiler: kernel ms')
@@ -85,7 +88,8 @@ def main():
     path, load_format = resolve_model(args)
     engine = build_engine(path, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, load_format=load_format,
-        max_batch_size=args.streams + args.arrivals, session_len=args.session_len,
+        max_batch_size=args.max_batch_size or args.streams + args.arrivals,
+        session_len=args.session_len,
         max_mixed_token_num=args.max_mixed_tokens, eager_mode=args.eager), progress=False)
     wave(engine, 4, 4, args.prompt_len, 100)                                    # warm-up
     steps = wave(engine, args.streams, args.arrivals, args.prompt_len, 0, args.profile)

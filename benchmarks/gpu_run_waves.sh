@@ -2,21 +2,28 @@
 # Arriving waves of prompts beside decoding streams (issues 35 and 38's ITL), on one GPU, the
 # 0.8B (PRESET) on random weights, in one call: PART=tune: the prefill walk's tilings
 # (tune_gdn_prefill.py); PART=waves: bench_arrivals.py --profile for WAVES ("streams arrivals
-# prompt_len" triples); PART=serve: bench_serve at CONC streams with 4 client processes, the
-# server's engine steps traced (trace_hook/, summarized by step_trace.py), for each server
+# prompt_len" triples; the engine's max batch MAXB, default the server's 256); PART=serve:
+# bench_serve at CONC streams with 4 client processes, the server's engine steps traced
+# (trace_hook/, summarized by step_trace.py), for each server
 # argument set in BUDGETS ("name|args" items separated by ';').
 source .whl/gpu-env.sh
 export TRITON_CACHE_DIR=/tmp/triton_cache
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 P=${PRESET:-qwen3_5_0_8b}
 for part in ${PART:-tune waves serve}; do case $part in
-tune)
-  timeout 120 python3 benchmarks/tune_gdn_prefill.py --rows 16 --tokens 32 --decode-rows 48
-  timeout 120 python3 benchmarks/tune_gdn_prefill.py --rows 16 --tokens 170 --decode-rows 48 ;;
+tune)        # walks beside one-token rows, and one-token rows alone (a long row's mixed step),
+  # in buckets of 65 and of 257 rows (--max-batch-size 64 and the server's 256)
+  for a in "16 32 48" "16 170 48" "0 1 48" "0 1 256"; do set -- $a
+    for pad in $(printf '%s\n' 1 $((257 - $1 - $3)) | sort -un); do [ $pad -ge 0 ] || continue
+      timeout 120 python3 benchmarks/tune_gdn_prefill.py --rows $1 --tokens $2 --decode-rows $3 \
+        --padding-rows $pad
+    done
+  done ;;
 waves)
   echo "${WAVES:-48 16 32;48 16 170;48 1 700}" | tr ';' '\n' | while read s a l; do
     timeout 150 python3 benchmarks/bench_arrivals.py --preset $P --device cuda --dtype bfloat16 \
-      --streams $s --arrivals $a --prompt-len $l --profile --out $OUT/wave_${s}_${a}_$l.json \
+      --streams $s --arrivals $a --prompt-len $l --profile --max-batch-size ${MAXB:-256} \
+      --out $OUT/wave_${s}_${a}_$l.json \
       2>&1 | grep -A12 "^$s streams"
   done ;;
 serve)
