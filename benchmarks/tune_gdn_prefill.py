@@ -35,6 +35,7 @@ def main():
     parser.add_argument('--configs', default='single,engine,64x4,32x2,16x1')
     parser.add_argument('--reps', type=int, default=20)
     args = parser.parse_args()
+    tiling = gdr.decode_tiling                # the engine's: restored for every config
     for name, (nk, nv) in {'0.8B': (16, 16), '9B': (16, 32)}.items():
         q_lens = [args.tokens] * args.rows + [1] * args.decode_rows + [0] * args.padding_rows
         batch, dk = len(q_lens), 128
@@ -48,7 +49,7 @@ def main():
         g = -torch.rand(t, nv, device='cuda') * 0.5
         beta = torch.rand(t, nv, device='cuda', dtype=torch.bfloat16)
         state = torch.randn(batch + 1, 1, nv, dk, dk, device='cuda') * 0.3
-        first, rows, tiling = None, [], gdr.decode_tiling
+        first, rows = None, []
         for config in args.configs.split(','):
             gdr.decode_tiling = tiling
             if 'x' in config:
