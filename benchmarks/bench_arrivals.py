@@ -52,7 +52,8 @@ def wave(engine, streams: int, arrivals: int, prompt_len: int, seed: int,
         before, calls = len(kinds), len(used)
         if profile:
             step = profiled_step(engine)
-            step = {k: step[k] for k in ('kernels_ms', 'families', 'launches', 'wall_ms')}
+            step = {k: step[k] for k in ('kernels_ms', 'families', 'launches', 'wall_ms')} | {
+                'top': dict(list(step['top'].items())[:20])}
         else:
             start = time.perf_counter()
             engine.step()

@@ -98,7 +98,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start, end, block_table_ptr, stride_bt
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_lens_ptr,
-                   span_ptr, o_ptr, lse_ptr, qk_scale,
+                   span_ptr, q_start_loc_ptr, q_lens_ptr, o_ptr, lse_ptr, qk_scale,
                    stride_qt, stride_qh, stride_qd,
                    stride_kb, stride_ks, stride_kh, stride_kd,
                    stride_vb, stride_vs, stride_vh, stride_vd,
@@ -108,11 +108,13 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_le
                    Q_LEN: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, M_TILES: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   DOT_PRECISION: tl.constexpr, VARLEN: tl.constexpr = False):
     """Grid (B, n_kv * M_TILES, NUM_SPLITS). Row r of a KV head is new token r // GROUP, q head
     kv_head * GROUP + r % GROUP. A split covers at least span_ptr[0] positions (a multiple of
     BLOCK_N), so a short sequence's later splits are empty and a long one's are not. Each split's
-    rows as `_store_split` writes them."""
+    rows as `_store_split` writes them. `VARLEN` (Q_LEN 1, a prefill or mixed step's rows of one
+    new token): sequence b's token is q_start_loc[b], rows of other lengths are left alone, and a
+    split covers whole KV tiles of its own sequence alone (no span), as `_prefill_kernel`'s."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) // M_TILES
     rows = (tl.program_id(1) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -125,8 +127,15 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_le
 
     history = tl.load(history_lens_ptr + seq)
     kv_len = history + Q_LEN
-    split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N,
-                           tl.load(span_ptr))
+    if VARLEN:
+        live = tl.load(q_lens_ptr + seq) == 1
+        token = tl.load(q_start_loc_ptr + seq) + rows * 0
+        row_valid = row_valid & live
+        kv_len = tl.where(live, kv_len, 0)
+        split_len = tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    else:
+        split_len = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N,
+                               tl.load(span_ptr))
     start = split * split_len
     end = tl.minimum(start + split_len, kv_len)
 
@@ -201,56 +210,60 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_table
                     stride_kb, stride_ks, stride_kh, stride_kd,
                     stride_vb, stride_vs, stride_vh, stride_vd,
                     stride_btb, stride_btn, stride_ot, stride_oh, stride_os, stride_od,
-                    stride_lt, stride_lh, stride_ls, num_tiles,
+                    stride_lt, stride_lh, stride_ls, stride_tiles,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                     NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Grid (num_tiles, nq, NUM_SPLITS). tiles [2, num_tiles]: (sequence, first new-token index)
-    of each query tile; a tile whose first index is past its sequence's new tokens does
-    nothing. Cache positions before the tile's first query are visible to all its rows (no
+    """Grid (P, nq, NUM_SPLITS). tiles [2, n + 1]: (sequence, first new-token index) of each
+    query tile, the number of tiles in use at [0, n]; program p takes tiles p, p + P, ... of
+    those. Cache positions before the tile's first query are visible to all its rows (no
     causal mask), in NUM_SPLITS shares of whole KV tiles; the rest, up to the tile's last query,
     are masked and go to the last split. Each split's rows as `_store_split` writes them."""
-    seq = tl.load(tiles_ptr + tl.program_id(0))
-    first = tl.load(tiles_ptr + num_tiles + tl.program_id(0))
     head = tl.program_id(1)
     split = tl.program_id(2)
     kv_head = head // GROUP
-    q_len = tl.load(q_lens_ptr + seq)
-    live = first < q_len                   # False: a spare tile of a captured step's map
-    history = tl.where(live, tl.load(history_lens_ptr + seq), 0)
-    rows = first + tl.arange(0, BLOCK_M)
-    row_valid = rows < q_len
-    token = tl.load(q_start_loc_ptr + seq) + rows
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
-    q_mask = row_valid[:, None] & d_valid[None, :]
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head * stride_qh + d[None, :] * stride_qd,
-                mask=q_mask, other=0.0)
-    q_pos = history + rows
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    block_table_ptr = block_tables_ptr + seq * stride_btb
     k_head_ptr = k_cache_ptr + kv_head * stride_kh
     v_head_ptr = v_cache_ptr + kv_head * stride_vh
-    seen_by_all = tl.where(live, history + first, 0)
-    unmasked_end = (seen_by_all // BLOCK_N) * BLOCK_N
-    share = tl.cdiv(unmasked_end // BLOCK_N, NUM_SPLITS) * BLOCK_N
-    for tile_start in range(split * share, tl.minimum(split * share + share, unmasked_end),
-                            BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile_start, seen_by_all, block_table_ptr, stride_btn,
-            k_head_ptr, stride_kb, stride_ks, stride_kd, v_head_ptr, stride_vb, stride_vs,
-            stride_vd, qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
-    end = tl.where(live, tl.minimum(history + q_len, seen_by_all + BLOCK_M), 0)
-    for tile_start in range(tl.where(split == NUM_SPLITS - 1, unmasked_end, end), end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, q_pos, tile_start, end, block_table_ptr, stride_btn,
-            k_head_ptr, stride_kb, stride_ks, stride_kd, v_head_ptr, stride_vb, stride_vs,
-            stride_vd, qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
-    _store_split(o_ptr + token[:, None] * stride_ot + head * stride_oh + split * stride_os
-                 + d[None, :] * stride_od, lse_ptr + token * stride_lt + head * stride_lh
-                 + split * stride_ls, acc, m_i, l_i, q_mask, row_valid, NUM_SPLITS)
+    index = tl.program_id(0)
+    num_tiles = tl.load(tiles_ptr + stride_tiles - 1)
+    while index < num_tiles:           # (Triton's interpreter takes no loaded bound in a range)
+        seq = tl.load(tiles_ptr + index)
+        first = tl.load(tiles_ptr + stride_tiles + index)
+        q_len = tl.load(q_lens_ptr + seq)
+        history = tl.load(history_lens_ptr + seq)
+        rows = first + tl.arange(0, BLOCK_M)
+        row_valid = rows < q_len
+        token = tl.load(q_start_loc_ptr + seq) + rows
+        q_mask = row_valid[:, None] & d_valid[None, :]
+        q = tl.load(q_ptr + token[:, None] * stride_qt + head * stride_qh
+                    + d[None, :] * stride_qd, mask=q_mask, other=0.0)
+        q_pos = history + rows
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float('-inf'), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        block_table_ptr = block_tables_ptr + seq * stride_btb
+        seen_by_all = history + first
+        unmasked_end = (seen_by_all // BLOCK_N) * BLOCK_N
+        share = tl.cdiv(unmasked_end // BLOCK_N, NUM_SPLITS) * BLOCK_N
+        for tile_start in range(split * share, tl.minimum(split * share + share, unmasked_end),
+                                BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, tile_start, seen_by_all, block_table_ptr, stride_btn,
+                k_head_ptr, stride_kb, stride_ks, stride_kd, v_head_ptr, stride_vb, stride_vs,
+                stride_vd, qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+        end = tl.minimum(history + q_len, seen_by_all + BLOCK_M)
+        for tile_start in range(tl.where(split == NUM_SPLITS - 1, unmasked_end, end), end,
+                                BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, q_pos, tile_start, end, block_table_ptr, stride_btn,
+                k_head_ptr, stride_kb, stride_ks, stride_kd, v_head_ptr, stride_vb, stride_vs,
+                stride_vd, qk_scale, d, d_valid, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+        _store_split(o_ptr + token[:, None] * stride_ot + head * stride_oh + split * stride_os
+                     + d[None, :] * stride_od, lse_ptr + token * stride_lt + head * stride_lh
+                     + split * stride_ls, acc, m_i, l_i, q_mask, row_valid, NUM_SPLITS)
+        index += tl.num_programs(0)
 
 
 def _block_d(head_dim: int) -> int:
@@ -375,7 +388,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out, o_split, lse = _split_outputs(q, num_splits)
     block_d = _block_d(head_dim)
     _decode_kernel[(batch, n_kv * m_tiles, num_splits)](
-        q, k_cache, v_cache, inputs.block_tables, inputs.history_lens, span, o_split, lse,
+        q, k_cache, v_cache, inputs.block_tables, inputs.history_lens, span, span, span,
+        o_split, lse,
         scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
         *inputs.block_tables.stride(), *o_split.stride(),
         *(lse.stride() if num_splits > 1 else (0, 0, 0)),
@@ -406,29 +420,31 @@ def _combine(o_split: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> Non
 
 
 def _host_tiles(inputs: ModelInputs, block_m: int) -> torch.Tensor:
-    """[2, n] (sequence, first new-token index) of every query tile, longest KV first (the
-    programs that run longest start first), from the host lengths."""
+    """[2, n + 1]: (sequence, first new-token index) of every query tile of the sequences of
+    more than one new token, longest KV first (the programs that run longest start first), from
+    the host lengths; column n holds n."""
     q_lens = torch.tensor(inputs.host_q_lens)
     histories = torch.tensor(inputs.host_kv_lens) - q_lens
-    tiles_per_seq = (q_lens + block_m - 1) // block_m
+    tiles_per_seq = torch.where(q_lens > 1, (q_lens + block_m - 1) // block_m, 0)
     seq = torch.repeat_interleave(torch.arange(len(q_lens)), tiles_per_seq)
     first = (torch.arange(seq.numel()) - (torch.cumsum(tiles_per_seq, 0) - tiles_per_seq)[seq])
     first = first * block_m
     longest_first = torch.argsort(histories[seq] + first, descending=True)
-    return torch.stack([seq, first])[:, longest_first].contiguous()
+    count = torch.full((2, 1), seq.numel())
+    return torch.cat([torch.stack([seq, first])[:, longest_first], count], 1).contiguous()
 
 
 def _device_tiles(inputs: ModelInputs, block_m: int, num_tokens: int) -> torch.Tensor:
     """`_host_tiles` in sequence order, built on the device with shapes from T and B alone (a
-    captured step): T / block_m + B tiles, the spare ones pointing past their sequence."""
+    captured step): room for T / block_m + B tiles, the count in use in the last column."""
     q_lens = inputs.q_lens
-    tiles_per_seq = (q_lens + block_m - 1) // block_m
+    tiles_per_seq = torch.where(q_lens > 1, (q_lens + block_m - 1) // block_m, 0)
     ends = torch.cumsum(tiles_per_seq, 0)
     index = torch.arange(triton.cdiv(num_tokens, block_m) + q_lens.numel(), device=q_lens.device)
     seq = torch.searchsorted(ends, index, right=True).clamp_(max=q_lens.numel() - 1)
     first = (index - ends[seq] + tiles_per_seq[seq]) * block_m
-    first = torch.where(index < ends[-1], first, 1 << 30)
-    return torch.stack([seq, first])
+    count = ends[-1:].view(1, 1).expand(2, 1)
+    return torch.cat([torch.stack([seq, first]), count], 1).contiguous()
 
 
 def prefill_num_splits(q: torch.Tensor) -> int:
@@ -446,32 +462,61 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       inputs: ModelInputs, scale: float,
                       num_splits: int | None = None) -> torch.Tensor:
     """q [T, nq, d] (any q_lens and history_lens; the step's k/v already in the caches) ->
-    [T, nq, d]. The query-tile map comes from the host lengths, or is built on the device when
-    the step is captured (`inputs.sync_free`); the same for every layer of a forward.
-    `num_splits` (default `prefill_num_splits`) is exposed for tests."""
+    [T, nq, d]. Rows of one new token (a mixed step's decode rows) take the decode kernel
+    (`VARLEN`), the others query tiles of `_prefill_kernel`: a one-token row would fill one row
+    of a tile. The tile map comes from the host lengths, or is built on the device when the step
+    is captured (`inputs.sync_free`), where the programs are bounded by the shapes and loop over
+    the tiles in use; the same for every layer of a forward. `num_splits` (default
+    `prefill_num_splits`) is exposed for tests."""
     num_heads, head_dim = q.shape[1:]
     block_size, n_kv = k_cache.shape[1:3]
     (block_m, block_n), block_d = _prefill_tile_sizes(q), _block_d(head_dim)
+    num_splits = prefill_num_splits(q) if num_splits is None else num_splits
     if inputs.sync_free:
         tiles = inputs.derived(('attention_tiles', block_m),
                                lambda: _device_tiles(inputs, block_m, q.shape[0]))
+        programs = min(tiles.shape[1] - 1, triton.cdiv(q.shape[0], block_m) + triton.cdiv(
+            4 * _num_sms(q.device), num_heads * num_splits))
     else:
         tiles = inputs.derived(('attention_tiles', block_m),
                                lambda: _host_tiles(inputs, block_m).to(q.device))
-    num_splits = prefill_num_splits(q) if num_splits is None else num_splits
+        programs = tiles.shape[1] - 1
     out, o_split, lse = _split_outputs(q, num_splits)
-    num_tiles = tiles.shape[1]
-    _prefill_kernel[(num_tiles, num_heads, num_splits)](
-        q, k_cache, v_cache, o_split, lse, inputs.block_tables, tiles, inputs.q_start_loc,
-        inputs.q_lens, inputs.history_lens, scale * LOG2E, *q.stride(), *k_cache.stride(),
-        *v_cache.stride(), *inputs.block_tables.stride(), *o_split.stride(),
-        *(lse.stride() if num_splits > 1 else (0, 0, 0)), num_tiles,
-        GROUP=num_heads // n_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
-        **_launch_options(q, block_m, block_d))
+    if programs:
+        _prefill_kernel[(programs, num_heads, num_splits)](
+            q, k_cache, v_cache, o_split, lse, inputs.block_tables, tiles, inputs.q_start_loc,
+            inputs.q_lens, inputs.history_lens, scale * LOG2E, *q.stride(), *k_cache.stride(),
+            *v_cache.stride(), *inputs.block_tables.stride(), *o_split.stride(),
+            *(lse.stride() if num_splits > 1 else (0, 0, 0)), tiles.stride(0),
+            GROUP=num_heads // n_kv, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            NUM_SPLITS=num_splits, BLOCK_M=block_m, BLOCK_N=block_n,
+            **_launch_options(q, block_m, block_d))
+    if inputs.sync_free or 1 in inputs.host_q_lens:
+        _one_token_rows(q, k_cache, v_cache, inputs, scale, o_split, lse, num_splits)
     if num_splits > 1:
         _combine(o_split, lse, out)
     return out
+
+
+def _one_token_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    inputs: ModelInputs, scale: float, o_split: torch.Tensor, lse: torch.Tensor,
+                    num_splits: int) -> None:
+    """`prefill_attention`'s rows of one new token, into its split outputs: the decode kernel's
+    program per (sequence, KV head, split) over the GROUP query heads of the row's token."""
+    num_heads, head_dim = q.shape[1:]
+    n_kv = k_cache.shape[2]
+    max_block_m, block_n = _tile_sizes(q)
+    block_m = min(max_block_m, max(16, triton.next_power_of_2(num_heads // n_kv)))
+    m_tiles = triton.cdiv(num_heads // n_kv, block_m)
+    lens = inputs.history_lens
+    _decode_kernel[(lens.numel(), n_kv * m_tiles, num_splits)](
+        q, k_cache, v_cache, inputs.block_tables, lens, lens, inputs.q_start_loc, inputs.q_lens,
+        o_split, lse, scale * LOG2E, *q.stride(), *k_cache.stride(), *v_cache.stride(),
+        *inputs.block_tables.stride(), *o_split.stride(),
+        *(lse.stride() if num_splits > 1 else (0, 0, 0)),
+        Q_LEN=1, GROUP=num_heads // n_kv, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        NUM_SPLITS=num_splits, M_TILES=m_tiles, BLOCK_M=block_m, BLOCK_N=block_n, VARLEN=True,
+        **_launch_options(q, block_m, _block_d(head_dim)))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

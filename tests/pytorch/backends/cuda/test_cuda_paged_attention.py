@@ -141,6 +141,35 @@ def test_prefill_and_chunked_continuation_match_default(kernel_device, nq, n_kv,
             history_lens = [h + n for h, n in zip(history_lens, q_lens)]
 
 
+def test_device_tile_map_gives_the_host_maps_bits(kernel_device):
+    """A captured step's query tiles (the map built on the device, programs bounded by the
+    shapes, each looping over several of the tiles in use) and an eager step's (host map, one
+    program a tile) give the same bits; rows of one new token take the decode kernel in both
+    (one of them fresh, one a padding row of none), and match the default."""
+    ops = cuda_ops()
+    gen = torch.Generator().manual_seed(5)
+    q_lens, history_lens = [2] * 12 + [33, 1, 0, 1], [3, 0] * 6 + [9, 20, 0, 0]
+    batch, total, nq, n_kv, head_dim = len(q_lens), sum(q_lens), 4, 2, 16
+    k_cache, v_cache = random_caches(batch, 64, 8, n_kv, head_dim, torch.float32,
+                                     kernel_device, gen)
+    tables = shuffled_block_tables(batch, (k_cache.shape[0] - 1) // batch, seed=batch)
+    inputs = make_inputs([[0] * n for n in q_lens], history_lens, tables, list(range(batch)),
+                         is_decoding=False).to(kernel_device)
+    captured = HostReadsForbidden(**{f.name: getattr(inputs, f.name) for f in fields(inputs)
+                                     if f.name not in ('host_lens', 'sync_free')}, sync_free=True)
+    q, k, v = (torch.randn(total, n, head_dim, generator=gen).to(kernel_device)
+               for n in (nq, n_kv, n_kv))
+    ops.store_kv(k, v, k_cache, v_cache, inputs)
+    tiles = ops._device_tiles(captured, 32, total)
+    assert tiles[0, -1].item() == 12 + 2                 # in use, of room for 3 + 16
+    eager = ops.prefill_attention(q, k_cache, v_cache, inputs, head_dim ** -0.5, num_splits=2)
+    graph = ops.prefill_attention(q, k_cache, v_cache, captured, head_dim ** -0.5, num_splits=2)
+    assert torch.equal(eager, graph)
+    ref = default_paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), inputs,
+                                  head_dim ** -0.5)
+    torch.testing.assert_close(graph, ref, **tolerances(torch.float32))
+
+
 def test_empty_step_returns_empty(kernel_device):
     ops = cuda_ops()
     none = torch.zeros(0, dtype=torch.long)
