@@ -143,12 +143,14 @@ def _recurrent_prefill_kernel(
         stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
         scale, ACC_FP64: tl.constexpr,
         HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, TREE_LEVELS: tl.constexpr):
+        BK: tl.constexpr, BV: tl.constexpr, TREE_LEVELS: tl.constexpr, ROWS: tl.constexpr = 0):
     """The decode kernel's program (sequence b, value head h, value columns [BV * pid_v, +BV))
     over a varlen prefill: tokens q_start_loc[b] .. + q_lens[b] (a runtime loop: one compile for
     every length), from state[slot, state_index[b], h] (zero if fresh). The state stays in the
     math's dtype between tokens (as in the chunk form); only the final one is stored, to
-    state[slot, 0, h]. A sequence with no tokens (padding) leaves its row untouched."""
+    state[slot, 0, h]. A sequence with no tokens (padding) leaves its row untouched, as does
+    one that `ROWS` leaves to another launch (1: this launch walks one-token rows only; 2:
+    longer ones only; 0: all)."""
     b, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     acc = tl.float64 if ACC_FP64 else tl.float32
     kh = h // HEAD_RATIO
@@ -158,6 +160,10 @@ def _recurrent_prefill_kernel(
     mask_s = mask_k[:, None] & mask_v[None, :]
 
     num_tokens = tl.load(q_lens_ptr + b)
+    if ROWS == 1:
+        num_tokens = tl.where(num_tokens == 1, num_tokens, 0)
+    elif ROWS == 2:
+        num_tokens = tl.where(num_tokens > 1, num_tokens, 0)
     start = tl.load(q_start_loc_ptr + b).to(tl.int64)
     slot = tl.load(state_slots_ptr + b).to(tl.int64)
     index = tl.load(state_index_ptr + b).to(tl.int64)
@@ -207,21 +213,28 @@ def decode_tiling(dv: int, programs: int | None) -> tuple[int, int]:
 
 def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor, state_cache: torch.Tensor, inputs: ModelInputs, *seq_ptrs,
-            out: torch.Tensor | None = None, **constexprs) -> torch.Tensor:
+            out: torch.Tensor | None = None, walk: bool = False, **constexprs) -> torch.Tensor:
     """Grid (B, nv, dv / BV) as `decode_tiling`; `seq_ptrs` after history_lens -> o [T, nv, dv]
-    (`out`, where given, keeps the rows of sequences without tokens)."""
+    (`out`, where given, keeps the rows of sequences without tokens). `walk` (the prefill
+    kernel), where the sums are fixed trees: two launches, rows of more than one token in
+    one-warp tiles (a walk keeps its state in registers: its cost is each token's latency, no
+    cross-warp sums) and one-token rows in `decode_tiling`'s (their cost is reading the state);
+    the same bits as one launch, whatever the tiles."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     dk, (nv, dv) = q.shape[-1], v.shape[1:]
     batch, block_k = inputs.q_lens.numel(), triton.next_power_of_2(dk)
     tree = state_cache.dtype != torch.bfloat16
-    block_v, num_warps = decode_tiling(dv, batch * nv if tree else None)
     strides = [stride for x in (q, k, v, g, beta, out, state_cache) for stride in x.stride()]
-    kernel[(batch, nv, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, out, state_cache, inputs.state_slots, inputs.state_index,
-        inputs.history_lens, *seq_ptrs, *strides, scale=dk ** -0.5,
-        ACC_FP64=state_cache.dtype == torch.float64, HEAD_RATIO=nv // q.shape[1], DK=dk, DV=dv,
-        BK=block_k, BV=block_v, TREE_LEVELS=block_k.bit_length() - 1 if tree else 0,
-        num_warps=num_warps, enable_fp_fusion=not tree, **constexprs)
+    tilings = ([(decode_tiling(dv, 0), 2), (decode_tiling(dv, batch * nv), 1)] if walk and tree
+               else [(decode_tiling(dv, batch * nv if tree else None), None)])
+    for (block_v, num_warps), rows in tilings:
+        kernel[(batch, nv, triton.cdiv(dv, block_v))](
+            q, k, v, g, beta, out, state_cache, inputs.state_slots, inputs.state_index,
+            inputs.history_lens, *seq_ptrs, *strides, scale=dk ** -0.5,
+            ACC_FP64=state_cache.dtype == torch.float64, HEAD_RATIO=nv // q.shape[1], DK=dk,
+            DV=dv, BK=block_k, BV=block_v, TREE_LEVELS=block_k.bit_length() - 1 if tree else 0,
+            num_warps=num_warps, enable_fp_fusion=not tree,
+            **({} if rows is None else {'ROWS': rows}), **constexprs)
     return out
 
 
@@ -246,7 +259,8 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     if v.shape[0] == 0:
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs,
-                   inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc), inputs.q_lens)
+                   inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc), inputs.q_lens,
+                   walk=True)
 
 
 @functools.cache
@@ -376,7 +390,7 @@ def long_row_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     out = _rows(o[0].to(v.dtype), num_tokens).contiguous()
     start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
     return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, start_loc,
-                   short, out=out)
+                   short, out=out, walk=True)
 
 
 @triton.jit

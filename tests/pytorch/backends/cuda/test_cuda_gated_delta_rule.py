@@ -214,6 +214,24 @@ def test_recurrent_prefill_bits_do_not_depend_on_tiling(kernel_device, monkeypat
         assert torch.equal(out, results[0][0]) and torch.equal(cache, results[0][1])
 
 
+def test_recurrent_prefill_split_by_row_kind_gives_one_launchs_bits(kernel_device):
+    """`recurrent_prefill` walks rows of several tokens and one-token rows in two launches of
+    different tiles (`_launch(walk=True)`); outputs and the whole cache equal one launch over
+    every row, for a step of walks, one-token rows and a padding row (fp32 state)."""
+    cpu = kernel_device == 'cpu'
+    nk, nv, dk, dv, num_spec = (2, 4, 32, 32, 3) if cpu else (16, 32, 128, 128, 3)
+    q_lens, history, slots, index = [7, 1, 3, 0, 1, 12], [5, 8, 0, 0, 40, 2], [4, 1, 6, 0, 5, 2], \
+        [1, 0, 0, 0, 2, 3]
+    inputs = step(q_lens, history, slots, index, False, kernel_device)
+    args = gdn_args(sum(q_lens), nk, nv, dk, dv, torch.float32, kernel_device, seed=7)
+    split, whole = (random_cache(num_spec, nv, dk, dv, torch.float32, kernel_device, seed=5)
+                    for _ in range(2))
+    out_split = cuda_gdr.recurrent_prefill(*args, split, inputs)
+    out_whole = cuda_gdr._launch(cuda_gdr._recurrent_prefill_kernel, *args, whole, inputs,
+                                 inputs.q_start_loc, inputs.q_lens)
+    assert torch.equal(out_split, out_whole) and torch.equal(split, whole)
+
+
 def reference_chunk(q, k, v, g, beta, scale, initial_state, output_final_state,
                     use_qk_l2norm_in_kernel):
     """fla's `chunk_gated_delta_rule` signature ([1, T, ...], one sequence) over the default
