@@ -23,7 +23,7 @@ from tests.helpers.step_inputs import make_inputs, shuffled_block_tables
 def one_launch(q, k, v, g, beta, cache, inputs, start_loc):
     """The walk as one launch over every row (the tiling `decode_tiling` gives)."""
     return gdr._launch(gdr._recurrent_prefill_kernel, q, k, v, g, beta, cache, inputs,
-                       start_loc, inputs.q_lens)
+                       start_loc, inputs.q_lens, inputs.q_lens, ROWS=0)
 
 
 def main():

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .paged_attention import num_sms
+
 GROUP = 128                          # the K width of a scale block, activations and weights alike
 FP8_MAX = 448.0
 
@@ -87,16 +89,6 @@ def _sum_splits_kernel(src_ptr, dst_ptr, size, splits, BLOCK: tl.constexpr):
     tl.store(dst_ptr + offs, acc.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
-_SMS: dict[int, int] = {}
-
-
-def _num_sms(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 def gemm_config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, splits, num_warps, num_stages) for an [m, k] x [n, k].T product: a
     function of the shapes only. A grid of tiles for fewer than half the SMs (decode: few rows,
@@ -104,7 +96,7 @@ def gemm_config(m: int, n: int, k: int, device: torch.device) -> tuple[int, int,
     partial sums are added after (split-K). Above 64 rows, 128 x 128 tiles with 8 warps where
     they give two per SM, else 64 x 64. Tuned with `bench_fp8_gemm.py --sweep` on an H100 at the
     0.8B and 9B shapes (at 1-64 rows the best of a grid was within 12% of this everywhere)."""
-    sms = _num_sms(device)
+    sms = num_sms(device)
     if m > 64:
         if triton.cdiv(n, 128) * triton.cdiv(m, 128) >= 2 * sms:
             return 128, 128, 1, 8, 4

@@ -16,6 +16,7 @@ import triton.language as tl
 from ...model_inputs import ModelInputs
 from ..default import gated_delta_rule as reference
 from .graph_runner import long_row
+from .paged_attention import num_sms
 
 
 # Prefill steps of at most this many tokens per sequence run `_recurrent_prefill_kernel`, which
@@ -34,6 +35,9 @@ FLA_CHUNK = 64
 # launches of at most this many (sequence, value head) programs take `decode_tiling`'s small
 # tiles: measured on an H200, k=3 verify at 0.8B / 9B heads (16 / 32 value heads)
 SMALL_TILE_PROGRAMS = 256
+# a prefill walk's one-warp programs resident on one multiprocessor (registers bound them);
+# `_launch` starts this many a multiprocessor and each walks its rows in turn
+WALKERS_PER_SM = 32
 
 
 @triton.jit
@@ -137,7 +141,7 @@ def _recurrent_decode_kernel(
 def _recurrent_prefill_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
         state_slots_ptr, state_index_ptr, history_lens_ptr, q_start_loc_ptr, q_lens_ptr,
-        stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+        walks_ptr, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
         stride_vt, stride_vh, stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
         stride_ot, stride_oh, stride_od,
         stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
@@ -148,10 +152,43 @@ def _recurrent_prefill_kernel(
     over a varlen prefill: tokens q_start_loc[b] .. + q_lens[b] (a runtime loop: one compile for
     every length), from state[slot, state_index[b], h] (zero if fresh). The state stays in the
     math's dtype between tokens (as in the chunk form); only the final one is stored, to
-    state[slot, 0, h]. A sequence with no tokens (padding) leaves its row untouched, as does
-    one that `ROWS` leaves to another launch (1: this launch walks one-token rows only; 2:
-    longer ones only; 0: all)."""
-    b, h, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    state[slot, 0, h]. A sequence with no tokens (padding) leaves its row untouched. `ROWS`:
+    0, every row (program b: row b); 1, rows of one token only; 2, rows of more than one token
+    only, from `walks_ptr` (`_walks`: their count, then their indices), program b taking the
+    b-th, (b + P)-th, .. of them (P programs: rows beyond those resident at once walk later
+    either way)."""
+    if ROWS == 2:
+        i, num_walks = tl.program_id(0), tl.load(walks_ptr)
+        while i < num_walks:
+            _walk_row(tl.load(walks_ptr + 1 + i), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
+                      state_ptr, state_slots_ptr, state_index_ptr, history_lens_ptr,
+                      q_start_loc_ptr, q_lens_ptr, stride_qt, stride_qh, stride_qd, stride_kt,
+                      stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, stride_gt,
+                      stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, stride_od,
+                      stride_s0, stride_s1, stride_s2, stride_sk, stride_sv, scale, ACC_FP64,
+                      HEAD_RATIO, DK, DV, BK, BV, TREE_LEVELS, ROWS)
+            i += tl.num_programs(0)
+    else:
+        _walk_row(tl.program_id(0), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
+                  state_slots_ptr, state_index_ptr, history_lens_ptr, q_start_loc_ptr,
+                  q_lens_ptr, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+                  stride_vt, stride_vh, stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
+                  stride_ot, stride_oh, stride_od, stride_s0, stride_s1, stride_s2, stride_sk,
+                  stride_sv, scale, ACC_FP64, HEAD_RATIO, DK, DV, BK, BV, TREE_LEVELS, ROWS)
+
+
+@triton.jit
+def _walk_row(b, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
+              state_slots_ptr, state_index_ptr, history_lens_ptr, q_start_loc_ptr, q_lens_ptr,
+              stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
+              stride_vt, stride_vh, stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
+              stride_ot, stride_oh, stride_od,
+              stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
+              scale, ACC_FP64: tl.constexpr,
+              HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+              BK: tl.constexpr, BV: tl.constexpr, TREE_LEVELS: tl.constexpr, ROWS: tl.constexpr):
+    """`_recurrent_prefill_kernel`'s walk of row b (value head and columns by program id)."""
+    h, pid_v = tl.program_id(1), tl.program_id(2)
     acc = tl.float64 if ACC_FP64 else tl.float32
     kh = h // HEAD_RATIO
     offs_k = tl.arange(0, BK)
@@ -162,8 +199,6 @@ def _recurrent_prefill_kernel(
     num_tokens = tl.load(q_lens_ptr + b)
     if ROWS == 1:
         num_tokens = tl.where(num_tokens == 1, num_tokens, 0)
-    elif ROWS == 2:
-        num_tokens = tl.where(num_tokens > 1, num_tokens, 0)
     start = tl.load(q_start_loc_ptr + b).to(tl.int64)
     slot = tl.load(state_slots_ptr + b).to(tl.int64)
     index = tl.load(state_index_ptr + b).to(tl.int64)
@@ -213,29 +248,44 @@ def decode_tiling(dv: int, programs: int | None) -> tuple[int, int]:
 
 def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
             beta: torch.Tensor, state_cache: torch.Tensor, inputs: ModelInputs, *seq_ptrs,
-            out: torch.Tensor | None = None, walk: bool = False, **constexprs) -> torch.Tensor:
+            out: torch.Tensor | None = None, walks: torch.Tensor | None = None,
+            **constexprs) -> torch.Tensor:
     """Grid (B, nv, dv / BV) as `decode_tiling`; `seq_ptrs` after history_lens -> o [T, nv, dv]
-    (`out`, where given, keeps the rows of sequences without tokens). `walk` (the prefill
-    kernel), where the sums are fixed trees: two launches, rows of more than one token in
-    one-warp tiles (a walk keeps its state in registers: its cost is each token's latency, no
-    cross-warp sums) and one-token rows in `decode_tiling`'s (their cost is reading the state);
-    the same bits as one launch, whatever the tiles."""
+    (`out`, where given, keeps the rows of sequences without tokens). `walks` (the prefill
+    kernel's `_walks` of the lengths last in `seq_ptrs`), where the sums are fixed trees: two
+    launches, the rows of more than one token in one-warp tiles (a walk keeps its state in
+    registers: its cost is each token's latency, no cross-warp sums), by as many programs as
+    can be resident (WALKERS_PER_SM a multiprocessor), and the one-token rows in
+    `decode_tiling`'s (their cost is reading the state); the same bits as one launch."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     dk, (nv, dv) = q.shape[-1], v.shape[1:]
     batch, block_k = inputs.q_lens.numel(), triton.next_power_of_2(dk)
     tree = state_cache.dtype != torch.bfloat16
     strides = [stride for x in (q, k, v, g, beta, out, state_cache) for stride in x.stride()]
-    tilings = ([(decode_tiling(dv, 0), 2), (decode_tiling(dv, batch * nv), 1)] if walk and tree
-               else [(decode_tiling(dv, batch * nv if tree else None), None)])
-    for (block_v, num_warps), rows in tilings:
-        kernel[(batch, nv, triton.cdiv(dv, block_v))](
+    launches = [(batch, decode_tiling(dv, batch * nv if tree else None), {})]
+    if walks is not None:
+        seq_ptrs = (*seq_ptrs, walks)
+        launches = [(batch, launches[0][1], {'ROWS': 0})]
+        if tree:
+            (block_v, _), sms = decode_tiling(dv, 0), num_sms(q.device)
+            walkers = min(batch, triton.cdiv(WALKERS_PER_SM * sms, nv * triton.cdiv(dv, block_v)))
+            launches = [(walkers, decode_tiling(dv, 0), {'ROWS': 2}),
+                        (batch, decode_tiling(dv, batch * nv), {'ROWS': 1})]
+    for rows, (block_v, num_warps), extra in launches:
+        kernel[(rows, nv, triton.cdiv(dv, block_v))](
             q, k, v, g, beta, out, state_cache, inputs.state_slots, inputs.state_index,
             inputs.history_lens, *seq_ptrs, *strides, scale=dk ** -0.5,
             ACC_FP64=state_cache.dtype == torch.float64, HEAD_RATIO=nv // q.shape[1], DK=dk,
             DV=dv, BK=block_k, BV=block_v, TREE_LEVELS=block_k.bit_length() - 1 if tree else 0,
-            num_warps=num_warps, enable_fp_fusion=not tree,
-            **({} if rows is None else {'ROWS': rows}), **constexprs)
+            num_warps=num_warps, enable_fp_fusion=not tree, **extra, **constexprs)
     return out
+
+
+def _walks(lens: torch.Tensor) -> torch.Tensor:
+    """[1 + B] long on the device: how many rows have more than one token, then their indices
+    (the other rows' after them). Sync-free."""
+    multi = lens > 1
+    return torch.cat([multi.sum(0, keepdim=True), torch.argsort(~multi, stable=True)])
 
 
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -260,7 +310,7 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
     return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs,
                    inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc), inputs.q_lens,
-                   walk=True)
+                   walks=inputs.derived('gdn_walks', lambda: _walks(inputs.q_lens)))
 
 
 @functools.cache
@@ -390,7 +440,7 @@ def long_row_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     out = _rows(o[0].to(v.dtype), num_tokens).contiguous()
     start_loc = inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc)
     return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs, start_loc,
-                   short, out=out, walk=True)
+                   short, out=out, walks=inputs.derived('gdn_short_walks', lambda: _walks(short)))
 
 
 @triton.jit

@@ -303,7 +303,7 @@ def _launch_options(q: torch.Tensor, block_m: int, block_d: int) -> dict:
 
 
 @functools.cache
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     """SMs of a CUDA device; 4 under Triton's interpreter (CPU), to keep it to a few programs."""
     if device.type != 'cuda':
         return 4
@@ -381,7 +381,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     even = num_splits
     if num_splits is None:
         max_kv_tiles = triton.cdiv(inputs.block_tables.shape[1] * block_size, block_n)
-        even = decode_num_splits(batch * n_kv * m_tiles, max_kv_tiles, _num_sms(q.device))
+        even = decode_num_splits(batch * n_kv * m_tiles, max_kv_tiles, num_sms(q.device))
         num_splits = min(MAX_SPLITS, max_kv_tiles, SPREAD * even)
     span = inputs.derived(('decode_split_span', block_n, even), lambda: split_span(
         inputs.history_lens, q_len, even * batch, block_n))
@@ -476,7 +476,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         tiles = inputs.derived(('attention_tiles', block_m),
                                lambda: _device_tiles(inputs, block_m, q.shape[0]))
         programs = min(tiles.shape[1] - 1, triton.cdiv(q.shape[0], block_m) + triton.cdiv(
-            4 * _num_sms(q.device), num_heads * num_splits))
+            4 * num_sms(q.device), num_heads * num_splits))
     else:
         tiles = inputs.derived(('attention_tiles', block_m),
                                lambda: _host_tiles(inputs, block_m).to(q.device))

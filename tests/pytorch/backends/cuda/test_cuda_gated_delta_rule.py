@@ -214,10 +214,15 @@ def test_recurrent_prefill_bits_do_not_depend_on_tiling(kernel_device, monkeypat
         assert torch.equal(out, results[0][0]) and torch.equal(cache, results[0][1])
 
 
-def test_recurrent_prefill_split_by_row_kind_gives_one_launchs_bits(kernel_device):
+@pytest.mark.parametrize('walkers_per_sm', [1, None], ids=['one-walker-loops', 'default'])
+def test_recurrent_prefill_split_by_row_kind_gives_one_launchs_bits(kernel_device, monkeypatch,
+                                                                    walkers_per_sm):
     """`recurrent_prefill` walks rows of several tokens and one-token rows in two launches of
-    different tiles (`_launch(walk=True)`); outputs and the whole cache equal one launch over
-    every row, for a step of walks, one-token rows and a padding row (fp32 state)."""
+    different tiles (`_launch(walks=...)`), the walks by programs that each take several rows
+    in turn where there are fewer programs than rows; outputs and the whole cache equal one
+    launch over every row, for a step of walks, one-token rows and a padding row (fp32)."""
+    if walkers_per_sm:
+        monkeypatch.setattr(cuda_gdr, 'WALKERS_PER_SM', walkers_per_sm)
     cpu = kernel_device == 'cpu'
     nk, nv, dk, dv, num_spec = (2, 4, 32, 32, 3) if cpu else (16, 32, 128, 128, 3)
     q_lens, history, slots, index = [7, 1, 3, 0, 1, 12], [5, 8, 0, 0, 40, 2], [4, 1, 6, 0, 5, 2], \
@@ -228,7 +233,7 @@ def test_recurrent_prefill_split_by_row_kind_gives_one_launchs_bits(kernel_devic
                     for _ in range(2))
     out_split = cuda_gdr.recurrent_prefill(*args, split, inputs)
     out_whole = cuda_gdr._launch(cuda_gdr._recurrent_prefill_kernel, *args, whole, inputs,
-                                 inputs.q_start_loc, inputs.q_lens)
+                                 inputs.q_start_loc, inputs.q_lens, inputs.q_lens, ROWS=0)
     assert torch.equal(out_split, out_whole) and torch.equal(split, whole)
 
 
