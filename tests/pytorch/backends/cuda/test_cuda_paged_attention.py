@@ -141,14 +141,18 @@ def test_prefill_and_chunked_continuation_match_default(kernel_device, nq, n_kv,
             history_lens = [h + n for h, n in zip(history_lens, q_lens)]
 
 
-def test_device_tile_map_gives_the_host_maps_bits(kernel_device):
+@pytest.mark.parametrize('q_lens,history_lens,tiles_in_use', [
+    ([2] * 12 + [33, 1, 0, 1], [3, 0] * 6 + [9, 20, 0, 0], 12 + 2),
+    ([1, 1, 0, 1], [20, 0, 0, 7], 0)], ids=['walks-and-one-token-rows', 'one-token-rows-only'])
+def test_device_tile_map_gives_the_host_maps_bits(kernel_device, q_lens, history_lens,
+                                                  tiles_in_use):
     """A captured step's query tiles (the map built on the device, programs bounded by the
     shapes, each looping over several of the tiles in use) and an eager step's (host map, one
     program a tile) give the same bits; rows of one new token take the decode kernel in both
-    (one of them fresh, one a padding row of none), and match the default."""
+    (one of them fresh, one a padding row of none; a step of such rows only launches no
+    query tile when eager), and match the default."""
     ops = cuda_ops()
     gen = torch.Generator().manual_seed(5)
-    q_lens, history_lens = [2] * 12 + [33, 1, 0, 1], [3, 0] * 6 + [9, 20, 0, 0]
     batch, total, nq, n_kv, head_dim = len(q_lens), sum(q_lens), 4, 2, 16
     k_cache, v_cache = random_caches(batch, 64, 8, n_kv, head_dim, torch.float32,
                                      kernel_device, gen)
@@ -161,7 +165,7 @@ def test_device_tile_map_gives_the_host_maps_bits(kernel_device):
                for n in (nq, n_kv, n_kv))
     ops.store_kv(k, v, k_cache, v_cache, inputs)
     tiles = ops._device_tiles(captured, 32, total)
-    assert tiles[0, -1].item() == 12 + 2                 # in use, of room for 3 + 16
+    assert tiles[0, -1].item() == tiles_in_use           # of room for T / 32 + B
     eager = ops.prefill_attention(q, k_cache, v_cache, inputs, head_dim ** -0.5, num_splits=2)
     graph = ops.prefill_attention(q, k_cache, v_cache, captured, head_dim ** -0.5, num_splits=2)
     assert torch.equal(eager, graph)
