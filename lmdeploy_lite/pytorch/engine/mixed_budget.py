@@ -5,11 +5,13 @@ arriving prompt is spread over steps instead of stalling every stream.
 
 Measured per batch-size bucket b (powers of two): t(b), a decode step's wall time, recorded only
 when the step before was a decode step of the same bucket (with async scheduling a decode step's
-wall time is its predecessor's device time); m(b, c), a chunk step's time from its scheduling to
-its sampled tokens, per chunk rung c (the chunk's tokens rounded up to 16, 32, .. , 8192). The
-budget is the decode rows plus the largest rung whose m(b, c) <= cost x t(b), trying the next
-rung up once while it is unmeasured (the cost is not linear: a chunk that still fits a CUDA graph
-is far cheaper than one that does not), at least the smallest rung, at most the configured
+wall time is its predecessor's device time); m(b, r), a chunk step's time from its scheduling to
+its sampled tokens, per rung r: the step's tokens, decode rows included, rounded up to the token
+counts that prefill CUDA graphs capture (16, 32, .. 512, 768, 1024, 1536, .. 8192: a captured
+step costs its whole bucket, so a budget between two rungs would pay for padding). The budget is
+the largest rung over the decode rows whose m(b, r) <= cost x t(b), trying the next rung up once
+while it is unmeasured (the cost is not linear: a chunk that still fits a CUDA graph is far
+cheaper than one that does not), at least the smallest, at most the configured
 `max_mixed_token_num`. Until a decode step at b is measured (prompts that keep arriving leave
 none), the smallest rung's chunk step stands in for t(b). Where even that step costs more than
 `cost` x t(b) (on a CPU a prefill-mode step has a fixed cost of ~2.5 decode steps whatever its
@@ -21,7 +23,9 @@ clocks say, and DP ranks of different batches under EP get the same chunk, not o
 """
 from __future__ import annotations
 
-RUNGS = tuple(16 << i for i in range(10))        # 16 .. 8192 chunk tokens
+from lmdeploy_lite.pytorch.backends.cuda.graph_runner import prefill_buckets
+
+RUNGS = tuple(prefill_buckets(8192))   # a step's tokens, its decode rows included: 16 .. 8192
 FLAT = 1.25           # a chunk step within this of the smallest chunk's costs the streams nothing
 
 
@@ -51,7 +55,8 @@ class MixedBudget:
         """A step that carried `chunk_tokens` prompt tokens while `decoding` sequences decode."""
         self._last_decode = None
         if decoding and chunk_tokens:
-            rung = next((r for r in RUNGS if r >= chunk_tokens), RUNGS[-1])
+            total = decoding + chunk_tokens
+            rung = next((r for r in RUNGS if r >= total), RUNGS[-1])
             self._average(self.chunk, (batch_bucket(decoding), rung), seconds)
 
     def propose(self, decoding: int) -> int:
@@ -59,21 +64,22 @@ class MixedBudget:
         if not decoding:
             return self.ceiling
         bucket = batch_bucket(decoding)
+        rungs = [r for r in RUNGS if r > decoding] or [decoding + RUNGS[0]]
         # while prompts keep arriving no pure decode step runs: the smallest chunk's step
         # stands in for one until it does (and is measured first)
-        smallest = self.chunk.get((bucket, RUNGS[0]))
+        smallest = self.chunk.get((bucket, rungs[0]))
         decode = self.decode.get(bucket, smallest)
         if decode is None:
-            return min(decoding + RUNGS[0], self.ceiling)
+            return min(rungs[0], self.ceiling)
         # where even the smallest chunk's step costs more (a fixed cost of a prefill-mode step),
         # shrinking buys nothing: chunks grow while their steps stay near that one's
         limit = max(self.cost * decode, FLAT * (smallest or 0.0))
-        chunk = RUNGS[0]
-        for rung in RUNGS:
+        total = rungs[0]
+        for rung in rungs:
             seconds = self.chunk.get((bucket, rung))
             if seconds is not None and seconds > limit:
                 break
-            chunk = rung
+            total = rung
             if seconds is None:              # the first rung not measured yet: try it
                 break
-        return min(decoding + chunk, self.ceiling)
+        return min(total, self.ceiling)

@@ -28,44 +28,57 @@ def _settle(policy: MixedBudget, decoding: int, decode_s: float, chunk_s, steps:
 
 def test_budget_before_any_decode_step_is_measured():
     """Nothing decodes: the ceiling (a plain prefill step). Decoding but no like pair of decode
-    steps yet: the smallest rung first, then its step stands in for a decode step's time (as
-    when prompts keep arriving)."""
+    steps yet: the smallest rung over the decode rows first (64 tokens for 32 rows), then its
+    step stands in for a decode step's time (as when prompts keep arriving)."""
     policy = MixedBudget(2.0, ceiling=4096)
     assert policy.propose(0) == 4096
     policy.observe_decode(32, 0.003)              # one decode step: not yet a like pair
-    assert policy.propose(32) == 32 + 16
-    policy.observe_chunk(32, 16, 0.004)
-    assert policy.propose(32) == 32 + 32           # 32 unmeasured: tried
-    policy.observe_chunk(32, 32, 0.0085)           # > 2 x the 16-token step
-    assert policy.propose(32) == 32 + 16
+    assert policy.propose(32) == 64
+    policy.observe_chunk(32, 32, 0.004)
+    assert policy.propose(32) == 128               # 128 unmeasured: tried
+    policy.observe_chunk(32, 96, 0.0085)           # > 2 x the 64-token step
+    assert policy.propose(32) == 64
     policy.observe_decode(32, 0.003)
     policy.observe_decode(32, 0.003)               # now measured: 2 x 3 ms < 1.25 x 4 ms
-    assert policy.propose(32) == 32 + 16
+    assert policy.propose(32) == 64
 
 
 def test_budget_settles_on_the_largest_rung_within_the_cost():
-    """A chunk step costs the decode step plus 10 us a token: within 2x up to 300 tokens, so the
-    chunk settles at 256 (rungs 16, 32, .. tried once each on the way up, 512 measured over)."""
+    """A chunk step costs the decode step plus 10 us a prompt token: within 2x up to 300 of
+    them, so the step settles at 256 tokens (rungs of the step's tokens, decode rows included,
+    tried once each on the way up, 512 measured over)."""
     budgets = _settle(MixedBudget(2.0, ceiling=4096), 32, 0.003, lambda n: 0.003 + 1e-5 * n)
-    assert budgets[:6] == [32 + 16, 32 + 32, 32 + 64, 32 + 128, 32 + 256, 32 + 512]
-    assert budgets[-10:] == [32 + 256] * 10
+    assert budgets[:4] == [64, 128, 256, 512]
+    assert budgets[-10:] == [256] * 10
+
+
+def test_budget_rungs_are_the_captured_token_counts():
+    """A step's tokens are rounded up to a prefill graph's bucket: 40 decode rows take chunks
+    that fill 64, 128, .. 512, then 768 tokens, not 40 + a power of two (which pads to the next
+    bucket); a measured chunk counts toward the bucket its whole step filled."""
+    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import prefill_buckets
+    policy = MixedBudget(4.0, ceiling=8192)
+    budgets = _settle(policy, 40, 0.003, lambda n: 0.003 + 1e-6 * n, steps=8)
+    assert budgets == [64, 128, 256, 512, 768, 1024, 1536, 2048]
+    assert set(budgets) <= set(prefill_buckets(8192))
+    assert {rung for _, rung in policy.chunk} == set(budgets)
 
 
 def test_budget_stays_below_a_cliff_and_within_the_ceiling():
-    """Chunks that fit a captured step (<= 480 tokens here) cost 2 ms over the decode step,
+    """Steps that fit a captured bucket (<= 512 tokens here) cost 2 ms over the decode step,
     longer ones 40 ms: the budget stays under the cliff; a lower ceiling caps it."""
     def graph_cliff(n):
-        return 0.005 if n <= 480 else 0.043
-    assert _settle(MixedBudget(2.0, ceiling=4096), 32, 0.003, graph_cliff)[-5:] == [32 + 256] * 5
+        return 0.005 if 32 + n <= 512 else 0.043
+    assert _settle(MixedBudget(2.0, ceiling=4096), 32, 0.003, graph_cliff)[-5:] == [512] * 5
     assert _settle(MixedBudget(3.0, ceiling=100), 32, 0.003, graph_cliff)[-5:] == [100] * 5
     # a flat cost (a CPU's prefill-mode step: 2.5 decode steps whatever the chunk): chunks
     # grow while their steps stay within 1.25x the smallest chunk's, instead of pinning there
-    flat = _settle(MixedBudget(2.0, ceiling=4096), 8, 0.012, lambda n: 0.030 + 1e-5 * n)
-    assert flat[-5:] == [8 + 512] * 5
+    flat = _settle(MixedBudget(2.0, ceiling=4096), 8, 0.012, lambda n: 0.030 + 2e-5 * n)
+    assert flat[-5:] == [256] * 5
     # buckets apart: a batch of 8 starts from the smallest rung, measuring its own times
     policy = MixedBudget(2.0, ceiling=4096)
     _settle(policy, 32, 0.003, graph_cliff)
-    assert policy.propose(8) == 8 + 16
+    assert policy.propose(8) == 16
 
 
 @pytest.mark.parametrize('k', [0, 3])
