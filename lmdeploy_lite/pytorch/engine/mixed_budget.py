@@ -51,12 +51,13 @@ class MixedBudget:
             self._average(self.decode, bucket, seconds)
         self._last_decode = bucket
 
-    def observe_chunk(self, decoding: int, chunk_tokens: int, seconds: float):
-        """A step that carried `chunk_tokens` prompt tokens while `decoding` sequences decode."""
+    def observe_chunk(self, decoding: int, step_tokens: int, seconds: float):
+        """A step of `step_tokens` tokens that carried prompt chunks while `decoding` sequences
+        decode (beside them: their rows are among its tokens; under speculation, in a chunk
+        step of its own)."""
         self._last_decode = None
-        if decoding and chunk_tokens:
-            total = decoding + chunk_tokens
-            rung = next((r for r in RUNGS if r >= total), RUNGS[-1])
+        if decoding and step_tokens:
+            rung = next((r for r in RUNGS if r >= step_tokens), RUNGS[-1])
             self._average(self.chunk, (batch_bucket(decoding), rung), seconds)
 
     def propose(self, decoding: int) -> int:

@@ -132,7 +132,8 @@ class Scheduler:
         if batch.is_decoding:
             self.mixed_budget.observe_decode(len(batch.seqs), seconds)
         else:
-            self.mixed_budget.observe_chunk(batch.decoding, batch.chunk_tokens, chunk_seconds)
+            self.mixed_budget.observe_chunk(batch.decoding, sum(batch.q_lens) if
+                                            batch.chunk_tokens else 0, chunk_seconds)
 
     def _schedule(self) -> ScheduledBatch | None:
         num_decoding = self.num_decoding

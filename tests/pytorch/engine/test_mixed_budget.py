@@ -22,7 +22,7 @@ def _settle(policy: MixedBudget, decoding: int, decode_s: float, chunk_s, steps:
         policy.observe_decode(decoding, decode_s)
         budget = policy.propose(decoding)
         budgets.append(budget)
-        policy.observe_chunk(decoding, budget - decoding, chunk_s(budget - decoding))
+        policy.observe_chunk(decoding, budget, chunk_s(budget - decoding))
     return budgets
 
 
@@ -34,9 +34,9 @@ def test_budget_before_any_decode_step_is_measured():
     assert policy.propose(0) == 4096
     policy.observe_decode(32, 0.003)              # one decode step: not yet a like pair
     assert policy.propose(32) == 64
-    policy.observe_chunk(32, 32, 0.004)
+    policy.observe_chunk(32, 64, 0.004)           # a 64-token step: 32 rows + 32 prompt tokens
     assert policy.propose(32) == 128               # 128 unmeasured: tried
-    policy.observe_chunk(32, 96, 0.0085)           # > 2 x the 64-token step
+    policy.observe_chunk(32, 128, 0.0085)          # > 2 x the 64-token step
     assert policy.propose(32) == 64
     policy.observe_decode(32, 0.003)
     policy.observe_decode(32, 0.003)               # now measured: 2 x 3 ms < 1.25 x 4 ms
