@@ -9,12 +9,15 @@ multiply in IEEE fp32, not tf32). Kernels:
     num_splits)` rounded up to the KV tile, computed in the kernel from the device `history_lens`;
     `num_splits` depends only on shapes and the SM count, so the launch reads nothing on the host
     and can be captured in a CUDA graph. `_combine_kernel` merges the splits by log-sum-exp.
-  * prefill (every other step): varlen flash attention, one program per (query tile of a
-    sequence, q head, split); the tile -> sequence map is built on the host, or on the device in
-    a captured prefill (`inputs.sync_free`). A step of few query tiles (a chunk of a long prompt
-    beside decode rows) splits each tile's history over `prefill_num_splits` programs, so a
-    chunk's attention over 8k cached tokens is not 64 programs on 132 SMs; the splits are
-    merged as decode's are. Scores never exceed one `[BLOCK_M, BLOCK_N]` tile.
+  * prefill (every other step): varlen flash attention over query tiles of the sequences of
+    several new tokens, one program per (query tile, q head, split); the tile -> sequence map
+    is built on the host, or on the device in a captured prefill (`inputs.sync_free`), whose
+    programs are bounded by the step's shapes and each loop over the tiles in use. A step of
+    few query tiles (a chunk of a long prompt beside decode rows) splits each tile's history
+    over `prefill_num_splits` programs, so a chunk's attention over 8k cached tokens is not 64
+    programs on 132 SMs; the splits are merged as decode's are. Its rows of one new token (a
+    mixed step's decode rows) take the decode kernel (`VARLEN`) into the same splits. Scores
+    never exceed one `[BLOCK_M, BLOCK_N]` tile.
 """
 from __future__ import annotations
 
