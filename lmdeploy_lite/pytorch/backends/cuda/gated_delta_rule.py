@@ -262,10 +262,10 @@ def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     batch, block_k = inputs.q_lens.numel(), triton.next_power_of_2(dk)
     tree = state_cache.dtype != torch.bfloat16
     strides = [stride for x in (q, k, v, g, beta, out, state_cache) for stride in x.stride()]
-    launches = [(batch, decode_tiling(dv, batch * nv if tree else None), {})]
+    launches = [(batch, decode_tiling(dv, batch * nv if tree else None),
+                 {} if walks is None else {'ROWS': 0})]
     if walks is not None:
         seq_ptrs = (*seq_ptrs, walks)
-        launches = [(batch, launches[0][1], {'ROWS': 0})]
         if tree:
             (block_v, _), sms = decode_tiling(dv, 0), num_sms(q.device)
             walkers = min(batch, triton.cdiv(WALKERS_PER_SM * sms, nv * triton.cdiv(dv, block_v)))

@@ -281,6 +281,14 @@ def _tile_sizes(q: torch.Tensor) -> tuple[int, int]:
     return 64, 32 if q.shape[-1] > 128 else 64
 
 
+def _decode_tiles(q: torch.Tensor, rows: int) -> tuple[int, int, int]:
+    """(row tile, KV tile, row tiles) of the decode kernel for `rows` query rows per KV head
+    (new tokens x GQA group), the row tile at least 16 for tl.dot."""
+    max_block_m, block_n = _tile_sizes(q)
+    block_m = min(max_block_m, max(16, triton.next_power_of_2(rows)))
+    return block_m, block_n, triton.cdiv(rows, block_m)
+
+
 # A prefill step of more tokens than this (eager: T; captured: its bucket, so both pick the same
 # tiles for a step) with 16-bit heads wider than 128 takes (LONG_TILES) query and KV tiles:
 # 2.4-2.7x the shipped (64, 32) at an 8k prompt, 1.75x at 2k, on an H100 at the 0.8B and 9B
@@ -378,9 +386,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _, block_size, n_kv, _ = k_cache.shape
     q_len, group = inputs.uniform_q_len, num_heads // n_kv
     batch = num_tokens // q_len
-    max_block_m, block_n = _tile_sizes(q)
-    block_m = min(max_block_m, max(16, triton.next_power_of_2(q_len * group)))
-    m_tiles = triton.cdiv(q_len * group, block_m)
+    block_m, block_n, m_tiles = _decode_tiles(q, q_len * group)
     even = num_splits
     if num_splits is None:
         max_kv_tiles = triton.cdiv(inputs.block_tables.shape[1] * block_size, block_n)
@@ -508,9 +514,7 @@ def _one_token_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     program per (sequence, KV head, split) over the GROUP query heads of the row's token."""
     num_heads, head_dim = q.shape[1:]
     n_kv = k_cache.shape[2]
-    max_block_m, block_n = _tile_sizes(q)
-    block_m = min(max_block_m, max(16, triton.next_power_of_2(num_heads // n_kv)))
-    m_tiles = triton.cdiv(num_heads // n_kv, block_m)
+    block_m, block_n, m_tiles = _decode_tiles(q, num_heads // n_kv)
     lens = inputs.history_lens
     _decode_kernel[(lens.numel(), n_kv * m_tiles, num_splits)](
         q, k_cache, v_cache, inputs.block_tables, lens, lens, inputs.q_start_loc, inputs.q_lens,
