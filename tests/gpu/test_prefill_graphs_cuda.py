@@ -42,8 +42,8 @@ def _run(eager: bool, k: int, mixed: bool, cost: float = 0.0, long_chunks: bool 
     buckets = []
     if not eager:
         replay = agent.prefill_graph._replay
-        agent.prefill_graph._replay = lambda bucket, rows: (buckets.append(bucket),
-                                                            replay(bucket, rows))[1]
+        agent.prefill_graph._replay = lambda key, rows: (buckets.append(key[0]),   # (bucket,
+                                                         replay(key, rows))[1]     # long row)
     while engine.has_work or len(seqs) < len(prompts):
         for i, at in enumerate(ARRIVE[:len(prompts)]):
             if at == step:

@@ -150,9 +150,9 @@ def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
         pad(runner, bucket, tokens, batch)
         replayed.append([runner.q_lens[:batch].tolist()])
 
-    def replaying(runner, bucket, rows):             # with its long row (bucket > 4)
-        replayed[-1].append(int(runner.long_row) if runner.has_long_row(bucket) else None)
-        return replay(runner, bucket, rows)
+    def replaying(runner, key, rows):                # with its long row, if it has one
+        replayed[-1].append(int(runner.long_row) if key[1] else None)
+        return replay(runner, key, rows)
     monkeypatch.setattr(PrefillGraphRunner, '_pad', padding)
     monkeypatch.setattr(PrefillGraphRunner, '_replay', replaying)
     # a cap that some chunks pass (k = 3: chunk steps carry no decode rows, so longer chunks)
@@ -168,8 +168,8 @@ def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
     if long_rows:       # every step replayed (one chunk at most passes the cap), some as long rows
         assert prefill_steps == runner.num_replays, (prefill_steps, runner.num_replays)
         assert any(max(q) > cap for q, _ in replayed), replayed
-        for q, row in replayed:       # the longest chunk where one passes 4, else a spare
-            assert row == (q.index(max(q)) if max(q) > 4 else len(q)), replayed
+        for q, row in replayed:       # the longest chunk where one passes 4, else none
+            assert row == (q.index(max(q)) if max(q) > 4 else None), replayed
     else:
         assert prefill_steps > runner.num_replays, (prefill_steps, runner.num_replays)
     everything_at_once = reference(k, _prompts(), **CFG)

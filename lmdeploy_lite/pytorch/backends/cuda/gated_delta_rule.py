@@ -305,12 +305,20 @@ def recurrent_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       beta: torch.Tensor, state_cache: torch.Tensor,
                       inputs: ModelInputs) -> torch.Tensor:
     """`gated_delta_rule_prefill` by `_recurrent_prefill_kernel`: token by token, so for short
-    chunks only (`SHORT_PREFILL_TOKENS`); any lengths (0 included), read on the device."""
+    chunks only (`SHORT_PREFILL_TOKENS`); any lengths (0 included), read on the device. In a
+    captured step the padding sequences (state slot 0, reserved: a bucket's spare ones) are not
+    walked, whose tokens a bucket with few spare sequences piles on them; their outputs, which
+    nobody reads, are zeros."""
     if v.shape[0] == 0:
         return torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    lens, out = inputs.q_lens, None
+    if inputs.sync_free:
+        lens = inputs.derived('gdn_real_lens', lambda: lens.masked_fill(inputs.state_slots == 0,
+                                                                        0))
+        out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     return _launch(_recurrent_prefill_kernel, q, k, v, g, beta, state_cache, inputs,
-                   inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc), inputs.q_lens,
-                   walks=inputs.derived('gdn_walks', lambda: _walks(inputs.q_lens)))
+                   inputs.derived('gdn_q_start_loc', lambda: inputs.q_start_loc), lens, out=out,
+                   walks=inputs.derived('gdn_walks', lambda: _walks(lens)))
 
 
 @functools.cache

@@ -65,8 +65,10 @@ def long_row(q_lens: list[int], longer_than: int, others_at_most: int) -> int | 
 
 
 class _Captured:
-    """One forward `fn(inputs, *extras)` captured per bucket into one memory pool: the capture,
-    its collective trace and the replay, for both runners below."""
+    """One forward `fn(inputs, *extras)` captured per key into one memory pool: the capture, its
+    collective trace and the replay, for both runners below. A key is a bucket, or what
+    `_keys` makes of the buckets (a variant of the forward per bucket), ordered so that the
+    largest graph is captured first (smaller ones reuse the pool's memory)."""
 
     def __init__(self, fn, name: str, buckets: list[int], device: torch.device, pool, recorder):
         self.fn, self.name = fn, name
@@ -74,31 +76,34 @@ class _Captured:
         # and `.config.tp`, the multiple the captured token counts are rounded up to
         self.recorder = recorder
         self.tp = recorder.config.tp if recorder is not None else 1
-        self.traces: dict[int, list] = {}  # bucket -> the entries its capture recorded
+        self.traces: dict = {}             # key -> the entries its capture recorded
         self.buckets, self.device = sorted(buckets), device
         self.use_graphs, self.pool = device.type == 'cuda', pool
         self.num_replays = 0
         self.reserved_bytes = 0            # what capturing them added to the reserved memory
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict = {}             # key -> its torch.cuda.CUDAGraph
+        self.outputs: dict = {}
 
-    def _run_static(self, bucket: int) -> torch.Tensor:
-        """`fn` on the static buffers of `bucket`. The inputs are built anew for each run, so a
+    def _keys(self) -> list:
+        return self.buckets
+
+    def _run_static(self, key) -> torch.Tensor:
+        """`fn` on the static buffers of `key`. The inputs are built anew for each run, so a
         capture records what ops derive from them (op_cache) and replays derive it again."""
         raise NotImplementedError
 
     @torch.inference_mode()
     def capture(self):
-        """Capture every bucket, largest first (smaller graphs reuse the pool's memory)."""
+        """Capture every key, largest first (smaller graphs reuse the pool's memory)."""
         if not self.use_graphs:
             return
         reserved = torch.cuda.memory_reserved(self.device)
         stream = torch.cuda.Stream(self.device)   # one for every warm-up: one set of cached blocks
-        for bucket in reversed(self.buckets):
-            self._before_capture(bucket)
+        for key in reversed(self._keys()):
+            self._before_capture(key)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):          # warm-up: Triton compiles, lazy inits
-                self._run_static(bucket)
+                self._run_static(key)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             start = len(self.recorder.trace) if self.recorder is not None else 0
@@ -109,15 +114,15 @@ class _Captured:
             gc.disable()
             try:
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode='thread_local'):
-                    self.outputs[bucket] = self._run_static(bucket)
+                    self.outputs[key] = self._run_static(key)
             finally:
                 if collecting:
                     gc.enable()
             if self.recorder is not None:
-                self.traces[bucket] = list(self.recorder.trace[start:])
+                self.traces[key] = list(self.recorder.trace[start:])
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bucket] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()                 # the warm-ups' blocks; the graphs keep their pool
         self.reserved_bytes = max(0, torch.cuda.memory_reserved(self.device) - reserved)
@@ -127,7 +132,7 @@ class _Captured:
     def describe(self) -> str:
         return f'buckets {self.buckets}'
 
-    def _before_capture(self, bucket: int):
+    def _before_capture(self, key):
         pass
 
     def bucket_for(self, inputs: ModelInputs) -> int | None:
@@ -146,15 +151,15 @@ class _Captured:
         self.state_slots[:batch].copy_(inputs.state_slots)
         self.state_index[:batch].copy_(inputs.state_index)
 
-    def _replay(self, bucket: int, rows: int) -> torch.Tensor:
-        """The first `rows` rows of the bucket's output, once the static buffers are filled."""
+    def _replay(self, key, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the key's output, once the static buffers are filled."""
         self.num_replays += 1
         if not self.use_graphs:
-            return self._run_static(bucket)[:rows]
-        self.graphs[bucket].replay()
+            return self._run_static(key)[:rows]
+        self.graphs[key].replay()
         if self.recorder is not None:
-            self.recorder.trace.extend(self.traces[bucket])
-        return self.outputs[bucket][:rows]
+            self.recorder.trace.extend(self.traces[key])
+        return self.outputs[key][:rows]
 
 
 class GraphRunner(_Captured):
@@ -225,10 +230,12 @@ class PrefillGraphRunner(_Captured):
     Inside, ops read no length on the host (`ModelInputs.sync_free`: the attention builds its
     tile map on the device, the gated delta rule takes the recurrent kernel for chunks of up to
     `max_q_len` tokens). With
-    `long_row_from` (fla is there), a bucket above it has one sequence, `long_row`, that takes
-    fla's chunk kernel over the bucket's width (gated_delta_rule.long_row_prefill): the step's
-    longest chunk where it is over `long_row_from` (then it may be over `max_q_len` too), else
-    the first spare sequence."""
+    `long_row_from` (fla is there), a bucket above it is captured twice (keys (bucket, long)):
+    once with one sequence, `long_row`, that takes fla's chunk kernel over the bucket's width
+    (gated_delta_rule.long_row_prefill), replayed for a step whose longest chunk is over
+    `long_row_from` (then it may be over `max_q_len` too); once without, replayed for the other
+    steps, which fla would only have cost its pass over the bucket (~1 ms in 18 layers at 768
+    tokens, the 0.8B). Eager steps split their rows by the same rule (the same bits)."""
 
     def __init__(self, fn, name: str, buckets: list[int], max_seqs: int, max_q_len: int,
                  max_blocks: int, device: torch.device, pool=None, recorder=None,
@@ -245,8 +252,12 @@ class PrefillGraphRunner(_Captured):
         self.block_tables = torch.zeros(most, max_blocks, **long)
         self.long_row = torch.zeros(1, **long)
 
-    def _before_capture(self, bucket: int):
-        self._pad(bucket, 0, 0)              # capture-time lengths: every token a spare one
+    def _keys(self) -> list[tuple[int, bool]]:
+        return sorted([(b, False) for b in self.buckets]
+                      + [(b, True) for b in self.buckets if self.has_long_row(b)])
+
+    def _before_capture(self, key: tuple[int, bool]):
+        self._pad(key[0], 0, 0)              # capture-time lengths: every token a spare one
         self.long_row.zero_()
 
     def _pad(self, bucket: int, tokens: int, batch: int):
@@ -259,14 +270,15 @@ class PrefillGraphRunner(_Captured):
         self.input_ids[tokens:bucket].zero_()
         self.positions[tokens:bucket].zero_()
 
-    def _run_static(self, bucket: int) -> torch.Tensor:
+    def _run_static(self, key: tuple[int, bool]) -> torch.Tensor:
+        bucket, long = key
         seqs = self.seqs[bucket]
         inputs = ModelInputs(
             input_ids=self.input_ids[:bucket], positions=self.positions[:bucket],
             q_lens=self.q_lens[:seqs], history_lens=self.history_lens[:seqs],
             block_tables=self.block_tables[:seqs], state_slots=self.state_slots[:seqs],
             state_index=self.state_index[:seqs], is_decoding=False, sync_free=True,
-            long_row=self.long_row if self.has_long_row(bucket) else None,
+            long_row=self.long_row if long else None,
             sizes=ForwardSizes(*(-(-n // self.tp) * self.tp for n in (bucket, bucket, seqs,
                                                                        seqs))))
         return self.fn(inputs)
@@ -291,11 +303,13 @@ class PrefillGraphRunner(_Captured):
         self._copy_inputs(inputs, tokens)
         self.q_lens[:batch].copy_(inputs.q_lens)
         self._pad(bucket, tokens, batch)
-        if self.has_long_row(bucket):    # bucket_for let at most one chunk over max_q_len in
-            row = long_row(inputs.host_q_lens, self.long_row_from, self.max_q_len)
-            self.long_row.fill_(batch if row is None else row)
-        return self._replay(bucket, tokens)
+        # bucket_for let at most one chunk over max_q_len in
+        row = (long_row(inputs.host_q_lens, self.long_row_from, self.max_q_len)
+               if self.has_long_row(bucket) else None)
+        if row is not None:
+            self.long_row.fill_(row)
+        return self._replay((bucket, row is not None), tokens)
 
     def has_long_row(self, bucket: int) -> bool:
-        """Whether the bucket's graph gives a sequence to fla as the long row."""
+        """Whether the bucket has a graph that gives a sequence to fla as the long row."""
         return 0 < self.long_row_from < bucket

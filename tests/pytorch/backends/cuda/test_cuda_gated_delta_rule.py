@@ -4,6 +4,8 @@
 installed."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -235,6 +237,27 @@ def test_recurrent_prefill_split_by_row_kind_gives_one_launchs_bits(kernel_devic
     out_whole = cuda_gdr._launch(cuda_gdr._recurrent_prefill_kernel, *args, whole, inputs,
                                  inputs.q_start_loc, inputs.q_lens, inputs.q_lens, ROWS=0)
     assert torch.equal(out_split, out_whole) and torch.equal(split, whole)
+
+
+def test_captured_recurrent_prefill_leaves_padding_rows_unwalked(kernel_device):
+    """In a captured step (`sync_free`) the padding rows (state slot 0: a bucket's spare
+    sequences, which may hold many of its tokens) are not walked: their outputs are zeros and
+    slot 0's state is untouched; the real rows' outputs and states are the eager step's bits."""
+    cpu = kernel_device == 'cpu'
+    nk, nv, dk, dv, num_spec = (2, 4, 32, 32, 3) if cpu else (16, 32, 128, 128, 3)
+    q_lens, history, slots, index = [7, 9, 3, 12], [5, 0, 0, 2], [4, 0, 6, 0], [1, 0, 0, 0]
+    inputs = step(q_lens, history, slots, index, False, kernel_device)
+    args = gdn_args(sum(q_lens), nk, nv, dk, dv, torch.float32, kernel_device, seed=11)
+    cache = random_cache(num_spec, nv, dk, dv, torch.float32, kernel_device, seed=12)
+    eager_cache, captured_cache = cache.clone(), cache.clone()
+    eager = cuda_gdr.recurrent_prefill(*args, eager_cache, inputs)
+    captured = cuda_gdr.recurrent_prefill(*args, captured_cache,
+                                          dataclasses.replace(inputs, sync_free=True))
+    real = torch.repeat_interleave(torch.tensor(slots) != 0, torch.tensor(q_lens))
+    assert torch.equal(captured[real], eager[real])
+    assert not captured[~real].any()
+    assert torch.equal(captured_cache[[4, 6]], eager_cache[[4, 6]])
+    assert torch.equal(captured_cache[0], cache[0])
 
 
 def reference_chunk(q, k, v, g, beta, scale, initial_state, output_final_state,
