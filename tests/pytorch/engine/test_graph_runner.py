@@ -125,8 +125,38 @@ def test_prefill_spare_sequences_fit_a_block_table():
     from lmdeploy_lite.pytorch.backends.cuda.graph_runner import PrefillGraphRunner
     runner = PrefillGraphRunner(None, 'prefill', [64, 2048], max_seqs=4, max_q_len=128,
                                 max_blocks=16, device=torch.device('cpu'), max_seq_tokens=256)
-    assert runner.seqs == {64: 4 + 1, 2048: 4 + 8}
+    assert runner.seqs == {64: [4 + 1], 2048: [4 + 8]}
     for bucket, tokens, batch in ((2048, 0, 0), (2048, 1030, 4), (2048, 3, 3), (64, 5, 4)):
-        runner._pad(bucket, tokens, batch)
-        spare = runner.q_lens[batch:runner.seqs[bucket]]
+        runner._pad(bucket, runner.seqs[bucket][0], tokens, batch)
+        spare = runner.q_lens[batch:runner.seqs[bucket][0]]
         assert spare.sum() == bucket - tokens and spare.max() <= 256, (bucket, spare)
+
+
+def test_prefill_buckets_of_fewer_sequences():
+    """A bucket that would hold more than SMALL_BATCH sequences has a variant of SMALL_BATCH
+    (+ spares), and a step replays the fewest sequences that hold its own: the smallest bucket
+    of enough tokens first, as before."""
+    import torch
+
+    from lmdeploy_lite.pytorch.backends.cuda import graph_runner
+    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import PrefillGraphRunner
+    runner = PrefillGraphRunner(None, 'prefill', [64, 256, 2048], max_seqs=256, max_q_len=128,
+                                max_blocks=16, device=torch.device('cpu'), max_seq_tokens=256,
+                                long_row_from=128)
+    small = graph_runner.SMALL_BATCH
+    assert runner.seqs == {64: [65], 256: [small + 1, 257], 2048: [small + 8, 256 + 8]}
+    assert runner._keys() == [(64, 65, False), (256, small + 1, False), (256, small + 1, True),
+                              (256, 257, False), (256, 257, True), (2048, small + 8, False),
+                              (2048, small + 8, True), (2048, 264, False), (2048, 264, True)]
+
+    class Step:
+        is_decoding, graphable, host_lens, sizes, max_q_len = False, True, True, None, 1
+        block_tables = torch.zeros(1, 16)
+
+        def __init__(self, num_tokens, batch_size):
+            self.num_tokens, self.batch_size = num_tokens, batch_size
+    assert [runner.bucket_for(Step(t, b)) for t, b in ((40, 30, ), (200, 30), (200, 64),
+                                                       (200, 65), (200, 100), (256, 256),
+                                                       (300, 256), (300, 264))] == [
+        (64, 65), (256, 65), (256, 65), (256, 257), (256, 257), (256, 257), (2048, 264),
+        None]

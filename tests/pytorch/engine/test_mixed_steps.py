@@ -142,16 +142,19 @@ def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
     most 8 or 10 tokens a sequence (longer ones run eagerly; with `long_rows`, one longer chunk
     a step replays, and the longest chunk over 4 tokens is the step's `long_row`), spare tokens
     on dummy sequences. Whole sequences and draft counts equal the reference's; both paths
-    ran."""
+    ran, buckets of both sizes in sequences (k = 0: 4 or 5 sequences a step)."""
+    from lmdeploy_lite.pytorch.backends.cuda import graph_runner
     from lmdeploy_lite.pytorch.backends.cuda.graph_runner import PrefillGraphRunner
-    replayed, pad, replay = [], PrefillGraphRunner._pad, PrefillGraphRunner._replay
+    monkeypatch.setattr(graph_runner, 'SMALL_BATCH', 4)        # buckets of 5 and of 9 sequences
+    replayed, pad, replay, sizes = [], PrefillGraphRunner._pad, PrefillGraphRunner._replay, set()
 
-    def padding(runner, bucket, tokens, batch):      # the real rows of the step replayed next
-        pad(runner, bucket, tokens, batch)
+    def padding(runner, bucket, seqs, tokens, batch):    # the real rows of the step replayed
+        pad(runner, bucket, seqs, tokens, batch)
         replayed.append([runner.q_lens[:batch].tolist()])
 
     def replaying(runner, key, rows):                # with its long row, if it has one
-        replayed[-1].append(int(runner.long_row) if key[1] else None)
+        replayed[-1].append(int(runner.long_row) if key[2] else None)
+        sizes.add(key[1])
         return replay(runner, key, rows)
     monkeypatch.setattr(PrefillGraphRunner, '_pad', padding)
     monkeypatch.setattr(PrefillGraphRunner, '_replay', replaying)
@@ -164,6 +167,7 @@ def test_prefill_graph_buffers_change_no_token(k, long_rows, monkeypatch):
     runner = agent.prefill_graph
     decode = _run.engine.agent.step_graphs[k] if k else agent.graphs[1]   # greedy: whole steps
     assert runner.num_replays >= 3 and decode.num_replays > 0
+    assert len(sizes) == (1 if k else 2), (sizes, runner.seqs)     # k = 3: 2 sequences a step
     prefill_steps = sum(d < n for d, n in scheduled)
     if long_rows:       # every step replayed (one chunk at most passes the cap), some as long rows
         assert prefill_steps == runner.num_replays, (prefill_steps, runner.num_replays)

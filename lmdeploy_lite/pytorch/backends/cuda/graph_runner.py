@@ -37,6 +37,9 @@ from ...model_inputs import ForwardSizes, ModelInputs
 logger = logging.getLogger('lmdeploy_lite')
 
 _BUCKET_STEPS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# a prefill bucket's smaller variant, in sequences (+ spares): at bucket 768 of the 0.8B, the
+# conv1d alone cost 37 us a layer over 257 sequences against 16 over 65 (one H200)
+SMALL_BATCH = 64
 
 
 def batch_buckets(max_batch_size: int) -> list[int]:
@@ -224,27 +227,33 @@ class PrefillGraphRunner(_Captured):
     sequence but one), captured per token bucket: a step of T tokens and B sequences replays the
     smallest bucket >= T, whose static buffers hold `min(bucket, max_seqs)` sequences and its
     spare ones, enough that none takes more than `max_seq_tokens` (a sequence's block table
-    width in tokens; at least one). The bucket's spare tokens are spread over its spare
+    width in tokens; at least one). The bucket's spare tokens are packed into its first spare
     sequences, which are idle ranks' dummies (history 0, the reserved block 0 and state row
     0): per-sequence ops keep them apart from the real ones, whose rows the replay returns.
     Inside, ops read no length on the host (`ModelInputs.sync_free`: the attention builds its
     tile map on the device, the gated delta rule takes the recurrent kernel for chunks of up to
     `max_q_len` tokens). With
-    `long_row_from` (fla is there), a bucket above it is captured twice (keys (bucket, long)):
+    `long_row_from` (fla is there), a bucket above it is captured twice:
     once with one sequence, `long_row`, that takes fla's chunk kernel over the bucket's width
     (gated_delta_rule.long_row_prefill), replayed for a step whose longest chunk is over
     `long_row_from` (then it may be over `max_q_len` too); once without, replayed for the other
     steps, which fla would only have cost its pass over the bucket (~1 ms in 18 layers at 768
-    tokens, the 0.8B). Eager steps split their rows by the same rule (the same bits)."""
+    tokens, the 0.8B). Eager steps split their rows by the same rule (the same bits).
+    A bucket that holds more than SMALL_BATCH sequences is also captured with SMALL_BATCH (and
+    its spares), replayed for steps of fewer: per-sequence kernels (the conv1d's window, the
+    gated delta rule's one-token rows) launch programs for every sequence, spare ones too.
+    Keys: (bucket, sequences, long)."""
 
     def __init__(self, fn, name: str, buckets: list[int], max_seqs: int, max_q_len: int,
                  max_blocks: int, device: torch.device, pool=None, recorder=None,
                  long_row_from: int = 0, max_seq_tokens: int = 0):
         super().__init__(fn, name, buckets, device, pool, recorder)
         self.max_q_len, self.max_blocks, self.long_row_from = max_q_len, max_blocks, long_row_from
-        spares = (lambda b: -(-b // max_seq_tokens)) if max_seq_tokens else (lambda b: 1)
-        self.seqs = {b: min(b, max_seqs) + spares(b) for b in self.buckets}
-        max_tokens, most = self.buckets[-1], max(self.seqs.values())
+        self.max_seq_tokens = max_seq_tokens
+        self.spares = {b: -(-b // max_seq_tokens) if max_seq_tokens else 1 for b in self.buckets}
+        self.seqs = {b: sorted({min(b, n, max_seqs) + self.spares[b]
+                                for n in (SMALL_BATCH, max_seqs)}) for b in self.buckets}
+        max_tokens, most = self.buckets[-1], max(max(n) for n in self.seqs.values())
         long = dict(dtype=torch.long, device=device)
         self.input_ids, self.positions = (torch.zeros(max_tokens, **long) for _ in range(2))
         self.q_lens, self.history_lens, self.state_slots, self.state_index = (
@@ -252,27 +261,33 @@ class PrefillGraphRunner(_Captured):
         self.block_tables = torch.zeros(most, max_blocks, **long)
         self.long_row = torch.zeros(1, **long)
 
-    def _keys(self) -> list[tuple[int, bool]]:
-        return sorted([(b, False) for b in self.buckets]
-                      + [(b, True) for b in self.buckets if self.has_long_row(b)])
+    def _keys(self) -> list[tuple[int, int, bool]]:
+        return sorted((b, n, long) for b in self.buckets for n in self.seqs[b]
+                      for long in {False, self.has_long_row(b)})
 
-    def _before_capture(self, key: tuple[int, bool]):
-        self._pad(key[0], 0, 0)              # capture-time lengths: every token a spare one
+    def describe(self) -> str:
+        return f'buckets {self.buckets}, sequences {self.seqs}'
+
+    def _before_capture(self, key: tuple[int, int, bool]):
+        self._pad(*key[:2], 0, 0)            # capture-time lengths: every token a spare one
         self.long_row.zero_()
 
-    def _pad(self, bucket: int, tokens: int, batch: int):
-        """Spare sequences batch.. of the bucket take its tokens after `tokens`, evenly."""
-        spare, extra = self.seqs[bucket] - batch, bucket - tokens
-        for buf in (self.history_lens, self.block_tables, self.state_slots, self.state_index):
-            buf[batch:self.seqs[bucket]].zero_()
-        self.q_lens[batch:self.seqs[bucket]].fill_(extra // spare)
-        self.q_lens[batch:batch + extra % spare] += 1
+    def _pad(self, bucket: int, seqs: int, tokens: int, batch: int):
+        """Spare sequences batch..seqs of the bucket take its tokens after `tokens`, each as
+        many as its block table holds, in as few sequences as that allows (the others none): a
+        spare sequence of several tokens costs an attention query tile however few they are."""
+        extra = bucket - tokens
+        most = self.max_seq_tokens or max(extra, 1)
+        for buf in (self.history_lens, self.block_tables, self.state_slots, self.state_index,
+                    self.q_lens):
+            buf[batch:seqs].zero_()
+        self.q_lens[batch:batch + extra // most].fill_(most)
+        self.q_lens[batch + extra // most:seqs][:1] += extra % most
         self.input_ids[tokens:bucket].zero_()
         self.positions[tokens:bucket].zero_()
 
-    def _run_static(self, key: tuple[int, bool]) -> torch.Tensor:
-        bucket, long = key
-        seqs = self.seqs[bucket]
+    def _run_static(self, key: tuple[int, int, bool]) -> torch.Tensor:
+        bucket, seqs, long = key
         inputs = ModelInputs(
             input_ids=self.input_ids[:bucket], positions=self.positions[:bucket],
             q_lens=self.q_lens[:seqs], history_lens=self.history_lens[:seqs],
@@ -283,10 +298,11 @@ class PrefillGraphRunner(_Captured):
                                                                        seqs))))
         return self.fn(inputs)
 
-    def bucket_for(self, inputs: ModelInputs) -> int | None:
-        """The bucket this step replays, or None when it must run eagerly (a decode step, too
-        many tokens or sequences, two chunks longer than `max_q_len`, or one without long rows,
-        rows split over TP ranks, lengths the host does not know)."""
+    def bucket_for(self, inputs: ModelInputs) -> tuple[int, int] | None:
+        """(bucket, sequences) this step replays: the smallest bucket of enough tokens and
+        sequences, its fewest that hold the step's and the spares its tokens may need. None when it must run eagerly (a
+        decode step, too many tokens or sequences, two chunks longer than `max_q_len`, or one
+        without long rows, rows split over TP ranks, lengths the host does not know)."""
         if (inputs.is_decoding or not inputs.graphable or inputs.host_lens is None
                 or inputs.block_tables.shape[1] > self.max_blocks
                 or (inputs.sizes is not None and inputs.sizes.sequence_parallel)):
@@ -295,20 +311,22 @@ class PrefillGraphRunner(_Captured):
                 n > self.max_q_len for n in inputs.host_q_lens) > 1):
             return None
         tokens, batch = inputs.num_tokens, inputs.batch_size
-        return next((b for b in self.buckets if b >= tokens and self.seqs[b] > batch), None)
+        return next(((b, n) for b in self.buckets if b >= tokens for n in self.seqs[b]
+                     if n - self.spares[b] >= batch), None)
 
     @torch.inference_mode()
     def __call__(self, inputs: ModelInputs) -> torch.Tensor:
-        bucket, tokens, batch = self.bucket_for(inputs), inputs.num_tokens, inputs.batch_size
+        (bucket, seqs), tokens, batch = self.bucket_for(inputs), inputs.num_tokens, \
+            inputs.batch_size
         self._copy_inputs(inputs, tokens)
         self.q_lens[:batch].copy_(inputs.q_lens)
-        self._pad(bucket, tokens, batch)
+        self._pad(bucket, seqs, tokens, batch)
         # bucket_for let at most one chunk over max_q_len in
         row = (long_row(inputs.host_q_lens, self.long_row_from, self.max_q_len)
                if self.has_long_row(bucket) else None)
         if row is not None:
             self.long_row.fill_(row)
-        return self._replay((bucket, row is not None), tokens)
+        return self._replay((bucket, seqs, row is not None), tokens)
 
     def has_long_row(self, bucket: int) -> bool:
         """Whether the bucket has a graph that gives a sequence to fla as the long row."""
