@@ -134,8 +134,9 @@ def test_prefill_spare_sequences_fit_a_block_table():
 
 def test_prefill_buckets_of_fewer_sequences():
     """A bucket that would hold more than SMALL_BATCH sequences has a variant of SMALL_BATCH
-    (+ spares), and a step replays the fewest sequences that hold its own: the smallest bucket
-    of enough tokens first, as before."""
+    (+ spares), and a step replays the fewest sequences that hold its own and the spares its
+    bucket's tokens may need (none over a block table): the smallest bucket of enough tokens
+    first, as before."""
     import torch
 
     from lmdeploy_lite.pytorch.backends.cuda import graph_runner
@@ -160,3 +161,9 @@ def test_prefill_buckets_of_fewer_sequences():
                                                        (300, 256), (300, 264))] == [
         (64, 65), (256, 65), (256, 65), (256, 257), (256, 257), (256, 257), (2048, 264),
         None]
+    for bucket, sizes in runner.seqs.items():  # the most sequences each size takes, a token each:
+        for seqs in sizes:                     # the spares hold the rest within a block table
+            batch = seqs - runner.spares[bucket]
+            runner._pad(bucket, seqs, batch, batch)
+            spare = runner.q_lens[batch:seqs]
+            assert spare.sum() == bucket - batch and spare.max() <= 256, (bucket, seqs, spare)

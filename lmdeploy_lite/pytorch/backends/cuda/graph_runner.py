@@ -227,7 +227,7 @@ class PrefillGraphRunner(_Captured):
     sequence but one), captured per token bucket: a step of T tokens and B sequences replays the
     smallest bucket >= T, whose static buffers hold `min(bucket, max_seqs)` sequences and its
     spare ones, enough that none takes more than `max_seq_tokens` (a sequence's block table
-    width in tokens; at least one). The bucket's spare tokens are packed into its first spare
+    width in tokens; at least one). The bucket's spare tokens are spread over its spare
     sequences, which are idle ranks' dummies (history 0, the reserved block 0 and state row
     0): per-sequence ops keep them apart from the real ones, whose rows the replay returns.
     Inside, ops read no length on the host (`ModelInputs.sync_free`: the attention builds its
@@ -249,7 +249,6 @@ class PrefillGraphRunner(_Captured):
                  long_row_from: int = 0, max_seq_tokens: int = 0):
         super().__init__(fn, name, buckets, device, pool, recorder)
         self.max_q_len, self.max_blocks, self.long_row_from = max_q_len, max_blocks, long_row_from
-        self.max_seq_tokens = max_seq_tokens
         self.spares = {b: -(-b // max_seq_tokens) if max_seq_tokens else 1 for b in self.buckets}
         self.seqs = {b: sorted({min(b, n, max_seqs) + self.spares[b]
                                 for n in (SMALL_BATCH, max_seqs)}) for b in self.buckets}
@@ -273,16 +272,12 @@ class PrefillGraphRunner(_Captured):
         self.long_row.zero_()
 
     def _pad(self, bucket: int, seqs: int, tokens: int, batch: int):
-        """Spare sequences batch..seqs of the bucket take its tokens after `tokens`, each as
-        many as its block table holds, in as few sequences as that allows (the others none): a
-        spare sequence of several tokens costs an attention query tile however few they are."""
-        extra = bucket - tokens
-        most = self.max_seq_tokens or max(extra, 1)
-        for buf in (self.history_lens, self.block_tables, self.state_slots, self.state_index,
-                    self.q_lens):
+        """Spare sequences batch..seqs of the bucket take its tokens after `tokens`, evenly."""
+        spare, extra = seqs - batch, bucket - tokens
+        for buf in (self.history_lens, self.block_tables, self.state_slots, self.state_index):
             buf[batch:seqs].zero_()
-        self.q_lens[batch:batch + extra // most].fill_(most)
-        self.q_lens[batch + extra // most:seqs][:1] += extra % most
+        self.q_lens[batch:seqs].fill_(extra // spare)
+        self.q_lens[batch:batch + extra % spare] += 1
         self.input_ids[tokens:bucket].zero_()
         self.positions[tokens:bucket].zero_()
 
