@@ -240,8 +240,9 @@ class PrefillGraphRunner(_Captured):
     steps, which fla would only have cost its pass over the bucket (~1 ms in 18 layers at 768
     tokens, the 0.8B). Eager steps split their rows by the same rule (the same bits).
     A bucket that holds more than SMALL_BATCH sequences is also captured with SMALL_BATCH (and
-    its spares), replayed for steps of fewer: per-sequence kernels (the conv1d's window, the
-    gated delta rule's one-token rows) launch programs for every sequence, spare ones too.
+    its spares), replayed for steps of at most SMALL_BATCH: per-sequence kernels (the conv1d's
+    window, the gated delta rule's one-token rows) launch programs for every sequence, spare
+    ones too.
     Keys: (bucket, sequences, long)."""
 
     def __init__(self, fn, name: str, buckets: list[int], max_seqs: int, max_q_len: int,
@@ -295,9 +296,10 @@ class PrefillGraphRunner(_Captured):
 
     def bucket_for(self, inputs: ModelInputs) -> tuple[int, int] | None:
         """(bucket, sequences) this step replays: the smallest bucket of enough tokens and
-        sequences, its fewest that hold the step's and the spares its tokens may need. None when it must run eagerly (a
-        decode step, too many tokens or sequences, two chunks longer than `max_q_len`, or one
-        without long rows, rows split over TP ranks, lengths the host does not know)."""
+        sequences, its fewest that hold the step's and the spares its tokens may need. None
+        when it must run eagerly (a decode step, too many tokens or sequences, two chunks
+        longer than `max_q_len`, or one without long rows, rows split over TP ranks, lengths
+        the host does not know)."""
         if (inputs.is_decoding or not inputs.graphable or inputs.host_lens is None
                 or inputs.block_tables.shape[1] > self.max_blocks
                 or (inputs.sizes is not None and inputs.sizes.sequence_parallel)):
@@ -311,8 +313,8 @@ class PrefillGraphRunner(_Captured):
 
     @torch.inference_mode()
     def __call__(self, inputs: ModelInputs) -> torch.Tensor:
-        (bucket, seqs), tokens, batch = self.bucket_for(inputs), inputs.num_tokens, \
-            inputs.batch_size
+        bucket, seqs = self.bucket_for(inputs)
+        tokens, batch = inputs.num_tokens, inputs.batch_size
         self._copy_inputs(inputs, tokens)
         self.q_lens[:batch].copy_(inputs.q_lens)
         self._pad(bucket, seqs, tokens, batch)
