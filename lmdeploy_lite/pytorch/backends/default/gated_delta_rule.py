@@ -193,16 +193,22 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
             flat_cache.index_copy_(0, row_start, cast(state.flatten(1, 2), state_cache.dtype))
         return cast(out.reshape(num_seqs, num_value_heads, value_dim), out_dtype)
     # The per-token products `k_t @ S` and `q_t @ S` as the bmm calls `matmul` makes of them
-    # (the same operands, laid out as it lays them out, so the same bits), with the per-token
-    # copies done once: q/k broadcast over the ratio value heads, `[n, B * nv, 1, dk]`; the
-    # states token-major, `[n, B, nk, ratio, dk, dv]`, so each token's are one contiguous block.
+    # (the same operands, laid out as it lays them out, so the same bits; `q_t @ S` for every
+    # token in one bmm after the walk: a batched bmm computes each product alone), with the
+    # per-token copies done once: q/k broadcast over the ratio value heads, `[n, B * nv, 1,
+    # dk]`; the states token-major, `[n, B, nk, ratio, dk, dv]`, so each token's are one
+    # contiguous block. One sequence whose cache holds the compute dtype: they are its row's
+    # slots 0..n-1 themselves, written in place (no copy to store).
     batch_heads = num_seqs * num_value_heads
     expand = (num_seqs, num_new, num_key_heads, ratio, 1, key_dim)
     q_rows, k_rows = (x.expand(expand).transpose(0, 1).reshape(num_new, batch_heads, 1, key_dim)
                       for x in (q, k))
-    states = torch.empty((num_new,) + state.shape, dtype=acc, device=state.device)
-    outs = torch.empty(num_new, batch_heads, 1, value_dim, dtype=acc, device=state.device)
     rounded = state_cache.dtype != acc      # each token starts from the state as stored
+    direct = num_seqs == 1 and not rounded and state_cache.device.type == 'cpu'
+    if direct:
+        states = flat_cache.narrow(0, int(row_start[0]), num_new).view((num_new,) + state.shape)
+    else:
+        states = torch.empty((num_new,) + state.shape, dtype=acc, device=state.device)
     for t, (k_t, v_t, decay_t, beta_t) in enumerate(zip(k.unbind(1), v.unbind(1),
                                                         decay.unbind(1), beta.unbind(1))):
         new = torch.mul(state.to(state_cache.dtype).to(acc) if rounded else state, decay_t,
@@ -210,10 +216,12 @@ def _decode_uniform(q, k, v, g, beta, state_cache: torch.Tensor, inputs: ModelIn
         kv_mem = torch.bmm(k_rows[t], new.view(batch_heads, key_dim, value_dim))
         delta = (v_t - kv_mem.view(v_t.shape)) * beta_t
         state = new.addcmul_(k_t.transpose(-1, -2), delta)
-        torch.bmm(q_rows[t], state.view(batch_heads, key_dim, value_dim), out=outs[t])
-    new_slots = inputs.derived(('gdn_new_rows', slots_per_row), lambda: (
-        row_start[None, :] + torch.arange(num_new, device=row_start.device)[:, None]).flatten())
-    states = states.view(-1, num_value_heads, key_dim, value_dim)       # token-major rows
-    flat_cache.index_copy_(0, new_slots, cast(states, state_cache.dtype))
+    outs = torch.bmm(q_rows.flatten(0, 1), states.view(-1, key_dim, value_dim))
+    if not direct:
+        new_slots = inputs.derived(('gdn_new_rows', slots_per_row), lambda: (
+            row_start[None, :] + torch.arange(num_new, device=row_start.device)[:, None]
+        ).flatten())
+        states = states.view(-1, num_value_heads, key_dim, value_dim)   # token-major rows
+        flat_cache.index_copy_(0, new_slots, cast(states, state_cache.dtype))
     out = outs.view(num_new, num_seqs, num_value_heads, value_dim).transpose(0, 1)
     return cast(out.reshape(num_seqs * num_new, num_value_heads, value_dim), out_dtype)
