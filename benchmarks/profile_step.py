@@ -30,6 +30,9 @@ def main():
                         help='torch.profiler table grouped by op and input shapes')
     parser.add_argument('--spec', type=int, default=0, help='MTP draft tokens, every step (0: '
                         'plain decode)')
+    parser.add_argument('--spec-k0', action='store_true', help='a speculative engine (MTP, k up '
+                        'to 3) held at k = 0: the dynamic policy\'s plain step (decode and the '
+                        'head\'s KV write)')
     parser.add_argument('--token-map-size', type=int, default=None, metavar='N',
                         help='with --spec: draft over the first N ids (bench_spec.py\'s map)')
     parser.add_argument('--rows', type=int, default=None, help='rows of the device table')
@@ -45,6 +48,9 @@ def main():
     spec_kwargs = ({'speculative_config': SpeculativeConfig(
         num_speculative_tokens=args.spec, dynamic=False, draft_token_map=token_map)}
                    if args.spec else {})                   # a fixed k: the step profiled is k's
+    if args.spec_k0:                                       # the policy's test hook: k = 0 always
+        os.environ['LMDEPLOY_LITE_SPEC_K_CYCLE'] = '0'
+        spec_kwargs = {'speculative_config': SpeculativeConfig(num_speculative_tokens=3)}
     engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch, 2), session_len=2048,
         load_format=load_format, seed=args.seed, eager_mode=args.eager,
