@@ -9,6 +9,8 @@ drafts failed; a cell of another batch size then starts a new bucket from that a
 
     python benchmarks/sim_policy_grid.py [--against 773106c --steps 300 --seeds 6]
     python benchmarks/sim_policy_grid.py --against HEAD --steps 30 --hard-start 6
+    python benchmarks/sim_policy_grid.py --against HEAD --steps 122 --hard-start 8 \
+        --hard-accept 0.6,0.2,0.2          # the hard-start test's case, on every cell
     python benchmarks/sim_policy_grid.py --against HEAD --steps 84 --warm-start 60
 """
 from __future__ import annotations
@@ -79,9 +81,13 @@ def main():
     parser.add_argument('--seeds', type=int, default=6)
     start = parser.add_mutually_exclusive_group()
     start.add_argument('--hard-start', type=int, default=0, metavar='N')
+    parser.add_argument('--hard-accept', default=None, metavar='A,B,C',
+                        help='the hard start\'s conditional acceptance per position (default: '
+                             'none accepted; the hard-start test: 0.6,0.2,0.2)')
     start.add_argument('--warm-start', type=int, default=0, metavar='N',
                        help="N uncounted steps of batch 1 at the cell's acceptance first")
     args = parser.parse_args()
+    hard_accept = [float(a) for a in args.hard_accept.split(',')] if args.hard_accept else None
     with tempfile.NamedTemporaryFile('w', suffix='.py', delete=False) as f:
         f.write(subprocess.run(['git', 'show', f'{args.against}:{POLICY}'], cwd=ROOT, check=True,
                                capture_output=True, text=True).stdout)
@@ -96,7 +102,7 @@ def main():
         for policy in policies.values():
             ratios = [tokens_per_ms(started(policy(len(cost) - 1), cell,
                                             args.hard_start or args.warm_start, s,
-                                            accept if args.warm_start else None),
+                                            accept if args.warm_start else hard_accept),
                                     batch, cost, accept, args.steps, s) / b
                       for s, b in enumerate(best)]
             row.append(f'{sum(ratios) / len(ratios):14.3f} {min(ratios):5.3f}')

@@ -1,36 +1,41 @@
 """How many drafts each step verifies and makes: the k in 0..max_k with the most tokens per second,
 E(k) / t(b, k), where E(k) = 1 + c_0 + ... + c_{k-1} (c_i = P(more than i drafts accepted)) and
-t(b, k) is the step time at batch-size bucket b; so speculation is never slower than plain
-decoding (k = 0) by more than what it costs to keep measuring. Measured on the host: c_i as the
-product of conditional acceptances a_j = P(draft j accepted | drafts before it accepted), each
-from decayed counts of the rows that reached and accepted position j (drafts do not depend on k:
-any step with more than j drafts measures it) plus a prior of `PRIOR_ROWS` rows that does not
-decay, centred on a_{j-1} (`prior_acceptance` for j = 0): a position not drafted lately drifts
-back to the one before it rather than keeping what a few early drafts said (the start of an
-output, harder to draft, once held a CPU run at k=1 where k=3 was 12% faster); t(b, k) as the
-lower quartile of the cell's last `time_window` step times (the minimum while it has <= 4),
-recorded only when the step before ran the same (b, k) (with async scheduling a step's wall time
-is its predecessor's device time). Noise on a shared CPU is one-sided and bursty (a few steps
-1.5-2x slower whatever k runs), so the low end of a cell's times is its cost, and a cell timed in
-a single visit (`explore_steps` steps) may have been timed in a burst only: every `confirm_every`
-steps, one such cell that could win at the noise the running k has seen (the ratio of its
-slowest recent step to its estimate) is timed once more. Unmeasured cells are estimated
-(`prior_acceptance` for position 0, `prior_draft_cost` of a k = 0 step per draft; else the
-measured ks around them) and tried: at a new bucket each k deeper than any measured runs
-`explore_steps` steps once, best estimate first (cost is not linear in k: the first draft carries
-the verify width and the head's pass over it) if, with its acceptance at the upper end of its
-interval, it could beat the best measured k (where drafts are mostly rejected, as after a hard
-start, such a k cannot pay for its steps: `benchmarks/sim_policy_grid.py --hard-start`), a
-shallower one only while it is rated at least as the best measured k (its rate rests on measured
-positions and times; a one-visit time of it is rechecked only if the other ks' times do not
-explain it; trying every k at the start of an output, whose first drafts are often hard, cost the
-CPU main job ~2% in `benchmarks/sim_dynamic_k.py`). At the early revisits k - 1, never timed at
-the bucket, is tried if even its fastest possible step could win (`_floor_rate`: the other ks'
-times may put it far off, as at a large batch, where the verify's extra tokens cost their share
-of the compute), and k + 1 if it could still win; now and then k + 1 and k - 1 run again
-(`_revisit`). The running choice changes only for a k estimated `switch_margin` faster (a switch
-up costs a step of fewer drafts; near-ties flap). Every rank proposes; the StepPlan runs the
-smallest proposal of a working rank (DESIGN.md invariant 1).
+t(b, k) is the step time at batch-size bucket b; so speculation is never slower than plain decoding
+(k = 0) by more than what it costs to keep measuring. Measured on the host: c_i as the product of
+conditional acceptances a_j = P(draft j accepted | drafts before it accepted), each from decayed
+counts of the rows that reached and accepted position j (drafts do not depend on k: any step with
+more than j drafts measures it) plus a prior centred on a_{j-1} (`prior_acceptance` for j = 0),
+worth `PRIOR_ROWS` rows while the position has none and less as its own come in (PRIOR_ROWS^2 /
+(PRIOR_ROWS + rows)): a position not drafted lately drifts back to the one before it rather than
+keeping what a few early drafts said (the start of an output, harder to draft, once held a CPU run
+at k=1 where k=3 was 12% faster), and rows that reject every draft are believed as they accumulate
+(with a prior of fixed weight, one H200 at batch 1 where nothing was accepted still ran k=1 in 9 of
+24 timed steps after 60). A position's rows also age as fast as the one before it is renewed without
+it (rows that accepted all their drafts reached it undrafted: after a hard start, k=1 running on
+easy text stops holding position 1 at what the hard rows said). t(b, k) is the lower quartile of the
+cell's last `time_window` step times (the minimum while it has <= 4), recorded only when the step
+before ran the same (b, k) (with async scheduling a step's wall time is its predecessor's device
+time). Noise on a shared CPU is one-sided and bursty (a few steps 1.5-2x slower whatever k runs), so
+the low end of a cell's times is its cost, and a cell timed in a single visit (`explore_steps`
+steps) may have been timed in a burst only: every `confirm_every` steps, one such cell that could
+win at the noise the running k has seen (the ratio of its slowest recent step to its estimate) is
+timed once more. Unmeasured cells are estimated (`prior_acceptance` for position 0,
+`prior_draft_cost` of a k = 0 step per draft; else the measured ks around them) and tried: at a new
+bucket each k deeper than any measured runs `explore_steps` steps once, best estimate first (cost is
+not linear in k: the first draft carries the verify width and the head's pass over it) if, with its
+acceptance at the upper end of its interval, it could beat the best measured k (where drafts are
+mostly rejected, as after a hard start, such a k cannot pay for its steps:
+`benchmarks/sim_policy_grid.py --hard-start`), a shallower one only while it is rated at least as
+the best measured k (its rate rests on measured positions and times; a one-visit time of any k is
+rechecked only if the other ks' times do not explain it and it could move the choice; trying every k
+at the start of an output, whose first drafts are often hard, cost the CPU main job ~2% in
+`benchmarks/sim_dynamic_k.py`). At the early revisits k - 1, never timed at the bucket, is tried if
+even its fastest possible step could win (`_floor_rate`: the other ks' times may put it far off, as
+at a large batch, where the verify's extra tokens cost their share of the compute), and k + 1 if it
+could still win; now and then k + 1 and k - 1 run again (`_revisit`). The running choice changes
+only for a k estimated `switch_margin` faster (a switch up costs a step of fewer drafts; near-ties
+flap). Every rank proposes; the StepPlan runs the smallest proposal of a working rank (DESIGN.md
+invariant 1).
 """
 from __future__ import annotations
 
@@ -86,11 +91,13 @@ class DraftCountPolicy:
 
     def acceptance(self, optimistic: bool = False) -> list[float]:
         """c_i for i < max_k: the estimated P(more than i drafts accepted); `optimistic`: each
-        a_i at the upper end of its ~95% interval (Wilson's, over the rows behind it)."""
+        a_i at the upper end of its ~95% interval (Wilson's, over the rows behind it, the
+        prior's weight included)."""
         out, prior, c = [], self.prior_acceptance, 1.0
         for reached, accepted in zip(self.reached, self.accepted):
-            rows = reached + PRIOR_ROWS
-            prior = a = (accepted + PRIOR_ROWS * prior) / rows                   # a_i
+            weight = PRIOR_ROWS * PRIOR_ROWS / (PRIOR_ROWS + reached)
+            rows = reached + weight
+            prior = a = (accepted + weight * prior) / rows                   # a_i
             if optimistic:
                 z2 = 4.0                                                         # z = 2
                 a = (a + z2 / (2 * rows) + math.sqrt(z2 * a * (1 - a) / rows
@@ -112,6 +119,14 @@ class DraftCountPolicy:
             more_accepted += accepted_hist[i + 1]
             self.reached[i] = self.reached[i] * decay + more_reached
             self.accepted[i] = self.accepted[i] * decay + more_accepted
+        # rows that accepted all their i drafts reached position i undrafted: its rows age as
+        # that much of position i - 1's are renewed without it
+        missed = Counter(d for d, a in zip(num_drafts, num_accepted) if d == a)
+        for i in range(1, self.max_k):
+            if missed[i] and self.reached[i - 1] > 0:
+                keep = 1 - missed[i] / self.reached[i - 1]
+                self.reached[i] *= keep
+                self.accepted[i] *= keep
 
     def observe_time(self, batch_size: int, k: int, seconds: float):
         """A decode step's wall time, recorded only after a step of the same bucket and k."""
@@ -231,8 +246,10 @@ class DraftCountPolicy:
     def _unconfirmed(self, bucket: int, current: int | None, rates: list[float]) -> int | None:
         """Every `confirm_every` steps: the best-rated k timed in one visit only whose rate,
         were its time inflated by a burst as slow as the running k's slowest, could beat the
-        running k's; for a shallower k, inflated only by what its time exceeds what the other
-        ks' times put it at (a time they explain is not suspect)."""
+        running k's by `switch_margin` (else the choice would not move); inflated only by what
+        its time exceeds what the other ks' times put it at (a time they explain is not
+        suspect), for a k deeper than all of them the deepest one's time (a step drafting more
+        is not faster). Where nothing is accepted, re-timing k=1..3 cost ~1% of the run."""
         self._since_confirm += 1
         if current is None or self._since_confirm < self.confirm_every:
             return None
@@ -241,11 +258,13 @@ class DraftCountPolicy:
         for k in sorted(range(len(rates)), key=lambda j: -rates[j]):
             if k == current or self._visits.get((bucket, k), 0) != 1:
                 continue
+            others = {j: t for j, t in known.items() if j != k}
             inflated = noise
-            if k < current:        # a shallower k: its time against what the others imply
-                others = self.step_time(bucket, k, {j: t for j, t in known.items() if j != k})
-                inflated = min(noise, max(self.step_time(bucket, k) / others, 1.0))
-            if rates[k] * inflated > rates[current]:
+            if others:             # only what its time exceeds the others' account of it
+                deepest = max(others)
+                implied = others[deepest] if k > deepest else self.step_time(bucket, k, others)
+                inflated = min(noise, max(known[k] / implied, 1.0))
+            if rates[k] * inflated > rates[current] * (1 + self.switch_margin):
                 return k
         return None
 

@@ -290,14 +290,16 @@ def test_policy_recovers_from_a_hard_start_on_a_noisy_cpu_clock():
     """The CPU main job's case (issue 39): step times of a 2-core CPU (`CPU_STEP_MS`, +-10%
     noise), one row, the first 8 steps hard to draft (conditional acceptance 0.6, 0.2, 0.2), then
     easy (0.95, 0.88, 0.85). The early deep drafts, few and mostly rejected, must not hold the
-    policy below k=3: within 130 steps it reaches >= 0.97x the tokens per second of fixed k=3 on
-    the same draws. (With decayed evidence and no prior, 2 seeds of 5 stayed at k=1: 0.77x and
-    0.80x.)"""
+    policy below k=3: over 30 seeds of 130 steps it reaches on average >= 0.975x the tokens per
+    second of fixed k=3 on the same draws, and >= 0.94x in all but the 3 worst seeds. (The
+    policy of 2026-11-26, with decayed evidence and no prior: mean 0.914, 4th worst 0.758; 2 seeds
+    of the first 5 stayed at k=1. Asking each of 5 seeds for 0.97x judged luck: the policy of
+    2026-11-28 gave 0.97x or less in 22 of 100 seeds, mean 0.987.)"""
     def acceptance(step):
         return (0.6, 0.2, 0.2) if step < 8 else (0.95, 0.88, 0.85)
-    for seed in range(5):
-        assert cpu_clock_rate(DraftCountPolicy(3), seed, 130, acceptance, 0.1) >= \
-            0.97 * cpu_clock_rate(None, seed, 130, acceptance, 0.1), seed
+    ratios = sorted(cpu_clock_rate(DraftCountPolicy(3), seed, 130, acceptance, 0.1)
+                    / cpu_clock_rate(None, seed, 130, acceptance, 0.1) for seed in range(30))
+    assert sum(ratios) / len(ratios) >= 0.975 and ratios[3] >= 0.94, [round(r, 3) for r in ratios]
 
 
 def test_policy_keeps_k3_through_bursts_of_slow_steps():
