@@ -68,6 +68,12 @@ def synthetic_rejection_sampler(rates: list[float], seed: int = 0, verify=reject
     return sampler
 
 
+# a large batch's prompts prefill over several steps; those done first decode meanwhile and
+# must not reach max_new_tokens before the timed steps end (at batch 128 the AR row counted
+# ~22 of its 24 steps' tokens before this margin)
+PREFILL_STEPS = 16
+
+
 def make_engine(model_dir: str, load_format: str, k: int, rates, args,
                  dynamic: bool = False) -> Engine:
     steps = max(args.warmup_steps, args.dynamic_warmup_steps) + args.decode_steps
@@ -75,7 +81,8 @@ def make_engine(model_dir: str, load_format: str, k: int, rates, args,
                               draft_token_map=args.token_map) if k else None)
     engine = build_engine(model_dir, PytorchEngineConfig(
         dtype=args.dtype, device=args.device, max_batch_size=max(args.batch_sizes + [2]),
-        session_len=args.prompt_len + (steps + 2) * (k + 1) + 16, load_format=load_format,
+        session_len=args.prompt_len + (steps + 2 + PREFILL_STEPS) * (k + 1) + 16,
+        load_format=load_format,
         seed=args.seed, async_scheduling=args.async_scheduling), spec, progress=False)
     if k and rates:
         engine.agent.rejection_sampler = synthetic_rejection_sampler(
@@ -106,7 +113,8 @@ def measure(engine: Engine, k: int, batch_size: int, prompt_len: int, warmup_ste
     vocab = engine.model_config.vocab_size
     generator = torch.Generator().manual_seed(batch_size)
     prompts = torch.randint(2, vocab, (batch_size, prompt_len), generator=generator).tolist()
-    cfg = GenerationConfig(max_new_tokens=(warmup_steps + decode_steps + 1) * (k + 1),
+    cfg = GenerationConfig(max_new_tokens=(warmup_steps + decode_steps + 1 + PREFILL_STEPS)
+                           * (k + 1),
                            ignore_eos=True)
     chosen = []
     if engine.draft_policy is not None:            # the plan's k of every step

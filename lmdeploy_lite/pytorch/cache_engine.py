@@ -5,6 +5,7 @@ owning model's `tp` (the draft's own tp for its cache); counts from `plan_cache`
                     where tp is a multiple of num_kv_heads: nn/attention.py), head_dim], model
                     dtype;
   linear-attention: (conv_state [num_state_slots, conv_dim / tp, K - 1 + num_spec], model dtype,
+                     channel-minor (stride 1 over channels: a window column is contiguous),
                      recurrent_state [num_state_slots, 1 + num_spec, nv / tp, dk, dv], state_dtype).
 `snapshots`: `num_snapshots` rows per linear-attention layer of what a prefill leaves in a state
 slot (recurrent slot 0, conv columns 0..K-2) for the prefix cache."""
@@ -82,7 +83,7 @@ class CacheEngine:
     """Each kind of cache of every layer is one tensor, layer-major (`kv`: K and V of the
     full-attention layers; `states`: conv windows and recurrent states of the linear-attention
     layers; `snapshots` likewise), and `caches[layer_idx]` holds that layer's views of them (each
-    contiguous, as a tensor of its own would be): a snapshot save, a restore or a fork copies
+    laid out as a tensor of its own would be): a snapshot save, a restore or a fork copies
     every layer in one gather and one scatter instead of two per layer (a prefill step with
     prefix caching on saved its states in 72 small kernels at the 0.8B's 18 layers)."""
 
@@ -100,10 +101,17 @@ class CacheEngine:
         def zeros(layers: list[int], shape: tuple, state: bool = False) -> torch.Tensor | None:
             return fresh_zeros((len(layers),) + shape, self.state_dtype if state else dtype,
                                device) if layers else None
+
+        def windows(layers: list[int], shape: tuple) -> torch.Tensor | None:
+            # [L, slots, C, W] stored as [L, slots, W, C]: a decode step's kernels read and
+            # write one window column of a block of channels at a time, whole sectors this way
+            # (at a stride of W elements a column cost 1.5x the conv1d update on an H200)
+            minor = zeros(layers, shape[:-2] + shape[:-3:-1])
+            return None if minor is None else minor.transpose(-1, -2)
         kv = kv_shape(model_config, cc.num_blocks, cc.block_size, tp)
         conv, rec = state_shapes(model_config, cc.num_state_slots, cc.num_spec_tokens, tp)
         self.kv = (zeros(full, kv), zeros(full, kv))
-        self.states = (zeros(linear, conv), zeros(linear, rec, state=True))
+        self.states = (windows(linear, conv), zeros(linear, rec, state=True))
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(self.layer_types)
         for layers, (first, second) in ((full, self.kv), (linear, self.states)):
             for j, i in enumerate(layers):
@@ -113,7 +121,7 @@ class CacheEngine:
         self.snapshots: tuple[torch.Tensor, torch.Tensor] | None = None
         if cc.num_snapshots and linear:
             conv, rec = state_shapes(model_config, cc.num_snapshots, 0, tp)
-            self.snapshots = (zeros(linear, conv), zeros(linear, rec[:1] + rec[2:], state=True))
+            self.snapshots = (windows(linear, conv), zeros(linear, rec[:1] + rec[2:], state=True))
 
     def save(self, slots: torch.Tensor, rows: torch.Tensor):
         """Snapshot rows `rows` = the state a prefill left in state slots `slots`."""

@@ -17,9 +17,10 @@ NUM_SLOTS, KERNEL = 7, 4
 
 
 def check_step(op_name, q_lens, history_lens, slots, index, decoding, channels, num_spec, dtype,
-               device, cache_dtype=None, parts=None):
+               device, cache_dtype=None, parts=None, channel_minor=True):
     """Run the cuda op and the default op on the same inputs and identical cache copies (with
-    `parts`, a prefill's three channel parts: each its own contiguous tensor on CUDA)."""
+    `parts`, a prefill's three channel parts: each its own contiguous tensor on CUDA). The cache
+    is channel-minor, as CacheEngine lays it out, unless `channel_minor` is False."""
     inputs = make_inputs([[0] * n for n in q_lens], history_lens,
                          shuffled_block_tables(len(q_lens), 4), slots, index, decoding).to(device)
     gen = torch.Generator().manual_seed(sum(q_lens))
@@ -27,6 +28,8 @@ def check_step(op_name, q_lens, history_lens, slots, index, decoding, channels, 
     weight = torch.randn(channels, 1, KERNEL, generator=gen).to(device, dtype)[:, 0]  # as the model
     cache = torch.randn(max(NUM_SLOTS, len(slots)), channels, KERNEL - 1 + num_spec,
                         generator=gen).to(device, cache_dtype or dtype)
+    if channel_minor:
+        cache = cache.transpose(1, 2).contiguous().transpose(1, 2)
     expected_cache = cache.clone()
     extra = {'parts': parts} if parts else {}
     out = getattr(cuda_conv, op_name)(x, weight, cache, inputs, **extra)
@@ -45,13 +48,14 @@ def dtypes(device):
     return [torch.float32, torch.float64] + ([torch.bfloat16] if device == 'cuda' else [])
 
 
+@pytest.mark.parametrize('channel_minor', [True, False])
 @pytest.mark.parametrize('num_tokens', [1, 4])
-def test_update_matches_default(kernel_device, num_tokens):
+def test_update_matches_default(kernel_device, num_tokens, channel_minor):
     """3 sequences in non-contiguous rows 5, 1, 3, windows at columns 2, 0 (fresh: ignored), 3;
-    300 channels (two blocks, the second partial)."""
+    300 channels (two blocks, the second partial); either layout of the cache."""
     for dtype in dtypes(kernel_device):
         check_step('causal_conv1d_update', [num_tokens] * 3, [7, 0, 12], [5, 1, 3], [2, 0, 3],
-                   True, 300, 3, dtype, kernel_device)
+                   True, 300, 3, dtype, kernel_device, channel_minor=channel_minor)
 
 
 def test_update_without_spec_slots(kernel_device):
@@ -76,13 +80,14 @@ PREFILL_STEPS = {
 }
 
 
+@pytest.mark.parametrize('channel_minor', [True, False])
 @pytest.mark.parametrize('step', PREFILL_STEPS)
-def test_prefill_matches_default(kernel_device, step):
+def test_prefill_matches_default(kernel_device, step, channel_minor):
     """300 channels (two channel blocks, the second partial); a row of q_len 0 and the rows of
-    other slots stay as they were (the whole cache is compared)."""
+    other slots stay as they were (the whole cache is compared); either layout of the cache."""
     for dtype in dtypes(kernel_device):
         check_step('causal_conv1d_prefill', *PREFILL_STEPS[step], False, 300, 2, dtype,
-                   kernel_device)
+                   kernel_device, channel_minor=channel_minor)
 
 
 @pytest.mark.parametrize('step', ['chunked', 'mixed_one_token_rows'])
@@ -125,7 +130,7 @@ def test_prefill_graph_replays_other_lengths():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(40, 512, generator=gen).to('cuda', torch.bfloat16)
     weight = torch.randn(512, KERNEL, generator=gen).to('cuda', torch.bfloat16)
-    cache = torch.randn(NUM_SLOTS, 512, KERNEL - 1 + 2, generator=gen).cuda()
+    cache = torch.randn(NUM_SLOTS, KERNEL - 1 + 2, 512, generator=gen).cuda().transpose(1, 2)
 
     def step_inputs(q_lens, history_lens, slots):
         return make_inputs([[0] * n for n in q_lens], history_lens, shuffled_block_tables(4, 4),
