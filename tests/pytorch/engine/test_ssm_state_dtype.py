@@ -115,6 +115,21 @@ def test_bf16_caches_and_the_bytes_charged():
                                                 ssm_state_dtype=name) == 6 * (conv + rec * elem)
 
 
+
+def test_conv_windows_are_channel_minor():
+    """The conv windows (and their prefix-cache snapshots) are [slots, C, W] views of [slots, W,
+    C] storage, so a decode kernel's window column is contiguous over channels; the recurrent
+    states stay contiguous."""
+    caches = CacheEngine(embedded(), CacheConfig(block_size=16, num_blocks=4, num_state_slots=3,
+                                                 num_spec_tokens=3, num_snapshots=2),
+                         torch.float32, 'cpu')
+    (conv, rec), (conv_rows, _) = caches.states, caches.snapshots
+    assert conv.shape[1:] == (3, 512, 6) and conv.stride()[1:] == (6 * 512, 1, 512)
+    assert conv_rows.shape[1:] == (2, 512, 3) and conv_rows.stride()[2:] == (1, 512)
+    assert rec.is_contiguous()
+    layer = next(i for i, t in enumerate(embedded().layer_types) if t == 'linear_attention')
+    assert caches[layer][0].stride() == (6 * 512, 1, 512)
+
 def test_bf16_state_halves_the_recurrent_bytes_of_the_0_8b_shape():
     """Qwen3.5-0.8B (bf16 model): 18 linear-attention layers, 16 value heads of 128 x 128: the
     recurrent state of one sequence (no drafts) is 18 * 16 * 128 * 128 * 4 B = 18.9 MB in fp32."""
