@@ -106,7 +106,8 @@ class CacheEngine:
             # [L, slots, C, W] stored as [L, slots, W, C]: a decode step's kernels read and
             # write one window column of a block of channels at a time, whole sectors this way
             # (at a stride of W elements a column cost 1.5x the conv1d update on an H200)
-            minor = zeros(layers, shape[:-2] + shape[:-3:-1])
+            slots, channels, width = shape
+            minor = zeros(layers, (slots, width, channels))
             return None if minor is None else minor.transpose(-1, -2)
         kv = kv_shape(model_config, cc.num_blocks, cc.block_size, tp)
         conv, rec = state_shapes(model_config, cc.num_state_slots, cc.num_spec_tokens, tp)

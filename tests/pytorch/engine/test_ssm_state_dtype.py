@@ -115,7 +115,6 @@ def test_bf16_caches_and_the_bytes_charged():
                                                 ssm_state_dtype=name) == 6 * (conv + rec * elem)
 
 
-
 def test_conv_windows_are_channel_minor():
     """The conv windows (and their prefix-cache snapshots) are [slots, C, W] views of [slots, W,
     C] storage, so a decode kernel's window column is contiguous over channels; the recurrent
@@ -129,6 +128,7 @@ def test_conv_windows_are_channel_minor():
     assert rec.is_contiguous()
     layer = next(i for i, t in enumerate(embedded().layer_types) if t == 'linear_attention')
     assert caches[layer][0].stride() == (6 * 512, 1, 512)
+
 
 def test_bf16_state_halves_the_recurrent_bytes_of_the_0_8b_shape():
     """Qwen3.5-0.8B (bf16 model): 18 linear-attention layers, 16 value heads of 128 x 128: the
