@@ -32,7 +32,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_mtp_head import (MTPHead, checkpoint_tensors, lr_at,  # noqa: E402
-                            shared_weights, text_config)
+                            rotary_embedding, shared_weights, text_config)
 
 STEP_WEIGHTS = (1.0, 0.7, 0.5, 0.35)    # draft step s's loss weight (a step needs all before it)
 
@@ -78,14 +78,8 @@ class Chain:
     """The head run over DEPTH draft steps of a batch of windows, as the engine drafts."""
 
     def __init__(self, config, head: MTPHead, embed, lm_head, depth: int, seq_len: int, device):
-        if hasattr(config, 'num_experts'):
-            from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
-                Qwen3_5MoeTextRotaryEmbedding as Rotary)
-        else:
-            from transformers.models.qwen3_5.modeling_qwen3_5 import (
-                Qwen3_5TextRotaryEmbedding as Rotary)
         self.head, self.depth, self.n = head, depth, seq_len - depth
-        self.rotary = Rotary(config).to(device)
+        self.rotary = rotary_embedding(config).to(device)
         self.embed = torch.nn.Embedding.from_pretrained(embed.float().to(device), freeze=True)
         self.lm_head = lm_head.float().to(device)
         self.masks = [chain_mask(self.n, d + 1).to(device) for d in range(depth)]

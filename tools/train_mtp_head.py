@@ -124,6 +124,17 @@ class MTPHead(nn.Module):
         return self.norm(self.layers[0](u, position_embeddings=rope, attention_mask=mask))
 
 
+def rotary_embedding(config) -> nn.Module:
+    """transformers' rotary embedding of the target (dense or MoE), shared with the head."""
+    if hasattr(config, 'num_experts'):
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+            Qwen3_5MoeTextRotaryEmbedding as Rotary)
+    else:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import (
+            Qwen3_5TextRotaryEmbedding as Rotary)
+    return Rotary(config)
+
+
 def two_step_mask(n: int) -> torch.Tensor:
     """[2n, 2n] bool: n first-step rows (positions 0..n-1, causal) then n second-step rows,
     second step j at position j + 1 seeing the first step's rows 0..j and itself: what the
@@ -207,14 +218,8 @@ def collate(group: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 # ---- training ------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, config, head: MTPHead, embed: torch.Tensor, lm_head: torch.Tensor):
-        if hasattr(config, 'num_experts'):
-            from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
-                Qwen3_5MoeTextRotaryEmbedding as Rotary)
-        else:
-            from transformers.models.qwen3_5.modeling_qwen3_5 import (
-                Qwen3_5TextRotaryEmbedding as Rotary)
         self.head = head
-        self.rotary = Rotary(config)
+        self.rotary = rotary_embedding(config)
         self.embed = nn.Embedding.from_pretrained(embed.float(), freeze=True)
         self.lm_head = lm_head.float()
 
