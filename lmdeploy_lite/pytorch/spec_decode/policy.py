@@ -29,13 +29,16 @@ mostly rejected, as after a hard start, such a k cannot pay for its steps:
 the best measured k (its rate rests on measured positions and times; a one-visit time of any k is
 rechecked only if the other ks' times do not explain it and it could move the choice; trying every k
 at the start of an output, whose first drafts are often hard, cost the CPU main job ~2% in
-`benchmarks/sim_dynamic_k.py`). At the early revisits k - 1, never timed at the bucket, is tried if
-even its fastest possible step could win (`_floor_rate`: the other ks' times may put it far off, as
-at a large batch, where the verify's extra tokens cost their share of the compute), and k + 1 if it
-could still win; now and then k + 1 and k - 1 run again (`_revisit`). The running choice changes
-only for a k estimated `switch_margin` faster (a switch up costs a step of fewer drafts; near-ties
-flap). Every rank proposes; the StepPlan runs the smallest proposal of a working rank (DESIGN.md
-invariant 1).
+`benchmarks/sim_dynamic_k.py`). Plain steps (k = 0) are timed once k = 1 is, if at half of k = 1's
+step (the fastest a plain step could be) they would beat every measured k at the upper end of its
+acceptance: their time cannot be drawn from the draft steps' (on the 2-core CPU at batch 32 a k = 1
+step costs 2x a plain one, and plain decoding beats every k there). At the early revisits k - 1,
+never timed at the bucket, is tried if even its fastest possible step could win (`_floor_rate`:
+the other ks' times may put it far off, as at a large batch, where the verify's extra tokens cost
+their share of the compute), and k + 1 if it could still win; now and then k + 1 and k - 1 run
+again (`_revisit`). The running choice changes only for a k estimated `switch_margin` faster (a
+switch up costs a step of fewer drafts; near-ties flap). Every rank proposes; the StepPlan runs the
+smallest proposal of a working rank (DESIGN.md invariant 1).
 """
 from __future__ import annotations
 
@@ -191,18 +194,9 @@ class DraftCountPolicy:
         steps = self._steps[bucket] = self._steps.get(bucket, 0) + 1
         rates = self.rates(bucket)
         best = max(range(len(rates)), key=lambda j: (rates[j], -j))
-        # cells not measured yet at this bucket, the best estimate first; a k below a measured
-        # one only while it could be the best (rated at least as the best measured k): its
-        # rate rests on positions already measured and on a step time between or near
-        # measured ones, where a deeper k's rests on positions no step has drafted (so it is
-        # tried while its optimistic rate could win)
-        measured = [j for j in range(len(rates)) if self.samples.get((bucket, j), 0)]
-        top = max((rates[j] for j in measured), default=0.0)
-        reach = self.rates(bucket, optimistic=True)    # a deeper k: could it win at all?
-        for j in sorted(range(len(rates)), key=lambda j: -rates[j]):
-            if j not in measured and (j > max(measured, default=-1) and reach[j] >= top
-                                      or rates[j] >= top):
-                return self._explore(j)
+        unexplored = self._unexplored(bucket, rates)
+        if unexplored is not None:
+            return self._explore(unexplored)
         revisit = self._revisit(steps)
         if revisit == 'early' and best > 0 and not self.samples.get((bucket, best - 1), 0) and (
                 self._floor_rate(bucket, best - 1, best) > rates[best]):
@@ -233,6 +227,35 @@ class DraftCountPolicy:
         if steps % every == 0:
             return 'up'
         return 'down' if steps % every == every // 2 and steps > every else None
+
+    def _unexplored(self, bucket: int, rates: list[float]) -> int | None:
+        """A k not timed yet at this bucket worth a visit, the best estimate first. A k below a
+        measured one only while it could be the best (rated at least as the best measured k):
+        its rate rests on positions already measured and on a step time between or near
+        measured ones, where a deeper k's rests on positions no step has drafted (so it is
+        tried while its optimistic rate could win). k = 0 is rated at the fastest its step
+        could be (`_plain_floor_rate`) and tried if that beats every measured k at the upper
+        end of its acceptance."""
+        measured = [j for j in range(len(rates)) if self.samples.get((bucket, j), 0)]
+        top = max((rates[j] for j in measured), default=0.0)
+        reach = self.rates(bucket, optimistic=True)    # a deeper k: could it win at all?
+        top_reach = max((reach[j] for j in measured if j), default=0.0)
+        floor = self._plain_floor_rate(bucket)
+        for j in sorted(range(len(rates)), key=lambda j: -max(rates[j], floor if j == 0 else 0)):
+            if j not in measured and (j > max(measured, default=-1) and reach[j] >= top
+                                      or rates[j] >= top or j == 0 and floor >= top_reach):
+                return j
+        return None
+
+    def _plain_floor_rate(self, bucket: int) -> float:
+        """k = 0's rate were its step half of k = 1's (0 while k = 1 is not timed at the
+        bucket): k = 1 runs two tokens a row through the target, plain decoding one. Plain
+        time cannot be drawn from the draft steps' (no verify width, no draft pass), and where
+        the target's tokens cost their share of the compute (a CPU at batch 32: 27 ms against
+        k=1's 55) plain decoding wins; deeper ks bound it too loosely to act on (a CPU at batch
+        1: a third of k=2's step, 6 ms against 10)."""
+        known = self.times.get(bucket, {})
+        return 2.0 / known[1] if 1 in known else 0.0
 
     def _floor_rate(self, bucket: int, k: int, measured: int) -> float:
         """k's rate were its step as fast as it can be beside the deeper `measured` k's: its
