@@ -1,8 +1,8 @@
 """The dynamic-k policy against every fixed k on synthetic steps, this checkout's policy beside
 another revision's (`--against REV`, read with git show): step times per k from measured cost
 tables (a GPU's 0.8B at batch 1 / 8 / 32 / 128, a compute-bound large batch, the 2-core CPU's main
-job and its batch-8 steps), +-5% jitter and, on 5% of steps, a 1.3-2x burst; rows accept
-draft j with the given conditional probabilities. Per cell: dynamic / best fixed k over
+job, its batch-8 steps and `pipeline()`'s batch 32), +-5% jitter and, on 5% of steps, a 1.3-2x
+burst; rows accept draft j with the given conditional probabilities. Per cell: dynamic / best fixed k over
 `--seeds` seeds, mean and min. `--hard-start N`: each policy first runs N steps of batch 1 on
 its device's batch-1 costs with nothing accepted (not counted), as after a warm-up prompt whose
 drafts failed; a cell of another batch size then starts a new bucket from that acceptance.
@@ -29,7 +29,8 @@ COSTS = {'gpu_b1': (1, [1.46, 1.72, 1.93, 2.14]), 'gpu_b8': (8, [1.62, 2.00, 2.2
          'gpu_b32': (32, [2.29, 2.77, 3.33, 3.91]), 'big_b32': (32, [5.0, 8.0, 10.5, 13.0]),
          'gpu_b128': (128, [3.09, 4.85, 6.41, 8.07]),       # the 0.8B on an H200: k=1 best
          'cpu_b1': (1, [10.3, 15.0, 18.2, 22.2]),          # ms per step at k = 0..3
-         'cpu_b8': (8, [17.7, 27.7, 36.0, 44.1])}
+         'cpu_b8': (8, [17.7, 27.7, 36.0, 44.1]),
+         'cpu_b32': (32, [27.4, 55.3, 73.0, 90.8])}         # pipeline()'s: k=0 best
 ACCEPTANCE = {'0.8/0.6/0.5': [0.8, 0.75, 0.83], 'zero': [0.0] * 3, 'low': [0.3] * 3,
               'high': [0.9] * 3,                             # conditional, per position
               'bench': [0.8, 0.6, 0.5]}                      # bench_spec's synthetic rule
