@@ -3,9 +3,10 @@ another revision's (`--against REV`, read with git show): step times per k from 
 tables (a GPU's 0.8B at batch 1 / 8 / 32 / 128, a compute-bound large batch, the 2-core CPU's
 main job, its batch-8 steps and `pipeline()`'s batch 32), +-5% jitter and, on 5% of steps, a
 1.3-2x burst; rows accept draft j with the given conditional probabilities. Per cell: dynamic /
-best fixed k over `--seeds` seeds, mean and min. `--hard-start N`: each policy first runs N steps of batch 1 on
-its device's batch-1 costs with nothing accepted (not counted), as after a warm-up prompt whose
-drafts failed; a cell of another batch size then starts a new bucket from that acceptance.
+best fixed k over `--seeds` seeds, mean and min. `--hard-start N`: each policy first runs N
+steps of batch 1 on its device's batch-1 costs with nothing accepted (not counted), as after a
+warm-up prompt whose drafts failed; a cell of another batch size then starts a new bucket from
+that acceptance.
 
     python benchmarks/sim_policy_grid.py [--against 773106c --steps 300 --seeds 6]
     python benchmarks/sim_policy_grid.py --against HEAD --steps 30 --hard-start 6
