@@ -233,29 +233,22 @@ class DraftCountPolicy:
         measured one only while it could be the best (rated at least as the best measured k):
         its rate rests on positions already measured and on a step time between or near
         measured ones, where a deeper k's rests on positions no step has drafted (so it is
-        tried while its optimistic rate could win). k = 0 is rated at the fastest its step
-        could be (`_plain_floor_rate`) and tried if that beats every measured k at the upper
-        end of its acceptance."""
+        tried while its optimistic rate could win). k = 0, once k = 1 is timed, is rated at
+        the fastest its step could be beside k = 1's (`_floor_rate`: half of it) and tried if
+        that beats every measured k at the upper end of its acceptance: plain time cannot be
+        drawn from the draft steps' (no verify width, no draft pass; a CPU at batch 32: 27 ms
+        against k=1's 55), and deeper ks bound it too loosely to act on (a CPU at batch 1: a
+        third of k=2's step, 6 ms against 10)."""
         measured = [j for j in range(len(rates)) if self.samples.get((bucket, j), 0)]
         top = max((rates[j] for j in measured), default=0.0)
         reach = self.rates(bucket, optimistic=True)    # a deeper k: could it win at all?
         top_reach = max((reach[j] for j in measured if j), default=0.0)
-        floor = self._plain_floor_rate(bucket)
+        floor = self._floor_rate(bucket, 0, 1) if 1 in self.times.get(bucket, {}) else 0.0
         for j in sorted(range(len(rates)), key=lambda j: -max(rates[j], floor if j == 0 else 0)):
             if j not in measured and (j > max(measured, default=-1) and reach[j] >= top
                                       or rates[j] >= top or j == 0 and floor >= top_reach):
                 return j
         return None
-
-    def _plain_floor_rate(self, bucket: int) -> float:
-        """k = 0's rate were its step half of k = 1's (0 while k = 1 is not timed at the
-        bucket): k = 1 runs two tokens a row through the target, plain decoding one. Plain
-        time cannot be drawn from the draft steps' (no verify width, no draft pass), and where
-        the target's tokens cost their share of the compute (a CPU at batch 32: 27 ms against
-        k=1's 55) plain decoding wins; deeper ks bound it too loosely to act on (a CPU at batch
-        1: a third of k=2's step, 6 ms against 10)."""
-        known = self.times.get(bucket, {})
-        return 2.0 / known[1] if 1 in known else 0.0
 
     def _floor_rate(self, bucket: int, k: int, measured: int) -> float:
         """k's rate were its step as fast as it can be beside the deeper `measured` k's: its
