@@ -42,41 +42,77 @@ def make_prompts(n: int, num_words: int, seed: int) -> list[str]:
     return [' '.join(rng.choice(WORDS) for _ in range(num_words)) for _ in range(n)]
 
 
-async def one_request(http: httpx.AsyncClient, payload: dict) -> dict:
-    start = time.perf_counter()
-    ttft, last, itl, usage = None, start, [], None
-    async with http.stream('POST', '/v1/completions', json=payload) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f'HTTP {r.status_code}: {(await r.aread()).decode()}')
-        async for line in r.aiter_lines():
-            if not line.startswith('data: ') or line == 'data: [DONE]':
-                continue
-            chunk = json.loads(line[6:])
-            if 'error' in chunk:
-                raise RuntimeError(chunk['error']['message'])
-            now = time.perf_counter()
-            if chunk['choices'] and (chunk['choices'][0]['text'] or
-                                     chunk['choices'][0]['finish_reason']):
-                if ttft is None:
-                    ttft = now - start
-                else:
-                    itl.append(now - last)
-                last = now
-            usage = chunk.get('usage') or usage
-    return {'ttft': ttft, 'latency': last - start, 'itl': itl, 'usage': usage}
+class Timing:
+    """One streamed request's TTFT, ITL and usage, fed each SSE `data:` payload as it arrives."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.ttft, self.itl, self.usage = None, [], None
+
+    def feed(self, data: bytes | str):
+        if data in ('[DONE]', b'[DONE]'):
+            return
+        chunk = json.loads(data)
+        if 'error' in chunk:
+            raise RuntimeError(chunk['error']['message'])
+        now = time.perf_counter()
+        if chunk['choices'] and (chunk['choices'][0]['text'] or
+                                 chunk['choices'][0]['finish_reason']):
+            if self.ttft is None:
+                self.ttft = now - self.start
+            else:
+                self.itl.append(now - self.last)
+            self.last = now
+        self.usage = chunk.get('usage') or self.usage
+
+    def result(self) -> dict:
+        return {'ttft': self.ttft, 'latency': self.last - self.start, 'itl': self.itl,
+                'usage': self.usage}
+
+
+async def one_request(http, payload: dict) -> dict:
+    """One streamed /v1/completions request over `http`: an httpx.AsyncClient (as the openai SDK
+    uses) or an aiohttp.ClientSession (as vLLM's, SGLang's and lmdeploy's serving benchmarks do;
+    it parses a stream's chunks ~2x faster, so one client process measures a fast server
+    rather than itself: BENCHMARKS.md)."""
+    timing = Timing()
+    if isinstance(http, httpx.AsyncClient):
+        async with http.stream('POST', '/v1/completions', json=payload) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f'HTTP {r.status_code}: {(await r.aread()).decode()}')
+            async for line in r.aiter_lines():
+                if line.startswith('data: '):
+                    timing.feed(line[6:])
+        return timing.result()
+    async with http.post('/v1/completions', json=payload) as r:
+        if r.status != 200:
+            raise RuntimeError(f'HTTP {r.status}: {await r.text()}')
+        async for line in r.content:
+            if line.startswith(b'data: '):
+                timing.feed(line[6:].rstrip())
+    return timing.result()
+
+
+def http_client(kind: str, base_url: str, headers: dict, concurrency: int):
+    if kind == 'httpx':
+        return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600,
+                                 limits=httpx.Limits(max_connections=concurrency + 4))
+    import aiohttp
+    return aiohttp.ClientSession(base_url=base_url, headers=headers,
+                                 timeout=aiohttp.ClientTimeout(total=600),
+                                 connector=aiohttp.TCPConnector(limit=concurrency + 4))
 
 
 async def collect(base_url: str, prompts: list[str], output_len: int, concurrency: int,
-                  request_rate: float, api_key: str | None, seed: int, warm_up: bool
-                  ) -> tuple[list[dict], float, float]:
+                  request_rate: float, api_key: str | None, seed: int, warm_up: bool,
+                  client: str = 'httpx') -> tuple[list[dict], float, float]:
     """Per-request results of one client, with its wall-clock start and end (time.time())."""
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency)
     headers = {'Authorization': f'Bearer {api_key}'} if api_key else {}
     payloads = [{'prompt': p, 'max_tokens': output_len, 'temperature': 0, 'ignore_eos': True,
                  'stream': True, 'stream_options': {'include_usage': True}} for p in prompts]
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=600,
-                                 limits=httpx.Limits(max_connections=concurrency + 4)) as http:
+    async with http_client(client, base_url, headers, concurrency) as http:
         if warm_up:
             await one_request(http, dict(payloads[0], max_tokens=4))
 
@@ -93,22 +129,31 @@ async def collect(base_url: str, prompts: list[str], output_len: int, concurrenc
     return results, start, time.time()
 
 
+def default_client() -> str:
+    try:
+        import aiohttp  # noqa: F401
+        return 'aiohttp'
+    except ImportError:
+        return 'httpx'
+
+
 def _client(args: tuple) -> tuple[list[dict], float, float]:
     return asyncio.run(collect(*args))
 
 
 def run(base_url: str, prompts: list[str], output_len: int, concurrency: int,
-        request_rate: float, api_key: str | None, seed: int, client_procs: int = 1) -> dict:
+        request_rate: float, api_key: str | None, seed: int, client_procs: int = 1,
+        client: str = 'httpx') -> dict:
     """One row: `client_procs` client processes share the prompts, the concurrency and the
-    request rate (one Python client parses ~10k streamed chunks/s at most: a fast server
-    streaming 64 sequences would otherwise be measured by its client)."""
+    request rate (one Python process parses ~12k streamed chunks/s with httpx, ~25k with
+    aiohttp: a fast server streaming 64 sequences would otherwise be measured by its client)."""
     # warm-up at this concurrency: the engine meets the batch sizes of the run (its first steps
     # at a new size may capture a CUDA graph) before anything is timed
     warm = prompts[:concurrency]
-    asyncio.run(collect(base_url, warm, 8, len(warm), math.inf, api_key, seed, True))
+    asyncio.run(collect(base_url, warm, 8, len(warm), math.inf, api_key, seed, True, client))
     n = max(1, min(client_procs, concurrency, len(prompts)))
     jobs = [(base_url, prompts[i::n], output_len, concurrency // n + (i < concurrency % n),
-             request_rate / n, api_key, seed + i, False) for i in range(n)]
+             request_rate / n, api_key, seed + i, False, client) for i in range(n)]
     if n == 1:
         parts = [_client(jobs[0])]
     else:
@@ -256,8 +301,8 @@ def launch(model: str | None, server_args: str, server_root: str = ROOT,
     raise RuntimeError('server did not become healthy within 300 s')
 
 
-COLUMNS = ['concurrency', 'client_procs', 'request_rate', 'requests', 'request_throughput',
-           'output_throughput',
+COLUMNS = ['concurrency', 'client_procs', 'client', 'request_rate', 'requests',
+           'request_throughput', 'output_throughput',
            'total_token_throughput', 'ttft_mean_ms', 'ttft_median_ms', 'ttft_p99_ms',
            'tpot_mean_ms', 'tpot_median_ms', 'tpot_p99_ms', 'itl_mean_ms', 'itl_median_ms',
            'itl_p99_ms', 'mean_accepted_length']
@@ -312,6 +357,10 @@ def main():
     parser.add_argument('--client-procs', default='1',
                         help='comma list: client processes sharing the requests (a fast server '
                              'outruns one)')
+    parser.add_argument('--client', default=default_client(),
+                        help='comma list of HTTP client libraries, aiohttp and/or httpx (default '
+                             'aiohttp where installed, as the serving benchmarks of vLLM, SGLang '
+                             'and lmdeploy use)')
     parser.add_argument('--server-root', default=ROOT,
                         help='with --launch: the checkout whose server runs (before/after runs)')
     parser.add_argument('--synthetic-acceptance', default=None, metavar='RATES',
@@ -327,6 +376,8 @@ def main():
     if args.frontend_cpu:
         print_table(frontend_cpu(), ['endpoint', 'us_per_chunk'])
         return
+    if not set(args.client.split(',')) <= {'aiohttp', 'httpx'}:
+        parser.error(f'--client {args.client}: each must be aiohttp or httpx')
     if (args.base_url is None) == (not args.launch):
         parser.error('give exactly one of --base-url and --launch')
     if args.preset:
@@ -339,9 +390,9 @@ def main():
     try:
         prompts = make_prompts(args.num_prompts, args.input_words, args.seed)
         rows = [dict(run(url, prompts, args.output_len, int(c), float(rate), args.api_key,
-                         args.seed, int(procs)), client_procs=int(procs))
+                         args.seed, int(procs), client), client_procs=int(procs), client=client)
                 for c in args.concurrency.split(',') for rate in args.request_rate.split(',')
-                for procs in args.client_procs.split(',')]
+                for procs in args.client_procs.split(',') for client in args.client.split(',')]
     finally:
         if proc is not None:
             proc.terminate()
