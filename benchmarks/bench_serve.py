@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import Counter
 
 import httpx
 from common import ROOT, environment, print_table, save_json
@@ -67,7 +68,7 @@ class Timing:
 
     def result(self) -> dict:
         return {'ttft': self.ttft, 'latency': self.last - self.start, 'itl': self.itl,
-                'usage': self.usage}
+                'usage': self.usage, 'start': self.start}
 
 
 async def one_request(http, payload: dict) -> dict:
@@ -190,7 +191,30 @@ def summarize(results: list[dict], duration: float, concurrency: int, rate: floa
             **_stats([r['ttft'] for r in results], 'ttft'), **_stats(tpot, 'tpot'),
             **_stats([x for r in results for x in r['itl']], 'itl'),
             'mean_accepted_length': (1 + sum(s['num_accepted_tokens'] for s in specs) / drafts
-                                     if drafts else None)}
+                                     if drafts else None),
+            'slow_gaps': slow_gaps(results)}
+
+
+def slow_gaps(results: list[dict], factor: float = 3.0) -> dict:
+    """The ITL gaps over `factor` x the median: how many, where in their stream (the first 8
+    gaps, the last 8, between), and how many events they make (gaps of one client ending
+    within 1 ms of each other: a step or stall that every running stream felt at once)."""
+    gaps = [x for r in results for x in r['itl']]
+    if not gaps:
+        return {}
+    limit = factor * statistics.median(gaps)
+    where, ends = Counter(), []
+    for r in results:
+        now, n = r['start'] + r['ttft'], len(r['itl'])
+        for i, gap in enumerate(r['itl']):
+            now += gap
+            if gap > limit:
+                where['first 8' if i < 8 else 'last 8' if i >= n - 8 else 'between'] += 1
+                ends.append(now)
+    ends.sort()
+    events = sum(1 for a, b in zip([-math.inf] + ends, ends) if b - a > 1e-3)
+    return {'limit_ms': limit * 1000, 'count': len(ends), 'fraction': len(ends) / len(gaps),
+            'events': events, 'where': dict(where)}
 
 
 def pipeline_reference(model: str | None, server_args: str, prompts: list[str], output_len: int,
