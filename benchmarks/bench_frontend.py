@@ -22,7 +22,7 @@ import threading
 import time
 
 import httpx
-from bench_serve import make_prompts, preset_model_dir, run
+from bench_serve import default_client, make_prompts, preset_model_dir, run
 from common import ROOT, environment, print_table, save_json
 
 
@@ -220,6 +220,8 @@ def main():
     parser.add_argument('--tokens-per-step', type=int, default=1, help='k + 1 under MTP')
     parser.add_argument('--max-batch', type=int, default=256)
     parser.add_argument('--client-procs', default='1', help='comma list')
+    parser.add_argument('--client', default=default_client(), choices=('aiohttp', 'httpx'),
+                        help="bench_serve.py's HTTP client (default aiohttp where installed)")
     parser.add_argument('--out', default=os.path.join(ROOT, 'out', 'bench_frontend.json'))
     parser.add_argument('--in-process', action='store_true',
                         help='drive the app through ASGI in this process (no sockets, no '
@@ -262,7 +264,7 @@ def main():
             for procs in map(int, args.client_procs.split(',')):
                 cpu = cpu_seconds(proc.pid)
                 row = run(url, prompts, args.output_len, concurrency, float('inf'), None, 0,
-                          procs)
+                          procs, args.client)
                 cpu = cpu_seconds(proc.pid) - cpu
                 engine_rate = (min(concurrency, args.max_batch) * args.tokens_per_step
                                / (args.step_ms / 1000))
