@@ -1,8 +1,9 @@
-"""How many streamed chunks one bench_serve.py client process reads a second, per HTTP library:
-a stub server (its own process, no engine) writes one completion chunk of the server's shape to
-every open stream each `--step-ms`, as an engine step would; bench_serve's `collect` reads them
-with httpx and with aiohttp. A client that keeps up reads concurrency / step chunks a second;
-one that cannot is what a one-client server benchmark would measure instead of the server.
+"""How many streamed chunks and requests one bench_serve.py client process completes a second,
+per HTTP library: a stub server (its own process, no engine) writes one completion chunk of the
+server's shape to every open stream each `--step-ms`, as an engine step would; bench_serve's
+`collect` reads them with httpx and with aiohttp. A client that keeps up reads concurrency /
+step chunks a second; one that cannot is what a one-client server benchmark would measure
+instead of the server. Short outputs (`--output-len 8`) time the per-request cost.
 
     python benchmarks/bench_clients.py [--concurrency 64] [--step-ms 2] [--output-len 256]
 """
@@ -31,20 +32,28 @@ def frame(text: str, finish: str | None = None, usage: dict | None = None) -> by
     return b'%x\r\n%s\r\n' % (len(data), data)
 
 
+STREAM_HEAD = (b'HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n'
+               b'transfer-encoding: chunked\r\n\r\n')
+
+
+async def read_request(reader: asyncio.StreamReader) -> dict | None:
+    """The next HTTP/1.1 request's JSON body on a connection; None once the client closed it."""
+    try:
+        head = await reader.readuntil(b'\r\n\r\n')
+    except asyncio.IncompleteReadError:
+        return None
+    length = next(int(line.split(b':')[1]) for line in head.split(b'\r\n')
+                  if line.lower().startswith(b'content-length:'))
+    return json.loads(await reader.readexactly(length))
+
+
 async def stub_server(port: int, step_s: float):
     streams = []                            # [writer, tokens left, done future]
 
     async def handle(reader, writer):
-        while True:
-            try:
-                head = await reader.readuntil(b'\r\n\r\n')
-            except asyncio.IncompleteReadError:
-                return
-            length = next(int(line.split(b':')[1]) for line in head.split(b'\r\n')
-                          if line.lower().startswith(b'content-length:'))
-            n = json.loads(await reader.readexactly(length))['max_tokens']
-            writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n'
-                         b'transfer-encoding: chunked\r\n\r\n')
+        while (body := await read_request(reader)) is not None:
+            n = body['max_tokens']
+            writer.write(STREAM_HEAD)
             done = asyncio.get_running_loop().create_future()
             streams.append([writer, n, done])
             await done
@@ -99,12 +108,13 @@ def main():
                 args.concurrency, math.inf, None, 0, False, client))
             chunks = sum(len(r['itl']) + 1 for r in results)
             rows.append({'client': client, 'chunks': chunks,
+                         'requests_per_s': args.num_requests / (end - start),
                          'chunks_per_s': chunks / (end - start),
                          'offered_per_s': args.concurrency / (args.step_ms / 1000)})
     finally:
         proc.terminate()
         proc.wait(10)
-    print_table(rows, ['client', 'chunks', 'chunks_per_s', 'offered_per_s'])
+    print_table(rows, ['client', 'chunks', 'requests_per_s', 'chunks_per_s', 'offered_per_s'])
 
 
 if __name__ == '__main__':

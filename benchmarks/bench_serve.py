@@ -73,9 +73,10 @@ class Timing:
 
 async def one_request(http, payload: dict) -> dict:
     """One streamed /v1/completions request over `http`: an httpx.AsyncClient (as the openai SDK
-    uses) or an aiohttp.ClientSession (as vLLM's, SGLang's and lmdeploy's serving benchmarks do;
-    it parses a stream's chunks ~2x faster, so one client process measures a fast server
-    rather than itself: BENCHMARKS.md)."""
+    uses) or an aiohttp.ClientSession (as vLLM's, SGLang's and lmdeploy's serving benchmarks do:
+    httpx's pool rescans every connection for each waiting request, so one process of it
+    completes fewer requests a second the more run at once, 388 at 8 and 112 at 64 against
+    aiohttp's 1,883 at 64; `bench_clients.py`, BENCHMARKS.md)."""
     timing = Timing()
     if isinstance(http, httpx.AsyncClient):
         async with http.stream('POST', '/v1/completions', json=payload) as r:
@@ -146,8 +147,8 @@ def run(base_url: str, prompts: list[str], output_len: int, concurrency: int,
         request_rate: float, api_key: str | None, seed: int, client_procs: int = 1,
         client: str = 'httpx') -> dict:
     """One row: `client_procs` client processes share the prompts, the concurrency and the
-    request rate (one Python process parses ~12k streamed chunks/s with httpx, ~25k with
-    aiohttp: a fast server streaming 64 sequences would otherwise be measured by its client)."""
+    request rate (one httpx process reads ~12k streamed chunks/s at 64 streams, one aiohttp
+    process 25-42k: a fast server would otherwise be measured by its client)."""
     # warm-up at this concurrency: the engine meets the batch sizes of the run (its first steps
     # at a new size may capture a CUDA graph) before anything is timed
     warm = prompts[:concurrency]

@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 'benchmarks'))
+from bench_clients import STREAM_HEAD, read_request  # noqa: E402
 from bench_serve import collect  # noqa: E402
 
 HEAD = '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":['
@@ -26,16 +27,8 @@ def _choice(text: str, finish: str | None = None) -> str:
 
 
 async def _serve(reader, writer):
-    while True:
-        try:
-            head = await reader.readuntil(b'\r\n\r\n')
-        except asyncio.IncompleteReadError:
-            return
-        length = next(int(line.split(b':')[1]) for line in head.split(b'\r\n')
-                      if line.lower().startswith(b'content-length:'))
-        body = json.loads(await reader.readexactly(length))
-        writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n'
-                     b'transfer-encoding: chunked\r\n\r\n')
+    while (body := await read_request(reader)) is not None:
+        writer.write(STREAM_HEAD)
         n = body['max_tokens']
         if body['prompt'] == 'bad':
             events = [b'data: {"error":{"message":"prompt refused"}}\n\n']
