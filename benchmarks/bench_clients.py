@@ -25,11 +25,15 @@ HEAD = '{"id":"cmpl-0123456789abcdef","object":"text_completion","created":17644
        '"model":"m","choices":['
 
 
+def chunked(data: bytes) -> bytes:
+    """`data` as one frame of an HTTP/1.1 chunked body."""
+    return b'%x\r\n%s\r\n' % (len(data), data)
+
+
 def frame(text: str, finish: str | None = None, usage: dict | None = None) -> bytes:
     choice = (f'{{"index":0,"text":{json.dumps(text)},"logprobs":null,"finish_reason":'
               f'{json.dumps(finish)},"hidden_states_path":null}}') if text else ''
-    data = f'data: {HEAD}{choice}],"usage":{json.dumps(usage)}}}\n\n'.encode()
-    return b'%x\r\n%s\r\n' % (len(data), data)
+    return chunked(f'data: {HEAD}{choice}],"usage":{json.dumps(usage)}}}\n\n'.encode())
 
 
 STREAM_HEAD = (b'HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n'
@@ -58,7 +62,7 @@ async def stub_server(port: int, step_s: float):
             streams.append([writer, n, done])
             await done
             usage = {'prompt_tokens': 1, 'completion_tokens': n, 'total_tokens': n + 1}
-            writer.write(frame('', usage=usage) + b'e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n')
+            writer.write(frame('', usage=usage) + chunked(b'data: [DONE]\n\n') + b'0\r\n\r\n')
             await writer.drain()
 
     async def steps():

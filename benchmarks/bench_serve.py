@@ -198,8 +198,8 @@ def summarize(results: list[dict], duration: float, concurrency: int, rate: floa
 
 def slow_gaps(results: list[dict], factor: float = 3.0) -> dict:
     """The ITL gaps over `factor` x the median: how many, where in their stream (the first 8
-    gaps, the last 8, between), and how many events they make (gaps of one client ending
-    within 1 ms of each other: a step or stall that every running stream felt at once)."""
+    gaps, the last 8, between), and how many events they make (gaps ending within 1 ms of each
+    other, over every client process: a step or stall that the running streams felt at once)."""
     gaps = [x for r in results for x in r['itl']]
     if not gaps:
         return {}

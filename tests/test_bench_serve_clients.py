@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 'benchmarks'))
-from bench_clients import STREAM_HEAD, read_request  # noqa: E402
+from bench_clients import STREAM_HEAD, chunked, read_request  # noqa: E402
 from bench_serve import collect  # noqa: E402
 
 HEAD = '{"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":['
@@ -39,8 +39,7 @@ async def _serve(reader, writer):
             events += [_event('', json.dumps(usage)), b'data: [DONE]\n\n']
         data = b''.join(events)
         for i in range(0, len(data), 37):          # frames that cut events mid-line
-            frame = data[i:i + 37]
-            writer.write(b'%x\r\n%s\r\n' % (len(frame), frame))
+            writer.write(chunked(data[i:i + 37]))
             await writer.drain()
             await asyncio.sleep(0)
         writer.write(b'0\r\n\r\n')
