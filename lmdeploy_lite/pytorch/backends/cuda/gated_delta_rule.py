@@ -1,5 +1,6 @@
-"""Gated delta rule on CUDA: our Triton recurrent kernels for decode/verify and for short prefills,
-fla-core's chunk kernel for longer prefills (when fla is installed). Shapes, state-slot rules and
+"""Gated delta rule on CUDA: our Triton recurrent kernels for decode/verify and for short prefills
+(a bf16 model's prefill rows in chunks on tensor cores, `gdn_chunk`), fla-core's chunk kernel
+for longer prefills (when fla is installed). Shapes, state-slot rules and
 the pure-torch reference: `backends/default/gated_delta_rule.py`.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from ...model_inputs import ModelInputs
 from ..default import gated_delta_rule as reference
+from . import gdn_chunk
 from .graph_runner import long_row
 from .paged_attention import num_sms
 
@@ -35,6 +37,12 @@ FLA_CHUNK = 64
 # launches of at most this many (sequence, value head) programs take `decode_tiling`'s small
 # tiles: measured on an H200, k=3 verify at 0.8B / 9B heads (16 / 32 value heads)
 SMALL_TILE_PROGRAMS = 256
+# activations whose rows of several tokens walk in chunks on tensor cores (`gdn_chunk`): a
+# float32 or float64 model keeps the token-by-token walk, whose bits follow no tiling
+CHUNKED_DTYPES = (torch.bfloat16, torch.float16)
+# a chunk program's value columns (4 warps) and how many of them are resident a multiprocessor
+CHUNK_BLOCK_V = 64
+CHUNK_WALKERS_PER_SM = 4
 # a prefill walk's one-warp programs resident on one multiprocessor (registers bound them);
 # `_launch` starts this many a multiprocessor and each walks its rows in turn
 WALKERS_PER_SM = 32
@@ -256,7 +264,9 @@ def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     launches, the rows of more than one token in one-warp tiles (a walk keeps its state in
     registers: its cost is each token's latency, no cross-warp sums), by as many programs as
     can be resident (WALKERS_PER_SM a multiprocessor), and the one-token rows in
-    `decode_tiling`'s (their cost is reading the state); the same bits as one launch."""
+    `decode_tiling`'s (their cost is reading the state); the same bits as one launch. With
+    bf16 / fp16 activations (CHUNKED_DTYPES) the rows of several tokens go to `gdn_chunk`
+    instead, whatever the state's dtype."""
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device) if out is None else out
     dk, (nv, dv) = q.shape[-1], v.shape[1:]
     batch, block_k = inputs.q_lens.numel(), triton.next_power_of_2(dk)
@@ -266,7 +276,10 @@ def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                  {} if walks is None else {'ROWS': 0})]
     if walks is not None:
         seq_ptrs = (*seq_ptrs, walks)
-        if tree:
+        if v.dtype in CHUNKED_DTYPES:
+            _chunk_walks(q, k, v, g, beta, out, state_cache, inputs, seq_ptrs, strides)
+            launches = [(batch, decode_tiling(dv, batch * nv if tree else None), {'ROWS': 1})]
+        elif tree:
             (block_v, _), sms = decode_tiling(dv, 0), num_sms(q.device)
             walkers = min(batch, triton.cdiv(WALKERS_PER_SM * sms, nv * triton.cdiv(dv, block_v)))
             launches = [(walkers, decode_tiling(dv, 0), {'ROWS': 2}),
@@ -279,6 +292,23 @@ def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             DV=dv, BK=block_k, BV=block_v, TREE_LEVELS=block_k.bit_length() - 1 if tree else 0,
             num_warps=num_warps, enable_fp_fusion=not tree, **extra, **constexprs)
     return out
+
+
+def _chunk_walks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, out: torch.Tensor, state_cache: torch.Tensor,
+                 inputs: ModelInputs, seq_ptrs: tuple, strides: list) -> None:
+    """The rows of several tokens by `gdn_chunk` (`_launch`'s `walks` last in `seq_ptrs`), by as
+    many programs as can be resident (CHUNK_WALKERS_PER_SM a multiprocessor)."""
+    dk, (nv, dv) = q.shape[-1], v.shape[1:]
+    tiles = triton.cdiv(dv, CHUNK_BLOCK_V)
+    walkers = min(inputs.q_lens.numel(),
+                  triton.cdiv(CHUNK_WALKERS_PER_SM * num_sms(q.device), nv * tiles))
+    gdn_chunk._chunk_prefill_kernel[(walkers, nv, tiles)](
+        q, k, v, g, beta, out, state_cache, inputs.state_slots, inputs.state_index,
+        inputs.history_lens, *seq_ptrs, *strides, scale=dk ** -0.5, HEAD_RATIO=nv // q.shape[1],
+        DK=dk, DV=dv, BK=max(triton.next_power_of_2(dk), 16), BV=CHUNK_BLOCK_V,
+        DOT='ieee' if v.dtype == torch.float32 else 'tf32',
+        num_warps=max(1, CHUNK_BLOCK_V // 16))
 
 
 def _walks(lens: torch.Tensor) -> torch.Tensor:

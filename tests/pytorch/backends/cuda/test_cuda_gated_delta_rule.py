@@ -197,6 +197,28 @@ def test_recurrent_prefill_matches_default(kernel_device):
                        cache_dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize('block_v, walkers', [(64, 8), (16, 1)], ids=['default', 'loops'])
+def test_chunked_walk_matches_default(kernel_device, monkeypatch, block_v, walkers):
+    """A bf16 model's rows of several tokens walk in chunks of `gdn_chunk.CHUNK` on tensor cores:
+    against the default op, rows longer and shorter than a chunk, whole chunks and partial ones,
+    with and without history, beside one-token and padding rows. Under the interpreter in fp32
+    (the same kernel with exact products) at 1e-5, as the walk; on a GPU in bf16 (tf32 products)
+    by relative error; `loops`: narrow tiles and one resident program a multiprocessor, so a
+    program takes several rows in turn."""
+    monkeypatch.setattr(cuda_gdr, 'CHUNK_BLOCK_V', block_v)
+    monkeypatch.setattr(cuda_gdr, 'CHUNK_WALKERS_PER_SM', walkers)
+    cpu = kernel_device == 'cpu'
+    if cpu:
+        monkeypatch.setattr(cuda_gdr, 'CHUNKED_DTYPES', (torch.float32,))
+    dims = (2, 4, 12, 20, 3) if cpu else (16, 32, 128, 128, 3)
+    steps = (([37, 1, 16, 0, 5], [0, 9, 3, 0, 2], [4, 1, 6, 0, 5], [0, 2, 1, 0, 3]),
+             *SHORT_STEPS)
+    for q_lens, history, slots, index in steps:
+        check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False, dims,
+                   torch.float32 if cpu else torch.bfloat16, kernel_device,
+                   op=cuda_gdr.recurrent_prefill)
+
+
 def test_recurrent_prefill_bits_do_not_depend_on_tiling(kernel_device, monkeypatch):
     """The prefill walk's tiling follows the batch (`decode_tiling`): with an fp32 state
     (fixed-tree sums) its outputs and states are the same bits at every tiling, so a chunk's
