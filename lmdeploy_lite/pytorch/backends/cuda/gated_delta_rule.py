@@ -16,7 +16,7 @@ import triton.language as tl
 
 from ...model_inputs import ModelInputs
 from ..default import gated_delta_rule as reference
-from . import gdn_chunk
+from .gdn_chunk import chunk_walk
 from .graph_runner import long_row
 from .paged_attention import num_sms
 
@@ -155,7 +155,8 @@ def _recurrent_prefill_kernel(
         stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
         scale, ACC_FP64: tl.constexpr,
         HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-        BK: tl.constexpr, BV: tl.constexpr, TREE_LEVELS: tl.constexpr, ROWS: tl.constexpr = 0):
+        BK: tl.constexpr, BV: tl.constexpr, TREE_LEVELS: tl.constexpr, ROWS: tl.constexpr = 0,
+        DOT: tl.constexpr = 'tf32'):
     """The decode kernel's program (sequence b, value head h, value columns [BV * pid_v, +BV))
     over a varlen prefill: tokens q_start_loc[b] .. + q_lens[b] (a runtime loop: one compile for
     every length), from state[slot, state_index[b], h] (zero if fresh). The state stays in the
@@ -164,8 +165,8 @@ def _recurrent_prefill_kernel(
     0, every row (program b: row b); 1, rows of one token only; 2, rows of more than one token
     only, from `walks_ptr` (`_walks`: their count, then their indices), program b taking the
     b-th, (b + P)-th, .. of them (P programs: rows beyond those resident at once walk later
-    either way)."""
-    if ROWS == 2:
+    either way); 3, as 2, each row in chunks (`gdn_chunk`, products at DOT precision)."""
+    if ROWS >= 2:
         i, num_walks = tl.program_id(0), tl.load(walks_ptr)
         while i < num_walks:
             _walk_row(tl.load(walks_ptr + 1 + i), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
@@ -174,7 +175,7 @@ def _recurrent_prefill_kernel(
                       stride_kh, stride_kd, stride_vt, stride_vh, stride_vd, stride_gt,
                       stride_gh, stride_bt, stride_bh, stride_ot, stride_oh, stride_od,
                       stride_s0, stride_s1, stride_s2, stride_sk, stride_sv, scale, ACC_FP64,
-                      HEAD_RATIO, DK, DV, BK, BV, TREE_LEVELS, ROWS)
+                      HEAD_RATIO, DK, DV, BK, BV, TREE_LEVELS, ROWS, DOT)
             i += tl.num_programs(0)
     else:
         _walk_row(tl.program_id(0), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
@@ -182,7 +183,7 @@ def _recurrent_prefill_kernel(
                   q_lens_ptr, stride_qt, stride_qh, stride_qd, stride_kt, stride_kh, stride_kd,
                   stride_vt, stride_vh, stride_vd, stride_gt, stride_gh, stride_bt, stride_bh,
                   stride_ot, stride_oh, stride_od, stride_s0, stride_s1, stride_s2, stride_sk,
-                  stride_sv, scale, ACC_FP64, HEAD_RATIO, DK, DV, BK, BV, TREE_LEVELS, ROWS)
+                  stride_sv, scale, ACC_FP64, HEAD_RATIO, DK, DV, BK, BV, TREE_LEVELS, ROWS, DOT)
 
 
 @triton.jit
@@ -194,7 +195,8 @@ def _walk_row(b, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
               stride_s0, stride_s1, stride_s2, stride_sk, stride_sv,
               scale, ACC_FP64: tl.constexpr,
               HEAD_RATIO: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-              BK: tl.constexpr, BV: tl.constexpr, TREE_LEVELS: tl.constexpr, ROWS: tl.constexpr):
+              BK: tl.constexpr, BV: tl.constexpr, TREE_LEVELS: tl.constexpr, ROWS: tl.constexpr,
+              DOT: tl.constexpr):
     """`_recurrent_prefill_kernel`'s walk of row b (value head and columns by program id)."""
     h, pid_v = tl.program_id(1), tl.program_id(2)
     acc = tl.float64 if ACC_FP64 else tl.float32
@@ -221,20 +223,25 @@ def _walk_row(b, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, state_ptr,
     v_row = v_ptr + h * stride_vh + offs_v * stride_vd
     out_row = out_ptr + h * stride_oh + offs_v * stride_od
     g_row, beta_row = g_ptr + h * stride_gh, beta_ptr + h * stride_bh
-    # each token's inputs are loaded a token ahead, so their latency overlaps the math before
-    # them (a walk of 64 tokens was ~1.5 us a token, mostly waiting for loads); same math, bits
     tok, end = start, start + num_tokens
-    q, k, v, g, beta = _token_inputs(tok, q_row, k_row, v_row, g_row, beta_row, stride_qt,
-                                     stride_kt, stride_vt, stride_gt, stride_bt, mask_k, mask_v,
-                                     tok < end, acc)
-    while tok < end:                   # (Triton's interpreter takes no loaded bound in a range)
-        q_next, k_next, v_next, g_next, beta_next = _token_inputs(
-            tok + 1, q_row, k_row, v_row, g_row, beta_row, stride_qt, stride_kt, stride_vt,
-            stride_gt, stride_bt, mask_k, mask_v, tok + 1 < end, acc)
-        state = _delta_rule_math(state, q, k, v, g, beta, out_row + tok * stride_ot, mask_v, scale,
-                                 TREE_LEVELS)
-        q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
-        tok += 1
+    if ROWS == 3:
+        state = chunk_walk(state, tok, end, q_row, k_row, v_row, g_row, beta_row, out_row,
+                           stride_qt, stride_kt, stride_vt, stride_gt, stride_bt, stride_ot,
+                           mask_k, mask_v, scale, DOT)
+    else:
+        # each token's inputs are loaded a token ahead, so their latency overlaps the math
+        # before them (a walk of 64 tokens was ~1.5 us a token, mostly waiting for loads)
+        q, k, v, g, beta = _token_inputs(tok, q_row, k_row, v_row, g_row, beta_row, stride_qt,
+                                         stride_kt, stride_vt, stride_gt, stride_bt, mask_k,
+                                         mask_v, tok < end, acc)
+        while tok < end:               # (Triton's interpreter takes no loaded bound in a range)
+            q_next, k_next, v_next, g_next, beta_next = _token_inputs(
+                tok + 1, q_row, k_row, v_row, g_row, beta_row, stride_qt, stride_kt, stride_vt,
+                stride_gt, stride_bt, mask_k, mask_v, tok + 1 < end, acc)
+            state = _delta_rule_math(state, q, k, v, g, beta, out_row + tok * stride_ot, mask_v,
+                                     scale, TREE_LEVELS)
+            q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
+            tok += 1
     tl.store(row + tile, state.to(state_ptr.dtype.element_ty), mask=mask_s & (num_tokens > 0))
 
 
@@ -276,9 +283,12 @@ def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
                  {} if walks is None else {'ROWS': 0})]
     if walks is not None:
         seq_ptrs = (*seq_ptrs, walks)
-        if v.dtype in CHUNKED_DTYPES:
-            _chunk_walks(q, k, v, g, beta, out, state_cache, inputs, seq_ptrs, strides)
-            launches = [(batch, decode_tiling(dv, batch * nv if tree else None), {'ROWS': 1})]
+        if v.dtype in CHUNKED_DTYPES and block_k >= 16:       # (tl.dot's smallest tile)
+            walkers = min(batch, triton.cdiv(CHUNK_WALKERS_PER_SM * num_sms(q.device),
+                                             nv * triton.cdiv(dv, CHUNK_BLOCK_V)))
+            dot = 'ieee' if v.dtype == torch.float32 else 'tf32'
+            launches = [(walkers, (CHUNK_BLOCK_V, CHUNK_BLOCK_V // 16), {'ROWS': 3, 'DOT': dot}),
+                        (batch, decode_tiling(dv, batch * nv if tree else None), {'ROWS': 1})]
         elif tree:
             (block_v, _), sms = decode_tiling(dv, 0), num_sms(q.device)
             walkers = min(batch, triton.cdiv(WALKERS_PER_SM * sms, nv * triton.cdiv(dv, block_v)))
@@ -290,25 +300,9 @@ def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             inputs.history_lens, *seq_ptrs, *strides, scale=dk ** -0.5,
             ACC_FP64=state_cache.dtype == torch.float64, HEAD_RATIO=nv // q.shape[1], DK=dk,
             DV=dv, BK=block_k, BV=block_v, TREE_LEVELS=block_k.bit_length() - 1 if tree else 0,
-            num_warps=num_warps, enable_fp_fusion=not tree, **extra, **constexprs)
+            num_warps=num_warps, enable_fp_fusion=not tree or extra.get('ROWS') == 3, **extra,
+            **constexprs)
     return out
-
-
-def _chunk_walks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                 beta: torch.Tensor, out: torch.Tensor, state_cache: torch.Tensor,
-                 inputs: ModelInputs, seq_ptrs: tuple, strides: list) -> None:
-    """The rows of several tokens by `gdn_chunk` (`_launch`'s `walks` last in `seq_ptrs`), by as
-    many programs as can be resident (CHUNK_WALKERS_PER_SM a multiprocessor)."""
-    dk, (nv, dv) = q.shape[-1], v.shape[1:]
-    tiles = triton.cdiv(dv, CHUNK_BLOCK_V)
-    walkers = min(inputs.q_lens.numel(),
-                  triton.cdiv(CHUNK_WALKERS_PER_SM * num_sms(q.device), nv * tiles))
-    gdn_chunk._chunk_prefill_kernel[(walkers, nv, tiles)](
-        q, k, v, g, beta, out, state_cache, inputs.state_slots, inputs.state_index,
-        inputs.history_lens, *seq_ptrs, *strides, scale=dk ** -0.5, HEAD_RATIO=nv // q.shape[1],
-        DK=dk, DV=dv, BK=max(triton.next_power_of_2(dk), 16), BV=CHUNK_BLOCK_V,
-        DOT='ieee' if v.dtype == torch.float32 else 'tf32',
-        num_warps=max(1, CHUNK_BLOCK_V // 16))
 
 
 def _walks(lens: torch.Tensor) -> torch.Tensor:

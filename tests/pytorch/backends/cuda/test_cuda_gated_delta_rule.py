@@ -203,8 +203,8 @@ def test_chunked_walk_matches_default(kernel_device, monkeypatch, block_v, walke
     against the default op, rows longer and shorter than a chunk, whole chunks and partial ones,
     with and without history, beside one-token and padding rows. Under the interpreter in fp32
     (the same kernel with exact products) at 1e-5, as the walk; on a GPU in bf16 (tf32 products)
-    by relative error; `loops`: narrow tiles and one resident program a multiprocessor, so a
-    program takes several rows in turn."""
+    by relative error, with an fp32 and a bf16 state; `loops`: narrow tiles and one resident
+    program a multiprocessor, so a program takes several rows in turn."""
     monkeypatch.setattr(cuda_gdr, 'CHUNK_BLOCK_V', block_v)
     monkeypatch.setattr(cuda_gdr, 'CHUNK_WALKERS_PER_SM', walkers)
     cpu = kernel_device == 'cpu'
@@ -214,9 +214,10 @@ def test_chunked_walk_matches_default(kernel_device, monkeypatch, block_v, walke
     steps = (([37, 1, 16, 0, 5], [0, 9, 3, 0, 2], [4, 1, 6, 0, 5], [0, 2, 1, 0, 3]),
              *SHORT_STEPS)
     for q_lens, history, slots, index in steps:
-        check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False, dims,
-                   torch.float32 if cpu else torch.bfloat16, kernel_device,
-                   op=cuda_gdr.recurrent_prefill)
+        for cache_dtype in (None,) if cpu else (None, torch.bfloat16):   # fp32 / bf16 state
+            check_step('gated_delta_rule_prefill', q_lens, history, slots, index, False, dims,
+                       torch.float32 if cpu else torch.bfloat16, kernel_device,
+                       op=cuda_gdr.recurrent_prefill, cache_dtype=cache_dtype)
 
 
 def test_recurrent_prefill_bits_do_not_depend_on_tiling(kernel_device, monkeypatch):
