@@ -84,11 +84,11 @@ def test_mixed_steps_change_no_token(k):
 
 @pytest.mark.parametrize('prefix_caching', [False, True])
 def test_async_mixed_steps_change_no_token(prefix_caching, monkeypatch):
-    """Async scheduling holds a mixed step whose chunks end no prompt and schedules the next one
-    before its results (Scheduler.continue_mixed: the decode rows' tokens read on the device,
-    the chunks' bookkeeping applied at once): the whole sequences equal the reference's, no
-    stream stalls, and continued mixed steps really ran. With the prefix cache
-    (blocks of 8), chunks end at block boundaries and their states are saved as they go."""
+    """Async scheduling holds a mixed step and schedules the next one before its results
+    (Scheduler.continue_mixed: the decode rows' tokens read on the device, the chunks'
+    bookkeeping applied at once): the whole sequences equal the reference's, no stream stalls,
+    and continued mixed steps really ran. With the prefix cache (blocks of 8), chunks end at
+    block boundaries and their states are saved as they go."""
     from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
     continued, continue_mixed = [], Scheduler.continue_mixed
 
@@ -104,6 +104,65 @@ def test_async_mixed_steps_change_no_token(prefix_caching, monkeypatch):
     # a held step's tokens come one step late: two steps apart where a synchronous step
     # (a prompt's last chunk, a new arrival) hands over to a held one
     _assert_no_stall(seqs, emitted, max_gap=2)
+
+
+@pytest.mark.parametrize('budget', [8, 64])
+def test_arrivals_and_prompt_ends_never_wait_for_the_host(budget, monkeypatch):
+    """Async scheduling, prompts arriving while streams decode: the in-flight decode step is
+    continued into a mixed step that takes them in (its rows' tokens read on the device), a
+    mixed step whose chunk ends a prompt is held like any other, and the step after it decodes
+    that prompt's first token from the device before the host has seen it. Whole sequences equal
+    the reference's; each path really ran."""
+    from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
+    seen = {'into_mixed': 0, 'held_ends': 0, 'to_decode': 0}
+    into, holds, cont = (Scheduler._continue_into_mixed, Scheduler.holds_mixed,
+                         Scheduler.continue_mixed)
+
+    def into_spy(scheduler, batch):
+        nxt = into(scheduler, batch)
+        seen['into_mixed'] += nxt is not None
+        return nxt
+
+    def holds_spy(scheduler, batch):
+        held = holds(scheduler, batch)
+        seen['held_ends'] += held and any(batch.sample_mask[batch.decoding:])
+        return held
+
+    def cont_spy(scheduler, batch):
+        nxt = cont(scheduler, batch)
+        seen['to_decode'] += nxt is not None and nxt.is_decoding
+        return nxt
+    monkeypatch.setattr(Scheduler, '_continue_into_mixed', into_spy)
+    monkeypatch.setattr(Scheduler, 'holds_mixed', holds_spy)
+    monkeypatch.setattr(Scheduler, 'continue_mixed', cont_spy)
+    seqs, _, emitted = _run(0, max_mixed_token_num=budget, async_scheduling=True)
+    assert [s.generated_ids for s in seqs] == reference(0, _prompts(), **CFG).token_ids
+    assert all(seen.values()), seen
+    _assert_no_stall(seqs, emitted, max_gap=2)
+
+
+def test_a_continued_step_feeds_each_decode_row_its_rows_token():
+    """`make_next_mixed_inputs`: the decode rows of a step scheduled before the results of the
+    one it follows read the tokens of their rows there (`prev_rows`, in any order: a prompt
+    that ended behind a chunk that did not), at one past the host's count for a row that
+    decoded there and at the prompt's end for one whose prompt ended; chunks from the host."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch
+    from lmdeploy_lite.pytorch.strategies.base import Strategy
+
+    def seq(computed, prefilled, slot):
+        return SimpleNamespace(token_ids=list(range(100, 110)), num_computed=computed,
+                               prefilled=prefilled, blocks=[slot], state_slot=slot)
+    streaming, ended, chunked = seq(7, True, 1), seq(10, False, 2), seq(4, False, 3)
+    batch = ScheduledBatch([streaming, ended, chunked], [1, 1, 3], is_decoding=False,
+                           decoding=2, prev_rows=[0, 2])
+    result = SimpleNamespace(output_tokens=torch.tensor([[11], [12], [13]]))
+    inputs = Strategy().make_next_mixed_inputs(batch, result, 'cpu')
+    assert inputs.input_ids.tolist() == [11, 13, 104, 105, 106]
+    assert inputs.positions.tolist() == [8, 10, 4, 5, 6]
 
 
 def test_the_step_that_hands_out_tokens_launches_a_held_mixed_step():
