@@ -11,7 +11,9 @@ the whole budget); with `max_mixed_step_cost` the budget follows measured step t
 with a chunk: under speculation decode and chunk steps alternate instead. Blocks cover every
 position a step writes, the `num_draft_extra` a draft writes past the fed tokens included (k - 1
 for the MTP head); a sequence near its end still feeds k + 1, so it holds session_len + k +
-num_draft_extra positions. Prefix caching and forking: prefix_cache.py, forking.py."""
+num_draft_extra positions. Under async scheduling a step may be scheduled before the results of
+the one it follows (`continuation`), its decode rows fed from the device. Prefix caching and
+forking: prefix_cache.py, forking.py."""
 from __future__ import annotations
 
 from collections import deque

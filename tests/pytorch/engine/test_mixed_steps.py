@@ -141,6 +141,50 @@ def test_arrivals_and_prompt_ends_never_wait_for_the_host(budget, monkeypatch):
     _assert_no_stall(seqs, emitted, max_gap=2)
 
 
+def test_async_arrivals_of_every_kind_give_the_sync_tokens():
+    """Prompts arriving beside two greedy streams under async scheduling, each kind its own:
+    seeded sampling with logprobs (taken in by a continued step), one new token (it ends at
+    its first token, which a held step's successor has already fed), n = 2 sharing a prefill
+    and a penalised one (the host waits for those): every request's tokens and logprobs equal
+    the synchronous engine's."""
+    import dataclasses
+
+    prompts = _prompts()
+    arrivals = [(0, prompts[0], GREEDY), (0, prompts[1], GREEDY),
+                (2, prompts[3], dataclasses.replace(GREEDY, do_sample=True, random_seed=7,
+                                                    logprobs=2)),
+                (3, prompts[4], dataclasses.replace(GREEDY, max_new_tokens=1)),
+                (4, prompts[0], dataclasses.replace(GREEDY, n=2)),
+                (6, prompts[1], dataclasses.replace(GREEDY, repetition_penalty=1.3))]
+
+    def run(async_scheduling: bool):
+        config = PytorchEngineConfig(**{**accepting.BASE, **CFG}, max_mixed_token_num=24,
+                                     async_scheduling=async_scheduling)
+        engine = build_engine(accepting.model_dir(), config, None, progress=False)
+        seqs, outs, step = [], {}, 0
+        while engine.has_work or step <= arrivals[-1][0]:
+            for at, prompt, gen in arrivals:
+                if at == step:
+                    seqs += engine.add_group(prompt, gen)
+            for out in engine.step():
+                outs.setdefault(out.seq.seq_id, []).append((out.new_token_ids, out.logprobs))
+            step += 1
+        tokens = [s.generated_ids for s in seqs]
+        return tokens, [[o for o in outs[s.seq_id] if o[0]] for s in seqs], engine
+    sync_tokens, sync_outs, _ = run(False)
+    tokens, outs, engine = run(True)
+    assert tokens == sync_tokens and len(tokens[3]) == 1
+    # the same logprobs and top ids; values to float64 rounding (prompts may be chunked
+    # differently: the async engine takes a prompt in while the sync one is still applying)
+    entries = [[lp for seq_outs in o for _, lps in seq_outs if lps for lp in lps]
+               for o in (outs, sync_outs)]
+    assert len(entries[0]) == len(entries[1]) > 0
+    assert [e[1] for e in entries[0]] == [e[1] for e in entries[1]]
+    values = [[x for e in es for x in (e[0], *e[2])] for es in entries]
+    assert values[0] == pytest.approx(values[1], abs=1e-9)
+    assert engine.num_continued_steps > 0
+
+
 def test_a_continued_step_feeds_each_decode_row_its_rows_token():
     """`make_next_mixed_inputs`: the decode rows of a step scheduled before the results of the
     one it follows read the tokens of their rows there (`prev_rows`, in any order: a prompt
