@@ -106,13 +106,14 @@ def test_async_mixed_steps_change_no_token(prefix_caching, monkeypatch):
     _assert_no_stall(seqs, emitted, max_gap=2)
 
 
-@pytest.mark.parametrize('budget', [8, 64])
-def test_arrivals_and_prompt_ends_never_wait_for_the_host(budget, monkeypatch):
+@pytest.mark.parametrize('budget, graphs', [(8, False), (64, False), (12, True)])
+def test_arrivals_and_prompt_ends_never_wait_for_the_host(budget, graphs, monkeypatch):
     """Async scheduling, prompts arriving while streams decode: the in-flight decode step is
     continued into a mixed step that takes them in (its rows' tokens read on the device), a
     mixed step whose chunk ends a prompt is held like any other, and the step after it decodes
     that prompt's first token from the device before the host has seen it. Whole sequences equal
-    the reference's; each path really ran."""
+    the reference's; each path really ran; with `graphs`, through the graph runners' static
+    buffers (CPU), which both replayed."""
     from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
     seen = {'into_mixed': 0, 'held_ends': 0, 'to_decode': 0}
     into, holds, cont = (Scheduler._continue_into_mixed, Scheduler.holds_mixed,
@@ -135,10 +136,15 @@ def test_arrivals_and_prompt_ends_never_wait_for_the_host(budget, monkeypatch):
     monkeypatch.setattr(Scheduler, '_continue_into_mixed', into_spy)
     monkeypatch.setattr(Scheduler, 'holds_mixed', holds_spy)
     monkeypatch.setattr(Scheduler, 'continue_mixed', cont_spy)
-    seqs, _, emitted = _run(0, max_mixed_token_num=budget, async_scheduling=True)
+    buffers = dict(max_blocks=20, prefill_buckets=[8, 16], max_prefill_q_len=8)
+    seqs, _, emitted = _run(0, buffers if graphs else None, max_mixed_token_num=budget,
+                            async_scheduling=True)
     assert [s.generated_ids for s in seqs] == reference(0, _prompts(), **CFG).token_ids
     assert all(seen.values()), seen
     _assert_no_stall(seqs, emitted, max_gap=2)
+    if graphs:
+        agent = _run.engine.agent
+        assert agent.prefill_graph.num_replays > 0 and agent.graphs[1].num_replays > 0
 
 
 def test_async_arrivals_of_every_kind_give_the_sync_tokens():
