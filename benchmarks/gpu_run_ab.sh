@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# A/B of a change in the server on one GPU, both sides in one call: "new" is this tree, "old" a
+# copy of it with OLD_PATCH applied (e.g. `git diff HEAD main -- lmdeploy_lite > old.patch`, an
+# untracked file carried with the tree). The 0.8B preset (PRESET) on random weights, bf16,
+# bench_serve at CONC streams (default 64,256) with one aiohttp client process, the server's
+# engine steps traced (trace_hook/, summarized by step_trace.py); SIDES (default "new old").
+#   OLD_PATCH=old.patch bash benchmarks/gpu_run_ab.sh
+source .whl/gpu-env.sh
+export TRITON_CACHE_DIR=/tmp/triton_cache
+OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
+P=${PRESET:-qwen3_5_0_8b}
+rm -rf /tmp/old && mkdir -p /tmp/old && cp -r lmdeploy_lite /tmp/old/ && \
+  (cd /tmp/old && patch -s -p1 < $OLDPWD/$OLD_PATCH) || { echo "patch failed"; exit 1; }
+for side in ${SIDES:-new old}; do
+  root=$PWD; [ $side = old ] && root=/tmp/old
+  mkdir -p $OUT/steps_$side
+  PYTHONPATH=$PWD/benchmarks/trace_hook:$PYTHONPATH STEP_TRACE_DIR=$OUT/steps_$side \
+    timeout 280 python3 benchmarks/bench_serve.py --launch --preset $P --server-root $root \
+    --input-words 128 --output-len 256 --num-prompts 512 --concurrency ${CONC:-64,256} \
+    --client-procs 1 --client aiohttp --server-args "--device cuda --dtype bfloat16 \
+    --session-len 4096 --max-batch-size 256 $SERVER_ARGS" --out $OUT/serve_$side.json \
+    > $OUT/serve_$side.log 2>&1
+  echo "== $side"; grep -A3 "^concurrency" $OUT/serve_$side.log | cut -c1-250
+  python3 benchmarks/step_trace.py $OUT/steps_$side --top 6
+done
