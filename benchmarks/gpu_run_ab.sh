@@ -10,7 +10,8 @@ export TRITON_CACHE_DIR=/tmp/triton_cache
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 P=${PRESET:-qwen3_5_0_8b}
 rm -rf /tmp/old && mkdir -p /tmp/old && cp -r lmdeploy_lite /tmp/old/ && \
-  (cd /tmp/old && patch -s -p1 < $OLDPWD/$OLD_PATCH) || { echo "patch failed"; exit 1; }
+  (cd /tmp/old && { patch -s -p1 < $OLDPWD/$OLD_PATCH || git apply $OLDPWD/$OLD_PATCH; }) || \
+  { echo "patch failed"; exit 1; }
 for side in ${SIDES:-new old}; do
   root=$PWD; [ $side = old ] && root=/tmp/old
   mkdir -p $OUT/steps_$side
