@@ -206,21 +206,9 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.fork.leader is None and s not in seqs]:
             if budget <= 0 or len(self.running) >= self.max_batch_size:
                 break
-            hit = prefix_cache.take_cached_prefix(self.bm, seq)
-            n = self._chunk(seq, budget)
-            need = seq.num_computed + n + self.num_draft_extra
-            # admit only with room for the whole prompt: a sequence admitted on a first chunk
-            # that then cannot grow preempts itself and is re-admitted, forever (a livelock
-            # when it is the newest and the cache is full)
-            whole = min(len(seq.token_ids) + self.num_draft_extra, self.max_positions)
-            if not self.bm.can_hold(seq, max(need, whole)):
-                prefix_cache.drop_cached_prefix(self.bm, seq)
+            n = self._admit(seq, budget)
+            if n is None:
                 break
-            prefix_cache.count_lookup(self.bm, seq, hit)
-            self.bm.grow(seq, need)
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
             seqs.append(seq)
             q_lens.append(n)
             budget -= n
@@ -355,22 +343,33 @@ class Scheduler:
             if (budget - taken <= 0 or len(self.running) >= self.max_batch_size
                     or not self._holdable(seq)):
                 break
-            hit = prefix_cache.take_cached_prefix(self.bm, seq)
-            n = self._chunk(seq, budget - taken)
-            need = seq.num_computed + n + self.num_draft_extra
-            whole = min(len(seq.token_ids) + self.num_draft_extra, self.max_positions)
-            if not self.bm.can_hold(seq, max(need, whole)):
-                prefix_cache.drop_cached_prefix(self.bm, seq)
+            n = self._admit(seq, budget - taken)
+            if n is None:
                 break
-            prefix_cache.count_lookup(self.bm, seq, hit)
-            self.bm.grow(seq, need)
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
             seqs.append(seq)
             q_lens.append(n)
             taken += n
         return taken
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """A waiting `seq` running, its cached prefix taken and blocks for its first chunk of at
+        most `budget` tokens grown: that chunk's length; None (nothing changed) where the cache
+        has no room for its whole prompt. Admitted only with that room: a sequence admitted on a
+        first chunk that then cannot grow preempts itself and is re-admitted, forever (a
+        livelock when it is the newest and the cache is full)."""
+        hit = prefix_cache.take_cached_prefix(self.bm, seq)
+        n = self._chunk(seq, budget)
+        need = seq.num_computed + n + self.num_draft_extra
+        whole = min(len(seq.token_ids) + self.num_draft_extra, self.max_positions)
+        if not self.bm.can_hold(seq, max(need, whole)):
+            prefix_cache.drop_cached_prefix(self.bm, seq)
+            return None
+        prefix_cache.count_lookup(self.bm, seq, hit)
+        self.bm.grow(seq, need)
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return n
 
     def _preempt_for(self, seq: Sequence, num_tokens: int) -> bool:
         """Free later arrivals (recompute later) until `seq` fits; False if `seq` was the victim."""
