@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of a change in the server on one GPU, both sides in one call: "new" is this tree, "old" a
-# copy of it with OLD_PATCH applied (e.g. `git diff HEAD main -- lmdeploy_lite > old.patch`, an
-# untracked file carried with the tree). The 0.8B preset (PRESET) on random weights, bf16,
+# copy of it with OLD_PATCH applied (a path relative to the tree, an untracked file carried
+# with it, e.g. `git diff HEAD main -- lmdeploy_lite > old.patch`). The 0.8B preset (PRESET) on
+# random weights, bf16,
 # bench_serve at CONC streams (default 64,256) with one aiohttp client process, the server's
 # engine steps traced (trace_hook/, summarized by step_trace.py); SIDES (default "new old").
 #   OLD_PATCH=old.patch bash benchmarks/gpu_run_ab.sh

@@ -25,7 +25,7 @@ from lmdeploy_lite.messages import GenerationConfig, PytorchEngineConfig  # noqa
 from lmdeploy_lite.pytorch.engine.build import build_engine  # noqa: E402
 
 # kernel-name fragments -> family (the first that matches)
-FAMILIES = (('gated delta (ours)', ('_recurrent', '_gating', '_chunk_prefill')),
+FAMILIES = (('gated delta (ours)', ('_recurrent', '_gating')),
             ('conv1d', ('conv', '_prefill_body', '_prefill_head')),
             ('attention', ('_prefill_kernel', 'attn', '_decode_kernel', 'sum_splits')),
             ('gated delta (fla)', ('chunk', 'solve_tril', 'recompute', 'l2norm', 'cumsum', 'kkt',

@@ -286,7 +286,7 @@ def _launch(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         if v.dtype in CHUNKED_DTYPES and block_k >= 16:       # (tl.dot's smallest tile)
             walkers = min(batch, triton.cdiv(CHUNK_WALKERS_PER_SM * num_sms(q.device),
                                              nv * triton.cdiv(dv, CHUNK_BLOCK_V)))
-            dot = 'ieee' if v.dtype == torch.float32 else 'tf32'
+            dot = 'ieee' if v.dtype == torch.float32 else 'tf32'     # (float32: tests only)
             launches = [(walkers, (CHUNK_BLOCK_V, CHUNK_BLOCK_V // 16), {'ROWS': 3, 'DOT': dot}),
                         (batch, decode_tiling(dv, batch * nv if tree else None), {'ROWS': 1})]
         elif tree:
