@@ -130,9 +130,9 @@ class Engine:
         if not plan.any_work or plan.shutdown:
             return outputs + self._finish(continued)
         self.num_steps += 1
-        if batch is not None and not batch.is_decoding:
-            self.num_prefill_tokens += sum(n for seq, n in zip(batch.seqs, batch.q_lens)
-                                           if not seq.prefilled)
+        if batch is not None and not batch.is_decoding:    # rows past prev_rows': chunks
+            rows = list(zip(batch.seqs, batch.q_lens))[len(batch.prev_rows or ()):]
+            self.num_prefill_tokens += sum(n for seq, n in rows if not seq.prefilled)
         batch = self.spec.with_draft_count(batch, plan.num_spec)
         inputs = self._make_inputs(batch, continued, plan)
         result = self.agent.step(inputs, sampling)
@@ -153,8 +153,7 @@ class Engine:
             batch, self.next_batch = self.next_batch, None
             return [], batch, None
         if pending is not None and self._can_continue(pending):
-            batch = (pending.batch if pending.batch.is_decoding
-                     else self.scheduler.continue_mixed(pending.batch))
+            batch = self.scheduler.continuation(pending.batch)
             if batch is not None:
                 self.num_continued_steps += 1
                 return [], batch, pending
@@ -173,19 +172,16 @@ class Engine:
         return self.async_scheduling and (batch.is_decoding or self.scheduler.holds_mixed(batch))
 
     def _can_continue(self, pending: InFlight) -> bool:
-        """When nothing else could be scheduled (no waiting request, no finished sequence, room
-        for two more steps; a held mixed step: its prompts' next chunks, `continue_mixed`
-        checks the waiting ones). Never with a penalised
-        or constrained row: its penalties or grammar mask need the tokens emitted so far, which
-        the host would not know yet."""
-        seqs, decoding = pending.batch.seqs, pending.batch.is_decoding
+        """When its rows are all that runs and none has finished (`Scheduler.continuation`
+        says what follows). Never with a penalised or constrained row: its penalties or grammar
+        mask need the tokens emitted so far, which the host would not know yet."""
+        seqs = pending.batch.seqs
         if (not self.async_scheduling or self.stop_requested
-                or (decoding and self.scheduler.waiting) or len(self.scheduler.running) != len(seqs)
+                or len(self.scheduler.running) != len(seqs)
                 or any(s.is_finished or s.gen_config.has_penalties or s.grammar is not None
                        for s in seqs)):
             return False
-        return (self.scheduler.reserve_ahead(seqs, num_steps=2) if decoding
-                else pending.result.hidden_states is None)
+        return pending.batch.is_decoding or pending.result.hidden_states is None
 
     def _gather_plan(self, batch: ScheduledBatch | None, sampling: SamplingInputs) -> StepPlan:
         """The StepPlan of the ranks that share this step's collectives."""
@@ -257,7 +253,8 @@ class Engine:
         for i, (seq, q_len, samples, row, num_accepted, num_drafts) in enumerate(zip(
                 batch.seqs, batch.q_lens, batch.sample_mask, tokens, accepted, row_drafts)):
             start += q_len
-            if seq.is_finished or (batch.applied_rows and batch.applied_rows[i]):
+            applied = batch.applied_rows is not None and batch.applied_rows[i]
+            if seq.is_finished or (applied and not samples):
                 continue          # (async) finished while this step ran; a chunk applied
             num_tokens = len(seq.token_ids)
             try:
@@ -265,6 +262,7 @@ class Engine:
                     self.output_stage.add(seq, seq.num_computed, hidden[start - q_len:start])
                 computed, emitted = self.strategy.emitted(seq, q_len, samples, row, num_accepted,
                                                           num_drafts)
+                computed *= not applied                     # (a prompt's end applied early)
                 emitted = self.scheduler.update(seq, computed, emitted)
                 if seq.grammar is not None:
                     advance(seq.grammar, emitted)

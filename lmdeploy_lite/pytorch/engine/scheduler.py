@@ -11,7 +11,9 @@ the whole budget); with `max_mixed_step_cost` the budget follows measured step t
 with a chunk: under speculation decode and chunk steps alternate instead. Blocks cover every
 position a step writes, the `num_draft_extra` a draft writes past the fed tokens included (k - 1
 for the MTP head); a sequence near its end still feeds k + 1, so it holds session_len + k +
-num_draft_extra positions. Prefix caching and forking: prefix_cache.py, forking.py."""
+num_draft_extra positions. Under async scheduling a step may be scheduled before the results of
+the one it follows (`continuation`), its decode rows fed from the device. Prefix caching and
+forking: prefix_cache.py, forking.py."""
 from __future__ import annotations
 
 from collections import deque
@@ -43,8 +45,13 @@ class ScheduledBatch:
     decoding: int = 0
     chunk_tokens: int = 0
     # async scheduling: rows whose bookkeeping was applied when the next step was scheduled
-    # (Scheduler.continue_mixed: the chunks), so their results add nothing
+    # (Scheduler.continue_mixed: the chunks), so their results add only a sampled token
     applied_rows: list[bool] | None = None
+    # async scheduling, a step scheduled before the results of the one it follows: its first
+    # rows decode, fed the token the row prev_rows[i] of that step samples (read on the device),
+    # and which rows sample (set where the host does not know yet that a prompt has ended)
+    prev_rows: list[int] | None = None
+    samples: list[bool] | None = None
 
     @property
     def num_decode_rows(self) -> int:
@@ -54,6 +61,8 @@ class ScheduledBatch:
     @property
     def sample_mask(self) -> list[bool]:
         """True where this step samples: decode rows, and prefill rows whose chunk ends it."""
+        if self.samples is not None:
+            return self.samples
         if self.is_decoding:
             return [True] * len(self.seqs)
         return [s.num_computed + n == len(s.token_ids) for s, n in zip(self.seqs, self.q_lens)]
@@ -197,21 +206,9 @@ class Scheduler:
         for seq in [s for s in self.waiting if s.fork.leader is None and s not in seqs]:
             if budget <= 0 or len(self.running) >= self.max_batch_size:
                 break
-            hit = prefix_cache.take_cached_prefix(self.bm, seq)
-            n = self._chunk(seq, budget)
-            need = seq.num_computed + n + self.num_draft_extra
-            # admit only with room for the whole prompt: a sequence admitted on a first chunk
-            # that then cannot grow preempts itself and is re-admitted, forever (a livelock
-            # when it is the newest and the cache is full)
-            whole = min(len(seq.token_ids) + self.num_draft_extra, self.max_positions)
-            if not self.bm.can_hold(seq, max(need, whole)):
-                prefix_cache.drop_cached_prefix(self.bm, seq)
+            n = self._admit(seq, budget)
+            if n is None:
                 break
-            prefix_cache.count_lookup(self.bm, seq, hit)
-            self.bm.grow(seq, need)
-            self.waiting.remove(seq)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
             seqs.append(seq)
             q_lens.append(n)
             budget -= n
@@ -249,46 +246,130 @@ class Scheduler:
 
     def holds_mixed(self, batch: ScheduledBatch) -> bool:
         """Async scheduling may keep a mixed step in flight, its results applied a step late
-        (`continue_mixed`): plain decoding, decode rows beside chunks that end no prompt."""
-        rows = list(zip(batch.seqs, batch.sample_mask))
-        return (not batch.is_decoding and not self.num_spec_tokens
-                and any(s.prefilled for s, _ in rows)
-                and all(s.prefilled or not m for s, m in rows))
+        (`continuation`): plain decoding, decode rows (first) beside chunks, a chunk that ends
+        its prompt only where its sequence can decode a step before the host sees its first
+        token (`_holdable`)."""
+        return (not batch.is_decoding and not self.num_spec_tokens and batch.decoding > 0
+                and all(i < batch.decoding or not m or self._holdable(s)
+                        for i, (s, m) in enumerate(zip(batch.seqs, batch.sample_mask))))
+
+    @staticmethod
+    def _holdable(seq: Sequence) -> bool:
+        """Its next step needs nothing the host learns from this one: no penalties or grammar
+        (the tokens emitted so far), no fork members waiting for its prefill."""
+        return (not seq.gen_config.has_penalties and seq.grammar is None
+                and not seq.fork.members and seq.fork.leader is None)
+
+    def continuation(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """Async scheduling: the step after `batch`, scheduled before its results (None: the
+        caller waits for them and schedules). A decode step runs again (blocks two steps
+        ahead) or, where prompts wait, takes them in beside its rows (`_continue_into_mixed`);
+        a held mixed step goes on (`continue_mixed`)."""
+        if not batch.is_decoding:
+            return self.continue_mixed(batch)
+        if self.waiting and not self.num_spec_tokens:
+            return self._continue_into_mixed(batch)
+        if self.waiting or not self.reserve_ahead(batch.seqs, num_steps=2):
+            return None
+        return batch
+
+    def _continue_into_mixed(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """A decode step's rows again (their tokens read on the device) and the waiting prompts'
+        first chunks within the mixed budget, none preempting; None where none can come in."""
+        decode = list(batch.seqs)
+        if not self.reserve_ahead(decode, num_steps=2):
+            return None
+        nxt = self._mixed_after(decode, list(range(len(decode))), [], [],
+                                max(self._mixed_budget(len(decode)) - len(decode), 1))
+        return None if nxt.is_decoding else nxt
 
     def continue_mixed(self, batch: ScheduledBatch) -> ScheduledBatch | None:
         """Async scheduling: the step after the held mixed `batch`, before its results: its
-        chunks' bookkeeping applied now (they sample nothing), its decode rows again (blocks two
-        steps ahead, their tokens read on the device) and first, as in `batch`, then the next
-        chunks within the budget. None where a chunk would end its prompt or need a preemption,
-        a decode row nears its session end, or budget is left for a waiting prompt: the caller
-        then waits for the results and schedules."""
-        decode = [s for s in batch.seqs if s.prefilled]
-        chunks = [(s, n) for s, n in zip(batch.seqs, batch.q_lens) if not s.prefilled]
-        batch.applied_rows = [not s.prefilled for s in batch.seqs]
-        for seq, n in chunks:
-            self.update(seq, n, [])
+        chunks' bookkeeping applied now, its decode rows again (blocks two steps ahead, their
+        tokens read on the device) and first, as in `batch`, with the rows whose chunk ended
+        their prompt (they decode the token it samples), then the next chunks and waiting
+        prompts within the budget. A decode step where no chunk is left. None where a chunk
+        would need a preemption or a decode row nears its session end: the caller then waits
+        for the results and schedules."""
+        samples = batch.sample_mask
+        batch.samples, batch.applied_rows = samples, [i >= batch.decoding
+                                                      for i in range(len(batch.seqs))]
+        rows = [(i, s) for i, (s, m) in enumerate(zip(batch.seqs, samples))
+                if i < batch.decoding or m]
+        chunks = [(s, n) for i, (s, n, m) in enumerate(zip(batch.seqs, batch.q_lens, samples))
+                  if i >= batch.decoding and not m]
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.q_lens)):
+            if i >= batch.decoding:
+                self.update(seq, n, [])
+        decode = [s for _, s in rows]
         if not self.reserve_ahead(decode, num_steps=2):
             return None
-        budget, seqs = max(self._mixed_budget(len(decode)) - len(decode), 1), list(decode)
-        q_lens = [1] * len(decode)
+        budget = max(self._mixed_budget(len(decode)) - len(decode), 1)
+        seqs, q_lens = [], []
         for seq, _ in chunks:
             if budget <= 0:                    # as schedule(): the later chunks wait a step
                 break
             n = self._chunk(seq, budget)
             need = seq.num_computed + n + self.num_draft_extra
-            # a prompt's last chunk runs after the held step's tokens are out (else both come
-            # out of one step: twice a step's interval for every stream)
-            if seq.num_computed + n == len(seq.token_ids) or not self.bm.can_hold(seq, need):
+            if not self.bm.can_hold(seq, need) or (
+                    seq.num_computed + n == len(seq.token_ids) and not self._holdable(seq)):
                 return None
             self.bm.grow(seq, need)
             seqs.append(seq)
             q_lens.append(n)
             budget -= n
-        if budget > 0 and self.waiting:        # schedule() would admit a waiting prompt
-            return None
+        return self._mixed_after(decode, [i for i, _ in rows], seqs, q_lens, budget)
+
+    def _mixed_after(self, decode: list[Sequence], prev_rows: list[int], seqs: list[Sequence],
+                     q_lens: list[int], budget: int) -> ScheduledBatch | None:
+        """`decode` rows fed by the step before's rows `prev_rows`, the chunks `seqs`, and the
+        waiting prompts that fit in `budget`; a decode step where no chunk is left."""
+        budget -= self._admit_holdable(budget, seqs, q_lens)
+        if not seqs:
+            return ScheduledBatch(decode, [1] * len(decode), is_decoding=True,
+                                  prev_rows=prev_rows)
+        samples = [True] * len(decode) + [s.num_computed + n == len(s.token_ids)
+                                          for s, n in zip(seqs, q_lens)]
         return prefix_cache.add_state_copies(self.bm, ScheduledBatch(
-            seqs, q_lens, is_decoding=False, decoding=len(decode),
-            chunk_tokens=sum(q_lens[len(decode):])))
+            decode + seqs, [1] * len(decode) + q_lens, is_decoding=False, decoding=len(decode),
+            chunk_tokens=sum(q_lens), prev_rows=prev_rows, samples=samples))
+
+    def _admit_holdable(self, budget: int, seqs: list[Sequence], q_lens: list[int]) -> int:
+        """Waiting prompts, first come first served, as `_schedule_prefill` admits them, up to
+        the first that does not fit or is not `_holdable`: appended to `seqs` and `q_lens`;
+        returns the tokens they take."""
+        taken = 0
+        for seq in list(self.waiting):
+            if (budget - taken <= 0 or len(self.running) >= self.max_batch_size
+                    or not self._holdable(seq)):
+                break
+            n = self._admit(seq, budget - taken)
+            if n is None:
+                break
+            seqs.append(seq)
+            q_lens.append(n)
+            taken += n
+        return taken
+
+    def _admit(self, seq: Sequence, budget: int) -> int | None:
+        """A waiting `seq` running, its cached prefix taken and blocks for its first chunk of at
+        most `budget` tokens grown: that chunk's length; None (nothing changed) where the cache
+        has no room for its whole prompt. Admitted only with that room: a sequence admitted on a
+        first chunk that then cannot grow preempts itself and is re-admitted, forever (a
+        livelock when it is the newest and the cache is full)."""
+        hit = prefix_cache.take_cached_prefix(self.bm, seq)
+        n = self._chunk(seq, budget)
+        need = seq.num_computed + n + self.num_draft_extra
+        whole = min(len(seq.token_ids) + self.num_draft_extra, self.max_positions)
+        if not self.bm.can_hold(seq, max(need, whole)):
+            prefix_cache.drop_cached_prefix(self.bm, seq)
+            return None
+        prefix_cache.count_lookup(self.bm, seq, hit)
+        self.bm.grow(seq, need)
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return n
 
     def _preempt_for(self, seq: Sequence, num_tokens: int) -> bool:
         """Free later arrivals (recompute later) until `seq` fits; False if `seq` was the victim."""

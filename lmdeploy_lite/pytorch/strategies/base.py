@@ -71,7 +71,10 @@ class Strategy:
 
     def make_next_decode_inputs(self, batch, prev: ModelInputs, prev_result, device) -> ModelInputs:
         """Async scheduling: `prev`'s decode batch one step on, built while it may still run:
-        lengths advance on the device; block tables from the host (reserved ahead)."""
+        lengths advance on the device; block tables from the host (reserved ahead). After a
+        mixed step, `make_next_mixed_inputs` (rows that decode, no chunk)."""
+        if not prev.is_decoding:
+            return self.make_next_mixed_inputs(batch, prev_result, device)
         history = prev.history_lens + self.emitted_per_row(prev_result)
         n = batch.q_lens[0]                  # the plan's width (speculation: k may change)
         positions = (history[:, None] + torch.arange(n, device=history.device)).flatten()
@@ -85,16 +88,19 @@ class Strategy:
                            state_index=torch.zeros_like(prev.state_slots))
 
     def make_next_mixed_inputs(self, batch, prev_result, device) -> ModelInputs:
-        """Async scheduling: a mixed step after one still running (Scheduler.continue_mixed):
-        its decode rows, first and in that step's order, feed the tokens it samples, read on the
-        device, one position past what the host knows; its chunks come from the host."""
-        seqs, decode = batch.seqs, batch.decoding
-        chunks = [[0] if s.prefilled else s.token_ids[s.num_computed:s.num_computed + n]
-                  for s, n in zip(seqs, batch.q_lens)]
-        inputs = pack_model_inputs(chunks, [s.num_computed + s.prefilled for s in seqs],
+        """Async scheduling: a step after one still running (Scheduler.continuation): its first
+        rows decode the tokens that step's rows `batch.prev_rows` sample, read on the device,
+        one position past what the host knows (a row whose prompt that step ended: at the
+        prompt's end); its chunks come from the host."""
+        seqs, decode = batch.seqs, len(batch.prev_rows)
+        chunks = [[0] if i < decode else s.token_ids[s.num_computed:s.num_computed + n]
+                  for i, (s, n) in enumerate(zip(seqs, batch.q_lens))]
+        inputs = pack_model_inputs(chunks, [s.num_computed + (i < decode and s.prefilled)
+                                            for i, s in enumerate(seqs)],
                                    [s.blocks for s in seqs], [s.state_slot for s in seqs],
-                                   False, device)
-        inputs.input_ids[:decode] = self.next_input_ids(prev_result, 1)[:decode]
+                                   batch.is_decoding, device)
+        rows = to_device(torch.tensor(batch.prev_rows), device)
+        inputs.input_ids[:decode] = self.next_input_ids(prev_result, 1)[rows]
         return self._with_copies(inputs, batch, device)
 
     def emitted_per_row(self, result) -> torch.Tensor:

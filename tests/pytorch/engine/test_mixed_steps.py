@@ -84,11 +84,11 @@ def test_mixed_steps_change_no_token(k):
 
 @pytest.mark.parametrize('prefix_caching', [False, True])
 def test_async_mixed_steps_change_no_token(prefix_caching, monkeypatch):
-    """Async scheduling holds a mixed step whose chunks end no prompt and schedules the next one
-    before its results (Scheduler.continue_mixed: the decode rows' tokens read on the device,
-    the chunks' bookkeeping applied at once): the whole sequences equal the reference's, no
-    stream stalls, and continued mixed steps really ran. With the prefix cache
-    (blocks of 8), chunks end at block boundaries and their states are saved as they go."""
+    """Async scheduling holds a mixed step and schedules the next one before its results
+    (Scheduler.continue_mixed: the decode rows' tokens read on the device, the chunks'
+    bookkeeping applied at once): the whole sequences equal the reference's, no stream stalls,
+    and continued mixed steps really ran. With the prefix cache (blocks of 8), chunks end at
+    block boundaries and their states are saved as they go."""
     from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
     continued, continue_mixed = [], Scheduler.continue_mixed
 
@@ -104,6 +104,115 @@ def test_async_mixed_steps_change_no_token(prefix_caching, monkeypatch):
     # a held step's tokens come one step late: two steps apart where a synchronous step
     # (a prompt's last chunk, a new arrival) hands over to a held one
     _assert_no_stall(seqs, emitted, max_gap=2)
+
+
+@pytest.mark.parametrize('budget, graphs', [(8, False), (64, False), (12, True)])
+def test_arrivals_and_prompt_ends_never_wait_for_the_host(budget, graphs, monkeypatch):
+    """Async scheduling, prompts arriving while streams decode: the in-flight decode step is
+    continued into a mixed step that takes them in (its rows' tokens read on the device), a
+    mixed step whose chunk ends a prompt is held like any other, and the step after it decodes
+    that prompt's first token from the device before the host has seen it. Whole sequences equal
+    the reference's; each path really ran; with `graphs`, through the graph runners' static
+    buffers (CPU), which both replayed."""
+    from lmdeploy_lite.pytorch.engine.scheduler import Scheduler
+    seen = {'into_mixed': 0, 'held_ends': 0, 'to_decode': 0}
+    into, holds, cont = (Scheduler._continue_into_mixed, Scheduler.holds_mixed,
+                         Scheduler.continue_mixed)
+
+    def into_spy(scheduler, batch):
+        nxt = into(scheduler, batch)
+        seen['into_mixed'] += nxt is not None
+        return nxt
+
+    def holds_spy(scheduler, batch):
+        held = holds(scheduler, batch)
+        seen['held_ends'] += held and any(batch.sample_mask[batch.decoding:])
+        return held
+
+    def cont_spy(scheduler, batch):
+        nxt = cont(scheduler, batch)
+        seen['to_decode'] += nxt is not None and nxt.is_decoding
+        return nxt
+    monkeypatch.setattr(Scheduler, '_continue_into_mixed', into_spy)
+    monkeypatch.setattr(Scheduler, 'holds_mixed', holds_spy)
+    monkeypatch.setattr(Scheduler, 'continue_mixed', cont_spy)
+    buffers = dict(max_blocks=20, prefill_buckets=[8, 16], max_prefill_q_len=8)
+    seqs, _, emitted = _run(0, buffers if graphs else None, max_mixed_token_num=budget,
+                            async_scheduling=True)
+    assert [s.generated_ids for s in seqs] == reference(0, _prompts(), **CFG).token_ids
+    assert all(seen.values()), seen
+    _assert_no_stall(seqs, emitted, max_gap=2)
+    if graphs:
+        agent = _run.engine.agent
+        assert agent.prefill_graph.num_replays > 0 and agent.graphs[1].num_replays > 0
+
+
+def test_async_arrivals_of_every_kind_give_the_sync_tokens():
+    """Prompts arriving beside two greedy streams under async scheduling, each kind its own:
+    seeded sampling with logprobs (taken in by a continued step), one new token (it ends at
+    its first token, which a held step's successor has already fed), n = 2 sharing a prefill
+    and a penalised one (the host waits for those): every request's tokens and logprobs equal
+    the synchronous engine's."""
+    import dataclasses
+
+    prompts = _prompts()
+    arrivals = [(0, prompts[0], GREEDY), (0, prompts[1], GREEDY),
+                (2, prompts[3], dataclasses.replace(GREEDY, do_sample=True, random_seed=7,
+                                                    logprobs=2)),
+                (3, prompts[4], dataclasses.replace(GREEDY, max_new_tokens=1)),
+                (4, prompts[0], dataclasses.replace(GREEDY, n=2)),
+                (6, prompts[1], dataclasses.replace(GREEDY, repetition_penalty=1.3))]
+
+    def run(async_scheduling: bool):
+        config = PytorchEngineConfig(**{**accepting.BASE, **CFG}, max_mixed_token_num=24,
+                                     async_scheduling=async_scheduling)
+        engine = build_engine(accepting.model_dir(), config, None, progress=False)
+        seqs, outs, step = [], {}, 0
+        while engine.has_work or step <= arrivals[-1][0]:
+            for at, prompt, gen in arrivals:
+                if at == step:
+                    seqs += engine.add_group(prompt, gen)
+            for out in engine.step():
+                outs.setdefault(out.seq.seq_id, []).append((out.new_token_ids, out.logprobs))
+            step += 1
+        tokens = [s.generated_ids for s in seqs]
+        return tokens, [[o for o in outs[s.seq_id] if o[0]] for s in seqs], engine
+    sync_tokens, sync_outs, _ = run(False)
+    tokens, outs, engine = run(True)
+    assert tokens == sync_tokens and len(tokens[3]) == 1
+    # the same logprobs and top ids; values to float64 rounding (prompts may be chunked
+    # differently: the async engine takes a prompt in while the sync one is still applying)
+    entries = [[lp for seq_outs in o for _, lps in seq_outs if lps for lp in lps]
+               for o in (outs, sync_outs)]
+    assert len(entries[0]) == len(entries[1]) > 0
+    assert [e[1] for e in entries[0]] == [e[1] for e in entries[1]]
+    values = [[x for e in es for x in (e[0], *e[2])] for es in entries]
+    assert values[0] == pytest.approx(values[1], abs=1e-9)
+    assert engine.num_continued_steps > 0
+
+
+def test_a_continued_step_feeds_each_decode_row_its_rows_token():
+    """`make_next_mixed_inputs`: the decode rows of a step scheduled before the results of the
+    one it follows read the tokens of their rows there (`prev_rows`, in any order: a prompt
+    that ended behind a chunk that did not), at one past the host's count for a row that
+    decoded there and at the prompt's end for one whose prompt ended; chunks from the host."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from lmdeploy_lite.pytorch.engine.scheduler import ScheduledBatch
+    from lmdeploy_lite.pytorch.strategies.base import Strategy
+
+    def seq(computed, prefilled, slot):
+        return SimpleNamespace(token_ids=list(range(100, 110)), num_computed=computed,
+                               prefilled=prefilled, blocks=[slot], state_slot=slot)
+    streaming, ended, chunked = seq(7, True, 1), seq(10, False, 2), seq(4, False, 3)
+    batch = ScheduledBatch([streaming, ended, chunked], [1, 1, 3], is_decoding=False,
+                           decoding=2, prev_rows=[0, 2])
+    result = SimpleNamespace(output_tokens=torch.tensor([[11], [12], [13]]))
+    inputs = Strategy().make_next_mixed_inputs(batch, result, 'cpu')
+    assert inputs.input_ids.tolist() == [11, 13, 104, 105, 106]
+    assert inputs.positions.tolist() == [8, 10, 4, 5, 6]
 
 
 def test_the_step_that_hands_out_tokens_launches_a_held_mixed_step():
