@@ -13,15 +13,16 @@ P=${PRESET:-qwen3_5_0_8b}
 rm -rf /tmp/old && mkdir -p /tmp/old && cp -r lmdeploy_lite /tmp/old/ && \
   (cd /tmp/old && { patch -s -p1 < $OLDPWD/$OLD_PATCH || git apply $OLDPWD/$OLD_PATCH; }) || \
   { echo "patch failed"; exit 1; }
-for side in ${SIDES:-new old}; do
-  root=$PWD; [ $side = old ] && root=/tmp/old
-  mkdir -p $OUT/steps_$side
-  PYTHONPATH=$PWD/benchmarks/trace_hook:$PYTHONPATH STEP_TRACE_DIR=$OUT/steps_$side \
+i=0
+for side in ${SIDES:-new old}; do      # a side named twice runs twice (run-to-run spread)
+  i=$((i + 1)); root=$PWD; [ $side = old ] && root=/tmp/old; run=${side}_$i
+  mkdir -p $OUT/steps_$run
+  PYTHONPATH=$PWD/benchmarks/trace_hook:$PYTHONPATH STEP_TRACE_DIR=$OUT/steps_$run \
     timeout 280 python3 benchmarks/bench_serve.py --launch --preset $P --server-root $root \
     --input-words 128 --output-len 256 --num-prompts 512 --concurrency ${CONC:-64,256} \
     --client-procs 1 --client aiohttp --server-args "--device cuda --dtype bfloat16 \
-    --session-len 4096 --max-batch-size 256 $SERVER_ARGS" --out $OUT/serve_$side.json \
-    > $OUT/serve_$side.log 2>&1
-  echo "== $side"; grep -A3 "^concurrency" $OUT/serve_$side.log | cut -c1-250
-  python3 benchmarks/step_trace.py $OUT/steps_$side --top 6
+    --session-len 4096 --max-batch-size 256 $SERVER_ARGS" --out $OUT/serve_$run.json \
+    > $OUT/serve_$run.log 2>&1
+  echo "== $run"; grep -A3 "^concurrency" $OUT/serve_$run.log | cut -c1-250
+  python3 benchmarks/step_trace.py $OUT/steps_$run --top 3
 done
