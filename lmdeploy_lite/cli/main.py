@@ -168,6 +168,11 @@ def _serve_args(p: argparse.ArgumentParser):
     p.add_argument('--max-connections', type=int, default=None, metavar='N',
                    help='open connections held at once (default: what the file-descriptor '
                         'limit allows, at most 1024); a new one past them is closed at once')
+    _process_args(p)
+
+
+def _process_args(p: argparse.ArgumentParser):
+    """Where the server's parts run, and the name it serves under."""
     p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=True,
                    help='run a one-rank engine in a process of its own, so that streaming '
                         "holds no GIL it needs (--no-engine-process: in the server's process)")
