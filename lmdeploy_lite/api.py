@@ -74,14 +74,17 @@ class Pipeline:
                  backend_config: PytorchEngineConfig | None = None,
                  speculative_config: SpeculativeConfig | None = None, progress: bool = True,
                  engine_process: bool = False, reasoning_parser: str | None = None,
-                 chat_template: str | None = None, num_threads: int | None = None):
+                 chat_template: str | None = None, num_threads: int | None = None,
+                 engine_client=None):
         """`engine_process`: run a one-rank engine in a process of its own (an mp rank), not in
         a thread of this one (the server's default: its event loop's streaming would hold the
         GIL the engine's thread needs between steps). `reasoning_parser` ('qwen3'; 'auto': when
         the chat template thinks; None or 'none': off): a chat reply's `<think>` block goes to
         Response.reasoning_content.
         `chat_template`: a Jinja template (a file, or the template itself) instead of the
-        model's. `num_threads`: torch's CPU threads (None: `use_cpu_threads`)."""
+        model's. `num_threads`: torch's CPU threads (None: `use_cpu_threads`).
+        `engine_client`: an EngineClient already connected to a running engine (the server's
+        front-end workers: executor/relay.py), used instead of starting one."""
         if reasoning_parser not in PARSERS + (None,):
             raise ValueError(f'reasoning_parser={reasoning_parser!r}: must be one of '
                              f'{PARSERS} or None')
@@ -102,8 +105,9 @@ class Pipeline:
             reasoning_parser == 'auto' and self.tokenizer is not None
             and template_thinks(getattr(self.tokenizer, 'chat_template', None)))
         self._decode = batch_decoder(self.tokenizer) if self.tokenizer is not None else None
-        self._client = connect(self.model_path, backend_config, speculative_config,
-                               self.tokenizer, progress, engine_process)
+        self._client = engine_client or connect(self.model_path, backend_config,
+                                                speculative_config, self.tokenizer, progress,
+                                                engine_process)
         self._closed = False
         self._fanouts: dict[asyncio.AbstractEventLoop, _AsyncFanout] = {}
         # sequences the engine runs at once (each DP rank's batch: the KV cache is sized for it)
@@ -118,6 +122,11 @@ class Pipeline:
     def engine(self):
         """The engine if it runs in a thread of this process (tests look inside it), else None."""
         return getattr(self._client, 'engine', None)
+
+    @property
+    def engine_client(self):
+        """The EngineClient this pipeline drives (executor/client.py)."""
+        return self._client
 
     @property
     def error(self) -> BaseException | None:

@@ -168,9 +168,18 @@ def _serve_args(p: argparse.ArgumentParser):
     p.add_argument('--max-connections', type=int, default=None, metavar='N',
                    help='open connections held at once (default: what the file-descriptor '
                         'limit allows, at most 1024); a new one past them is closed at once')
+    _process_args(p)
+
+
+def _process_args(p: argparse.ArgumentParser):
+    """Where the server's parts run, and the name it serves under."""
     p.add_argument('--engine-process', action=argparse.BooleanOptionalAction, default=True,
                    help='run a one-rank engine in a process of its own, so that streaming '
                         "holds no GIL it needs (--no-engine-process: in the server's process)")
+    p.add_argument('--api-workers', type=int, default=1, metavar='N',
+                   help='front-end processes on the one port, sharing the engine (each streams '
+                        '~25k chunks/s on a GPU host; BENCHMARKS.md); the concurrency limit is '
+                        'split among them')
     p.add_argument('--model-name', '--served-model-name', default=None,
                    help='model id in /v1/models and requests (default: the model directory name)')
 
@@ -208,6 +217,9 @@ def cmd_serve(args) -> int:
 
 def _load_and_serve(args) -> int:
     from lmdeploy_lite.serve.openai.connections import CannotListen, HttpLimits, bind_socket
+    if args.api_workers < 1:
+        print(f'error: --api-workers={args.api_workers}: must be >= 1', file=sys.stderr)
+        return 2
     try:                             # before the model loads: a taken port fails in a second
         sock = bind_socket(args.server_name, args.server_port)
     except CannotListen as e:
@@ -235,12 +247,21 @@ def _load_and_serve(args) -> int:
                     engine_process=args.engine_process, reasoning_parser=args.reasoning_parser,
                     chat_template=args.chat_template)
     print(f'lmdeploy_lite: loaded in {time.perf_counter() - start:.1f} s', flush=True)
-    return serve(pipe, args.model_name or pipe.model_name, args.server_name, args.server_port,
-                 api_keys, args.log_level, num_spec_tokens=num_draft_tokens(spec), limits=limits,
-                 allowed_hosts=tuple(args.allowed_hosts or ()), http_limits=http_limits,
-                 allow_origins=tuple(args.allow_origins or ()), sock=sock,
-                 sampling_defaults=file_sampling_defaults(args.generation_config,
-                                                          pipe.model_path))
+    options = dict(host=args.server_name, port=args.server_port, api_keys=api_keys,
+                   log_level=args.log_level, num_spec_tokens=num_draft_tokens(spec),
+                   limits=limits, allowed_hosts=tuple(args.allowed_hosts or ()),
+                   http_limits=http_limits, allow_origins=tuple(args.allow_origins or ()),
+                   sampling_defaults=file_sampling_defaults(args.generation_config,
+                                                            pipe.model_path))
+    name = args.model_name or pipe.model_name
+    if args.api_workers == 1:
+        return serve(pipe, name, sock=sock, **options)
+    from lmdeploy_lite.serve.openai.workers import WorkerSpec, serve_workers, worker_limits
+    client = pipe.engine_client
+    options['limits'] = worker_limits(limits, pipe.capacity, args.api_workers)
+    return serve_workers(pipe, args.api_workers, sock, WorkerSpec(
+        pipe.model_path, engine_config, client.model_config, client.session_len, name,
+        args.reasoning_parser, args.chat_template, options), graceful_timeout_s=10.0)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -86,6 +86,13 @@ def _plans():
         # test_api_server_robustness.py: keys from the environment, then SIGINT; a stream long
         # enough to be running when the signal arrives; the engine in its own process (default)
         'sigint_server': ('model_dir', ('--session-len', '2048'), ENV_KEYS),
+        # test_api_workers.py: the shared server's flags, its requests through two front-end
+        # processes (a session long enough that a stream runs while SIGTERM lands); and two more
+        # front-end processes, one of which is killed
+        'workers_server': ('model_dir', ('--no-engine-process', '--speculative-num-draft-tokens',
+                                         str(K), '--api-keys', KEY, '--model-name', MODEL,
+                                         '--session-len', '2048', '--api-workers', '2'), None),
+        'workers_kill_server': ('model_dir', ('--no-engine-process', '--api-workers', '2'), None),
         # test_extract_hidden_states_server.py
         'extract_server': (None, ('--no-engine-process',
                                   '--speculative-algorithm', 'extract_hidden_states',
@@ -283,4 +290,6 @@ dp2_server = _taken('dp2_server')
 dead_rank_server = _taken('dead_rank_server')
 sigint_server = _taken('sigint_server')
 extract_server = _taken('extract_server')
+workers_server = _taken('workers_server')
+workers_kill_server = _taken('workers_kill_server')
 think_server = _taken('think_server', scope='module')

@@ -281,11 +281,12 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
           api_keys: list[str] | None = None, log_level: str = 'WARNING',
           graceful_timeout_s: float = 10.0, limits: ServerLimits = ServerLimits(),
           http_limits: HttpLimits | None = None, sock: socket.socket | None = None,
-          **app_options) -> int:
+          announce: bool = True, **app_options) -> int:
     """Serve until SIGINT or SIGTERM (alike) or until the engine dies. `limits`: checks.py (a
     concurrency limit not given is sized from the engine's capacity); `http_limits`: connections.py
     (None: the defaults); `sock`: host:port already bound (`bind_socket`, which the CLI calls before
-    it loads the model); `app_options`: create_app's.
+    it loads the model); `announce`: print the address once serving (a front-end worker's parent
+    prints it instead, workers.py); `app_options`: create_app's.
 
     Shutdown: uvicorn stops accepting; streams end with finish_reason 'abort' (their requests
     aborted), other requests may finish until `graceful_timeout_s`, then are cancelled; then the
@@ -299,7 +300,8 @@ def serve(pipe, model_name: str, host: str = '127.0.0.1', port: int = 23333,
                                    http_limits or HttpLimits()), app.state.shutdown)
     try:
         sock = sock or bind_socket(host, port)
-        print(f'lmdeploy_lite: serving {model_name!r} on http://{host}:{port}', flush=True)
+        if announce:
+            print(f'lmdeploy_lite: serving {model_name!r} on http://{host}:{port}', flush=True)
         settle_collector()
         server.run(sockets=[sock])
     except CannotListen as e:

@@ -1,13 +1,16 @@
 """Prometheus metrics of the server: per-request figures measured here (timings, tokens, the
 prefix-cache token counters from each request's responses), engine-wide ones read at scrape time
 from `Pipeline.stats()` (every DP rank's scheduler, KV blocks and speculative counters, aborted
-requests' included, as its ranks last reported them)."""
+requests' included, as its ranks last reported them). With several front-end processes
+(`--api-workers`, workers.py sets PROMETHEUS_MULTIPROC_DIR) the per-request figures are
+prometheus_client's multiprocess files, summed over the workers at each scrape."""
 from __future__ import annotations
 
-import threading
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, multiprocess)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from lmdeploy_lite.messages import Response
@@ -53,17 +56,20 @@ class ServerMetrics:
                            'token after the first, per request', buckets=TPOT_BUCKETS)
         self.e2e = metric(Histogram, 'e2e_request_latency_seconds', 'Request arrival to its last '
                           'token', buckets=TTFT_BUCKETS)
-        self._lock, self.in_flight = threading.Lock(), 0
+        self.in_flight = metric(Gauge, 'num_requests_in_flight', 'Requests admitted and not '
+                                'finished', multiprocess_mode='livesum')
         self.registry.register(self)
+        if os.environ.get('PROMETHEUS_MULTIPROC_DIR'):      # what /metrics reads: every worker's
+            self.registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self.registry)
+            self.registry.register(self)
 
     def track(self, num_prompt_tokens: int) -> 'RequestTracker':
         """One request, or one choice of n (the others' num_prompt_tokens: 0)."""
         return RequestTracker(self, num_prompt_tokens)
 
     def collect(self):
-        """The gauges and counters read from the engine (or the front-end's sums)."""
-        yield GaugeMetricFamily(PREFIX + 'num_requests_in_flight',
-                                'Requests admitted and not finished', value=self.in_flight)
+        """The gauges and counters read from the engine."""
         engine = self.pipe.stats()                       # every DP rank, as last reported
         for name, (attr, text) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(PREFIX + name, text, value=getattr(engine, attr))
@@ -98,8 +104,7 @@ class RequestTracker:
         self.num_generated, self.done = 0, False
         self.counts_prompt = num_prompt_tokens > 0
         metrics.prompt_tokens.inc(num_prompt_tokens)
-        with metrics._lock:
-            metrics.in_flight += 1
+        metrics.in_flight.inc()
 
     def observe(self, r: Response):
         """A response (a streamed chunk): two attribute writes; the counters move at `finish`."""
@@ -120,8 +125,7 @@ class RequestTracker:
         m = self.metrics
         m.requests.labels(outcome).inc()
         m.generation_tokens.inc(self.num_generated)
-        with m._lock:
-            m.in_flight -= 1
+        m.in_flight.dec()
         if self.first_token_time is not None:
             m.e2e.observe(self.last_token_time - self.arrival)
             if self.num_generated > 1:

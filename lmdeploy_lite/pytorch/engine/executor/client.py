@@ -98,6 +98,25 @@ class EngineClient(Protocol):
     def close(self, timeout_s: float = 30.0): ...
 
 
+def checked_groups(prompts: list[list[int]], gen_config, tags: list[list],
+                   request_ids: list[list[str | None]] | None, validate
+                   ) -> tuple[list[GenerationConfig], list[list[str]]]:
+    """`submit_groups`' checks, all before anything is submitted: one tag and request id per
+    choice, each prompt and its config `validate`d, request ids checked (None: a random one).
+    Returns each prompt's config and its choices' request ids."""
+    configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(prompts)
+    request_ids = [[None] * len(t) for t in tags] if request_ids is None else request_ids
+    for token_ids, config, choice_tags, ids in zip(prompts, configs, tags, request_ids,
+                                                   strict=True):
+        n = getattr(config, 'n', 1)
+        if len(choice_tags) != n or len(ids) != n:
+            raise ValueError(f'n={n}: {len(choice_tags)} request tags and {len(ids)} request '
+                             f'ids given, one of each per choice needed')
+        validate(token_ids, config)
+    return configs, [[uuid.uuid4().hex if r is None else check_request_id(r) for r in ids]
+                     for ids in request_ids]
+
+
 def hand_out(pairs: list[tuple[RequestHandle, Item]]) -> list[RequestHandle]:
     """Each item to its request's sink (one `post` per Channel); returns the handles whose sink
     raised (logged; the caller aborts them)."""
@@ -227,17 +246,8 @@ class RankClient:
             raise RuntimeError(f'the engine stopped after an error: {self.error}')
         if self._closing:
             raise RuntimeError('the engine is closed')
-        configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(prompts)
-        request_ids = [[None] * len(t) for t in tags] if request_ids is None else request_ids
-        for token_ids, config, choice_tags, ids in zip(prompts, configs, tags, request_ids,
-                                                       strict=True):
-            n = getattr(config, 'n', 1)
-            if len(choice_tags) != n or len(ids) != n:
-                raise ValueError(f'n={n}: {len(choice_tags)} request tags and {len(ids)} request '
-                                 f'ids given, one of each per choice needed')
-            self.validate_request(token_ids, config)
-        request_ids = [[uuid.uuid4().hex if r is None else check_request_id(r) for r in ids]
-                       for ids in request_ids]
+        configs, request_ids = checked_groups(prompts, gen_config, tags, request_ids,
+                                              self.validate_request)
         groups, events = [], {}
         for token_ids, config, choice_tags, ids in zip(prompts, configs, tags, request_ids):
             n = len(choice_tags)

@@ -1,0 +1,116 @@
+"""`serve api_server --api-workers N` end to end (serve/openai/workers.py, executor/relay.py): the
+requests of many clients spread over two front-end processes get what the one-process server
+gives, /metrics sums every worker's figures, SIGTERM ends open streams as 'abort' and leaves no
+process, and a worker that dies stops the whole server (exit 1), none left behind."""
+import asyncio
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+for _module in ('fastapi', 'uvicorn', 'prometheus_client'):
+    pytest.importorskip(_module, reason="needs the 'serve' extra")
+openai = pytest.importorskip('openai')
+httpx = pytest.importorskip('httpx')
+
+from tests.serve.live_server import KEY, MODEL, chat, headers, left_alive, scrape  # noqa: E402
+
+GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
+LENGTH = 'lmdeploy_lite_requests_total{outcome="length"}'
+
+
+def front_ends(srv) -> list[int]:
+    """The server's front-end worker processes (spawned children running worker_main)."""
+    found = []
+    for pid in srv.children():
+        try:
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b'multiprocessing.spawn' in cmdline and b'resource_tracker' not in cmdline:
+            found.append(pid)
+    return found
+
+
+async def _streams(url: str, prompts: list[str], max_tokens: int) -> list[tuple[str, str]]:
+    async def one(client, prompt):
+        stream = await client.chat.completions.create(model=MODEL, messages=chat(prompt),
+                                                      max_tokens=max_tokens, stream=True,
+                                                      **GREEDY)
+        text, finish = '', None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ''
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+    client = openai.AsyncOpenAI(base_url=url + '/v1', api_key=KEY, timeout=120, max_retries=0,
+                                http_client=openai.DefaultAsyncHttpxClient(
+                                    limits=httpx.Limits(max_connections=len(prompts))))
+    async with client:
+        return await asyncio.wait_for(asyncio.gather(*(one(client, p) for p in prompts)), 180)
+
+
+@pytest.mark.timeout(240)
+def test_two_front_ends_serve_what_one_serves_and_stop_on_sigterm(workers_server, client):
+    """`client`: the one-process server of the same model and flags (tests/serve/conftest.py)."""
+    srv = workers_server
+    assert len(front_ends(srv)) == 2
+    prompts = [f'def g{i}(' for i in range(8)]
+    alone = [client.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=6,
+                                            **GREEDY).choices[0].message.content for p in prompts]
+    before = scrape(srv.url)
+    results = asyncio.run(_streams(srv.url, prompts * 3, 6))        # 24 at once, both workers
+    assert results == [(text, 'length') for text in alone * 3]
+    workers = openai.OpenAI(base_url=srv.url + '/v1', api_key=KEY, timeout=60, max_retries=0)
+    whole = [workers.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=6,
+                                             **GREEDY).choices[0].message.content
+             for p in prompts[:3]]
+    assert whole == alone[:3]
+    bad = httpx.post(srv.url + '/v1/completions', headers=headers(), timeout=30,
+                     json={'model': MODEL, 'prompt': [10 ** 9], 'max_tokens': 2})
+    assert bad.status_code == 400 and 'outside' in bad.json()['error']['message']
+    after = scrape(srv.url)                        # whichever worker answers: every worker's sum
+    assert after[LENGTH] - before[LENGTH] == 27
+    assert after['lmdeploy_lite_num_requests_in_flight'] == 0
+    assert after['lmdeploy_lite_kv_blocks_used'] == 0
+    assert after['lmdeploy_lite_kv_blocks_total'] > 0                 # from the engine's process
+
+    lines, first = [], threading.Event()
+
+    def read_stream():
+        with httpx.stream('POST', srv.url + '/v1/chat/completions', headers=headers(),
+                          timeout=60, json={'messages': chat('go on'), 'max_tokens': 2000,
+                                            'stream': True, 'temperature': 0,
+                                            'ignore_eos': True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith('data: '):
+                    lines.append(line[6:])
+                    if len(lines) == 3:
+                        first.set()
+    reader = threading.Thread(target=read_stream, daemon=True)
+    reader.start()
+    assert first.wait(60), 'no streamed tokens'
+    children = srv.children()
+    srv.proc.send_signal(signal.SIGTERM)
+    srv.proc.wait(60)
+    reader.join(30)
+    assert srv.proc.returncode == 0, srv.output()
+    assert lines[-1] == '[DONE]'
+    assert json.loads(lines[-2])['choices'][0]['finish_reason'] == 'abort'
+    assert not left_alive(children), srv.output()
+
+
+@pytest.mark.timeout(120)
+def test_a_front_end_that_dies_stops_the_server(workers_kill_server):
+    srv = workers_kill_server
+    workers = front_ends(srv)
+    assert len(workers) == 2
+    children = srv.children()
+    os.kill(workers[0], signal.SIGKILL)
+    srv.proc.wait(60)
+    assert srv.proc.returncode == 1, srv.output()
+    assert 'front-end process' in srv.output()
+    assert not left_alive(children), srv.output()
