@@ -78,10 +78,14 @@ class _Worker:
             threading.Thread(target=target, daemon=True, name='lmdeploy_lite-relay').start()
 
     def _post(self, items: list):                 # the engine's delivery, once per step
+        failed = False
         with self.lock:
             for rid, item in items:
+                failed |= isinstance(item, BaseException)
                 if isinstance(item, BaseException) or item.finished:
                     self.handles.pop(rid, None)
+        if failed and self.client.error is not None:   # the engine stopped: said first, so the
+            self.outgoing.put(('error', str(self.client.error)))  # worker's 503s name it
         self.outgoing.put(('out', [(rid, portable(item) if isinstance(item, BaseException)
                                     else item) for rid, item in items]))
 
