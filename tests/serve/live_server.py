@@ -4,6 +4,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -194,6 +195,26 @@ def post(server, path: str, payload=None, content: str | bytes | None = None,
     model_dir = getattr(server, 'model_dir', None)
     assert not model_dir or os.path.dirname(os.path.normpath(model_dir)) not in r.text, r.text
     return r
+
+
+def stream_in_background(server, path: str, payload: dict, key: str | None = KEY
+                         ) -> tuple[list[str], threading.Thread]:
+    """A streamed POST read by a thread: (the events' data as they come, the thread), returned
+    once three events have arrived (the stream is running); fails if none come in 60 s."""
+    lines, first = [], threading.Event()
+
+    def read_stream():
+        with httpx.stream('POST', server.url + path, timeout=60, headers=headers(key),
+                          json={**payload, 'stream': True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith('data: '):
+                    lines.append(line[6:])
+                    if len(lines) == 3:
+                        first.set()
+    reader = threading.Thread(target=read_stream, daemon=True)
+    reader.start()
+    assert first.wait(60), 'no streamed tokens'
+    return lines, reader
 
 
 def chat(text: str) -> list[dict]:

@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,7 +22,8 @@ from tests.helpers import accepting  # noqa: E402
 from tests.helpers.accepting import assert_real_acceptance, counts  # noqa: E402
 from tests.serve.live_server import (K, KEY, MODEL, ROOT, SESSION_LEN, SPEC_K,  # noqa: E402
                                      chat, headers, is_loopback_hex,
-                                     left_alive, listening, post, scrape)
+                                     left_alive, listening, post, scrape,
+                                     stream_in_background)
 
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 
@@ -445,21 +445,9 @@ def test_dp2_metrics_and_sigterm_shutdown_leaves_no_process(dp2_server):
         assert m['lmdeploy_lite_prefix_cache_queried_tokens_total'] == r['usage']['prompt_tokens']
         assert m['lmdeploy_lite_prefix_cache_hit_tokens_total'] == cached
 
-        lines, first = [], threading.Event()
-
-        def read_stream():
-            with httpx.stream('POST', srv.url + '/v1/chat/completions', timeout=60,
-                              headers=headers(key),
-                              json={'messages': chat('go on'), 'max_tokens': 2000, 'stream': True,
-                                    'temperature': 0, 'ignore_eos': True}) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith('data: '):
-                        lines.append(line[6:])
-                        if len(lines) == 3:
-                            first.set()
-        reader = threading.Thread(target=read_stream, daemon=True)
-        reader.start()
-        assert first.wait(60), 'no streamed tokens'
+        lines, reader = stream_in_background(srv, '/v1/chat/completions', {
+            'messages': chat('go on'), 'max_tokens': 2000, 'temperature': 0,
+            'ignore_eos': True}, key=key)
         srv.proc.send_signal(signal.SIGTERM)
         srv.proc.wait(60)
         reader.join(30)

@@ -22,7 +22,8 @@ httpx = pytest.importorskip('httpx')
 from lmdeploy_lite.api import Pipeline  # noqa: E402
 from lmdeploy_lite.pytorch.engine.executor.client import EngineStats  # noqa: E402
 from tests.serve.live_server import (MODEL, SESSION_LEN, chat, headers,  # noqa: E402
-                                     left_alive, post, scrape, sse_events)
+                                     left_alive, post, scrape, sse_events,
+                                     stream_in_background)
 
 LIMIT = 4 * 2**20                     # the default --max-request-bytes
 REFERENCE = {'prompt': 'def main(', 'max_tokens': 6, 'temperature': 0, 'ignore_eos': True}
@@ -640,21 +641,9 @@ def test_sigint_ends_streams_with_abort_and_exit_0(sigint_server):
         for path in ('/v1/models', '/metrics', '/openapi.json'):
             assert httpx.get(srv.url + path, timeout=10).status_code == 401
             assert httpx.get(srv.url + path, headers=headers(key), timeout=10).status_code == 200
-        lines, first = [], threading.Event()
-
-        def read_stream():
-            with httpx.stream('POST', srv.url + '/v1/completions', timeout=60,
-                              headers=headers(key),
-                              json={'prompt': 'go on', 'max_tokens': 2000, 'stream': True,
-                                    'temperature': 0, 'ignore_eos': True}) as resp:
-                for line in resp.iter_lines():
-                    if line.startswith('data: '):
-                        lines.append(line[6:])
-                        if len(lines) == 3:
-                            first.set()
-        reader = threading.Thread(target=read_stream, daemon=True)
-        reader.start()
-        assert first.wait(60), 'no streamed tokens'
+        lines, reader = stream_in_background(srv, '/v1/completions', {
+            'prompt': 'go on', 'max_tokens': 2000, 'temperature': 0, 'ignore_eos': True},
+            key=key)
         srv.proc.send_signal(signal.SIGINT)
         assert srv.proc.wait(30) == 0, srv.output()
         reader.join(10)

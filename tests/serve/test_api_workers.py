@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import signal
-import threading
 
 import pytest
 
@@ -15,7 +14,8 @@ for _module in ('fastapi', 'uvicorn', 'prometheus_client'):
 openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
 
-from tests.serve.live_server import KEY, MODEL, chat, headers, left_alive, scrape  # noqa: E402
+from tests.serve.live_server import (KEY, MODEL, chat, headers, left_alive, scrape,  # noqa: E402
+                                     stream_in_background)
 
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 LENGTH = 'lmdeploy_lite_requests_total{outcome="length"}'
@@ -78,21 +78,8 @@ def test_two_front_ends_serve_what_one_serves_and_stop_on_sigterm(workers_server
     assert after['lmdeploy_lite_kv_blocks_used'] == 0
     assert after['lmdeploy_lite_kv_blocks_total'] > 0                 # from the engine's process
 
-    lines, first = [], threading.Event()
-
-    def read_stream():
-        with httpx.stream('POST', srv.url + '/v1/chat/completions', headers=headers(),
-                          timeout=60, json={'messages': chat('go on'), 'max_tokens': 2000,
-                                            'stream': True, 'temperature': 0,
-                                            'ignore_eos': True}) as resp:
-            for line in resp.iter_lines():
-                if line.startswith('data: '):
-                    lines.append(line[6:])
-                    if len(lines) == 3:
-                        first.set()
-    reader = threading.Thread(target=read_stream, daemon=True)
-    reader.start()
-    assert first.wait(60), 'no streamed tokens'
+    lines, reader = stream_in_background(srv, '/v1/chat/completions', {
+        'messages': chat('go on'), 'max_tokens': 2000, 'temperature': 0, 'ignore_eos': True})
     children = srv.children()
     srv.proc.send_signal(signal.SIGTERM)
     srv.proc.wait(60)

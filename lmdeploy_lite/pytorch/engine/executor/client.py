@@ -98,12 +98,17 @@ class EngineClient(Protocol):
     def close(self, timeout_s: float = 30.0): ...
 
 
-def checked_groups(prompts: list[list[int]], gen_config, tags: list[list],
-                   request_ids: list[list[str | None]] | None, validate
+def checked_groups(client, prompts: list[list[int]], gen_config, tags: list[list],
+                   request_ids: list[list[str | None]] | None
                    ) -> tuple[list[GenerationConfig], list[list[str]]]:
-    """`submit_groups`' checks, all before anything is submitted: one tag and request id per
-    choice, each prompt and its config `validate`d, request ids checked (None: a random one).
-    Returns each prompt's config and its choices' request ids."""
+    """`submit_groups`' checks, all before anything is submitted: `client` neither stopped
+    (RuntimeError) nor closing, one tag and request id per choice, each prompt and its config
+    validated (`client.validate_request`), request ids checked (None: a random one). Returns
+    each prompt's config and its choices' request ids."""
+    if client.error is not None:
+        raise RuntimeError(f'the engine stopped after an error: {client.error}')
+    if client._closing:
+        raise RuntimeError('the engine is closed')
     configs = gen_config if isinstance(gen_config, list) else [gen_config] * len(prompts)
     request_ids = [[None] * len(t) for t in tags] if request_ids is None else request_ids
     for token_ids, config, choice_tags, ids in zip(prompts, configs, tags, request_ids,
@@ -112,7 +117,7 @@ def checked_groups(prompts: list[list[int]], gen_config, tags: list[list],
         if len(choice_tags) != n or len(ids) != n:
             raise ValueError(f'n={n}: {len(choice_tags)} request tags and {len(ids)} request '
                              f'ids given, one of each per choice needed')
-        validate(token_ids, config)
+        client.validate_request(token_ids, config)
     return configs, [[uuid.uuid4().hex if r is None else check_request_id(r) for r in ids]
                      for ids in request_ids]
 
@@ -242,12 +247,7 @@ class RankClient:
         one for all, or a list: prompt p's is `gen_config[p]`), all validated before any is
         submitted, and each rank told in one inbox message: a batch that arrives together is
         admitted by one step."""
-        if self.error is not None:
-            raise RuntimeError(f'the engine stopped after an error: {self.error}')
-        if self._closing:
-            raise RuntimeError('the engine is closed')
-        configs, request_ids = checked_groups(prompts, gen_config, tags, request_ids,
-                                              self.validate_request)
+        configs, request_ids = checked_groups(self, prompts, gen_config, tags, request_ids)
         groups, events = [], {}
         for token_ids, config, choice_tags, ids in zip(prompts, configs, tags, request_ids):
             n = len(choice_tags)

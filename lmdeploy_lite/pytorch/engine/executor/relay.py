@@ -162,12 +162,7 @@ class RelayClient:
                       request_ids: list[list[str | None]] | None = None
                       ) -> list[list[RequestHandle]]:
         """As RankClient's: all checked before any is sent (ValueError touches nothing)."""
-        if self.error is not None:
-            raise RuntimeError(f'the engine stopped after an error: {self.error}')
-        if self._closing:
-            raise RuntimeError('the engine is closed')
-        configs, request_ids = checked_groups(prompts, gen_config, tags, request_ids,
-                                              self.validate_request)
+        configs, request_ids = checked_groups(self, prompts, gen_config, tags, request_ids)
         with self._lock:
             groups = []
             for choice_tags in tags:
@@ -192,8 +187,8 @@ class RelayClient:
     def close(self, timeout_s: float = 30.0):
         """Ends this worker's requests (RuntimeError) and its pipe; the engine runs on."""
         if not self._closing:
+            self._closing = True               # first: the hub's answer to 'bye' is an EOF
             self._send(('bye',))
-            self._closing = True
             self._end(RuntimeError('the engine was closed'))
 
     def _send(self, message: tuple):
