@@ -20,7 +20,7 @@ for side in ${SIDES:-new old}; do      # a side named twice runs twice (run-to-r
   PYTHONPATH=$PWD/benchmarks/trace_hook:$PYTHONPATH STEP_TRACE_DIR=$OUT/steps_$run \
     timeout 280 python3 benchmarks/bench_serve.py --launch --preset $P --server-root $root \
     --input-words 128 --output-len 256 --num-prompts 512 --concurrency ${CONC:-64,256} \
-    --client-procs 1 --client aiohttp --server-args "--device cuda --dtype bfloat16 \
+    --client-procs ${CLIENTS:-1} --client aiohttp --server-args "--device cuda --dtype bfloat16 \
     --session-len 4096 --max-batch-size 256 $SERVER_ARGS" --out $OUT/serve_$run.json \
     > $OUT/serve_$run.log 2>&1
   echo "== $run"; grep -A3 "^concurrency" $OUT/serve_$run.log | cut -c1-250

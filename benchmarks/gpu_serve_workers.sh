@@ -4,14 +4,14 @@
 # client process, one launch per entry of WORKERS (default "1 2 4"). The first launch on a fresh
 # machine compiles Triton kernels and captures graphs (~2 min): WARM=1 runs an uncounted launch
 # first (64 streams, 64 prompts). A launch at 64,256 takes ~90 s once warm.
-#   WARM=1 WORKERS="2 1" bash benchmarks/gpu_serve_workers.sh
+#   WARM=1 WORKERS="2 1" bash benchmarks/gpu_serve_workers.sh     (CLIENTS=4: four client processes)
 source .whl/gpu-env.sh
 export TRITON_CACHE_DIR=/tmp/triton_cache
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 ARGS="--device cuda --dtype bfloat16 --session-len 4096 --max-batch-size 256"
 bench() {       # workers, concurrency, prompts, name
   timeout ${LIMIT:-240} python3 benchmarks/bench_serve.py --launch --preset qwen3_5_0_8b \
-    --input-words 128 --output-len 256 --num-prompts $3 --concurrency $2 --client-procs 1 \
+    --input-words 128 --output-len 256 --num-prompts $3 --concurrency $2 --client-procs ${CLIENTS:-1} \
     --client aiohttp --server-args "$ARGS --api-workers $1" --out $OUT/$4.json > $OUT/$4.log 2>&1
 }
 [ -n "$WARM" ] && { bench 1 64 64 warm; echo "== warm-up rc $?"; }
@@ -22,5 +22,5 @@ for w in ${WORKERS:-1 2 4}; do
 import json; d=json.load(open('$OUT/serve_w$w.json'))
 for r in d['results']: print(r['concurrency'], 'tok/s %.0f ttft p50 %.1f p99 %.1f itl p50 %.2f p99 %.2f'
     % (r['output_throughput'], r['ttft_median_ms'], r['ttft_p99_ms'], r['itl_median_ms'],
-       r['itl_p99_ms']), 'slow-gap events', r['slow_gaps'].get('events'))" 2>&1 | tail -3
+       r['itl_p99_ms']), 'slow-gap events', r['slow_gaps'].get('events'), r['slow_gaps'].get('where'))" 2>&1 | tail -3
 done

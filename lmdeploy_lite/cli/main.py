@@ -221,7 +221,7 @@ def _load_and_serve(args) -> int:
         print(f'error: --api-workers={args.api_workers}: must be >= 1', file=sys.stderr)
         return 2
     try:                             # before the model loads: a taken port fails in a second
-        sock = bind_socket(args.server_name, args.server_port)
+        sock = bind_socket(args.server_name, args.server_port, reuse_port=args.api_workers > 1)
     except CannotListen as e:
         print(f'error: {e}', file=sys.stderr)
         return 3

@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 
 import pytest
 
@@ -101,3 +102,39 @@ def test_a_front_end_that_dies_stops_the_server(workers_kill_server):
     assert srv.proc.returncode == 1, srv.output()
     assert 'front-end process' in srv.output()
     assert not left_alive(children), srv.output()
+
+
+@pytest.mark.skipif(not hasattr(socket, 'SO_REUSEPORT'), reason='no SO_REUSEPORT here')
+def test_each_front_end_listens_on_its_own_socket_and_gets_a_share():
+    """The parent's socket (bound with reuse_port, never listening) gives each worker a socket of
+    its own on the same port; the kernel spreads connections over them (a shared socket lets one
+    worker's loop accept a whole burst)."""
+    from lmdeploy_lite.serve.openai.connections import bind_socket
+    from lmdeploy_lite.serve.openai.workers import own_socket
+    parent = bind_socket('127.0.0.1', 0, reuse_port=True)
+    port = parent.getsockname()[1]
+    owns = [own_socket(socket.fromfd(parent.fileno(), parent.family, parent.type))
+            for _ in range(2)]
+    try:
+        assert [s.getsockname()[1] for s in owns] == [port, port]
+        for s in owns:
+            s.listen(128)
+            s.setblocking(False)
+        clients = [socket.create_connection(('127.0.0.1', port), timeout=5) for _ in range(64)]
+        accepted = [0, 0]
+        for i, s in enumerate(owns):
+            while True:
+                try:
+                    s.accept()[0].close()
+                except BlockingIOError:
+                    break
+                accepted[i] += 1
+        for c in clients:
+            c.close()
+        assert sum(accepted) == 64 and min(accepted) > 0, accepted
+        shared = bind_socket('127.0.0.1', 0)
+        assert own_socket(shared) is shared            # no reuse_port: the one socket, shared
+        shared.close()
+    finally:
+        for s in owns + [parent]:
+            s.close()

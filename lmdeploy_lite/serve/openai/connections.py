@@ -45,12 +45,16 @@ class CannotListen(OSError):
     """host:port cannot be bound; the message names it and what to do."""
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     """A socket bound to host:port as uvicorn binds one (SO_REUSEADDR; IPv6 when the host has a
     ':'), not yet listening: until the server starts, a client is refused rather than left
-    waiting. Raises CannotListen."""
+    waiting. `reuse_port`: SO_REUSEPORT too (where the system has it), so that other sockets of
+    this user may bind the same address, each with its own share of the connections (front-end
+    workers, workers.py). Raises CannotListen."""
     sock = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port and hasattr(socket, 'SO_REUSEPORT'):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except (OSError, OverflowError) as e:       # OverflowError: a port past 65535

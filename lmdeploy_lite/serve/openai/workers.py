@@ -15,6 +15,7 @@ import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -23,6 +24,7 @@ from lmdeploy_lite.messages import PytorchEngineConfig
 from lmdeploy_lite.pytorch.config import ModelConfig
 from lmdeploy_lite.pytorch.engine.executor.relay import RelayClient, RelayHub
 from lmdeploy_lite.serve.openai.checks import ServerLimits
+from lmdeploy_lite.serve.openai.connections import bind_socket
 
 logger = logging.getLogger('lmdeploy_lite.serve')
 
@@ -117,9 +119,23 @@ def worker_limits(limits: ServerLimits, capacity: int, workers: int) -> ServerLi
     return dataclasses.replace(limits, max_concurrent=math.ceil(total / workers))
 
 
+def own_socket(sock: socket.socket) -> socket.socket:
+    """This worker's listening socket. Where the parent's socket has SO_REUSEPORT (Linux; the
+    CLI binds it so), a socket of the worker's own on the same address: the kernel spreads new
+    connections evenly over the workers' sockets. Else the parent's, shared: whichever worker's
+    event loop wakes first accepts a whole burst of connections (up to uvicorn's backlog)."""
+    if not (hasattr(socket, 'SO_REUSEPORT')
+            and sock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT)):
+        return sock
+    own = bind_socket(*sock.getsockname()[:2], reuse_port=True)
+    sock.close()
+    return own
+
+
 def worker_main(conn, sock, spec: WorkerSpec):
-    """A worker process: the Pipeline over a RelayClient, the app, uvicorn on the shared socket."""
+    """A worker process: the Pipeline over a RelayClient, the app, uvicorn on its own socket."""
     os.setpgrp()                       # the terminal's Ctrl-C reaches the parent only
+    sock = own_socket(sock)
     from lmdeploy_lite.api import Pipeline
     from lmdeploy_lite.serve.openai.api_server import serve
     client = RelayClient(conn, spec.model_config, spec.session_len)
