@@ -138,3 +138,16 @@ def test_each_front_end_listens_on_its_own_socket_and_gets_a_share():
     finally:
         for s in owns + [parent]:
             s.close()
+
+
+def test_the_concurrency_limit_is_split_among_workers_and_its_429_says_so():
+    from lmdeploy_lite.serve.openai.admission import ConcurrencyLimitMiddleware
+    from lmdeploy_lite.serve.openai.checks import ServerLimits
+    from lmdeploy_lite.serve.openai.workers import worker_limits
+    share = worker_limits(ServerLimits(max_concurrent=10), capacity=256, workers=4)
+    assert (share.max_concurrent, share.workers) == (3, 4)
+    sized = worker_limits(ServerLimits(), capacity=256, workers=8)    # 4 batches of 256 / 8
+    assert (sized.max_concurrent, sized.workers) == (128, 8)
+    assert ConcurrencyLimitMiddleware(None, 3, workers=4).flag == \
+        'its share of --max-concurrent-requests over 4 front-end processes'
+    assert ConcurrencyLimitMiddleware(None, 8).flag == '--max-concurrent-requests 8'

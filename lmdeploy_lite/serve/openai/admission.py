@@ -12,10 +12,13 @@ RETRY_AFTER_S = 1
 
 
 class ConcurrencyLimitMiddleware:
-    """429 for a POST to a generation path while `limit` of them are in flight."""
+    """429 for a POST to a generation path while `limit` of them are in flight. `workers`: the
+    front-end processes the server's limit is split among (this one holds `limit` of it)."""
 
-    def __init__(self, app, limit: int):                 # ServerLimits checked limit >= 1
+    def __init__(self, app, limit: int, workers: int = 1):   # ServerLimits checked limit >= 1
         self.app, self.limit = app, limit
+        self.flag = (f'--max-concurrent-requests {limit}' if workers == 1 else
+                     f'its share of --max-concurrent-requests over {workers} front-end processes')
         self.in_flight = 0                   # one event loop: no lock needed
 
     async def __call__(self, scope, receive, send):
@@ -25,8 +28,7 @@ class ConcurrencyLimitMiddleware:
             return
         if self.in_flight >= self.limit:
             error = RequestError(f'{self.in_flight} requests are in flight, the most this server '
-                                 f'holds (--max-concurrent-requests {self.limit}); retry after '
-                                 f'{RETRY_AFTER_S} s', code='too_many_requests', status=429,
+                                 f'holds ({self.flag}); retry after {RETRY_AFTER_S} s', code='too_many_requests', status=429,
                                  type='rate_limit_error')
             response = error_response(error)
             response.headers['Retry-After'] = str(RETRY_AFTER_S)

@@ -95,7 +95,8 @@ def create_app(pipe, model_name: str, api_keys: list[str] | None = None,
     app.state.shutdown = ctx.shutdown
     install_error_handlers(app, lambda outcome: metrics.requests.labels(outcome).inc())
     if limits.max_concurrent is not None:   # innermost: only authorized requests count
-        app.add_middleware(ConcurrencyLimitMiddleware, limit=limits.max_concurrent)
+        app.add_middleware(ConcurrencyLimitMiddleware, limit=limits.max_concurrent,
+                           workers=limits.workers)
     if api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=api_keys)
     if bound_host is not None and is_loopback(bound_host):

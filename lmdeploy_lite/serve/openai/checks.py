@@ -32,6 +32,7 @@ class ServerLimits:
     max_tokens: int = 2**20                 # max_tokens x n x prompts of one request (400)
     max_concurrent: int | None = None       # generation requests in flight (429); None: none
     stall_s: float = 30.0                   # /health: 503 past this silence with work pending
+    workers: int = 1                        # front-end processes max_concurrent is split among
 
     def __post_init__(self):
         for name, flag in (('max_request_bytes', 'max-request-bytes'),

@@ -116,7 +116,7 @@ def worker_limits(limits: ServerLimits, capacity: int, workers: int) -> ServerLi
     """Each worker's share of the concurrency limit (sized from the engine's capacity when not
     given): the total split evenly, rounded up."""
     total = limits.sized_for(capacity).max_concurrent
-    return dataclasses.replace(limits, max_concurrent=math.ceil(total / workers))
+    return dataclasses.replace(limits, max_concurrent=math.ceil(total / workers), workers=workers)
 
 
 def own_socket(sock: socket.socket) -> socket.socket:
