@@ -120,6 +120,8 @@ class ModelAgent:
             self.caches.copy_states(inputs.state_copies)
             self.state_index[inputs.state_copies[:, 1]] = 0
         inputs.state_index = self.state_index[inputs.state_slots]
+        inputs.state_index_zero = (self.state_index.device.type == 'cpu'
+                                   and not bool(inputs.state_index.any()))
         runner = (None if layer_ids else self.graphs.get(inputs.uniform_q_len)
                   if inputs.is_decoding else self.prefill_graph)
         if runner is not None and runner.can_run(inputs):

@@ -73,6 +73,9 @@ class ModelInputs:
     state_slots: torch.Tensor      # [B] long, row in the linear-attention state caches
     state_index: torch.Tensor      # [B] long, current slot inside the row (see module doc)
     is_decoding: bool              # every sequence in the step is a decode/verify step
+    # host: state_index is 0 in every row (the agent checks where that costs no device sync,
+    # on the CPU); ops then read slot 0 directly instead of gathering at state_index
+    state_index_zero: bool = False
     is_dummy: bool = False         # a rank with no work runs this to keep collectives aligned
     uniform_q_len: int | None = None   # host int: every sequence has exactly this many new tokens
                                        # (decode/verify/draft steps); lets ops avoid host syncs

@@ -87,4 +87,16 @@ class Qwen3_5MTP(nn.Module):
         layer = self.layers[0]
         layer.self_attn.store_kv(layer.input_layernorm(hidden), rope, caches[0], inputs)
 
+    def write_kv_steps(self, steps: list[tuple[ModelInputs, torch.Tensor, torch.Tensor]],
+                       caches) -> None:
+        """`write_kv` of several steps' (inputs, input_ids, target_hidden), in order, with fc and
+        the projections run once over all their rows."""
+        hidden = self._layer_input(torch.cat([ids for _, ids, _ in steps]),
+                                   torch.cat([h for _, _, h in steps]))
+        rope = self.rotary_emb(torch.cat([inputs.positions for inputs, _, _ in steps]),
+                               hidden.dtype)
+        layer = self.layers[0]
+        layer.self_attn.store_kv(layer.input_layernorm(hidden), rope, caches[0],
+                                 *(inputs for inputs, _, _ in steps))
+
     compute_logits = Qwen3_5ForCausalLM.compute_logits      # the same, on the shared LM head

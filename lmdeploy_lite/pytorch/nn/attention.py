@@ -78,7 +78,15 @@ class GatedAttention(nn.Module):
         return self.o_proj(restore_rows(out, num_rows), splits_rows(inputs))
 
     def store_kv(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                 kv_cache: tuple[torch.Tensor, torch.Tensor], inputs: ModelInputs):
-        """Only the cache writes of `forward` (the same k/v), without attention or o_proj."""
+                 kv_cache: tuple[torch.Tensor, torch.Tensor], *steps: ModelInputs):
+        """Only the cache writes of `forward` (the same k/v), without attention or o_proj; the
+        rows of several steps' tokens one after another, each step's written by its inputs."""
         _, _, k, v = self._project(hidden, rope)
-        self.backend.store_kv(k, v, kv_cache[0], kv_cache[1], inputs)
+        if len(steps) == 1:
+            self.backend.store_kv(k, v, kv_cache[0], kv_cache[1], steps[0])
+            return
+        start = 0
+        for inputs in steps:
+            end = start + inputs.num_tokens
+            self.backend.store_kv(k[start:end], v[start:end], kv_cache[0], kv_cache[1], inputs)
+            start = end

@@ -49,6 +49,9 @@ class SpecAgent:
         # STEP_GRAPH_MAX_BATCH: the verify logits [B, k + 1, V] live in the graph pool)
         self.step_graphs: dict = {}
         self._graph_args = None        # (buckets, max_blocks, recorder) the step graphs took
+        # on the CPU a plain step's draft-KV write waits for the next step that is not a plain
+        # step (or for DEFERRED_STEPS of them): MTPProposer.defer_kv
+        self.defers_kv = proposer is not None and device.type == 'cpu'
 
     @property
     def rejection_sampler(self):
@@ -120,10 +123,16 @@ class SpecAgent:
 
     @torch.inference_mode()
     def step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
+        if self.defers_kv and self.proposer.deferred and not self._defers(inputs):
+            self.proposer.flush_kv()        # before this step reads the head's KV or its blocks
         if not inputs.is_decoding:
             return self._prefill_and_draft(inputs, sampling)
         step = self._verify_and_draft if inputs.num_spec else self._plain_step
         return step(inputs, sampling)
+
+    def _defers(self, inputs: ModelInputs) -> bool:
+        """Whether this step is a plain step whose draft-KV write may wait (`defers_kv`)."""
+        return inputs.is_decoding and not inputs.num_spec and self.proposer.can_defer()
 
     def _plain_step(self, inputs: ModelInputs, sampling: SamplingInputs) -> StepResult:
         """k = 0: plain decoding, then the draft head writes only its KV there. Greedy with CUDA
@@ -141,7 +150,9 @@ class SpecAgent:
             hidden = self.target.forward(inputs)
             logits = self.target.last_logits(inputs, hidden)
             tokens = sample(logits, sampling)
-            if self.proposer is not None:
+            if self.defers_kv:
+                self.proposer.defer_kv(inputs, hidden, tokens)
+            elif self.proposer is not None:
                 self.proposer.propose(inputs, hidden, tokens, slots, sampling, 0)
         self.target.set_state_index(slots, 0)
         self.last_token[slots] = tokens

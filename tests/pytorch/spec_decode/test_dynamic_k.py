@@ -351,3 +351,44 @@ def test_policy_times_plain_steps_where_a_verify_costs_its_tokens():
     ratios = [rate(DraftCountPolicy(3), seed) / rate(None, seed) for seed in range(10)]
     assert sum(ratios) / len(ratios) >= 0.97 and min(ratios) >= 0.95, [round(r, 3) for r in ratios]
 
+
+
+def test_deferred_draft_kv_writes_change_no_draft(monkeypatch):
+    """On the CPU the draft head's KV writes of plain steps wait and run as one pass
+    (MTPProposer.defer_kv): against the same run writing each step's at once, every draft is the
+    same (acceptance by position equal) and the head's KV cache ends the same, through runs of
+    plain steps longer than one flush, sequences that finish (their blocks freed) and arrivals."""
+    from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import DEFERRED_STEPS
+    monkeypatch.setenv('LMDEPLOY_LITE_SPEC_K_CYCLE', ','.join(['0'] * (DEFERRED_STEPS + 3)
+                                                              + ['3', '3', '3', '0', '2', '2']))
+    prompts = [list(p) for p in accepting.many_prompts(6)]
+    lengths = [70, 40, 55, 70, 25, 62]               # finishing at different steps
+    runs = []
+    for defer in (True, False):
+        engine = build_engine(accepting.model_dir(), PytorchEngineConfig(
+            **{**accepting.BASE, 'session_len': 160}), SpeculativeConfig(num_speculative_tokens=3),
+            progress=False)
+        agent = engine.agent
+        assert agent.defers_kv
+        agent.defers_kv = defer
+        flushes = []
+        flush = agent.proposer.flush_kv
+        agent.proposer.flush_kv = lambda: (flushes.append(len(agent.proposer.deferred)), flush())
+        seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts[:4], lengths)]          # two more arrive while they run
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+            if steps in (25, 50):
+                i = 4 + (steps == 50)
+                seqs.append(engine.add_request(prompts[i], GenerationConfig(
+                    max_new_tokens=lengths[i], ignore_eos=True)))
+        agent.proposer.flush_kv()
+        runs.append(([s.generated_ids for s in seqs], accepting.counts(engine.spec_stats),
+                     [c.clone() for c in agent.proposer.caches[0]], flushes))
+    (out, counts, cache, flushes), (out_ref, counts_ref, cache_ref, _) = runs
+    assert out == out_ref and counts == counts_ref and counts[2] > 0
+    for got, want in zip(cache, cache_ref):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert max(flushes) == DEFERRED_STEPS and min(f for f in flushes if f) < DEFERRED_STEPS, flushes

@@ -59,7 +59,9 @@ def _update_uniform(x: torch.Tensor, weight: torch.Tensor, conv_cache: torch.Ten
     kernel, width = weight.shape[1], conv_cache.shape[2]
     num_seqs, channels = inputs.q_lens.shape[0], x.shape[1]
     window = conv_cache.index_select(0, inputs.state_slots)                     # [B, C, W]
-    if width > kernel - 1:                  # the same columns for every layer of the step
+    if width > kernel - 1 and inputs.state_index_zero:
+        window = window[:, :, :kernel - 1]
+    elif width > kernel - 1:                # the same columns for every layer of the step
         cols = inputs.derived(('conv_window', kernel, channels), lambda: (
             inputs.state_index[:, None] + torch.arange(kernel - 1, device=x.device)
         )[:, None, :].expand(-1, channels, -1), from_state_index=True)
