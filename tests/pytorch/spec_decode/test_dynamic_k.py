@@ -353,6 +353,42 @@ def test_policy_times_plain_steps_where_a_verify_costs_its_tokens():
 
 
 
+def _drafting_run(setup) -> tuple:
+    """The embedded model, MTP k=3, the k cycle's draft counts: four requests of different
+    lengths (they finish at different steps), two more arriving at steps 25 and 50; `setup(agent,
+    flushes)` before the first step. (outputs, acceptance counts, the head's KV cache, the
+    number of deferred writes each flush made)."""
+    prompts = [list(p) for p in accepting.many_prompts(6)]
+    lengths = [70, 40, 55, 70, 25, 62]
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(
+        **{**accepting.BASE, 'session_len': 160}), SpeculativeConfig(num_speculative_tokens=3),
+        progress=False)
+    agent, flushes = engine.agent, []
+    flush = agent.proposer.flush_kv
+    agent.proposer.flush_kv = lambda: (flushes.append(len(agent.proposer.deferred)), flush())
+    setup(agent)
+    seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts[:4], lengths)]
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        if steps in (25, 50):
+            i = 4 + (steps == 50)
+            seqs.append(engine.add_request(prompts[i], GenerationConfig(
+                max_new_tokens=lengths[i], ignore_eos=True)))
+    agent.proposer.flush_kv()
+    return ([s.generated_ids for s in seqs], accepting.counts(engine.spec_stats),
+            [c.clone() for c in agent.proposer.caches[0]], flushes)
+
+
+def _assert_same_drafts(run, reference):
+    (out, counts, cache, _), (out_ref, counts_ref, cache_ref, _) = run, reference
+    assert out == out_ref and counts == counts_ref and counts[2] > 0
+    for got, want in zip(cache, cache_ref):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_deferred_draft_kv_writes_change_no_draft(monkeypatch):
     """On the CPU the draft head's KV writes of plain steps wait and run as one pass
     (MTPProposer.defer_kv): against the same run writing each step's at once, every draft is the
@@ -361,34 +397,18 @@ def test_deferred_draft_kv_writes_change_no_draft(monkeypatch):
     from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import DEFERRED_STEPS
     monkeypatch.setenv('LMDEPLOY_LITE_SPEC_K_CYCLE', ','.join(['0'] * (DEFERRED_STEPS + 3)
                                                               + ['3', '3', '3', '0', '2', '2']))
-    prompts = [list(p) for p in accepting.many_prompts(6)]
-    lengths = [70, 40, 55, 70, 25, 62]               # finishing at different steps
-    runs = []
-    for defer in (True, False):
-        engine = build_engine(accepting.model_dir(), PytorchEngineConfig(
-            **{**accepting.BASE, 'session_len': 160}), SpeculativeConfig(num_speculative_tokens=3),
-            progress=False)
-        agent = engine.agent
-        assert agent.defers_kv
-        agent.defers_kv = defer
-        flushes = []
-        flush = agent.proposer.flush_kv
-        agent.proposer.flush_kv = lambda: (flushes.append(len(agent.proposer.deferred)), flush())
-        seqs = [engine.add_request(p, GenerationConfig(max_new_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts[:4], lengths)]          # two more arrive while they run
-        steps = 0
-        while engine.has_work:
-            engine.step()
-            steps += 1
-            if steps in (25, 50):
-                i = 4 + (steps == 50)
-                seqs.append(engine.add_request(prompts[i], GenerationConfig(
-                    max_new_tokens=lengths[i], ignore_eos=True)))
-        agent.proposer.flush_kv()
-        runs.append(([s.generated_ids for s in seqs], accepting.counts(engine.spec_stats),
-                     [c.clone() for c in agent.proposer.caches[0]], flushes))
-    (out, counts, cache, flushes), (out_ref, counts_ref, cache_ref, _) = runs
-    assert out == out_ref and counts == counts_ref and counts[2] > 0
-    for got, want in zip(cache, cache_ref):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    assert max(flushes) == DEFERRED_STEPS and min(f for f in flushes if f) < DEFERRED_STEPS, flushes
+    run = _drafting_run(lambda agent: None)
+    assert run[0] and max(run[3]) == DEFERRED_STEPS and min(f for f in run[3] if f) < DEFERRED_STEPS
+    _assert_same_drafts(run, _drafting_run(lambda agent: setattr(agent, 'defers_kv', False)))
+
+
+def test_the_head_run_at_its_drafting_rows_only_drafts_the_same(monkeypatch):
+    """On the CPU a step of enough tokens runs the head's layer at the drafting rows only
+    (`_head_at_rows`; here every step, the threshold set to 0): the same drafts and KV cache as
+    the whole first pass, over prefills, verifies of every k and plain steps."""
+    from lmdeploy_lite.pytorch.spec_decode.proposers import mtp
+    monkeypatch.setenv('LMDEPLOY_LITE_SPEC_K_CYCLE', '3,3,1,0,2,3,3')
+    monkeypatch.setattr(mtp, 'ROW_ONLY_MIN_TOKENS', 0)
+    run = _drafting_run(lambda agent: None)
+    whole = _drafting_run(lambda agent: setattr(agent.proposer, 'row_only', False))
+    _assert_same_drafts(run, whole)

@@ -14,6 +14,11 @@ step reads the head's KV (a verify drafts, a prefill drafts and copies forks' bl
 freed meanwhile and taken by another sequence is written by it in a later step, so in a later
 store. On a 2-core CPU a step's write is ~30 small ops (~1 ms, 3% of a batch-32 plain step of
 the embedded model), ~5 in a flush.
+
+The first pass at the drafting rows only (`_head_at_rows`, on the CPU from ROW_ONLY_MIN_TOKENS
+tokens a step): only each sequence's last accepted position (a prefill's last) goes on to draft,
+so the head writes the KV of every position, then runs its layer (attention, MLP or MoE) at that
+row alone, as a one-token step there; the same values as the whole pass at those rows.
 """
 from __future__ import annotations
 
@@ -26,6 +31,9 @@ from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, draw_from_probs, probs_from_logits
 
 DEFERRED_STEPS = 16         # plain steps whose draft-KV writes one flush makes at most
+# the CPU's first head pass at the drafting rows only from this many tokens a step (measured,
+# BENCHMARKS.md: a 2k-token prefill -19%, a batch-32 k=3 step -3%; 4 tokens +3%, 32 and 64 even)
+ROW_ONLY_MIN_TOKENS = 64
 
 
 class MTPProposer:
@@ -41,6 +49,10 @@ class MTPProposer:
         # `kv_graphs`: the KV-only pass of k = 0; `chain_graphs`: k -> the greedy draft chain
         self.graphs, self.kv_graphs, self.chain_graphs = {}, {}, {}
         self.deferred: list[tuple[ModelInputs, torch.Tensor, torch.Tensor]] = []
+        # on the CPU the head's first pass of a step of ROW_ONLY_MIN_TOKENS or more runs its
+        # layer at the drafting rows only (`_head_at_rows`); elsewhere one pass over every
+        # position (on GPUs, inside the step graphs: not measured the other way)
+        self.row_only = mtp.fc.weight.device.type == 'cpu'
 
     def can_defer(self) -> bool:
         """Whether one more plain step's KV write may wait (fewer than DEFERRED_STEPS wait)."""
@@ -118,6 +130,16 @@ class MTPProposer:
     def _head(self, inputs: ModelInputs, input_ids: torch.Tensor, hidden: torch.Tensor):
         return self.mtp(input_ids, hidden, inputs, self.caches)
 
+    def _head_at_rows(self, inputs: ModelInputs, next_ids: torch.Tensor, target_hidden,
+                      rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`_head` over the step's positions, kept at `rows` only: their KV written for every
+        position, then the layer (attention, MLP or MoE) run at each sequence's row alone, as a
+        one-token step at its position (its attention reads the positions up to it)."""
+        self.mtp.write_kv(next_ids, target_hidden, inputs, self.caches)
+        ids = next_ids[rows]
+        return self._head(self._draft_step_inputs(inputs, ids, positions), ids,
+                          target_hidden[rows])
+
     def _run(self, graphs: dict, fn, inputs: ModelInputs, input_ids, hidden) -> torch.Tensor:
         """`fn(inputs, input_ids, hidden)`, by its graph for this q_len when one is captured."""
         runner = graphs.get(inputs.uniform_q_len)
@@ -139,8 +161,11 @@ class MTPProposer:
         if k == 0:
             self._run(kv_graphs, self._write_kv, inputs, next_ids, target_hidden)
             return rows.new_empty((rows.numel(), 0)), None
-        hidden = self._run(graphs, self._head, inputs, next_ids, target_hidden)[rows]
         positions = inputs.positions[rows]
+        if self.row_only and inputs.num_tokens >= ROW_ONLY_MIN_TOKENS:
+            hidden = self._head_at_rows(inputs, next_ids, target_hidden, rows, positions)
+        else:
+            hidden = self._run(graphs, self._head, inputs, next_ids, target_hidden)[rows]
         first = self._draft_step_inputs(inputs, positions, positions + 1)
         chain = chain_graphs.get(k) if sampling.all_greedy else None
         if chain is not None and chain.can_run(first):
