@@ -111,10 +111,15 @@ def test_staggered_arrivals_limits_and_a_stop_inside_an_accepted_run():
     """dp=2 ep=2, k=3: requests arrive at different times with different lengths and limits, so
     one rank is in prefill while the other decodes, one hits its length limit while the other
     drafts, and one stops on a token in the middle of a run of accepted drafts (what follows it
-    in that step is dropped)."""
+    in that step is dropped). The first prompt is long enough (68 tokens) for the MTP head's
+    first pass at its drafting rows only (proposers/mtp.py), which every rank, the idle one's
+    dummy included, must choose alike (its MoE dispatches across the ranks)."""
     k, prompts = 3, accepting.prompts()
     stop, stop_pos = accepting.reference(3, prompts[1:2]).stop_inside_accepted_run(0)
-    jobs = [(prompts[0], GenerationConfig(max_new_tokens=30, ignore_eos=True), 0.0),
+    long_prompt = tuple(t for p in prompts for t in p)[:35] * 2
+    from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import ROW_ONLY_MIN_TOKENS
+    assert len(long_prompt) >= ROW_ONLY_MIN_TOKENS
+    jobs = [(long_prompt, GenerationConfig(max_new_tokens=30, ignore_eos=True), 0.0),
             (prompts[2], GenerationConfig(max_new_tokens=5, ignore_eos=True), 0.2),
             (prompts[1], GenerationConfig(max_new_tokens=accepting.GREEDY.max_new_tokens,
                                           ignore_eos=True, stop_token_ids=[stop]), 0.5),

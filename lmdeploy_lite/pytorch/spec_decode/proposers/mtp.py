@@ -130,6 +130,12 @@ class MTPProposer:
     def _head(self, inputs: ModelInputs, input_ids: torch.Tensor, hidden: torch.Tensor):
         return self.mtp(input_ids, hidden, inputs, self.caches)
 
+    @staticmethod
+    def _plan_tokens(inputs: ModelInputs) -> int:
+        """The step's token count every rank agrees on (the plan's largest where there is one:
+        an EP MoE's dispatch must have one shape on every rank), else this rank's."""
+        return inputs.sizes.max_tokens if inputs.sizes is not None else inputs.num_tokens
+
     def _head_at_rows(self, inputs: ModelInputs, next_ids: torch.Tensor, target_hidden,
                       rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`_head` over the step's positions, kept at `rows` only: their KV written for every
@@ -162,7 +168,7 @@ class MTPProposer:
             self._run(kv_graphs, self._write_kv, inputs, next_ids, target_hidden)
             return rows.new_empty((rows.numel(), 0)), None
         positions = inputs.positions[rows]
-        if self.row_only and inputs.num_tokens >= ROW_ONLY_MIN_TOKENS:
+        if self.row_only and self._plan_tokens(inputs) >= ROW_ONLY_MIN_TOKENS:
             hidden = self._head_at_rows(inputs, next_ids, target_hidden, rows, positions)
         else:
             hidden = self._run(graphs, self._head, inputs, next_ids, target_hidden)[rows]
