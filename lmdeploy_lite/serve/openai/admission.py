@@ -28,8 +28,8 @@ class ConcurrencyLimitMiddleware:
             return
         if self.in_flight >= self.limit:
             error = RequestError(f'{self.in_flight} requests are in flight, the most this server '
-                                 f'holds ({self.flag}); retry after {RETRY_AFTER_S} s', code='too_many_requests', status=429,
-                                 type='rate_limit_error')
+                                 f'holds ({self.flag}); retry after {RETRY_AFTER_S} s',
+                                 code='too_many_requests', status=429, type='rate_limit_error')
             response = error_response(error)
             response.headers['Retry-After'] = str(RETRY_AFTER_S)
             await response(scope, receive, send)
