@@ -60,6 +60,17 @@ class GatedAttention(nn.Module):
         k = self._norm_rope(self.k_norm, k.view(num_tokens, -1, self.head_dim), rope)
         return (*q_gate.split(self.head_dim, -1), k, v.view(num_tokens, -1, self.head_dim))
 
+    def _project_kv(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_project`'s k and v only, where the parts are kept (the CPU's fused GEMM keeps them;
+        q and its gate are 2/3 of its rows), else from the whole projection."""
+        if not hasattr(self, 'k_proj'):
+            return self._project(hidden, rope)[2:]
+        num_tokens = hidden.shape[0]
+        k = self._norm_rope(self.k_norm, self.k_proj(hidden).view(num_tokens, -1, self.head_dim),
+                            rope)
+        return k, self.v_proj(hidden).view(num_tokens, -1, self.head_dim)
+
     def _norm_rope(self, norm: RMSNorm, x: torch.Tensor, rope) -> torch.Tensor:
         return self.backend.rms_norm_rope(x, norm.weight, norm.eps, *rope)
 
@@ -81,7 +92,7 @@ class GatedAttention(nn.Module):
                  kv_cache: tuple[torch.Tensor, torch.Tensor], *steps: ModelInputs):
         """Only the cache writes of `forward` (the same k/v), without attention or o_proj; the
         rows of several steps' tokens one after another, each step's written by its inputs."""
-        _, _, k, v = self._project(hidden, rope)
+        k, v = self._project_kv(hidden, rope)
         if len(steps) == 1:
             self.backend.store_kv(k, v, kv_cache[0], kv_cache[1], steps[0])
             return
