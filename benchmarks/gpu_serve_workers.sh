@@ -4,15 +4,20 @@
 # client process, one launch per entry of WORKERS (default "1 2 4"). The first launch on a fresh
 # machine compiles Triton kernels and captures graphs (~2 min): WARM=1 runs an uncounted launch
 # first (64 streams, 64 prompts). A launch at 64,256 takes ~90 s once warm.
-#   WARM=1 WORKERS="2 1" bash benchmarks/gpu_serve_workers.sh     (CLIENTS=4: four client processes)
+#   WARM=1 WORKERS="2 1" bash benchmarks/gpu_serve_workers.sh
+# CLIENTS=4: four client processes; SPEC=3: MTP k=3 with synthetic acceptance (the warm-up too).
 source .whl/gpu-env.sh
 export TRITON_CACHE_DIR=/tmp/triton_cache
 OUT=$(realpath -m ${OUT:-out}); mkdir -p $OUT
 ARGS="--device cuda --dtype bfloat16 --session-len 4096 --max-batch-size 256"
+SYN=""          # SPEC=3: MTP k=3 (dynamic), drafts accepted at 0.8/0.6/0.5 (serve_synthetic.py)
+[ -n "$SPEC" ] && ARGS="$ARGS --speculative-num-draft-tokens $SPEC" && \
+  SYN="--synthetic-acceptance 0.8,0.6,0.5"
 bench() {       # workers, concurrency, prompts, name
   timeout ${LIMIT:-240} python3 benchmarks/bench_serve.py --launch --preset qwen3_5_0_8b \
     --input-words 128 --output-len 256 --num-prompts $3 --concurrency $2 --client-procs ${CLIENTS:-1} \
-    --client aiohttp --server-args "$ARGS --api-workers $1" --out $OUT/$4.json > $OUT/$4.log 2>&1
+    --client aiohttp $SYN --server-args "$ARGS --api-workers $1" --out $OUT/$4.json \
+    > $OUT/$4.log 2>&1
 }
 [ -n "$WARM" ] && { bench 1 64 64 warm; echo "== warm-up rc $?"; }
 for w in ${WORKERS:-1 2 4}; do
