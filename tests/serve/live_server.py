@@ -1,5 +1,6 @@
 """The real server as a subprocess on 127.0.0.1 (`lmdeploy_lite serve api_server`), and helpers to
 talk to it. CPU; float32 unless told otherwise."""
+import asyncio
 import os
 import socket
 import subprocess
@@ -219,6 +220,28 @@ def stream_in_background(server, path: str, payload: dict, key: str | None = KEY
 
 def chat(text: str) -> list[dict]:
     return [{'role': 'user', 'content': text}]
+
+
+async def stream_texts(url: str, prompts: list[str], max_tokens: int) -> list[tuple[str, str]]:
+    """Every prompt streamed at once as a greedy chat completion (ignore_eos) through one openai
+    AsyncOpenAI client with a connection each: (text, finish_reason) per prompt, in order."""
+    import openai
+
+    async def one(client, prompt):
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=chat(prompt), max_tokens=max_tokens, stream=True,
+            temperature=0, extra_body={'ignore_eos': True})
+        text, finish = '', None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ''
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+    client = openai.AsyncOpenAI(base_url=url + '/v1', api_key=KEY, timeout=120, max_retries=0,
+                                http_client=openai.DefaultAsyncHttpxClient(
+                                    limits=httpx.Limits(max_connections=len(prompts))))
+    async with client:
+        return await asyncio.wait_for(asyncio.gather(*(one(client, p) for p in prompts)), 180)
 
 
 def sse_events(lines) -> list[str]:

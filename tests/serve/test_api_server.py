@@ -23,7 +23,7 @@ from tests.helpers.accepting import assert_real_acceptance, counts  # noqa: E402
 from tests.serve.live_server import (K, KEY, MODEL, ROOT, SESSION_LEN, SPEC_K,  # noqa: E402
                                      chat, headers, is_loopback_hex,
                                      left_alive, listening, post, scrape,
-                                     stream_in_background)
+                                     stream_in_background, stream_texts)
 
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 
@@ -326,17 +326,6 @@ def test_api_keys(server):
 
 
 # ---- load ----------------------------------------------------------------------------------------
-async def _stream_text(client, prompt: str, max_tokens: int) -> tuple[str, str]:
-    stream = await client.chat.completions.create(model=MODEL, messages=chat(prompt),
-                                                  max_tokens=max_tokens, stream=True, **GREEDY)
-    text, finish = '', None
-    async for chunk in stream:
-        if chunk.choices:
-            text += chunk.choices[0].delta.content or ''
-            finish = chunk.choices[0].finish_reason or finish
-    return text, finish
-
-
 @pytest.mark.timeout(240)
 def test_64_concurrent_streams_get_the_text_they_get_alone(server, client):
     prompts = [f'def f{i}(' for i in range(16)]
@@ -345,15 +334,7 @@ def test_64_concurrent_streams_get_the_text_they_get_alone(server, client):
              for p in prompts}
     before = scrape(server.url)
 
-    async def run():
-        aclient = openai.AsyncOpenAI(base_url=server.url + '/v1', api_key=KEY, timeout=120,
-                                     max_retries=0,
-                                     http_client=openai.DefaultAsyncHttpxClient(
-                                         limits=httpx.Limits(max_connections=64)))
-        async with aclient:
-            return await asyncio.wait_for(asyncio.gather(
-                *(_stream_text(aclient, prompts[i % 16], 6) for i in range(64))), 180)
-    results = asyncio.run(run())
+    results = asyncio.run(stream_texts(server.url, [prompts[i % 16] for i in range(64)], 6))
     assert [finish for _, finish in results] == ['length'] * 64
     assert [text for text, _ in results] == [alone[prompts[i % 16]] for i in range(64)]
     after = scrape(server.url)

@@ -16,7 +16,7 @@ openai = pytest.importorskip('openai')
 httpx = pytest.importorskip('httpx')
 
 from tests.serve.live_server import (KEY, MODEL, chat, headers, left_alive, scrape,  # noqa: E402
-                                     stream_in_background)
+                                     stream_in_background, stream_texts)
 
 GREEDY = dict(temperature=0, extra_body={'ignore_eos': True})
 LENGTH = 'lmdeploy_lite_requests_total{outcome="length"}'
@@ -36,24 +36,6 @@ def front_ends(srv) -> list[int]:
     return found
 
 
-async def _streams(url: str, prompts: list[str], max_tokens: int) -> list[tuple[str, str]]:
-    async def one(client, prompt):
-        stream = await client.chat.completions.create(model=MODEL, messages=chat(prompt),
-                                                      max_tokens=max_tokens, stream=True,
-                                                      **GREEDY)
-        text, finish = '', None
-        async for chunk in stream:
-            if chunk.choices:
-                text += chunk.choices[0].delta.content or ''
-                finish = chunk.choices[0].finish_reason or finish
-        return text, finish
-    client = openai.AsyncOpenAI(base_url=url + '/v1', api_key=KEY, timeout=120, max_retries=0,
-                                http_client=openai.DefaultAsyncHttpxClient(
-                                    limits=httpx.Limits(max_connections=len(prompts))))
-    async with client:
-        return await asyncio.wait_for(asyncio.gather(*(one(client, p) for p in prompts)), 180)
-
-
 @pytest.mark.timeout(240)
 def test_two_front_ends_serve_what_one_serves_and_stop_on_sigterm(workers_server, client):
     """`client`: the one-process server of the same model and flags (tests/serve/conftest.py)."""
@@ -63,7 +45,7 @@ def test_two_front_ends_serve_what_one_serves_and_stop_on_sigterm(workers_server
     alone = [client.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=6,
                                             **GREEDY).choices[0].message.content for p in prompts]
     before = scrape(srv.url)
-    results = asyncio.run(_streams(srv.url, prompts * 3, 6))        # 24 at once, both workers
+    results = asyncio.run(stream_texts(srv.url, prompts * 3, 6))        # 24 at once, both workers
     assert results == [(text, 'length') for text in alone * 3]
     workers = openai.OpenAI(base_url=srv.url + '/v1', api_key=KEY, timeout=60, max_retries=0)
     whole = [workers.chat.completions.create(model=MODEL, messages=chat(p), max_tokens=6,

@@ -93,7 +93,7 @@ class GatedAttention(nn.Module):
         """Only the cache writes of `forward` (the same k/v), without attention or o_proj; the
         rows of several steps' tokens one after another, each step's written by its inputs."""
         k, v = self._project_kv(hidden, rope)
-        if len(steps) == 1:
+        if len(steps) == 1:          # no slicing, so no token count read (graph captures)
             self.backend.store_kv(k, v, kv_cache[0], kv_cache[1], steps[0])
             return
         start = 0
