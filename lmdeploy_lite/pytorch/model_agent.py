@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from lmdeploy_lite.pytorch.logprobs import token_logprobs
 from lmdeploy_lite.pytorch.model_inputs import ModelInputs
 from lmdeploy_lite.pytorch.sampling import SamplingInputs, sample
+from lmdeploy_lite.pytorch.strategies.base import pack_model_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,30 @@ class ModelAgent:
             F.linear(hidden[:n], weight)
         torch.cuda.synchronize(self.device)
         logger.info('LM head: %d row counts loaded in %.2f s', len(rows),
+                    time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def warm_eager(self, shapes: list[list[int]], block_size: int, then=None):
+        """Run the forward eagerly once at each step shape of `shapes` (new tokens per sequence:
+        graph_runner.eager_step_lens), on the reserved block 0 and state slot 0 as a graph's
+        spare sequences are, so the kernels met only by eager steps compile here; `then(inputs,
+        hidden)` after each (the draft head's pass). A one-token row decodes after 64 positions;
+        every token is id 1 (id 0 is often padding, whose zero embedding would write zeros).
+        One rank (an eager forward of several ranks runs their collectives)."""
+        start = time.perf_counter()
+        for lens in shapes:
+            history = [64 if n == 1 else 0 for n in lens]
+            tables = [[0] * -(-(h + n) // block_size) for h, n in zip(history, lens)]
+            inputs = pack_model_inputs([[1] * n for n in lens], history, tables, [0] * len(lens),
+                                       False, self.device)
+            inputs.graphable = False
+            inputs.state_index = self.state_index[inputs.state_slots]
+            hidden = self.model(inputs, self.caches)
+            if then is not None:
+                then(inputs, hidden)
+        if self.device.type == 'cuda':
+            torch.cuda.synchronize(self.device)
+        logger.info('eager steps of %d shapes run in %.2f s (their kernels compiled)', len(shapes),
                     time.perf_counter() - start)
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:

@@ -186,7 +186,8 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
                     'decode steps run eagerly', layout.ep)
         return
     from lmdeploy_lite.pytorch.backends.cuda import gated_delta_rule
-    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import batch_buckets, prefill_buckets
+    from lmdeploy_lite.pytorch.backends.cuda.graph_runner import (batch_buckets, eager_step_lens,
+                                                                  prefill_buckets)
     num_spec = plan.num_spec_tokens
     max_blocks = max(-(-max_positions // cache_config.block_size), dummy_table_width(1 + num_spec))
     if deep_ep:             # every rank captures the same buckets in the same order
@@ -199,3 +200,5 @@ def _enable_graphs(agent, dist: DistContext, ep: EPTransport, dtype: torch.dtype
         long_row_from=gated_delta_rule.SHORT_PREFILL_TOKENS if fla is not None else 0,
         max_seq_tokens=max_blocks * cache_config.block_size)
     agent.enable_graphs(batch_buckets(cfg.max_batch_size), max_blocks, recorder=dist, **prefill)
+    if layout.tp == 1 and layout.ep == 1:       # several ranks' eager steps: not yet measured
+        agent.warm_eager(eager_step_lens(cfg.max_prefill_token_num, cap), cache_config.block_size)

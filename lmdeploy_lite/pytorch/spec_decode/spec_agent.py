@@ -84,6 +84,12 @@ class SpecAgent:
         if self.proposer is not None:
             self._capture_step_graphs(buckets, max_blocks, recorder)
 
+    def warm_eager(self, shapes: list[list[int]], block_size: int):
+        """ModelAgent.warm_eager, the draft head's pass over each step after the target's (the
+        head runs prefill and mixed steps eagerly)."""
+        self.target.warm_eager(shapes, block_size,
+                               None if self.proposer is None else self.proposer.warm_eager)
+
     def _capture_step_graphs(self, buckets: list[int], max_blocks: int, recorder):
         from lmdeploy_lite.pytorch.backends.cuda.graph_runner import GraphRunner
         self._graph_args = (buckets, max_blocks, recorder)

@@ -20,18 +20,22 @@ def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
                       block_tables: list[list[int]], state_slots: list[int],
                       is_decoding: bool, device) -> ModelInputs:
     """Per-sequence token chunks as ModelInputs, in one host-to-device copy (split there); the
-    positions are made there too (an 8k prompt's list cost ~1 ms of host time)."""
+    positions are made there too (an 8k prompt's list cost ~1 ms of host time). Each part
+    starts 16 bytes in (an even count of longs before it): Triton compiles a kernel for each
+    alignment of its pointers, and a captured step's buffers are aligned, so an eager step with
+    odd part sizes compiled variants of its own while serving (~1-2 s each, measured)."""
     q_lens = [len(c) for c in token_chunks]
     batch = len(q_lens)
     width = max((len(b) for b in block_tables), default=0) or 1
-    flat = list(itertools.chain.from_iterable(token_chunks))
-    flat += q_lens + list(history_lens) + list(state_slots) + [0] * batch       # .., state_index
-    for b in block_tables:
-        flat += b + [0] * (width - len(b))
+    tables = itertools.chain.from_iterable(b + [0] * (width - len(b)) for b in block_tables)
+    parts = [list(itertools.chain.from_iterable(token_chunks)), q_lens, list(history_lens),
+             list(state_slots), [0] * batch, list(tables)]                # .., state_index
+    sizes = [len(p) for p in parts]
+    flat = list(itertools.chain.from_iterable(p + [0] * (len(p) & 1) for p in parts))
     buffer = to_device(torch.tensor(flat, dtype=torch.long), device)
-    num_tokens = sum(q_lens)
-    input_ids, q, hist, slots, index, table = buffer.split(
-        [num_tokens, batch, batch, batch, batch, batch * width])
+    input_ids, q, hist, slots, index, table = (
+        part[:n] for part, n in zip(buffer.split([n + (n & 1) for n in sizes]), sizes))
+    num_tokens = sizes[0]
     # token i of sequence b sits at history_lens[b] + (i - its first index)
     first = torch.cumsum(q, 0) - q
     positions = torch.arange(num_tokens, device=buffer.device) + torch.repeat_interleave(

@@ -67,6 +67,23 @@ def long_row(q_lens: list[int], longer_than: int, others_at_most: int) -> int | 
     return row
 
 
+def eager_step_lens(max_tokens: int, max_q_len: int) -> list[list[int]]:
+    """New tokens per sequence of the dummy steps the eager warm-up runs (ModelAgent.warm_eager),
+    so that kernels only eager steps launch compile (and fla autotunes) at start-up, not in a
+    step while serving (measured on an H200: 1-2.5 s for each attention variant a draft head's
+    pass met first, 40 s for fla's varlen form). Two chunks over `max_q_len` (fla's varlen form:
+    never captured), then a step in each split class of the prefill attention
+    (paged_attention.prefill_num_splits: up to 512, 1024, 2048 tokens, more), which the draft
+    head's pass over a prefill step runs eagerly; each at a token count that is a multiple of
+    16 and one that is odd with a one-token row (Triton specializes integers on the first, and
+    a mixed step's decode rows take a kernel of their own)."""
+    over = max_q_len + 64
+    shapes = [[over + 1, over, 1], [over, over]] if 2 * over + 1 <= max_tokens else []
+    for n in sorted({min(n, max_tokens) for n in (256, 1024, 2048, 4096)}):
+        shapes += [[n - 2, 1], [n]] if n > 2 else [[n]]
+    return shapes
+
+
 class _Captured:
     """One forward `fn(inputs, *extras)` captured per key into one memory pool: the capture, its
     collective trace and the replay, for both runners below. A key is a bucket, or what

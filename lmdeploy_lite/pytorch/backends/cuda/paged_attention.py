@@ -35,7 +35,7 @@ MAX_SPLITS = 64           # decode: most splits of one sequence's KV
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_btb'])
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, seq_idx_ptr, offsets_ptr,
                      history_lens_ptr, block_tables_ptr,
                      stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
@@ -99,7 +99,7 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, start, end, block_table_ptr, stride_bt
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_btb'])
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, history_lens_ptr,
                    span_ptr, q_start_loc_ptr, q_lens_ptr, o_ptr, lse_ptr, qk_scale,
                    stride_qt, stride_qh, stride_qd,
@@ -206,7 +206,7 @@ def _combine_kernel(o_split_ptr, lse_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=d_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['stride_btb', 'stride_tiles'])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr, block_tables_ptr,
                     tiles_ptr, q_start_loc_ptr, q_lens_ptr, history_lens_ptr, qk_scale,
                     stride_qt, stride_qh, stride_qd,

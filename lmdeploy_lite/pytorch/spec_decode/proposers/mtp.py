@@ -92,6 +92,10 @@ class MTPProposer:
                 lambda inputs, ids, h, k=k: self._draft(inputs, h, k, self._head)[0],
                 f'mtp chain k={k}')
 
+    def warm_eager(self, inputs: ModelInputs, target_hidden: torch.Tensor):
+        """The head's eager pass over a warm-up step (SpecAgent.warm_eager)."""
+        self._head(inputs, inputs.input_ids, target_hidden)
+
     def _draft(self, first: ModelInputs, hidden: torch.Tensor, k: int, head,
                sampling: SamplingInputs | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`propose`'s drafts and q (`sampling` None: greedy) from the head's output `hidden`
