@@ -119,8 +119,7 @@ class ModelAgent:
             inputs = pack_model_inputs([[1] * n for n in lens], history, tables, [0] * len(lens),
                                        False, self.device)
             inputs.graphable = False
-            inputs.state_index = self.state_index[inputs.state_slots]
-            hidden = self.model(inputs, self.caches)
+            hidden = self.forward(inputs)
             if then is not None:
                 then(inputs, hidden)
         if self.device.type == 'cuda':

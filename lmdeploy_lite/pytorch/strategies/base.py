@@ -31,7 +31,11 @@ def pack_model_inputs(token_chunks: list[list[int]], history_lens: list[int],
     parts = [list(itertools.chain.from_iterable(token_chunks)), q_lens, list(history_lens),
              list(state_slots), [0] * batch, list(tables)]                # .., state_index
     sizes = [len(p) for p in parts]
-    flat = list(itertools.chain.from_iterable(p + [0] * (len(p) & 1) for p in parts))
+    flat = []
+    for part in parts:
+        flat += part
+        if len(part) & 1:
+            flat.append(0)
     buffer = to_device(torch.tensor(flat, dtype=torch.long), device)
     input_ids, q, hist, slots, index, table = (
         part[:n] for part, n in zip(buffer.split([n + (n & 1) for n in sizes]), sizes))
