@@ -111,7 +111,7 @@ def _down_dot(a_rows, row_ok, w_base, w_cols_ok, stride_wk, s_cols, stride_sk,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_pairs'])     # any count: a variant per divisibility
 def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, pair_ids_ptr, block_expert_ptr, topk_ids_ptr,
                     num_pairs, num_experts, top_k, stride_x, stride_we, stride_wn, stride_wk,
                     stride_inter, s_ptr, stride_se, stride_sn, stride_sk, up_scale_row,
@@ -134,7 +134,7 @@ def _gate_up_kernel(x_ptr, w_ptr, inter_ptr, pair_ids_ptr, block_expert_ptr, top
              act.to(inter_ptr.dtype.element_ty), mask=store[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['num_pairs'])
 def _down_kernel(inter_ptr, w_ptr, weights_ptr, out_ptr, pair_ids_ptr, block_expert_ptr,
                  topk_ids_ptr, num_pairs, num_experts, stride_inter, stride_we, stride_wn,
                  stride_wk, stride_out, s_ptr, stride_se, stride_sn, stride_sk,
