@@ -69,7 +69,8 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
 # with --diagnose (CUDA): cudaMalloc, the device allocations, and syncs, the ops torch's sync
 # debug mode saw wait for the device, with the package's frames
 show_warning = warnings.showwarning
-PHASES = ('_schedule', '_make_inputs', 'agent.step', 'agent._forward', '_update_or_hold')
+PHASES = ('_schedule', '_make_inputs', 'agent.step', 'agent._forward', '_update_or_hold',
+          'agent._prefill_and_draft', 'agent._save_drafts')     # where the agent has them
 
 
 def count_mallocs(device: torch.device) -> int:
@@ -92,7 +93,8 @@ def time_phases(engine, diagnose: bool = False) -> dict[str, float]:
         return wrapper
     for name in PHASES:
         owner, attr = (engine.agent, name.split('.')[1]) if '.' in name else (engine, name)
-        setattr(owner, attr, timed(name, getattr(owner, attr)))
+        if hasattr(owner, attr):
+            setattr(owner, attr, timed(name, getattr(owner, attr)))
     gc_began = []
 
     def collected(phase, info):     # Python's garbage collector pauses, within those parts
@@ -200,7 +202,8 @@ def run_scenario(engine: Engine, streams: int, prompt_len: int, long_len: int, p
         del engine.scheduler.schedule, engine.scheduler.continue_mixed
         for name in PHASES:
             owner, attr = (engine.agent, name.split('.')[1]) if '.' in name else (engine, name)
-            delattr(owner, attr)
+            if attr in vars(owner):
+                delattr(owner, attr)
         gc.callbacks.clear()
         if diagnose and engine.device.type == 'cuda':
             torch.cuda.set_sync_debug_mode('default')

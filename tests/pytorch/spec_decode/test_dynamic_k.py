@@ -404,11 +404,13 @@ def test_deferred_draft_kv_writes_change_no_draft(monkeypatch):
 
 def test_the_head_run_at_its_drafting_rows_only_drafts_the_same(monkeypatch):
     """On the CPU a step of enough tokens runs the head's layer at the drafting rows only
-    (`_head_at_rows`; here every step, the threshold set to 0): the same drafts and KV cache as
-    the whole first pass, over prefills, verifies of every k and plain steps."""
+    (`_head_at_rows`; here every step, the threshold set to 0), on other devices a prefill or
+    mixed step does (`row_only` False): either way the same drafts and KV cache as the whole
+    first pass, over prefills, verifies of every k and plain steps."""
     from lmdeploy_lite.pytorch.spec_decode.proposers import mtp
     monkeypatch.setenv('LMDEPLOY_LITE_SPEC_K_CYCLE', '3,3,1,0,2,3,3')
     monkeypatch.setattr(mtp, 'ROW_ONLY_MIN_TOKENS', 0)
-    run = _drafting_run(lambda agent: None)
-    whole = _drafting_run(lambda agent: setattr(agent.proposer, 'row_only', False))
-    _assert_same_drafts(run, whole)
+    whole = _drafting_run(lambda agent: setattr(agent.proposer, '_rows_only', lambda _: False))
+    _assert_same_drafts(_drafting_run(lambda agent: None), whole)
+    _assert_same_drafts(_drafting_run(lambda agent: setattr(agent.proposer, 'row_only', False)),
+                        whole)

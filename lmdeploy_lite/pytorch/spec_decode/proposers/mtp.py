@@ -15,10 +15,13 @@ freed meanwhile and taken by another sequence is written by it in a later step, 
 store. On a 2-core CPU a step's write is ~30 small ops (~1 ms, 3% of a batch-32 plain step of
 the embedded model), ~5 in a flush.
 
-The first pass at the drafting rows only (`_head_at_rows`, on the CPU from ROW_ONLY_MIN_TOKENS
-tokens a step): only each sequence's last accepted position (a prefill's last) goes on to draft,
-so the head writes the KV of every position, then runs its layer (attention, MLP or MoE) at that
-row alone, as a one-token step there; the same values as the whole pass at those rows.
+The first pass at the drafting rows only (`_head_at_rows`; on the CPU from ROW_ONLY_MIN_TOKENS
+tokens a step, elsewhere in prefill and mixed steps): only each sequence's last accepted position
+(a prefill's last) goes on to draft, so the head writes the KV of every position, then runs its
+layer (attention, MLP or MoE) at that row alone, as a one-token step there; the same values as
+the whole pass at those rows. On a GPU that row pass replays the one-token graph, so of a prefill
+step's head only the KV write runs eagerly (the whole pass, eager, held a 64-stream server's
+decode steps ~4 ms behind each chunk step on an H200: BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -49,9 +52,8 @@ class MTPProposer:
         # `kv_graphs`: the KV-only pass of k = 0; `chain_graphs`: k -> the greedy draft chain
         self.graphs, self.kv_graphs, self.chain_graphs = {}, {}, {}
         self.deferred: list[tuple[ModelInputs, torch.Tensor, torch.Tensor]] = []
-        # on the CPU the head's first pass of a step of ROW_ONLY_MIN_TOKENS or more runs its
-        # layer at the drafting rows only (`_head_at_rows`); elsewhere one pass over every
-        # position (on GPUs, inside the step graphs: not measured the other way)
+        # the CPU's head runs its layer at the drafting rows only in steps of ROW_ONLY_MIN_TOKENS
+        # or more (`_head_at_rows`), other devices' in prefill and mixed steps (`_rows_only`)
         self.row_only = mtp.fc.weight.device.type == 'cpu'
 
     def can_defer(self) -> bool:
@@ -93,7 +95,9 @@ class MTPProposer:
                 f'mtp chain k={k}')
 
     def warm_eager(self, inputs: ModelInputs, target_hidden: torch.Tensor):
-        """The head's eager pass over a warm-up step (SpecAgent.warm_eager)."""
+        """The head's eager passes over a warm-up step (SpecAgent.warm_eager): the KV write of a
+        prefill step's rows-only pass, and the whole pass (batches past the graphs' buckets)."""
+        self.mtp.write_kv(inputs.input_ids, target_hidden, inputs, self.caches)
         self._head(inputs, inputs.input_ids, target_hidden)
 
     def _draft(self, first: ModelInputs, hidden: torch.Tensor, k: int, head,
@@ -140,15 +144,24 @@ class MTPProposer:
         an EP MoE's dispatch must have one shape on every rank), else this rank's."""
         return inputs.sizes.max_tokens if inputs.sizes is not None else inputs.num_tokens
 
+    def _rows_only(self, inputs: ModelInputs) -> bool:
+        """Whether the step's first head pass is `_head_at_rows`: on the CPU from
+        ROW_ONLY_MIN_TOKENS tokens (measured: module docstring), elsewhere where no graph holds
+        the whole pass (prefill and mixed steps; a verify's is captured per k)."""
+        if self.row_only:
+            return self._plan_tokens(inputs) >= ROW_ONLY_MIN_TOKENS
+        return not inputs.is_decoding
+
     def _head_at_rows(self, inputs: ModelInputs, next_ids: torch.Tensor, target_hidden,
-                      rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                      rows: torch.Tensor, positions: torch.Tensor, graphs: dict) -> torch.Tensor:
         """`_head` over the step's positions, kept at `rows` only: their KV written for every
         position, then the layer (attention, MLP or MoE) run at each sequence's row alone, as a
-        one-token step at its position (its attention reads the positions up to it)."""
+        one-token step at its position (its attention reads the positions up to it), by the
+        one-token graph where `graphs` has one."""
         self.mtp.write_kv(next_ids, target_hidden, inputs, self.caches)
         ids = next_ids[rows]
-        return self._head(self._draft_step_inputs(inputs, ids, positions), ids,
-                          target_hidden[rows])
+        return self._run(graphs, self._head, self._draft_step_inputs(inputs, ids, positions),
+                         ids, target_hidden[rows])
 
     def _run(self, graphs: dict, fn, inputs: ModelInputs, input_ids, hidden) -> torch.Tensor:
         """`fn(inputs, input_ids, hidden)`, by its graph for this q_len when one is captured."""
@@ -172,8 +185,8 @@ class MTPProposer:
             self._run(kv_graphs, self._write_kv, inputs, next_ids, target_hidden)
             return rows.new_empty((rows.numel(), 0)), None
         positions = inputs.positions[rows]
-        if self.row_only and self._plan_tokens(inputs) >= ROW_ONLY_MIN_TOKENS:
-            hidden = self._head_at_rows(inputs, next_ids, target_hidden, rows, positions)
+        if self._rows_only(inputs):
+            hidden = self._head_at_rows(inputs, next_ids, target_hidden, rows, positions, graphs)
         else:
             hidden = self._run(graphs, self._head, inputs, next_ids, target_hidden)[rows]
         first = self._draft_step_inputs(inputs, positions, positions + 1)
