@@ -414,3 +414,32 @@ def test_the_head_run_at_its_drafting_rows_only_drafts_the_same(monkeypatch):
     _assert_same_drafts(_drafting_run(lambda agent: None), whole)
     _assert_same_drafts(_drafting_run(lambda agent: setattr(agent.proposer, 'row_only', False)),
                         whole)
+
+
+def test_every_rank_of_a_step_runs_the_same_first_head_pass():
+    """Off the CPU the head's first pass runs at the drafting rows only in a step where some
+    rank prefills (its whole pass has no graph there). The choice is the plan's, so that a rank
+    that verifies beside one that prefills makes the same MoE dispatches (EP), and a step where
+    every working rank decodes runs the whole (captured) pass."""
+    from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
+    from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import MTPProposer
+    from lmdeploy_lite.pytorch.strategies.base import pack_model_inputs
+    engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
+                          SpeculativeConfig(num_speculative_tokens=3), progress=False)
+    proposer: MTPProposer = engine.agent.proposer
+    proposer.row_only = False                               # as on a GPU
+    from tests.pytorch.engine.test_step_plan import batch
+    verify, prefill = batch([4, 4], True), batch([9, 30], False)
+
+    def choices(*batches) -> list[bool]:
+        plan = StepPlan(torch.stack([StepPlan.local_row(b, 1, False, num_spec=3)
+                                     for b in batches]), tp=1)
+        inputs = [pack_model_inputs([[1] * n for n in b.q_lens], [0] * len(b.q_lens),
+                                    [[0]] * len(b.q_lens), [0] * len(b.q_lens), b.is_decoding,
+                                    engine.device) for b in batches]
+        for rank in inputs:
+            rank.sizes = plan.forward_sizes(rank.num_tokens, rank.batch_size)
+        return [proposer._rows_only(rank) for rank in inputs]
+    assert choices(verify, prefill) == [True, True]
+    assert choices(prefill, prefill) == [True, True]
+    assert choices(verify, verify) == [False, False]

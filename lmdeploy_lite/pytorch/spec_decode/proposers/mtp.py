@@ -147,10 +147,12 @@ class MTPProposer:
     def _rows_only(self, inputs: ModelInputs) -> bool:
         """Whether the step's first head pass is `_head_at_rows`: on the CPU from
         ROW_ONLY_MIN_TOKENS tokens (measured: module docstring), elsewhere where no graph holds
-        the whole pass (prefill and mixed steps; a verify's is captured per k)."""
+        the whole pass: in a step where some rank prefills (a verify's pass is captured per k).
+        Every rank of a step chooses alike, from the plan (`sizes.low_latency`: every working
+        rank decodes), since the layer's MoE dispatches across EP ranks."""
         if self.row_only:
             return self._plan_tokens(inputs) >= ROW_ONLY_MIN_TOKENS
-        return not inputs.is_decoding
+        return not (inputs.sizes.low_latency if inputs.sizes is not None else inputs.is_decoding)
 
     def _head_at_rows(self, inputs: ModelInputs, next_ids: torch.Tensor, target_hidden,
                       rows: torch.Tensor, positions: torch.Tensor, graphs: dict) -> torch.Tensor:
