@@ -16,7 +16,7 @@ store. On a 2-core CPU a step's write is ~30 small ops (~1 ms, 3% of a batch-32 
 the embedded model), ~5 in a flush.
 
 The first pass at the drafting rows only (`_head_at_rows`; on the CPU from ROW_ONLY_MIN_TOKENS
-tokens a step, elsewhere in prefill and mixed steps): only each sequence's last accepted position
+tokens a step, elsewhere in steps where some rank prefills): only each sequence's last accepted position
 (a prefill's last) goes on to draft, so the head writes the KV of every position, then runs its
 layer (attention, MLP or MoE) at that row alone, as a one-token step there; the same values as
 the whole pass at those rows. On a GPU that row pass replays the one-token graph, so of a prefill
