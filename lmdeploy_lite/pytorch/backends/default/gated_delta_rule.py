@@ -16,6 +16,19 @@ from .norm import cast, compute_dtype, constant
 from .varlen import seq_groups
 
 
+# the chunked form's chunk (`chunk_size`): 32 tokens, or 16 where that pads a group's longest
+# row less. Against 64, on the 2-core CPU with one and two threads, 32 was as fast or faster for
+# 1-32 sequences of 20-2,048 tokens (the embedded model's and the 0.8B's head shapes; up to
+# 2.9x where short rows were padded to 64), 16 up to 1.7x faster again where it pads less and
+# up to 1.25x slower for one long row; 32 prompts of ~27 tokens prefill in ~300 ms, not ~480
+# (BENCHMARKS.md)
+CHUNK_SIZE = 32
+
+
+def chunk_size(max_q_len: int) -> int:
+    return 16 if -max_q_len % CHUNK_SIZE >= 16 else CHUNK_SIZE
+
+
 def gdn_gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """a, b [T, nv] (in_proj_a/b outputs) -> g = -exp(A_log) * softplus(a + dt_bias) (log decay,
@@ -53,7 +66,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, state, state_dtype: torch.dtype
     return torch.stack(outs, 1), torch.stack(states, 1)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = 64):
+def chunk_gated_delta_rule(q, k, v, g, beta, state, chunk_size: int = CHUNK_SIZE):
     """Chunked (WY / UT-transform) form, batched. q, k [B, n, h, dk]; v [B, n, h, dv];
     g, beta [B, n, h]; state [B, h, dk, dv] (prepared inputs). Returns o [B, n, h, dv] and the
     final states [B, h, dk, dv]. Tokens with g = beta = 0 and k = 0 (padding) leave the state
@@ -110,7 +123,7 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     out = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
     heads, width = vp.shape[1], max(q.shape[-1], vp.shape[-1], 64)
     for group in seq_groups(inputs, lambda n, max_q, _: (          # q/k/v and decay per chunk
-            n * heads * (max_q + 63 if max_q > 1 else 1) * width)):
+            n * heads * (max_q + CHUNK_SIZE - 1 if max_q > 1 else 1) * width)):
         if group.max_q_len == 0:
             continue
         padded = [group.pad(x[group.tokens]) for x in (q, k, vp, g, beta)]
@@ -118,7 +131,8 @@ def gated_delta_rule_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             o, states = recurrent_gated_delta_rule(*padded, init[group.seqs])     # step, no chunk
             final = states[:, -1]
         else:
-            o, final = chunk_gated_delta_rule(*padded, init[group.seqs])
+            o, final = chunk_gated_delta_rule(*padded, init[group.seqs],
+                                              chunk_size(group.max_q_len))
         out[group.tokens] = group.unpad(o).to(v.dtype)
         store_states(state_cache, inputs.state_slots[group.seqs], slice(0, 1), final[:, None],
                      (group.q_lens > 0)[:, None])
