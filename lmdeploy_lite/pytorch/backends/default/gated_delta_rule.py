@@ -17,11 +17,11 @@ from .varlen import seq_groups
 
 
 # the chunked form's chunk (`chunk_size`): 32 tokens, or 16 where that pads a group's longest
-# row less. Against 64, on the 2-core CPU with one and two threads, 32 was as fast or faster for
-# 1-32 sequences of 20-2,048 tokens (the embedded model's and the 0.8B's head shapes; up to
-# 2.9x where short rows were padded to 64), 16 up to 1.7x faster again where it pads less and
-# up to 1.25x slower for one long row; 32 prompts of ~27 tokens prefill in ~300 ms, not ~480
-# (BENCHMARKS.md)
+# row less. Against 64, on the 2-core CPU with one and two threads, 32 was as fast or faster in
+# all but one of 28 cells of 1-32 sequences of 20-2,048 tokens (the embedded model's and the
+# 0.8B's head shapes; up to 2.9x where short rows were padded to 64), 16 up to 1.7x faster again
+# where it pads less and up to 1.25x slower for one long row; 32 prompts of ~27 tokens prefill
+# in ~330 ms, not ~480 (BENCHMARKS.md)
 CHUNK_SIZE = 32
 
 
