@@ -424,11 +424,11 @@ def test_every_rank_of_a_step_runs_the_same_first_head_pass():
     from lmdeploy_lite.pytorch.engine.step_plan import StepPlan
     from lmdeploy_lite.pytorch.spec_decode.proposers.mtp import MTPProposer
     from lmdeploy_lite.pytorch.strategies.base import pack_model_inputs
+    from tests.pytorch.engine.test_step_plan import batch
     engine = build_engine(accepting.model_dir(), PytorchEngineConfig(**accepting.BASE),
                           SpeculativeConfig(num_speculative_tokens=3), progress=False)
     proposer: MTPProposer = engine.agent.proposer
     proposer.row_only = False                               # as on a GPU
-    from tests.pytorch.engine.test_step_plan import batch
     verify, prefill = batch([4, 4], True), batch([9, 30], False)
 
     def choices(*batches) -> list[bool]:

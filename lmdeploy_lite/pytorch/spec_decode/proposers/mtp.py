@@ -16,12 +16,12 @@ store. On a 2-core CPU a step's write is ~30 small ops (~1 ms, 3% of a batch-32 
 the embedded model), ~5 in a flush.
 
 The first pass at the drafting rows only (`_head_at_rows`; on the CPU from ROW_ONLY_MIN_TOKENS
-tokens a step, elsewhere in steps where some rank prefills): only each sequence's last accepted position
-(a prefill's last) goes on to draft, so the head writes the KV of every position, then runs its
-layer (attention, MLP or MoE) at that row alone, as a one-token step there; the same values as
-the whole pass at those rows. On a GPU that row pass replays the one-token graph, so of a prefill
-step's head only the KV write runs eagerly (the whole pass, eager, held a 64-stream server's
-decode steps ~4 ms behind each chunk step on an H200: BENCHMARKS.md).
+tokens a step, elsewhere in steps where some rank prefills): only each sequence's last accepted
+position (a prefill's last) goes on to draft, so the head writes the KV of every position, then
+runs its layer (attention, MLP or MoE) at that row alone, as a one-token step there; the same
+values as the whole pass at those rows. On a GPU that row pass replays the one-token graph, so
+of a prefill step's head only the KV write runs eagerly (the whole pass, eager, held a 64-stream
+server's decode steps ~4 ms behind each chunk step on an H200: BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ class MTPProposer:
         self.graphs, self.kv_graphs, self.chain_graphs = {}, {}, {}
         self.deferred: list[tuple[ModelInputs, torch.Tensor, torch.Tensor]] = []
         # the CPU's head runs its layer at the drafting rows only in steps of ROW_ONLY_MIN_TOKENS
-        # or more (`_head_at_rows`), other devices' in prefill and mixed steps (`_rows_only`)
+        # or more (`_head_at_rows`), other devices' in steps where some rank prefills
+        # (`_rows_only`)
         self.row_only = mtp.fc.weight.device.type == 'cpu'
 
     def can_defer(self) -> bool:
