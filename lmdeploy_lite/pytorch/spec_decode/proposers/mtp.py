@@ -96,8 +96,11 @@ class MTPProposer:
                 f'mtp chain k={k}')
 
     def warm_eager(self, inputs: ModelInputs, target_hidden: torch.Tensor):
-        """The head's eager passes over a warm-up step (SpecAgent.warm_eager): the KV write of a
-        prefill step's rows-only pass, and the whole pass (batches past the graphs' buckets)."""
+        """The head's eager passes over a warm-up step (SpecAgent.warm_eager): the KV write a
+        prefill step's rows-only pass runs, and the whole pass (batches past the graphs'
+        buckets). The whole pass stores the same KV with the same kernels, so the write may
+        compile nothing of its own; it is run so that nothing a prefill step runs is left out
+        (not measured apart)."""
         self.mtp.write_kv(inputs.input_ids, target_hidden, inputs, self.caches)
         self._head(inputs, inputs.input_ids, target_hidden)
 
